@@ -1,0 +1,82 @@
+"""Typed errors raised by the engine.
+
+Every error carries enough context to name what is at fault (file, line, byte
+offset, node, component, command).  The service maps these classes to HTTP
+status codes in one place (service/errors.py); the engine knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+
+class NnetcError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ConfigError(NnetcError, ValueError):
+    """A malformed config line, unknown name or type, invalid option.
+
+    ``source`` is the file name (or "<config>"), ``line`` the 1-based line
+    number; both are folded into the message when given.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, line: int | None = None,
+                 text: str | None = None):
+        self.reason = message
+        self.source = source
+        self.line = line
+        self.text = text
+        where = ""
+        if source is not None or line is not None:
+            where = f"{source or '<config>'}"
+            if line is not None:
+                where += f":{line}"
+            where += ": "
+        msg = where + message
+        if text is not None:
+            msg += f" (in line: {text.strip()!r})"
+        super().__init__(msg)
+
+
+class ModelFormatError(NnetcError, ValueError):
+    """A Kaldi model file (text or binary) that cannot be read.
+
+    ``offset`` is the byte offset where reading failed.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, offset: int | None = None):
+        self.reason = message
+        self.source = source
+        self.offset = offset
+        where = f"{source or '<model>'}"
+        if offset is not None:
+            where += f" at byte {offset}"
+        super().__init__(f"{where}: {message}")
+
+
+class ComponentError(NnetcError, ValueError):
+    """A component that is misconfigured or used wrongly; names the component."""
+
+    def __init__(self, message: str, *, component: str | None = None):
+        self.component = component
+        self.reason = message
+        super().__init__(f"component {component}: {message}" if component else message)
+
+
+class DimensionError(ComponentError):
+    """Shapes that disagree at run time (or dims that disagree in a network)."""
+
+
+class RequestError(NnetcError, ValueError):
+    """A ComputationRequest that is malformed (unknown node, bad indexes...)."""
+
+
+class NotComputableError(NnetcError):
+    """Requested outputs cannot be computed from the supplied inputs."""
+
+
+class CheckError(NnetcError):
+    """A computation failed the checker (a bug in the compiler or a pass)."""
+
+
+class ExecutionError(NnetcError):
+    """A failure while executing a computation; names the command."""

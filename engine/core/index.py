@@ -1,0 +1,92 @@
+"""Index and Cindex, as in Kaldi's nnet3 "Data types" (nnet-common.h).
+
+An ``Index`` is ``(n, t, x)``: sequence number in the minibatch, time, and an
+extra dimension (used by convolutional setups).  Kaldi orders Indexes by
+``t`` first, then ``x``, then ``n``; a ``Cindex`` is ``(node_index, Index)``
+ordered by node first.
+
+Scalars are small immutable tuples (hashable, cheap); for bulk sets use the
+NumPy representation: an ``(N, 3)`` int32 array of ``[n, t, x]`` rows, with
+``sort_indexes`` giving Kaldi's order.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import numpy as np
+
+# Kaldi's kNoTime: the 't' of an Index that is a blank/padding row.
+K_NO_TIME = -(2 ** 31)
+
+
+class Index(NamedTuple):
+    n: int = 0
+    t: int = 0
+    x: int = 0
+
+    # Kaldi's ordering: (t, x, n).
+    def key(self) -> tuple[int, int, int]:
+        return (self.t, self.x, self.n)
+
+    def __lt__(self, other):  # type: ignore[override]
+        return (self.t, self.x, self.n) < (other.t, other.x, other.n)
+
+    def __le__(self, other):  # type: ignore[override]
+        return (self.t, self.x, self.n) <= (other.t, other.x, other.n)
+
+    def __gt__(self, other):  # type: ignore[override]
+        return (self.t, self.x, self.n) > (other.t, other.x, other.n)
+
+    def __ge__(self, other):  # type: ignore[override]
+        return (self.t, self.x, self.n) >= (other.t, other.x, other.n)
+
+    def __add__(self, other):  # type: ignore[override]
+        return Index(self.n + other.n, self.t + other.t, self.x + other.x)
+
+    def __str__(self) -> str:
+        # Kaldi prints Indexes as (n,t,x) e.g. "(0,5,0)"
+        return f"({self.n}, {self.t}, {self.x})"
+
+
+class Cindex(NamedTuple):
+    node: int
+    index: Index
+
+    def __lt__(self, other):  # type: ignore[override]
+        if self.node != other.node:
+            return self.node < other.node
+        return self.index < other.index
+
+    def __le__(self, other):  # type: ignore[override]
+        return self == other or self < other
+
+    def __gt__(self, other):  # type: ignore[override]
+        return other < self
+
+    def __ge__(self, other):  # type: ignore[override]
+        return self == other or other < self
+
+
+def index_sort_key(i: Index) -> tuple[int, int, int]:
+    return (i.t, i.x, i.n)
+
+
+def cindex_sort_key(c: Cindex) -> tuple[int, int, int, int]:
+    return (c.node, c.index.t, c.index.x, c.index.n)
+
+
+def indexes_to_array(indexes: Iterable[Index]) -> np.ndarray:
+    """Bulk form: (N, 3) int32 array of [n, t, x] rows."""
+    arr = np.array([tuple(i) for i in indexes], dtype=np.int32)
+    return arr.reshape(-1, 3)
+
+
+def array_to_indexes(arr: np.ndarray) -> list[Index]:
+    return [Index(int(r[0]), int(r[1]), int(r[2])) for r in np.asarray(arr).reshape(-1, 3)]
+
+
+def sort_order(arr: np.ndarray) -> np.ndarray:
+    """Permutation that sorts an (N,3) [n,t,x] array into Kaldi's (t, x, n) order."""
+    arr = np.asarray(arr).reshape(-1, 3)
+    return np.lexsort((arr[:, 0], arr[:, 2], arr[:, 1]))

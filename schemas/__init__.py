@@ -1,0 +1,1 @@
+"""pydantic v2 wire models (imports only pydantic)."""

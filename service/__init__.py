@@ -1,0 +1,1 @@
+"""nnetc HTTP service (FastAPI) and command line; the only place engine and web stack meet."""
