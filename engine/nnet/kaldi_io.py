@@ -255,20 +255,30 @@ class KaldiReader:
         return flat.reshape(len(rows), ncol)
 
 
-def _fmt_floats(values: np.ndarray) -> str:
-    """Shortest text that reads back to the same float32 values."""
+def _float_strs(values) -> list[str]:
+    """C-style %g text (at least 6 significant digits, as Kaldi's streams print)
+    using the fewest digits in 6..9 that read back to the same float32."""
     v = np.asarray(values, dtype=np.float32).ravel()
-    if v.size == 0:
-        return ""
-    s = v.astype(str)
-    return " ".join(s.tolist())
+    out = np.char.mod("%.6g", v)
+    bad = out.astype(np.float32) != v
+    bad &= ~np.isnan(v)
+    for prec in (7, 8, 9):
+        if not bad.any():
+            break
+        idx = np.nonzero(bad)[0]
+        fixed = np.char.mod(f"%.{prec}g", v[idx])
+        out = out.astype(f"<U{max(out.dtype.itemsize // 4, fixed.dtype.itemsize // 4)}")
+        out[idx] = fixed
+        bad[idx] = fixed.astype(np.float32) != v[idx]
+    return out.tolist()
+
+
+def _fmt_floats(values) -> str:
+    return " ".join(_float_strs(values))
 
 
 def format_float(x: float) -> str:
-    s = str(np.float32(x))
-    if s.endswith(".0"):
-        s = s[:-2]
-    return s
+    return _float_strs([x])[0]
 
 
 class KaldiWriter:
@@ -338,8 +348,9 @@ class KaldiWriter:
             self.parts.append(b" [ ]\n")
             return
         lines = [" ["]
-        strs = m.astype(str)
+        strs = _float_strs(m)
+        c = m.shape[1]
         for i in range(m.shape[0]):
-            lines.append("\n  " + " ".join(strs[i].tolist()) + " ")
+            lines.append("\n  " + " ".join(strs[i * c:(i + 1) * c]) + " ")
         lines.append("]\n")
         self.parts.append("".join(lines).encode())
