@@ -1,0 +1,244 @@
+"""ComputationRequest and IoSpecification (Kaldi's nnet-computation.h).
+
+A request names, for each input node (or component node supplied from
+outside), the Indexes whose values the caller provides, and for each output
+node the Indexes it wants back; ``has_deriv`` asks for a derivative there
+(an output derivative is supplied by the caller, an input derivative is
+returned).  The order of ``indexes`` is the row order of the user's matrices,
+so it is part of the request's identity.
+
+Besides Kaldi's fields this module gives the request a JSON form (the format of
+``kaldi-ref/networks/*/request.json``: ``indexes`` as ``[n, t, x]`` rows), a
+canonical byte encoding and its sha256 (used in cache keys), and
+``validate(nnet)``, which checks a request against a network before the
+compiler sees it, so that a bad request fails with a RequestError naming the
+node and Index at fault instead of an assertion deep in the graph builder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from engine.core.errors import RequestError
+from engine.core.index import Index
+from engine.nnet.components.base import MiscComputationInfo
+
+_INT32_MIN = -(2 ** 31)
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _to_index_list(indexes: Any, where: str) -> list[Index]:
+    """Accept a list of Index / (n, t, x) triples, or an (N, 3) int array."""
+    if isinstance(indexes, np.ndarray):
+        arr = indexes
+        if arr.ndim != 2 or arr.shape[1] != 3 or (arr.size and arr.dtype.kind not in "iu"):
+            raise RequestError(f"{where}: indexes must be an (N, 3) integer array of [n, t, x] "
+                               f"rows, got shape {arr.shape} dtype {arr.dtype}")
+        return [Index(int(a), int(b), int(c)) for a, b, c in arr.tolist()]
+    out: list[Index] = []
+    for k, row in enumerate(indexes):
+        if isinstance(row, Index):
+            out.append(row)
+            continue
+        try:
+            n, t, x = row
+            if any(isinstance(v, bool) or int(v) != v for v in (n, t, x)):
+                raise TypeError
+            out.append(Index(int(n), int(t), int(x)))
+        except (TypeError, ValueError):
+            raise RequestError(f"{where}: index {k} is {row!r}, expected [n, t, x] "
+                               f"integers") from None
+    return out
+
+
+@dataclass(eq=True)
+class IoSpecification:
+    """One input or output of a request: node name, Indexes (row order), deriv flag."""
+
+    name: str
+    indexes: list[Index] = field(default_factory=list)
+    has_deriv: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise RequestError(f"input/output name must be a string, got {self.name!r}")
+        self.indexes = _to_index_list(self.indexes, f"{self.name!r}")
+        self.has_deriv = bool(self.has_deriv)
+
+    def indexes_array(self) -> np.ndarray:
+        """The Indexes as an (N, 3) int32 array of [n, t, x] rows."""
+        return np.array(self.indexes, dtype=np.int32).reshape(-1, 3)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "has_deriv": self.has_deriv,
+                "indexes": [[i.n, i.t, i.x] for i in self.indexes]}
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str = "io") -> "IoSpecification":
+        if not isinstance(obj, dict):
+            raise RequestError(f"{where}: expected an object with name/indexes/has_deriv")
+        if "name" not in obj:
+            raise RequestError(f"{where}: missing 'name'")
+        if "indexes" not in obj:
+            raise RequestError(f"{where} {obj['name']!r}: missing 'indexes'")
+        return cls(obj["name"], _to_index_list(obj["indexes"], f"{where} {obj['name']!r}"),
+                   bool(obj.get("has_deriv", False)))
+
+    def __str__(self) -> str:
+        return (f"name={self.name}, has-deriv={'true' if self.has_deriv else 'false'}, "
+                f"num-indexes={len(self.indexes)}")
+
+
+class ComputationRequest:
+    """Kaldi's ComputationRequest: inputs, outputs and what the caller needs back."""
+
+    def __init__(self, inputs: Sequence[IoSpecification], outputs: Sequence[IoSpecification],
+                 need_model_derivative: bool = False, store_component_stats: bool = False,
+                 misc_info: MiscComputationInfo | None = None):
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self.need_model_derivative = bool(need_model_derivative)
+        self.store_component_stats = bool(store_component_stats)
+        self.misc_info = misc_info if misc_info is not None else MiscComputationInfo()
+
+    # -- lookups ------------------------------------------------------------------
+    def index_of_input(self, name: str) -> int:
+        """Position of the input named ``name`` in ``inputs``, or -1."""
+        for i, spec in enumerate(self.inputs):
+            if spec.name == name:
+                return i
+        return -1
+
+    def index_of_output(self, name: str) -> int:
+        """Position of the output named ``name`` in ``outputs``, or -1."""
+        for i, spec in enumerate(self.outputs):
+            if spec.name == name:
+                return i
+        return -1
+
+    def need_derivatives(self) -> bool:
+        """True if any derivative (model or input) is wanted (Kaldi's NeedDerivatives).
+
+        As in Kaldi, asking for a derivative while no output supplies one is an
+        error: the backward pass would have nothing to start from.
+        """
+        ans = self.need_model_derivative or any(s.has_deriv for s in self.inputs)
+        if ans and not any(s.has_deriv for s in self.outputs):
+            raise RequestError("model or input derivatives were requested but no output "
+                               "has has_deriv=true")
+        return ans
+
+    # -- equality, encoding ---------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ComputationRequest):
+            return NotImplemented
+        return (self.inputs == other.inputs and self.outputs == other.outputs
+                and self.need_model_derivative == other.need_model_derivative
+                and self.store_component_stats == other.store_component_stats)
+
+    def __hash__(self) -> int:
+        return hash(self.canonical_bytes())
+
+    def to_json(self) -> dict:
+        obj: dict[str, Any] = {"inputs": [s.to_json() for s in self.inputs],
+                               "outputs": [s.to_json() for s in self.outputs],
+                               "need_model_derivative": self.need_model_derivative}
+        # Kept out when false so that reference request.json files round-trip.
+        if self.store_component_stats:
+            obj["store_component_stats"] = True
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: dict | str | bytes) -> "ComputationRequest":
+        if isinstance(obj, (str, bytes)):
+            try:
+                obj = json.loads(obj)
+            except json.JSONDecodeError as e:
+                raise RequestError(f"request is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise RequestError("request must be a JSON object with 'inputs' and 'outputs'")
+        unknown = set(obj) - {"inputs", "outputs", "need_model_derivative",
+                              "store_component_stats"}
+        if unknown:
+            raise RequestError(f"request has unknown field(s): {', '.join(sorted(unknown))}")
+        for key in ("inputs", "outputs"):
+            if not isinstance(obj.get(key), list):
+                raise RequestError(f"request field '{key}' must be a list")
+        inputs = [IoSpecification.from_json(o, f"input {k}") for k, o in enumerate(obj["inputs"])]
+        outputs = [IoSpecification.from_json(o, f"output {k}")
+                   for k, o in enumerate(obj["outputs"])]
+        return cls(inputs, outputs, bool(obj.get("need_model_derivative", False)),
+                   bool(obj.get("store_component_stats", False)))
+
+    def canonical_bytes(self) -> bytes:
+        """A deterministic encoding of everything that affects compilation.
+
+        Key order is fixed and Index order kept (it is the row order); all
+        flags are always present, so two equal requests encode identically.
+        """
+        def spec(s: IoSpecification) -> list:
+            return [s.name, 1 if s.has_deriv else 0, [[i.n, i.t, i.x] for i in s.indexes]]
+        body = {"v": 1, "inputs": [spec(s) for s in self.inputs],
+                "outputs": [spec(s) for s in self.outputs],
+                "need_model_derivative": int(self.need_model_derivative),
+                "store_component_stats": int(self.store_component_stats)}
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+    def hash(self) -> str:
+        return hashlib.sha256(self.canonical_bytes()).hexdigest()
+
+    # -- validation ---------------------------------------------------------------------
+    def validate(self, nnet) -> None:
+        """Check the request against ``nnet``; raise RequestError naming what is wrong."""
+        if not self.outputs:
+            raise RequestError("request has no outputs")
+        if not self.inputs:
+            raise RequestError("request has no inputs")
+        for kind, specs in (("input", self.inputs), ("output", self.outputs)):
+            seen_names: set[str] = set()
+            for spec in specs:
+                if spec.name in seen_names:
+                    raise RequestError(f"{kind} {spec.name!r} is listed more than once")
+                seen_names.add(spec.name)
+                node = nnet.get_node_index(spec.name)
+                if node == -1:
+                    raise RequestError(f"{kind} {spec.name!r}: the network has no node "
+                                       f"with this name")
+                if kind == "input" and not (nnet.is_input_node(node)
+                                            or nnet.is_component_node(node)):
+                    raise RequestError(f"input {spec.name!r} is not an input node or a "
+                                       f"component node")
+                if kind == "output" and not nnet.is_output_node(node):
+                    raise RequestError(f"output {spec.name!r} is not an output node")
+                _check_indexes(kind, spec.name, spec.indexes)
+        self.need_derivatives()
+
+
+def _check_indexes(kind: str, name: str, indexes: list[Index]) -> None:
+    if not indexes:
+        raise RequestError(f"{kind} {name!r} has an empty list of indexes")
+    seen: dict[Index, int] = {}
+    for k, idx in enumerate(indexes):
+        for v in idx:
+            if not _INT32_MIN < v <= _INT32_MAX:
+                raise RequestError(f"{kind} {name!r}: index {k} {tuple(idx)} is outside the "
+                                   f"32-bit range (or uses the reserved t = kNoTime)")
+        prev = seen.setdefault(idx, k)
+        if prev != k:
+            raise RequestError(f"{kind} {name!r}: index (n={idx.n}, t={idx.t}, x={idx.x}) is "
+                               f"listed twice (rows {prev} and {k})")
+
+
+def io_spec(name: str, indexes: Iterable[Index] | np.ndarray, has_deriv: bool = False
+            ) -> IoSpecification:
+    """Shorthand used by tests and the service: ``io_spec('input', [(0, t, 0) ...])``."""
+    return IoSpecification(name, indexes if isinstance(indexes, np.ndarray) else list(indexes),
+                           has_deriv)
+
+
+__all__ = ["IoSpecification", "ComputationRequest", "io_spec"]
