@@ -1,0 +1,588 @@
+"""The computation graph and its builder (Kaldi's nnet-computation-graph.{h,cc}:
+ComputationGraph, ComputationGraphBuilder, CindexSet, IndexSet).
+
+The graph's vertices are cindexes ``(node, Index)``; ``dependencies[c]`` lists
+the cindex ids that cindex ``c`` reads.  The builder follows Kaldi's algorithm
+exactly, because the set of cindexes it keeps decides the rows of every matrix
+the compiler later creates:
+
+- Inputs are added as computable, outputs as "usable" (usable_count 1) and
+  queued.  Each round pops the current queue: a usable cindex whose
+  dependencies are not yet known gets them added (new cindexes are queued);
+  otherwise its computability is re-evaluated (kComputable / kNotComputable /
+  kUnknown, by asking the descriptor or component with unknown inputs counted
+  first as absent, then as present).
+- ``usable_count`` is the number of dependents that are themselves usable and
+  not known to be uncomputable (plus one for requested outputs).  When a
+  cindex turns out uncomputable its whole subtree may stop being usable, which
+  stops the expansion: this is what makes recurrences far from t=0 terminate
+  instead of walking back in time forever.
+- ``prune`` keeps, per dependency list, only the inputs actually used
+  (Failover/IfDefined choices resolved), then keeps only cindexes required by
+  the outputs (plus the supplied inputs), renumbering the ids.
+
+Kaldi's recursions on usable counts are done here with explicit stacks
+(graphs reach 100k cindexes, deeper than Python's recursion limit), visiting
+in the same order.  Per-cindex state lives in flat lists of ints.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.core.errors import NotComputableError, RequestError
+from engine.core.index import Cindex, Index
+from engine.nnet.components.base import ComponentProperty
+
+# Kaldi's ComputableInfo values.
+K_UNKNOWN = 0
+K_COMPUTABLE = 1
+K_NOT_COMPUTABLE = 2
+_STATUS_NAMES = {K_UNKNOWN: "kUnknown", K_COMPUTABLE: "kComputable",
+                 K_NOT_COMPUTABLE: "kNotComputable"}
+
+# Node kinds, from the nnet's NodeType (kept as small ints for speed).
+_INPUT, _DESCRIPTOR, _COMPONENT, _DIM_RANGE = 0, 1, 2, 3
+
+# Kaldi's guard against runaway graph building (a bad topology).
+MAX_BUILD_ITERATIONS = 10000
+
+
+class ComputationGraph:
+    """Cindexes, which of them are supplied inputs, and their dependencies."""
+
+    def __init__(self) -> None:
+        self.cindexes: list[Cindex] = []
+        self.is_input: list[bool] = []
+        self.dependencies: list[list[int]] = []
+        self.segment_ends: list[int] = []
+        self._ids: dict[tuple, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.cindexes)
+
+    def get_cindex_id(self, cindex) -> int:
+        """Id of ``cindex`` (a Cindex or ``(node, (n, t, x))`` tuple), or -1."""
+        return self._ids.get(cindex, -1)
+
+    def get_or_add(self, cindex, is_input: bool = False) -> tuple[int, bool]:
+        """Id of ``cindex``, adding it (with ``is_input``) if absent; returns (id, is_new)."""
+        cid = self._ids.get(cindex)
+        if cid is not None:
+            return cid, False
+        cid = len(self.cindexes)
+        if type(cindex) is not Cindex:
+            cindex = Cindex(cindex[0], Index(*cindex[1]))
+        self._ids[cindex] = cid
+        self.cindexes.append(cindex)
+        self.is_input.append(is_input)
+        self.dependencies.append([])
+        return cid, True
+
+    def renumber(self, start: int, keep: Sequence[bool]) -> None:
+        """Drop cindex ids >= ``start`` whose ``keep[id - start]`` is false, keeping order.
+
+        Dependencies must not point at a dropped cindex (the builder guarantees
+        this: only unused cindexes are dropped).
+        """
+        n = len(self.cindexes)
+        assert len(keep) == n - start
+        if all(keep):
+            return
+        old2new = [-1] * (n - start)
+        kept = []
+        for j, k in enumerate(keep):
+            if k:
+                old2new[j] = start + len(kept)
+                kept.append(start + j)
+            else:
+                del self._ids[self.cindexes[start + j]]
+        new_cindexes, new_input, new_deps = [], [], []
+        for old in kept:
+            deps = []
+            for d in self.dependencies[old]:
+                if d < start:
+                    deps.append(d)
+                else:
+                    nd = old2new[d - start]
+                    if nd < 0:
+                        raise AssertionError("dependency on a pruned cindex")
+                    deps.append(nd)
+            new_cindexes.append(self.cindexes[old])
+            new_input.append(self.is_input[old])
+            new_deps.append(deps)
+        for j, old in enumerate(kept):
+            if old != start + j:
+                self._ids[self.cindexes[old]] = start + j
+        del self.cindexes[start:], self.is_input[start:], self.dependencies[start:]
+        self.cindexes.extend(new_cindexes)
+        self.is_input.extend(new_input)
+        self.dependencies.extend(new_deps)
+
+    def cindex_str(self, c: int, node_names: Sequence[str]) -> str:
+        node, idx = self.cindexes[c]
+        return f"{node_names[node]}({idx.n}, {idx.t}, {idx.x})"
+
+    def print(self, node_names: Sequence[str], max_per_node: int = 50,
+              max_deps: int = 5) -> str:
+        """Kaldi's ComputationGraph::Print: cindexes sorted, grouped by node."""
+        def fmt(ci) -> str:
+            node, idx = ci
+            return f"{node_names[node]}({idx.n}, {idx.t}, {idx.x})"
+        pairs = sorted(((self.cindexes[c], sorted(self.cindexes[d] for d in self.dependencies[c]),
+                         c) for c in range(len(self.cindexes))),
+                       key=lambda p: (p[0].node, p[0].index.t, p[0].index.x, p[0].index.n))
+        out, cur_node, count = [], None, 0
+        for ci, deps, c in pairs:
+            if ci.node != cur_node:
+                if cur_node is not None:
+                    out.append("\n")
+                cur_node, count = ci.node, 0
+            if count < max_per_node:
+                s = "[ " + fmt(ci)
+                if not self.is_input[c]:
+                    shown = ", ".join(fmt(d) for d in deps[:max_deps])
+                    s += " -> " + shown + (", ..." if len(deps) > max_deps else "")
+                out.append(s + " ] ")
+            elif count == max_per_node:
+                out.append("...")
+            count += 1
+        return "".join(out) + "\n"
+
+
+def node_names(nnet) -> list[str]:
+    names = nnet.node_names
+    return names() if callable(names) else names
+
+
+class _NodeTable:
+    """Per-node facts the builder needs, read once from the Nnet."""
+
+    def __init__(self, nnet) -> None:
+        num = nnet.num_nodes() if callable(getattr(nnet, "num_nodes", None)) else len(nnet.nodes)
+        self.kind: list[int] = []
+        self.descriptor: list = []
+        self.component: list = []
+        self.simple: list[bool] = []
+        self.dim_range_src: list[int] = []
+        self.is_output: list[bool] = []
+        for i in range(num):
+            node = nnet.nodes[i]
+            if nnet.is_input_node(i):
+                kind = _INPUT
+            elif nnet.is_component_node(i):
+                kind = _COMPONENT
+            elif nnet.is_dim_range_node(i):
+                kind = _DIM_RANGE
+            else:
+                kind = _DESCRIPTOR
+            comp = nnet.get_component(node.component_index) if kind == _COMPONENT else None
+            self.kind.append(kind)
+            self.descriptor.append(node.descriptor if kind == _DESCRIPTOR else None)
+            self.component.append(comp)
+            self.simple.append(bool(comp is not None and comp.properties()
+                                    & ComponentProperty.SIMPLE_COMPONENT))
+            self.dim_range_src.append(node.node_index if kind == _DIM_RANGE else -1)
+            self.is_output.append(bool(nnet.is_output_node(i)))
+
+
+class ComputationGraphBuilder:
+    """Builds one segment of a ComputationGraph per request (Compute, then Prune)."""
+
+    def __init__(self, nnet, graph: ComputationGraph) -> None:
+        self.nnet = nnet
+        self.graph = graph
+        self.nodes = _NodeTable(nnet)
+        self.request = None
+        # Cindexes of earlier segments were all computable and kept (Kaldi's
+        # state right after Prune): usable_count 1 so they never propagate.
+        n = len(graph.cindexes)
+        self.computable = [K_COMPUTABLE] * n
+        self.usable = [1] * n
+        self.queued = [False] * n
+        self.deps_done = [False] * n
+        self.depend_on_this: list[list[int]] = [[] for _ in range(n)]
+        self.current_queue: list[int] = []
+        self.next_queue: list[int] = []
+
+    # -- adding cindexes ------------------------------------------------------------
+    def _new_info(self) -> None:
+        self.computable.append(K_UNKNOWN)
+        self.usable.append(0)
+        self.queued.append(False)
+        self.deps_done.append(False)
+        self.depend_on_this.append([])
+
+    def _add_inputs(self) -> None:
+        graph, nnet = self.graph, self.nnet
+        for spec in self.request.inputs:
+            node = nnet.get_node_index(spec.name)
+            if node == -1:
+                raise RequestError(f"the network has no input node named {spec.name!r}")
+            if self.nodes.kind[node] not in (_INPUT, _COMPONENT):
+                raise RequestError(f"input {spec.name!r}: inputs are only allowed for input "
+                                   f"nodes and component nodes")
+            for idx in spec.indexes:
+                cid, is_new = graph.get_or_add(Cindex(node, idx), True)
+                if not is_new:
+                    raise RequestError(f"input {spec.name!r}: index {tuple(idx)} is listed "
+                                       f"more than once (or already in an earlier segment)")
+                self._new_info()
+                self.computable[cid] = K_COMPUTABLE
+
+    def _add_outputs(self) -> None:
+        graph, nnet = self.graph, self.nnet
+        if not any(spec.indexes for spec in self.request.outputs):
+            raise RequestError("cannot process a computation request with no outputs")
+        for spec in self.request.outputs:
+            node = nnet.get_node_index(spec.name)
+            if node == -1:
+                raise RequestError(f"the network has no output node named {spec.name!r}")
+            for idx in spec.indexes:
+                cid, is_new = graph.get_or_add(Cindex(node, idx), False)
+                if not is_new:
+                    raise RequestError(f"output {spec.name!r}: index {tuple(idx)} is listed "
+                                       f"more than once (or already in an earlier segment)")
+                self._new_info()
+                self.usable[cid] = 1
+                self.queued[cid] = True
+                self.next_queue.append(cid)
+        self.current_queue, self.next_queue = self.next_queue, []
+
+    # -- the main loop --------------------------------------------------------------
+    def compute(self, request) -> None:
+        if self.request is not None and not self.graph.segment_ends:
+            raise RuntimeError("call compute(), prune(), compute(), prune() ... in that order")
+        self.request = request
+        self._add_inputs()
+        self._add_outputs()
+        for _ in range(MAX_BUILD_ITERATIONS):
+            self._build_one_iter()
+            if not self.current_queue:
+                return
+        raise NotComputableError("loop detected while building the computation graph "
+                                 f"(more than {MAX_BUILD_ITERATIONS} rounds; bad network "
+                                 "topology?)")
+
+    def _build_one_iter(self) -> None:
+        queue = self.current_queue
+        queued, deps_done, usable, computable = (self.queued, self.deps_done, self.usable,
+                                                 self.computable)
+        while queue:
+            c = queue.pop()
+            queued[c] = False
+            if not deps_done[c] and usable[c] != 0:
+                deps_done[c] = True
+                self._add_dependencies(c)
+                if not queued[c]:
+                    queued[c] = True
+                    self.next_queue.append(c)
+            elif computable[c] == K_UNKNOWN:
+                self._update_computable_info(c)
+        self.current_queue, self.next_queue = self.next_queue, queue
+
+    def _input_cindexes(self, c: int) -> list:
+        node, idx = self.graph.cindexes[c]
+        kind = self.nodes.kind[node]
+        if kind == _DESCRIPTOR:
+            return self.nodes.descriptor[node].get_dependencies(idx)
+        if kind == _COMPONENT:
+            if self.nodes.simple[node]:
+                return [Cindex(node - 1, idx)]
+            comp = self.nodes.component[node]
+            return [Cindex(node - 1, i)
+                    for i in comp.get_input_indexes(self.request.misc_info, idx)]
+        if kind == _DIM_RANGE:
+            return [Cindex(self.nodes.dim_range_src[node], idx)]
+        return []
+
+    def _add_dependencies(self, c: int) -> None:
+        graph = self.graph
+        this_dep = []
+        for ci in self._input_cindexes(c):
+            d, is_new = graph.get_or_add(ci, False)
+            this_dep.append(d)
+            if is_new:
+                self._new_info()
+                self.queued[d] = True
+                self.next_queue.append(d)
+        this_dep = sorted(set(this_dep))
+        graph.dependencies[c] = this_dep
+        dot = self.depend_on_this
+        for d in this_dep:
+            dot[d].append(c)
+            self._increment_usable(d)
+
+    # -- computability ------------------------------------------------------------------
+    def _cindex_set(self, treat_unknown: bool):
+        ids, computable = self.graph._ids, self.computable
+
+        def contains(cindex) -> bool:
+            cid = ids.get(cindex)
+            if cid is None:
+                return False
+            s = computable[cid]
+            return s == K_COMPUTABLE or (treat_unknown and s == K_UNKNOWN)
+        return contains
+
+    def _index_set(self, node: int, treat_unknown: bool):
+        ids, computable = self.graph._ids, self.computable
+
+        def contains(index) -> bool:
+            cid = ids.get((node, index))
+            if cid is None:
+                return False
+            s = computable[cid]
+            return s == K_COMPUTABLE or (treat_unknown and s == K_UNKNOWN)
+        return contains
+
+    def _compute_computable_info(self, c: int) -> int:
+        node, idx = self.graph.cindexes[c]
+        kind = self.nodes.kind[node]
+        if kind == _DESCRIPTOR:
+            desc = self.nodes.descriptor[node]
+            if desc.is_computable(idx, self._cindex_set(False), None):
+                return K_COMPUTABLE
+            if not desc.is_computable(idx, self._cindex_set(True), None):
+                return K_NOT_COMPUTABLE
+            return K_UNKNOWN
+        if kind == _COMPONENT:
+            if self.nodes.simple[node]:
+                # A simple component needs exactly the same Index at its input.
+                d = self.graph._ids.get((node - 1, idx))
+                return K_NOT_COMPUTABLE if d is None else self.computable[d]
+            comp, misc = self.nodes.component[node], self.request.misc_info
+            if comp.is_computable(misc, idx, self._index_set(node - 1, False), None):
+                return K_COMPUTABLE
+            if not comp.is_computable(misc, idx, self._index_set(node - 1, True), None):
+                return K_NOT_COMPUTABLE
+            return K_UNKNOWN
+        if kind == _DIM_RANGE:
+            d = self.graph._ids.get((self.nodes.dim_range_src[node], idx))
+            return K_UNKNOWN if d is None else self.computable[d]
+        return K_COMPUTABLE if self.graph.is_input[c] else K_NOT_COMPUTABLE
+
+    def _update_computable_info(self, c: int) -> None:
+        if self.usable[c] == 0:
+            # Not reachable from anything that might still be computed: don't bother.
+            return
+        status = self._compute_computable_info(c)
+        self.computable[c] = status
+        if status == K_UNKNOWN:
+            return
+        computable, queued = self.computable, self.queued
+        for o in self.depend_on_this[c]:
+            if computable[o] == K_UNKNOWN and not queued[o]:
+                queued[o] = True
+                self.next_queue.append(o)
+        if status == K_NOT_COMPUTABLE and self.usable[c] != 0:
+            for d in self.graph.dependencies[c]:
+                self._decrement_usable(d)
+
+    def _increment_usable(self, c0: int) -> None:
+        usable, computable, deps = self.usable, self.computable, self.graph.dependencies
+        usable[c0] += 1
+        if usable[c0] != 1 or computable[c0] == K_NOT_COMPUTABLE:
+            return
+        # Depth-first in Kaldi's order: a cindex that just became usable makes
+        # its dependencies usable first, then queues itself if still unknown.
+        stack = [(c0, 0)]
+        while stack:
+            c, i = stack[-1]
+            dl = deps[c]
+            if i < len(dl):
+                stack[-1] = (c, i + 1)
+                d = dl[i]
+                usable[d] += 1
+                if usable[d] == 1 and computable[d] != K_NOT_COMPUTABLE:
+                    stack.append((d, 0))
+            else:
+                stack.pop()
+                if computable[c] == K_UNKNOWN and not self.queued[c]:
+                    self.queued[c] = True
+                    self.next_queue.append(c)
+
+    def _decrement_usable(self, c0: int) -> None:
+        usable, computable, deps = self.usable, self.computable, self.graph.dependencies
+        stack = [c0]
+        while stack:
+            c = stack.pop()
+            usable[c] -= 1
+            if usable[c] == 0 and computable[c] != K_NOT_COMPUTABLE:
+                # Order of visiting does not matter here: nothing is queued.
+                stack.extend(deps[c])
+
+    # -- results --------------------------------------------------------------------------
+    def all_outputs_are_computable(self) -> bool:
+        is_output, cindexes, computable = self.nodes.is_output, self.graph.cindexes, self.computable
+        return all(computable[c] == K_COMPUTABLE for c in range(len(cindexes))
+                   if is_output[cindexes[c].node])
+
+    def get_computable_info(self) -> list[list[bool]]:
+        """Per requested output, per Index: computable or not (call before prune)."""
+        out = []
+        for spec in self.request.outputs:
+            node = self.nnet.get_node_index(spec.name)
+            out.append([self.computable[self.graph._ids[(node, idx)]] == K_COMPUTABLE
+                        for idx in spec.indexes])
+        return out
+
+    def explain_why_not_computable(self, c0: int, max_lines: int = 100) -> list[str]:
+        """Kaldi's ExplainWhyNotComputable: breadth-first over uncomputable dependencies."""
+        names = node_names(self.nnet)
+        graph, lines, seen, queue = self.graph, [], {c0}, [c0]
+        head = 0
+        while head < len(queue) and len(lines) < max_lines:
+            c = queue[head]
+            head += 1
+            parts = []
+            for d in graph.dependencies[c]:
+                parts.append(f"{graph.cindex_str(d, names)}[{_STATUS_NAMES[self.computable[d]]}]")
+                if self.computable[d] != K_COMPUTABLE and d not in seen:
+                    seen.add(d)
+                    queue.append(d)
+            lines.append(f"{graph.cindex_str(c, names)} is {_STATUS_NAMES[self.computable[c]]}, "
+                         f"dependencies: {', '.join(parts)}")
+        return lines
+
+    def _first_missing_input(self, c0: int) -> int:
+        """The first (breadth-first) uncomputable cindex behind ``c0`` that has no
+        uncomputable dependency of its own: usually an input Index the request lacks."""
+        graph, seen, queue, head = self.graph, {c0}, [c0], 0
+        fallback = c0
+        while head < len(queue):
+            c = queue[head]
+            head += 1
+            bad = [d for d in graph.dependencies[c] if self.computable[d] != K_COMPUTABLE]
+            if not bad:
+                node = graph.cindexes[c].node
+                if self.nodes.kind[node] == _INPUT:
+                    return c
+                if fallback == c0:
+                    fallback = c
+            for d in bad:
+                if d not in seen:
+                    seen.add(d)
+                    queue.append(d)
+        return fallback
+
+    def not_computable_error(self) -> NotComputableError:
+        """The error Kaldi's ExplainWhyAllOutputsNotComputable would log, as an exception."""
+        names = node_names(self.nnet)
+        graph = self.graph
+        bad = [c for c in range(len(graph.cindexes))
+               if self.nodes.is_output[graph.cindexes[c].node]
+               and self.computable[c] != K_COMPUTABLE]
+        total = sum(1 for ci in graph.cindexes if self.nodes.is_output[ci.node])
+        shown = ", ".join(graph.cindex_str(c, names) for c in bad[:10])
+        missing = self._first_missing_input(bad[0])
+        mnode, midx = graph.cindexes[missing]
+        if self.nodes.kind[mnode] == _INPUT:
+            why = (f"the first missing input behind {graph.cindex_str(bad[0], names)} is "
+                   f"{graph.cindex_str(missing, names)}, which the request does not supply")
+        else:
+            why = (f"{graph.cindex_str(bad[0], names)} fails at "
+                   f"{graph.cindex_str(missing, names)}")
+        err = NotComputableError(
+            f"{len(bad)} of {total} requested output indexes cannot be computed: {shown}"
+            f"{' ...' if len(bad) > 10 else ''}; {why}")
+        err.outputs = [(names[graph.cindexes[c].node], graph.cindexes[c].index) for c in bad]
+        err.missing = (names[mnode], midx)
+        err.details = self.explain_why_not_computable(bad[0])
+        return err
+
+    # -- pruning ----------------------------------------------------------------------------
+    def _prune_dependencies(self, c: int) -> None:
+        graph = self.graph
+        status, usable = self.computable[c], self.usable[c]
+        if status == K_NOT_COMPUTABLE or usable == 0:
+            graph.dependencies[c] = []
+            return
+        if status != K_COMPUTABLE:
+            raise AssertionError(f"cindex {c} is usable but its computability is unknown")
+        node, idx = graph.cindexes[c]
+        kind = self.nodes.kind[node]
+        if kind == _DESCRIPTOR:
+            used: list = []
+            ok = self.nodes.descriptor[node].is_computable(idx, self._cindex_set(False), used)
+            ids = [graph._ids[ci] for ci in used]
+        elif kind == _COMPONENT:
+            if self.nodes.simple[node]:
+                ok, ids = True, [graph._ids[(node - 1, idx)]]
+            else:
+                used_idx: list = []
+                ok = self.nodes.component[node].is_computable(
+                    self.request.misc_info, idx, self._index_set(node - 1, False), used_idx)
+                ids = [graph._ids[(node - 1, i)] for i in used_idx]
+        else:
+            return
+        if not ok:
+            raise AssertionError(f"cindex {c} was computable but no longer is")
+        graph.dependencies[c] = sorted(set(ids))
+
+    def _compute_required(self, start: int) -> list[bool]:
+        graph, is_output = self.graph, self.nodes.is_output
+        n = len(graph.cindexes)
+        required = [False] * (n - start)
+        stack = []
+        for c in range(start, n):
+            if is_output[graph.cindexes[c].node]:
+                required[c - start] = True
+                stack.append(c)
+        deps = graph.dependencies
+        while stack:
+            c = stack.pop()
+            for d in deps[c]:
+                if d >= start and not required[d - start]:
+                    required[d - start] = True
+                    stack.append(d)
+        return required
+
+    def prune(self) -> None:
+        graph = self.graph
+        start = graph.segment_ends[-1] if graph.segment_ends else 0
+        n = len(graph.cindexes)
+        for c in range(start, n):
+            self._prune_dependencies(c)
+        required = self._compute_required(start)
+        keep = [required[c - start] or graph.is_input[c] for c in range(start, n)]
+        for c in range(start, n):
+            if keep[c - start] and self.computable[c] != K_COMPUTABLE:
+                raise AssertionError("prune called while not everything is computable")
+        graph.renumber(start, keep)
+        new_n = len(graph.cindexes)
+        # As in Kaldi: everything kept is computable; usable_count 1 stops any
+        # later segment from propagating through these cindexes.
+        del self.computable[start:], self.usable[start:], self.queued[start:]
+        del self.deps_done[start:], self.depend_on_this[start:]
+        m = new_n - start
+        self.computable.extend([K_COMPUTABLE] * m)
+        self.usable.extend([1] * m)
+        self.queued.extend([False] * m)
+        self.deps_done.extend([False] * m)
+        self.depend_on_this.extend([] for _ in range(m))
+        graph.segment_ends.append(new_n)
+
+
+def build_computation_graph(nnet, request, graph: ComputationGraph | None = None,
+                            builder: ComputationGraphBuilder | None = None
+                            ) -> ComputationGraph:
+    """Add one segment for ``request`` to ``graph`` (a new graph if None) and prune it.
+
+    For multi-segment (looped) computations call it once per request with the
+    same graph.  Raises NotComputableError naming the requested output Indexes
+    that cannot be computed and the first missing input behind them.
+    """
+    if graph is None:
+        graph = ComputationGraph()
+    if builder is None:
+        builder = ComputationGraphBuilder(nnet, graph)
+    builder.compute(request)
+    if not builder.all_outputs_are_computable():
+        raise builder.not_computable_error()
+    builder.prune()
+    return graph
+
+
+__all__ = ["ComputationGraph", "ComputationGraphBuilder", "build_computation_graph",
+           "K_UNKNOWN", "K_COMPUTABLE", "K_NOT_COMPUTABLE", "MAX_BUILD_ITERATIONS"]
