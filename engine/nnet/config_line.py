@@ -37,6 +37,18 @@ class ConfigLine:
         self.used: set[str] = set()
         self._parse(text)
 
+    @classmethod
+    def from_parts(cls, first_token: str, values: dict[str, str], *, text: str = "",
+                   source: str | None = None, line: int | None = None) -> "ConfigLine":
+        """A ConfigLine whose tokens were already split by another parser (the
+        network config reader splits lines the way Kaldi does, allowing spaces
+        inside values such as ``input=Append(a, b)``)."""
+        obj = cls("", source=source, line=line)
+        obj.text = text
+        obj.first_token = first_token
+        obj.values = dict(values)
+        return obj
+
     def error(self, message: str) -> ConfigError:
         return ConfigError(message, source=self.source, line=self.line, text=self.text)
 

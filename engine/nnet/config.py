@@ -1,0 +1,313 @@
+"""The network config language (Kaldi's Nnet::ReadConfig in nnet-nnet.cc,
+ReadConfigLines / ConfigLine::ParseLine in util/text-utils.cc).
+
+A config is a list of lines ``input-node``, ``component``, ``component-node``,
+``dim-range-node`` and ``output-node``; ``#`` starts a comment and a trailing
+backslash continues a line.  Applying a config to an existing network works as
+``nnet3-init existing.raw new.config``: the existing network is turned back into
+config lines, the new lines are appended, a node defined again replaces the old
+definition (and moves to where the new line puts it), and everything is re-read
+in two passes (node names first, then descriptors), so lines may refer to nodes
+defined later.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.core.errors import ConfigError
+from engine.nnet.config_line import ConfigLine
+from engine.nnet.descriptor_parse import is_valid_name, parse_descriptor
+from engine.nnet.nnet import NetworkNode, Nnet, NodeType, ObjectiveType
+
+_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
+_INT_RE = re.compile(r"[+-]?\d+\Z")
+EXISTING = "<existing network>"
+
+
+@dataclass
+class SourceLine:
+    text: str
+    source: str | None
+    line: int | None
+
+
+def read_config_lines(text: str, source: str | None = None) -> list[SourceLine]:
+    """Non-empty lines with comments and surrounding blanks removed, continued
+    lines joined; each keeps the number of the line where it started."""
+    out: list[SourceLine] = []
+    pending = ""
+    start = 0
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0]
+        if not pending:
+            start = lineno
+        stripped = line.rstrip(" \t\r")
+        if stripped.endswith("\\") and "#" not in raw:
+            pending += stripped[:-1] + " "
+            continue
+        full = (pending + line).strip(" \t\r")
+        pending = ""
+        if full:
+            out.append(SourceLine(full, source, start))
+    if pending.strip():
+        out.append(SourceLine(pending.strip(), source, start))
+    return out
+
+
+def parse_config_line(text: str, source: str | None = None,
+                      line: int | None = None) -> ConfigLine:
+    """Split one line like Kaldi's ConfigLine::ParseLine: values may contain
+    spaces (``input=Offset(a, -1)``) up to the blank before the next ``key=``;
+    ``key='quoted value'`` and ``key="quoted value"`` are accepted."""
+    def err(msg: str) -> ConfigError:
+        return ConfigError(msg, source=source, line=line, text=text)
+
+    s = text
+    n = len(s)
+    pos = 0
+    while pos < n and s[pos].isspace():
+        pos += 1
+    first_start = pos
+    while pos < n and not s[pos].isspace():
+        if s[pos] == "=":
+            pos = first_start
+            break
+        pos += 1
+    first = s[first_start:pos]
+    if first and not is_valid_name(first):
+        raise err(f"invalid first token {first!r}")
+    values: dict[str, str] = {}
+    while pos < n:
+        if s[pos].isspace():
+            pos += 1
+            continue
+        eq = s.find("=", pos)
+        if eq <= pos:
+            raise err(f"expected key=value at character {pos}, got {s[pos:pos + 20]!r}")
+        key = s[pos:eq]
+        if not _KEY_RE.match(key):
+            raise err(f"invalid option name {key!r}")
+        if key in values:
+            raise err(f"option {key}= given twice")
+        if eq + 1 < n and s[eq + 1] in "'\"":
+            q = s[eq + 1]
+            end = s.find(q, eq + 2)
+            if end < 0:
+                raise err(f"no matching quote {q} for option {key}")
+            values[key] = s[eq + 2:end]
+            pos = end + 1
+            continue
+        nxt = s.find("=", eq + 1)
+        term = n
+        if nxt >= 0:
+            sp = max(s.rfind(" ", 0, nxt), s.rfind("\t", 0, nxt))
+            if sp > eq:
+                term = sp
+        while term > eq + 1 and s[term - 1].isspace():
+            term -= 1
+        values[key] = s[eq + 1:term]
+        pos = term
+    return ConfigLine.from_parts(first, values, text=text, source=source, line=line)
+
+
+def _get_int(cfg: ConfigLine, key: str) -> int:
+    v = cfg.get_str(key)
+    if v is None:
+        raise cfg.error(f"expected {key}=<integer>")
+    if not _INT_RE.match(v.strip()):
+        raise cfg.error(f"option {key}={v!r} is not an integer")
+    return int(v)
+
+
+def _require(cfg: ConfigLine, key: str, what: str) -> str:
+    v = cfg.get_str(key)
+    if v is None:
+        raise cfg.error(f"expected {key}=<{what}>")
+    return v
+
+
+def _check_unused(cfg: ConfigLine) -> None:
+    extra = cfg.unused()
+    if extra:
+        raise cfg.error("unknown option(s): " + " ".join(f"{k}={cfg.values[k]}" for k in extra))
+
+
+def _remove_redundant(lines: list[ConfigLine], num_initial: int) -> list[ConfigLine]:
+    """Drop node lines of the existing network that the new config redefines;
+    names repeated within the new config are errors."""
+    last_line: dict[str, int] = {}
+    comp_names: set[str] = set()
+    remove = [False] * len(lines)
+    for i, cfg in enumerate(lines):
+        name = cfg.values.get("name")
+        if name is None:
+            raise cfg.error("expected name=<name>")
+        if not is_valid_name(name):
+            raise cfg.error(f"name {name!r} is not allowed (letters, digits, '_', '-', '.'; "
+                            f"starting with a letter or '_')")
+        if cfg.first_token == "component":
+            if name in comp_names:
+                raise cfg.error(f"component name {name} appears twice in the same config")
+            comp_names.add(name)
+            continue
+        prev = last_line.get(name)
+        if prev is not None:
+            if prev >= num_initial:
+                raise cfg.error(f"node name {name} appears twice in the same config "
+                                f"(first at line {lines[prev].line})")
+            remove[prev] = True
+        last_line[name] = i
+    return [c for c, r in zip(lines, remove) if not r]
+
+
+def apply_config(nnet: Nnet, text: str, source: str | None = None, rng=None) -> None:
+    """Add the lines of ``text`` to ``nnet`` (Kaldi's Nnet::ReadConfig), then validate.
+
+    On error ``nnet`` is left unchanged.
+    """
+    if rng is None:
+        rng = np.random.default_rng()
+    existing = [parse_config_line(t, EXISTING, None) for t in nnet.config_lines()]
+    new = [parse_config_line(sl.text, sl.source, sl.line)
+           for sl in read_config_lines(text, source)]
+    # keep the origin of existing nodes for error messages
+    origins = {n.name: n.origin for n in nnet.nodes}
+    for cfg in existing:
+        org = origins.get(cfg.values.get("name", ""), (EXISTING, None))
+        cfg.source, cfg.line = org
+    lines = _remove_redundant(existing + new, len(existing))
+
+    work = Nnet()
+    work.components = list(nnet.components)
+    work.component_names = list(nnet.component_names)
+    initial_components = len(work.components)
+    for cfg in lines:
+        if cfg.first_token == "component":
+            _component_line(work, cfg, initial_components, rng)
+    for cfg in lines:
+        _node_line_pass0(work, cfg)
+    referable = work.referable_names()
+    all_names = work.node_names
+    for cfg in lines:
+        _node_line_pass1(work, cfg, referable, all_names)
+    work.validate()
+    nnet.nodes = work.nodes
+    nnet.components = work.components
+    nnet.component_names = work.component_names
+
+
+def _component_line(nnet: Nnet, cfg: ConfigLine, initial_components: int, rng) -> None:
+    from engine.nnet.components.base import new_component_from_config  # noqa: PLC0415
+    name = _require(cfg, "name", "component-name")
+    type_name = _require(cfg, "type", "component-type")
+    comp = new_component_from_config(type_name, cfg, name, rng)
+    idx = nnet.get_component_index(name)
+    if idx >= 0:
+        if idx >= initial_components:
+            raise cfg.error(f"two components named {name!r}")
+        nnet.components[idx] = comp
+    else:
+        nnet.components.append(comp)
+        nnet.component_names.append(name)
+
+
+def _node_line_pass0(nnet: Nnet, cfg: ConfigLine) -> None:
+    kind = cfg.first_token
+    if kind == "component":
+        return
+    name = cfg.values["name"]
+    origin = (cfg.source, cfg.line)
+
+    def fresh(n: str) -> None:
+        if nnet.get_node_index(n) >= 0:
+            raise cfg.error(f"node name {n!r} is already used"
+                            + (" (by the hidden input node of a component-node)"
+                               if n.endswith("_input") else ""))
+
+    if kind == "component-node":
+        fresh(name + "_input")
+        fresh(name)
+        nnet.nodes.append(NetworkNode(name + "_input", NodeType.DESCRIPTOR, origin=origin))
+        nnet.nodes.append(NetworkNode(name, NodeType.COMPONENT, origin=origin))
+    elif kind == "input-node":
+        fresh(name)
+        cfg.get_str("name")
+        dim = _get_int(cfg, "dim")
+        _check_unused(cfg)
+        if dim <= 0:
+            raise cfg.error(f"invalid dimension dim={dim} (must be > 0)")
+        nnet.nodes.append(NetworkNode(name, NodeType.INPUT, dim=dim, origin=origin))
+    elif kind == "output-node":
+        fresh(name)
+        nnet.nodes.append(NetworkNode(name, NodeType.DESCRIPTOR, origin=origin))
+    elif kind == "dim-range-node":
+        fresh(name)
+        nnet.nodes.append(NetworkNode(name, NodeType.DIM_RANGE, origin=origin))
+    else:
+        raise cfg.error(f"invalid config line: {kind or '(no first token)'!r} not expected "
+                        f"(expected input-node, component, component-node, dim-range-node "
+                        f"or output-node)")
+
+
+def _parse_input(cfg: ConfigLine, referable, all_names):
+    text = _require(cfg, "input", "input-descriptor")
+    try:
+        return parse_descriptor(text, referable, all_names)
+    except ConfigError as e:
+        raise cfg.error(e.reason) from None
+
+
+def _node_line_pass1(nnet: Nnet, cfg: ConfigLine, referable, all_names) -> None:
+    kind = cfg.first_token
+    if kind in ("component", "input-node"):
+        return
+    name = cfg.get_str("name")
+    idx = nnet.get_node_index(name)
+    node = nnet.nodes[idx]
+    if kind == "component-node":
+        cname = _require(cfg, "component", "component-name")
+        c = nnet.get_component_index(cname)
+        if c < 0:
+            raise cfg.error(f"no component named {cname!r}")
+        node.component_index = c
+        nnet.nodes[idx - 1].descriptor = _parse_input(cfg, referable, all_names)
+        _check_unused(cfg)
+    elif kind == "output-node":
+        node.descriptor = _parse_input(cfg, referable, all_names)
+        obj = cfg.get_str("objective", "linear")
+        if obj not in ("linear", "quadratic"):
+            raise cfg.error(f"invalid objective type {obj!r} (linear or quadratic)")
+        node.objective_type = ObjectiveType(obj)
+        _check_unused(cfg)
+    elif kind == "dim-range-node":
+        src = _require(cfg, "input-node", "input-node-name")
+        dim = _get_int(cfg, "dim")
+        off = _get_int(cfg, "dim-offset")
+        s = nnet.get_node_index(src)
+        if s < 0 or nnet.nodes[s].type not in (NodeType.COMPONENT, NodeType.INPUT):
+            raise cfg.error(f"invalid input-node {src!r} (must be the name of an input or "
+                            f"component node)")
+        _check_unused(cfg)
+        node.node_index, node.dim, node.dim_offset = s, dim, off
+
+
+def nnet_from_config_files(paths: list[str], rng=None) -> Nnet:
+    """nnet3-init with one or more config files, applied in order."""
+    nnet = Nnet()
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file: {e.strerror}", source=str(p)) from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config is not UTF-8 text (byte {e.start})",
+                              source=str(p)) from None
+        apply_config(nnet, text, source=str(p), rng=rng)
+    return nnet
