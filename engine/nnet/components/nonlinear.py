@@ -474,14 +474,8 @@ class RectifiedLinearComponent(NonlinearComponent):
         term = direction * np.float32(-self.self_repair_scale / repair_probability)
         xp = array_module(in_deriv)
         t = xp.asarray(term, dtype=in_deriv.dtype)
-        if block_dim != dim:
-            rows = in_deriv.shape[0]
-            view = in_deriv.reshape(rows * (dim // block_dim), block_dim)
-            view += t
-            if not same_buffer(view, in_deriv):  # reshape copied: write back
-                in_deriv[...] = view.reshape(rows, dim)
-        else:
-            in_deriv += t
+        # the same per-block term for every block of the row
+        in_deriv += xp.tile(t, dim // block_dim)
 
     def store_stats(self, in_value, out_value, memo) -> None:
         if self._skip_this_stats_minibatch():
