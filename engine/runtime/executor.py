@@ -1,0 +1,412 @@
+"""The executor: Kaldi's ``NnetComputer`` (nnet-compute.h/.cc).
+
+Usage mirrors Kaldi::
+
+    ex = Executor(computation, nnet, backend=numpy)
+    ex.accept_input("input", x)          # every kAcceptInput of the forward part
+    ex.run()                             # forward, up to the first kProvideOutput
+    y = ex.get_output("output")
+    ex.accept_output_deriv("output", dy) # kAcceptInput of the backward part
+    ex.run()                             # backward
+    dx = ex.get_input_deriv("input")
+    grad = ex.get_model_gradient()       # an Nnet holding the parameter gradients
+
+As in Kaldi, a program counter walks the command list; ``run`` stops at the
+next input/output command, and the I/O calls consume those commands
+(``GetIoMatrixIndex``).  Model gradients go to a copy of the network whose
+updatable components were ``copy()``'d and ``set_as_gradient()`` (Kaldi's
+``SetNnetAsGradient``); the backprop of such a component receives that copy as
+``to_update``.  Memos returned by ``propagate`` are kept under the memo index
+of the command until the backprop that names the same index takes them.
+
+Every failure raises ``ExecutionError`` naming the command index and its
+printed form ("while executing c17: ...").
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from engine.compiler.computation import CommandType as CT
+from engine.compiler.computation import NnetComputation
+from engine.core.errors import ExecutionError, NnetcError
+from engine.nnet.components.base import ComponentProperty as P
+from engine.runtime import kernels as K
+from engine.runtime.backend import BufferPool, backend_name, to_host
+
+# Per-computation, per-backend index plans (built once, reused by every run).
+_PLAN_CACHE: "weakref.WeakKeyDictionary[NnetComputation, dict]" = weakref.WeakKeyDictionary()
+
+_IO = (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
+
+
+def _plans_for(computation: NnetComputation, xp) -> dict:
+    per = _PLAN_CACHE.setdefault(computation, {})
+    return per.setdefault(backend_name(xp), {})
+
+
+def _component_to_backend(comp, xp):
+    return comp if xp is np else comp.to_backend(xp)
+
+
+class Executor:
+    def __init__(self, computation: NnetComputation, nnet, backend=np,
+                 pool: BufferPool | None = None, nnet_to_store_stats=None):
+        self.computation = computation
+        self.nnet = nnet
+        self.xp = backend
+        self.pool = pool if pool is not None else BufferPool()
+        self.nnet_to_store_stats = nnet_to_store_stats
+        self._components = [_component_to_backend(c, backend) for c in nnet.components]
+        self._precomputed = [None] + [
+            (info.data.to_backend(backend) if backend is not np and info.data is not None
+             else info.data)
+            for info in computation.component_precomputed_indexes[1:]]
+        self._plans = _plans_for(computation, backend)
+        self._matrices: list = [None] * len(computation.matrices)
+        self._memos: dict[int, object] = {}
+        self._pc = 0
+        self._pending: list[int] = []
+        self._grad_nnet = None
+        self._grad_components: dict[int, object] = {}
+        if computation.need_model_derivative:
+            self._make_gradient_nnet()
+
+    # -- model gradient ------------------------------------------------------------------
+    def _make_gradient_nnet(self) -> None:
+        grad = self.nnet.copy()
+        for i, comp in enumerate(grad.components):
+            if comp.properties() & P.UPDATABLE_COMPONENT:
+                g = comp.copy()
+                g.set_as_gradient()
+                grad.components[i] = g
+                self._grad_components[i] = _component_to_backend(g, self.xp)
+        self._grad_nnet = grad
+
+    def get_model_gradient(self):
+        """The gradient network (Kaldi's SetNnetAsGradient convention); None when the
+        computation does not compute model derivatives."""
+        if self._grad_nnet is None:
+            return None
+        if self.xp is not np:
+            for i, g in self._grad_components.items():
+                host = self._grad_nnet.components[i]
+                for p in host.PARAMS:
+                    setattr(host, p, to_host(getattr(g, p)))
+        return self._grad_nnet
+
+    # -- I/O -------------------------------------------------------------------------------
+    def _node_index(self, name: str) -> int:
+        idx = self.nnet.get_node_index(name)
+        if idx < 0:
+            raise ExecutionError(f"no node named {name!r} in the network")
+        return idx
+
+    def _io_matrix_index(self, name: str, is_output: bool) -> int:
+        node = self._node_index(name)
+        cmds = self.computation.commands
+        while self._pc < len(cmds) and (cmds[self._pc].command_type in _IO
+                                        or cmds[self._pc].command_type == CT.NO_OPERATION_MARKER):
+            if cmds[self._pc].command_type != CT.NO_OPERATION_MARKER:
+                self._pending.append(self._pc)
+            self._pc += 1
+        for k, ci in enumerate(self._pending):
+            c = cmds[ci]
+            if (c.command_type == CT.PROVIDE_OUTPUT) == is_output and c.arg2 == node:
+                if not is_output:
+                    del self._pending[k]
+                if not self.computation.is_whole_matrix(c.arg1):
+                    raise ExecutionError(f"c{ci}: input/output is not a whole matrix")
+                return self.computation.submatrices[c.arg1].matrix_index
+        what = "provide output" if is_output else "accept input"
+        raise ExecutionError(f"cannot {what} for node {name!r}: it is not expected at this "
+                             f"point in the computation (command c{self._pc})")
+
+    def accept_input(self, name: str, matrix) -> None:
+        """Kaldi's AcceptInput: features for an input node, or the derivative
+        w.r.t. an output node in the backward part."""
+        m = self._io_matrix_index(name, is_output=False)
+        info = self.computation.matrices[m]
+        arr = self.xp.asarray(matrix)
+        if arr.ndim != 2 or arr.shape != (info.num_rows, info.num_cols):
+            raise ExecutionError(f"input {name!r}: expected a matrix of shape "
+                                 f"({info.num_rows}, {info.num_cols}) as in the request, "
+                                 f"got {tuple(arr.shape)}")
+        buf = self.pool.get(self.xp, info.num_rows, info.num_cols)
+        buf[...] = arr  # a private copy: the pool may recycle it after a dealloc
+        self._matrices[m] = buf
+
+    accept_output_deriv = accept_input
+
+    def get_output(self, name: str):
+        """Kaldi's GetOutput: a network output, or an input derivative in the
+        backward part.  The array stays owned by the caller (never pooled)."""
+        m = self._io_matrix_index(name, is_output=True)
+        a = self._matrices[m]
+        if a is None:
+            raise ExecutionError(f"output {name!r} (matrix m{m}) has not been computed")
+        return a
+
+    get_input_deriv = get_output
+
+    # -- running ---------------------------------------------------------------------------
+    def _check_no_pending_io(self) -> None:
+        cmds = self.computation.commands
+        while self._pc < len(cmds) and cmds[self._pc].command_type in _IO:
+            self._pending.append(self._pc)
+            self._pc += 1
+        for ci in self._pending:
+            c = cmds[ci]
+            if c.command_type == CT.ACCEPT_INPUT:
+                raise ExecutionError(f"cannot run the computation: no input was given for node "
+                                     f"{self.nnet.get_node_name(c.arg2)!r} (c{ci})")
+        self._pending.clear()
+
+    def run(self) -> None:
+        """Execute commands up to the next input/output command (Kaldi's Run)."""
+        cmds = self.computation.commands
+        n = len(cmds)
+        if self._pc >= n:
+            raise ExecutionError(f"running a computation that has finished (program counter "
+                                 f"{self._pc} of {n} commands)")
+        self._check_no_pending_io()
+        while self._pc < n:
+            c = cmds[self._pc]
+            if c.command_type in _IO:
+                break
+            try:
+                self._execute(c)
+            except ExecutionError as e:
+                if str(e).startswith("while executing"):
+                    raise
+                raise self._error(e) from e
+            except (NnetcError, ValueError, IndexError, KeyError, TypeError, ArithmeticError,
+                    AttributeError, MemoryError, RuntimeError) as e:
+                raise self._error(e) from e
+            self._pc += 1
+
+    def _error(self, e: Exception) -> ExecutionError:
+        try:
+            text = self.computation.command_string(self._pc, self.nnet).rstrip("\n")
+        except Exception:  # noqa: BLE001 (never mask the real error while describing it)
+            text = f"c{self._pc}: {self.computation.commands[self._pc].command_type.name}"
+        err = ExecutionError(f"while executing {text}: {type(e).__name__}: {e}")
+        err.command_index = self._pc
+        return err
+
+    def _sub(self, s: int):
+        if s == 0:
+            # Kaldi's empty submatrix: e.g. the input of a component whose input
+            # step is empty (a ConstantFunctionComponent that needs no input).
+            return self.xp.zeros((0, 0), dtype=np.float32)
+        sm = self.computation.submatrices[s]
+        a = self._matrices[sm.matrix_index]
+        if a is None:
+            raise ExecutionError(f"matrix m{sm.matrix_index} is used before it is allocated")
+        if (sm.row_offset == 0 and sm.col_offset == 0 and sm.num_rows == a.shape[0]
+                and sm.num_cols == a.shape[1]):
+            return a
+        return a[sm.row_offset:sm.row_offset + sm.num_rows,
+                 sm.col_offset:sm.col_offset + sm.num_cols]
+
+    def _sub_or_none(self, s: int):
+        return None if s <= 0 else self._sub(s)
+
+    def _plan(self, kind: str, i: int):
+        key = (kind, i)
+        p = self._plans.get(key)
+        if p is None:
+            c = self.computation
+            if kind == "rows":
+                p = K.make_row_plan(self.xp, c.indexes[i])
+            elif kind == "multi":
+                p = K.make_multi_plan(self.xp, c.indexes_multi[i])
+            else:
+                p = K.make_range_plan(self.xp, c.indexes_ranges[i])
+            self._plans[key] = p
+        return p
+
+    def _execute(self, c) -> None:
+        _HANDLERS[c.command_type](self, c)
+
+    # -- handlers, one per command type -------------------------------------------------------
+    def _alloc(self, c):
+        m = self.computation.submatrices[c.arg1].matrix_index
+        info = self.computation.matrices[m]
+        if self._matrices[m] is not None:
+            self.pool.release(self.xp, self._matrices[m])
+        self._matrices[m] = self.pool.get(self.xp, info.num_rows, info.num_cols)
+
+    def _dealloc(self, c):
+        m = self.computation.submatrices[c.arg1].matrix_index
+        if self._matrices[m] is not None:
+            self.pool.release(self.xp, self._matrices[m])
+        self._matrices[m] = None
+
+    def _swap(self, c):
+        m1 = self.computation.submatrices[c.arg1].matrix_index
+        m2 = self.computation.submatrices[c.arg2].matrix_index
+        self._matrices[m1], self._matrices[m2] = self._matrices[m2], self._matrices[m1]
+
+    def _set_const(self, c):
+        self._sub(c.arg1)[...] = c.alpha
+
+    def _propagate(self, c):
+        comp = self._components[c.arg1]
+        out = self._sub(c.arg4)
+        memo = comp.propagate(self._precomputed[c.arg2], self._sub(c.arg3), out)
+        if c.arg6 and self.nnet_to_store_stats is not None:
+            in_value = None if c.arg3 == c.arg4 else self._sub(c.arg3)
+            self.nnet_to_store_stats.components[c.arg1].store_stats(in_value, out, memo)
+        if c.arg5 > 0:
+            self._memos[c.arg5] = memo
+
+    def _backprop(self, c):
+        comp = self._components[c.arg1]
+        to_update = None
+        if (c.command_type == CT.BACKPROP and self.computation.need_model_derivative
+                and c.arg1 in self._grad_components):
+            to_update = self._grad_components[c.arg1]
+        memo = None
+        if c.arg7 > 0:
+            if c.arg7 not in self._memos:
+                raise ExecutionError(f"memo {c.arg7} was requested but never generated")
+            memo = self._memos.pop(c.arg7)
+        comp.backprop(self.computation_name(c.arg1), self._precomputed[c.arg2],
+                      self._sub_or_none(c.arg3), self._sub_or_none(c.arg4), self._sub(c.arg5),
+                      memo, to_update, self._sub_or_none(c.arg6))
+
+    def computation_name(self, component_index: int) -> str:
+        return self.nnet.component_names[component_index]
+
+    def _matrix_copy(self, c):
+        dest, src = self._sub(c.arg1), self._sub(c.arg2)
+        if dest.shape != src.shape:
+            raise ValueError(f"shape mismatch {dest.shape} vs {src.shape}")
+        if c.alpha == 1.0:
+            if dest is not src:
+                dest[...] = src
+        else:
+            dest[...] = c.alpha * src
+
+    def _matrix_add(self, c):
+        dest, src = self._sub(c.arg1), self._sub(c.arg2)
+        if dest.shape != src.shape:
+            raise ValueError(f"shape mismatch {dest.shape} vs {src.shape}")
+        if c.alpha == 1.0:
+            dest += src
+        else:
+            dest += c.alpha * src
+
+    def _copy_rows(self, c):
+        K.copy_rows(self.xp, self._sub(c.arg1), self._sub(c.arg2), self._plan("rows", c.arg3),
+                    c.alpha)
+
+    def _add_rows(self, c):
+        K.add_rows(self.xp, self._sub(c.arg1), self._sub(c.arg2), self._plan("rows", c.arg3),
+                   c.alpha)
+
+    def _rows_multi(self, c):
+        K.rows_multi(self.xp, self._sub(c.arg1), self._plan("multi", c.arg2), self._sub, c.alpha,
+                     add=c.command_type == CT.ADD_ROWS_MULTI)
+
+    def _to_rows_multi(self, c):
+        if c.command_type == CT.COPY_TO_ROWS_MULTI and c.alpha != 1.0:
+            raise ValueError("CopyToRowsMulti does not support alpha != 1 (as in Kaldi)")
+        K.to_rows_multi(self.xp, self._sub(c.arg1), self._plan("multi", c.arg2), self._sub,
+                        c.alpha, add=c.command_type == CT.ADD_TO_ROWS_MULTI)
+
+    def _add_row_ranges(self, c):
+        K.add_row_ranges(self.xp, self._sub(c.arg1), self._sub(c.arg2),
+                         self._plan("ranges", c.arg3), c.alpha)
+
+    def _compress(self, c):
+        # Kaldi compresses only on a GPU; its CPU build (which produced the reference
+        # numbers) leaves the matrix as it is, and so do we, on every backend.
+        self._sub(c.arg1)
+
+    def _noop(self, c):
+        pass
+
+    def _goto(self, c):
+        target = c.arg1
+        cmds = self.computation.commands
+        if not (0 <= target < len(cmds)) or cmds[target].command_type != CT.NO_OPERATION_LABEL:
+            raise ValueError(f"goto target c{target} is not a label")
+        self._pc = target  # run() then steps past the label
+
+    def _io_in_body(self, c):
+        raise ValueError("input/output command reached inside run()")
+
+
+_HANDLERS = {
+    CT.ALLOC_MATRIX: Executor._alloc,
+    CT.DEALLOC_MATRIX: Executor._dealloc,
+    CT.SWAP_MATRIX: Executor._swap,
+    CT.SET_CONST: Executor._set_const,
+    CT.PROPAGATE: Executor._propagate,
+    CT.BACKPROP: Executor._backprop,
+    CT.BACKPROP_NO_MODEL_UPDATE: Executor._backprop,
+    CT.MATRIX_COPY: Executor._matrix_copy,
+    CT.MATRIX_ADD: Executor._matrix_add,
+    CT.COPY_ROWS: Executor._copy_rows,
+    CT.ADD_ROWS: Executor._add_rows,
+    CT.COPY_ROWS_MULTI: Executor._rows_multi,
+    CT.ADD_ROWS_MULTI: Executor._rows_multi,
+    CT.COPY_TO_ROWS_MULTI: Executor._to_rows_multi,
+    CT.ADD_TO_ROWS_MULTI: Executor._to_rows_multi,
+    CT.ADD_ROW_RANGES: Executor._add_row_ranges,
+    CT.COMPRESS_MATRIX: Executor._compress,
+    CT.DECOMPRESS_MATRIX: Executor._compress,
+    CT.ACCEPT_INPUT: Executor._io_in_body,
+    CT.PROVIDE_OUTPUT: Executor._io_in_body,
+    CT.NO_OPERATION: Executor._noop,
+    CT.NO_OPERATION_PERMANENT: Executor._noop,
+    CT.NO_OPERATION_MARKER: Executor._noop,
+    CT.NO_OPERATION_LABEL: Executor._noop,
+    CT.GOTO_LABEL: Executor._goto,
+}
+
+EXECUTOR_HANDLERS = _HANDLERS
+
+
+def run_computation(computation: NnetComputation, nnet, inputs: dict, output_derivs: dict | None
+                    = None, backend=np, pool: BufferPool | None = None):
+    """Convenience: run forward (and backward when derivatives are given) on a
+    single-segment computation.  Returns (outputs, input_derivs, executor); the
+    input and output names come from the computation's own I/O commands."""
+    ex = Executor(computation, nnet, backend=backend, pool=pool)
+    names_in, names_out, deriv_in, deriv_out = io_names(computation, nnet)
+    for name in names_in:
+        if name not in inputs:
+            raise ExecutionError(f"no input given for node {name!r}")
+        ex.accept_input(name, inputs[name])
+    ex.run()
+    outputs = {name: ex.get_output(name) for name in names_out}
+    input_derivs = {}
+    if deriv_out:
+        output_derivs = output_derivs or {}
+        for name in deriv_out:
+            if name not in output_derivs:
+                raise ExecutionError(f"no output derivative given for node {name!r}")
+            ex.accept_output_deriv(name, output_derivs[name])
+        ex.run()
+        input_derivs = {name: ex.get_input_deriv(name) for name in deriv_in}
+    return outputs, input_derivs, ex
+
+
+def io_names(computation: NnetComputation, nnet) -> tuple[list, list, list, list]:
+    """(inputs, outputs, input-derivatives provided, output-derivatives accepted), by
+    node name, in command order, split at the first segment marker."""
+    ins, outs, dins, douts = [], [], [], []
+    backward = False
+    for c in computation.commands:
+        if c.command_type == CT.NO_OPERATION_MARKER:
+            backward = True
+        elif c.command_type == CT.ACCEPT_INPUT:
+            (douts if backward else ins).append(nnet.get_node_name(c.arg2))
+        elif c.command_type == CT.PROVIDE_OUTPUT:
+            (dins if backward else outs).append(nnet.get_node_name(c.arg2))
+    return ins, outs, dins, douts

@@ -1,0 +1,224 @@
+"""Row-operation kernels of the executor: Kaldi's CuMatrix CopyRows/AddRows,
+the pointer-list variants (CopyRowsMulti, AddRowsMulti, CopyToRowsMulti,
+AddToRowsMulti) and AddRowRanges (cu-matrix.h), as vectorised gathers and
+scatter-adds on the array backend ``xp`` (numpy or cupy).
+
+Index tables are converted once per computation into "plans" holding backend
+index arrays, so a run does no Python work per row:
+
+- ``RowPlan`` for an ``indexes`` vector (destination row -> source row or -1);
+- ``MultiPlan`` for an ``indexes_multi`` vector ((submatrix, row) pairs),
+  grouped by submatrix so each group is one gather or one scatter;
+- ``RangePlan`` for an ``indexes_ranges`` vector ((start, end) per destination
+  row), summed with a cumulative sum over the gathered rows.
+
+Semantics follow Kaldi: CopyRows writes zero where the index is -1 (and so does
+CopyRowsMulti for a NULL pointer); the Add variants leave such rows alone; the
+To-rows variants skip NULL destinations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _asindex(xp, a) -> "np.ndarray":
+    return xp.asarray(np.asarray(a, dtype=np.int64))
+
+
+def scatter_add(xp, target, rows, values) -> None:
+    """target[rows] += values, correct when ``rows`` repeats."""
+    if xp is np:
+        np.add.at(target, rows, values)
+    else:  # cupy
+        import cupyx  # noqa: PLC0415
+
+        cupyx.scatter_add(target, rows, values)
+
+
+@dataclass
+class RowPlan:
+    num_rows: int
+    identity: bool          # indexes == arange(num_rows)
+    all_valid: bool         # no -1
+    dest_rows: object       # backend int array (valid destination rows)
+    src_rows: object        # backend int array (their source rows)
+    invalid_rows: object    # backend int array (rows with -1)
+    max_src: int
+
+
+def make_row_plan(xp, indexes) -> RowPlan:
+    idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
+    valid = idx >= 0
+    n = idx.size
+    identity = bool(n > 0 and np.array_equal(idx, np.arange(n)))
+    return RowPlan(num_rows=n, identity=identity, all_valid=bool(valid.all()),
+                   dest_rows=_asindex(xp, np.nonzero(valid)[0]), src_rows=_asindex(xp, idx[valid]),
+                   invalid_rows=_asindex(xp, np.nonzero(~valid)[0]),
+                   max_src=int(idx.max()) if n else -1)
+
+
+def _check_rows(plan_rows: int, dest, what: str) -> None:
+    if dest.shape[0] != plan_rows:
+        raise ValueError(f"{what}: index vector has {plan_rows} entries but the destination "
+                         f"has {dest.shape[0]} rows")
+
+
+def _check_src(max_src: int, src, what: str) -> None:
+    if max_src >= src.shape[0]:
+        raise ValueError(f"{what}: index {max_src} out of range for a source of "
+                         f"{src.shape[0]} rows")
+
+
+def copy_rows(xp, dest, src, plan: RowPlan, alpha: float = 1.0) -> None:
+    """dest[i] = alpha * src[indexes[i]] (zero where indexes[i] == -1)."""
+    _check_rows(plan.num_rows, dest, "CopyRows")
+    _check_src(plan.max_src, src, "CopyRows")
+    if alpha == 0.0:
+        return  # Kaldi fakes alpha by scaling and skips alpha == 0 entirely
+    if plan.all_valid:
+        dest[...] = src[plan.src_rows] if alpha == 1.0 else alpha * src[plan.src_rows]
+        return
+    dest[plan.dest_rows] = src[plan.src_rows] if alpha == 1.0 else alpha * src[plan.src_rows]
+    dest[plan.invalid_rows] = 0
+
+
+def add_rows(xp, dest, src, plan: RowPlan, alpha: float = 1.0) -> None:
+    """dest[i] += alpha * src[indexes[i]] (nothing where indexes[i] == -1)."""
+    _check_rows(plan.num_rows, dest, "AddRows")
+    _check_src(plan.max_src, src, "AddRows")
+    if plan.identity and src.shape[0] == dest.shape[0]:
+        dest += src if alpha == 1.0 else alpha * src
+        return
+    vals = src[plan.src_rows]
+    if alpha != 1.0:
+        vals *= alpha
+    if plan.all_valid:
+        dest += vals
+    else:
+        dest[plan.dest_rows] += vals  # destination rows are distinct
+
+
+@dataclass
+class MultiGroup:
+    submatrix: int
+    positions: object       # rows of the "this" matrix (backend int array)
+    rows: object            # rows of the submatrix (backend int array)
+    unique_rows: bool       # no repeats in ``rows``
+    max_row: int
+
+
+@dataclass
+class MultiPlan:
+    num_rows: int
+    groups: list
+    null_positions: object  # rows with (-1, -1)
+    has_null: bool
+
+
+def make_multi_plan(xp, pairs) -> MultiPlan:
+    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    groups = []
+    subs = arr[:, 0]
+    for s in np.unique(subs[subs >= 0]):
+        pos = np.nonzero(subs == s)[0]
+        rows = arr[pos, 1]
+        groups.append(MultiGroup(int(s), _asindex(xp, pos), _asindex(xp, rows),
+                                 bool(np.unique(rows).size == rows.size),
+                                 int(rows.max()) if rows.size else -1))
+    null = np.nonzero(subs < 0)[0]
+    return MultiPlan(arr.shape[0], groups, _asindex(xp, null), bool(null.size))
+
+
+def rows_multi(xp, dest, plan: MultiPlan, get_sub, alpha: float, add: bool) -> None:
+    """AddRowsMulti / CopyRowsMulti: dest[i] (+)= alpha * pointer_i."""
+    what = "AddRowsMulti" if add else "CopyRowsMulti"
+    _check_rows(plan.num_rows, dest, what)
+    if not add and alpha == 0.0:
+        return
+    for g in plan.groups:
+        src = get_sub(g.submatrix)
+        if src.shape[1] != dest.shape[1]:
+            raise ValueError(f"{what}: submatrix {g.submatrix} has {src.shape[1]} columns, "
+                             f"destination {dest.shape[1]}")
+        _check_src(g.max_row, src, what)
+        vals = src[g.rows]
+        if alpha != 1.0:
+            vals *= alpha
+        if add:
+            dest[g.positions] += vals
+        else:
+            dest[g.positions] = vals
+    if not add and plan.has_null:
+        dest[plan.null_positions] = 0
+
+
+def to_rows_multi(xp, src, plan: MultiPlan, get_sub, alpha: float, add: bool) -> None:
+    """AddToRowsMulti / CopyToRowsMulti: pointer_i (+)= alpha * src[i]."""
+    what = "AddToRowsMulti" if add else "CopyToRowsMulti"
+    _check_rows(plan.num_rows, src, what)
+    for g in plan.groups:
+        dest = get_sub(g.submatrix)
+        if dest.shape[1] != src.shape[1]:
+            raise ValueError(f"{what}: submatrix {g.submatrix} has {dest.shape[1]} columns, "
+                             f"source {src.shape[1]}")
+        _check_src(g.max_row, dest, what)
+        vals = src[g.positions]
+        if alpha != 1.0:
+            vals = alpha * vals
+        if not add:
+            dest[g.rows] = vals
+        elif g.unique_rows:
+            dest[g.rows] += vals
+        else:
+            scatter_add(xp, dest, g.rows, vals)
+
+
+@dataclass
+class RangePlan:
+    num_rows: int
+    as_rows: RowPlan | None   # every range has length <= 1: a plain AddRows
+    dest_rows: object         # destination rows with a nonempty range
+    gather: object            # source rows, ranges concatenated
+    seg_end: object           # end offsets of each range within ``gather``
+    seg_start: object
+    max_src: int
+
+
+def make_range_plan(xp, pairs) -> RangePlan:
+    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    n = arr.shape[0]
+    start, end = arr[:, 0], arr[:, 1]
+    lens = np.where(start >= 0, end - start, 0)
+    max_src = int(end.max()) - 1 if n else -1
+    if n == 0 or lens.max() <= 1:
+        idx = np.where(lens == 1, start, -1)
+        return RangePlan(n, make_row_plan(xp, idx), None, None, None, None, max_src)
+    nz = np.nonzero(lens > 0)[0]
+    l_nz = lens[nz]
+    ends = np.cumsum(l_nz)
+    starts = ends - l_nz
+    # source rows: for each nonempty range, start..end-1, concatenated
+    offs = np.arange(int(ends[-1])) - np.repeat(starts, l_nz)
+    gather = np.repeat(start[nz], l_nz) + offs
+    return RangePlan(n, None, _asindex(xp, nz), _asindex(xp, gather), _asindex(xp, ends),
+                     _asindex(xp, starts), max_src)
+
+
+def add_row_ranges(xp, dest, src, plan: RangePlan, alpha: float = 1.0) -> None:
+    """dest[i] += alpha * sum(src[start_i:end_i])."""
+    _check_rows(plan.num_rows, dest, "AddRowRanges")
+    _check_src(plan.max_src, src, "AddRowRanges")
+    if alpha == 0.0:
+        return
+    if plan.as_rows is not None:
+        add_rows(xp, dest, src, plan.as_rows, alpha)
+        return
+    g = src[plan.gather].astype(xp.float64)
+    cs = xp.concatenate([xp.zeros((1, g.shape[1]), dtype=xp.float64), xp.cumsum(g, axis=0)])
+    sums = cs[plan.seg_end] - cs[plan.seg_start]
+    if alpha != 1.0:
+        sums *= alpha
+    dest[plan.dest_rows] += sums.astype(dest.dtype)
