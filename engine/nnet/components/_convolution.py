@@ -1,0 +1,454 @@
+"""The time-height convolution engine (Kaldi's convolution.{h,cc}): the model
+(filters, heights, (time, height) offsets), its compilation against a set of input
+and output Indexes into a ConvolutionComputation, and the GEMM-based forward and
+backward passes.
+
+Compilation follows Kaldi step by step: put input and output t values on regular
+grids (GetComputationIo), pad the input's t grid to the model's time offsets,
+zero-pad the model's height, append input frames together when the output t step
+is a multiple of the input's (so that every step is a plain row shift), make one
+"step" per distinct time offset (a row shift of the input, a column gather of the
+input heights it reads and a block of the parameter matrix), then undo the height
+padding by turning padded heights into -1 (zero) columns.  The Index lists are
+rewritten onto the grids, with blank Indexes (t = kNoTime) for rows nobody asked for.
+
+Each step of the maths is: gather columns (or take a contiguous column block) of a
+row-shifted slice of the input, view it as (rows * height_out, cols / height_out)
+and multiply by the step's parameter block.  ``temp_rows`` (from max-memory-mb) only
+limits the size of the gathered temporary; the time range is processed in chunks of
+that many rows, which does not change the result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.core.errors import ComponentError
+from engine.core.index import Index, K_NO_TIME
+from engine.core.xp import array_module
+from engine.nnet.components._nonsimple_utils import (
+    ConvolutionComputationIo,
+    get_computation_io,
+    get_nx_list,
+)
+
+
+@dataclass
+class ConvolutionModel:
+    num_filters_in: int = 0
+    num_filters_out: int = 0
+    height_in: int = 0
+    height_out: int = 0
+    height_subsample_out: int = 1
+    offsets: list = field(default_factory=list)          # sorted (time, height) pairs
+    required_time_offsets: set = field(default_factory=set)
+
+    @property
+    def all_time_offsets(self) -> list[int]:
+        return sorted({t for t, _ in self.offsets})
+
+    @property
+    def time_offsets_modulus(self) -> int:
+        ts = self.all_time_offsets
+        m = 0
+        for a, b in zip(ts, ts[1:]):
+            m = math.gcd(m, b - a)
+        return m
+
+    def input_dim(self) -> int:
+        return self.num_filters_in * self.height_in
+
+    def output_dim(self) -> int:
+        return self.num_filters_out * self.height_out
+
+    def param_rows(self) -> int:
+        return self.num_filters_out
+
+    def param_cols(self) -> int:
+        return self.num_filters_in * len(self.offsets)
+
+    def copy(self) -> "ConvolutionModel":
+        return ConvolutionModel(self.num_filters_in, self.num_filters_out, self.height_in,
+                                self.height_out, self.height_subsample_out,
+                                list(self.offsets), set(self.required_time_offsets))
+
+    def info(self) -> str:
+        offs = " ".join(f"{t},{h}" for t, h in self.offsets)
+        req = ",".join(str(t) for t in sorted(self.required_time_offsets))
+        return (f"num-filters-in={self.num_filters_in}, num-filters-out={self.num_filters_out}"
+                f", height-in={self.height_in}, height-out={self.height_out}"
+                f", height-subsample-out={self.height_subsample_out}"
+                f", {{time,height}}-offsets=[{offs}], required-time-offsets=[{req}]"
+                f", input-dim={self.input_dim()}, output-dim={self.output_dim()}")
+
+    def problem(self, check_heights_used: bool, allow_height_padding: bool) -> str | None:
+        """Kaldi's ConvolutionModel::Check: None if fine, else what is wrong."""
+        if (self.num_filters_in <= 0 or self.num_filters_out <= 0 or self.height_in <= 0
+                or self.height_out <= 0 or self.height_subsample_out <= 0
+                or not self.offsets or not self.required_time_offsets):
+            return ("num-filters-in/out, height-in/out and height-subsample-out must be > 0 "
+                    "and the offsets and required time offsets non-empty")
+        if sorted(set(self.offsets)) != list(self.offsets):
+            return "offsets must be sorted and unique"
+        if not set(self.required_time_offsets) <= set(self.all_time_offsets):
+            return "required time offsets must be a subset of the time offsets"
+        h_in_used = np.zeros(self.height_in, dtype=bool)
+        offsets_used = np.zeros(len(self.offsets), dtype=bool)
+        for h_out in range(0, self.height_out * self.height_subsample_out,
+                           self.height_subsample_out):
+            some_input = False
+            for i, (t, h) in enumerate(self.offsets):
+                h_in = h_out + h
+                if 0 <= h_in < self.height_in:
+                    offsets_used[i] = True
+                    h_in_used[h_in] = True
+                    if t in self.required_time_offsets:
+                        some_input = True
+                elif not allow_height_padding:
+                    return "height padding would be needed but is not allowed"
+            if not some_input:
+                return (f"output height {h_out // self.height_subsample_out} has no input "
+                        "when only the required time offsets are available")
+        if check_heights_used and not h_in_used.all():
+            return f"input height {int(np.nonzero(~h_in_used)[0][0])} is never used"
+        if not offsets_used.all():
+            t, h = self.offsets[int(np.nonzero(~offsets_used)[0][0])]
+            return f"(time,height) offset ({t},{h}) is never used"
+        return None
+
+
+@dataclass
+class ConvolutionStep:
+    input_time_shift: int
+    params_start_col: int
+    height_map: list
+
+
+@dataclass
+class ConvolutionComputation:
+    num_filters_in: int = 0
+    num_filters_out: int = 0
+    height_in: int = 0
+    height_out: int = 0
+    num_t_in: int = 0
+    num_t_out: int = 0
+    num_images: int = 0
+    temp_rows: int = 0
+    temp_cols: int = 0
+    steps: list = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------
+# compilation
+
+
+def _is_contiguous(v) -> bool:
+    return all(b == a + 1 for a, b in zip(v, v[1:]))
+
+
+def _compute_temp_matrix_size(max_memory_mb: float, cc: ConvolutionComputation) -> None:
+    temp_cols = 0
+    for step in cc.steps:
+        ncols = len(step.height_map) * cc.num_filters_in
+        contiguous = step.height_map[0] != -1 and _is_contiguous(step.height_map)
+        need_temp = not (contiguous and step.height_map[0] == 0 and
+                         ncols == cc.num_filters_in * cc.height_in)
+        if need_temp:
+            temp_cols = max(temp_cols, ncols)
+    temp_rows = 0
+    if temp_cols > 0:
+        temp_rows = cc.num_t_out * cc.num_images
+        megabytes = 4 * (temp_rows / 1000.0) * (temp_cols / 1000.0)
+        ratio = int(1.0 + megabytes / max_memory_mb)
+        temp_rows = ((cc.num_t_out + ratio - 1) // ratio) * cc.num_images
+    cc.temp_rows, cc.temp_cols = temp_rows, temp_cols
+
+
+def _pad_model_height(model: ConvolutionModel) -> ConvolutionModel:
+    hs = [h for _, h in model.offsets]
+    bottom = max(0, -min(hs))
+    top = max(0, max(hs) + model.height_subsample_out * (model.height_out - 1)
+              - (model.height_in - 1))
+    padded = model.copy()
+    padded.height_in += bottom + top
+    padded.offsets = [(t, h + bottom) for t, h in model.offsets]
+    return padded
+
+
+def _pad_computation_input_time(model: ConvolutionModel, io: ConvolutionComputationIo) -> None:
+    modulus = model.time_offsets_modulus
+    if modulus == 0:
+        return
+    ts = model.all_time_offsets
+    old_step = io.t_step_in
+    io.t_step_in = math.gcd(io.t_step_in, modulus)
+    if io.t_step_out != 0:
+        io.t_step_in = math.gcd(io.t_step_in, io.t_step_out)
+    io.num_t_in = 1 + (old_step * (io.num_t_in - 1)) // io.t_step_in
+    first_desired = io.start_t_out + ts[0]
+    if first_desired < io.start_t_in:
+        io.num_t_in += (io.start_t_in - first_desired) // io.t_step_in
+        io.start_t_in = first_desired
+    last_desired = io.start_t_out + (io.num_t_out - 1) * io.t_step_out + ts[-1]
+    last_in = io.start_t_in + (io.num_t_in - 1) * io.t_step_in
+    if last_desired > last_in:
+        io.num_t_in += (last_desired - last_in) // io.t_step_in
+
+
+def _append_input_frames(model: ConvolutionModel, io: ConvolutionComputationIo):
+    """Kaldi's AppendInputFrames (with PrepareIoForAppending): returns the model and
+    io of the frame-appended view; ``io`` itself gets reorder_t_in set."""
+    if io.t_step_out == 0:
+        io.t_step_out = io.t_step_in
+    if io.t_step_out == io.t_step_in:
+        return model, io.copy()
+    if io.t_step_in == 0 or io.t_step_out % io.t_step_in != 0:
+        raise ComponentError(f"output t step {io.t_step_out} is not a multiple of the "
+                             f"input t step {io.t_step_in}")
+    ratio = io.t_step_out // io.t_step_in
+    io.reorder_t_in = ratio
+    if io.num_t_in % ratio != 0:
+        io.num_t_in += ratio - io.num_t_in % ratio
+    io_app = io.copy()
+    io_app.reorder_t_in = 1
+    io_app.t_step_in = io.t_step_out
+    io_app.num_t_in //= ratio
+    step_out, step_in = io_app.t_step_out, io.t_step_in
+    first = model.all_time_offsets[0]
+    appended = ConvolutionModel(model.num_filters_in, model.num_filters_out,
+                                ratio * model.height_in, model.height_out,
+                                model.height_subsample_out)
+    new_offsets = []
+    for t, h in model.offsets:
+        t0 = t - first
+        new_t = step_out * (t0 // step_out)
+        row = (t0 - new_t) // step_in
+        new_offsets.append((new_t + first, h + row * model.height_in))
+    appended.offsets = new_offsets
+    appended.required_time_offsets = {t for t, _ in new_offsets}
+    return appended, io_app
+
+
+def _make_computation(model: ConvolutionModel, io: ConvolutionComputationIo,
+                      max_memory_mb: float) -> ConvolutionComputation:
+    cc = ConvolutionComputation(model.num_filters_in, model.num_filters_out,
+                                model.height_in, model.height_out, io.num_t_in,
+                                io.num_t_out, io.num_images)
+    t_step = max(1, io.t_step_in)
+    num_extra = io.num_t_in - io.num_t_out
+    offs = model.offsets
+    start = 0
+    while start < len(offs):
+        end = start
+        while end < len(offs) and offs[end][0] == offs[start][0]:
+            end += 1
+        shift_t = offs[start][0] + io.start_t_out - io.start_t_in
+        if shift_t < 0 or shift_t % t_step != 0 or shift_t // t_step > num_extra:
+            raise ComponentError(f"time offset {offs[start][0]} does not fit the input grid")
+        hmap = [h_out + offs[o][1]
+                for h_out in range(0, model.height_out * model.height_subsample_out,
+                                   model.height_subsample_out)
+                for o in range(start, end)]
+        cc.steps.append(ConvolutionStep(shift_t // t_step, model.num_filters_in * start, hmap))
+        start = end
+    _compute_temp_matrix_size(max_memory_mb, cc)
+    return cc
+
+
+def _unpad_model_height(max_memory_mb: float, model: ConvolutionModel,
+                        padded: ConvolutionModel, cc: ConvolutionComputation) -> None:
+    bottom = padded.offsets[0][1] - model.offsets[0][1]
+    top = padded.height_in - model.height_in - bottom
+    ratio = cc.height_in // padded.height_in
+    cc.height_in = ratio * model.height_in
+    for step in cc.steps:
+        new = []
+        for c in step.height_map:
+            h, m = c % padded.height_in, c // padded.height_in
+            if h < bottom or h >= padded.height_in - top:
+                new.append(-1)
+            else:
+                new.append(h - bottom + m * model.height_in)
+        step.height_map = new
+    _compute_temp_matrix_size(max_memory_mb, cc)
+
+
+def _check_model_and_io(model: ConvolutionModel, io: ConvolutionComputationIo,
+                        allow_extra_input: bool) -> None:
+    ts = model.all_time_offsets
+    if not allow_extra_input:
+        last_in = io.start_t_in + io.t_step_in * (io.num_t_in - 1)
+        last_out = io.start_t_out + io.t_step_out * (io.num_t_out - 1)
+        if io.start_t_in < io.start_t_out + ts[0] or last_in > last_out + ts[-1]:
+            raise ComponentError("the input has more time context than the model uses")
+    # Every output time's required inputs must lie on the input grid (Kaldi samples
+    # a few output times; all of them are checked here).
+    t_out = io.start_t_out + io.t_step_out * np.arange(io.num_t_out)
+    step_in = max(1, io.t_step_in)
+    for off in sorted(model.required_time_offsets):
+        t = t_out + off
+        ok = (t >= io.start_t_in) & (t < io.start_t_in + step_in * io.num_t_in) & \
+            ((t - io.start_t_in) % step_in == 0)
+        if not ok.all():
+            raise ComponentError(f"time {int(t[~ok][0])} is required but not in the input")
+
+
+def _grid_indexes(nx, t_start, t_step, num_t, reorder_t, present: set) -> list[Index]:
+    if t_step == 0:
+        t_step = 1
+    out = []
+    outer = t_step * reorder_t
+    for t_block in range(t_start, t_start + num_t * t_step, outer):
+        for n, x in nx:
+            for t in range(t_block, t_block + outer, t_step):
+                idx = Index(n, t, x)
+                out.append(idx if idx in present else Index(n, K_NO_TIME, x))
+    return out
+
+
+def compile_convolution(model: ConvolutionModel, input_indexes, output_indexes,
+                        max_memory_mb: float):
+    """Kaldi's CompileConvolutionComputation: returns (computation, new input Indexes,
+    new output Indexes).  Raises ComponentError where Kaldi would assert."""
+    io = get_computation_io(input_indexes, output_indexes)
+    _check_model_and_io(model, io, False)
+    _pad_computation_input_time(model, io)
+    _check_model_and_io(model, io, False)
+    padded = _pad_model_height(model)
+    _check_model_and_io(padded, io, False)
+    appended, io_app = _append_input_frames(padded, io)
+    _check_model_and_io(appended, io_app, True)
+    cc = _make_computation(appended, io_app, max_memory_mb)
+    _unpad_model_height(max_memory_mb, model, padded, cc)
+    nx = get_nx_list(input_indexes)
+    in_set = {Index(*i) for i in input_indexes}
+    out_set = {Index(*i) for i in output_indexes}
+    new_in = _grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, io.reorder_t_in,
+                           in_set)
+    new_out = _grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1, out_set)
+    return cc, new_in, new_out
+
+
+# --------------------------------------------------------------------------------------
+# the maths
+
+
+def step_arrays(cc: ConvolutionComputation):
+    """Per-step column data: (meta rows, gather columns, backward column passes).
+
+    meta[s] = [time shift, params start col, number of columns, contiguous (0/1),
+    first column, offset into ``columns``, number of backward passes, offset into
+    ``backward``]; columns use ``input_dim`` for a zero column (height -1)."""
+    f_in = cc.num_filters_in
+    input_dim = cc.height_in * f_in
+    meta, cols_all, bw_all = [], [], []
+    c_off = b_off = 0
+    for step in cc.steps:
+        hm = np.asarray(step.height_map, dtype=np.int64)
+        cols = (hm[:, None] * f_in + np.arange(f_in)[None, :]).reshape(-1)
+        cols[np.repeat(hm == -1, f_in)] = input_dim
+        contiguous = bool(hm[0] != -1 and _is_contiguous(step.height_map))
+        # reverse map in passes with no repeated input column within a pass
+        valid = np.nonzero(cols != input_dim)[0]
+        order = np.argsort(cols[valid], kind="stable")
+        src = valid[order]
+        dst = cols[src]
+        first_of = np.searchsorted(dst, dst, side="left")
+        rank = np.arange(dst.size) - first_of
+        npass = int(rank.max()) + 1 if dst.size else 0
+        bw = np.full((npass, input_dim), cols.size, dtype=np.int64)
+        bw[rank, dst] = src
+        meta.append([step.input_time_shift, step.params_start_col, int(cols.size),
+                     int(contiguous), int(cols[0]), c_off, npass, b_off])
+        cols_all.append(cols)
+        bw_all.append(bw.reshape(-1))
+        c_off += cols.size
+        b_off += bw.size
+    return (meta, np.concatenate(cols_all) if cols_all else np.zeros(0, np.int64),
+            np.concatenate(bw_all) if bw_all else np.zeros(0, np.int64))
+
+
+def _chunks(ci, rows_out: int):
+    """Row chunks of the output (and matching input) limited by temp_rows."""
+    ni = ci.num_images
+    if ci.temp_rows == 0 or ci.temp_rows >= rows_out:
+        yield 0, rows_out
+        return
+    step = ci.temp_rows
+    for r0 in range(0, rows_out, step):
+        yield r0, min(rows_out, r0 + step)
+    del ni
+
+
+def _step_input(ci, meta, inp, r0, r1, xp):
+    """The (r1-r0, ncols) gathered input block of a step for output rows r0:r1."""
+    shift, _, ncols, contiguous, first, c_off, _, _ = meta
+    base = shift * ci.num_images
+    part = inp[base + r0:base + r1]
+    if contiguous:
+        return part[:, first:first + ncols]
+    cols = ci.columns[c_off:c_off + ncols]
+    padded = xp.concatenate([part, xp.zeros((part.shape[0], 1), dtype=part.dtype)], axis=1)
+    return padded[:, cols]
+
+
+def convolve_forward(ci, inp, params, out) -> None:
+    """out += convolution of inp (rows reshaped to num_t_in * num_images)."""
+    xp = array_module(inp)
+    rows_req = ci.num_t_in * ci.num_images
+    inp = inp.reshape(rows_req, -1)
+    rows_out = out.shape[0]
+    ho, fo = ci.height_out, ci.num_filters_out
+    for r0, r1 in _chunks(ci, rows_out):
+        acc = xp.zeros(((r1 - r0) * ho, fo), dtype=out.dtype)
+        for meta in ci.meta:
+            block = _step_input(ci, meta, inp, r0, r1, xp)
+            pc = meta[2] // ho
+            acc += block.reshape(-1, pc) @ params[:, meta[1]:meta[1] + pc].T
+        out[r0:r1] += acc.reshape(r1 - r0, ho * fo)
+
+
+def convolve_backward_data(ci, params, out_deriv, in_deriv) -> None:
+    """in_deriv += derivative through the convolution."""
+    xp = array_module(out_deriv)
+    rows_req = ci.num_t_in * ci.num_images
+    contiguous = bool(in_deriv.flags.c_contiguous)
+    target = in_deriv if contiguous else in_deriv.copy()
+    ind = target.reshape(rows_req, -1)
+    rows_out = out_deriv.shape[0]
+    ho, fo = ci.height_out, ci.num_filters_out
+    for r0, r1 in _chunks(ci, rows_out):
+        od = out_deriv[r0:r1].reshape(-1, fo)
+        for meta in ci.meta:
+            shift, pstart, ncols, contig, first, c_off, npass, b_off = meta
+            pc = ncols // ho
+            temp = (od @ params[:, pstart:pstart + pc]).reshape(r1 - r0, ncols)
+            base = shift * ci.num_images
+            part = ind[base + r0:base + r1]
+            if contig:
+                part[:, first:first + ncols] += temp
+            else:
+                tz = xp.concatenate([temp, xp.zeros((temp.shape[0], 1), dtype=temp.dtype)],
+                                    axis=1)
+                dim = ind.shape[1]
+                for k in range(npass):
+                    part += tz[:, ci.backward[b_off + k * dim:b_off + (k + 1) * dim]]
+    if not contiguous:
+        in_deriv[...] = target
+
+
+def convolve_backward_params(ci, inp, out_deriv, alpha: float, params_deriv) -> None:
+    xp = array_module(inp)
+    rows_req = ci.num_t_in * ci.num_images
+    inp = inp.reshape(rows_req, -1)
+    rows_out = out_deriv.shape[0]
+    ho, fo = ci.height_out, ci.num_filters_out
+    for r0, r1 in _chunks(ci, rows_out):
+        od = out_deriv[r0:r1].reshape(-1, fo)
+        for meta in ci.meta:
+            block = _step_input(ci, meta, inp, r0, r1, xp)
+            pc = meta[2] // ho
+            params_deriv[:, meta[1]:meta[1] + pc] += alpha * (od.T @ block.reshape(-1, pc))

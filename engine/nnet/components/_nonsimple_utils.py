@@ -1,0 +1,241 @@
+"""Helpers shared by the non-simple components (statistics, attention, time-height
+convolution): Kaldi's row-range sums (CuMatrix::AddRowRanges), integer-pair vector and
+double-precision I/O (base/io-funcs), the (n, x) / t lists of nnet-compile-utils
+(GetNxList, GetTList) and the regular-grid description of a convolution's input and
+output (convolution.h: ConvolutionComputationIo, GetComputationIo).
+
+The index helpers run at compile time on Index lists; the maths helpers are vectorised
+and backend-agnostic.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.core.errors import ComponentError
+from engine.core.index import K_NO_TIME, Index
+from engine.core.xp import array_module
+from engine.nnet.kaldi_io import KaldiReader, KaldiWriter, format_float
+
+
+# --------------------------------------------------------------------------------------
+# maths
+
+
+def add_row_ranges(src, begins, ends, dst, alpha: float = 1.0) -> None:
+    """``dst[i] += alpha * sum(src[begins[i]:ends[i]])`` for every row i (empty ranges,
+    marked begin == end, add nothing).  Exact per-range sums (no cumulative-sum
+    cancellation) via ``add.reduceat`` on interleaved (begin, end) boundaries."""
+    xp = array_module(src)
+    n = int(begins.shape[0])
+    if n == 0 or src.shape[1] == 0:
+        return
+    padded = xp.concatenate([src, xp.zeros((1, src.shape[1]), dtype=src.dtype)], axis=0)
+    bounds = xp.empty(2 * n, dtype=np.int64)
+    bounds[0::2] = begins
+    bounds[1::2] = ends
+    if hasattr(xp.add, "reduceat"):
+        sums = xp.add.reduceat(padded, bounds, axis=0)[0::2]
+    else:  # backends without reduceat: cumulative sums in double precision
+        cs = xp.concatenate([xp.zeros((1, src.shape[1]), dtype=np.float64),
+                             xp.cumsum(src.astype(np.float64), axis=0)], axis=0)
+        sums = (cs[ends] - cs[begins]).astype(src.dtype)
+    # reduceat returns src[b] when b >= e; empty ranges must contribute nothing.
+    empty = xp.asarray(begins) >= xp.asarray(ends)
+    if bool(empty.any()):
+        sums = xp.where(empty[:, None], xp.zeros((), dtype=src.dtype), sums)
+    if alpha == 1.0:
+        dst += sums
+    else:
+        dst += alpha * sums
+
+
+# --------------------------------------------------------------------------------------
+# I/O helpers (base/io-funcs)
+
+
+def read_int_pair_vector(reader: KaldiReader) -> list[tuple[int, int]]:
+    """Kaldi's ReadIntegerPairVector: binary ``\\4 <int32 n> pairs``, text ``[ a,b c,d ]``."""
+    start = reader.pos
+    if reader.binary:
+        size = reader._take(1)[0]
+        if size != 4:
+            raise reader.error(f"integer pair vector has element size {size}, expected 4",
+                               offset=start)
+        n = reader.read_int_raw()
+        if n < 0 or n * 8 > len(reader.data) - reader.pos:
+            raise reader.error(f"integer pair vector size {n} exceeds the file", offset=start)
+        flat = np.frombuffer(reader._take(8 * n), dtype="<i4").astype(int)
+        return [(int(flat[2 * i]), int(flat[2 * i + 1])) for i in range(n)]
+    if reader._word() != "[":
+        raise reader.error("expected '[' to start an integer pair vector", offset=start)
+    out = []
+    while True:
+        w_start = reader.pos
+        w = reader._word()
+        if w == "]":
+            return out
+        parts = w.split(",")
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            out.append((int(parts[0]), int(parts[1])))
+        except ValueError:
+            raise reader.error(f"expected an integer pair like 3,-1, got {w!r}",
+                               offset=w_start) from None
+
+
+def write_int_pair_vector(writer: KaldiWriter, pairs) -> None:
+    pairs = [(int(a), int(b)) for a, b in pairs]
+    if writer.binary:
+        writer.raw(b"\x04" + struct.pack("<i", len(pairs)))
+        writer.raw(np.asarray(pairs, dtype="<i4").reshape(-1).tobytes())
+    else:
+        writer.raw("[ " + "".join(f"{a},{b} " for a, b in pairs) + "]\n")
+
+
+def write_double(writer: KaldiWriter, v: float) -> None:
+    """WriteBasicType<double>: 8-byte value in binary, shortest %g-style text."""
+    if writer.binary:
+        writer.raw(b"\x08" + struct.pack("<d", float(v)))
+    else:
+        writer.raw(_double_str(v) + " ")
+
+
+def _double_str(v: float) -> str:
+    # C++ streams print doubles with 6 significant digits by default; Kaldi's text
+    # output raises that precision only for floats written through its matrix code.
+    if float(v) == 0.0:
+        return "0"
+    return format_float(v)
+
+
+def write_double_vector(writer: KaldiWriter, v) -> None:
+    v = np.asarray(v, dtype=np.float64).ravel()
+    if writer.binary:
+        writer.write_token("DV")
+        writer.write_int(v.size)
+        writer.raw(v.astype("<f8").tobytes())
+    else:
+        writer.write_vector(v)
+
+
+def write_double_matrix(writer: KaldiWriter, m) -> None:
+    m = np.asarray(m, dtype=np.float64)
+    if m.ndim != 2:
+        m = m.reshape(0, 0)
+    if writer.binary:
+        writer.write_token("DM")
+        writer.write_int(m.shape[0])
+        writer.write_int(m.shape[1])
+        writer.raw(np.ascontiguousarray(m).astype("<f8").tobytes())
+    else:
+        writer.write_matrix(m)
+
+
+def read_double_vector(reader: KaldiReader) -> np.ndarray:
+    """A Vector<double> (DV/FV binary or text); kept as float64."""
+    if reader.binary:
+        start = reader.pos
+        tok = reader.read_token()
+        if tok not in ("FV", "DV"):
+            raise reader.error(f"expected a vector (FV/DV), got token {tok!r}", offset=start)
+        n = reader.read_int()
+        width = 4 if tok == "FV" else 8
+        if n < 0 or n * width > len(reader.data) - reader.pos:
+            raise reader.error(f"vector size {n} exceeds the file", offset=start)
+        return np.frombuffer(reader._take(n * width),
+                             dtype="<f4" if width == 4 else "<f8").astype(np.float64)
+    return reader.read_vector().astype(np.float64)
+
+
+def read_double_matrix(reader: KaldiReader) -> np.ndarray:
+    if reader.binary:
+        start = reader.pos
+        tok = reader.read_token()
+        if tok not in ("FM", "DM"):
+            raise reader.error(f"expected a matrix (FM/DM), got token {tok!r}", offset=start)
+        rows = reader.read_int()
+        cols = reader.read_int()
+        width = 4 if tok == "FM" else 8
+        if rows < 0 or cols < 0 or rows * cols * width > len(reader.data) - reader.pos:
+            raise reader.error(f"matrix size {rows}x{cols} exceeds the file", offset=start)
+        arr = np.frombuffer(reader._take(rows * cols * width),
+                            dtype="<f4" if width == 4 else "<f8")
+        return arr.astype(np.float64).reshape(rows, cols)
+    return reader.read_matrix().astype(np.float64)
+
+
+def read_basic_bool(reader: KaldiReader) -> bool:
+    return reader.read_bool()
+
+
+# --------------------------------------------------------------------------------------
+# index helpers (nnet-compile-utils, convolution.cc)
+
+
+def get_nx_list(indexes) -> list[tuple[int, int]]:
+    """Sorted unique (n, x) pairs over all indexes (blank ones included, as Kaldi)."""
+    return sorted({(i[0], i[2]) for i in indexes})
+
+
+def get_t_list(indexes) -> list[int]:
+    """Sorted unique t values, ignoring blank (kNoTime) indexes."""
+    return sorted({i[1] for i in indexes if i[1] != K_NO_TIME})
+
+
+def _regularize_t_list(t_values: list[int]) -> tuple[int, int, int]:
+    """(start, step, num): the coarsest regular grid containing all t values."""
+    if not t_values:
+        raise ComponentError("no time values in the index list (all blank?)")
+    start = t_values[0]
+    step = 0
+    for a, b in zip(t_values, t_values[1:]):
+        step = math.gcd(step, b - a)
+    if step == 0:
+        return start, 0, 1
+    return start, step, 1 + (t_values[-1] - start) // step
+
+
+@dataclass
+class ConvolutionComputationIo:
+    """Kaldi's ConvolutionComputationIo: a regular t grid for input and output, the
+    number of (n, x) 'images', and the frame-appending factor of the input."""
+
+    num_images: int = 0
+    start_t_in: int = 0
+    t_step_in: int = 0
+    num_t_in: int = 0
+    start_t_out: int = 0
+    t_step_out: int = 0
+    num_t_out: int = 0
+    reorder_t_in: int = 1
+
+    def copy(self) -> "ConvolutionComputationIo":
+        return ConvolutionComputationIo(**vars(self))
+
+    def as_list(self) -> list[int]:
+        return [self.num_images, self.start_t_in, self.t_step_in, self.num_t_in,
+                self.start_t_out, self.t_step_out, self.num_t_out, self.reorder_t_in]
+
+
+def get_computation_io(input_indexes, output_indexes) -> ConvolutionComputationIo:
+    nx = get_nx_list(input_indexes)
+    if not nx:
+        raise ComponentError("empty input index list")
+    io = ConvolutionComputationIo(num_images=len(nx))
+    io.start_t_in, io.t_step_in, io.num_t_in = _regularize_t_list(get_t_list(input_indexes))
+    io.start_t_out, io.t_step_out, io.num_t_out = _regularize_t_list(
+        get_t_list(output_indexes))
+    io.reorder_t_in = 1
+    return io
+
+
+def blank_missing(indexes: list[Index], ref) -> list[Index]:
+    """Kaldi's SetSomeIndexesBlank: Indexes not in ``ref`` get t = kNoTime."""
+    ref_set = set(ref)
+    return [i if i in ref_set else Index(i[0], K_NO_TIME, i[2]) for i in indexes]

@@ -1,0 +1,161 @@
+"""DistributeComponent (Kaldi's nnet-general-component.{h,cc}).
+
+Splits each input row of dimension ``input-dim`` into ``input-dim / output-dim``
+blocks and spreads them over the ``x`` index: output Index (n, t, x) takes block
+``x mod num_blocks`` of input Index (n, t, floor(x / num_blocks)).  It is used to
+turn a wide feature vector into several rows (e.g. for convolution over x).
+
+The precomputed indexes are, per output row, the input row and the block number;
+propagate is one gather over a (rows, blocks, output-dim) view, backprop the
+matching scatter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.core.errors import ComponentError
+from engine.core.index import Index
+from engine.nnet.components.base import (
+    Component,
+    ComponentPrecomputedIndexes,
+    ComponentProperty as P,
+    register_component,
+)
+from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
+
+
+class DistributeIndexes(ComponentPrecomputedIndexes):
+    """input_rows[i], blocks[i]: where output row i comes from."""
+
+    def __init__(self, input_rows: np.ndarray, blocks: np.ndarray, num_input_rows: int):
+        self.input_rows = input_rows
+        self.blocks = blocks
+        self.num_input_rows = num_input_rows
+
+
+@register_component
+class DistributeComponent(Component):
+    type_name = "DistributeComponent"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_dim_ = 0
+        self.output_dim_ = 0
+
+    def properties(self):
+        return P.NONE
+
+    def input_dim(self) -> int:
+        return self.input_dim_
+
+    def output_dim(self) -> int:
+        return self.output_dim_
+
+    @property
+    def num_blocks(self) -> int:
+        return self.input_dim_ // self.output_dim_
+
+    def _check(self) -> str | None:
+        if self.input_dim_ <= 0 or self.output_dim_ <= 0:
+            return "input-dim and output-dim must be > 0"
+        if self.input_dim_ % self.output_dim_ != 0:
+            return (f"input-dim={self.input_dim_} is not a multiple of "
+                    f"output-dim={self.output_dim_}")
+        return None
+
+    def init_from_config(self, cfg, rng) -> None:
+        self.input_dim_ = cfg.get_int("input-dim", required=True)
+        self.output_dim_ = cfg.get_int("output-dim", required=True)
+        bad = self._check()
+        if bad:
+            raise cfg.error(f"{self.type_name}: {bad}")
+
+    @classmethod
+    def read(cls, reader: KaldiReader):
+        c = cls()
+        tok = reader.read_token()
+        if tok == f"<{cls.type_name}>":
+            tok = reader.read_token()
+        if tok != "<InputDim>":
+            raise reader.error(f"expected <InputDim>, got {tok!r}")
+        c.input_dim_ = reader.read_int()
+        reader.expect_token("<OutputDim>")
+        c.output_dim_ = reader.read_int()
+        reader.expect_token(f"</{cls.type_name}>")
+        bad = c._check()
+        if bad:
+            raise reader.error(f"{cls.type_name}: {bad}")
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        writer.write_token(f"<{self.type_name}>")
+        writer.write_token("<InputDim>")
+        writer.write_int(self.input_dim_)
+        writer.write_token("<OutputDim>")
+        writer.write_int(self.output_dim_)
+        writer.write_token(f"</{self.type_name}>")
+
+    # -- indexes ---------------------------------------------------------------------
+    def _input_index_and_block(self, output_index: Index) -> tuple[Index, int]:
+        nb = self.num_blocks
+        # floor division rounds negative x down, which is what Kaldi computes by hand
+        in_x = output_index.x // nb
+        return Index(output_index.n, output_index.t, in_x), output_index.x - in_x * nb
+
+    def get_input_indexes(self, misc_info, output_index):
+        return [self._input_index_and_block(output_index)[0]]
+
+    def is_computable(self, misc_info, output_index, input_index_set, used_inputs):
+        idx = self._input_index_and_block(output_index)[0]
+        if not input_index_set(idx):
+            return False
+        if used_inputs is not None:
+            used_inputs[:] = [idx]
+        return True
+
+    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
+        pos = {tuple(i): k for k, i in enumerate(input_indexes)}
+        rows = np.empty(len(output_indexes), dtype=np.int64)
+        blocks = np.empty(len(output_indexes), dtype=np.int64)
+        for k, o in enumerate(output_indexes):
+            idx, b = self._input_index_and_block(Index(*o))
+            r = pos.get(tuple(idx))
+            if r is None:
+                raise ComponentError(f"input Index {idx} needed by output Index {Index(*o)} "
+                                     "is not in the input", component=self.label())
+            rows[k] = r
+            blocks[k] = b
+        return DistributeIndexes(rows, blocks, len(input_indexes))
+
+    # -- maths -------------------------------------------------------------------------
+    def propagate(self, indexes, in_value, out):
+        if not isinstance(indexes, DistributeIndexes):
+            raise ComponentError("propagate needs Distribute precomputed indexes",
+                                 component=self.label())
+        self.check_shape("input", in_value, None, self.input_dim_)
+        self.check_shape("output", out, indexes.input_rows.shape[0], self.output_dim_)
+        view = in_value.reshape(in_value.shape[0], self.num_blocks, self.output_dim_)
+        out[...] = view[indexes.input_rows, indexes.blocks]
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv):
+        if in_deriv is None:
+            return
+        if not isinstance(indexes, DistributeIndexes):
+            raise ComponentError("backprop needs Distribute precomputed indexes",
+                                 component=self.label())
+        self.check_shape("output derivative", out_deriv, indexes.input_rows.shape[0],
+                         self.output_dim_)
+        self.check_shape("input derivative", in_deriv, None, self.input_dim_)
+        nb = self.num_blocks
+        if out_deriv.shape[0] != in_deriv.shape[0] * nb:
+            # some input blocks are never used: their derivative is zero
+            in_deriv[...] = 0
+        contiguous = bool(in_deriv.flags.c_contiguous)
+        target = in_deriv if contiguous else in_deriv.copy()
+        view = target.reshape(in_deriv.shape[0], nb, self.output_dim_)
+        view[indexes.input_rows, indexes.blocks] = out_deriv
+        if not contiguous:  # reshape of a strided view was a copy: write it back
+            in_deriv[...] = target
