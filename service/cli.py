@@ -143,5 +143,141 @@ def copy(src: str, dst: str, binary: bool, raw_only: bool) -> None:
     save_model(model, dst, binary=binary, as_am=False if raw_only else None)
 
 
+
+# -- compile / compute (Kaldi's Compiler + NnetComputer on a request file) ------------------
+
+
+def _load_request(path: str):
+    from engine.compiler.request import ComputationRequest  # noqa: PLC0415
+    from engine.core.errors import RequestError  # noqa: PLC0415
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise RequestError(f"{path}: cannot read: {e.strerror}") from None
+    return ComputationRequest.from_json(data)
+
+
+def _compile_for_cli(model_path: str, request_path: str, no_optimize: bool):
+    """(nnet, request, computation, compile_ms, optimized) for compile/compute."""
+    import time  # noqa: PLC0415
+
+    from engine.compiler.compiler import compile_computation  # noqa: PLC0415
+    from engine.nnet.model_io import load_model  # noqa: PLC0415
+    nnet = load_model(model_path).nnet
+    request = _load_request(request_path)
+    request.validate(nnet)
+    t0 = time.perf_counter()
+    computation = compile_computation(nnet, [request])
+    optimized = False
+    if not no_optimize:
+        optimized_computation = _optimize_if_available(computation, nnet)
+        if optimized_computation is not None:
+            computation, optimized = optimized_computation, True
+    compile_ms = (time.perf_counter() - t0) * 1000.0
+    return nnet, request, computation, compile_ms, optimized
+
+
+def _optimize_if_available(computation, nnet):
+    """The optimizer's ``optimize(computation, nnet, options)`` when engine.optimizer
+    provides it; None when there is no optimizer yet."""
+    try:
+        from engine import optimizer as opt  # noqa: PLC0415
+    except ImportError:
+        return None
+    fn = getattr(opt, "optimize", None)
+    if fn is None:
+        return None
+    options_cls = getattr(opt, "OptimizeOptions", None)
+    result = fn(computation, nnet, options_cls() if options_cls is not None else None)
+    return computation if result is None or isinstance(result, bool) else result
+
+
+@main.command("compile")
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False))
+@click.option("--request", "request_path", required=True, type=click.Path(dir_okay=False),
+              help="ComputationRequest as JSON (inputs/outputs with name, has_deriv, "
+                   "indexes [[n, t, x], ...]; need_model_derivative).")
+@click.option("--no-optimize", is_flag=True, help="Skip the optimizer.")
+@click.option("--print", "do_print", is_flag=True,
+              help="Print the computation in Kaldi's NnetComputation::Print format.")
+@click.option("--stats", "do_stats", is_flag=True,
+              help="Print one JSON object: commands, matrices, peak_bytes, compile_ms.")
+@_typed_errors
+def compile_cmd(model_path: str, request_path: str, no_optimize: bool, do_print: bool,
+                do_stats: bool) -> None:
+    """Compile a request for MODEL into a computation (Kaldi's Compiler).
+
+    Without --no-optimize the computation goes through engine.optimizer when it
+    exists; until then the unoptimized computation is what is printed (the
+    --stats field "optimized" says which)."""
+    nnet, _, computation, compile_ms, optimized = _compile_for_cli(model_path, request_path,
+                                                                   no_optimize)
+    if do_print:
+        click.echo(computation.to_text(nnet), nl=False)
+    if do_stats or not do_print:
+        stats = computation.stats()
+        stats["compile_ms"] = round(compile_ms, 3)
+        stats["optimized"] = optimized
+        click.echo(json.dumps(stats))
+
+
+@main.command("compute")
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False))
+@click.option("--request", "request_path", required=True, type=click.Path(dir_okay=False),
+              help="ComputationRequest as JSON.")
+@click.option("--inputs", "inputs_path", required=True, type=click.Path(dir_okay=False),
+              help="NPZ with input.<name> for every input and output_deriv.<name> for every "
+                   "output with has_deriv.")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
+              help="NPZ to write: output.<name> and input_deriv.<name>.")
+@click.option("--model-grad", "grad_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the model-parameter gradient as a Kaldi text model.")
+@click.option("--no-optimize", is_flag=True, help="Skip the optimizer.")
+@click.option("--backend", type=click.Choice(["numpy", "cupy"]), default="numpy",
+              show_default=True)
+@_typed_errors
+def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: str,
+                grad_path: str | None, no_optimize: bool, backend: str) -> None:
+    """Compile a request and run it (Kaldi's NnetComputer): outputs, input
+    derivatives and, with --model-grad, the parameter gradients."""
+    import numpy as np  # noqa: PLC0415
+
+    from engine.core.errors import ExecutionError, RequestError  # noqa: PLC0415
+    from engine.runtime.backend import get_backend, to_host  # noqa: PLC0415
+    from engine.runtime.executor import Executor  # noqa: PLC0415
+
+    nnet, request, computation, _, _ = _compile_for_cli(model_path, request_path, no_optimize)
+    if grad_path is not None and not request.need_model_derivative:
+        raise RequestError("--model-grad needs a request with need_model_derivative: true")
+    try:
+        arrays = dict(np.load(inputs_path))
+    except (OSError, ValueError) as e:
+        raise ExecutionError(f"{inputs_path}: cannot read the inputs: {e}") from None
+
+    def need(key: str):
+        if key not in arrays:
+            raise ExecutionError(f"{inputs_path}: missing array {key!r}")
+        return arrays[key].astype(np.float32, copy=False)
+
+    ex = Executor(computation, nnet, backend=get_backend(backend))
+    for spec in request.inputs:
+        ex.accept_input(spec.name, need(f"input.{spec.name}"))
+    ex.run()
+    out = {f"output.{s.name}": to_host(ex.get_output(s.name)) for s in request.outputs}
+    if any(s.has_deriv for s in request.outputs):
+        for spec in request.outputs:
+            if spec.has_deriv:
+                ex.accept_output_deriv(spec.name, need(f"output_deriv.{spec.name}"))
+        ex.run()
+        for spec in request.inputs:
+            if spec.has_deriv:
+                out[f"input_deriv.{spec.name}"] = to_host(ex.get_input_deriv(spec.name))
+    np.savez(out_path, **out)
+    if grad_path is not None:
+        from engine.nnet.model_io import save_model  # noqa: PLC0415
+        save_model(ex.get_model_gradient(), grad_path, binary=False, as_am=False)
+
+
 if __name__ == "__main__":
     sys.exit(main())
