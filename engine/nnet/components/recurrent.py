@@ -55,10 +55,19 @@ def read_double(reader: KaldiReader) -> float:
 
 
 def write_double(writer: KaldiWriter, value: float) -> None:
+    """Kaldi writes doubles like floats in text (%g); more digits are used only
+    when 6 would not read back to the same double (so large counts survive)."""
+    value = float(value)
     if writer.binary:
-        writer.raw(b"\x08" + struct.pack("<d", float(value)))
-    else:
-        writer.raw(format_float(value) + " ")
+        writer.raw(b"\x08" + struct.pack("<d", value))
+        return
+    text = format_float(value)
+    if float(text) != value:
+        for prec in range(6, 18):
+            text = f"{value:.{prec}g}"
+            if float(text) == value:
+                break
+    writer.raw(text + " ")
 
 
 def sigmoid(xp, a):
