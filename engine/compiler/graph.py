@@ -584,5 +584,27 @@ def build_computation_graph(nnet, request, graph: ComputationGraph | None = None
     return graph
 
 
-__all__ = ["ComputationGraph", "ComputationGraphBuilder", "build_computation_graph",
+__all__ = ["ComputationGraph", "ComputationGraphBuilder", "build_computation_graph", "print_indexes",
            "K_UNKNOWN", "K_COMPUTABLE", "K_NOT_COMPUTABLE", "MAX_BUILD_ITERATIONS"]
+
+
+def print_indexes(indexes: Sequence) -> str:
+    """Kaldi's PrintIndexes: runs of consecutive t (same n, x) as ``(n,t1:t2[,x])``,
+    strings over 200 characters shortened with `` ... `` in the middle."""
+    if not indexes:
+        return "[ ]"
+    parts = []
+    start = 0
+    num = len(indexes)
+    for i in range(1, num + 1):
+        if i == num or not (indexes[i][1] == indexes[i - 1][1] + 1
+                            and indexes[i][0] == indexes[i - 1][0]
+                            and indexes[i][2] == indexes[i - 1][2]):
+            n, t, x = indexes[start]
+            s = f"({n},{t}" if i == start + 1 else f"({n},{t}:{indexes[i - 1][1]}"
+            parts.append(s + (f",{x})" if x != 0 else ")"))
+            start = i
+    text = "[" + ", ".join(parts) + "]"
+    if len(text) > 200:
+        text = text[:100] + " ... " + text[-100:]
+    return text

@@ -1,0 +1,117 @@
+"""ComputationRequest: JSON form, canonical hash, validation against a network."""
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.compiler.request import ComputationRequest, IoSpecification, io_spec
+from engine.core.errors import RequestError
+from engine.core.index import Index
+from engine.nnet.nnet import Nnet
+
+from compiler_ref import CASES, CASES_DIR
+
+CONFIG = """
+input-node name=input dim=3
+input-node name=ivector dim=2
+component name=a type=AffineComponent input-dim=5 output-dim=4
+component-node name=a component=a input=Append(input, ReplaceIndex(ivector, t, 0))
+output-node name=output input=a
+"""
+
+
+@pytest.fixture(scope="module")
+def nnet():
+    return Nnet.from_config(CONFIG)
+
+
+def make_request(out_deriv=False, in_deriv=False, model_deriv=False):
+    return ComputationRequest(
+        [io_spec("input", [Index(0, t, 0) for t in range(4)], in_deriv),
+         io_spec("ivector", [Index(0, 0, 0)])],
+        [io_spec("output", [Index(0, t, 0) for t in range(4)], out_deriv)],
+        need_model_derivative=model_deriv)
+
+
+@pytest.mark.parametrize("case", CASES[:12])
+def test_reference_json_round_trip(case):
+    obj = json.loads((CASES_DIR / case / "request.json").read_text())
+    req = ComputationRequest.from_json(obj)
+    assert req.to_json() == obj
+    again = ComputationRequest.from_json(json.dumps(req.to_json()))
+    assert again == req and again.hash() == req.hash()
+    spec = req.inputs[0]
+    assert [list(i) for i in spec.indexes] == obj["inputs"][0]["indexes"]
+    assert spec.indexes_array().shape == (len(obj["inputs"][0]["indexes"]), 3)
+
+
+def test_array_and_list_indexes_agree():
+    arr = np.array([[0, 5, 0], [1, 5, 0], [0, 6, 2]], dtype=np.int64)
+    a = IoSpecification("input", arr, True)
+    b = IoSpecification("input", [(0, 5, 0), (1, 5, 0), (0, 6, 2)], True)
+    assert a == b
+    assert a.indexes[2] == Index(0, 6, 2)
+    np.testing.assert_array_equal(a.indexes_array(), arr)
+
+
+def test_hash_is_deterministic_and_sensitive():
+    base = make_request()
+    assert base.hash() == make_request().hash()
+    assert base.canonical_bytes() == make_request().canonical_bytes()
+    variants = [make_request(out_deriv=True), make_request(out_deriv=True, in_deriv=True),
+                make_request(out_deriv=True, model_deriv=True)]
+    reordered = make_request()
+    reordered.outputs[0].indexes.reverse()
+    variants.append(reordered)
+    stats = make_request()
+    stats.store_component_stats = True
+    variants.append(stats)
+    hashes = {base.hash()} | {v.hash() for v in variants}
+    assert len(hashes) == len(variants) + 1
+    assert len(base.hash()) == 64
+
+
+def test_lookups(nnet):
+    req = make_request()
+    assert req.index_of_input("ivector") == 1
+    assert req.index_of_input("output") == -1
+    assert req.index_of_output("output") == 0
+    req.validate(nnet)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: setattr(r.inputs[0], "name", "inptu"), "'inptu': the network has no node"),
+    (lambda r: setattr(r.outputs[0], "name", "a"), "output 'a' is not an output node"),
+    (lambda r: setattr(r.inputs[0], "name", "output"), "input 'output' is not an input node"),
+    (lambda r: r.inputs[0].indexes.append(Index(0, 2, 0)),
+     "index (n=0, t=2, x=0) is listed twice (rows 2 and 4)"),
+    (lambda r: r.outputs[0].indexes.clear(), "output 'output' has an empty list"),
+    (lambda r: r.outputs.clear(), "request has no outputs"),
+    (lambda r: r.inputs.append(IoSpecification("input", [Index(0, 9, 0)])),
+     "input 'input' is listed more than once"),
+    (lambda r: setattr(r, "need_model_derivative", True), "no output has has_deriv"),
+    (lambda r: r.inputs[1].indexes.append(Index(1, -2 ** 31, 0)), "outside the 32-bit range"),
+])
+def test_validate_names_the_fault(nnet, mutate, message):
+    req = make_request()
+    mutate(req)
+    with pytest.raises(RequestError) as e:
+        req.validate(nnet)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("obj, message", [
+    ("{not json", "not valid JSON"),
+    ({"inputs": []}, "'outputs' must be a list"),
+    ({"inputs": [], "outputs": [], "extra": 1}, "unknown field(s): extra"),
+    ({"inputs": [{"name": "input"}], "outputs": []}, "missing 'indexes'"),
+    ({"inputs": [{"name": "input", "indexes": [[0, 1]]}], "outputs": []},
+     "index 0 is [0, 1], expected [n, t, x]"),
+    ({"inputs": [{"name": "input", "indexes": [[0, 1.5, 0]]}], "outputs": []},
+     "expected [n, t, x] integers"),
+])
+def test_from_json_errors(obj, message):
+    with pytest.raises(RequestError) as e:
+        ComputationRequest.from_json(obj)
+    assert message in str(e.value)
