@@ -1,7 +1,7 @@
 """Fixed (parameter-free) column maps and gradient controls from Kaldi's
 nnet-simple-component.{h,cc} and nnet-general-component.{h,cc}:
 PnormComponent, SumGroupComponent, SumBlockComponent, PermuteComponent,
-ElementwiseProductComponent, NoOpComponent, ClipGradientComponent (ClipGradientComponent and
+ElementwiseProductComponent and NoOpComponent (ClipGradientComponent and
 BackpropTruncationComponent are in gradient_control.py).
 """
 

@@ -1,0 +1,443 @@
+"""Normalisation components from Kaldi's nnet-normalize-component.{h,cc}:
+NormalizeComponent (each row, or each block of block-dim columns of it, scaled to a
+target RMS, optionally with the log of the scale appended) and BatchNormComponent
+(per-dimension mean/variance normalisation over the minibatch in training, with the
+statistics accumulated by store_stats; the stored statistics in test mode).
+
+With block-dim < dim both work on the matrix viewed as (rows * dim/block-dim) rows of
+block-dim columns, which is why Kaldi asks for contiguous inputs/outputs then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.core.errors import ComponentError
+from engine.core.xp import array_module, to_numpy
+from engine.nnet.components.base import Component, ComponentProperty as P, register_component
+from engine.nnet.components.nonlinear import (
+    expect_open_token,
+    get_rng,
+    read_double,
+    same_buffer,
+    write_double,
+)
+from engine.nnet.config_line import ConfigLine
+from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
+
+# 2^-66: exactly representable, and so is the inverse of its square root (2^33), which
+# the backprop compares against to detect floored rows.
+SQUARED_NORM_FLOOR = 2.0 ** -66
+
+
+@register_component
+class NormalizeComponent(Component):
+    type_name = "NormalizeComponent"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_dim = 0
+        self.block_dim = 0
+        self.target_rms = 1.0
+        self.add_log_stddev = False
+
+    def properties(self) -> P:
+        p = P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_INPUT | P.BACKPROP_ADDS
+        if not self.add_log_stddev:
+            p |= P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
+        if self.block_dim != self.in_dim:
+            p |= P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOUS
+        return p
+
+    def input_dim(self) -> int:
+        return self.in_dim
+
+    def output_dim(self) -> int:
+        return self.in_dim + (self.in_dim // self.block_dim if self.add_log_stddev else 0)
+
+    def info(self) -> str:
+        s = (f"{self.type_name}, input-dim={self.in_dim}, output-dim={self.output_dim()}, "
+             f"target-rms={self.target_rms:g}, add-log-stddev="
+             f"{'true' if self.add_log_stddev else 'false'}")
+        if self.block_dim != self.in_dim:
+            s += f", block-dim={self.block_dim}"
+        return s
+
+    def init_from_config(self, cfg: ConfigLine, rng) -> None:
+        dim = cfg.get_int("dim")
+        if dim is None:
+            dim = cfg.get_int("input-dim")
+        if dim is None:
+            raise cfg.error("NormalizeComponent: missing required option dim= (or input-dim=)")
+        self.in_dim = dim
+        self.block_dim = cfg.get_int("block-dim", dim)
+        self.target_rms = cfg.get_float("target-rms", 1.0)
+        self.add_log_stddev = cfg.get_bool("add-log-stddev", False)
+        if self.in_dim <= 0:
+            raise cfg.error(f"NormalizeComponent: dim={self.in_dim} must be > 0")
+        if self.target_rms <= 0.0:
+            raise cfg.error(f"NormalizeComponent: target-rms={self.target_rms:g} must be > 0")
+        if self.block_dim <= 0 or self.in_dim % self.block_dim != 0:
+            raise cfg.error(f"NormalizeComponent: block-dim={self.block_dim} must be > 0 "
+                            f"and divide dim={self.in_dim}")
+
+    @classmethod
+    def read(cls, reader: KaldiReader):
+        c = cls()
+        tok = reader.read_token()
+        if tok == "<NormalizeComponent>":
+            tok = reader.read_token()
+        if tok not in ("<Dim>", "<InputDim>"):
+            raise reader.error(f"expected <InputDim>, got {tok!r}")
+        c.in_dim = reader.read_int()
+        tok = reader.read_token()
+        if tok == "<BlockDim>":
+            c.block_dim = reader.read_int()
+            tok = reader.read_token()
+        else:
+            c.block_dim = c.in_dim
+        if tok == "<TargetRms>":
+            c.target_rms = reader.read_float()
+            tok = reader.read_token()
+        if tok == "<AddLogStddev>":
+            c.add_log_stddev = reader.read_bool()
+            tok = reader.read_token()
+        if tok == "<ValueAvg>":
+            # old models stored (unused) statistics here
+            reader.read_vector()
+            reader.expect_token("<DerivAvg>")
+            reader.read_vector()
+            reader.expect_token("<Count>")
+            read_double(reader)
+            tok = reader.read_token()
+        if tok != "</NormalizeComponent>":
+            raise reader.error(f"expected </NormalizeComponent>, got {tok!r}")
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        writer.write_token("<NormalizeComponent>")
+        writer.write_token("<InputDim>")
+        writer.write_int(self.in_dim)
+        if self.block_dim != self.in_dim:
+            writer.write_token("<BlockDim>")
+            writer.write_int(self.block_dim)
+        writer.write_token("<TargetRms>")
+        writer.write_float(self.target_rms)
+        writer.write_token("<AddLogStddev>")
+        writer.write_bool(self.add_log_stddev)
+        writer.write_token("</NormalizeComponent>")
+
+    def _inv_rms(self, xp, x):
+        """Per row of x: 1/sqrt(max(floor, x.x / (d * target_rms^2)))."""
+        d_scaled = x.shape[1] * self.target_rms * self.target_rms
+        p = (x * x).sum(axis=1) * (1.0 / d_scaled)
+        return xp.maximum(p, SQUARED_NORM_FLOOR) ** -0.5
+
+    def propagate(self, indexes, in_value, out):
+        self.check_shape("input", in_value, None, self.in_dim)
+        xp = array_module(in_value)
+        rows = in_value.shape[0]
+        x = in_value.reshape(rows * (self.in_dim // self.block_dim), self.block_dim)
+        f = self._inv_rms(xp, x)
+        y = x * f[:, None]
+        if self.add_log_stddev:
+            log_col = (-xp.log(f) + float(np.log(self.target_rms)))[:, None]
+            y = xp.concatenate([y, log_col.astype(y.dtype)], axis=1)
+        out[...] = y.reshape(rows, self.output_dim())
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        if in_deriv is None:
+            return
+        xp = array_module(in_value)
+        rows = in_value.shape[0]
+        nb = self.in_dim // self.block_dim
+        x = in_value.reshape(rows * nb, self.block_dim)
+        od = out_deriv.reshape(rows * nb, self.block_dim + (1 if self.add_log_stddev else 0))
+        od_main = od[:, :self.block_dim]
+        d_scaled = self.block_dim * self.target_rms * self.target_rms
+        dots = (od_main * x).sum(axis=1)
+        norm2 = (x * x).sum(axis=1)
+        term = None
+        if self.add_log_stddev:
+            # d log(stddev) / dx = x / (x.x), floored away from division by zero
+            inv = 1.0 / xp.maximum(norm2, self.block_dim * SQUARED_NORM_FLOOR)
+            term = x * (inv * od[:, self.block_dim])[:, None]
+        f = xp.maximum(norm2 * (1.0 / d_scaled), SQUARED_NORM_FLOOR) ** -0.5
+        direct = od_main * f[:, None]
+        term = direct if term is None else term + direct
+        # rows whose norm was floored have a constant scale: no second term
+        f3 = xp.where(f == 2.0 ** 33, 0.0, f) ** 3
+        term = term + x * ((-1.0 / d_scaled) * f3 * dots)[:, None]
+        term = term.reshape(rows, self.in_dim)
+        if same_buffer(in_deriv, out_deriv):
+            in_deriv[...] = term
+        else:
+            in_deriv += term
+
+
+@dataclass
+class BatchNormMemo:
+    """Training-mode minibatch statistics, per block-dim column (Kaldi's Memo)."""
+
+    num_frames: int
+    mean: Any
+    uvar: Any
+    scale: Any
+
+
+@register_component
+class BatchNormComponent(Component):
+    type_name = "BatchNormComponent"
+    ARRAYS = ("offset_vec", "scale_vec")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dim = 0
+        self.block_dim = 0
+        self.epsilon = 1.0e-3
+        self.target_rms = 1.0
+        self.test_mode = False
+        self.count = 0.0
+        self.stats_sum = np.zeros(0)
+        self.stats_sumsq = np.zeros(0)
+        # derived in test mode: out = in * scale_vec + offset_vec (per block column)
+        self.offset_vec = np.zeros(0, dtype=np.float32)
+        self.scale_vec = np.zeros(0, dtype=np.float32)
+        self.rng: np.random.Generator | None = None
+
+    def properties(self) -> P:
+        p = (P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.PROPAGATE_IN_PLACE
+             | P.BACKPROP_IN_PLACE)
+        if self.block_dim < self.dim:
+            p |= P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOUS
+        if not self.test_mode:
+            p |= P.USES_MEMO | P.STORES_STATS
+        return p
+
+    def input_dim(self) -> int:
+        return self.dim
+
+    def output_dim(self) -> int:
+        return self.dim
+
+    def info(self) -> str:
+        s = (f"{self.type_name}, dim={self.dim}, block-dim={self.block_dim}, "
+             f"epsilon={self.epsilon:g}, target-rms={self.target_rms:g}, "
+             f"count={self.count:g}, test-mode={'true' if self.test_mode else 'false'}")
+        if self.count > 0:
+            mean = self.stats_sum / self.count
+            var = np.maximum(self.stats_sumsq / self.count - mean * mean, 0.0)
+            s += (f", data-mean-avg={float(mean.mean()):g}, "
+                  f"data-stddev-avg={float(np.sqrt(var).mean()):g}")
+        return s
+
+    def _check(self) -> None:
+        if not (self.dim > 0 and self.block_dim > 0 and self.dim % self.block_dim == 0
+                and self.epsilon > 0.0 and self.target_rms > 0.0):
+            raise ComponentError(f"invalid BatchNormComponent: dim={self.dim}, block-dim="
+                                 f"{self.block_dim}, epsilon={self.epsilon:g}, target-rms="
+                                 f"{self.target_rms:g}", component=self.label())
+
+    def _compute_derived(self) -> None:
+        """Kaldi's ComputeDerived: the test-mode scale and offset, in float as Kaldi."""
+        if not self.test_mode:
+            self.offset_vec = np.zeros(0, dtype=np.float32)
+            self.scale_vec = np.zeros(0, dtype=np.float32)
+            return
+        if self.count == 0.0:
+            # Kaldi invents statistics here (with a warning) so that test-mode
+            # networks without training still run; it only happens in tests.
+            rng = get_rng(self)
+            self.count = 1.0
+            self.stats_sum = rng.standard_normal(self.block_dim)
+            self.stats_sumsq = rng.standard_normal(self.block_dim) + self.stats_sum ** 2
+        f32 = np.float32
+        inv_count = f32(1.0 / self.count)
+        offset = self.stats_sum.astype(f32) * f32(-inv_count)  # -mean
+        var = self.stats_sumsq.astype(f32) * inv_count - offset * offset
+        var = np.maximum(var, f32(0.0)) + f32(self.epsilon)
+        scale = var ** f32(-0.5) * f32(self.target_rms)
+        self.scale_vec = scale.astype(f32)
+        self.offset_vec = (offset * scale).astype(f32)
+
+    def set_test_mode(self, test_mode: bool) -> None:
+        self.test_mode = bool(test_mode)
+        self._compute_derived()
+
+    def init_from_config(self, cfg: ConfigLine, rng) -> None:
+        self.dim = cfg.get_int("dim", required=True)
+        self.block_dim = cfg.get_int("block-dim", -1)
+        self.epsilon = cfg.get_float("epsilon", 1.0e-3)
+        self.target_rms = cfg.get_float("target-rms", 1.0)
+        self.test_mode = cfg.get_bool("test-mode", False)
+        if self.dim <= 0:
+            raise cfg.error(f"BatchNormComponent: dim={self.dim} must be > 0")
+        if self.block_dim == -1:
+            self.block_dim = self.dim
+        if self.block_dim <= 0 or self.dim % self.block_dim != 0:
+            raise cfg.error(f"BatchNormComponent: block-dim={self.block_dim} must be > 0 and "
+                            f"divide dim={self.dim}")
+        if self.epsilon <= 0 or self.target_rms <= 0:
+            raise cfg.error("BatchNormComponent: epsilon= and target-rms= must be > 0")
+        self.count = 0.0
+        self.stats_sum = np.zeros(self.block_dim)
+        self.stats_sumsq = np.zeros(self.block_dim)
+        if self.test_mode:
+            self._compute_derived()
+
+    @classmethod
+    def read(cls, reader: KaldiReader):
+        c = cls()
+        expect_open_token(reader, cls.type_name, "<Dim>")
+        c.dim = reader.read_int()
+        reader.expect_token("<BlockDim>")
+        c.block_dim = reader.read_int()
+        reader.expect_token("<Epsilon>")
+        c.epsilon = reader.read_float()
+        reader.expect_token("<TargetRms>")
+        c.target_rms = reader.read_float()
+        reader.expect_token("<TestMode>")
+        c.test_mode = reader.read_bool()
+        reader.expect_token("<Count>")
+        c.count = read_double(reader)
+        reader.expect_token("<StatsMean>")
+        mean = reader.read_vector().astype(np.float64)
+        reader.expect_token("<StatsVar>")
+        var = reader.read_vector().astype(np.float64)
+        reader.expect_token("</BatchNormComponent>")
+        c.stats_sum = mean * c.count
+        c.stats_sumsq = (var + mean * mean) * c.count
+        c._compute_derived()
+        c._check()
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        self._check()
+        w = writer
+        w.write_token("<BatchNormComponent>")
+        w.write_token("<Dim>")
+        w.write_int(self.dim)
+        w.write_token("<BlockDim>")
+        w.write_int(self.block_dim)
+        w.write_token("<Epsilon>")
+        w.write_float(self.epsilon)
+        w.write_token("<TargetRms>")
+        w.write_float(self.target_rms)
+        w.write_token("<TestMode>")
+        w.write_bool(self.test_mode)
+        w.write_token("<Count>")
+        write_double(w, self.count)
+        # Kaldi converts the sums to float before normalising them
+        f32 = np.float32
+        mean = self.stats_sum.astype(f32)
+        var = self.stats_sumsq.astype(f32)
+        if self.count != 0:
+            inv = f32(1.0 / self.count)
+            mean = mean * inv
+            var = var * inv - mean * mean
+        w.write_token("<StatsMean>")
+        w.write_vector(mean)
+        w.write_token("<StatsVar>")
+        w.write_vector(var)
+        w.write_token("</BatchNormComponent>")
+
+    # -- statistics (not parameters: scale/add act on the accumulated stats) -------
+    def scale(self, alpha: float) -> None:
+        if alpha == 0:
+            self.count = 0.0
+            self.stats_sum = np.zeros_like(self.stats_sum)
+            self.stats_sumsq = np.zeros_like(self.stats_sumsq)
+        else:
+            self.count *= alpha
+            self.stats_sum = self.stats_sum * alpha
+            self.stats_sumsq = self.stats_sumsq * alpha
+
+    def add(self, alpha: float, other: Component) -> None:
+        assert isinstance(other, BatchNormComponent)
+        self.count += alpha * other.count
+        self.stats_sum = self.stats_sum + alpha * other.stats_sum
+        self.stats_sumsq = self.stats_sumsq + alpha * other.stats_sumsq
+        self._compute_derived()
+
+    def zero_stats(self) -> None:
+        # in test mode the statistics are the transform: keep them
+        if not self.test_mode:
+            self.count = 0.0
+            self.stats_sum = np.zeros_like(self.stats_sum)
+            self.stats_sumsq = np.zeros_like(self.stats_sumsq)
+
+    def _blocks(self, m):
+        return m.reshape(m.shape[0] * (m.shape[1] // self.block_dim), self.block_dim)
+
+    def _check_cols(self, what: str, m) -> None:
+        if m.ndim != 2 or m.shape[1] not in (self.dim, self.block_dim):
+            self.check_shape(what, m, None, self.dim)
+
+    # -- maths ---------------------------------------------------------------------
+    def propagate(self, indexes, in_value, out):
+        self._check_cols("input", in_value)
+        xp = array_module(in_value)
+        x = self._blocks(in_value)
+        if not self.test_mode:
+            n = x.shape[0]
+            mean = x.sum(axis=0) * (1.0 / n)
+            uvar = (x * x).sum(axis=0) * (1.0 / n)
+            var_scale = 1.0 / (self.target_rms * self.target_rms)
+            # variance / target-rms^2, floored at 0, plus epsilon / target-rms^2
+            scale = xp.maximum(uvar * var_scale - mean * mean * var_scale, 0.0)
+            scale = (scale + var_scale * self.epsilon) ** -0.5
+            y = (x - mean) * scale
+            out[...] = y.reshape(out.shape)
+            return BatchNormMemo(n, mean, uvar, scale)
+        if self.offset_vec.shape[0] != self.block_dim:
+            raise ComponentError("test mode is set but there are no statistics",
+                                 component=self.label())
+        sc = xp.asarray(self.scale_vec, dtype=x.dtype)
+        off = xp.asarray(self.offset_vec, dtype=x.dtype)
+        out[...] = (x * sc + off).reshape(out.shape)
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        if in_deriv is None:
+            return
+        xp = array_module(out_deriv)
+        od = self._blocks(out_deriv)
+        if not self.test_mode:
+            if not isinstance(memo, BatchNormMemo):
+                raise ComponentError("backprop in training mode needs the memo from "
+                                     "propagate", component=self.label())
+            y = self._blocks(out_value)
+            n = memo.num_frames
+            if y.shape[0] != n:
+                raise ComponentError(f"memo is for {n} rows, output has {y.shape[0]}",
+                                     component=self.label())
+            coeff = -1.0 / (self.target_rms * self.target_rms * n)
+            var_deriv_mod = (y * od).sum(axis=0) * coeff * memo.scale
+            mean_od = od.sum(axis=0) * (-1.0 / n)
+            d = (od + mean_od) * memo.scale + y * var_deriv_mod
+        else:
+            if self.scale_vec.shape[0] != self.block_dim:
+                raise ComponentError("test mode is set but there are no statistics",
+                                     component=self.label())
+            d = od * xp.asarray(self.scale_vec, dtype=od.dtype)
+        in_deriv[...] = d.reshape(in_deriv.shape)
+
+    def store_stats(self, in_value, out_value, memo) -> None:
+        if self.test_mode:
+            raise ComponentError("store_stats called in test mode", component=self.label())
+        if not isinstance(memo, BatchNormMemo):
+            raise ComponentError("store_stats needs the memo from propagate",
+                                 component=self.label())
+        n = float(memo.num_frames)
+        if self.stats_sum.shape[0] != self.block_dim:
+            self.stats_sum = np.zeros(self.block_dim)
+            self.stats_sumsq = np.zeros(self.block_dim)
+        self.count += n
+        self.stats_sum = self.stats_sum + n * to_numpy(memo.mean).astype(np.float64)
+        self.stats_sumsq = self.stats_sumsq + n * to_numpy(memo.uvar).astype(np.float64)
