@@ -239,3 +239,26 @@ def blank_missing(indexes: list[Index], ref) -> list[Index]:
     """Kaldi's SetSomeIndexesBlank: Indexes not in ``ref`` get t = kNoTime."""
     ref_set = set(ref)
     return [i if i in ref_set else Index(i[0], K_NO_TIME, i[2]) for i in indexes]
+
+
+def config_errors_name_type(init):
+    """Decorator for ``init_from_config``: ConfigErrors raised by the option getters
+    (missing/malformed values) get the component type and name prefixed."""
+    import functools  # noqa: PLC0415
+
+    from engine.core.errors import ConfigError  # noqa: PLC0415
+
+    @functools.wraps(init)
+    def wrapper(self, cfg, rng):
+        try:
+            return init(self, cfg, rng)
+        except ConfigError as e:
+            prefix = f"{self.type_name}"
+            if self.name:
+                prefix += f" {self.name!r}"
+            if e.reason.startswith(self.type_name):
+                reason = e.reason[len(self.type_name):].lstrip(": ")
+            else:
+                reason = e.reason
+            raise cfg.error(f"{prefix}: {reason}") from None
+    return wrapper

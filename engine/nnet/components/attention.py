@@ -29,6 +29,7 @@ from engine.core.errors import ComponentError
 from engine.core.index import Index, K_NO_TIME
 from engine.core.xp import array_module
 from engine.nnet.components._nonsimple_utils import (
+    config_errors_name_type,
     ConvolutionComputationIo,
     get_computation_io,
     get_nx_list,
@@ -158,6 +159,7 @@ class RestrictedAttentionComponent(Component):
         return bad
 
     # -- config / files ----------------------------------------------------------------
+    @config_errors_name_type
     def init_from_config(self, cfg, rng) -> None:
         missing = [k for k in ("key-dim", "value-dim", "num-left-inputs", "num-right-inputs")
                    if not cfg.has(k)]

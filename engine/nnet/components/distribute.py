@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.core.errors import ComponentError
 from engine.core.index import Index
+from engine.nnet.components._nonsimple_utils import config_errors_name_type
 from engine.nnet.components.base import (
     Component,
     ComponentPrecomputedIndexes,
@@ -64,6 +65,7 @@ class DistributeComponent(Component):
                     f"output-dim={self.output_dim_}")
         return None
 
+    @config_errors_name_type
     def init_from_config(self, cfg, rng) -> None:
         self.input_dim_ = cfg.get_int("input-dim", required=True)
         self.output_dim_ = cfg.get_int("output-dim", required=True)

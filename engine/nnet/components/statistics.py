@@ -20,7 +20,7 @@ import numpy as np
 from engine.core.errors import ComponentError
 from engine.core.index import Index
 from engine.core.xp import array_module
-from engine.nnet.components._nonsimple_utils import add_row_ranges
+from engine.nnet.components._nonsimple_utils import add_row_ranges, config_errors_name_type
 from engine.nnet.components.base import (
     Component,
     ComponentPrecomputedIndexes,
@@ -147,6 +147,7 @@ class StatisticsExtractionComponent(Component):
                 "(both > 0, output-period a multiple of input-period)",
                 component=self.label())
 
+    @config_errors_name_type
     def init_from_config(self, cfg, rng) -> None:
         self.input_dim_ = cfg.get_int("input-dim", required=True)
         self.input_period = cfg.get_int("input-period", 1)
@@ -339,6 +340,7 @@ class StatisticsPoolingComponent(Component):
             bad.append("output-stddevs=true needs an odd input-dim (count + x + x^2 stats)")
         return bad
 
+    @config_errors_name_type
     def init_from_config(self, cfg, rng) -> None:
         self.input_dim_ = cfg.get_int("input-dim", required=True)
         self.input_period = cfg.get_int("input-period", 1)

@@ -33,7 +33,11 @@ from engine.nnet.components._convolution import (
     convolve_forward,
     step_arrays,
 )
-from engine.nnet.components._nonsimple_utils import read_int_pair_vector, write_int_pair_vector
+from engine.nnet.components._nonsimple_utils import (
+    config_errors_name_type,
+    read_int_pair_vector,
+    write_int_pair_vector,
+)
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
@@ -128,6 +132,7 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         return None
 
     # -- config ----------------------------------------------------------------------
+    @config_errors_name_type
     def init_from_config(self, cfg, rng) -> None:
         self.init_learning_rate_common(cfg)
         m = ConvolutionModel()
