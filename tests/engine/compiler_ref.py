@@ -37,17 +37,20 @@ def load_case(case: str, base: Path = CASES_DIR):
 _RANGE = re.compile(r"\((-?\d+),(-?\d+)(?::(-?\d+))?(?:,(-?\d+))?\)")
 
 
-def parse_indexes(text: str) -> list[Index] | None:
-    """Inverse of Kaldi's PrintIndexes; None when the printout was shortened."""
-    if "..." in text:
-        return None
+def parse_indexes(text: str) -> tuple[list[Index], bool]:
+    """Inverse of Kaldi's PrintIndexes: (rows, complete).  When Kaldi shortened
+    the printout (`` ... `` in the middle), only the rows fully printed before
+    the cut are returned, with complete=False."""
+    complete = "..." not in text
+    if not complete:
+        text = text.split(" ... ")[0]
     out = []
     for m in _RANGE.finditer(text):
         n, t1 = int(m.group(1)), int(m.group(2))
         t2 = int(m.group(3)) if m.group(3) is not None else t1
         x = int(m.group(4)) if m.group(4) is not None else 0
         out.extend(Index(n, t, x) for t in range(t1, t2 + 1))
-    return out
+    return out, complete
 
 
 def kaldi_matrices(case: str, base: Path = CASES_DIR) -> list[tuple[str, str, str]]:
@@ -63,10 +66,12 @@ def kaldi_matrices(case: str, base: Path = CASES_DIR) -> list[tuple[str, str, st
     return out
 
 
-def explain_by_steps(kaldi: list[Index], steps: list[list[Index]]) -> bool:
+def explain_by_steps(kaldi: list[Index], steps: list[list[Index]],
+                     partial_end: bool = False) -> bool:
     """True if ``kaldi`` (rows of one of Kaldi's matrices) is one of ``steps`` or
     a concatenation of whole steps (Kaldi's optimizer merges matrices of
-    consecutive recurrent steps; it never reorders rows inside a step)."""
+    consecutive recurrent steps; it never reorders rows inside a step).  With
+    ``partial_end`` the last piece may be the start of a step (a cut printout)."""
     by_first: dict[Index, list[list[Index]]] = {}
     for s in steps:
         if s:
@@ -74,6 +79,8 @@ def explain_by_steps(kaldi: list[Index], steps: list[list[Index]]) -> bool:
     p = 0
     while p < len(kaldi):
         cands = [s for s in by_first.get(kaldi[p], []) if kaldi[p:p + len(s)] == s]
+        if not cands and partial_end:
+            cands = [s for s in by_first.get(kaldi[p], []) if s[:len(kaldi) - p] == kaldi[p:]]
         if not cands:
             return False
         p += max(len(s) for s in cands)
