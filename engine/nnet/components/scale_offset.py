@@ -1,0 +1,775 @@
+"""Per-element scale/offset and constant components (Kaldi's nnet-simple-component.{h,cc}
+and, for ConstantComponent, nnet-general-component.{h,cc}):
+PerElementScaleComponent, NaturalGradientPerElementScaleComponent,
+PerElementOffsetComponent, ScaleAndOffsetComponent, FixedScaleComponent,
+FixedBiasComponent, ConstantFunctionComponent, ConstantComponent.
+
+Components with a ``block-dim`` (PerElementOffset, ScaleAndOffset) keep parameters of
+the block dimension and apply them to each block of consecutive columns, which is
+Kaldi's reshaping of a contiguous (rows, dim) matrix into (rows * dim/block, block).
+As in affine.py, natural-gradient preconditioning (a training optimizer) is not
+implemented: gradients are exact and other updates use the plain direction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.core.xp import array_module
+from engine.nnet.components.affine import (
+    check_backprop_shapes,
+    check_rows,
+    config_errors,
+    expect_after_common,
+    gaussian,
+    init_learning_rates,
+    param_stats,
+    read_vector_option,
+    require_positive,
+    skip_old_is_gradient,
+    updatable_info,
+)
+from engine.nnet.components.base import (
+    Component,
+    ComponentProperty as P,
+    UpdatableComponent,
+    register_component,
+)
+from engine.nnet.config_line import ConfigLine
+from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
+
+
+def _copy_unless_same(dst, src) -> None:
+    """Kaldi's CopyFromMat, a no-op when the operation runs in place."""
+    if dst is not src:
+        dst[...] = src
+
+
+def _block_rows(mat, block: int):
+    """The (rows * dim/block, block) view of a (rows, dim) matrix (a copy if needed)."""
+    return mat.reshape(-1, block)
+
+
+# --------------------------------------------------------------------------------------
+# PerElementScaleComponent / NaturalGradientPerElementScaleComponent
+
+
+@register_component
+class PerElementScaleComponent(UpdatableComponent):
+    """y = x * scales (column-wise); dim with param-mean (1.0) / param-stddev (0.0), or
+    vector=FILE."""
+
+    type_name = "PerElementScaleComponent"
+    PARAMS = ("scales",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = np.zeros(0, np.float32)
+
+    def properties(self) -> P:
+        return (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
+                | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE)
+
+    def input_dim(self) -> int:
+        return int(self.scales.shape[0])
+
+    output_dim = input_dim
+
+    def info(self) -> str:
+        s = updatable_info(self)
+        if self.scales.size:
+            s += (f", scales-min={float(self.scales.min()):g}, "
+                  f"scales-max={float(self.scales.max()):g}")
+        return s + param_stats("scales", self.scales, True)
+
+    def _init_scales(self, cfg: ConfigLine, rng, file_option: str) -> None:
+        filename = cfg.get_str(file_option)
+        if filename is not None:
+            self.scales = read_vector_option(cfg, file_option, filename)
+            if file_option == "vector":
+                dim = cfg.get_int("dim")
+                if dim is not None and dim != self.scales.shape[0]:
+                    raise cfg.error(f"option dim={dim} does not match the vector in "
+                                    f"{filename!r} (dimension {self.scales.shape[0]})")
+            return
+        mean = cfg.get_float("param-mean", 1.0)
+        stddev = cfg.get_float("param-stddev", 0.0)
+        dim = require_positive(cfg, "dim", cfg.get_int("dim"))
+        if stddev < 0.0:
+            raise cfg.error(f"option param-stddev={stddev:g} must not be negative")
+        self.scales = gaussian(rng, (dim,), stddev, mean)
+
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            init_learning_rates(self, cfg)
+            self._init_scales(cfg, rng, "vector")
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "PerElementScaleComponent":
+        c = cls()
+        pending = c.read_updatable_common(reader)
+        expect_after_common(reader, pending, "<Params>")
+        c.scales = reader.read_vector()
+        skip_old_is_gradient(c, reader)
+        reader.expect_token("</PerElementScaleComponent>")
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        self.write_updatable_common(writer)
+        writer.write_token("<Params>")
+        writer.write_vector(self.scales)
+        writer.write_token("</PerElementScaleComponent>")
+
+    def propagate(self, indexes, in_value, out):
+        check_rows(self, in_value, out)
+        _copy_unless_same(out, in_value)
+        out *= self.scales
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        check_backprop_shapes(self, out_deriv, in_deriv)
+        # The update comes first: in_deriv may share memory with out_deriv.
+        if to_update is not None:
+            self.check_shape("input value", in_value, out_deriv.shape[0], self.input_dim())
+            to_update.scales += to_update.learning_rate * (out_deriv * in_value).sum(axis=0)
+        if in_deriv is not None:
+            _copy_unless_same(in_deriv, out_deriv)
+            in_deriv *= self.scales
+
+
+@register_component
+class NaturalGradientPerElementScaleComponent(PerElementScaleComponent):
+    """PerElementScaleComponent with natural-gradient options rank (8),
+    update-period (10), num-samples-history (2000), alpha (4); scales=FILE."""
+
+    type_name = "NaturalGradientPerElementScaleComponent"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank = 8
+        self.update_period = 10
+        self.num_samples_history = 2000.0
+        self.alpha = 4.0
+
+    def info(self) -> str:
+        return (super().info() + f", rank={self.rank}, update-period={self.update_period}, "
+                f"num-samples-history={self.num_samples_history:g}, alpha={self.alpha:g}")
+
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            self.rank = cfg.get_int("rank", 8)
+            self.update_period = cfg.get_int("update-period", 10)
+            self.num_samples_history = cfg.get_float("num-samples-history", 2000.0)
+            self.alpha = cfg.get_float("alpha", 4.0)
+            init_learning_rates(self, cfg)
+            self._init_scales(cfg, rng, "scales")
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "NaturalGradientPerElementScaleComponent":
+        c = cls()
+        pending = c.read_updatable_common(reader)
+        expect_after_common(reader, pending, "<Params>")
+        c.scales = reader.read_vector()
+        # Kaldi writes <IsGradient> here unconditionally (besides the common header).
+        reader.expect_token("<IsGradient>")
+        c.is_gradient = reader.read_bool()
+        reader.expect_token("<Rank>")
+        c.rank = reader.read_int()
+        reader.expect_token("<UpdatePeriod>")
+        c.update_period = reader.read_int()
+        reader.expect_token("<NumSamplesHistory>")
+        c.num_samples_history = reader.read_float()
+        reader.expect_token("<Alpha>")
+        c.alpha = reader.read_float()
+        if reader.try_token("<MaxChangePerMinibatch>"):  # removed option, old files
+            reader.read_float()
+        reader.expect_token("</NaturalGradientPerElementScaleComponent>")
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        self.write_updatable_common(writer)
+        writer.write_token("<Params>")
+        writer.write_vector(self.scales)
+        writer.write_token("<IsGradient>")
+        writer.write_bool(self.is_gradient)
+        writer.write_token("<Rank>")
+        writer.write_int(self.rank)
+        writer.write_token("<UpdatePeriod>")
+        writer.write_int(self.update_period)
+        writer.write_token("<NumSamplesHistory>")
+        writer.write_float(self.num_samples_history)
+        writer.write_token("<Alpha>")
+        writer.write_float(self.alpha)
+        writer.write_token("</NaturalGradientPerElementScaleComponent>")
+
+
+# --------------------------------------------------------------------------------------
+# PerElementOffsetComponent
+
+
+@register_component
+class PerElementOffsetComponent(UpdatableComponent):
+    """y = x + offsets, the offsets (of dimension block-dim) repeated over each block of
+    the dim columns; options dim, block-dim, param-mean (0), param-stddev (0),
+    use-natural-gradient, or vector=FILE."""
+
+    type_name = "PerElementOffsetComponent"
+    PARAMS = ("offsets",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offsets = np.zeros(0, np.float32)
+        self.dim = 0
+        self.use_natural_gradient = True
+
+    def properties(self) -> P:
+        p = (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_IN_PLACE
+             | P.PROPAGATE_IN_PLACE)
+        if self.dim != self.offsets.shape[0]:
+            p |= P.OUTPUT_CONTIGUOUS
+        return p
+
+    def input_dim(self) -> int:
+        return self.dim
+
+    output_dim = input_dim
+
+    def info(self) -> str:
+        s = updatable_info(self)
+        if self.offsets.size:
+            s += (f", offsets-min={float(self.offsets.min()):g}, "
+                  f"offsets-max={float(self.offsets.max()):g}")
+        s += (f", block-dim={self.offsets.shape[0]}, use-natural-gradient="
+              f"{'true' if self.use_natural_gradient else 'false'}")
+        return s + param_stats("offsets", self.offsets, True)
+
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            init_learning_rates(self, cfg)
+            filename = cfg.get_str("vector")
+            if filename is not None:
+                self.offsets = read_vector_option(cfg, "vector", filename)
+                self.dim = cfg.get_int("dim", self.offsets.shape[0])
+                if self.dim <= 0 or self.offsets.shape[0] % self.dim != 0:
+                    raise cfg.error(f"invalid dimension dim={self.dim} for the vector in "
+                                    f"{filename!r} (dimension {self.offsets.shape[0]})")
+            else:
+                self.dim = require_positive(cfg, "dim", cfg.get_int("dim"))
+                mean = cfg.get_float("param-mean", 0.0)
+                stddev = cfg.get_float("param-stddev", 0.0)
+                block = cfg.get_int("block-dim", self.dim)
+                if block <= 0 or self.dim % block != 0:
+                    raise cfg.error(f"invalid value block-dim={block} (must be positive "
+                                    f"and divide dim={self.dim})")
+                self.offsets = gaussian(rng, (block,), stddev, mean)
+            self.use_natural_gradient = cfg.get_bool("use-natural-gradient", True)
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "PerElementOffsetComponent":
+        c = cls()
+        pending = c.read_updatable_common(reader)
+        expect_after_common(reader, pending, "<Offsets>")
+        c.offsets = reader.read_vector()
+        skip_old_is_gradient(c, reader)
+        if reader.try_token("<Dim>"):
+            c.dim = reader.read_int()
+            reader.expect_token("<UseNaturalGradient>")
+            c.use_natural_gradient = reader.read_bool()
+        else:
+            c.dim = int(c.offsets.shape[0])
+            c.use_natural_gradient = True
+        reader.expect_token("</PerElementOffsetComponent>")
+        block = c.offsets.shape[0]
+        if block == 0 or c.dim % block != 0:
+            raise reader.error(f"PerElementOffsetComponent: <Dim> {c.dim} is not a multiple "
+                               f"of the offsets dimension {block}")
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        self.write_updatable_common(writer)
+        writer.write_token("<Offsets>")
+        writer.write_vector(self.offsets)
+        writer.write_token("<Dim>")
+        writer.write_int(self.dim)
+        writer.write_token("<UseNaturalGradient>")
+        writer.write_bool(self.use_natural_gradient)
+        writer.write_token("</PerElementOffsetComponent>")
+
+    def _tiled(self, xp, arr):
+        reps = self.dim // arr.shape[0]
+        return arr if reps == 1 else xp.tile(arr, reps)
+
+    def propagate(self, indexes, in_value, out):
+        check_rows(self, in_value, out)
+        _copy_unless_same(out, in_value)
+        out += self._tiled(array_module(out), self.offsets)
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        check_backprop_shapes(self, out_deriv, in_deriv)
+        if in_deriv is not None:
+            _copy_unless_same(in_deriv, out_deriv)
+        if to_update is not None:
+            block = self.offsets.shape[0]
+            to_update.offsets += (to_update.learning_rate
+                                  * _block_rows(out_deriv, block).sum(axis=0))
+
+
+# --------------------------------------------------------------------------------------
+# ScaleAndOffsetComponent
+
+
+@register_component
+class ScaleAndOffsetComponent(UpdatableComponent):
+    """y = x * scales + offsets per block of block-dim columns; scales start at 1,
+    offsets at 0.  Backprop reconstructs the input from the output (it needs the
+    output, not the input), with scales kept away from zero by 1e-4 in propagation."""
+
+    type_name = "ScaleAndOffsetComponent"
+    PARAMS = ("scales", "offsets")
+    EPSILON = 1.0e-04
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dim = 0
+        self.scales = np.zeros(0, np.float32)
+        self.offsets = np.zeros(0, np.float32)
+        self.use_natural_gradient = True
+        self.rank = 20
+
+    def properties(self) -> P:
+        p = (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_IN_PLACE
+             | P.PROPAGATE_IN_PLACE | P.BACKPROP_NEEDS_OUTPUT)
+        if self.dim != self.scales.shape[0]:
+            p |= P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOUS
+        return p
+
+    def input_dim(self) -> int:
+        return self.dim
+
+    output_dim = input_dim
+
+    def info(self) -> str:
+        s = updatable_info(self) + f", rank={self.rank}"
+        if self.dim != self.scales.shape[0]:
+            s += f", block-size={self.scales.shape[0]}"
+        return (s + param_stats("scales", self.scales, True)
+                + param_stats("offsets", self.offsets, True))
+
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            init_learning_rates(self, cfg)
+            self.dim = require_positive(cfg, "dim", cfg.get_int("dim"))
+            self.use_natural_gradient = cfg.get_bool("use-natural-gradient", True)
+            block = cfg.get_int("block-dim", self.dim)
+            if block <= 0 or self.dim % block != 0:
+                raise cfg.error(f"invalid block-dim={block} (must be positive and divide "
+                                f"dim={self.dim})")
+            self.rank = cfg.get_int("rank", 20)
+            self.scales = np.ones(block, np.float32)
+            self.offsets = np.zeros(block, np.float32)
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "ScaleAndOffsetComponent":
+        c = cls()
+        pending = c.read_updatable_common(reader)
+        expect_after_common(reader, pending, "<Dim>")
+        c.dim = reader.read_int()
+        reader.expect_token("<Scales>")
+        c.scales = reader.read_vector()
+        reader.expect_token("<Offsets>")
+        c.offsets = reader.read_vector()
+        reader.expect_token("<UseNaturalGradient>")
+        c.use_natural_gradient = reader.read_bool()
+        reader.expect_token("<Rank>")
+        c.rank = reader.read_int()
+        reader.expect_token("</ScaleAndOffsetComponent>")
+        block = c.scales.shape[0]
+        if block == 0 or c.offsets.shape[0] != block or c.dim % block != 0:
+            raise reader.error(f"ScaleAndOffsetComponent: <Dim> {c.dim}, scales "
+                               f"{block} and offsets {c.offsets.shape[0]} do not agree")
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        self.write_updatable_common(writer)
+        writer.write_token("<Dim>")
+        writer.write_int(self.dim)
+        writer.write_token("<Scales>")
+        writer.write_vector(self.scales)
+        writer.write_token("<Offsets>")
+        writer.write_vector(self.offsets)
+        writer.write_token("<UseNaturalGradient>")
+        writer.write_bool(self.use_natural_gradient)
+        writer.write_token("<Rank>")
+        writer.write_int(self.rank)
+        writer.write_token("</ScaleAndOffsetComponent>")
+
+    def _nonzero_scales(self, xp):
+        # Kaldi's cu::EnsureNonzero: |s| < eps becomes +eps (s >= 0) or -eps.
+        s, eps = self.scales, self.EPSILON
+        small = (s > -eps) & (s < eps)
+        return xp.where(small, xp.where(s >= 0, eps, -eps).astype(s.dtype), s)
+
+    def propagate(self, indexes, in_value, out):
+        check_rows(self, in_value, out)
+        xp = array_module(out)
+        x = _block_rows(in_value, self.scales.shape[0])
+        # computed into a temporary first, so that out may alias in_value
+        out[...] = (x * self._nonzero_scales(xp) + self.offsets).reshape(out.shape)
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        check_backprop_shapes(self, out_deriv, in_deriv)
+        xp = array_module(out_deriv)
+        block = self.scales.shape[0]
+        dy = _block_rows(out_deriv, block)
+        if to_update is not None:
+            self.check_shape("output value", out_value, out_deriv.shape[0], self.output_dim())
+            lr = to_update.learning_rate
+            to_update.offsets += lr * dy.sum(axis=0)
+            # the input, reconstructed from the output with this component's parameters
+            x = (_block_rows(out_value, block) - self.offsets) / self._nonzero_scales(xp)
+            to_update.scales += lr * (x * dy).sum(axis=0)
+        if in_deriv is not None:
+            # Kaldi multiplies by the raw scales here (not the nonzero version).
+            in_deriv[...] = (dy * self.scales).reshape(in_deriv.shape)
+
+
+# --------------------------------------------------------------------------------------
+# FixedScaleComponent and FixedBiasComponent
+
+
+@register_component
+class FixedScaleComponent(Component):
+    """y = x * scales, fixed: scales=FILE, or dim with scale=S (all S) or random."""
+
+    type_name = "FixedScaleComponent"
+    ARRAYS = ("scales",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales = np.zeros(0, np.float32)
+
+    def properties(self) -> P:
+        return P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
+
+    def input_dim(self) -> int:
+        return int(self.scales.shape[0])
+
+    output_dim = input_dim
+
+    def info(self) -> str:
+        return super().info() + param_stats("scales", self.scales, True)
+
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            filename = cfg.get_str("scales")
+            if filename is not None:
+                self.scales = read_vector_option(cfg, "scales", filename)
+                if self.scales.shape[0] == 0:
+                    raise cfg.error(f"option scales={filename!r}: the vector is empty")
+                return
+            scale = cfg.get_float("scale")
+            dim = require_positive(cfg, "dim", cfg.get_int("dim"))
+            if scale is not None:
+                self.scales = np.full(dim, scale, np.float32)
+            else:
+                self.scales = gaussian(rng, (dim,), 1.0)
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "FixedScaleComponent":
+        c = cls()
+        reader.try_token("<FixedScaleComponent>")
+        reader.expect_token("<Scales>")
+        c.scales = reader.read_vector()
+        reader.expect_token("</FixedScaleComponent>")
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        writer.write_token("<FixedScaleComponent>")
+        writer.write_token("<Scales>")
+        writer.write_vector(self.scales)
+        writer.write_token("</FixedScaleComponent>")
+
+    def propagate(self, indexes, in_value, out):
+        check_rows(self, in_value, out)
+        _copy_unless_same(out, in_value)
+        out *= self.scales
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        check_backprop_shapes(self, out_deriv, in_deriv)
+        if in_deriv is not None:
+            _copy_unless_same(in_deriv, out_deriv)
+            in_deriv *= self.scales
+
+
+@register_component
+class FixedBiasComponent(Component):
+    """y = x + bias, fixed: bias=FILE, or dim with a random bias."""
+
+    type_name = "FixedBiasComponent"
+    ARRAYS = ("bias",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = np.zeros(0, np.float32)
+
+    def properties(self) -> P:
+        return P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
+
+    def input_dim(self) -> int:
+        return int(self.bias.shape[0])
+
+    output_dim = input_dim
+
+    def info(self) -> str:
+        return super().info() + param_stats("bias", self.bias, True)
+
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            filename = cfg.get_str("bias")
+            if filename is not None:
+                self.bias = read_vector_option(cfg, "bias", filename)
+                if self.bias.shape[0] == 0:
+                    raise cfg.error(f"option bias={filename!r}: the vector is empty")
+                return
+            dim = require_positive(cfg, "dim", cfg.get_int("dim"))
+            self.bias = gaussian(rng, (dim,), 1.0)
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "FixedBiasComponent":
+        c = cls()
+        reader.try_token("<FixedBiasComponent>")
+        reader.expect_token("<Bias>")
+        c.bias = reader.read_vector()
+        reader.expect_token("</FixedBiasComponent>")
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        writer.write_token("<FixedBiasComponent>")
+        writer.write_token("<Bias>")
+        writer.write_vector(self.bias)
+        writer.write_token("</FixedBiasComponent>")
+
+    def propagate(self, indexes, in_value, out):
+        check_rows(self, in_value, out)
+        _copy_unless_same(out, in_value)
+        out += self.bias
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        check_backprop_shapes(self, out_deriv, in_deriv)
+        if in_deriv is not None:
+            _copy_unless_same(in_deriv, out_deriv)
+
+
+# --------------------------------------------------------------------------------------
+# ConstantFunctionComponent and ConstantComponent
+
+
+class _ConstantBase(UpdatableComponent):
+    """Shared parts: the output vector, optionally trainable (is-updatable)."""
+
+    PARAMS = ("output",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output = np.zeros(0, np.float32)
+        self.is_updatable_flag = True
+        self.use_natural_gradient = True
+
+    def _sync_param_lists(self) -> None:
+        # A non-updatable constant has no trainable parameters: Kaldi's Scale/Add
+        # leave it alone, so it must not be zeroed by set_as_gradient either.
+        if self.is_updatable_flag:
+            self.PARAMS, self.ARRAYS = ("output",), ()
+        else:
+            self.PARAMS, self.ARRAYS = (), ("output",)
+
+    def output_dim(self) -> int:
+        return int(self.output.shape[0])
+
+    def info(self) -> str:
+        return (updatable_info(self) + f", {self.type_name}"
+                + self._dims_info()
+                + f", is-updatable={'true' if self.is_updatable_flag else 'false'}"
+                + f", use-natural-gradient={'true' if self.use_natural_gradient else 'false'}"
+                + param_stats("output", self.output, True))
+
+    def _init_output(self, cfg: ConfigLine, rng, output_dim: int) -> None:
+        self.is_updatable_flag = cfg.get_bool("is-updatable", True)
+        self.use_natural_gradient = cfg.get_bool("use-natural-gradient", True)
+        mean = cfg.get_float("output-mean", 0.0)
+        stddev = cfg.get_float("output-stddev", 0.0)
+        self.output = gaussian(rng, (output_dim,), stddev, mean)
+        self._sync_param_lists()
+
+    def _read_header(self, reader: KaldiReader, with_max_change: bool) -> str:
+        """Kaldi's own header reader for these two types (no <L2Regularize>;
+        ConstantFunctionComponent has no <MaxChange> either)."""
+        tok = reader.read_token()
+        if tok == f"<{self.type_name}>":
+            tok = reader.read_token()
+        self.learning_rate_factor, self.is_gradient = 1.0, False
+        self.max_change, self.learning_rate = 0.0, 0.001
+        if tok == "<LearningRateFactor>":
+            self.learning_rate_factor = reader.read_float()
+            tok = reader.read_token()
+        if tok == "<IsGradient>":
+            self.is_gradient = reader.read_bool()
+            tok = reader.read_token()
+        if with_max_change and tok == "<MaxChange>":
+            self.max_change = reader.read_float()
+            tok = reader.read_token()
+        if tok == "<LearningRate>":
+            self.learning_rate = reader.read_float()
+            tok = reader.read_token()
+        return tok
+
+    def _read_tail(self, reader: KaldiReader) -> None:
+        self.output = reader.read_vector()
+        reader.expect_token("<IsUpdatable>")
+        self.is_updatable_flag = reader.read_bool()
+        reader.expect_token("<UseNaturalGradient>")
+        self.use_natural_gradient = reader.read_bool()
+        reader.expect_token(f"</{self.type_name}>")
+        self._sync_param_lists()
+
+    def _write_tail(self, writer: KaldiWriter) -> None:
+        writer.write_token("<Output>")
+        writer.write_vector(self.output)
+        writer.write_token("<IsUpdatable>")
+        writer.write_bool(self.is_updatable_flag)
+        writer.write_token("<UseNaturalGradient>")
+        writer.write_bool(self.use_natural_gradient)
+        writer.write_token(f"</{self.type_name}>")
+
+    def propagate(self, indexes, in_value, out):
+        self.check_shape("output", out, None, self.output_dim())
+        out[...] = self.output
+        return None
+
+    def _update(self, out_deriv, to_update) -> None:
+        if to_update is not None and to_update.is_updatable_flag:
+            to_update.output += to_update.learning_rate * out_deriv.sum(axis=0)
+
+
+@register_component
+class ConstantFunctionComponent(_ConstantBase):
+    """Outputs a constant vector whatever its input (input-dim, output-dim,
+    is-updatable, use-natural-gradient, output-mean, output-stddev)."""
+
+    type_name = "ConstantFunctionComponent"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_dim_ = 0
+
+    def properties(self) -> P:
+        p = P.SIMPLE_COMPONENT | P.BACKPROP_ADDS
+        if self.is_updatable_flag:
+            p |= P.UPDATABLE_COMPONENT
+        if self.input_dim() == self.output_dim():
+            p |= P.PROPAGATE_IN_PLACE
+        return p
+
+    def input_dim(self) -> int:
+        return self.input_dim_
+
+    def _dims_info(self) -> str:
+        return f", input-dim={self.input_dim()}, output-dim={self.output_dim()}"
+
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            init_learning_rates(self, cfg)
+            output_dim = require_positive(cfg, "output-dim", cfg.get_int("output-dim"))
+            self.input_dim_ = require_positive(cfg, "input-dim", cfg.get_int("input-dim"))
+            self._init_output(cfg, rng, output_dim)
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "ConstantFunctionComponent":
+        c = cls()
+        tok = c._read_header(reader, with_max_change=False)
+        if tok != "<InputDim>":
+            raise reader.error(f"expected token <InputDim>, got {tok!r}")
+        c.input_dim_ = reader.read_int()
+        reader.expect_token("<Output>")
+        c._read_tail(reader)
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        self.write_updatable_common(writer)
+        writer.write_token("<InputDim>")
+        writer.write_int(self.input_dim_)
+        self._write_tail(writer)
+
+    def propagate(self, indexes, in_value, out):
+        check_rows(self, in_value, out)
+        return super().propagate(indexes, in_value, out)
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        # BACKPROP_ADDS and the output does not depend on the input: in_deriv is
+        # left untouched.
+        check_backprop_shapes(self, out_deriv, in_deriv)
+        self._update(out_deriv, to_update)
+
+
+@register_component
+class ConstantComponent(_ConstantBase):
+    """Like ConstantFunctionComponent but with no input at all: a non-simple
+    component whose output Indexes depend on no input Indexes (output-dim,
+    is-updatable, use-natural-gradient, output-mean, output-stddev)."""
+
+    type_name = "ConstantComponent"
+
+    def properties(self) -> P:
+        return P.UPDATABLE_COMPONENT if self.is_updatable_flag else P.NONE
+
+    def input_dim(self) -> int:
+        # Kaldi: a don't-care, reported as the output dimension.
+        return self.output_dim()
+
+    def _dims_info(self) -> str:
+        return f", output-dim={self.output_dim()}"
+
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            init_learning_rates(self, cfg)
+            output_dim = require_positive(cfg, "output-dim", cfg.get_int("output-dim"))
+            self._init_output(cfg, rng, output_dim)
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "ConstantComponent":
+        c = cls()
+        tok = c._read_header(reader, with_max_change=True)
+        if tok != "<Output>":
+            raise reader.error(f"expected token <Output>, got {tok!r}")
+        c._read_tail(reader)
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        self.write_updatable_common(writer)
+        self._write_tail(writer)
+
+    def get_input_indexes(self, misc_info, output_index):
+        return []
+
+    def is_computable(self, misc_info, output_index, input_index_set, used_inputs) -> bool:
+        if used_inputs is not None:
+            used_inputs.clear()
+        return True
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        self.check_shape("output derivative", out_deriv, None, self.output_dim())
+        # No BACKPROP_ADDS: the (input-independent) derivative is written as zero.
+        if in_deriv is not None and in_deriv.size:
+            in_deriv[...] = 0
+        self._update(out_deriv, to_update)

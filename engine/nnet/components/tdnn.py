@@ -1,0 +1,423 @@
+"""TdnnComponent (Kaldi's nnet-tdnn-component.cc, declared in
+nnet-convolutional-component.h): an affine (or, with use-bias=false, linear) map of
+the input frames at a fixed list of time offsets, spliced together.
+
+It is a non-simple component: output Index (n, t, x) needs the inputs (n, t + o, x)
+for every offset o.  ReorderIndexes arranges input and output rows on a regular
+grid (t the slowest index, each (n, x) pair repeated for every t; blank Indexes with
+t = kNoTime pad gaps), so that for each offset the needed input rows are one strided
+range of the input matrix: PrecomputeIndexes gives the row stride (more than 1 only
+when the output is subsampled in time) and one start row per offset.  The grid
+helpers follow Kaldi's time_height_convolution::GetComputationIo and
+GetIndexesForComputation (convolution.cc).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.core.errors import ComponentError, DimensionError
+from engine.core.index import K_NO_TIME, Index
+from engine.nnet.components.affine import (
+    config_errors,
+    expect_after_common,
+    gaussian,
+    init_learning_rates,
+    param_stats,
+    updatable_info,
+)
+from engine.nnet.components.base import (
+    ComponentPrecomputedIndexes,
+    ComponentProperty as P,
+    UpdatableComponent,
+    register_component,
+)
+from engine.nnet.config_line import ConfigLine
+from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
+
+# --------------------------------------------------------------------------------------
+# the regular grid of a computation's input and output (Kaldi's ConvolutionComputationIo)
+
+
+@dataclass
+class TimeGrid:
+    num_images: int   # distinct (n, x) pairs
+    start_t_in: int
+    t_step_in: int
+    num_t_in: int
+    start_t_out: int
+    t_step_out: int
+    num_t_out: int
+    reorder_t_in: int = 1
+
+
+def _nx_pairs(indexes: list[Index]) -> list[tuple[int, int]]:
+    # Kaldi's GetNxList: every (n, x), blank Indexes included, sorted.
+    return sorted({(i.n, i.x) for i in indexes})
+
+
+def _regular_t(indexes: list[Index], what: str) -> tuple[int, int, int]:
+    """(start, step, count) of the smallest regular grid covering the t values
+    (Kaldi's GetTList + RegularizeTList; step 0 when there is one value)."""
+    ts = sorted({i.t for i in indexes if i.t != K_NO_TIME})
+    if not ts:
+        raise ComponentError(f"TdnnComponent: no {what} Indexes with a time value")
+    step = 0
+    for a, b in zip(ts, ts[1:]):
+        step = math.gcd(step, b - a)
+    count = 1 if step == 0 else 1 + (ts[-1] - ts[0]) // step
+    return ts[0], step, count
+
+
+def tdnn_time_grid(input_indexes: list[Index], output_indexes: list[Index]) -> TimeGrid:
+    """GetComputationIo followed by TdnnComponent::ModifyComputationIo."""
+    pairs = _nx_pairs(input_indexes)
+    if not pairs:
+        raise ComponentError("TdnnComponent: the computation has no input Indexes")
+    g = TimeGrid(len(pairs), *_regular_t(input_indexes, "input"),
+                 *_regular_t(output_indexes, "output"))
+    if g.t_step_out == 0:
+        # a single output (or input) t: the step is a don't-care, pick one that fits
+        if g.t_step_in == 0:
+            g.t_step_in = 1
+        g.t_step_out = g.t_step_in
+    if g.t_step_in == 0 or g.t_step_out % g.t_step_in != 0:
+        raise ComponentError(f"TdnnComponent: output t step {g.t_step_out} is not a multiple "
+                             f"of input t step {g.t_step_in}")
+    g.reorder_t_in = g.t_step_out // g.t_step_in
+    n = g.reorder_t_in
+    g.num_t_in = n * ((g.num_t_in + n - 1) // n)
+    return g
+
+
+def _grid_indexes(pairs, t_start: int, t_step: int, num_t: int, reorder_t: int,
+                  present: set) -> list[Index]:
+    """Kaldi's CreateIndexes + SetSomeIndexesBlank: blocks of ``reorder_t`` t values,
+    within a block each (n, x) pair with its t values consecutive."""
+    if t_step == 0:
+        t_step = 1
+    out = []
+    outer = t_step * reorder_t
+    for t_block in range(t_start, t_start + num_t * t_step, outer):
+        for n, x in pairs:
+            for t in range(t_block, t_block + outer, t_step):
+                idx = Index(n, t, x)
+                out.append(idx if idx in present else Index(n, K_NO_TIME, x))
+    return out
+
+
+def tdnn_indexes_for_grid(g: TimeGrid, input_indexes: list[Index],
+                          output_indexes: list[Index]) -> tuple[list[Index], list[Index]]:
+    """Kaldi's GetIndexesForComputation."""
+    pairs = _nx_pairs(input_indexes)
+    new_in = _grid_indexes(pairs, g.start_t_in, g.t_step_in, g.num_t_in, g.reorder_t_in,
+                           set(input_indexes))
+    new_out = _grid_indexes(pairs, g.start_t_out, g.t_step_out, g.num_t_out, 1,
+                            set(output_indexes))
+    return new_in, new_out
+
+
+class TdnnPrecomputedIndexes(ComponentPrecomputedIndexes):
+    """Kaldi's TdnnComponent::PrecomputedIndexes: the input rows for time offset i are
+    ``row_offsets[i] + row_stride * r`` for output row r."""
+
+    type_name = "TdnnComponentPrecomputedIndexes"
+
+    def __init__(self, row_stride: int = 1, row_offsets=()) -> None:
+        self.row_stride = int(row_stride)
+        self.row_offsets = np.asarray(row_offsets, dtype=np.int32).reshape(-1)
+
+    def to_backend(self, xp) -> "TdnnPrecomputedIndexes":
+        # The offsets are used on the host to make strided views; they stay in NumPy.
+        return self
+
+    def write(self, writer: KaldiWriter) -> None:
+        writer.write_token("<TdnnComponentPrecomputedIndexes>")
+        writer.write_token("<RowStride>")
+        writer.write_int(self.row_stride)
+        writer.write_token("<RowOffsets>")
+        writer.write_int_vector(self.row_offsets.tolist())
+        writer.write_token("</TdnnComponentPrecomputedIndexes>")
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "TdnnPrecomputedIndexes":
+        reader.try_token("<TdnnComponentPrecomputedIndexes>")
+        reader.expect_token("<RowStride>")
+        stride = reader.read_int()
+        reader.expect_token("<RowOffsets>")
+        offsets = reader.read_int_vector()
+        reader.expect_token("</TdnnComponentPrecomputedIndexes>")
+        return cls(stride, offsets)
+
+
+# --------------------------------------------------------------------------------------
+# the component
+
+
+@register_component
+class TdnnComponent(UpdatableComponent):
+    """Options: time-offsets (e.g. -1,0,1), input-dim, output-dim (required);
+    param-stddev (1/sqrt(input-dim * #offsets)), bias-mean (0), bias-stddev (1),
+    use-bias (true), orthonormal-constraint (0), use-natural-gradient (true),
+    rank-in, rank-out, alpha-in, alpha-out (4), num-samples-history (2000)."""
+
+    type_name = "TdnnComponent"
+    PARAMS = ("linear_params", "bias_params")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.time_offsets: list[int] = []
+        self.linear_params = np.zeros((0, 0), np.float32)  # (out, in * #offsets)
+        self.bias_params = np.zeros(0, np.float32)          # empty: no bias
+        self.orthonormal_constraint = 0.0
+        self.use_natural_gradient = True
+        self.rank_in = 20
+        self.rank_out = 80
+        self.alpha_in = 4.0
+        self.alpha_out = 4.0
+        self.num_samples_history = 2000.0
+
+    def properties(self) -> P:
+        p = (P.UPDATABLE_COMPONENT | P.REORDERS_INDEXES | P.BACKPROP_ADDS
+             | P.BACKPROP_NEEDS_INPUT)
+        if self.bias_params.shape[0] == 0:
+            p |= P.PROPAGATE_ADDS
+        return p
+
+    def input_dim(self) -> int:
+        k = len(self.time_offsets)
+        return int(self.linear_params.shape[1]) // k if k else 0
+
+    def output_dim(self) -> int:
+        return int(self.linear_params.shape[0])
+
+    def info(self) -> str:
+        s = updatable_info(self)
+        if self.orthonormal_constraint != 0.0:
+            s += f", orthonormal-constraint={self.orthonormal_constraint:g}"
+        s += ", time-offsets=" + ",".join(str(o) for o in self.time_offsets)
+        s += param_stats("linear-params", self.linear_params, False)
+        if self.bias_params.shape[0] == 0:
+            s += ", has-bias=false"
+        else:
+            s += param_stats("bias", self.bias_params, True)
+        if not self.use_natural_gradient:
+            return s + ", use-natural-gradient=false"
+        return (s + f", rank-in={self.rank_in}, rank-out={self.rank_out}, "
+                f"num-samples-history={self.num_samples_history:g}, update-period=4, "
+                f"alpha-in={self.alpha_in:g}, alpha-out={self.alpha_out:g}")
+
+    def _check(self, fail) -> None:
+        k = len(self.time_offsets)
+        nb = self.bias_params.shape[0]
+        if (self.linear_params.shape[0] == 0 or k == 0 or len(set(self.time_offsets)) != k
+                or self.linear_params.shape[1] % k != 0
+                or (nb != 0 and nb != self.linear_params.shape[0])):
+            raise fail(f"TdnnComponent: inconsistent parameters (time-offsets "
+                       f"{self.time_offsets}, linear-params {self.linear_params.shape}, "
+                       f"bias {nb})")
+
+    # -- config / I/O --------------------------------------------------------------------
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            init_learning_rates(self, cfg)
+            offsets = cfg.get_int_list("time-offsets", required=True)
+            input_dim = cfg.get_int("input-dim", required=True)
+            output_dim = cfg.get_int("output-dim", required=True)
+            if input_dim <= 0 or output_dim <= 0 or not offsets:
+                raise cfg.error("input-dim and output-dim must be positive and time-offsets "
+                                "non-empty")
+            if len(set(offsets)) != len(offsets):
+                raise cfg.error(f"option time-offsets has repeated values: {offsets}")
+            self.time_offsets = offsets
+            k = len(offsets)
+            param_stddev = cfg.get_float("param-stddev", -1.0)
+            bias_stddev = cfg.get_float("bias-stddev", 1.0)
+            bias_mean = cfg.get_float("bias-mean", 0.0)
+            use_bias = cfg.get_bool("use-bias", True)
+            self.orthonormal_constraint = cfg.get_float("orthonormal-constraint", 0.0)
+            if param_stddev < 0.0:
+                param_stddev = 1.0 / math.sqrt(input_dim * k)
+            self.linear_params = gaussian(rng, (output_dim, input_dim * k), param_stddev)
+            self.bias_params = (gaussian(rng, (output_dim,), bias_stddev, bias_mean)
+                                if use_bias else np.zeros(0, np.float32))
+            self.use_natural_gradient = cfg.get_bool("use-natural-gradient", True)
+            rank_in = cfg.get_int("rank-in", -1)
+            rank_out = cfg.get_int("rank-out", -1)
+            self.alpha_in = cfg.get_float("alpha-in", 4.0)
+            self.alpha_out = cfg.get_float("alpha-out", 4.0)
+            self.num_samples_history = cfg.get_float("num-samples-history", 2000.0)
+            self.rank_in = rank_in if rank_in >= 0 else min(20, (input_dim * k + 1) // 2)
+            self.rank_out = rank_out if rank_out >= 0 else min(80, (output_dim + 1) // 2)
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "TdnnComponent":
+        c = cls()
+        pending = c.read_updatable_common(reader)
+        expect_after_common(reader, pending, "<TimeOffsets>")
+        c.time_offsets = reader.read_int_vector()
+        reader.expect_token("<LinearParams>")
+        c.linear_params = reader.read_matrix()
+        reader.expect_token("<BiasParams>")
+        c.bias_params = reader.read_vector()
+        reader.expect_token("<OrthonormalConstraint>")
+        c.orthonormal_constraint = reader.read_float()
+        reader.expect_token("<UseNaturalGradient>")
+        c.use_natural_gradient = reader.read_bool()
+        reader.expect_token("<NumSamplesHistory>")
+        c.num_samples_history = reader.read_float()
+        start = reader.pos
+        tok = reader.read_token()
+        if tok == "<AlphaInOut>":
+            c.alpha_in = reader.read_float()
+            c.alpha_out = reader.read_float()
+        elif tok == "<Alpha>":  # a format used in some experiments
+            c.alpha_in = c.alpha_out = reader.read_float()
+        else:
+            raise reader.error(f"expected <AlphaInOut> or <Alpha>, got {tok!r}", offset=start)
+        reader.expect_token("<RankInOut>")
+        c.rank_in = reader.read_int()
+        c.rank_out = reader.read_int()
+        reader.expect_token("</TdnnComponent>")
+        c._check(reader.error)
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        self.write_updatable_common(writer)
+        writer.write_token("<TimeOffsets>")
+        writer.write_int_vector(self.time_offsets)
+        writer.write_token("<LinearParams>")
+        writer.write_matrix(self.linear_params)
+        writer.write_token("<BiasParams>")
+        writer.write_vector(self.bias_params)
+        writer.write_token("<OrthonormalConstraint>")
+        writer.write_float(self.orthonormal_constraint)
+        writer.write_token("<UseNaturalGradient>")
+        writer.write_bool(self.use_natural_gradient)
+        writer.write_token("<NumSamplesHistory>")
+        writer.write_float(self.num_samples_history)
+        writer.write_token("<AlphaInOut>")
+        writer.write_float(self.alpha_in)
+        writer.write_float(self.alpha_out)
+        writer.write_token("<RankInOut>")
+        writer.write_int(self.rank_in)
+        writer.write_int(self.rank_out)
+        writer.write_token("</TdnnComponent>")
+
+    # -- index functions -------------------------------------------------------------------
+    def get_input_indexes(self, misc_info, output_index: Index) -> list[Index]:
+        if output_index.t == K_NO_TIME:
+            raise ComponentError("get_input_indexes called for a blank Index",
+                                 component=self.label())
+        n, t, x = output_index
+        return [Index(n, t + o, x) for o in self.time_offsets]
+
+    def is_computable(self, misc_info, output_index: Index, input_index_set,
+                      used_inputs) -> bool:
+        needed = self.get_input_indexes(misc_info, output_index)
+        if used_inputs is not None:
+            used_inputs.clear()
+        for idx in needed:
+            if not input_index_set(idx):
+                return False
+            if used_inputs is not None:
+                used_inputs.append(idx)
+        return True
+
+    def reorder_indexes(self, input_indexes, output_indexes):
+        try:
+            grid = tdnn_time_grid(input_indexes, output_indexes)
+        except ComponentError as e:
+            raise ComponentError(e.reason, component=self.label()) from None
+        return tdnn_indexes_for_grid(grid, input_indexes, output_indexes)
+
+    def precompute_indexes(self, misc_info, input_indexes, output_indexes,
+                           need_backprop: bool) -> TdnnPrecomputedIndexes:
+        try:
+            g = tdnn_time_grid(input_indexes, output_indexes)
+        except ComponentError as e:
+            raise ComponentError(e.reason, component=self.label()) from None
+        # The indexes must already be in the order reorder_indexes gives (Kaldi
+        # spot-checks this at random; the check is cheap enough to do always).
+        want_in, want_out = tdnn_indexes_for_grid(g, input_indexes, output_indexes)
+        if want_in != list(input_indexes) or want_out != list(output_indexes):
+            raise ComponentError("precompute_indexes: the Indexes are not in the order "
+                                 "reorder_indexes produces", component=self.label())
+        n = g.reorder_t_in
+        offsets = []
+        for o in self.time_offsets:
+            required_t = g.start_t_out + o
+            rel = required_t - g.start_t_in
+            if rel < 0 or rel % g.t_step_in != 0:
+                raise ComponentError(f"input time {required_t} (offset {o}) is not on the "
+                                     f"input grid", component=self.label())
+            input_t = rel // g.t_step_in
+            offsets.append((input_t // n) * n * g.num_images + input_t % n)
+        return TdnnPrecomputedIndexes(n, offsets)
+
+    # -- maths --------------------------------------------------------------------------
+    def _layout(self, indexes, num_in_rows: int, num_out_rows: int) -> tuple[int, list[int]]:
+        if indexes is None:
+            # Without precomputed indexes the component is usable as a simple one only
+            # when its single time offset is 0 (Kaldi's test setup does this).
+            if self.time_offsets != [0]:
+                raise ComponentError("propagate/backprop need precomputed indexes",
+                                     component=self.label())
+            stride, offsets = 1, [0]
+        else:
+            stride, offsets = indexes.row_stride, [int(o) for o in indexes.row_offsets]
+        if len(offsets) != len(self.time_offsets):
+            raise ComponentError(f"precomputed indexes have {len(offsets)} row offsets for "
+                                 f"{len(self.time_offsets)} time offsets",
+                                 component=self.label())
+        if num_out_rows > 0:
+            for off in offsets:
+                last = off + stride * (num_out_rows - 1)
+                if off < 0 or last >= num_in_rows:
+                    raise DimensionError(f"input has {num_in_rows} rows; rows {off}.."
+                                         f"{last} (stride {stride}) are needed",
+                                         component=self.label())
+        return stride, offsets
+
+    @staticmethod
+    def _part(mat, offset: int, stride: int, rows: int):
+        """Strided row view: rows offset, offset + stride, ... (Kaldi's GetInputPart)."""
+        return mat[offset:offset + stride * (rows - 1) + 1:stride] if rows else mat[0:0]
+
+    def propagate(self, indexes, in_value, out):
+        d = self.input_dim()
+        self.check_shape("input", in_value, None, d)
+        self.check_shape("output", out, None, self.output_dim())
+        rows = out.shape[0]
+        stride, offsets = self._layout(indexes, in_value.shape[0], rows)
+        if self.bias_params.shape[0] != 0:
+            out[...] = self.bias_params
+        for i, off in enumerate(offsets):
+            out += self._part(in_value, off, stride, rows) @ self.linear_params[:, i * d:(i + 1) * d].T
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        d = self.input_dim()
+        self.check_shape("output derivative", out_deriv, None, self.output_dim())
+        rows = out_deriv.shape[0]
+        if in_deriv is not None:
+            self.check_shape("input derivative", in_deriv, None, d)
+            stride, offsets = self._layout(indexes, in_deriv.shape[0], rows)
+            for i, off in enumerate(offsets):
+                part = self._part(in_deriv, off, stride, rows)
+                part += out_deriv @ self.linear_params[:, i * d:(i + 1) * d]
+        if to_update is not None:
+            lr = to_update.learning_rate
+            if lr == 0.0:
+                return
+            self.check_shape("input value", in_value, None, d)
+            stride, offsets = self._layout(indexes, in_value.shape[0], rows)
+            if to_update.bias_params.shape[0] != 0:
+                to_update.bias_params += lr * out_deriv.sum(axis=0)
+            for i, off in enumerate(offsets):
+                x = self._part(in_value, off, stride, rows)
+                to_update.linear_params[:, i * d:(i + 1) * d] += lr * (out_deriv.T @ x)
