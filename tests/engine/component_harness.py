@@ -1,7 +1,8 @@
 """Shared checks for component tests (the ideas of Kaldi's nnet-component-test.cc).
 
 - ``load_component_text`` / reference cases in kaldi-ref/components/<Type>/<case>/.
-- ``check_reference_case``: output, input derivative and parameter gradient against Kaldi.
+- ``check_reference_case``: output, input derivative and parameter gradient against Kaldi
+  (gradient.txt = parameters + gradient: Kaldi's SetAsGradient keeps the parameters).
 - ``check_io_roundtrip``: text and binary write/read give identical parameters, and text
   written from a Kaldi text file is byte-identical to it.
 - ``check_properties``: declared flags hold (in-place propagate/backprop, backprop without
@@ -97,9 +98,13 @@ def check_reference_case(case: Path) -> None:
     dx = run_backward(comp, x, y, dy, memo, grad)
     assert_close(f"{case.name} input_deriv", dx, arrays["input_deriv"])
     if grad is not None:
+        # Kaldi's SetAsGradient() does not zero the parameters, so gradient.txt holds
+        # the original parameters plus the plain gradient.
         ref = load_component_text(case / "gradient.txt")
-        for p, ours, theirs in zip(grad.PARAMS, grad.param_arrays(), ref.param_arrays()):
-            assert_close(f"{case.name} gradient {p}", ours, theirs)
+        for p, ours, theirs, orig in zip(grad.PARAMS, grad.param_arrays(), ref.param_arrays(),
+                                         comp.param_arrays()):
+            assert_close(f"{case.name} gradient {p}", ours,
+                         np.asarray(theirs, np.float64) - np.asarray(orig, np.float64))
 
 
 def _params_equal(a: Component, b: Component) -> None:
