@@ -1,12 +1,6 @@
-"""The affine family of nnet3 components (Kaldi's nnet-simple-component.{h,cc}):
-AffineComponent, NaturalGradientAffineComponent, LinearComponent,
-FixedAffineComponent, BlockAffineComponent, RepeatedAffineComponent and
-NaturalGradientRepeatedAffineComponent.
-
-Also the helpers the sibling modules (scale_offset.py, tdnn.py) share: reading a
-Kaldi matrix/vector file for ``matrix=`` style options (Kaldi's ReadKaldiObject),
-naming the component in config errors, the ``<Token>`` checks after Kaldi's
-ReadUpdatableCommon, and the parameter summaries of Kaldi's PrintParameterStats.
+"""The affine components of Kaldi's nnet-simple-component.{h,cc}: AffineComponent,
+NaturalGradientAffineComponent, LinearComponent and FixedAffineComponent
+(block_affine.py has the block-diagonal and repeated variants).
 
 Natural gradient: Kaldi preconditions the parameter update with an online
 natural-gradient estimate during training.  That preconditioner is a training
@@ -17,14 +11,23 @@ an update outside gradient mode uses the plain (unpreconditioned) direction.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from pathlib import Path
 
 import numpy as np
 
-from engine.core.errors import ConfigError, ModelFormatError
-from engine.core.xp import array_module
+from engine.nnet.components._param_utils import (
+    check_backprop_shapes,
+    check_rows,
+    config_errors,
+    expect_after_common,
+    gaussian,
+    init_learning_rates,
+    param_stats,
+    read_matrix_option,
+    require_positive,
+    skip_old_is_gradient,
+    updatable_info,
+)
 from engine.nnet.components.base import (
     Component,
     ComponentProperty as P,
@@ -33,130 +36,6 @@ from engine.nnet.components.base import (
 )
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
-
-# --------------------------------------------------------------------------------------
-# shared helpers
-
-
-@contextlib.contextmanager
-def config_errors(comp: Component, cfg: ConfigLine):
-    """Make every ConfigError raised while initialising ``comp`` name the component."""
-    try:
-        yield
-    except ConfigError as e:
-        label = comp.label() if comp.name else comp.type_name
-        if label in e.reason:
-            raise
-        raise ConfigError(f"component {label}: {e.reason}", source=e.source, line=e.line,
-                          text=e.text) from None
-
-
-def _read_kaldi_object(cfg: ConfigLine, option: str, filename: str, what: str) -> np.ndarray:
-    """Kaldi's ReadKaldiObject for a matrix or vector file (text or binary)."""
-    path = Path(filename)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise cfg.error(f"option {option}={filename!r}: cannot read {what} file: "
-                        f"{e.strerror or e}") from None
-    reader = KaldiReader(data, source=str(path))
-    try:
-        arr = reader.read_matrix() if what == "matrix" else reader.read_vector()
-    except ModelFormatError as e:
-        raise cfg.error(f"option {option}={filename!r}: not a Kaldi {what}: {e}") from None
-    return arr
-
-
-def read_matrix_option(cfg: ConfigLine, option: str, filename: str) -> np.ndarray:
-    return _read_kaldi_object(cfg, option, filename, "matrix")
-
-
-def read_vector_option(cfg: ConfigLine, option: str, filename: str) -> np.ndarray:
-    return _read_kaldi_object(cfg, option, filename, "vector")
-
-
-def init_learning_rates(comp: UpdatableComponent, cfg: ConfigLine) -> None:
-    """Kaldi's InitLearningRatesFromConfig, including its check for negative values."""
-    comp.init_learning_rate_common(cfg)
-    for opt, v in (("learning-rate", comp.learning_rate),
-                   ("learning-rate-factor", comp.learning_rate_factor),
-                   ("max-change", comp.max_change), ("l2-regularize", comp.l2_regularize)):
-        if v < 0.0:
-            raise cfg.error(f"option {opt}={v:g} must not be negative")
-
-
-def require_positive(cfg: ConfigLine, option: str, value: int | None) -> int:
-    if value is None:
-        raise cfg.error(f"missing required option {option}= (a positive integer)")
-    if value <= 0:
-        raise cfg.error(f"option {option}={value} must be positive")
-    return value
-
-
-def expect_after_common(reader: KaldiReader, pending: str, expected: str) -> None:
-    """Expect ``expected``, which ReadUpdatableCommon may already have consumed (when
-    the file had no <LearningRate>, the next token comes back as ``pending``)."""
-    if pending:
-        if pending != expected:
-            raise reader.error(f"expected token {expected!r}, got {pending!r}")
-    else:
-        reader.expect_token(expected)
-
-
-def skip_old_is_gradient(comp: UpdatableComponent, reader: KaldiReader) -> None:
-    """Old files carried <IsGradient> after the parameters; Kaldi still reads it."""
-    if reader.try_token("<IsGradient>"):
-        comp.is_gradient = reader.read_bool()
-
-
-def gaussian(rng: np.random.Generator, shape, stddev: float, mean: float = 0.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * stddev + mean).astype(np.float32)
-
-
-def _g4(x: float) -> str:
-    return f"{float(x):.4g}"
-
-
-def param_stats(name: str, arr, include_mean: bool) -> str:
-    """Kaldi's PrintParameterStats (the mean/stddev or rms part)."""
-    a = np.asarray(arr, dtype=np.float64)
-    if a.size == 0:
-        return f", {name}-rms=0"
-    if include_mean:
-        mean = float(a.mean())
-        std = math.sqrt(max(float((a * a).mean()) - mean * mean, 0.0))
-        return f", {name}-{{mean,stddev}}={_g4(mean)},{_g4(std)}"
-    return f", {name}-rms={_g4(math.sqrt(float((a * a).mean())))}"
-
-
-def updatable_info(comp: UpdatableComponent) -> str:
-    """Kaldi's UpdatableComponent::Info."""
-    s = (f"{comp.type_name}, input-dim={comp.input_dim()}, output-dim={comp.output_dim()}, "
-         f"learning-rate={comp.learning_rate:g}")
-    if comp.is_gradient:
-        s += ", is-gradient=true"
-    if comp.l2_regularize != 0.0:
-        s += f", l2-regularize={comp.l2_regularize:g}"
-    if comp.learning_rate_factor != 1.0:
-        s += f", learning-rate-factor={comp.learning_rate_factor:g}"
-    if comp.max_change > 0.0:
-        s += f", max-change={comp.max_change:g}"
-    return s
-
-
-def check_rows(comp: Component, in_value, out) -> None:
-    comp.check_shape("input", in_value, None, comp.input_dim())
-    comp.check_shape("output", out, in_value.shape[0], comp.output_dim())
-
-
-def check_backprop_shapes(comp: Component, out_deriv, in_deriv, in_value=None) -> None:
-    comp.check_shape("output derivative", out_deriv, None, comp.output_dim())
-    rows = out_deriv.shape[0]
-    if in_deriv is not None:
-        comp.check_shape("input derivative", in_deriv, rows, comp.input_dim())
-    if in_value is not None:
-        comp.check_shape("input value", in_value, rows, comp.input_dim())
-
 
 # --------------------------------------------------------------------------------------
 # AffineComponent and NaturalGradientAffineComponent
@@ -591,219 +470,3 @@ class FixedAffineComponent(Component):
         check_backprop_shapes(self, out_deriv, in_deriv)
         if in_deriv is not None:
             in_deriv += out_deriv @ self.linear_params
-
-
-# --------------------------------------------------------------------------------------
-# BlockAffineComponent
-
-
-@register_component
-class BlockAffineComponent(UpdatableComponent):
-    """Block-diagonal affine transform: num-blocks independent affine maps, block b
-    taking input columns [b*in/nb, (b+1)*in/nb) to output columns [b*out/nb, ...)."""
-
-    type_name = "BlockAffineComponent"
-    PARAMS = ("linear_params", "bias_params")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear_params = np.zeros((0, 0), np.float32)  # (output_dim, input_dim / nb)
-        self.bias_params = np.zeros(0, np.float32)
-        self.num_blocks = 1
-
-    def properties(self) -> P:
-        return (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
-                | P.BACKPROP_ADDS)
-
-    def input_dim(self) -> int:
-        return int(self.linear_params.shape[1]) * self.num_blocks
-
-    def output_dim(self) -> int:
-        return int(self.linear_params.shape[0])
-
-    def info(self) -> str:
-        return (updatable_info(self) + f", num-blocks={self.num_blocks}"
-                + param_stats("linear-params", self.linear_params, False)
-                + param_stats("bias", self.bias_params, True))
-
-    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
-        with config_errors(self, cfg):
-            input_dim = require_positive(cfg, "input-dim", cfg.get_int("input-dim"))
-            output_dim = require_positive(cfg, "output-dim", cfg.get_int("output-dim"))
-            nb = require_positive(cfg, "num-blocks", cfg.get_int("num-blocks"))
-            init_learning_rates(self, cfg)
-            if input_dim % nb or output_dim % nb:
-                raise cfg.error(f"option num-blocks={nb} must divide input-dim={input_dim} "
-                                f"and output-dim={output_dim}")
-            param_stddev = cfg.get_float("param-stddev", 1.0 / math.sqrt(input_dim // nb))
-            bias_stddev = cfg.get_float("bias-stddev", 1.0)
-            bias_mean = cfg.get_float("bias-mean", 0.0)
-            if param_stddev < 0.0 or bias_stddev < 0.0:
-                raise cfg.error("options param-stddev and bias-stddev must not be negative")
-            self.num_blocks = nb
-            self.linear_params = gaussian(rng, (output_dim, input_dim // nb), param_stddev)
-            self.bias_params = gaussian(rng, (output_dim,), bias_stddev, bias_mean)
-
-    @classmethod
-    def read(cls, reader: KaldiReader) -> "BlockAffineComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<NumBlocks>")
-        c.num_blocks = reader.read_int()
-        reader.expect_token("<LinearParams>")
-        c.linear_params = reader.read_matrix()
-        reader.expect_token("<BiasParams>")
-        c.bias_params = reader.read_vector()
-        skip_old_is_gradient(c, reader)
-        reader.expect_token("</BlockAffineComponent>")
-        if c.num_blocks <= 0 or c.linear_params.shape[0] % c.num_blocks:
-            raise reader.error(f"BlockAffineComponent: <NumBlocks> {c.num_blocks} does not "
-                               f"divide the output dimension {c.linear_params.shape[0]}")
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        self.write_updatable_common(writer)
-        writer.write_token("<NumBlocks>")
-        writer.write_int(self.num_blocks)
-        writer.write_token("<LinearParams>")
-        writer.write_matrix(self.linear_params)
-        writer.write_token("<BiasParams>")
-        writer.write_vector(self.bias_params)
-        writer.write_token("</BlockAffineComponent>")
-
-    def _blocks(self, linear):
-        nb = self.num_blocks
-        return linear.reshape(nb, linear.shape[0] // nb, linear.shape[1])  # (nb, rout, cin)
-
-    def propagate(self, indexes, in_value, out):
-        check_rows(self, in_value, out)
-        n, nb = in_value.shape[0], self.num_blocks
-        x = in_value.reshape(n, nb, -1).transpose(1, 0, 2)  # (nb, n, cin)
-        w = self._blocks(self.linear_params)
-        y = (x @ w.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(n, -1)
-        out[...] = y
-        out += self.bias_params
-        return None
-
-    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
-                 to_update, in_deriv) -> None:
-        check_backprop_shapes(self, out_deriv, in_deriv)
-        n, nb = out_deriv.shape[0], self.num_blocks
-        dy = out_deriv.reshape(n, nb, -1).transpose(1, 0, 2)  # (nb, n, rout)
-        if in_deriv is not None:
-            dx = dy @ self._blocks(self.linear_params)  # (nb, n, cin)
-            in_deriv += dx.transpose(1, 0, 2).reshape(n, -1)
-        if to_update is not None:
-            self.check_shape("input value", in_value, n, self.input_dim())
-            x = in_value.reshape(n, nb, -1).transpose(1, 0, 2)
-            grad = (dy.transpose(0, 2, 1) @ x).reshape(self.linear_params.shape)
-            lr = to_update.learning_rate
-            to_update.linear_params += lr * grad
-            to_update.bias_params += lr * out_deriv.sum(axis=0)
-
-
-# --------------------------------------------------------------------------------------
-# RepeatedAffineComponent and NaturalGradientRepeatedAffineComponent
-
-
-@register_component
-class RepeatedAffineComponent(UpdatableComponent):
-    """One small affine map applied to num-repeats consecutive blocks of the input
-    (the same parameters for every block)."""
-
-    type_name = "RepeatedAffineComponent"
-    PARAMS = ("linear_params", "bias_params")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear_params = np.zeros((0, 0), np.float32)  # (out/nr, in/nr)
-        self.bias_params = np.zeros(0, np.float32)
-        self.num_repeats = 1
-
-    def properties(self) -> P:
-        return (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
-                | P.BACKPROP_ADDS | P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOUS)
-
-    def input_dim(self) -> int:
-        return int(self.linear_params.shape[1]) * self.num_repeats
-
-    def output_dim(self) -> int:
-        return int(self.linear_params.shape[0]) * self.num_repeats
-
-    def info(self) -> str:
-        return (updatable_info(self) + f", num-repeats={self.num_repeats}"
-                + param_stats("linear-params", self.linear_params, False)
-                + param_stats("bias", self.bias_params, True))
-
-    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
-        with config_errors(self, cfg):
-            init_learning_rates(self, cfg)
-            nr = require_positive(cfg, "num-repeats", cfg.get_int("num-repeats"))
-            input_dim = require_positive(cfg, "input-dim", cfg.get_int("input-dim"))
-            output_dim = require_positive(cfg, "output-dim", cfg.get_int("output-dim"))
-            if input_dim % nr or output_dim % nr:
-                raise cfg.error(f"option num-repeats={nr} must divide input-dim={input_dim} "
-                                f"and output-dim={output_dim}")
-            param_stddev = cfg.get_float("param-stddev", 1.0 / math.sqrt(input_dim // nr))
-            bias_mean = cfg.get_float("bias-mean", 0.0)
-            bias_stddev = cfg.get_float("bias-stddev", 0.0)
-            if param_stddev < 0.0:
-                raise cfg.error(f"option param-stddev={param_stddev:g} must not be negative")
-            self.num_repeats = nr
-            self.linear_params = gaussian(rng, (output_dim // nr, input_dim // nr), param_stddev)
-            self.bias_params = gaussian(rng, (output_dim // nr,), bias_stddev, bias_mean)
-
-    @classmethod
-    def read(cls, reader: KaldiReader) -> "RepeatedAffineComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<NumRepeats>")
-        c.num_repeats = reader.read_int()
-        reader.expect_token("<LinearParams>")
-        c.linear_params = reader.read_matrix()
-        reader.expect_token("<BiasParams>")
-        c.bias_params = reader.read_vector()
-        skip_old_is_gradient(c, reader)
-        reader.expect_token(f"</{cls.type_name}>")
-        if c.num_repeats <= 0:
-            raise reader.error(f"{cls.type_name}: <NumRepeats> must be positive")
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        self.write_updatable_common(writer)
-        writer.write_token("<NumRepeats>")
-        writer.write_int(self.num_repeats)
-        writer.write_token("<LinearParams>")
-        writer.write_matrix(self.linear_params)
-        writer.write_token("<BiasParams>")
-        writer.write_vector(self.bias_params)
-        writer.write_token(f"</{self.type_name}>")
-
-    def propagate(self, indexes, in_value, out):
-        check_rows(self, in_value, out)
-        x = in_value.reshape(-1, self.linear_params.shape[1])  # (n * nr, cin)
-        y = x @ self.linear_params.T
-        y += self.bias_params
-        out[...] = y.reshape(out.shape)
-        return None
-
-    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
-                 to_update, in_deriv) -> None:
-        check_backprop_shapes(self, out_deriv, in_deriv)
-        dy = out_deriv.reshape(-1, self.linear_params.shape[0])  # (n * nr, rout)
-        if in_deriv is not None:
-            in_deriv += (dy @ self.linear_params).reshape(in_deriv.shape)
-        if to_update is not None:
-            self.check_shape("input value", in_value, out_deriv.shape[0], self.input_dim())
-            x = in_value.reshape(-1, self.linear_params.shape[1])
-            lr = to_update.learning_rate
-            to_update.linear_params += lr * (dy.T @ x)
-            to_update.bias_params += lr * dy.sum(axis=0)
-
-
-@register_component
-class NaturalGradientRepeatedAffineComponent(RepeatedAffineComponent):
-    """RepeatedAffineComponent with a natural-gradient update (fixed preconditioner
-    settings in Kaldi: rank min(40, in/nr/2), update period 4; nothing extra on disk)."""
-
-    type_name = "NaturalGradientRepeatedAffineComponent"

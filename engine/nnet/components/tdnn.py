@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.core.errors import ComponentError, DimensionError
 from engine.core.index import K_NO_TIME, Index
-from engine.nnet.components.affine import (
+from engine.nnet.components._param_utils import (
     config_errors,
     expect_after_common,
     gaussian,

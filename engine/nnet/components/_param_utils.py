@@ -1,0 +1,144 @@
+"""Helpers shared by the parameterised component modules (affine.py, block_affine.py,
+scale_offset.py, constant.py, tdnn.py): Kaldi's ReadKaldiObject for ``matrix=`` /
+``vector=`` style options, InitLearningRatesFromConfig's checks, config errors that
+name the component, the token checks after ReadUpdatableCommon, UpdatableComponent::Info
+and the summaries of PrintParameterStats (nnet-parse.cc), and shape checks that raise
+DimensionError naming the component.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import numpy as np
+
+from engine.core.errors import ConfigError, ModelFormatError
+from engine.core.xp import to_numpy
+from engine.nnet.components.base import Component, UpdatableComponent
+from engine.nnet.config_line import ConfigLine
+from engine.nnet.kaldi_io import KaldiReader
+
+# --------------------------------------------------------------------------------------
+# shared helpers
+
+
+@contextlib.contextmanager
+def config_errors(comp: Component, cfg: ConfigLine):
+    """Make every ConfigError raised while initialising ``comp`` name the component."""
+    try:
+        yield
+    except ConfigError as e:
+        label = comp.label() if comp.name else comp.type_name
+        if label in e.reason:
+            raise
+        raise ConfigError(f"component {label}: {e.reason}", source=e.source, line=e.line,
+                          text=e.text) from None
+
+
+def _read_kaldi_object(cfg: ConfigLine, option: str, filename: str, what: str) -> np.ndarray:
+    """Kaldi's ReadKaldiObject for a matrix or vector file (text or binary)."""
+    path = Path(filename)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise cfg.error(f"option {option}={filename!r}: cannot read {what} file: "
+                        f"{e.strerror or e}") from None
+    reader = KaldiReader(data, source=str(path))
+    try:
+        arr = reader.read_matrix() if what == "matrix" else reader.read_vector()
+    except ModelFormatError as e:
+        raise cfg.error(f"option {option}={filename!r}: not a Kaldi {what}: {e}") from None
+    return arr
+
+
+def read_matrix_option(cfg: ConfigLine, option: str, filename: str) -> np.ndarray:
+    return _read_kaldi_object(cfg, option, filename, "matrix")
+
+
+def read_vector_option(cfg: ConfigLine, option: str, filename: str) -> np.ndarray:
+    return _read_kaldi_object(cfg, option, filename, "vector")
+
+
+def init_learning_rates(comp: UpdatableComponent, cfg: ConfigLine) -> None:
+    """Kaldi's InitLearningRatesFromConfig, including its check for negative values."""
+    comp.init_learning_rate_common(cfg)
+    for opt, v in (("learning-rate", comp.learning_rate),
+                   ("learning-rate-factor", comp.learning_rate_factor),
+                   ("max-change", comp.max_change), ("l2-regularize", comp.l2_regularize)):
+        if v < 0.0:
+            raise cfg.error(f"option {opt}={v:g} must not be negative")
+
+
+def require_positive(cfg: ConfigLine, option: str, value: int | None) -> int:
+    if value is None:
+        raise cfg.error(f"missing required option {option}= (a positive integer)")
+    if value <= 0:
+        raise cfg.error(f"option {option}={value} must be positive")
+    return value
+
+
+def expect_after_common(reader: KaldiReader, pending: str, expected: str) -> None:
+    """Expect ``expected``, which ReadUpdatableCommon may already have consumed (when
+    the file had no <LearningRate>, the next token comes back as ``pending``)."""
+    if pending:
+        if pending != expected:
+            raise reader.error(f"expected token {expected!r}, got {pending!r}")
+    else:
+        reader.expect_token(expected)
+
+
+def skip_old_is_gradient(comp: UpdatableComponent, reader: KaldiReader) -> None:
+    """Old files carried <IsGradient> after the parameters; Kaldi still reads it."""
+    if reader.try_token("<IsGradient>"):
+        comp.is_gradient = reader.read_bool()
+
+
+def gaussian(rng: np.random.Generator, shape, stddev: float, mean: float = 0.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * stddev + mean).astype(np.float32)
+
+
+def _g4(x: float) -> str:
+    return f"{float(x):.4g}"
+
+
+def param_stats(name: str, arr, include_mean: bool) -> str:
+    """Kaldi's PrintParameterStats (the mean/stddev or rms part)."""
+    a = to_numpy(arr).astype(np.float64)  # the parameters may live on a GPU
+    if a.size == 0:
+        return f", {name}-rms=0"
+    if include_mean:
+        mean = float(a.mean())
+        std = math.sqrt(max(float((a * a).mean()) - mean * mean, 0.0))
+        return f", {name}-{{mean,stddev}}={_g4(mean)},{_g4(std)}"
+    return f", {name}-rms={_g4(math.sqrt(float((a * a).mean())))}"
+
+
+def updatable_info(comp: UpdatableComponent) -> str:
+    """Kaldi's UpdatableComponent::Info."""
+    s = (f"{comp.type_name}, input-dim={comp.input_dim()}, output-dim={comp.output_dim()}, "
+         f"learning-rate={comp.learning_rate:g}")
+    if comp.is_gradient:
+        s += ", is-gradient=true"
+    if comp.l2_regularize != 0.0:
+        s += f", l2-regularize={comp.l2_regularize:g}"
+    if comp.learning_rate_factor != 1.0:
+        s += f", learning-rate-factor={comp.learning_rate_factor:g}"
+    if comp.max_change > 0.0:
+        s += f", max-change={comp.max_change:g}"
+    return s
+
+
+def check_rows(comp: Component, in_value, out) -> None:
+    comp.check_shape("input", in_value, None, comp.input_dim())
+    comp.check_shape("output", out, in_value.shape[0], comp.output_dim())
+
+
+def check_backprop_shapes(comp: Component, out_deriv, in_deriv, in_value=None) -> None:
+    comp.check_shape("output derivative", out_deriv, None, comp.output_dim())
+    rows = out_deriv.shape[0]
+    if in_deriv is not None:
+        comp.check_shape("input derivative", in_deriv, rows, comp.input_dim())
+    if in_value is not None:
+        comp.check_shape("input value", in_value, rows, comp.input_dim())
