@@ -13,6 +13,7 @@ index functions on hand-made index sets.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -548,3 +549,61 @@ def _kaldi_component_texts():
 def test_kaldi_text_byte_identical(text):
     comp = read_component(KaldiReader(text, binary=False))
     check_io_roundtrip(comp, text)
+
+
+# --------------------------------------------------------------------------------------
+# whole networks from Kaldi (compiler + executor): outputs and input derivatives
+
+
+_NET_TYPES = re.compile(r"<(TimeHeightConvolution|RestrictedAttention|StatisticsExtraction|"
+                        r"StatisticsPooling|Distribute)Component>")
+_LOCAL_NETS = Path(__file__).resolve().parents[1] / "data" / "components_nonsimple" / "networks"
+
+
+def _network_cases():
+    cases = {p.name: p for p in sorted(_LOCAL_NETS.iterdir())} if _LOCAL_NETS.is_dir() else {}
+    ref = shared_ref()
+    if ref is not None:
+        for d in sorted((ref / "networks").glob("case*")):
+            if (d / "model.txt").exists() and _NET_TYPES.search((d / "model.txt").read_text()):
+                cases.setdefault(d.name, d)
+    return [pytest.param(p, id=name) for name, p in sorted(cases.items())]
+
+
+def _close(what, ours, ref):
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape, what
+    tol = 1e-4 + 2e-3 * float(np.max(np.abs(ref)))
+    err = float(np.max(np.abs(ours - ref)))
+    assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("case", _network_cases())
+def test_kaldi_network(case):
+    import json  # noqa: PLC0415
+
+    from engine.compiler.compiler import compile_computation  # noqa: PLC0415
+    from engine.compiler.request import ComputationRequest  # noqa: PLC0415
+    from engine.nnet.model_io import load_nnet  # noqa: PLC0415
+    from engine.runtime.executor import Executor  # noqa: PLC0415
+
+    nnet = load_nnet(str(case / "model.txt"))
+    rj = json.loads((case / "request.json").read_text())
+    ex = Executor(compile_computation(nnet, ComputationRequest.from_json(rj)), nnet)
+    arr = np.load(case / "arrays.npz")
+    for io in rj["inputs"]:
+        ex.accept_input(io["name"], arr["input." + io["name"]])
+    ex.run()
+    for io in rj["outputs"]:
+        _close(f"{case.name} output {io['name']}", ex.get_output(io["name"]),
+               arr["output." + io["name"]])
+    with_deriv = [io for io in rj["outputs"] if io.get("has_deriv")]
+    if not with_deriv:
+        return
+    for io in with_deriv:
+        ex.accept_output_deriv(io["name"], arr["output_deriv." + io["name"]])
+    ex.run()
+    for io in rj["inputs"]:
+        if io.get("has_deriv"):
+            _close(f"{case.name} input_deriv {io['name']}", ex.get_input_deriv(io["name"]),
+                   arr["input_deriv." + io["name"]])
