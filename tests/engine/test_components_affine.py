@@ -219,10 +219,11 @@ def test_vector_files(tmp_path, binary):
             if c.PARAMS else getattr(c, c.ARRAYS[0])
         np.testing.assert_array_equal(arr, v)
         assert c.input_dim() == 6
-    # a PerElementOffsetComponent from a vector may have dim smaller than the vector
-    # (Kaldi then needs dim to divide its dimension)
-    c = component_from_config("PerElementOffsetComponent", f"vector={f} dim=6")
-    assert c.dim == 6
+    # a PerElementOffsetComponent from a vector repeats it over dim (a multiple of it)
+    c = component_from_config("PerElementOffsetComponent", f"vector={f} dim=12")
+    assert c.dim == 12 and c.properties() & P.OUTPUT_CONTIGUOUS
+    y, _ = run_forward(c, np.zeros((2, 12), np.float32))
+    np.testing.assert_array_equal(y, np.tile(v, (2, 2)))
     with pytest.raises(ConfigError, match="dim"):
         component_from_config("PerElementOffsetComponent", f"vector={f} dim=4")
     with pytest.raises(ConfigError, match="dim"):

@@ -250,9 +250,14 @@ class PerElementOffsetComponent(UpdatableComponent):
             if filename is not None:
                 self.offsets = read_vector_option(cfg, "vector", filename)
                 self.dim = cfg.get_int("dim", self.offsets.shape[0])
-                if self.dim <= 0 or self.offsets.shape[0] % self.dim != 0:
+                # Kaldi checks the divisibility the other way round, which lets through
+                # dims its propagation cannot use; here dim must be a multiple of the
+                # vector's dimension (the block dimension), as in the block-dim form.
+                block = self.offsets.shape[0]
+                if block == 0 or self.dim <= 0 or self.dim % block != 0:
                     raise cfg.error(f"invalid dimension dim={self.dim} for the vector in "
-                                    f"{filename!r} (dimension {self.offsets.shape[0]})")
+                                    f"{filename!r} (dim must be a positive multiple of the "
+                                    f"vector's dimension {block})")
             else:
                 self.dim = require_positive(cfg, "dim", cfg.get_int("dim"))
                 mean = cfg.get_float("param-mean", 0.0)
