@@ -127,8 +127,9 @@ class ComputationGraph:
               max_deps: int = 5) -> str:
         """Kaldi's ComputationGraph::Print: cindexes sorted, grouped by node."""
         def fmt(ci) -> str:
-            node, idx = ci
-            return f"{node_names[node]}({idx.n}, {idx.t}, {idx.x})"
+            # Kaldi's PrintCindex: x is shown only when nonzero
+            node, (n, t, x) = ci
+            return f"{node_names[node]}({n},{t}" + (f",{x})" if x else ")")
         pairs = sorted(((self.cindexes[c], sorted(self.cindexes[d] for d in self.dependencies[c]),
                          c) for c in range(len(self.cindexes))),
                        key=lambda p: (p[0].node, p[0].index.t, p[0].index.x, p[0].index.n))
@@ -298,20 +299,26 @@ class ComputationGraphBuilder:
 
     def _add_dependencies(self, c: int) -> None:
         graph = self.graph
+        ids = graph._ids
         this_dep = []
         for ci in self._input_cindexes(c):
-            d, is_new = graph.get_or_add(ci, False)
-            this_dep.append(d)
-            if is_new:
+            d = ids.get(ci)
+            if d is None:
+                d = graph.get_or_add(ci, False)[0]
                 self._new_info()
                 self.queued[d] = True
                 self.next_queue.append(d)
-        this_dep = sorted(set(this_dep))
+            this_dep.append(d)
+        if len(this_dep) > 1:
+            this_dep = sorted(set(this_dep))
         graph.dependencies[c] = this_dep
-        dot = self.depend_on_this
+        dot, usable, computable = self.depend_on_this, self.usable, self.computable
         for d in this_dep:
             dot[d].append(c)
-            self._increment_usable(d)
+            if usable[d] == 0 and computable[d] != K_NOT_COMPUTABLE:
+                self._increment_usable(d)
+            else:
+                usable[d] += 1
 
     # -- computability ------------------------------------------------------------------
     def _cindex_set(self, treat_unknown: bool):
