@@ -71,6 +71,7 @@ class Executor:
         self._pending: list[int] = []
         self._grad_nnet = None
         self._grad_components: dict[int, object] = {}
+        self._handed_out: set[int] = set()   # matrices given to the caller
         if computation.need_model_derivative:
             self._make_gradient_nnet()
 
@@ -104,7 +105,7 @@ class Executor:
             raise ExecutionError(f"no node named {name!r} in the network")
         return idx
 
-    def _io_matrix_index(self, name: str, is_output: bool) -> int:
+    def _io_matrix_index(self, name: str, is_output: bool, consume: bool = True) -> int:
         node = self._node_index(name)
         cmds = self.computation.commands
         while self._pc < len(cmds) and (cmds[self._pc].command_type in _IO
@@ -115,7 +116,7 @@ class Executor:
         for k, ci in enumerate(self._pending):
             c = cmds[ci]
             if (c.command_type == CT.PROVIDE_OUTPUT) == is_output and c.arg2 == node:
-                if not is_output:
+                if not is_output and consume:
                     del self._pending[k]
                 if not self.computation.is_whole_matrix(c.arg1):
                     raise ExecutionError(f"c{ci}: input/output is not a whole matrix")
@@ -127,13 +128,14 @@ class Executor:
     def accept_input(self, name: str, matrix) -> None:
         """Kaldi's AcceptInput: features for an input node, or the derivative
         w.r.t. an output node in the backward part."""
-        m = self._io_matrix_index(name, is_output=False)
+        m = self._io_matrix_index(name, is_output=False, consume=False)
         info = self.computation.matrices[m]
         arr = self.xp.asarray(matrix)
         if arr.ndim != 2 or arr.shape != (info.num_rows, info.num_cols):
             raise ExecutionError(f"input {name!r}: expected a matrix of shape "
                                  f"({info.num_rows}, {info.num_cols}) as in the request, "
                                  f"got {tuple(arr.shape)}")
+        self._io_matrix_index(name, is_output=False)  # now consume the pending command
         buf = self.pool.get(self.xp, info.num_rows, info.num_cols)
         buf[...] = arr  # a private copy: the pool may recycle it after a dealloc
         self._matrices[m] = buf
@@ -147,9 +149,20 @@ class Executor:
         a = self._matrices[m]
         if a is None:
             raise ExecutionError(f"output {name!r} (matrix m{m}) has not been computed")
+        self._handed_out.add(id(a))
         return a
 
     get_input_deriv = get_output
+
+    def release(self) -> None:
+        """Give every matrix still held (except those handed to the caller) back to
+        the pool; call when done with a computation that is not run to its end
+        (e.g. forward only), so the next run can reuse the memory."""
+        for m, a in enumerate(self._matrices):
+            if a is not None and id(a) not in self._handed_out:
+                self.pool.release(self.xp, a)
+            self._matrices[m] = None
+        self._memos.clear()
 
     # -- running ---------------------------------------------------------------------------
     def _check_no_pending_io(self) -> None:
@@ -374,7 +387,7 @@ EXECUTOR_HANDLERS = _HANDLERS
 
 def run_computation(computation: NnetComputation, nnet, inputs: dict, output_derivs: dict | None
                     = None, backend=np, pool: BufferPool | None = None):
-    """Convenience: run forward (and backward when derivatives are given) on a
+    """Convenience: run forward (and backward when ``output_derivs`` is given) on a
     single-segment computation.  Returns (outputs, input_derivs, executor); the
     input and output names come from the computation's own I/O commands."""
     ex = Executor(computation, nnet, backend=backend, pool=pool)
@@ -386,14 +399,14 @@ def run_computation(computation: NnetComputation, nnet, inputs: dict, output_der
     ex.run()
     outputs = {name: ex.get_output(name) for name in names_out}
     input_derivs = {}
-    if deriv_out:
-        output_derivs = output_derivs or {}
+    if deriv_out and output_derivs is not None:  # None: forward only
         for name in deriv_out:
             if name not in output_derivs:
                 raise ExecutionError(f"no output derivative given for node {name!r}")
             ex.accept_output_deriv(name, output_derivs[name])
         ex.run()
         input_derivs = {name: ex.get_input_deriv(name) for name in deriv_in}
+    ex.release()
     return outputs, input_derivs, ex
 
 

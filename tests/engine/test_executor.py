@@ -1,0 +1,295 @@
+"""The executor: row kernels against naive loops, I/O protocol, memos, goto,
+buffer pool, error messages naming the command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engine.compiler.compiler import compile_computation
+from engine.compiler.computation import CommandType as CT, NnetComputation, PrecomputedIndexesInfo
+from engine.compiler.request import ComputationRequest
+from engine.core.errors import ExecutionError
+from engine.nnet.components.base import Component, ComponentProperty as P
+from engine.runtime import kernels as K
+from engine.runtime.backend import BufferPool, get_backend
+from engine.runtime.executor import Executor, run_computation
+
+LOCAL = Path(__file__).resolve().parents[1] / "data" / "networks_compile"
+RNG = np.random.default_rng(0)
+
+
+def _rand(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+# -- kernels vs naive loops --------------------------------------------------------------------
+
+
+def test_copy_and_add_rows():
+    src = _rand(5, 3)
+    idx = [4, -1, 0, 0, 2, -1]
+    dest = _rand(6, 3)
+    want = dest.copy()
+    for i, j in enumerate(idx):
+        want[i] = 0.5 * src[j] if j >= 0 else 0
+    K.copy_rows(np, dest, src, K.make_row_plan(np, idx), 0.5)
+    np.testing.assert_allclose(dest, want, rtol=1e-6)
+    dest2 = _rand(6, 3)
+    want2 = dest2.copy()
+    for i, j in enumerate(idx):
+        if j >= 0:
+            want2[i] += 2.0 * src[j]
+    K.add_rows(np, dest2, src, K.make_row_plan(np, idx), 2.0)
+    np.testing.assert_allclose(dest2, want2, rtol=1e-6)
+    with pytest.raises(ValueError):
+        K.add_rows(np, dest2, src[:2], K.make_row_plan(np, idx), 1.0)
+
+
+def test_multi_row_kernels():
+    a, b = _rand(4, 3), _rand(3, 3)
+    subs = {1: a, 2: b}
+    pairs = [(1, 3), (-1, -1), (2, 0), (1, 3), (2, 2)]
+    plan = K.make_multi_plan(np, pairs)
+    dest = _rand(5, 3)
+    want = dest.copy()
+    for i, (s, r) in enumerate(pairs):
+        if s >= 0:
+            want[i] += 1.5 * subs[s][r]
+    K.rows_multi(np, dest, plan, subs.__getitem__, 1.5, add=True)
+    np.testing.assert_allclose(dest, want, rtol=1e-6)
+    want_c = np.stack([subs[s][r] if s >= 0 else np.zeros(3, np.float32) for s, r in pairs])
+    K.rows_multi(np, dest, plan, subs.__getitem__, 1.0, add=False)
+    np.testing.assert_allclose(dest, want_c, rtol=1e-6)
+    # AddToRowsMulti with a repeated destination (1, 3) must accumulate both rows
+    src = _rand(5, 3)
+    wa, wb = a.copy(), b.copy()
+    wsubs = {1: wa, 2: wb}
+    for i, (s, r) in enumerate(pairs):
+        if s >= 0:
+            wsubs[s][r] += src[i]
+    K.to_rows_multi(np, src, plan, subs.__getitem__, 1.0, add=True)
+    np.testing.assert_allclose(a, wa, rtol=1e-6)
+    np.testing.assert_allclose(b, wb, rtol=1e-6)
+
+
+def test_add_row_ranges():
+    src = _rand(8, 4)
+    ranges = [(0, 3), (-1, -1), (3, 4), (4, 8), (2, 2)]
+    dest = _rand(5, 4)
+    want = dest.astype(np.float64)
+    for i, (s, e) in enumerate(ranges):
+        if s >= 0:
+            want[i] += -2.0 * src[s:e].astype(np.float64).sum(axis=0)
+    K.add_row_ranges(np, dest, src, K.make_range_plan(np, ranges), -2.0)
+    np.testing.assert_allclose(dest, want, rtol=1e-5, atol=1e-6)
+    # all ranges of length <= 1 take the AddRows path
+    dest2 = np.zeros((3, 4), np.float32)
+    K.add_row_ranges(np, dest2, src, K.make_range_plan(np, [(5, 6), (-1, -1), (0, 1)]), 1.0)
+    np.testing.assert_array_equal(dest2, np.stack([src[5], np.zeros(4, np.float32), src[0]]))
+
+
+# -- hand-built computations with a fake network --------------------------------------------------
+
+
+class _Doubler(Component):
+    """out = 2 * in; returns a memo that backprop checks (USES_MEMO)."""
+
+    type_name = "TestDoubler"
+
+    def __init__(self):
+        super().__init__()
+        self.seen_memos = []
+
+    def properties(self):
+        return P.SIMPLE_COMPONENT | P.USES_MEMO | P.BACKPROP_NEEDS_INPUT
+
+    def input_dim(self):
+        return 3
+
+    def output_dim(self):
+        return 3
+
+    def propagate(self, indexes, in_value, out):
+        out[...] = 2 * in_value
+        return ("memo", in_value.shape[0])
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo, to_update,
+                 in_deriv):
+        self.seen_memos.append(memo)
+        in_deriv[...] = 2 * out_deriv
+
+
+def _fake_nnet(components):
+    names = ["input", "comp_input", "comp", "output"]
+    return SimpleNamespace(
+        nodes=[SimpleNamespace(name=n) for n in names], components=components,
+        component_names=[f"c{i}" for i in range(len(components))],
+        get_node_index=lambda n: names.index(n) if n in names else -1,
+        get_node_name=lambda i: names[i])
+
+
+def _doubler_computation():
+    c = NnetComputation()
+    x = c.new_matrix(4, 3)
+    y = c.new_matrix(4, 3)
+    dy = c.new_matrix(4, 3)
+    dx = c.new_matrix(4, 3)
+    c.component_precomputed_indexes = [PrecomputedIndexesInfo()]
+    c.add(CT.ACCEPT_INPUT, x, 0)
+    c.add(CT.ALLOC_MATRIX, y)
+    c.add(CT.ALLOC_MATRIX, dx)
+    c.add(CT.PROPAGATE, 0, 0, x, y, 7, 0)
+    c.add(CT.PROVIDE_OUTPUT, y, 3)
+    c.add(CT.NO_OPERATION_MARKER)
+    c.add(CT.ACCEPT_INPUT, dy, 3)
+    c.add(CT.BACKPROP, 0, 0, x, 0, dy, dx, 7)
+    c.add(CT.DEALLOC_MATRIX, dy)
+    c.add(CT.PROVIDE_OUTPUT, dx, 0)
+    return c
+
+
+def test_forward_backward_protocol_and_memo():
+    comp = _Doubler()
+    nnet = _fake_nnet([comp])
+    c = _doubler_computation()
+    x, dy = _rand(4, 3), _rand(4, 3)
+    outs, derivs, ex = run_computation(c, nnet, {"input": x}, {"output": dy})
+    np.testing.assert_allclose(outs["output"], 2 * x)
+    np.testing.assert_allclose(derivs["input"], 2 * dy)
+    assert comp.seen_memos == [("memo", 4)]
+    assert ex.get_model_gradient() is None
+
+
+def test_io_errors_name_the_node():
+    nnet = _fake_nnet([_Doubler()])
+    c = _doubler_computation()
+    ex = Executor(c, nnet)
+    with pytest.raises(ExecutionError, match="no input was given for node 'input'"):
+        ex.run()
+    ex = Executor(c, nnet)
+    with pytest.raises(ExecutionError, match=r"expected a matrix of shape \(4, 3\)"):
+        ex.accept_input("input", np.zeros((3, 3), np.float32))
+    with pytest.raises(ExecutionError, match="no node named"):
+        ex.accept_input("nope", np.zeros((4, 3), np.float32))
+    ex.accept_input("input", np.zeros((4, 3), np.float32))
+    with pytest.raises(ExecutionError, match="not expected at this point"):
+        ex.get_input_deriv("input")
+
+
+def test_failures_name_the_command():
+    c = NnetComputation()
+    a = c.new_matrix(3, 2)
+    b = c.new_matrix(2, 2)
+    c.indexes.append([0, 5])
+    c.add(CT.ALLOC_MATRIX, a)
+    c.add(CT.ALLOC_MATRIX, b)
+    c.add(CT.ADD_ROWS, b, a, 0)
+    ex = Executor(c, _fake_nnet([]))
+    with pytest.raises(ExecutionError, match=r"while executing c2: m2\.AddRows\(1, m1\[0, 5\]\)"):
+        ex.run()
+    c2 = NnetComputation()
+    a = c2.new_matrix(3, 2)
+    c2.add(CT.SET_CONST, a, alpha=1.0)
+    with pytest.raises(ExecutionError, match=r"c0: m1\.set\(1\).*before it is allocated"):
+        Executor(c2, _fake_nnet([])).run()
+
+
+def test_goto_label_loops_over_io():
+    # the shape Kaldi's FormInfiniteLoop gives a looped computation: segment 2
+    # starts with its input and a label; segment 3 takes its input, swaps it into
+    # segment 2's matrix and jumps back to the label.
+    c = NnetComputation()
+    x1, acc, x2, x3 = (c.new_matrix(2, 2) for _ in range(4))
+    c.add(CT.ACCEPT_INPUT, x1, 0)
+    c.add(CT.ALLOC_MATRIX, acc)
+    c.add(CT.SET_CONST, acc, alpha=0.0)
+    c.add(CT.MATRIX_ADD, acc, x1)
+    c.add(CT.PROVIDE_OUTPUT, acc, 3)
+    c.add(CT.NO_OPERATION_MARKER)
+    c.add(CT.ACCEPT_INPUT, x2, 0)
+    c.add(CT.NO_OPERATION_LABEL)
+    c.add(CT.MATRIX_ADD, acc, x2, alpha=2.0)
+    c.add(CT.PROVIDE_OUTPUT, acc, 3)
+    c.add(CT.NO_OPERATION_MARKER)
+    c.add(CT.ACCEPT_INPUT, x3, 0)
+    c.add(CT.SWAP_MATRIX, x2, x3)
+    c.add(CT.GOTO_LABEL, 7)
+    ex = Executor(c, _fake_nnet([]))
+    total = np.zeros((2, 2), np.float32)
+    for k in range(5):
+        chunk = _rand(2, 2)
+        total += chunk if k == 0 else 2 * chunk
+        ex.accept_input("input", chunk)
+        ex.run()
+        np.testing.assert_allclose(ex.get_output("output"), total, rtol=1e-6)
+
+
+def test_swap_copy_and_scaled_commands():
+    c = NnetComputation()
+    a = c.new_matrix(2, 3)
+    b = c.new_matrix(2, 3)
+    part = c.new_submatrix(b, 0, 2, 1, 2)
+    c.add(CT.ACCEPT_INPUT, a, 0)
+    c.add(CT.SWAP_MATRIX, b, a)
+    c.add(CT.MATRIX_COPY, part, part, alpha=3.0)
+    c.add(CT.PROVIDE_OUTPUT, b, 3)
+    ex = Executor(c, _fake_nnet([]))
+    x = _rand(2, 3)
+    ex.accept_input("input", x)
+    ex.run()
+    want = x.copy()
+    want[:, 1:] *= 3
+    np.testing.assert_allclose(ex.get_output("output"), want, rtol=1e-6)
+
+
+def test_inputs_are_copied_and_pool_is_reused_between_runs():
+    from engine.nnet.model_io import load_nnet
+    case = LOCAL / "case013"
+    nnet = load_nnet(case / "model.txt")
+    req = ComputationRequest.from_json((case / "request.json").read_bytes())
+    comp = compile_computation(nnet, [req])
+    arrays = np.load(case / "arrays.npz")
+    pool = BufferPool()
+    x = arrays["input.input"].copy()
+    x_before = x.copy()
+    first, _, _ = run_computation(comp, nnet, {"input": x}, pool=pool)
+    misses = pool.misses
+    second, _, _ = run_computation(comp, nnet, {"input": x}, pool=pool)
+    np.testing.assert_array_equal(x, x_before)  # the caller's array is never written
+    np.testing.assert_array_equal(first["output"], second["output"])
+    # the second run reuses every buffer except the first run's output, which
+    # belongs to the caller
+    assert pool.hits == misses - 1 and pool.misses == misses + 1
+
+
+def test_backend_names():
+    assert get_backend("numpy") is np
+    with pytest.raises(ExecutionError, match="unknown backend"):
+        get_backend("torch")
+
+
+def test_cupy_backend_matches_numpy():
+    cupy = pytest.importorskip("cupy")
+    try:
+        xp = get_backend("cupy")
+    except ExecutionError as e:
+        pytest.skip(str(e))
+    from engine.nnet.model_io import load_nnet
+    for name in ("case059", "case024"):
+        case = LOCAL / name
+        nnet = load_nnet(case / "model.txt")
+        req = ComputationRequest.from_json((case / "request.json").read_bytes())
+        comp = compile_computation(nnet, [req])
+        arrays = np.load(case / "arrays.npz")
+        inputs = {s.name: arrays[f"input.{s.name}"] for s in req.inputs}
+        derivs = {s.name: arrays[f"output_deriv.{s.name}"] for s in req.outputs if s.has_deriv}
+        o_np, d_np, _ = run_computation(comp, nnet, inputs, derivs)
+        o_cp, d_cp, _ = run_computation(comp, nnet, inputs, derivs, backend=xp)
+        for k in o_np:
+            np.testing.assert_allclose(cupy.asnumpy(o_cp[k]), o_np[k], rtol=1e-3, atol=1e-4)
+        for k in d_np:
+            np.testing.assert_allclose(cupy.asnumpy(d_cp[k]), d_np[k], rtol=1e-3, atol=1e-4)
