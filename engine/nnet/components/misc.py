@@ -264,7 +264,8 @@ class SumGroupComponent(Component):
                  to_update, in_deriv) -> None:
         if in_deriv is None:
             return
-        in_deriv[...] = out_deriv[:, self.reverse_indexes]
+        xp = array_module(out_deriv)
+        in_deriv[...] = out_deriv[:, xp.asarray(self.reverse_indexes)]
 
 
 @register_component
