@@ -144,8 +144,12 @@ def new_component_from_config(type_name: str, cfg: ConfigLine, name: str = "",
     comp.name = name
     try:
         comp.init_from_config(cfg, rng if rng is not None else np.random.default_rng())
-    except ConfigError:
-        raise
+    except ConfigError as e:
+        if (name and repr(name) in e.reason) or (not name and type_name in e.reason):
+            raise
+        who = f"component {name!r} ({type_name})" if name else type_name
+        raise ConfigError(f"{who}: {e.reason}", source=e.source, line=e.line,
+                          text=e.text) from None
     except (ComponentError, ValueError) as e:
         raise cfg.error(f"component {name!r} ({type_name}): {e}") from None
     unused = cfg.unused()
