@@ -1,0 +1,205 @@
+"""The optimizer pipeline: Kaldi's Optimize() (nnet-optimize.cc).
+
+``optimize(computation, nnet, options, request)`` returns an optimized copy of
+the computation (the argument is left as it was).  The passes run in Kaldi's
+order, each gated by its option, each in its own module of
+``engine.optimizer.passes`` with one function ``pass_name(computation, ctx) ->
+bool`` (True when it changed something) that edits the computation in place.
+
+``PASSES`` is the single list of passes.  A pass whose module (or function) is
+not importable -- some are written by other work in progress -- is skipped and
+the skip is recorded in the pass table with the reason (and logged), never
+silently: ``run_passes`` returns the table.
+
+In check mode (``options.check_after_each_pass``) the ComputationChecker runs on
+the input and after every pass that ran; a failure raises ``CheckError`` naming
+the pass and the passes that ran before it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.compiler.computation import NnetComputation
+from engine.core.errors import CheckError
+from engine.optimizer.analysis import Analyzer
+from engine.optimizer.checker import check_computation
+from engine.optimizer.options import INT32_MAX, INT32_MIN, OptimizeOptions
+
+log = logging.getLogger("engine.optimizer")
+
+
+class PassContext:
+    """What a pass gets besides the computation: the network, the options, the
+    request (may be None), and an analysis cache.  ``analyzer(computation)`` is
+    valid until the computation changes; a pass that edits the computation and
+    then wants a fresh analysis calls ``invalidate()`` first (the pipeline
+    invalidates after every pass)."""
+
+    def __init__(self, nnet, options: OptimizeOptions, request=None):
+        self.nnet = nnet
+        self.options = options
+        self.request = request
+        self.changed: dict[str, bool] = {}   # pass name -> changed, for passes run so far
+        self._analyzer: Analyzer | None = None
+        self._analyzed: NnetComputation | None = None
+
+    @property
+    def max_output_time(self) -> int | None:
+        """Largest t over the request's outputs (Kaldi's MaxOutputTimeInRequest)."""
+        reqs = self.request if isinstance(self.request, (list, tuple)) else [self.request]
+        ts = [ix[1] for r in reqs if r is not None for o in r.outputs for ix in o.indexes]
+        return max(ts) if ts else None
+
+    def analyzer(self, computation: NnetComputation) -> Analyzer:
+        if self._analyzer is None or self._analyzed is not computation:
+            self._analyzer = Analyzer(self.nnet, computation)
+            self._analyzed = computation
+        return self._analyzer
+
+    def invalidate(self) -> None:
+        self._analyzer = None
+        self._analyzed = None
+
+
+def _deriv_limits_set(o: OptimizeOptions, ctx: PassContext) -> bool:
+    if o.min_deriv_time != INT32_MIN or o.max_deriv_time != INT32_MAX:
+        return True
+    return o.max_deriv_time_relative != INT32_MAX
+
+
+_ROW_OPS = ("snip_row_ops", "split_row_ops", "replace_row_with_matrix_ops")
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str                       # the function, Kaldi's name in snake_case
+    module: str                     # engine.optimizer.passes.<module>
+    gate: Callable[[OptimizeOptions, PassContext], bool]
+    check_rewrite: bool = False     # Kaldi checks rewrites only before in-place merging
+
+
+PASSES: tuple[PassSpec, ...] = (
+    # before everything else: the deriv-time limits must see the unmerged matrices
+    PassSpec("limit_derivative_times", "limit_derivative_times", _deriv_limits_set,
+             check_rewrite=True),
+    PassSpec("consolidate_model_update", "consolidate_model_update",
+             lambda o, c: o.optimize and o.consolidate_model_update, check_rewrite=True),
+    PassSpec("convert_addition_to_assignment", "convert_addition",
+             lambda o, c: o.optimize and o.convert_addition),
+    PassSpec("snip_row_ops", "optimize_row_ops", lambda o, c: o.optimize and o.snip_row_ops),
+    PassSpec("split_row_ops", "optimize_row_ops", lambda o, c: o.optimize and o.split_row_ops),
+    PassSpec("replace_row_with_matrix_ops", "optimize_row_ops",
+             lambda o, c: o.optimize and o.optimize_row_ops),
+    # the row-op passes leave unused indexes/submatrices behind
+    PassSpec("renumber_computation", "renumber",
+             lambda o, c: any(c.changed.get(n) for n in _ROW_OPS)),
+    PassSpec("extend_matrices", "extend_matrices",
+             lambda o, c: o.optimize and o.extend_matrices and not o.optimize_looped_computation),
+    PassSpec("variable_merging_optimization", "variable_merging",
+             lambda o, c: o.optimize and (o.remove_assignments or o.backprop_in_place
+                                          or o.propagate_in_place)),
+    PassSpec("remove_unnecessary_zeroing", "initialize_undefined",
+             lambda o, c: o.optimize and o.initialize_undefined),
+    PassSpec("move_sizing_commands", "move_sizing_commands",
+             lambda o, c: (o.optimize and o.move_sizing_commands)
+             or o.optimize_looped_computation),
+    # not gated by 'optimize': a looped computation cannot run without it
+    PassSpec("optimize_looped_computation", "optimize_looped",
+             lambda o, c: o.optimize_looped_computation),
+    PassSpec("remove_unnecessary_allocation", "allocate_from_other",
+             lambda o, c: o.optimize and o.allocate_from_other
+             and not o.optimize_looped_computation),
+    # required for correctness whatever the options: passes may have moved I/O
+    PassSpec("consolidate_io_operations", "consolidate_io", lambda o, c: True),
+    PassSpec("fix_goto_label", "consolidate_io", lambda o, c: o.optimize_looped_computation),
+    PassSpec("optimize_memory_compression", "memory_compression",
+             lambda o, c: o.memory_compression_level > 0 and not o.optimize_looped_computation),
+)
+
+
+@dataclass
+class PassRecord:
+    name: str
+    module: str
+    status: str            # "ran", "off" (gated out), "missing" (not importable)
+    changed: bool = False
+    seconds: float = 0.0
+    note: str = ""
+    stats: dict = field(default_factory=dict)   # computation stats after the pass
+
+
+def load_pass(spec: PassSpec) -> tuple[Callable | None, str]:
+    """(function, "") or (None, reason) when the pass is not available."""
+    modname = f"engine.optimizer.passes.{spec.module}"
+    try:
+        mod = importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name is not None and modname.startswith(e.name):
+            return None, f"module {modname} does not exist yet"
+        raise
+    fn = getattr(mod, spec.name, None)
+    if fn is None:
+        return None, f"module {modname} has no function {spec.name}"
+    return fn, ""
+
+
+def _check(nnet, computation, where: str, ran: list[str], check_rewrite: bool) -> None:
+    try:
+        check_computation(nnet, computation, check_rewrite=check_rewrite)
+    except CheckError as e:
+        before = ", ".join(ran[:-1]) if where != "input" else ""
+        raise CheckError(
+            f"optimizer pass {where!r} produced an invalid computation "
+            f"(passes run before it: {before or 'none'}): {e}") from e
+
+
+def run_passes(computation: NnetComputation, nnet, options: OptimizeOptions | None = None,
+               request=None, passes: tuple[PassSpec, ...] = PASSES
+               ) -> tuple[NnetComputation, list[PassRecord]]:
+    """Optimize a copy of ``computation``; returns (optimized, pass table)."""
+    options = options if options is not None else OptimizeOptions()
+    comp = computation.copy()
+    ctx = PassContext(nnet, options, request)
+    table: list[PassRecord] = []
+    ran: list[str] = []
+    if options.check_after_each_pass:
+        _check(nnet, comp, "input", ran, check_rewrite=False)
+    for spec in passes:
+        if not spec.gate(options, ctx):
+            table.append(PassRecord(spec.name, spec.module, "off"))
+            continue
+        fn, why = load_pass(spec)
+        if fn is None:
+            log.info("optimizer: skipping pass %s: %s", spec.name, why)
+            table.append(PassRecord(spec.name, spec.module, "missing", note=why))
+            continue
+        t0 = time.perf_counter()
+        changed = bool(fn(comp, ctx))
+        ctx.invalidate()
+        ctx.changed[spec.name] = changed
+        ran.append(spec.name)
+        rec = PassRecord(spec.name, spec.module, "ran", changed, time.perf_counter() - t0)
+        if options.check_after_each_pass:
+            _check(nnet, comp, spec.name, ran, check_rewrite=spec.check_rewrite)
+            rec.stats = comp.stats()
+        table.append(rec)
+    return comp, table
+
+
+def optimize(computation: NnetComputation, nnet, options: OptimizeOptions | None = None,
+             request=None) -> NnetComputation:
+    """Kaldi's Optimize(): an optimized copy of ``computation``."""
+    return run_passes(computation, nnet, options, request)[0]
+
+
+def format_pass_table(table: list[PassRecord]) -> str:
+    lines = [f"{'pass':34} {'status':8} {'changed':7} {'ms':>8}  note"]
+    for r in table:
+        lines.append(f"{r.name:34} {r.status:8} {str(r.changed):7} {r.seconds * 1e3:8.2f}  "
+                     f"{r.note}")
+    return "\n".join(lines)
