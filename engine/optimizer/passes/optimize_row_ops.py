@@ -1,0 +1,219 @@
+"""Row-operation simplifications: Kaldi's ``ReplaceRowWithMatrixOps``,
+``SnipRowOps`` and ``SplitRowOps`` (nnet-optimize-utils.cc), run from
+``Optimize()`` when ``optimize_row_ops``, ``snip_row_ops`` and
+``split_row_ops`` are set (in the order snip, split, replace; a renumbering
+follows if any of them changed something).
+
+All three only rewrite commands and add submatrices / index tables; they never
+change what a computation computes:
+
+- ``replace_row_with_matrix_ops``: kCopyRows/kAddRows whose index table is
+  ``-1 ... -1, k, k+1, ..., k+n-1, -1 ... -1`` becomes kMatrixCopy/kMatrixAdd on
+  row ranges.  (For kCopyRows the ``-1`` rows would have been zeroed; dropping
+  that is safe because the compiler only emits row copies into freshly zeroed
+  matrices, and this runs before the zeroing is removed.)
+- ``snip_row_ops``: leading/trailing "nothing" rows of add-type row commands
+  (kAddRows, kAddRowsMulti, kAddToRowsMulti, kCopyToRowsMulti: ``-1`` entries;
+  kAddRowRanges: empty ranges) are cut off, shrinking the destination.  The
+  copy-type kCopyRows/kCopyRowsMulti are left alone: there ``-1`` means
+  "write zero".
+- ``split_row_ops``: a multi-row command whose sources come from at most two
+  submatrices (one run each) becomes one or two single-source commands
+  (kMatrixCopy/Add when the rows are consecutive, kCopyRows/kAddRows otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.compiler.computation import Command, CommandType as CT, NnetComputation
+from engine.optimizer.passes._edit import insert_commands
+
+# SplitRowOps does not create a single-source command whose source block is
+# more than this many times larger than the number of rows it moves.
+_MAX_SIZE_RATIO = 2
+
+
+def _special_structure(indexes) -> tuple[int, int, int] | None:
+    """(first_nonnegative_pos, first_value, count) when ``indexes`` is -1's, one run of
+    consecutive nonnegative values, then -1's; None otherwise."""
+    arr = np.asarray(indexes, dtype=np.int64)
+    nonneg = arr >= 0
+    if arr.size == 0 or not nonneg.any():
+        return None
+    first = int(np.argmax(nonneg))
+    last = arr.size - 1 - int(np.argmax(nonneg[::-1]))
+    run = arr[first:last + 1]
+    if not np.array_equal(run, run[0] + np.arange(run.size)):
+        return None
+    return first, int(run[0]), int(run.size)
+
+
+def replace_row_with_matrix_ops(computation: NnetComputation, ctx=None) -> bool:
+    """Kaldi's ReplaceRowWithMatrixOps."""
+    changed = False
+    for c in computation.commands:
+        if c.command_type not in (CT.COPY_ROWS, CT.ADD_ROWS):
+            continue
+        found = _special_structure(computation.indexes[c.arg3])
+        if found is None:
+            continue
+        pos, value, count = found
+        c.arg1 = computation.new_submatrix(c.arg1, pos, count, 0, -1)
+        c.arg2 = computation.new_submatrix(c.arg2, value, count, 0, -1)
+        c.arg3 = -1
+        c.command_type = CT.MATRIX_COPY if c.command_type == CT.COPY_ROWS else CT.MATRIX_ADD
+        changed = True
+    return changed
+
+
+def _leading_trailing(empty: np.ndarray) -> tuple[int, int] | None:
+    """Number of leading and trailing True entries; None if all are True (nothing
+    to keep: Kaldi asserts this never happens, we leave such a command alone)."""
+    if empty.size == 0 or empty.all():
+        return None
+    keep = ~empty
+    return int(np.argmax(keep)), int(np.argmax(keep[::-1]))
+
+
+def _snip(computation: NnetComputation, c: Command, table: list, empty: np.ndarray,
+          table_slot: int, tables: list) -> bool:
+    lt = _leading_trailing(empty)
+    if lt is None or lt == (0, 0):
+        return False
+    lead, trail = lt
+    n = len(table) - lead - trail
+    tables.append(list(table[lead:lead + n]))
+    c.set_arg(table_slot, len(tables) - 1)
+    c.arg1 = computation.new_submatrix(c.arg1, lead, n, 0, -1)
+    return True
+
+
+def snip_row_ops(computation: NnetComputation, ctx=None) -> bool:
+    """Kaldi's SnipRowOps."""
+    changed = False
+    for c in computation.commands:
+        ct = c.command_type
+        if ct == CT.ADD_ROWS:
+            table = computation.indexes[c.arg3]
+            empty = np.asarray(table, dtype=np.int64) < 0
+            changed |= _snip(computation, c, table, empty, 2, computation.indexes)
+        elif ct in (CT.ADD_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI):
+            table = computation.indexes_multi[c.arg2]
+            empty = np.asarray(table, dtype=np.int64).reshape(-1, 2)[:, 0] < 0
+            changed |= _snip(computation, c, table, empty, 1, computation.indexes_multi)
+        elif ct == CT.ADD_ROW_RANGES:
+            table = computation.indexes_ranges[c.arg3]
+            arr = np.asarray(table, dtype=np.int64).reshape(-1, 2)
+            changed |= _snip(computation, c, table, arr[:, 0] == arr[:, 1], 2,
+                             computation.indexes_ranges)
+    return changed
+
+
+# ------------------------------------------------------------------------------------------
+# SplitRowOps
+
+
+@dataclass
+class _Split:
+    offset: int            # first position in the indexes_multi list
+    size: int              # number of positions
+    submatrix: int         # the one source/destination submatrix of this run
+    min_row: int           # smallest row used in that submatrix
+    row_range: int         # max row + 1 - min_row
+    row_offsets: np.ndarray | None   # row - min_row per position; None if consecutive
+
+
+def _split_info(pairs: np.ndarray, offset: int) -> _Split | None:
+    """Kaldi's GetSplitInfo on pairs[offset:...] (already cut to one run)."""
+    subs, rows = pairs[:, 0], pairs[:, 1]
+    first = int(subs[0])
+    if first < 0 or (subs != first).any() or (rows < 0).any():
+        return None
+    size = len(pairs)
+    lo, hi = int(rows.min()), int(rows.max())
+    row_range = hi + 1 - lo
+    if row_range > size * _MAX_SIZE_RATIO:
+        return None
+    consecutive = bool(np.array_equal(rows, rows[0] + np.arange(size)))
+    return _Split(offset, size, first, lo, row_range, None if consecutive else rows - lo)
+
+
+def _split_indexes(computation: NnetComputation) -> list[list[_Split]]:
+    """Kaldi's SplitIndexes: per indexes_multi entry, one or two runs of equal
+    submatrix, or [] when it cannot be split."""
+    out = []
+    for pairs_list in computation.indexes_multi:
+        pairs = np.asarray(pairs_list, dtype=np.int64).reshape(-1, 2)
+        if len(pairs) == 0:
+            out.append([])
+            continue
+        change = np.nonzero(pairs[1:, 0] != pairs[0, 0])[0]
+        if change.size == 0:
+            s = _split_info(pairs, 0)
+            out.append([s] if s is not None else [])
+        else:
+            p = int(change[0]) + 1
+            a, b = _split_info(pairs[:p], 0), _split_info(pairs[p:], p)
+            out.append([a, b] if a is not None and b is not None else [])
+    return out
+
+
+def _split_command(computation: NnetComputation, c: Command,
+                   splits: list[_Split]) -> list[Command] | None:
+    ct = c.command_type
+    pieces = []
+    for sp in splits:
+        own = computation.new_submatrix(c.arg1, sp.offset, sp.size, 0, -1)
+        other = computation.new_submatrix(sp.submatrix, sp.min_row, sp.row_range, 0, -1)
+        to_rows = ct in (CT.ADD_TO_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI)
+        adds = ct in (CT.ADD_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI)
+        if sp.row_offsets is None:
+            new_type = CT.MATRIX_ADD if adds else CT.MATRIX_COPY
+            dest, src = (other, own) if to_rows else (own, other)
+            pieces.append(Command.make(new_type, dest, src, alpha=c.alpha))
+            continue
+        if ct == CT.COPY_TO_ROWS_MULTI:
+            # a kCopyRows in the other direction would zero the rows it does not
+            # name, where CopyToRowsMulti leaves them alone
+            return None
+        if ct == CT.ADD_TO_ROWS_MULTI:
+            inverse = np.full(sp.row_range, -1, dtype=np.int64)
+            if np.unique(sp.row_offsets).size != sp.size:
+                return None   # a destination row named twice: not expressible as AddRows
+            inverse[sp.row_offsets] = np.arange(sp.size)
+            computation.indexes.append(inverse.tolist())
+            pieces.append(Command.make(CT.ADD_ROWS, other, own, len(computation.indexes) - 1,
+                                       alpha=c.alpha))
+        else:
+            computation.indexes.append(sp.row_offsets.tolist())
+            new_type = CT.ADD_ROWS if ct == CT.ADD_ROWS_MULTI else CT.COPY_ROWS
+            pieces.append(Command.make(new_type, own, other, len(computation.indexes) - 1,
+                                       alpha=c.alpha))
+    return pieces
+
+
+def split_row_ops(computation: NnetComputation, ctx=None) -> bool:
+    """Kaldi's SplitRowOps."""
+    split_info = _split_indexes(computation)
+    if not any(split_info):
+        return False
+    changed = False
+    extra: list[tuple[int, Command]] = []
+    for i, c in enumerate(computation.commands):
+        if c.command_type not in (CT.ADD_ROWS_MULTI, CT.COPY_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI,
+                                  CT.COPY_TO_ROWS_MULTI):
+            continue
+        splits = split_info[c.arg2]
+        if not splits:
+            continue
+        pieces = _split_command(computation, c, splits)
+        if pieces is None:
+            continue
+        computation.commands[i] = pieces[0]
+        extra.extend((i + 1, p) for p in pieces[1:])
+        changed = True
+    insert_commands(extra, computation)
+    return changed
