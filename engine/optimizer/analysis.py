@@ -382,3 +382,19 @@ def max_memory_use(computation: NnetComputation) -> int:
             cur += nbytes - compressed.get(c.arg1, 0)
         peak = max(peak, cur)
     return peak
+
+
+def reference_peak_bytes(computation: NnetComputation) -> int:
+    """Peak memory as the kaldi-ref stats.json files count it: kAllocMatrix adds the
+    matrix's float32 bytes, kDeallocMatrix subtracts them (inputs included, though
+    their kAcceptInput added nothing), kSwapMatrix changes nothing.  Differs from
+    ``NnetComputation.stats()`` (which follows ownership through swaps) only on
+    optimized computations; use this to compare with the reference numbers."""
+    cur = peak = 0
+    for c in computation.commands:
+        if c.command_type in (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX):
+            mi = computation.matrices[computation.submatrices[c.arg1].matrix_index]
+            nbytes = 4 * mi.num_rows * mi.num_cols
+            cur += nbytes if c.command_type == CT.ALLOC_MATRIX else -nbytes
+            peak = max(peak, cur)
+    return peak

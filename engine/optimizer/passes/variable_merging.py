@@ -110,9 +110,15 @@ class VariableMergingOptimizer:
             left = False
         if c.matrices[m1].stride_type == K_STRIDE_EQUAL_NUM_COLS and not whole2:
             right = False
+        # the kept matrix must exist before the discarded one is first used (Kaldi
+        # asserts this; it can fail when one of the merge directions is switched off)
+        an = self.analysis
+        if left and not self._alloc_precedes(m1, m2):
+            left = False
+        if right and not self._alloc_precedes(m2, m1):
+            right = False
         if not left and not right:
             return no
-        an = self.analysis
         cmd = c.commands[ci]
         if cmd.command_type == CT.MATRIX_COPY and cmd.alpha == 1.0:
             ok = (an.first_nontrivial_access(s2) == ci and an.last_write_access(s1) < ci
@@ -120,6 +126,12 @@ class VariableMergingOptimizer:
         else:
             ok = an.first_nontrivial_access(s2) == ci and an.last_access(s1) == ci
         return (left, right) if ok else no
+
+    def _alloc_precedes(self, m_keep: int, m_discard: int) -> bool:
+        ma = self.a.matrix_accesses
+        if self.c.commands[ma[m_discard].allocate_command].command_type == CT.ACCEPT_INPUT:
+            return True   # the input's own matrix is used, allocated by kAcceptInput
+        return self.analysis.first_nontrivial_matrix_access(m_discard) > ma[m_keep].allocate_command
 
     def do_merge(self, ci: int, s_keep: int, s_discard: int) -> None:
         c = self.c
@@ -149,7 +161,6 @@ class VariableMergingOptimizer:
             c.commands[ma[m_keep].deallocate_command].command_type = CT.NO_OPERATION
         alloc_keep, alloc_discard = ma[m_keep].allocate_command, ma[m_discard].allocate_command
         assert alloc_keep != -1 and alloc_discard != -1
-        assert self.analysis.first_nontrivial_matrix_access(m_discard) > alloc_keep
         if c.commands[alloc_discard].command_type == CT.ACCEPT_INPUT:
             # the input's matrix is the one that comes from the user: keep its "allocation"
             c.commands[alloc_keep].command_type = CT.NO_OPERATION
