@@ -30,7 +30,7 @@ from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_CO
                                          CommandType as CT, MatrixDebugInfo, NnetComputation,
                                          PrecomputedIndexesInfo)
 from engine.core.errors import NnetcError, RequestError
-from engine.core.index import K_NO_TIME, Cindex, Index
+from engine.core.index import K_NO_TIME
 from engine.nnet.components.base import ComponentProperty as P
 
 
@@ -396,7 +396,8 @@ class Compiler:
                 raise CompilerError(
                     f"node {self.nnet.nodes[info.node_index].name!r}: Index {tuple(index)} is "
                     f"not computable from the pruned graph")
-            used.sort(key=_cindex_key)
+            if len(used) > 1:
+                used.sort(key=_cindex_key)
             out.append([loc[get_id(c)] for c in used])
         return out
 
@@ -652,7 +653,9 @@ class Compiler:
             if dbg[vm].cindexes:
                 continue  # an alias made by a dim-range node covering all columns
             dbg[vm].is_deriv = False
-            dbg[vm].cindexes = [Cindex(info.node_index, Index(*i)) for i in info.output_indexes]
+            node = info.node_index
+            # plain (node, Index) tuples: Cindex objects for 100k rows cost real time
+            dbg[vm].cindexes = [(node, i) for i in info.output_indexes]
             if info.deriv != 0 and computation.is_whole_matrix(info.deriv):
                 dm = computation.submatrices[info.deriv].matrix_index
                 dbg[dm].is_deriv = True
