@@ -293,3 +293,26 @@ def test_cupy_backend_matches_numpy():
             np.testing.assert_allclose(cupy.asnumpy(o_cp[k]), o_np[k], rtol=1e-3, atol=1e-4)
         for k in d_np:
             np.testing.assert_allclose(cupy.asnumpy(d_cp[k]), d_np[k], rtol=1e-3, atol=1e-4)
+
+
+def test_multi_segment_computation_runs_segment_by_segment():
+    from engine.compiler.request import IoSpecification
+    from engine.core.index import Index
+    from engine.nnet.model_io import load_nnet
+    nnet = load_nnet(LOCAL / "case039" / "model.txt")  # Append(Offset(input, 3)) -> affine
+
+    def req(t0, t1):
+        return ComputationRequest(
+            [IoSpecification("input", [Index(0, t, 0) for t in range(t0 + 3, t1 + 3)])],
+            [IoSpecification("output", [Index(0, t, 0) for t in range(t0, t1)])])
+    both = compile_computation(nnet, [req(0, 4), req(4, 8)])
+    markers = [i for i, c in enumerate(both.commands) if c.command_type == CT.NO_OPERATION_MARKER]
+    assert len(markers) == 2 and len(both.segments) == 3
+    ex = Executor(both, nnet)
+    for t0 in (0, 4):
+        x = _rand(4, 24)
+        ex.accept_input("input", x)
+        ex.run()
+        want, _, _ = run_computation(compile_computation(nnet, [req(t0, t0 + 4)]), nnet,
+                                     {"input": x})
+        np.testing.assert_allclose(ex.get_output("output"), want["output"], rtol=1e-5)
