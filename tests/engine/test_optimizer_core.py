@@ -321,6 +321,7 @@ def test_pass_table_lists_every_pass_and_notes_missing_ones():
     # the input is left alone
     assert comp.stats() == compile_computation(nnet, [req]).stats()
     assert out.stats()["commands"] < comp.stats()["commands"]
+    assert optimize(comp, nnet, CHECKED, request=req).to_text(nnet) == out.to_text(nnet)
 
 
 def test_check_mode_names_the_bad_pass_and_its_predecessors():
