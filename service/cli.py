@@ -171,16 +171,16 @@ def _compile_for_cli(model_path: str, request_path: str, no_optimize: bool):
     computation = compile_computation(nnet, [request])
     optimized = False
     if not no_optimize:
-        optimized_computation = _optimize_if_available(computation, nnet)
+        optimized_computation = _optimize_if_available(computation, nnet, request)
         if optimized_computation is not None:
             computation, optimized = optimized_computation, True
     compile_ms = (time.perf_counter() - t0) * 1000.0
     return nnet, request, computation, compile_ms, optimized
 
 
-def _optimize_if_available(computation, nnet):
-    """The optimizer's ``optimize(computation, nnet, options)`` when engine.optimizer
-    provides it; None when there is no optimizer yet."""
+def _optimize_if_available(computation, nnet, request=None):
+    """The optimizer's ``optimize(computation, nnet, options[, request])`` when
+    engine.optimizer provides it; None when there is no optimizer."""
     try:
         from engine import optimizer as opt  # noqa: PLC0415
     except ImportError:
@@ -188,8 +188,12 @@ def _optimize_if_available(computation, nnet):
     fn = getattr(opt, "optimize", None)
     if fn is None:
         return None
+    import inspect  # noqa: PLC0415
     options_cls = getattr(opt, "OptimizeOptions", None)
-    result = fn(computation, nnet, options_cls() if options_cls is not None else None)
+    kwargs = {}
+    if request is not None and "request" in inspect.signature(fn).parameters:
+        kwargs["request"] = request
+    result = fn(computation, nnet, options_cls() if options_cls is not None else None, **kwargs)
     return computation if result is None or isinstance(result, bool) else result
 
 
