@@ -71,6 +71,7 @@ class Executor:
         self._pending: list[int] = []
         self._grad_nnet = None
         self._grad_components: dict[int, object] = {}
+        self._stats_components: dict[int, object] = {}
         self._handed_out: set[int] = set()   # matrices given to the caller
         if computation.need_model_derivative:
             self._make_gradient_nnet()
@@ -84,6 +85,11 @@ class Executor:
                 g.set_as_gradient()
                 grad.components[i] = g
                 self._grad_components[i] = _component_to_backend(g, self.xp)
+            else:
+                # as Kaldi's NnetComputer, non-updatable components get their copy in
+                # the gradient network as ``to_update``, to store backprop statistics
+                # (e.g. the nonlinearities' derivative averages) there.
+                self._stats_components[i] = _component_to_backend(comp, self.xp)
         self._grad_nnet = grad
 
     def get_model_gradient(self):
@@ -92,10 +98,12 @@ class Executor:
         if self._grad_nnet is None:
             return None
         if self.xp is not np:
-            for i, g in self._grad_components.items():
+            for i, g in list(self._grad_components.items()) + list(self._stats_components.items()):
                 host = self._grad_nnet.components[i]
-                for p in host.PARAMS:
-                    setattr(host, p, to_host(getattr(g, p)))
+                for p in host.PARAMS + host.ARRAYS:
+                    v = getattr(g, p, None)
+                    if v is not None:
+                        setattr(host, p, to_host(v))
         return self._grad_nnet
 
     # -- I/O -------------------------------------------------------------------------------
@@ -279,9 +287,12 @@ class Executor:
     def _backprop(self, c):
         comp = self._components[c.arg1]
         to_update = None
-        if (c.command_type == CT.BACKPROP and self.computation.need_model_derivative
-                and c.arg1 in self._grad_components):
-            to_update = self._grad_components[c.arg1]
+        if c.command_type == CT.BACKPROP:
+            if c.arg1 in self._grad_components:
+                if self.computation.need_model_derivative:
+                    to_update = self._grad_components[c.arg1]
+            else:
+                to_update = self._stats_components.get(c.arg1)
         memo = None
         if c.arg7 > 0:
             if c.arg7 not in self._memos:
