@@ -278,9 +278,18 @@ class Executor:
         comp = self._components[c.arg1]
         out = self._sub(c.arg4)
         memo = comp.propagate(self._precomputed[c.arg2], self._sub(c.arg3), out)
-        if c.arg6 and self.nnet_to_store_stats is not None:
-            in_value = None if c.arg3 == c.arg4 else self._sub(c.arg3)
-            self.nnet_to_store_stats.components[c.arg1].store_stats(in_value, out, memo)
+        if c.arg6:
+            # Kaldi stores stats in the network it was given to update (here the
+            # gradient network) unless a separate stats network is named.
+            target = self.nnet_to_store_stats
+            if target is not None:
+                stats_comp = target.components[c.arg1]
+            else:
+                stats_comp = (self._stats_components.get(c.arg1)
+                              or self._grad_components.get(c.arg1))
+            if stats_comp is not None:
+                in_value = None if c.arg3 == c.arg4 else self._sub(c.arg3)
+                stats_comp.store_stats(in_value, out, memo)
         if c.arg5 > 0:
             self._memos[c.arg5] = memo
 
