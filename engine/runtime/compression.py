@@ -96,7 +96,8 @@ def compress_matrix(xp, mat, compression_type: int, range_: float,
         return CompressedMatrix((x > 0).astype(np.uint8), np.float32(0.0), int(compression_type))
     # 1.0 / scale_ is a double division in Kaldi, then narrowed to float
     inv_scale = np.float32(1.0 / float(scale))
-    q = xp.rint(x * inv_scale)                    # float32, round half to even
+    with np.errstate(over="ignore", invalid="ignore"):   # garbage in undefined rows
+        q = xp.rint(x * inv_scale)                # float32, round half to even
     info = np.iinfo(dtype)
     if truncate:
         q = xp.clip(q, info.min, info.max)
