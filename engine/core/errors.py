@@ -80,3 +80,14 @@ class CheckError(NnetcError):
 
 class ExecutionError(NnetcError):
     """A failure while executing a computation; names the command."""
+
+
+class InferenceError(RequestError):
+    """Inputs unusable for inference or streaming (engine.inference): a feature or
+    i-vector matrix of the wrong dimension, missing i-vectors, chunk sizes or
+    contexts the model cannot use; names the option or array at fault."""
+
+
+class StreamError(InferenceError):
+    """A Stream used out of order (push after finish) or given a state it cannot
+    import (corrupt bytes, another model or configuration)."""

@@ -1,0 +1,7 @@
+"""Inference front-end: whole-utterance decoding (Kaldi's DecodableNnetSimple /
+nnet3-compute, batched like NnetBatchComputer) and looped streaming
+(CompileLooped + DecodableNnetSimpleLooped) with exportable state."""
+
+from engine.inference.simple import InferenceOptions, Inferencer, Utterance, infer
+
+__all__ = ["InferenceOptions", "Inferencer", "Utterance", "infer"]

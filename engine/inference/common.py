@@ -1,0 +1,206 @@
+"""Shared pieces of the inference front-end: preparing a network for decoding
+(Kaldi's SetBatchnormTestMode / SetDropoutTestMode / CollapseModel from
+nnet-utils.cc, as nnet3-compute and DecodableNnetSimpleLoopedInfo do), the
+context of a simple network for a named output (ComputeSimpleNnetContext), a
+small caching compiler (CachingOptimizingCompiler: compile + optimize once per
+distinct request), the input checks of DecodableNnetSimple::EnsureFrameIsComputed
+and the log-prior handling of DecodableNnetSimple.
+
+The optimizer (engine.optimizer) and model collapsing are used when present;
+the engine works, unoptimized, without them (the numbers agree either way).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from engine.core.errors import ConfigError, InferenceError
+from engine.core.index import Index
+
+
+def lcm(a: int, b: int) -> int:
+    from math import gcd  # noqa: PLC0415
+    return a * b // gcd(a, b)
+
+
+def prepare_nnet(nnet, collapse: bool = True):
+    """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode
+    and, when the optimizer provides ``collapse_model``, collapsed.  The caller's
+    network is never modified."""
+    nnet = nnet.copy()
+    nnet.set_test_mode(True)
+    if collapse:
+        fn = _optimizer_attr("collapse_model")
+        if fn is not None:
+            result = fn(nnet)
+            if result is not None and not isinstance(result, bool):
+                nnet = result
+    return nnet
+
+
+def _optimizer_attr(name: str):
+    try:
+        from engine import optimizer as opt  # noqa: PLC0415
+    except ImportError:
+        return None
+    return getattr(opt, name, None)
+
+
+def optimize_if_available(computation, nnet):
+    """Run engine.optimizer.optimize when it exists; the computation itself otherwise."""
+    fn = _optimizer_attr("optimize")
+    if fn is None:
+        return computation
+    options_cls = _optimizer_attr("OptimizeOptions")
+    result = fn(computation, nnet, options_cls() if options_cls is not None else None)
+    return computation if result is None or isinstance(result, bool) else result
+
+
+def check_simple(nnet, output_name: str = "output") -> None:
+    """Kaldi's IsSimpleNnet, with the output name configurable (``--output``)."""
+    o = nnet.get_node_index(output_name)
+    if o < 0 or not nnet.is_output_node(o):
+        raise InferenceError(f"the network has no output node named {output_name!r} "
+                             f"(outputs: {', '.join(nnet.output_names())})")
+    i = nnet.get_node_index("input")
+    if i < 0 or not nnet.is_input_node(i):
+        raise InferenceError("the network has no input node named 'input'")
+    others = [n for n in nnet.input_names() if n not in ("input", "ivector")]
+    if others:
+        raise InferenceError(f"the network is not simple: inputs other than 'input' and "
+                             f"'ivector' ({', '.join(others)})")
+
+
+def simple_context(nnet, output_name: str = "output") -> tuple[int, int]:
+    """(left, right) context of ``output_name`` with respect to 'input' (Kaldi's
+    ComputeSimpleNnetContext, which probes computability over windows shifted by
+    0..modulus and takes the largest context)."""
+    from engine.nnet.graph import evaluate_computability  # noqa: PLC0415
+    check_simple(nnet, output_name)
+    modulus = nnet.modulus()
+    has_ivector = nnet.get_node_index("ivector") >= 0
+    window = 40
+    while window < 800:
+        results = []
+        for start in range(modulus + 1):
+            frames = [Index(0, t, 0) for t in range(start, start + window)]
+            inputs = {"input": frames}
+            if has_ivector:
+                inputs["ivector"] = [Index(0, t, 0) for t in range(start - modulus,
+                                                                   start + window)]
+            ok = evaluate_computability(nnet, inputs, {output_name: frames})[output_name]
+            if True not in ok:
+                break
+            first = ok.index(True)
+            last_ok = window - 1 - ok[::-1].index(True)
+            if not all(ok[first:last_ok + 1]):
+                break
+            results.append((first, window - 1 - last_ok))
+        if len(results) == modulus + 1:
+            if results[0] != results[modulus]:
+                raise ConfigError("network context differs between time shifts that differ "
+                                  "by the modulus; the network is not time-invariant")
+            return max(r[0] for r in results), max(r[1] for r in results)
+        window *= 2
+    raise InferenceError(f"cannot work out the context of output {output_name!r}: nothing is "
+                         f"computable from 'input' within 800 frames (not a simple network?)")
+
+
+class CachingCompiler:
+    """Kaldi's CachingOptimizingCompiler: compiled (and optimized) computations
+    keyed by the request's canonical bytes, least recently used dropped first."""
+
+    def __init__(self, nnet, capacity: int = 64, optimize: bool = True):
+        self.nnet = nnet
+        self.capacity = capacity
+        self.optimize = optimize
+        self._cache: OrderedDict[bytes, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, request):
+        from engine.compiler.compiler import compile_computation  # noqa: PLC0415
+        key = request.canonical_bytes()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        computation = compile_computation(self.nnet, [request])
+        if self.optimize:
+            computation = optimize_if_available(computation, self.nnet)
+        with self._lock:
+            self._cache[key] = computation
+            while len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+        return computation
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+def as_features(feats, dim: int, what: str = "features") -> np.ndarray:
+    """A float32 (frames, dim) matrix, or InferenceError naming what is wrong."""
+    a = np.asarray(feats)
+    if a.ndim != 2:
+        raise InferenceError(f"{what}: expected a 2-d matrix (frames x {dim}), got shape "
+                             f"{a.shape}")
+    if a.shape[1] != dim:
+        raise InferenceError(f"{what}: the network expects 'input' features of dimension "
+                             f"{dim} but the matrix has {a.shape[1]} columns")
+    if a.dtype.kind not in "fiu":
+        raise InferenceError(f"{what}: expected numbers, got dtype {a.dtype}")
+    a = a.astype(np.float32, copy=False)
+    if not np.all(np.isfinite(a)):
+        raise InferenceError(f"{what}: contains NaN or infinite values")
+    return a
+
+
+def check_ivectors(nnet, ivector, online_ivectors, online_ivector_period) -> tuple:
+    """Validate the i-vector arguments against the network; returns
+    (ivector float32 vector or None, online matrix or None, period)."""
+    want = nnet.input_dim("ivector") if nnet.get_node_index("ivector") >= 0 else 0
+    if ivector is not None and online_ivectors is not None:
+        raise InferenceError("give either a per-utterance i-vector or online i-vectors, not "
+                             "both")
+    if want == 0:
+        if ivector is not None or online_ivectors is not None:
+            raise InferenceError("the network has no 'ivector' input but i-vectors were given")
+        return None, None, 0
+    if ivector is None and online_ivectors is None:
+        raise InferenceError(f"the network expects 'ivector' features of dimension {want} "
+                             f"but no i-vectors were given")
+    if ivector is not None:
+        v = np.asarray(ivector, dtype=np.float32)
+        if v.ndim == 2 and v.shape[0] == 1:
+            v = v[0]
+        if v.ndim != 1 or v.shape[0] != want:
+            raise InferenceError(f"ivector: the network expects dimension {want}, got an "
+                                 f"array of shape {np.shape(ivector)}")
+        if not np.all(np.isfinite(v)):
+            raise InferenceError("ivector: contains NaN or infinite values")
+        return v, None, 0
+    m = np.asarray(online_ivectors, dtype=np.float32)
+    if m.ndim != 2 or m.shape[1] != want or m.shape[0] == 0:
+        raise InferenceError(f"online i-vectors: expected a non-empty matrix with {want} "
+                             f"columns, got shape {np.shape(online_ivectors)}")
+    if online_ivector_period is None or int(online_ivector_period) <= 0:
+        raise InferenceError("online i-vectors need --online-ivector-period > 0")
+    return None, m, int(online_ivector_period)
+
+
+def log_priors(priors, output_dim: int) -> np.ndarray | None:
+    """log(priors) as float32 (Kaldi applies the log in float), checked against the
+    output dimension; None when there are no priors."""
+    if priors is None:
+        return None
+    p = np.asarray(priors, dtype=np.float32).reshape(-1)
+    if p.size == 0:
+        return None
+    if p.size != output_dim:
+        raise InferenceError(f"the model's priors have dimension {p.size} but the output has "
+                             f"dimension {output_dim}")
+    with np.errstate(divide="ignore"):
+        return np.log(p)

@@ -1,0 +1,243 @@
+"""Whole-utterance inference: Kaldi's DecodableNnetSimple
+(nnet-am-decodable-simple.{h,cc}) as driven by nnet3-compute, plus batching of
+many utterances in the spirit of NnetBatchComputer (nnet-batch-compute.cc).
+
+An utterance of T frames gives ceil(T / frame_subsampling_factor) output rows.
+They are computed in chunks of ``frames_per_chunk`` output frames (rounded up to
+a multiple of lcm(subsampling factor, network modulus)); the last chunk is
+simply shorter.  A chunk starting at output frame f0 reads input frames
+[f0 - left, f_last + right] where left/right are the network's context plus the
+extra contexts (``extra_left_context_initial`` replacing ``extra_left_context``
+for the first chunk, ``extra_right_context_final`` replacing
+``extra_right_context`` for the last, when >= 0); frames outside the utterance
+repeat the first or last frame.  Requests are shifted so that the chunk's first
+output is at t=0, so equal-shaped chunks share one compiled computation.  The
+i-vector is the per-utterance one, or the online i-vector row for the frame in
+the middle of the chunk.  Log priors are subtracted when given; ``apply_exp``
+exponentiates at the end (nnet3-compute --apply-exp).
+
+Batching: chunks of every utterance with the same request shape are merged
+along ``n`` (utterance-chunk k becomes sequence n=k of one request, its rows
+n-major as Kaldi's requests are), at most ``max_batch`` per computation; a last
+partial minibatch gets its own (smaller) computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.core.errors import InferenceError
+from engine.core.index import Index
+from engine.inference.common import (CachingCompiler, as_features, check_ivectors,
+                                     check_simple, lcm, log_priors, prepare_nnet,
+                                     simple_context)
+
+
+@dataclass(frozen=True)
+class InferenceOptions:
+    """Kaldi's NnetSimpleComputationOptions plus nnet3-compute's flags."""
+
+    frames_per_chunk: int = 50
+    extra_left_context: int = 0
+    extra_right_context: int = 0
+    extra_left_context_initial: int = -1
+    extra_right_context_final: int = -1
+    frame_subsampling_factor: int = 1
+    acoustic_scale: float = 1.0
+    apply_exp: bool = False
+    use_priors: bool = False
+    output: str = "output"
+    max_batch: int = 16
+
+    def check(self) -> None:
+        if self.frame_subsampling_factor < 1:
+            raise InferenceError(f"frame_subsampling_factor must be >= 1, got "
+                                 f"{self.frame_subsampling_factor}")
+        if self.frames_per_chunk < 1:
+            raise InferenceError(f"frames_per_chunk must be >= 1, got {self.frames_per_chunk}")
+        if self.extra_left_context < 0 or self.extra_right_context < 0:
+            raise InferenceError("extra_left_context and extra_right_context must be >= 0")
+        if self.extra_left_context_initial < -1 or self.extra_right_context_final < -1:
+            raise InferenceError("extra_left_context_initial and extra_right_context_final "
+                                 "must be >= -1 (-1 meaning: same as the non-edge value)")
+        if self.max_batch < 1:
+            raise InferenceError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass
+class Utterance:
+    """One utterance to decode: features plus an optional i-vector source."""
+
+    features: np.ndarray
+    ivector: np.ndarray | None = None
+    online_ivectors: np.ndarray | None = None
+    online_ivector_period: int = 0
+
+
+@dataclass
+class _Chunk:
+    utt: int
+    first_sub: int       # first subsampled output frame
+    num_sub: int         # subsampled output frames in this chunk
+    rows: np.ndarray     # the utterance's feature rows to read (edges repeated)
+    ivector: np.ndarray | None
+    key: tuple           # (input t begin relative to output start, num input, num_sub)
+
+
+class Inferencer:
+    """Decodes utterances with one model and one set of options.  Holds the
+    prepared network and a compiled-computation cache, so repeated calls (and
+    equal-shaped chunks) compile once."""
+
+    def __init__(self, nnet, options: InferenceOptions = InferenceOptions(), priors=None,
+                 backend=np, collapse: bool = True, optimize: bool = True):
+        options.check()
+        check_simple(nnet, options.output)
+        self.options = options
+        self.nnet = prepare_nnet(nnet, collapse=collapse)
+        self.backend = backend
+        self.left_context, self.right_context = simple_context(self.nnet, options.output)
+        self.input_dim = self.nnet.input_dim("input")
+        self.output_dim = self.nnet.output_dim(options.output)
+        self.log_priors = log_priors(priors, self.output_dim) if options.use_priors else None
+        if options.use_priors and self.log_priors is None:
+            raise InferenceError("use_priors was asked for but the model has no priors (a .mdl "
+                                 "with a <Priors> vector is needed)")
+        n = lcm(options.frame_subsampling_factor, self.nnet.modulus())
+        # Kaldi's CheckAndFixConfigs: round frames-per-chunk up to a multiple of n.
+        self.frames_per_chunk = n * ((options.frames_per_chunk + n - 1) // n)
+        self.compiler = CachingCompiler(self.nnet, optimize=optimize)
+        from engine.runtime.backend import BufferPool  # noqa: PLC0415
+        self.pool = BufferPool()
+
+    # -- chunk planning (DecodableNnetSimple::EnsureFrameIsComputed) ----------------------------
+    def _plan(self, k: int, utt: Utterance) -> list[_Chunk]:
+        o = self.options
+        feats = utt.features
+        num_frames = feats.shape[0]
+        if num_frames == 0:
+            raise InferenceError(f"utterance {k}: zero-length features")
+        fsf = o.frame_subsampling_factor
+        total_sub = (num_frames + fsf - 1) // fsf
+        per_chunk = self.frames_per_chunk // fsf
+        chunks = []
+        for first_sub in range(0, total_sub, per_chunk):
+            num_sub = min(total_sub - first_sub, per_chunk)
+            last_sub = first_sub + num_sub - 1
+            first_out, last_out = first_sub * fsf, last_sub * fsf
+            extra_left = o.extra_left_context
+            if first_out == 0 and o.extra_left_context_initial >= 0:
+                extra_left = o.extra_left_context_initial
+            extra_right = o.extra_right_context
+            if last_sub == total_sub - 1 and o.extra_right_context_final >= 0:
+                extra_right = o.extra_right_context_final
+            first_in = first_out - self.left_context - extra_left
+            last_in = last_out + self.right_context + extra_right
+            rows = np.clip(np.arange(first_in, last_in + 1), 0, num_frames - 1)
+            ivec = self._ivector_for(k, utt, first_out, last_out - first_out)
+            key = (first_in - first_out, last_in + 1 - first_in, num_sub, ivec is not None)
+            chunks.append(_Chunk(k, first_sub, num_sub, rows, ivec, key))
+        return chunks
+
+    @staticmethod
+    def _ivector_for(k: int, utt: Utterance, out_start: int, num_out: int):
+        """DecodableNnetSimple::GetCurrentIvector: the row for the frame in the middle of
+        the chunk, clamped to the last row unless that is more than 50 frames away."""
+        if utt.ivector is not None:
+            return utt.ivector
+        if utt.online_ivectors is None:
+            return None
+        period = utt.online_ivector_period
+        frame = out_start + num_out // 2
+        row = frame // period
+        have = utt.online_ivectors.shape[0]
+        if row >= have:
+            if (row - (have - 1)) * period > 50:
+                raise InferenceError(f"utterance {k}: no online i-vector for frame {frame}: "
+                                     f"only {have} rows at period {period} (wrong "
+                                     f"--online-ivector-period?)")
+            row = have - 1
+        return utt.online_ivectors[row]
+
+    def _request(self, key: tuple, batch: int) -> ComputationRequest:
+        begin, num_in, num_sub, has_ivec = key
+        fsf = self.options.frame_subsampling_factor
+        inputs = [IoSpecification("input", [Index(n, begin + i, 0) for n in range(batch)
+                                            for i in range(num_in)])]
+        if has_ivec:
+            inputs.append(IoSpecification("ivector", [Index(n, 0, 0) for n in range(batch)]))
+        outputs = [IoSpecification(self.options.output,
+                                   [Index(n, i * fsf, 0) for n in range(batch)
+                                    for i in range(num_sub)])]
+        return ComputationRequest(inputs, outputs)
+
+    def _run_batch(self, chunks: list[_Chunk], utts: list[Utterance]) -> np.ndarray:
+        from engine.runtime.backend import to_host  # noqa: PLC0415
+        from engine.runtime.executor import Executor  # noqa: PLC0415
+        key = chunks[0].key
+        computation = self.compiler.compile(self._request(key, len(chunks)))
+        feats = np.concatenate([utts[c.utt].features[c.rows] for c in chunks], axis=0)
+        ex = Executor(computation, self.nnet, backend=self.backend, pool=self.pool)
+        ex.accept_input("input", feats)
+        if key[3]:
+            ex.accept_input("ivector", np.stack([c.ivector for c in chunks]).astype(np.float32))
+        ex.run()
+        out = to_host(ex.get_output(self.options.output))
+        ex.release()
+        return np.asarray(out, dtype=np.float32)
+
+    # -- public API --------------------------------------------------------------------------
+    def make_utterance(self, features, ivector=None, online_ivectors=None,
+                       online_ivector_period: int = 0, where: str = "features") -> Utterance:
+        feats = as_features(features, self.input_dim, where)
+        ivec, online, period = check_ivectors(self.nnet, ivector, online_ivectors,
+                                              online_ivector_period)
+        return Utterance(feats, ivec, online, period)
+
+    def infer_batch(self, utterances: list[Utterance]) -> list[np.ndarray]:
+        """Outputs (subsampled frames x output dim) for each utterance, in order,
+        computing equal-shaped chunks of all utterances together."""
+        chunks = [c for k, u in enumerate(utterances) for c in self._plan(k, u)]
+        groups: dict[tuple, list[_Chunk]] = {}
+        for c in chunks:
+            groups.setdefault(c.key, []).append(c)
+        fsf = self.options.frame_subsampling_factor
+        outs = [np.empty(((u.features.shape[0] + fsf - 1) // fsf, self.output_dim),
+                         dtype=np.float32) for u in utterances]
+        mb = self.options.max_batch
+        for group in groups.values():
+            for s in range(0, len(group), mb):
+                batch = group[s:s + mb]
+                result = self._run_batch(batch, utterances)
+                per = batch[0].num_sub
+                for j, c in enumerate(batch):
+                    outs[c.utt][c.first_sub:c.first_sub + per] = result[j * per:(j + 1) * per]
+        return [self._finish(o) for o in outs]
+
+    def _finish(self, out: np.ndarray) -> np.ndarray:
+        if self.log_priors is not None:
+            out -= self.log_priors
+        if self.options.acoustic_scale != 1.0:
+            out *= np.float32(self.options.acoustic_scale)
+        if self.options.apply_exp:
+            np.exp(out, out=out)
+        return out
+
+    def infer(self, features, ivector=None, online_ivectors=None,
+              online_ivector_period: int = 0) -> np.ndarray:
+        """One utterance (nnet3-compute on a single matrix)."""
+        return self.infer_batch([self.make_utterance(features, ivector, online_ivectors,
+                                                     online_ivector_period)])[0]
+
+
+def infer(model, features, options: InferenceOptions = InferenceOptions(), ivector=None,
+          online_ivectors=None, online_ivector_period: int = 0, backend=np) -> np.ndarray:
+    """Convenience: ``model`` is an engine.nnet.model_io.Model (priors used when
+    ``options.use_priors``) or an Nnet."""
+    nnet = getattr(model, "nnet", model)
+    priors = getattr(model, "priors", None)
+    return Inferencer(nnet, options, priors=priors, backend=backend).infer(
+        features, ivector, online_ivectors, online_ivector_period)
