@@ -213,8 +213,8 @@ class ComputabilityEvaluator:
     Three-valued, like Kaldi's ComputationGraphBuilder: a Cindex is settled as
     not computable as soon as it is not computable even if every unknown input
     were, and as computable as soon as it is computable even if none were;
-    otherwise its unknown inputs are evaluated first (explicit stack, so long
-    recurrences cannot overflow).  A Cindex met again while it is being
+    otherwise its first unknown input is evaluated, and if that does not settle
+    it, all the others (explicit stack, so long recurrences cannot overflow).  A Cindex met again while it is being
     evaluated (a cycle with no time offset) counts as not computable.
     """
 
@@ -256,11 +256,20 @@ class ComputabilityEvaluator:
             elif self._eval(top, pessimistic):
                 status[top] = True
             else:
+                # Resolve one unknown input at a time: often the first settles
+                # ``top`` and the others (e.g. a recurrence reaching back in
+                # time) need never be looked at.
                 unknown = [d for d in cindex_dependencies(self.nnet, top, self.misc)
                            if d not in status and d not in in_progress]
-                if top not in in_progress and unknown:
-                    in_progress.add(top)
-                    stack.extend(reversed(unknown))
+                if unknown:
+                    if top in in_progress:
+                        # Still undecided after one input: take all the rest at
+                        # once (components such as statistics pooling have
+                        # thousands of inputs; one at a time would be quadratic).
+                        stack.extend(reversed(unknown))
+                    else:
+                        in_progress.add(top)
+                        stack.append(unknown[0])
                     continue
                 status[top] = False
             stack.pop()
