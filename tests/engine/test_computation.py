@@ -193,3 +193,38 @@ def test_submatrix_helpers():
     d = c.copy()
     d.commands.append(Command.make(CT.NO_OPERATION))
     assert not c.commands
+
+
+def test_plain_data_round_trip_and_validation():
+    import json
+
+    from engine.compiler.compiler import compile_computation
+    from engine.compiler.request import ComputationRequest
+    from engine.compiler.serialize import computation_from_data, computation_to_data
+    from engine.core.errors import CheckError
+    from engine.nnet.model_io import load_nnet
+    from engine.runtime.executor import run_computation
+
+    case = DATA / "case005"   # statistics pooling: precomputed indexes
+    nnet = load_nnet(case / "model.txt")
+    req = ComputationRequest.from_json((case / "request.json").read_bytes())
+    comp = compile_computation(nnet, [req])
+    assert any(p.data is not None for p in comp.component_precomputed_indexes)
+    data = json.loads(json.dumps(computation_to_data(comp)))
+    back = computation_from_data(data)
+    assert back.to_text(nnet) == comp.to_text(nnet)
+    import numpy as np
+    arrays = np.load(case / "arrays.npz")
+    a, _, _ = run_computation(comp, nnet, {"input": arrays["input.input"]})
+    b, _, _ = run_computation(back, nnet, {"input": arrays["input.input"]})
+    np.testing.assert_array_equal(a["output"], b["output"])
+    bad = json.loads(json.dumps(data))
+    bad["commands"][-1][2] = 10 ** 6
+    with pytest.raises(CheckError, match="out of range"):
+        computation_from_data(bad)
+    bad = json.loads(json.dumps(data))
+    bad["precomputed_indexes"][0]["class"] = "os:system"
+    with pytest.raises(CheckError, match="not allowed"):
+        computation_from_data(bad)
+    with pytest.raises(CheckError):
+        computation_from_data({"ir_version": 1})
