@@ -45,9 +45,11 @@ def read_config_lines(text: str, source: str | None = None) -> list[SourceLine]:
         line = raw.split("#", 1)[0]
         if not pending:
             start = lineno
+        else:
+            line = line.lstrip(" \t")
         stripped = line.rstrip(" \t\r")
         if stripped.endswith("\\") and "#" not in raw:
-            pending += stripped[:-1] + " "
+            pending += stripped[:-1].rstrip(" \t") + " "
             continue
         full = (pending + line).strip(" \t\r")
         pending = ""

@@ -1,0 +1,176 @@
+"""The config language: line splitting, node structure and order, applying
+configs to an existing network, validation errors naming file and line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nnet_ref_cases import local_network_cases, missing_types_in_config
+
+from engine.core.errors import ConfigError, NnetcError
+from engine.nnet.config import apply_config, parse_config_line, read_config_lines
+from engine.nnet.nnet import Nnet, NodeType, ObjectiveType
+
+BASE = """\
+# a small recurrent network
+input-node name=input dim=4
+component name=s1 type=SigmoidComponent dim=12
+component-node name=s1 component=s1 input=Append(Offset(input, -1), input, Offset(input, 1))
+component-node name=t1 component=t1 input=Sum(s1, IfDefined(Offset(t1, -1)))
+component name=t1 type=TanhComponent dim=12   # defined after its use: two passes
+dim-range-node name=half input-node=t1 dim-offset=6 dim=6
+output-node name=output input=half objective=quadratic
+"""
+
+
+def build(*texts):
+    nnet = Nnet()
+    for i, t in enumerate(texts):
+        apply_config(nnet, t, source=f"cfg{i}", rng=np.random.default_rng(0))
+    return nnet
+
+
+def test_line_splitting_like_kaldi():
+    cfg = parse_config_line("component-node name=x component=y input=Append(a, Offset(b, -1)) "
+                            "foo='quoted value' bar=\"q2\"")
+    assert cfg.first_token == "component-node"
+    assert cfg.values == {"name": "x", "component": "y", "input": "Append(a, Offset(b, -1))",
+                          "foo": "quoted value", "bar": "q2"}
+    assert parse_config_line("dim=3 name=a").first_token == ""
+    lines = read_config_lines("a=1 # c\n\n  # only comment\nb=2 \\\n  c=3\n", "f")
+    assert [(sl.text, sl.line) for sl in lines] == [("a=1", 1), ("b=2 c=3", 4)]
+
+
+def test_node_structure_and_order():
+    nnet = build(BASE)
+    assert [(n.name, n.type) for n in nnet.nodes] == [
+        ("input", NodeType.INPUT), ("s1_input", NodeType.DESCRIPTOR), ("s1", NodeType.COMPONENT),
+        ("t1_input", NodeType.DESCRIPTOR), ("t1", NodeType.COMPONENT),
+        ("half", NodeType.DIM_RANGE), ("output", NodeType.DESCRIPTOR)]
+    assert nnet.component_names == ["s1", "t1"]
+    assert nnet.is_component_input_node(1) and not nnet.is_output_node(1)
+    assert nnet.is_output_node(6) and nnet.nodes[6].objective_type == ObjectiveType.QUADRATIC
+    assert nnet.is_dim_range_node(5) and nnet.nodes[5].node_index == 4
+    assert nnet.input_dim("input") == 4 and nnet.output_dim("output") == 6
+    assert nnet.input_dim("output") == -1 and nnet.output_dim("input") == -1
+    assert nnet.node_dim(1) == 12
+    assert nnet.config_lines() == [
+        "input-node name=input dim=4",
+        "component-node name=s1 component=s1 input=Append(Offset(input, -1), input, "
+        "Offset(input, 1))",
+        "component-node name=t1 component=t1 input=Sum(s1, IfDefined(Offset(t1, -1)))",
+        "dim-range-node name=half input-node=t1 dim-offset=6 dim=6",
+        "output-node name=output input=half objective=quadratic"]
+    assert nnet.nodes[2].origin == ("cfg0", 4)
+
+
+def test_config_round_trip():
+    nnet = build(BASE)
+    again = build(nnet.config_text().replace(
+        "component-node name=s1", "component name=s1 type=SigmoidComponent dim=12\n"
+        "component name=t1 type=TanhComponent dim=12\ncomponent-node name=s1"))
+    assert again.config_lines() == nnet.config_lines()
+
+
+def test_second_config_adds_and_replaces():
+    nnet = build(BASE, """\
+component name=t1 type=SigmoidComponent dim=12
+output-node name=output input=t1
+output-node name=extra input=Offset(s1, 2)
+""")
+    # the redefined output moves to the position of its new line
+    assert nnet.output_names() == ["output", "extra"]
+    assert nnet.output_dim("output") == 12
+    assert nnet.nodes[nnet.get_node_index("output")].objective_type == ObjectiveType.LINEAR
+    # component replaced in place, keeping its index
+    assert nnet.component_names == ["s1", "t1"]
+    assert nnet.components[1].type_name == "SigmoidComponent"
+
+
+def test_failed_config_leaves_network_unchanged():
+    nnet = build(BASE)
+    before = nnet.config_lines()
+    with pytest.raises(ConfigError):
+        apply_config(nnet, "output-node name=output input=nosuch\n", source="bad")
+    assert nnet.config_lines() == before
+
+
+@pytest.mark.parametrize("extra,fragment,line", [
+    ("bogus-node name=x\n", "not expected", 9),
+    ("output-node name=o2 input=nosuch\n", "nosuch", 9),
+    ("component-node name=c component=nosuch input=input\n", "no component named", 9),
+    ("component name=c type=NoSuchComponent dim=3\n", "NoSuchComponent", 9),
+    ("component name=c type=SigmoidComponent dim=5\ncomponent-node name=c component=c "
+     "input=input\n", "dimension mismatch", 10),
+    ("output-node name=o2 input=Sum(input, s1)\n", "inconsistent dimensions", 9),
+    ("input-node name=input2 dim=0\n", "dim", 9),
+    ("input-node name=input2 dim=x\n", "not an integer", 9),
+    ("input-node name=input2 dim=3 colour=red\n", "colour", 9),
+    ("dim-range-node name=dr input-node=t1 dim-offset=10 dim=6\n", "dim-range", 9),
+    ("dim-range-node name=dr input-node=s1_input dim-offset=0 dim=6\n", "input-node", 9),
+    ("input-node name=s1 dim=3\n", "appears twice", 9),
+    ("output-node name=o2 input=s1_input\n", "cannot be used", 9),
+    ("name=x dim=3\n", "not expected", 9),
+    ("input-node dim=3\n", "name", 9),
+    ("input-node name=1abc dim=3\n", "not allowed", 9),
+    ("output-node name=o2 input=half objective=cubic\n", "objective", 9),
+    ("output-node name=o2 input=Offset(half, 1\n", "expected ')'", 9),
+    ("component-node name=z component=t1 input=Sum(s1, IfDefined(z))\n", "no time offset", 9),
+])
+def test_errors_name_file_line_and_reason(extra, fragment, line):
+    with pytest.raises(ConfigError) as e:
+        build(BASE + extra.replace("\n", "\n", 1))
+    msg = str(e.value)
+    assert fragment in msg
+    assert e.value.source == "cfg0" and e.value.line == line, msg
+
+
+def test_zero_offset_cycle_through_two_nodes():
+    with pytest.raises(ConfigError) as e:
+        build("""input-node name=input dim=3
+component name=a type=SigmoidComponent dim=3
+component name=b type=SigmoidComponent dim=3
+component-node name=a component=a input=Sum(input, IfDefined(Offset(b, 1)))
+component-node name=b component=b input=Offset(a, -1)
+output-node name=output input=b
+""")
+    assert "no time offset" in str(e.value)
+
+
+def test_orphans():
+    text = BASE + "component name=unused type=TanhComponent dim=3\ninput-node name=spare dim=2\n"
+    nnet = build(text)
+    nnet.validate()  # Kaldi only warns about orphans
+    with pytest.raises(ConfigError, match="not used"):
+        nnet.validate(allow_orphans=False)
+
+
+@pytest.mark.parametrize("case", local_network_cases(), ids=lambda p: p.name)
+def test_reference_config_sequences_build_the_reference_structure(case):
+    """configs.txt applied in order gives the node structure of Kaldi's model.txt."""
+    configs = (case / "configs.txt").read_text()
+    missing = missing_types_in_config(configs)
+    if missing:
+        pytest.skip(f"component types not registered: {missing}")
+    parts = [p for p in configs.split("# config ") if p.strip()]
+    nnet = build(*("#" + p for p in parts))
+    expected = (case / "model.txt").read_text().split("<Nnet3> \n", 1)[1].split("\n\n")[0]
+    assert nnet.config_lines() == expected.splitlines()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([
+    "input-node name=input dim=3", "input-node name=x dim=-1", "output-node name=output input=input",
+    "output-node name=o input=Offset(input, 1", "component name=s type=SigmoidComponent dim=3",
+    "component-node name=s component=s input=input", "dim-range-node name=d input-node=s "
+    "dim-offset=1 dim=2", "component name=s type=Nope", "garbage", "a=b=c", "name='x",
+    "output-node name=output input=Sum(s, d)", "component-node name=r component=s "
+    "input=IfDefined(r)"]), max_size=6), st.text(max_size=20))
+def test_fuzzed_configs_raise_only_typed_errors(lines, noise):
+    text = "\n".join(lines) + "\n" + noise
+    try:
+        build(text)
+    except NnetcError:
+        pass
