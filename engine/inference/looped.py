@@ -1,0 +1,189 @@
+"""Looped compilation for streaming: Kaldi's nnet-compile-looped.{h,cc}
+(ModifyNnetIvectorPeriod, GetChunkSize, CreateLoopedComputationRequest,
+ExtrapolateComputationRequest, CompileLooped) and the set-up half of
+DecodableNnetSimpleLoopedInfo (decodable-simple-looped.cc).
+
+A looped computation is compiled from requests for consecutive chunks of one
+stream: the first with the left context (plus any extra initial left context)
+and the right context, each later one with just the next ``chunk_size`` input
+frames.  They are compiled together as segments of one computation, so a later
+chunk reuses what earlier chunks computed (recurrent state, left-context
+activations).  The optimizer's looped pass (engine.optimizer,
+``optimize_looped_computation``) then finds two segments whose live matrices
+are the same up to the time shift, cuts the command list there and closes it
+with swap commands and a goto: run once, it computes the first chunk(s) and
+then repeats the steady-state chunk for ever.  If the repetition is not found
+with N requests, N is doubled (5, 10, 20, ... up to 100), as Kaldi does.
+
+I-vectors: a network reading ``ReplaceIndex(ivector, t, 0)`` wants one
+i-vector per sequence at t=0, which a stream cannot give before it has seen the
+data; ModifyNnetIvectorPeriod rewrites it to ``Round(ivector, period)`` so that
+each chunk supplies i-vectors for its own (rounded) times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.core.errors import InferenceError
+from engine.core.index import Index
+
+
+def get_chunk_size(nnet, frame_subsampling_factor: int, advised_chunk_size: int) -> int:
+    """Kaldi's GetChunkSize: the smallest size >= the advised one that is a multiple of
+    the network's modulus and of the frame-subsampling factor."""
+    if frame_subsampling_factor < 1:
+        raise InferenceError(f"frame_subsampling_factor must be >= 1, got "
+                             f"{frame_subsampling_factor}")
+    if advised_chunk_size < 1:
+        raise InferenceError(f"chunk size must be >= 1, got {advised_chunk_size}")
+    modulus = nnet.modulus()
+    size = advised_chunk_size
+    while size % modulus or size % frame_subsampling_factor:
+        size += 1
+    return size
+
+
+def modify_nnet_ivector_period(nnet, ivector_period: int):
+    """Kaldi's ModifyNnetIvectorPeriod on a copy of ``nnet``: every component-node
+    line reading ``ReplaceIndex(X, t, 0)`` reads ``Round(X, ivector_period)``
+    instead.  Returns the (possibly unchanged) copy."""
+    from engine.nnet.config import apply_config  # noqa: PLC0415
+    if ivector_period <= 0:
+        raise InferenceError(f"i-vector period must be > 0, got {ivector_period}")
+    out = nnet.copy()
+    changed = []
+    for line in out.config_lines():
+        if not line.startswith("component-node"):
+            continue
+        pos = line.find("ReplaceIndex(")
+        if pos < 0:
+            continue
+        end = line.find(", t, 0)", pos)
+        if end < 0:
+            raise InferenceError(f"cannot rewrite the ReplaceIndex expression for looped "
+                                 f"computation in: {line}")
+        inner = line[pos + len("ReplaceIndex("):end]
+        changed.append(line[:pos] + f"Round({inner}, {ivector_period})"
+                       + line[end + len(", t, 0)"):])
+    if changed:
+        apply_config(out, "\n".join(changed) + "\n", source="<ivector-period>")
+    return out
+
+
+def _request(begin_in: int, end_in: int, begin_out: int, end_out: int, num_sequences: int,
+             fsf: int, ivector_times: list[int]) -> ComputationRequest:
+    # As in Kaldi's requests, n has the larger stride (one block of rows per sequence).
+    inputs = [IoSpecification("input", [Index(n, t, 0) for n in range(num_sequences)
+                                        for t in range(begin_in, end_in)])]
+    if ivector_times:
+        inputs.append(IoSpecification("ivector", [Index(n, t, 0) for n in range(num_sequences)
+                                                  for t in ivector_times]))
+    outputs = [IoSpecification("output", [Index(n, t, 0) for n in range(num_sequences)
+                                          for t in range(begin_out, end_out, fsf)])]
+    return ComputationRequest(inputs, outputs)
+
+
+def create_looped_requests(nnet, chunk_size: int, frame_subsampling_factor: int,
+                           ivector_period: int, left_context_begin: int, right_context: int,
+                           num_sequences: int = 1) -> tuple[ComputationRequest, ...]:
+    """Kaldi's CreateLoopedComputationRequest: the requests for the first three
+    chunks.  ``left_context_begin`` is the network's left context plus the extra
+    initial left context; each chunk asks for i-vectors only at the rounded times
+    that no earlier chunk covered."""
+    has_ivector = nnet.get_node_index("ivector") >= 0
+    if (chunk_size % frame_subsampling_factor or chunk_size % nnet.modulus()
+            or (has_ivector and chunk_size % ivector_period)):
+        raise InferenceError(f"chunk size {chunk_size} must be a multiple of the subsampling "
+                             f"factor, the network modulus and the i-vector period")
+    if left_context_begin < 0 or right_context < 0:
+        raise InferenceError("contexts must be >= 0")
+    bounds = [(-left_context_begin, chunk_size + right_context)]
+    for _ in range(2):
+        b = bounds[-1][1]
+        bounds.append((b, b + chunk_size))
+    seen: set[int] = set()
+    requests = []
+    for k, (b, e) in enumerate(bounds):
+        times: list[int] = []
+        if has_ivector:
+            for t in range(b, e):
+                it = t - t % ivector_period   # Python's % is Kaldi's Mod() (non-negative)
+                if it not in seen:
+                    seen.add(it)
+                    times.append(it)
+            times.sort()
+        requests.append(_request(b, e, k * chunk_size, (k + 1) * chunk_size, num_sequences,
+                                 frame_subsampling_factor, times))
+    return tuple(requests)
+
+
+def shift_request(request: ComputationRequest, t_offset: int) -> ComputationRequest:
+    """Kaldi's AddTimeOffsetToComputationRequest, on a copy."""
+    def shift(spec):
+        return IoSpecification(spec.name, [Index(i.n, i.t + t_offset, i.x)
+                                           for i in spec.indexes], spec.has_deriv)
+    return ComputationRequest([shift(s) for s in request.inputs],
+                              [shift(s) for s in request.outputs],
+                              request.need_model_derivative, request.store_component_stats)
+
+
+def extrapolate_request(request1: ComputationRequest, request2: ComputationRequest
+                        ) -> ComputationRequest:
+    """Kaldi's ExtrapolateComputationRequest: the next request of the sequence, given
+    two that differ only by a time offset."""
+    offset = request2.inputs[0].indexes[0].t - request1.inputs[0].indexes[0].t
+    if shift_request(request2, -offset) != request1:
+        raise InferenceError("looped compilation: consecutive chunk requests differ by more "
+                             "than a time offset")
+    return shift_request(request2, offset)
+
+
+def compile_looped(nnet, request1, request2, request3, optimize_options=None,
+                   max_requests: int = 100):
+    """Kaldi's CompileLooped: compile 5, 10, 20, ... chunk requests as segments and
+    optimize with ``optimize_looped_computation`` until the computation ends in a
+    goto.  Raises InferenceError when no loop forms (or there is no optimizer)."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from engine.compiler.compiler import compile_computation  # noqa: PLC0415
+    from engine.compiler.computation import CommandType as CT  # noqa: PLC0415
+    try:
+        from engine.optimizer import OptimizeOptions, optimize  # noqa: PLC0415
+    except ImportError as e:
+        raise InferenceError(f"looped compilation needs engine.optimizer: {e}") from None
+    opts = replace(optimize_options or OptimizeOptions(), optimize_looped_computation=True)
+    num = 5
+    while num <= max_requests:
+        requests = [request1, request2, request3]
+        while len(requests) < num:
+            requests.append(extrapolate_request(requests[-2], requests[-1]))
+        computation = compile_computation(nnet, requests)
+        computation = optimize(computation, nnet, opts, request=requests[2])
+        if computation.commands and computation.commands[-1].command_type == CT.GOTO_LABEL:
+            return computation
+        num *= 2
+    raise InferenceError(f"looped compilation failed with {num // 2} chunk requests: the "
+                         f"network's state does not repeat from chunk to chunk")
+
+
+@dataclass(frozen=True)
+class LoopedConfig:
+    """Kaldi's NnetSimpleLoopedComputationOptions (the fields that shape the
+    computation)."""
+
+    frames_per_chunk: int = 20
+    extra_left_context_initial: int = 0
+    frame_subsampling_factor: int = 1
+
+    def check(self) -> None:
+        if self.frames_per_chunk < 1:
+            raise InferenceError(f"chunk size (frames_per_chunk) must be >= 1, got "
+                                 f"{self.frames_per_chunk}")
+        if self.extra_left_context_initial < 0:
+            raise InferenceError(f"extra_left_context_initial must be >= 0, got "
+                                 f"{self.extra_left_context_initial}")
+        if self.frame_subsampling_factor < 1:
+            raise InferenceError(f"frame_subsampling_factor must be >= 1, got "
+                                 f"{self.frame_subsampling_factor}")

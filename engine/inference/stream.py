@@ -1,0 +1,283 @@
+"""Streaming inference: Kaldi's DecodableNnetSimpleLoopedInfo and
+DecodableNnetSimpleLooped (decodable-simple-looped.{h,cc}), turned into a push
+interface whose state can be exported and imported.
+
+``LoopedModel`` prepares the network (test mode, collapsing when available,
+i-vector period = chunk size), works out the chunk size and contexts, and
+compiles the looped computation once (engine.inference.looped).  Each
+``Stream`` runs that computation with its own executor: chunk k needs input
+frames [-left, C + right) for k = 0 and [kC + right, (k+1)C + right) after
+that (C the chunk size, ``left`` the network's left context plus
+``extra_left_context_initial``); a chunk is computed as soon as its frames have
+all arrived, and ``finish()`` computes the remaining chunks with the last frame
+repeated (frames before 0 repeat frame 0), keeping only the output rows of the
+utterance's ceil(T / subsampling) subsampled frames.  The i-vector of a chunk
+is the stream's current one (Kaldi takes the one for the chunk's last input
+frame), repeated for each i-vector time the chunk's request lists.
+
+State: what the executor holds between chunks (the carried matrices, its
+program counter and pending I/O commands) plus the buffered input frames and
+counters.  ``export_state()`` writes it as an .npz byte string (no pickle)
+stamped with a fingerprint of the model and configuration; importing it into a
+Stream of an equal LoopedModel (in another process) continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+
+import numpy as np
+
+from engine.core.errors import InferenceError, StreamError
+from engine.inference.common import (as_features, check_simple, log_priors, prepare_nnet,
+                                     simple_context)
+from engine.inference.looped import (LoopedConfig, compile_looped, create_looped_requests,
+                                     get_chunk_size, modify_nnet_ivector_period)
+
+STATE_VERSION = 1
+
+
+class LoopedModel:
+    """A network compiled for streaming with one chunk configuration (Kaldi's
+    DecodableNnetSimpleLoopedInfo).  Thread-safe to share between streams."""
+
+    def __init__(self, nnet, config: LoopedConfig = LoopedConfig(), priors=None,
+                 use_priors: bool = False, backend=np, collapse: bool = True,
+                 optimize_options=None):
+        config.check()
+        check_simple(nnet, "output")
+        self.config = config
+        prepared = prepare_nnet(nnet, collapse=collapse)
+        left, right = simple_context(prepared, "output")
+        self.frames_left_context = left + config.extra_left_context_initial
+        self.frames_right_context = right
+        self.fsf = config.frame_subsampling_factor
+        self.chunk_size = get_chunk_size(prepared, self.fsf, config.frames_per_chunk)
+        self.has_ivectors = prepared.get_node_index("ivector") >= 0
+        self.ivector_dim = prepared.input_dim("ivector") if self.has_ivectors else 0
+        if self.has_ivectors:
+            prepared = modify_nnet_ivector_period(prepared, self.chunk_size)
+        self.nnet = prepared
+        self.input_dim = prepared.input_dim("input")
+        self.output_dim = prepared.output_dim("output")
+        self.log_priors = log_priors(priors, self.output_dim) if use_priors else None
+        if use_priors and self.log_priors is None:
+            raise InferenceError("use_priors was asked for but the model has no priors")
+        self.requests = create_looped_requests(prepared, self.chunk_size, self.fsf,
+                                               self.chunk_size, self.frames_left_context,
+                                               self.frames_right_context)
+        self.num_ivectors = ([len(r.inputs[1].indexes) for r in self.requests[:2]]
+                             if self.has_ivectors else [0, 0])
+        self.computation = compile_looped(prepared, *self.requests,
+                                          optimize_options=optimize_options)
+        self.backend = backend
+        from engine.runtime.backend import BufferPool  # noqa: PLC0415
+        self.pool = BufferPool()
+        self.fingerprint = self._fingerprint()
+
+    def _fingerprint(self) -> str:
+        from engine.nnet.model_io import nnet_to_bytes  # noqa: PLC0415
+        h = hashlib.sha256()
+        h.update(nnet_to_bytes(self.nnet, binary=True))
+        h.update(json.dumps([self.chunk_size, self.frames_left_context,
+                             self.frames_right_context, self.fsf, len(self.computation.commands),
+                             len(self.computation.matrices),
+                             None if self.log_priors is None else
+                             hashlib.sha256(self.log_priors.tobytes()).hexdigest()]).encode())
+        return h.hexdigest()
+
+    def input_range(self, k: int) -> tuple[int, int]:
+        """[begin, end) of the input frames chunk k reads."""
+        if k == 0:
+            return -self.frames_left_context, self.chunk_size + self.frames_right_context
+        b = k * self.chunk_size + self.frames_right_context
+        return b, b + self.chunk_size
+
+    def stream(self, ivector=None) -> "Stream":
+        return Stream(self, ivector)
+
+    def import_stream(self, state: bytes) -> "Stream":
+        """A Stream continuing from ``state`` (written by Stream.export_state)."""
+        return Stream._from_state(self, state)
+
+
+class Stream:
+    """One utterance fed in pieces: ``push(frames)`` returns the output rows that
+    became computable, ``finish()`` the rest."""
+
+    def __init__(self, model: LoopedModel, ivector=None):
+        from engine.runtime.executor import Executor  # noqa: PLC0415
+        self.model = model
+        self.ivector = self._check_ivector(ivector)
+        self.executor = Executor(model.computation, model.nnet, backend=model.backend,
+                                 pool=model.pool)
+        self.buffer = np.zeros((0, model.input_dim), dtype=np.float32)
+        self.buffer_start = 0        # frame index of buffer[0]
+        self.num_received = 0
+        self.chunks_computed = 0
+        self.num_emitted = 0         # subsampled output rows returned so far
+        self.finished = False
+
+    def _check_ivector(self, ivector):
+        m = self.model
+        if not m.has_ivectors:
+            if ivector is not None:
+                raise InferenceError("the network has no 'ivector' input but an i-vector was "
+                                     "given")
+            return None
+        if ivector is None:
+            raise InferenceError(f"the network expects an i-vector of dimension "
+                                 f"{m.ivector_dim} but none was given")
+        v = np.asarray(ivector, dtype=np.float32).reshape(-1)
+        if v.shape[0] != m.ivector_dim or np.ndim(ivector) > 2:
+            raise InferenceError(f"ivector: the network expects dimension {m.ivector_dim}, got "
+                                 f"an array of shape {np.shape(ivector)}")
+        if not np.all(np.isfinite(v)):
+            raise InferenceError("ivector: contains NaN or infinite values")
+        return v.copy()
+
+    # -- pushing ---------------------------------------------------------------------------
+    def push(self, frames, ivector=None) -> np.ndarray:
+        """Append feature frames; returns the newly computable output rows (possibly
+        none).  ``ivector`` replaces the stream's i-vector for the chunks computed
+        from now on (online i-vectors)."""
+        if self.finished:
+            raise StreamError("push after finish(): the stream has ended")
+        feats = as_features(frames, self.model.input_dim, "pushed frames")
+        if ivector is not None:
+            self.ivector = self._check_ivector(ivector)
+        if feats.shape[0]:
+            self.buffer = np.concatenate([self.buffer, feats], axis=0)
+            self.num_received += feats.shape[0]
+        return self._advance(final=False)
+
+    def finish(self) -> np.ndarray:
+        """Flush the right edge (repeating the last frame); the stream then ends."""
+        if self.finished:
+            raise StreamError("finish() called twice")
+        out = self._advance(final=True)
+        self.finished = True
+        self.executor.release()
+        return out
+
+    @property
+    def num_output_frames(self) -> int:
+        return self.num_emitted
+
+    def _advance(self, final: bool) -> np.ndarray:
+        m = self.model
+        per_chunk = m.chunk_size // m.fsf
+        total_sub = (self.num_received + m.fsf - 1) // m.fsf
+        pieces = []
+        while self.num_received > 0:
+            k = self.chunks_computed
+            if final and k * per_chunk >= total_sub:
+                break
+            begin, end = m.input_range(k)
+            if not final and end > self.num_received:
+                break
+            out = self._compute_chunk(k, begin, end)
+            if final:
+                out = out[:max(0, total_sub - self.num_emitted)]
+            self.num_emitted += out.shape[0]
+            pieces.append(out)
+        if not pieces:
+            return np.zeros((0, m.output_dim), dtype=np.float32)
+        return np.concatenate(pieces, axis=0)
+
+    def _compute_chunk(self, k: int, begin: int, end: int) -> np.ndarray:
+        from engine.runtime.backend import to_host  # noqa: PLC0415
+        m = self.model
+        rows = np.clip(np.arange(begin, end), 0, self.num_received - 1) - self.buffer_start
+        feats = self.buffer[rows]
+        ex = self.executor
+        ex.accept_input("input", feats)
+        if m.has_ivectors:
+            count = m.num_ivectors[0 if k == 0 else 1]
+            ex.accept_input("ivector", np.repeat(self.ivector[None, :], count, axis=0))
+        ex.run()
+        # a copy: the executor may recycle the output matrix in a later chunk
+        out = np.array(to_host(ex.get_output("output")), dtype=np.float32, copy=True)
+        if m.log_priors is not None:
+            out -= m.log_priors
+        self.chunks_computed += 1
+        # keep from the next chunk's first frame on, and always the last frame (right-edge
+        # padding); chunk 0's negative frames repeat frame 0, which is then still here.
+        next_begin, _ = m.input_range(self.chunks_computed)
+        keep_from = min(max(next_begin, 0), self.num_received - 1)
+        if keep_from > self.buffer_start:
+            self.buffer = self.buffer[keep_from - self.buffer_start:].copy()
+            self.buffer_start = keep_from
+        return out
+
+    # -- state -------------------------------------------------------------------------------
+    def export_state(self) -> bytes:
+        """The stream's state as bytes (an .npz archive without pickled objects)."""
+        if self.finished:
+            raise StreamError("cannot export a finished stream")
+        from engine.runtime.backend import to_host  # noqa: PLC0415
+        ex = self.executor
+        mats = {f"m{i}": np.asarray(to_host(a), dtype=np.float32)
+                for i, a in enumerate(ex._matrices) if a is not None}
+        if ex._memos:
+            raise StreamError("cannot export a stream whose computation holds memos")
+        meta = {"version": STATE_VERSION, "fingerprint": self.model.fingerprint,
+                "pc": ex._pc, "pending": list(ex._pending), "buffer_start": self.buffer_start,
+                "num_received": self.num_received, "chunks_computed": self.chunks_computed,
+                "num_emitted": self.num_emitted}
+        arrays = dict(mats)
+        arrays["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
+        arrays["buffer"] = self.buffer
+        if self.ivector is not None:
+            arrays["ivector"] = self.ivector
+        bio = io.BytesIO()
+        np.savez(bio, **arrays)
+        return bio.getvalue()
+
+    @classmethod
+    def _from_state(cls, model: LoopedModel, state: bytes) -> "Stream":
+        try:
+            with np.load(io.BytesIO(state), allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            meta = json.loads(arrays.pop("meta").tobytes().decode("utf-8"))
+        except Exception as e:  # noqa: BLE001 (any decoding failure means corrupt bytes)
+            raise StreamError(f"stream state is not readable: {type(e).__name__}: {e}") from None
+        if not isinstance(meta, dict) or meta.get("version") != STATE_VERSION:
+            raise StreamError(f"stream state has version {meta.get('version')!r} "
+                              f"(expected {STATE_VERSION})")
+        if meta.get("fingerprint") != model.fingerprint:
+            raise StreamError("stream state belongs to another model or chunk configuration")
+        s = cls(model, arrays.pop("ivector", None))
+        buf = arrays.pop("buffer", None)
+        comp = model.computation
+        try:
+            if buf is None or buf.ndim != 2 or buf.shape[1] != model.input_dim:
+                raise ValueError("bad input buffer")
+            s.buffer = buf.astype(np.float32)
+            s.buffer_start = int(meta["buffer_start"])
+            s.num_received = int(meta["num_received"])
+            s.chunks_computed = int(meta["chunks_computed"])
+            s.num_emitted = int(meta["num_emitted"])
+            pc, pending = int(meta["pc"]), [int(p) for p in meta["pending"]]
+            if not (0 <= pc <= len(comp.commands)) or any(
+                    not 0 <= p < len(comp.commands) for p in pending):
+                raise ValueError("program counter out of range")
+            if s.buffer_start + s.buffer.shape[0] != s.num_received:
+                raise ValueError("buffer does not end at the last received frame")
+            matrices = [None] * len(comp.matrices)
+            for key, a in arrays.items():
+                i = int(key[1:]) if key.startswith("m") else -1
+                info = comp.matrices[i] if 0 < i < len(comp.matrices) else None
+                if info is None or a.shape != (info.num_rows, info.num_cols):
+                    raise ValueError(f"array {key!r} does not match the computation")
+                buf_m = s.executor.pool.get(s.executor.xp, info.num_rows, info.num_cols)
+                buf_m[...] = s.executor.xp.asarray(a)
+                matrices[i] = buf_m
+        except (KeyError, ValueError, TypeError) as e:
+            raise StreamError(f"stream state is inconsistent: {e}") from None
+        s.executor._matrices = matrices
+        s.executor._pc = pc
+        s.executor._pending = pending
+        return s
