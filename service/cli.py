@@ -283,5 +283,107 @@ def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: 
         save_model(ex.get_model_gradient(), grad_path, binary=False, as_am=False)
 
 
+# -- infer / stream (Kaldi's nnet3-compute and the looped decodable) ------------------------
+
+
+def _load_npy(path: str, what: str):
+    import numpy as np  # noqa: PLC0415
+
+    from engine.core.errors import InferenceError  # noqa: PLC0415
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise InferenceError(f"{what} {path}: cannot read a .npy array: {e}") from None
+
+
+@main.command("infer")
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False))
+@click.option("--features", "features_path", required=True, type=click.Path(dir_okay=False),
+              help="Features (frames x input-dim) as .npy.")
+@click.option("--ivector", "ivector_path", type=click.Path(dir_okay=False), default=None,
+              help="Per-utterance i-vector as .npy.")
+@click.option("--online-ivectors", "online_path", type=click.Path(dir_okay=False), default=None,
+              help="Online i-vectors (rows every --online-ivector-period frames) as .npy.")
+@click.option("--online-ivector-period", type=int, default=0, show_default=True)
+@click.option("--frames-per-chunk", type=int, default=50, show_default=True)
+@click.option("--extra-left-context", type=int, default=0, show_default=True)
+@click.option("--extra-right-context", type=int, default=0, show_default=True)
+@click.option("--extra-left-context-initial", type=int, default=-1, show_default=True)
+@click.option("--extra-right-context-final", type=int, default=-1, show_default=True)
+@click.option("--frame-subsampling-factor", type=int, default=1, show_default=True)
+@click.option("--apply-exp", is_flag=True, help="Exponentiate the output.")
+@click.option("--use-priors", is_flag=True, help="Subtract the log priors of a .mdl.")
+@click.option("--output", "output_name", default="output", show_default=True,
+              help="Output node to compute.")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
+              help="Where to write the output matrix (.npy).")
+@_typed_errors
+def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivector_period,
+              frames_per_chunk, extra_left_context, extra_right_context,
+              extra_left_context_initial, extra_right_context_final, frame_subsampling_factor,
+              apply_exp, use_priors, output_name, out_path) -> None:
+    """Whole-utterance inference with the semantics of Kaldi's nnet3-compute."""
+    import numpy as np  # noqa: PLC0415
+
+    from engine.core.errors import InferenceError  # noqa: PLC0415
+    from engine.inference import InferenceOptions, Inferencer  # noqa: PLC0415
+    from engine.nnet.model_io import load_model  # noqa: PLC0415
+    if online_path is None and online_ivector_period:
+        raise InferenceError("--online-ivector-period needs --online-ivectors")
+    model = load_model(model_path)
+    opts = InferenceOptions(frames_per_chunk=frames_per_chunk,
+                            extra_left_context=extra_left_context,
+                            extra_right_context=extra_right_context,
+                            extra_left_context_initial=extra_left_context_initial,
+                            extra_right_context_final=extra_right_context_final,
+                            frame_subsampling_factor=frame_subsampling_factor,
+                            apply_exp=apply_exp, use_priors=use_priors, output=output_name)
+    feats = _load_npy(features_path, "--features")
+    ivector = _load_npy(ivector_path, "--ivector") if ivector_path else None
+    online = _load_npy(online_path, "--online-ivectors") if online_path else None
+    out = Inferencer(model.nnet, opts, priors=model.priors).infer(feats, ivector, online,
+                                                                  online_ivector_period)
+    np.save(out_path, out.astype(np.float32, copy=False))
+
+
+@main.command("stream")
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False))
+@click.option("--features", "features_path", required=True, type=click.Path(dir_okay=False),
+              help="Features (frames x input-dim) as .npy, pushed in random-sized pieces.")
+@click.option("--ivector", "ivector_path", type=click.Path(dir_okay=False), default=None,
+              help="Per-utterance i-vector as .npy.")
+@click.option("--chunk-size", type=int, default=20, show_default=True,
+              help="Frames per chunk (rounded up to the modulus and subsampling factor).")
+@click.option("--frame-subsampling-factor", type=int, default=1, show_default=True)
+@click.option("--extra-left-context-initial", type=int, default=0, show_default=True)
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
+              help="Where to write the output matrix (.npy).")
+@_typed_errors
+def stream_cmd(model_path, features_path, ivector_path, chunk_size, frame_subsampling_factor,
+               extra_left_context_initial, out_path) -> None:
+    """Streaming inference with Kaldi's looped decodable (state carried across chunks)."""
+    import numpy as np  # noqa: PLC0415
+
+    from engine.inference.looped import LoopedConfig  # noqa: PLC0415
+    from engine.inference.stream import LoopedModel  # noqa: PLC0415
+    from engine.nnet.model_io import load_model  # noqa: PLC0415
+    model = load_model(model_path)
+    feats = _load_npy(features_path, "--features")
+    ivector = _load_npy(ivector_path, "--ivector") if ivector_path else None
+    looped = LoopedModel(model.nnet, LoopedConfig(chunk_size, extra_left_context_initial,
+                                                  frame_subsampling_factor))
+    stream = looped.stream(ivector)
+    if np.ndim(feats) != 2:
+        stream.push(feats)  # raises the typed error for a malformed matrix
+    rng = np.random.default_rng()
+    pieces, pos = [], 0
+    while pos < feats.shape[0]:
+        n = int(rng.integers(1, 2 * looped.chunk_size + 1))
+        pieces.append(stream.push(feats[pos:pos + n]))
+        pos += n
+    pieces.append(stream.finish())
+    np.save(out_path, np.concatenate(pieces, axis=0).astype(np.float32, copy=False))
+
+
 if __name__ == "__main__":
     sys.exit(main())
