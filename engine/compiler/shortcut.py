@@ -1,0 +1,478 @@
+"""Shortcut compilation: Kaldi's CachingOptimizingCompiler::CompileViaShortcut
+(nnet-optimize.cc) with RequestIsDecomposable, FindNStride, ConvertNumNValues and
+ComputationExpander / ExpandComputation (nnet-optimize-utils.cc).
+
+A minibatch request is usually N copies of one sequence pattern that differ only
+in ``n``.  Building the computation graph and the steps costs time in proportion
+to N, but the optimized computation of N sequences is the computation of two
+sequences with every matrix stretched along ``n``.  So, when a request is
+*decomposable* (every input and output lists the same Indexes for each n in
+0..N-1, N > 2, the copies a fixed row stride apart and never crossing a block of
+``stride * N`` rows), we compile and optimize the same request with N = 2 and
+expand the result:
+
+- every matrix gets ``num_rows / 2 * N`` rows (the command list, the submatrix
+  column ranges and the component/memo arguments do not change);
+- a submatrix keeps its first row (which must hold n = 0) and its last row
+  (which must hold n = 1) mapped onto the first row of n = 0 and the last row of
+  n = N - 1 of the stretched matrix;
+- row-index vectors (copy/add rows, the multi-row forms and row ranges) are
+  rebuilt: each entry for an n = 0 row is repeated N times, destination and
+  source each stepping by their matrix's n-stride;
+- component precomputed indexes are computed afresh from the expanded
+  input/output Indexes (the compiler keeps those lists for two-sequence
+  computations precisely for this).
+
+Where the mini computation lacks the regular structure (Kaldi raises an error and
+tells the user to turn the shortcut off) we return None so that
+``compile_request`` falls back to normal compilation.  All index arithmetic is
+done on NumPy arrays; nothing loops over rows in Python.
+
+``compile_request(nnet, request, optimize_options=None, use_shortcut=True)`` is
+the one entry point callers (CLI, inference, service) use: shortcut when
+possible, else Compiler + optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+
+from engine.compiler.computation import (CommandType as CT, MatrixDebugInfo, NnetComputation,
+                                         PrecomputedIndexesInfo, SubMatrixInfo)
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.core.index import Index
+
+log = logging.getLogger("engine.compiler.shortcut")
+
+_ROWS_CMDS = (CT.COPY_ROWS, CT.ADD_ROWS)
+_MULTI_CMDS = (CT.COPY_ROWS_MULTI, CT.ADD_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI,
+               CT.ADD_TO_ROWS_MULTI)
+
+
+class ShortcutNotApplicable(Exception):
+    """Raised inside the expander when the mini computation lacks the structure
+    expansion relies on; compile_via_shortcut turns it into None."""
+
+
+# -------------------------------------------------------------------------------------------
+# regular structure along n (FindNStride, ConvertNumNValues)
+
+
+def find_n_stride(rows: np.ndarray) -> int:
+    """The n-stride of an (size, k) int array whose column 0 is ``n`` (the other
+    columns being the rest of the Index or Cindex), or 0 when the rows lack the
+    regular structure: n in 0..N-1 (N = last n + 1 > 1); the row at i with
+    n < N-1 has its n+1 twin at i + stride, the row with n > 0 its n-1 twin at
+    i - stride; and the N twins never straddle a block of stride * N rows.
+    (Kaldi's FindNStride with full_check; we also insist that every n lies in
+    0..N-1, which Kaldi's checks imply for the inputs it meets.)"""
+    size = rows.shape[0]
+    if size < 2:
+        return 0
+    n = rows[:, 0]
+    big_n = int(n[-1]) + 1
+    if big_n <= 1 or n[0] != 0 or size % big_n != 0 or n.min() < 0 or n.max() >= big_n:
+        return 0
+    rest = rows[:, 1:]
+    per_n = size // big_n
+    # candidate strides: positions of the n = 1 twin of row 0, tried in Kaldi's order
+    # (1, then size / N, then the smallest divisor of size below size / N)
+    twin = np.flatnonzero((n == 1) & (rest == rest[0]).all(axis=1))
+    twin_set = set(twin.tolist())
+    if 1 in twin_set:
+        stride = 1
+    elif per_n in twin_set:
+        stride = per_n
+    else:
+        ok = [int(s) for s in twin if 2 <= s < per_n and size % s == 0]
+        if not ok:
+            return 0
+        stride = ok[0]
+    if stride >= size:
+        return 0
+    # same[i] says row i + stride is row i with n one larger
+    same = (rest[stride:] == rest[:-stride]).all(axis=1) & (n[stride:] == n[:-stride] + 1)
+    need_next = n < big_n - 1
+    if need_next[size - stride:].any() or not same[need_next[:size - stride]].all():
+        return 0
+    need_prev = n > 0
+    if need_prev[:stride].any() or not same[need_prev[stride:]].all():
+        return 0
+    block = stride * big_n
+    first = np.flatnonzero(n == 0)
+    if (first // block != (first + stride * (big_n - 1)) // block).any():
+        return 0
+    return stride
+
+
+def convert_num_n_values(rows: np.ndarray, stride: int, old_n: int, new_n: int) -> np.ndarray:
+    """Kaldi's ConvertNumNValues: the same rows with n running over 0..new_n-1
+    instead of 0..old_n-1, keeping the n-stride (column 0 is n)."""
+    size = rows.shape[0]
+    first = np.flatnonzero(rows[:, 0] == 0)
+    old_block, new_block = stride * old_n, stride * new_n
+    base = (first // old_block) * new_block + first % old_block
+    pos = base[:, None] + stride * np.arange(new_n)[None, :]
+    out = np.empty(((size // old_n) * new_n, rows.shape[1]), dtype=rows.dtype)
+    out[pos.ravel()] = np.repeat(rows[first], new_n, axis=0)
+    out[pos.ravel(), 0] = np.tile(np.arange(new_n), first.size)
+    return out
+
+
+def _index_rows(indexes) -> np.ndarray:
+    return np.array(indexes, dtype=np.int64).reshape(-1, 3)
+
+
+def _cindex_rows(cindexes) -> np.ndarray:
+    """(rows, 4) array [n, node, t, x] of a list of (node, Index)."""
+    if not cindexes:
+        return np.zeros((0, 4), dtype=np.int64)
+    return np.array([(ix[0], nd, ix[1], ix[2]) for nd, ix in cindexes],
+                    dtype=np.int64).reshape(-1, 4)
+
+
+def request_is_decomposable(request: ComputationRequest
+                            ) -> tuple[ComputationRequest, int] | None:
+    """Kaldi's RequestIsDecomposable: (two-sequence mini request, N) when every
+    input and output has the regular n structure with the same N > 2, else None."""
+    if not request.inputs or not request.outputs:
+        return None
+    big_n = None
+    minis: list[list[IoSpecification]] = [[], []]
+    for k, specs in enumerate((request.inputs, request.outputs)):
+        for spec in specs:
+            if not spec.indexes:
+                return None
+            rows = _index_rows(spec.indexes)
+            this_n = int(rows[-1, 0]) + 1
+            # with N <= 2 there would be nothing to gain
+            if this_n <= 2 or (big_n is not None and this_n != big_n):
+                return None
+            big_n = this_n
+            stride = find_n_stride(rows)
+            if stride == 0:
+                return None
+            mini_rows = convert_num_n_values(rows, stride, this_n, 2)
+            minis[k].append(IoSpecification(spec.name, mini_rows.astype(np.int32),
+                                            spec.has_deriv))
+    mini = ComputationRequest(minis[0], minis[1], request.need_model_derivative,
+                              request.store_component_stats, request.misc_info)
+    return mini, int(big_n)
+
+
+# -------------------------------------------------------------------------------------------
+# ComputationExpander
+
+
+class _Expander:
+    def __init__(self, nnet, misc_info, computation: NnetComputation, num_n: int,
+                 need_debug_info: bool):
+        self.nnet = nnet
+        self.misc_info = misc_info
+        self.c = computation
+        self.num_n = num_n
+        self.need_debug_info = need_debug_info
+        self.out = NnetComputation()
+
+    # -- strides -------------------------------------------------------------------------
+    def init_strides(self) -> None:
+        c = self.c
+        nm = len(c.matrices)
+        if len(c.matrix_debug_info) != nm:
+            raise ShortcutNotApplicable("the mini computation has no debug info")
+        self.cindex_rows: list[np.ndarray] = [np.zeros((0, 4), np.int64)]
+        stride = np.zeros(nm, dtype=np.int64)
+        for m in range(1, nm):
+            rows = _cindex_rows(c.matrix_debug_info[m].cindexes)
+            if rows.shape[0] != c.matrices[m].num_rows:
+                raise ShortcutNotApplicable(f"matrix m{m}: debug info has {rows.shape[0]} "
+                                            f"cindexes for {c.matrices[m].num_rows} rows")
+            s = find_n_stride(rows)
+            if s == 0 or rows[-1, 0] != 1:
+                raise ShortcutNotApplicable(f"matrix m{m} lacks the regular n structure")
+            stride[m] = s
+            self.cindex_rows.append(rows)
+        self.stride = stride
+        # n of every row of every matrix, in one array addressed by base[m] + row
+        sizes = [c.matrices[m].num_rows for m in range(1, nm)]
+        self.base = np.concatenate([[0, 0], np.cumsum(sizes[:-1], dtype=np.int64)])[:nm]
+        self.row_n = np.concatenate([r[:, 0] for r in self.cindex_rows[1:]]) if nm > 1 \
+            else np.zeros(0, np.int64)
+
+    def new_matrix_row(self, m, r):
+        """GetNewMatrixLocationInfo, vectorised over (m, r): where old row r of
+        matrix m lands, an n = 1 row being sent to its n = N-1 twin."""
+        s = self.stride[m]
+        off = r % (2 * s)
+        old_n = off // s
+        new_n = np.where(old_n == 0, 0, self.num_n - 1)
+        return (r // (2 * s)) * (self.num_n * s) + off % s + new_n * s
+
+    # -- matrices, submatrices, debug info -------------------------------------------------
+    def compute_matrices(self) -> None:
+        out, n = self.out, self.num_n
+        out.matrices = [self.c.matrices[0]] + [
+            mi._replace(num_rows=(mi.num_rows // 2) * n) for mi in self.c.matrices[1:]]
+
+    def compute_debug_info(self) -> None:
+        dbg = [MatrixDebugInfo()]
+        for m in range(1, len(self.c.matrices)):
+            rows = convert_num_n_values(self.cindex_rows[m], int(self.stride[m]), 2, self.num_n)
+            dbg.append(MatrixDebugInfo(self.c.matrix_debug_info[m].is_deriv,
+                                       [(nd, Index(a, b, x)) for a, nd, b, x in rows.tolist()]))
+        self.out.matrix_debug_info = dbg
+
+    def compute_submatrices(self) -> None:
+        c = self.c
+        subs = c.submatrices[1:]
+        if not subs:
+            self.out.submatrices = list(c.submatrices)
+            return
+        arr = np.array(subs, dtype=np.int64).reshape(-1, 5)
+        m, first = arr[:, 0], arr[:, 1]
+        last = first + arr[:, 2] - 1
+        bad = (self.row_n[self.base[m] + first] != 0) | (self.row_n[self.base[m] + last] != 1)
+        if bad.any():
+            s = int(np.flatnonzero(bad)[0]) + 1
+            raise ShortcutNotApplicable(f"submatrix s{s} does not run from an n=0 row to an "
+                                        f"n=1 row")
+        new_first = self.new_matrix_row(m, first)
+        new_last = self.new_matrix_row(m, last)
+        self.sub_matrix = np.concatenate([[0], m])
+        self.sub_old_off = np.concatenate([[0], first])
+        self.sub_new_off = np.concatenate([[0], new_first])
+        self.sub_new_rows = np.concatenate([[0], new_last + 1 - new_first])
+        self.out.submatrices = [c.submatrices[0]] + [
+            SubMatrixInfo(int(a), int(b), int(r), int(co), int(nc)) for a, b, r, co, nc in
+            zip(m.tolist(), new_first.tolist(), (new_last + 1 - new_first).tolist(),
+                arr[:, 3].tolist(), arr[:, 4].tolist())]
+
+    # -- row maps ------------------------------------------------------------------------------
+    def sub_rows_n(self, s, i):
+        """n of row i of submatrix s in the mini computation (vectorised)."""
+        return self.row_n[self.base[self.sub_matrix[s]] + self.sub_old_off[s] + i]
+
+    def new_sub_row(self, s, i):
+        """GetNewSubmatLocationInfo for rows with n = 0: the new row within s."""
+        m = self.sub_matrix[s]
+        return self.new_matrix_row(m, self.sub_old_off[s] + i) - self.sub_new_off[s]
+
+    def _dest(self, s1: int, old_len: int):
+        """(kept old rows i1, their new n=0 rows, dest n-stride) for submatrix s1."""
+        if old_len != self.c.submatrices[s1].num_rows:
+            raise ShortcutNotApplicable(f"index vector length {old_len} does not match "
+                                        f"submatrix s{s1}")
+        i1 = np.arange(old_len)
+        return i1, self.sub_rows_n(s1, i1) == 0
+
+    def _check_src_n0(self, s, i, what: str) -> None:
+        if i.size and (self.sub_rows_n(s, i) != 0).any():
+            raise ShortcutNotApplicable(f"{what}: an n=0 row reads a row with n != 0")
+
+    def expand_rows(self, s1: int, s2: int, old: list[int]) -> list[int]:
+        old_arr = np.asarray(old, dtype=np.int64)
+        i1, n0 = self._dest(s1, old_arr.size)
+        keep = n0 & (old_arr >= 0)
+        i1, i2 = i1[keep], old_arr[keep]
+        self._check_src_n0(np.full(i2.size, s2), i2, "copy/add rows")
+        new = np.full(int(self.sub_new_rows[s1]), -1, dtype=np.int64)
+        steps = np.arange(self.num_n)
+        dst = self.new_sub_row(s1, i1)[:, None] + self.stride[self.sub_matrix[s1]] * steps
+        src = self.new_sub_row(np.full(i2.size, s2), i2)[:, None] \
+            + self.stride[self.sub_matrix[s2]] * steps
+        new[dst.ravel()] = src.ravel()
+        return new.tolist()
+
+    def expand_multi(self, s1: int, old: list) -> list[tuple[int, int]]:
+        pairs = np.asarray(old, dtype=np.int64).reshape(-1, 2)
+        i1, n0 = self._dest(s1, pairs.shape[0])
+        keep = n0 & (pairs[:, 0] >= 0)
+        i1, s2, i2 = i1[keep], pairs[keep, 0], pairs[keep, 1]
+        self._check_src_n0(s2, i2, "multi-row command")
+        nrows = int(self.sub_new_rows[s1])
+        new_s = np.full(nrows, -1, dtype=np.int64)
+        new_r = np.full(nrows, -1, dtype=np.int64)
+        steps = np.arange(self.num_n)
+        dst = (self.new_sub_row(s1, i1)[:, None]
+               + self.stride[self.sub_matrix[s1]] * steps).ravel()
+        src = (self.new_sub_row(s2, i2)[:, None]
+               + self.stride[self.sub_matrix[s2]][:, None] * steps).ravel()
+        new_s[dst] = np.repeat(s2, self.num_n)
+        new_r[dst] = src
+        return list(zip(new_s.tolist(), new_r.tolist()))
+
+    def expand_ranges(self, s1: int, s2: int, old: list) -> list[tuple[int, int]]:
+        pairs = np.asarray(old, dtype=np.int64).reshape(-1, 2)
+        i1, n0 = self._dest(s1, pairs.shape[0])
+        keep = n0 & (pairs[:, 0] != pairs[:, 1])
+        i1, begin, last = i1[keep], pairs[keep, 0], pairs[keep, 1] - 1
+        ss2 = np.full(i1.size, s2)
+        self._check_src_n0(ss2, begin, "row ranges")
+        self._check_src_n0(ss2, last, "row ranges")
+        nrows = int(self.sub_new_rows[s1])
+        new = np.full((nrows, 2), -1, dtype=np.int64)
+        steps = np.arange(self.num_n)
+        dst = (self.new_sub_row(s1, i1)[:, None]
+               + self.stride[self.sub_matrix[s1]] * steps).ravel()
+        st2 = self.stride[self.sub_matrix[s2]] * steps
+        new[dst, 0] = (self.new_sub_row(ss2, begin)[:, None] + st2).ravel()
+        new[dst, 1] = (self.new_sub_row(ss2, last)[:, None] + 1 + st2).ravel()
+        return [tuple(p) for p in new.tolist()]
+
+    # -- commands, precomputed indexes -----------------------------------------------------
+    def compute_commands(self) -> None:
+        c, out = self.c, self.out
+        out.commands = []
+        # one expanded vector per (old vector, destination, source): commands that
+        # shared an index vector in the mini computation share it here too
+        memo: dict[tuple, int] = {}
+        for cmd in c.commands:
+            new = cmd.__class__(cmd.command_type, cmd.alpha, *cmd.args)
+            ct = cmd.command_type
+            if ct in _ROWS_CMDS:
+                key = ("rows", cmd.arg3, cmd.arg1, cmd.arg2)
+                if key not in memo:
+                    memo[key] = len(out.indexes)
+                    out.indexes.append(self.expand_rows(cmd.arg1, cmd.arg2, c.indexes[cmd.arg3]))
+                new.arg3 = memo[key]
+            elif ct in _MULTI_CMDS:
+                key = ("multi", cmd.arg2, cmd.arg1)
+                if key not in memo:
+                    memo[key] = len(out.indexes_multi)
+                    out.indexes_multi.append(self.expand_multi(cmd.arg1,
+                                                               c.indexes_multi[cmd.arg2]))
+                new.arg2 = memo[key]
+            elif ct == CT.ADD_ROW_RANGES:
+                key = ("ranges", cmd.arg3, cmd.arg1, cmd.arg2)
+                if key not in memo:
+                    memo[key] = len(out.indexes_ranges)
+                    out.indexes_ranges.append(self.expand_ranges(cmd.arg1, cmd.arg2,
+                                                                 c.indexes_ranges[cmd.arg3]))
+                new.arg3 = memo[key]
+            out.commands.append(new)
+
+    def expand_indexes(self, indexes) -> list[Index]:
+        rows = _index_rows(indexes)
+        s = find_n_stride(rows)
+        if s == 0 or rows[-1, 0] != 1:
+            raise ShortcutNotApplicable("precomputed indexes lack the regular n structure")
+        return [Index(*r) for r in convert_num_n_values(rows, s, 2, self.num_n).tolist()]
+
+    def compute_precomputed_indexes(self) -> None:
+        c = self.c
+        num = len(c.component_precomputed_indexes)
+        component = [-1] * num
+        need_backprop = [False] * num
+        for cmd in c.commands:
+            if cmd.command_type == CT.PROPAGATE and cmd.arg2 > 0:
+                component[cmd.arg2] = cmd.arg1
+            elif cmd.command_type in (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE) and cmd.arg2 > 0:
+                need_backprop[cmd.arg2] = True
+        out = [PrecomputedIndexesInfo()] if num else []
+        for p in range(1, num):
+            info = c.component_precomputed_indexes[p]
+            if not info.input_indexes or not info.output_indexes or component[p] < 0:
+                raise ShortcutNotApplicable(f"precomputed indexes {p} cannot be rebuilt")
+            comp = self.nnet.components[component[p]]
+            data = comp.precompute_indexes(self.misc_info, self.expand_indexes(info.input_indexes),
+                                           self.expand_indexes(info.output_indexes),
+                                           need_backprop[p])
+            if data is None:
+                raise ShortcutNotApplicable(f"component {self.nnet.component_names[component[p]]}"
+                                            f" gave no precomputed indexes when expanded")
+            out.append(PrecomputedIndexesInfo(data))
+        self.out.component_precomputed_indexes = out
+
+    def expand(self) -> NnetComputation:
+        self.init_strides()
+        self.compute_matrices()
+        if self.need_debug_info:
+            self.compute_debug_info()
+        self.compute_submatrices()
+        self.compute_precomputed_indexes()
+        self.compute_commands()
+        self.out.need_model_derivative = self.c.need_model_derivative
+        self.out.segments = list(self.c.segments)
+        return self.out
+
+
+def expand_computation(nnet, misc_info, computation: NnetComputation, num_n_values: int,
+                       need_debug_info: bool = True) -> NnetComputation:
+    """Kaldi's ExpandComputation: the computation for N = ``num_n_values`` sequences
+    from one compiled (and usually optimized) for n in {0, 1}.  Raises
+    ShortcutNotApplicable when ``computation`` lacks the structure required."""
+    if num_n_values <= 2:
+        raise ValueError(f"expand_computation: num_n_values must be > 2, got {num_n_values}")
+    return _Expander(nnet, misc_info, computation, num_n_values, need_debug_info).expand()
+
+
+# -------------------------------------------------------------------------------------------
+# entry points
+
+
+def _default_options(optimize_options):
+    if optimize_options is not None:
+        return optimize_options
+    from engine.optimizer.options import OptimizeOptions  # noqa: PLC0415
+    return OptimizeOptions()
+
+
+def _compile_normal(nnet, request, optimize_options, optimize: bool) -> NnetComputation:
+    from engine.compiler.compiler import compile_computation  # noqa: PLC0415
+    computation = compile_computation(nnet, [request])
+    if not optimize:
+        return computation
+    from engine.optimizer.pipeline import optimize as run_optimizer  # noqa: PLC0415
+    return run_optimizer(computation, nnet, _default_options(optimize_options), request=request)
+
+
+def compile_via_shortcut(nnet, request: ComputationRequest, optimize_options=None, *,
+                         optimize: bool = True, need_debug_info: bool = True,
+                         mini_compiler: Callable[[ComputationRequest], NnetComputation]
+                         | None = None) -> NnetComputation | None:
+    """The computation for ``request`` built from its two-sequence version, or None
+    when the request is not decomposable (or the mini computation turns out not
+    to have the regular structure; see the module docstring).
+
+    ``mini_compiler(mini_request)`` may be given so that the mini request goes
+    through a caller's cache, as Kaldi sends it through CompileInternal; by
+    default it is compiled and (unless ``optimize`` is False) optimized here.
+    """
+    options = _default_options(optimize_options) if optimize else optimize_options
+    if options is not None and getattr(options, "optimize_looped_computation", False):
+        return None   # a looped computation is not a function of N copies
+    found = request_is_decomposable(request)
+    if found is None:
+        return None
+    mini, num_n = found
+    if mini_compiler is not None:
+        mini_computation = mini_compiler(mini)
+    else:
+        mini_computation = _compile_normal(nnet, mini, options, optimize)
+    try:
+        return expand_computation(nnet, request.misc_info, mini_computation, num_n,
+                                  need_debug_info)
+    except ShortcutNotApplicable as e:
+        log.info("shortcut compilation not applicable, compiling normally: %s", e)
+        return None
+
+
+def compile_request(nnet, request: ComputationRequest, optimize_options=None,
+                    use_shortcut: bool = True, *, optimize: bool = True) -> NnetComputation:
+    """Validate ``request`` and compile it for ``nnet``: via the shortcut when it
+    applies, else with the Compiler; optimized with ``optimize_options`` (default
+    ``OptimizeOptions()``) unless ``optimize`` is False."""
+    request.validate(nnet)
+    if use_shortcut:
+        computation = compile_via_shortcut(nnet, request, optimize_options, optimize=optimize)
+        if computation is not None:
+            return computation
+    return _compile_normal(nnet, request, optimize_options, optimize)
+
+
+__all__ = ["compile_request", "compile_via_shortcut", "expand_computation",
+           "request_is_decomposable", "find_n_stride", "convert_num_n_values",
+           "ShortcutNotApplicable"]
