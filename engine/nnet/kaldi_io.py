@@ -354,3 +354,91 @@ class KaldiWriter:
             lines.append("\n  " + " ".join(strs[i * c:(i + 1) * c]) + " ")
         lines.append("]\n")
         self.parts.append("".join(lines).encode())
+
+
+# --------------------------------------------------------------------------------------
+# Kaldi ``double`` values (component statistics are kept in double precision)
+
+
+def read_double(reader: KaldiReader) -> float:
+    """WriteBasicType<double>: size byte 8 + 8 bytes in binary; a number in text."""
+    if reader.binary:
+        return reader.read_float()
+    start = reader.pos
+    tok = reader.read_token()
+    try:
+        return float(tok)
+    except ValueError:
+        raise reader.error(f"expected a number, got {tok!r}", offset=start) from None
+
+
+def double_text(value: float) -> str:
+    """C++ streams print doubles with 6 significant digits (%g); more digits are
+    used only when 6 would not read back to the same double, so nothing is lost."""
+    value = float(value)
+    text = f"{value:.6g}"
+    if float(text) != value:
+        for prec in range(7, 18):
+            text = f"{value:.{prec}g}"
+            if float(text) == value:
+                break
+    return text
+
+
+def write_double(writer: KaldiWriter, value: float) -> None:
+    if writer.binary:
+        writer.raw(b"\x08" + struct.pack("<d", float(value)))
+    else:
+        writer.raw(double_text(value) + " ")
+
+
+def write_double_vector(writer: KaldiWriter, v) -> None:
+    v = np.asarray(v, dtype=np.float64).ravel()
+    if writer.binary:
+        writer.write_token("DV")
+        writer.write_int(v.size)
+        writer.raw(v.astype("<f8").tobytes())
+    else:
+        writer.write_vector(v)
+
+
+def write_double_matrix(writer: KaldiWriter, m) -> None:
+    m = np.asarray(m, dtype=np.float64)
+    if m.ndim != 2:
+        m = m.reshape(0, 0)
+    if writer.binary:
+        writer.write_token("DM")
+        writer.write_int(m.shape[0])
+        writer.write_int(m.shape[1])
+        writer.raw(np.ascontiguousarray(m).astype("<f8").tobytes())
+    else:
+        writer.write_matrix(m)
+
+
+def _read_binary_array(reader: KaldiReader, tokens: tuple[str, str], ndim: int) -> np.ndarray:
+    start = reader.pos
+    tok = reader.read_token()
+    if tok not in tokens:
+        what = "vector" if ndim == 1 else "matrix"
+        raise reader.error(f"expected a {what} ({'/'.join(tokens)}), got token {tok!r}",
+                           offset=start)
+    shape = [reader.read_int() for _ in range(ndim)]
+    width = 4 if tok[0] == "F" else 8
+    count = int(np.prod(shape)) if shape else 0
+    if min(shape) < 0 or count * width > len(reader.data) - reader.pos:
+        raise reader.error(f"size {'x'.join(map(str, shape))} exceeds the file", offset=start)
+    raw = reader._take(count * width)
+    return np.frombuffer(raw, dtype="<f4" if width == 4 else "<f8").astype(np.float64).reshape(shape)
+
+
+def read_double_vector(reader: KaldiReader) -> np.ndarray:
+    """A Vector<double> (DV, or FV, in binary; text); returned as float64."""
+    if reader.binary:
+        return _read_binary_array(reader, ("FV", "DV"), 1)
+    return reader.read_vector().astype(np.float64)
+
+
+def read_double_matrix(reader: KaldiReader) -> np.ndarray:
+    if reader.binary:
+        return _read_binary_array(reader, ("FM", "DM"), 2)
+    return reader.read_matrix().astype(np.float64)

@@ -19,7 +19,17 @@ import numpy as np
 from engine.core.errors import ComponentError
 from engine.core.index import K_NO_TIME, Index
 from engine.core.xp import array_module
-from engine.nnet.kaldi_io import KaldiReader, KaldiWriter, format_float
+from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for the component modules)
+    KaldiReader,
+    KaldiWriter,
+    format_float,
+    read_double,
+    read_double_matrix,
+    read_double_vector,
+    write_double,
+    write_double_matrix,
+    write_double_vector,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -98,76 +108,10 @@ def write_int_pair_vector(writer: KaldiWriter, pairs) -> None:
         writer.raw("[ " + "".join(f"{a},{b} " for a, b in pairs) + "]\n")
 
 
-def write_double(writer: KaldiWriter, v: float) -> None:
-    """WriteBasicType<double>: 8-byte value in binary, shortest %g-style text."""
-    if writer.binary:
-        writer.raw(b"\x08" + struct.pack("<d", float(v)))
-    else:
-        writer.raw(_double_str(v) + " ")
 
 
-def _double_str(v: float) -> str:
-    # C++ streams print doubles with 6 significant digits by default; Kaldi's text
-    # output raises that precision only for floats written through its matrix code.
-    if float(v) == 0.0:
-        return "0"
-    return format_float(v)
 
 
-def write_double_vector(writer: KaldiWriter, v) -> None:
-    v = np.asarray(v, dtype=np.float64).ravel()
-    if writer.binary:
-        writer.write_token("DV")
-        writer.write_int(v.size)
-        writer.raw(v.astype("<f8").tobytes())
-    else:
-        writer.write_vector(v)
-
-
-def write_double_matrix(writer: KaldiWriter, m) -> None:
-    m = np.asarray(m, dtype=np.float64)
-    if m.ndim != 2:
-        m = m.reshape(0, 0)
-    if writer.binary:
-        writer.write_token("DM")
-        writer.write_int(m.shape[0])
-        writer.write_int(m.shape[1])
-        writer.raw(np.ascontiguousarray(m).astype("<f8").tobytes())
-    else:
-        writer.write_matrix(m)
-
-
-def read_double_vector(reader: KaldiReader) -> np.ndarray:
-    """A Vector<double> (DV/FV binary or text); kept as float64."""
-    if reader.binary:
-        start = reader.pos
-        tok = reader.read_token()
-        if tok not in ("FV", "DV"):
-            raise reader.error(f"expected a vector (FV/DV), got token {tok!r}", offset=start)
-        n = reader.read_int()
-        width = 4 if tok == "FV" else 8
-        if n < 0 or n * width > len(reader.data) - reader.pos:
-            raise reader.error(f"vector size {n} exceeds the file", offset=start)
-        return np.frombuffer(reader._take(n * width),
-                             dtype="<f4" if width == 4 else "<f8").astype(np.float64)
-    return reader.read_vector().astype(np.float64)
-
-
-def read_double_matrix(reader: KaldiReader) -> np.ndarray:
-    if reader.binary:
-        start = reader.pos
-        tok = reader.read_token()
-        if tok not in ("FM", "DM"):
-            raise reader.error(f"expected a matrix (FM/DM), got token {tok!r}", offset=start)
-        rows = reader.read_int()
-        cols = reader.read_int()
-        width = 4 if tok == "FM" else 8
-        if rows < 0 or cols < 0 or rows * cols * width > len(reader.data) - reader.pos:
-            raise reader.error(f"matrix size {rows}x{cols} exceeds the file", offset=start)
-        arr = np.frombuffer(reader._take(rows * cols * width),
-                            dtype="<f4" if width == 4 else "<f8")
-        return arr.astype(np.float64).reshape(rows, cols)
-    return reader.read_matrix().astype(np.float64)
 
 
 def read_basic_bool(reader: KaldiReader) -> bool:

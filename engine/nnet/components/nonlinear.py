@@ -27,7 +27,7 @@ import numpy as np
 from engine.core.xp import array_module, to_numpy
 from engine.nnet.components.base import Component, ComponentProperty as P, register_component
 from engine.nnet.config_line import ConfigLine
-from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
+from engine.nnet.kaldi_io import KaldiReader, KaldiWriter, read_double, write_double  # noqa: F401
 
 # Kaldi's kUnsetThreshold for the self-repair thresholds.
 UNSET_THRESHOLD = -1000.0
@@ -37,24 +37,6 @@ UNSET_THRESHOLD = -1000.0
 # helpers shared by this package's modules (kept here so they have one home)
 
 
-def read_double(reader: KaldiReader) -> float:
-    """A Kaldi ``double`` (binary: size byte 8 + 8 bytes; text: full precision)."""
-    if reader.binary:
-        return reader.read_float()
-    start = reader.pos
-    w = reader.read_token()
-    try:
-        return float(w)
-    except ValueError:
-        raise reader.error(f"expected a number, got {w!r}", offset=start) from None
-
-
-def write_double(writer: KaldiWriter, v: float) -> None:
-    """Kaldi's WriteBasicType<double>: 8-byte binary, or C++ default ``<<`` (6 digits)."""
-    if writer.binary:
-        writer.raw(b"\x08" + struct.pack("<d", float(v)))
-    else:
-        writer.raw(f"{float(v):g} ")
 
 
 def same_buffer(a, b) -> bool:

@@ -36,38 +36,18 @@ from engine.core.errors import ComponentError, ConfigError
 from engine.core.xp import array_module
 from engine.nnet.components.base import P, UpdatableComponent, register_component
 from engine.nnet.config_line import ConfigLine
-from engine.nnet.kaldi_io import KaldiReader, KaldiWriter, format_float
+from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for gru.py)
+    KaldiReader,
+    KaldiWriter,
+    format_float,
+    read_double,
+    write_double,
+)
 
 # ----------------------------------------------------------------------------------
 # shared helpers
 
 
-def read_double(reader: KaldiReader) -> float:
-    """A Kaldi ``double`` basic type (8-byte in binary; full precision in text)."""
-    if reader.binary:
-        return reader.read_float()
-    start = reader.pos
-    tok = reader.read_token()
-    try:
-        return float(tok)
-    except ValueError:
-        raise reader.error(f"expected a number, got {tok!r}", offset=start) from None
-
-
-def write_double(writer: KaldiWriter, value: float) -> None:
-    """Kaldi writes doubles like floats in text (%g); more digits are used only
-    when 6 would not read back to the same double (so large counts survive)."""
-    value = float(value)
-    if writer.binary:
-        writer.raw(b"\x08" + struct.pack("<d", value))
-        return
-    text = format_float(value)
-    if float(text) != value:
-        for prec in range(6, 18):
-            text = f"{value:.{prec}g}"
-            if float(text) == value:
-                break
-    writer.raw(text + " ")
 
 
 def sigmoid(xp, a):
