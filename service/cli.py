@@ -158,43 +158,27 @@ def _load_request(path: str):
     return ComputationRequest.from_json(data)
 
 
-def _compile_for_cli(model_path: str, request_path: str, no_optimize: bool):
-    """(nnet, request, computation, compile_ms, optimized) for compile/compute."""
+def _compile_for_cli(model_path: str, request_path: str, no_optimize: bool,
+                     no_shortcut: bool = False):
+    """(nnet, request, computation, compile_ms, optimized) for compile/compute.
+
+    Compiles through engine.compiler.shortcut.compile_request (shortcut
+    compilation for regular multi-sequence requests, as Kaldi's
+    CachingOptimizingCompiler); --no-optimize gives Kaldi's raw computation,
+    compiled without the shortcut."""
     import time  # noqa: PLC0415
 
-    from engine.compiler.compiler import compile_computation  # noqa: PLC0415
+    from engine.compiler.shortcut import compile_request  # noqa: PLC0415
     from engine.nnet.model_io import load_model  # noqa: PLC0415
     nnet = load_model(model_path).nnet
     request = _load_request(request_path)
-    request.validate(nnet)
     t0 = time.perf_counter()
-    computation = compile_computation(nnet, [request])
-    optimized = False
-    if not no_optimize:
-        optimized_computation = _optimize_if_available(computation, nnet, request)
-        if optimized_computation is not None:
-            computation, optimized = optimized_computation, True
+    # compile_request validates the request first
+    computation = compile_request(nnet, request, None,
+                                  use_shortcut=not (no_shortcut or no_optimize),
+                                  optimize=not no_optimize)
     compile_ms = (time.perf_counter() - t0) * 1000.0
-    return nnet, request, computation, compile_ms, optimized
-
-
-def _optimize_if_available(computation, nnet, request=None):
-    """The optimizer's ``optimize(computation, nnet, options[, request])`` when
-    engine.optimizer provides it; None when there is no optimizer."""
-    try:
-        from engine import optimizer as opt  # noqa: PLC0415
-    except ImportError:
-        return None
-    fn = getattr(opt, "optimize", None)
-    if fn is None:
-        return None
-    import inspect  # noqa: PLC0415
-    options_cls = getattr(opt, "OptimizeOptions", None)
-    kwargs = {}
-    if request is not None and "request" in inspect.signature(fn).parameters:
-        kwargs["request"] = request
-    result = fn(computation, nnet, options_cls() if options_cls is not None else None, **kwargs)
-    return computation if result is None or isinstance(result, bool) else result
+    return nnet, request, computation, compile_ms, not no_optimize
 
 
 @main.command("compile")
@@ -203,20 +187,23 @@ def _optimize_if_available(computation, nnet, request=None):
               help="ComputationRequest as JSON (inputs/outputs with name, has_deriv, "
                    "indexes [[n, t, x], ...]; need_model_derivative).")
 @click.option("--no-optimize", is_flag=True, help="Skip the optimizer.")
+@click.option("--no-shortcut", is_flag=True,
+              help="Compile all sequences directly instead of expanding a two-sequence "
+                   "computation (Kaldi's --use-shortcut=false).")
 @click.option("--print", "do_print", is_flag=True,
               help="Print the computation in Kaldi's NnetComputation::Print format.")
 @click.option("--stats", "do_stats", is_flag=True,
               help="Print one JSON object: commands, matrices, peak_bytes, compile_ms.")
 @_typed_errors
-def compile_cmd(model_path: str, request_path: str, no_optimize: bool, do_print: bool,
-                do_stats: bool) -> None:
+def compile_cmd(model_path: str, request_path: str, no_optimize: bool, no_shortcut: bool,
+                do_print: bool, do_stats: bool) -> None:
     """Compile a request for MODEL into a computation (Kaldi's Compiler).
 
-    Without --no-optimize the computation goes through engine.optimizer when it
-    exists; until then the unoptimized computation is what is printed (the
-    --stats field "optimized" says which)."""
+    Without --no-optimize the computation goes through engine.optimizer (the
+    --stats field "optimized" says which); regular multi-sequence requests are
+    compiled by shortcut unless --no-shortcut is given."""
     nnet, _, computation, compile_ms, optimized = _compile_for_cli(model_path, request_path,
-                                                                   no_optimize)
+                                                                   no_optimize, no_shortcut)
     if do_print:
         click.echo(computation.to_text(nnet), nl=False)
     if do_stats or not do_print:
@@ -238,11 +225,13 @@ def compile_cmd(model_path: str, request_path: str, no_optimize: bool, do_print:
 @click.option("--model-grad", "grad_path", type=click.Path(dir_okay=False), default=None,
               help="Write the model-parameter gradient as a Kaldi text model.")
 @click.option("--no-optimize", is_flag=True, help="Skip the optimizer.")
+@click.option("--no-shortcut", is_flag=True, help="Do not use shortcut compilation.")
 @click.option("--backend", type=click.Choice(["numpy", "cupy"]), default="numpy",
               show_default=True)
 @_typed_errors
 def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: str,
-                grad_path: str | None, no_optimize: bool, backend: str) -> None:
+                grad_path: str | None, no_optimize: bool, no_shortcut: bool,
+                backend: str) -> None:
     """Compile a request and run it (Kaldi's NnetComputer): outputs, input
     derivatives and, with --model-grad, the parameter gradients."""
     import numpy as np  # noqa: PLC0415
@@ -251,7 +240,8 @@ def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: 
     from engine.runtime.backend import get_backend, to_host  # noqa: PLC0415
     from engine.runtime.executor import Executor  # noqa: PLC0415
 
-    nnet, request, computation, _, _ = _compile_for_cli(model_path, request_path, no_optimize)
+    nnet, request, computation, _, _ = _compile_for_cli(model_path, request_path, no_optimize,
+                                                        no_shortcut)
     if grad_path is not None and not request.need_model_derivative:
         raise RequestError("--model-grad needs a request with need_model_derivative: true")
     try:
