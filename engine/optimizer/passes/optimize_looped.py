@@ -22,8 +22,6 @@ False; the looped compiler then tries again with more segments.
 
 from __future__ import annotations
 
-import bisect
-
 from engine.compiler.computation import Command, CommandType as CT, NnetComputation
 from engine.core.errors import CheckError
 from engine.core.index import K_NO_TIME
