@@ -186,7 +186,12 @@ def skip_transition_model(r: KaldiReader) -> None:
     r.read_vector()
     r.expect_token("</LogProbs>")
     r.expect_token("</TransitionModel>")
-    _skip_one_char(r)
+    if not r.binary:
+        # keep the text layout's line break with the transition model's bytes
+        while r.pos < len(r.data) and r.data[r.pos:r.pos + 1] in b" \t\r":
+            r.pos += 1
+        if r.data[r.pos:r.pos + 1] == b"\n":
+            r.pos += 1
 
 
 def _read_model(data: bytes, source: str) -> Model:
