@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.core.errors import NotComputableError, RequestError
+from engine.compiler.fast_descriptors import compile_descriptor
 from engine.core.index import Cindex, Index
 from engine.nnet.components.base import ComponentProperty
 
@@ -72,7 +73,7 @@ class ComputationGraph:
             return cid, False
         cid = len(self.cindexes)
         if type(cindex) is not Cindex:
-            cindex = Cindex(cindex[0], Index(*cindex[1]))
+            cindex = _make_cindex(cindex)
         self._ids[cindex] = cid
         self.cindexes.append(cindex)
         self.is_input.append(is_input)
@@ -151,6 +152,18 @@ class ComputationGraph:
         return "".join(out) + "\n"
 
 
+def _make_cindex(ci) -> Cindex:
+    """A Cindex (of an Index) from any ``(node, (n, t, x))`` pair, without the
+    Python-level named-tuple constructors (this runs once per graph vertex)."""
+    idx = ci[1]
+    if type(idx) is not Index:
+        idx = _tuple_new(Index, idx)
+    return _tuple_new(Cindex, (ci[0], idx))
+
+
+_tuple_new = tuple.__new__
+
+
 def node_names(nnet) -> list[str]:
     names = nnet.node_names
     return names() if callable(names) else names
@@ -167,6 +180,9 @@ class _NodeTable:
         self.simple: list[bool] = []
         self.dim_range_src: list[int] = []
         self.is_output: list[bool] = []
+        # Descriptors compiled to generated functions; None where the object
+        # tree has to be asked (a descriptor class fast_descriptors lacks).
+        self.fast: list = []
         for i in range(num):
             node = nnet.nodes[i]
             if nnet.is_input_node(i):
@@ -185,6 +201,7 @@ class _NodeTable:
                                     & ComponentProperty.SIMPLE_COMPONENT))
             self.dim_range_src.append(node.node_index if kind == _DIM_RANGE else -1)
             self.is_output.append(bool(nnet.is_output_node(i)))
+            self.fast.append(compile_descriptor(node.descriptor) if kind == _DESCRIPTOR else None)
 
 
 class ComputationGraphBuilder:
@@ -283,40 +300,60 @@ class ComputationGraphBuilder:
         self.current_queue, self.next_queue = self.next_queue, queue
 
     def _input_cindexes(self, c: int) -> list:
+        """Input cindexes of ``c`` as Cindexes or plain ``(node, (n, t, x))`` tuples."""
         node, idx = self.graph.cindexes[c]
-        kind = self.nodes.kind[node]
+        nodes = self.nodes
+        kind = nodes.kind[node]
         if kind == _DESCRIPTOR:
-            return self.nodes.descriptor[node].get_dependencies(idx)
+            fast = nodes.fast[node]
+            if fast is not None:
+                return fast.deps(idx)
+            return nodes.descriptor[node].get_dependencies(idx)
         if kind == _COMPONENT:
-            if self.nodes.simple[node]:
-                return [Cindex(node - 1, idx)]
-            comp = self.nodes.component[node]
-            return [Cindex(node - 1, i)
-                    for i in comp.get_input_indexes(self.request.misc_info, idx)]
+            if nodes.simple[node]:
+                return [(node - 1, idx)]
+            comp = nodes.component[node]
+            return [(node - 1, i) for i in comp.get_input_indexes(self.request.misc_info, idx)]
         if kind == _DIM_RANGE:
-            return [Cindex(self.nodes.dim_range_src[node], idx)]
+            return [(nodes.dim_range_src[node], idx)]
         return []
 
     def _add_dependencies(self, c: int) -> None:
         graph = self.graph
-        ids = graph._ids
+        ids, cindexes, dependencies = graph._ids, graph.cindexes, graph.dependencies
+        usable, computable, queued = self.usable, self.computable, self.queued
         this_dep = []
         for ci in self._input_cindexes(c):
             d = ids.get(ci)
             if d is None:
-                d = graph.get_or_add(ci, False)[0]
-                self._new_info()
-                self.queued[d] = True
+                # A new cindex (graph.get_or_add and _new_info, inlined): unknown,
+                # queued for the next round.
+                d = len(cindexes)
+                ci = _make_cindex(ci)
+                ids[ci] = d
+                cindexes.append(ci)
+                graph.is_input.append(False)
+                dependencies.append([])
+                computable.append(K_UNKNOWN)
+                usable.append(0)
+                queued.append(True)
+                self.deps_done.append(False)
+                self.depend_on_this.append([])
                 self.next_queue.append(d)
             this_dep.append(d)
         if len(this_dep) > 1:
             this_dep = sorted(set(this_dep))
-        graph.dependencies[c] = this_dep
-        dot, usable, computable = self.depend_on_this, self.usable, self.computable
+        dependencies[c] = this_dep
+        dot = self.depend_on_this
         for d in this_dep:
             dot[d].append(c)
             if usable[d] == 0 and computable[d] != K_NOT_COMPUTABLE:
-                self._increment_usable(d)
+                if not dependencies[d] and (queued[d] or computable[d] != K_UNKNOWN):
+                    # What _increment_usable would do here: nothing below d to
+                    # make usable and nothing to queue.
+                    usable[d] = 1
+                else:
+                    self._increment_usable(d)
             else:
                 usable[d] += 1
 
@@ -345,28 +382,53 @@ class ComputationGraphBuilder:
 
     def _compute_computable_info(self, c: int) -> int:
         node, idx = self.graph.cindexes[c]
-        kind = self.nodes.kind[node]
+        nodes = self.nodes
+        kind = nodes.kind[node]
+        computable = self.computable
         if kind == _DESCRIPTOR:
-            desc = self.nodes.descriptor[node]
+            fast = nodes.fast[node]
+            if fast is not None:
+                if fast.all_required:
+                    # Computable iff every input is; not computable as soon as one
+                    # input is not (all inputs are in the graph by now).
+                    status = K_COMPUTABLE
+                    for d in self.graph.dependencies[c]:
+                        s = computable[d]
+                        if s == K_NOT_COMPUTABLE:
+                            return K_NOT_COMPUTABLE
+                        if s == K_UNKNOWN:
+                            status = K_UNKNOWN
+                    return status
+                get = self.graph._ids.get
+                states = []
+                for ci in fast.deps(idx):
+                    d = get(ci)
+                    states.append(K_NOT_COMPUTABLE if d is None else computable[d])
+                if fast.computable([s == K_COMPUTABLE for s in states]):
+                    return K_COMPUTABLE
+                if not fast.computable([s != K_NOT_COMPUTABLE for s in states]):
+                    return K_NOT_COMPUTABLE
+                return K_UNKNOWN
+            desc = nodes.descriptor[node]
             if desc.is_computable(idx, self._cindex_set(False), None):
                 return K_COMPUTABLE
             if not desc.is_computable(idx, self._cindex_set(True), None):
                 return K_NOT_COMPUTABLE
             return K_UNKNOWN
         if kind == _COMPONENT:
-            if self.nodes.simple[node]:
+            if nodes.simple[node]:
                 # A simple component needs exactly the same Index at its input.
                 d = self.graph._ids.get((node - 1, idx))
-                return K_NOT_COMPUTABLE if d is None else self.computable[d]
-            comp, misc = self.nodes.component[node], self.request.misc_info
+                return K_NOT_COMPUTABLE if d is None else computable[d]
+            comp, misc = nodes.component[node], self.request.misc_info
             if comp.is_computable(misc, idx, self._index_set(node - 1, False), None):
                 return K_COMPUTABLE
             if not comp.is_computable(misc, idx, self._index_set(node - 1, True), None):
                 return K_NOT_COMPUTABLE
             return K_UNKNOWN
         if kind == _DIM_RANGE:
-            d = self.graph._ids.get((self.nodes.dim_range_src[node], idx))
-            return K_UNKNOWN if d is None else self.computable[d]
+            d = self.graph._ids.get((nodes.dim_range_src[node], idx))
+            return K_UNKNOWN if d is None else computable[d]
         return K_COMPUTABLE if self.graph.is_input[c] else K_NOT_COMPUTABLE
 
     def _update_computable_info(self, c: int) -> None:
@@ -508,19 +570,36 @@ class ComputationGraphBuilder:
         if status != K_COMPUTABLE:
             raise AssertionError(f"cindex {c} is usable but its computability is unknown")
         node, idx = graph.cindexes[c]
-        kind = self.nodes.kind[node]
+        nodes = self.nodes
+        kind = nodes.kind[node]
         if kind == _DESCRIPTOR:
-            used: list = []
-            ok = self.nodes.descriptor[node].is_computable(idx, self._cindex_set(False), used)
-            ids = [graph._ids[ci] for ci in used]
-        elif kind == _COMPONENT:
-            if self.nodes.simple[node]:
-                ok, ids = True, [graph._ids[(node - 1, idx)]]
+            fast = nodes.fast[node]
+            if fast is not None:
+                if fast.all_required:
+                    # Every input is used, and computable since c is: the list
+                    # built when the dependencies were added stays as it is.
+                    return
+                get, computable = graph._ids.get, self.computable
+                dep_ids = [get(ci) for ci in fast.deps(idx)]
+                ok, used = fast.evaluate([d is not None and computable[d] == K_COMPUTABLE
+                                          for d in dep_ids])
+                ids = [dep_ids[i] for i in used]
             else:
-                used_idx: list = []
-                ok = self.nodes.component[node].is_computable(
-                    self.request.misc_info, idx, self._index_set(node - 1, False), used_idx)
-                ids = [graph._ids[(node - 1, i)] for i in used_idx]
+                used_ci: list = []
+                ok = nodes.descriptor[node].is_computable(idx, self._cindex_set(False), used_ci)
+                ids = [graph._ids[ci] for ci in used_ci]
+        elif kind == _COMPONENT:
+            if nodes.simple[node] and not graph.is_input[c]:
+                # The one input, already the dependency list.
+                return
+            if nodes.simple[node]:
+                ok, ids = True, [graph._ids[(node - 1, idx)]]
+                graph.dependencies[c] = ids
+                return
+            used_idx: list = []
+            ok = nodes.component[node].is_computable(
+                self.request.misc_info, idx, self._index_set(node - 1, False), used_idx)
+            ids = [graph._ids[(node - 1, i)] for i in used_idx]
         else:
             return
         if not ok:

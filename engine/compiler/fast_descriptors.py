@@ -1,0 +1,185 @@
+"""Descriptors compiled into plain Python functions for the graph builder
+(the speed-critical use of Kaldi's Descriptor::GetDependencies and
+Descriptor::IsComputable in nnet-computation-graph.cc).
+
+engine.nnet.descriptors walks an object tree per Index and builds Index /
+Cindex named tuples on the way; the graph builder asks that question a few
+times for each of up to a million cindexes.  Here each node's descriptor is
+turned, once per network, into:
+
+- ``deps(idx)``: the input cindexes of Index ``idx`` as ``(node, (n, t, x))`` tuples, in
+  GetDependencies order (parts left to right, Sum/Failover left then right).
+  The code is generated from the forwarding-descriptor chain (Offset, Switch,
+  Round, ReplaceIndex, node) so that evaluating it is one Python call.  Plain
+  tuples hash and compare equal to the Cindex/Index named tuples the graph
+  stores, so they can be looked up directly.
+- ``all_required``: true when the descriptor contains no IfDefined, Failover
+  or Const.  Then it is computable exactly when every dependency is, and all
+  dependencies are used: the builder needs no per-cindex evaluation of the
+  tree at all.
+- ``computable(present)`` / ``used(present)``: the general answer given, for
+  each dependency position (same order as ``deps``), whether that input is in
+  the cindex set.  They follow the semantics of engine.nnet.descriptors
+  (IfDefined always computable but reports the inputs its source used;
+  Failover takes the first computable side; Sum needs both; Append needs all
+  parts and reports nothing when a part fails).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor, Descriptor,
+                                     ForwardingDescriptor, OffsetForwardingDescriptor,
+                                     OptionalSumDescriptor, ReplaceIndexForwardingDescriptor,
+                                     RoundingForwardingDescriptor, SimpleForwardingDescriptor,
+                                     SimpleSumDescriptor, SumDescriptor,
+                                     SwitchingForwardingDescriptor, SumOp)
+
+
+class UnsupportedDescriptor(Exception):
+    """A descriptor class this module does not know; callers use the object tree."""
+
+
+def _forward_expr(fd: ForwardingDescriptor, n: str, t: str, x: str) -> str:
+    """Python expression for ``fd.map_to_input(Index(n, t, x))`` as a plain tuple."""
+    kind = type(fd)
+    if kind is SimpleForwardingDescriptor:
+        if (n, t, x) == ("n", "t", "x"):
+            # Unchanged Index: share the caller's object (less memory, and the
+            # graph's cindexes then share Index objects as the object tree does).
+            return f"({fd.node_index}, idx)"
+        return f"({fd.node_index}, ({n}, {t}, {x}))"
+    if kind is OffsetForwardingDescriptor:
+        o = fd.offset
+        return _forward_expr(fd.src, _shift(n, o.n), _shift(t, o.t), _shift(x, o.x))
+    if kind is RoundingForwardingDescriptor:
+        m = fd.t_modulus
+        return _forward_expr(fd.src, n, t if m == 1 else f"(({t}) - ({t}) % {m})", x)
+    if kind is ReplaceIndexForwardingDescriptor:
+        if fd.variable == "t":
+            return _forward_expr(fd.src, n, str(fd.value), x)
+        return _forward_expr(fd.src, n, t, str(fd.value))
+    if kind is SwitchingForwardingDescriptor:
+        # Python's % is the mathematical modulus, as in the object version.
+        choices = ", ".join(_forward_expr(s, n, t, x) for s in fd.srcs)
+        return f"(({choices},)[({t}) % {len(fd.srcs)}])"
+    raise UnsupportedDescriptor(type(fd).__name__)
+
+
+def _shift(var: str, by: int) -> str:
+    if by == 0:
+        return var
+    return f"({var} + {by})" if by > 0 else f"({var} - {-by})"
+
+
+def _sum_exprs(sd: SumDescriptor, out: list[str], n: str, t: str, x: str) -> None:
+    """Forwarding expressions of ``sd`` in GetDependencies order."""
+    kind = type(sd)
+    if kind is SimpleSumDescriptor:
+        out.append(_forward_expr(sd.src, n, t, x))
+    elif kind is OptionalSumDescriptor:
+        _sum_exprs(sd.src, out, n, t, x)
+    elif kind is ConstantSumDescriptor:
+        pass
+    elif kind is BinarySumDescriptor:
+        _sum_exprs(sd.src1, out, n, t, x)
+        _sum_exprs(sd.src2, out, n, t, x)
+    else:
+        raise UnsupportedDescriptor(type(sd).__name__)
+
+
+def _all_required(sd: SumDescriptor) -> bool:
+    kind = type(sd)
+    if kind is SimpleSumDescriptor:
+        return True
+    if kind is BinarySumDescriptor:
+        return sd.op == SumOp.SUM and _all_required(sd.src1) and _all_required(sd.src2)
+    return False
+
+
+# A compiled sum descriptor: given the presence flags and the position of its
+# first dependency, (computable, positions used, next position).
+_Eval = Callable[[list, int], tuple]
+
+
+def _compile_eval(sd: SumDescriptor) -> _Eval:
+    kind = type(sd)
+    if kind is SimpleSumDescriptor:
+        def simple(p, i):
+            return (True, [i], i + 1) if p[i] else (False, [], i + 1)
+        return simple
+    if kind is OptionalSumDescriptor:
+        inner = _compile_eval(sd.src)
+
+        def optional(p, i):
+            _, used, j = inner(p, i)
+            return True, used, j
+        return optional
+    if kind is ConstantSumDescriptor:
+        return lambda p, i: (True, [], i)
+    if kind is BinarySumDescriptor:
+        a, b = _compile_eval(sd.src1), _compile_eval(sd.src2)
+        is_sum = sd.op == SumOp.SUM
+
+        def binary(p, i):
+            ok1, u1, j = a(p, i)
+            ok2, u2, k = b(p, j)
+            if is_sum:
+                return (True, u1 + u2, k) if ok1 and ok2 else (False, [], k)
+            if ok1:
+                return True, u1, k
+            if ok2:
+                return True, u2, k
+            return False, [], k
+        return binary
+    raise UnsupportedDescriptor(type(sd).__name__)
+
+
+class FastDescriptor:
+    """One node's Descriptor as generated functions (see the module docstring)."""
+
+    __slots__ = ("deps", "all_required", "num_deps", "_parts")
+
+    def __init__(self, desc: Descriptor) -> None:
+        exprs: list[str] = []
+        for part in desc.parts:
+            _sum_exprs(part, exprs, "n", "t", "x")
+        self.num_deps = len(exprs)
+        src = f"def deps(idx):\n    n, t, x = idx\n    return [{', '.join(exprs)}]\n"
+        scope: dict = {}
+        exec(src, scope)  # noqa: S102 - code generated above from the descriptor tree
+        self.deps: Callable[[tuple], list] = scope["deps"]
+        self.all_required = all(_all_required(p) for p in desc.parts)
+        self._parts = [_compile_eval(p) for p in desc.parts]
+
+    def evaluate(self, present: list) -> tuple[bool, list[int]]:
+        """(computable, positions of the dependencies used) given presence flags."""
+        if self.all_required:
+            if all(present):
+                return True, list(range(self.num_deps))
+            return False, []
+        used: list[int] = []
+        i = 0
+        for part in self._parts:
+            ok, u, i = part(present, i)
+            if not ok:
+                return False, []
+            used.extend(u)
+        return True, used
+
+    def computable(self, present: list) -> bool:
+        if self.all_required:
+            return all(present)
+        return self.evaluate(present)[0]
+
+
+def compile_descriptor(desc: Descriptor) -> FastDescriptor | None:
+    """The compiled form of ``desc``, or None for a descriptor class not known here."""
+    try:
+        return FastDescriptor(desc)
+    except UnsupportedDescriptor:
+        return None
+
+
+__all__ = ["FastDescriptor", "compile_descriptor", "UnsupportedDescriptor"]
