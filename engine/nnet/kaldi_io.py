@@ -255,14 +255,16 @@ class KaldiReader:
         return flat.reshape(len(rows), ncol)
 
 
-def _float_strs(values) -> list[str]:
-    """C-style %g text (at least 6 significant digits, as Kaldi's streams print)
-    using the fewest digits in 6..9 that read back to the same float32."""
+def _float_strs(values, min_precision: int = 6) -> list[str]:
+    """C-style %g text with at least ``min_precision`` significant digits (Kaldi's
+    streams print 6, or 7 once a file stream is initialised), using more digits,
+    up to 9, only where needed to read back to the same float32 (Kaldi would lose
+    those bits; we do not)."""
     v = np.asarray(values, dtype=np.float32).ravel()
-    out = np.char.mod("%.6g", v)
+    out = np.char.mod(f"%.{min_precision}g", v)
     bad = out.astype(np.float32) != v
     bad &= ~np.isnan(v)
-    for prec in (7, 8, 9):
+    for prec in range(min_precision + 1, 10):
         if not bad.any():
             break
         idx = np.nonzero(bad)[0]
@@ -273,12 +275,12 @@ def _float_strs(values) -> list[str]:
     return out.tolist()
 
 
-def _fmt_floats(values) -> str:
-    return " ".join(_float_strs(values))
+def _fmt_floats(values, min_precision: int = 6) -> str:
+    return " ".join(_float_strs(values, min_precision))
 
 
-def format_float(x: float) -> str:
-    return _float_strs([x])[0]
+def format_float(x: float, min_precision: int = 6) -> str:
+    return _float_strs([x], min_precision)[0]
 
 
 class KaldiWriter:
@@ -287,6 +289,9 @@ class KaldiWriter:
     def __init__(self, binary: bool, header: bool = False):
         self.binary = binary
         self.parts: list[bytes] = []
+        # Kaldi's InitKaldiOutputStream (used for files) raises the text precision
+        # to 7 digits; a bare stream (e.g. one component printed alone) keeps 6.
+        self.precision = 7 if header else 6
         if binary and header:
             self.parts.append(BINARY_HEADER)
 
@@ -309,7 +314,7 @@ class KaldiWriter:
         if self.binary:
             self.parts.append(b"\x04" + np.float32(v).astype("<f4").tobytes())
         else:
-            self.parts.append((format_float(v) + " ").encode())
+            self.parts.append((format_float(v, self.precision) + " ").encode())
 
     def write_bool(self, v: bool) -> None:
         self.parts.append(b"T" if v else b"F")
@@ -331,7 +336,7 @@ class KaldiWriter:
             self.write_int(v.size)
             self.parts.append(v.astype("<f4").tobytes())
         else:
-            body = _fmt_floats(v)
+            body = _fmt_floats(v, self.precision)
             self.parts.append((" [ " + body + (" " if body else "") + "]\n").encode())
 
     def write_matrix(self, m) -> None:
@@ -348,7 +353,7 @@ class KaldiWriter:
             self.parts.append(b" [ ]\n")
             return
         lines = [" ["]
-        strs = _float_strs(m)
+        strs = _float_strs(m, self.precision)
         c = m.shape[1]
         for i in range(m.shape[0]):
             lines.append("\n  " + " ".join(strs[i * c:(i + 1) * c]) + " ")
@@ -372,13 +377,14 @@ def read_double(reader: KaldiReader) -> float:
         raise reader.error(f"expected a number, got {tok!r}", offset=start) from None
 
 
-def double_text(value: float) -> str:
-    """C++ streams print doubles with 6 significant digits (%g); more digits are
-    used only when 6 would not read back to the same double, so nothing is lost."""
+def double_text(value: float, min_precision: int = 6) -> str:
+    """C++ streams print doubles with 6 (bare stream) or 7 (file stream) significant
+    digits; more digits are used only when those would not read back to the same
+    double, so nothing is lost."""
     value = float(value)
-    text = f"{value:.6g}"
+    text = f"{value:.{min_precision}g}"
     if float(text) != value:
-        for prec in range(7, 18):
+        for prec in range(min_precision + 1, 18):
             text = f"{value:.{prec}g}"
             if float(text) == value:
                 break
@@ -389,7 +395,7 @@ def write_double(writer: KaldiWriter, value: float) -> None:
     if writer.binary:
         writer.raw(b"\x08" + struct.pack("<d", float(value)))
     else:
-        writer.raw(double_text(value) + " ")
+        writer.raw(double_text(value, writer.precision) + " ")
 
 
 def write_double_vector(writer: KaldiWriter, v) -> None:

@@ -66,8 +66,6 @@ def test_shared_reference_networks(case):
 
 
 @pytest.mark.conformance
-@pytest.mark.xfail(strict=False, reason="component text writers print some float32 values "
-                   "with fewer digits than Kaldi's 7 significant digits (kaldi_io formatting)")
 @pytest.mark.parametrize("case", shared_network_cases(), ids=lambda p: p.name)
 def test_shared_reference_networks_text_byte_identical(case):
     _check_round_trip(case / "model.txt", exact_text=True)
