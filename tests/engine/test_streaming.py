@@ -1,0 +1,212 @@
+"""Looped compilation and Streams (engine.inference.looped/stream, `nnetc stream`):
+Kaldi's looped-decodable references, streaming == offline for any cutting,
+export/import of the state, and typed errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import shared_ref
+from engine.compiler.computation import CommandType as CT
+from engine.core.errors import InferenceError, StreamError
+from engine.inference import InferenceOptions, Inferencer
+from engine.inference.looped import (LoopedConfig, create_looped_requests, extrapolate_request,
+                                     get_chunk_size, modify_nnet_ivector_period)
+from engine.inference.stream import LoopedModel
+from engine.nnet.model_io import Model, load_model, save_model
+from inference_nets import (RECURRENT, TDNN_IVECTOR, TDNN_PLAIN, assert_close, feats, make_nnet,
+                            model_dirs, read_json)
+
+SHARED = shared_ref()
+
+_MODELS: dict = {}
+
+
+def looped(config_text: str, chunk: int = 6, elci: int = 0, fsf: int = 1) -> LoopedModel:
+    key = (config_text, chunk, elci, fsf)
+    if key not in _MODELS:
+        _MODELS[key] = LoopedModel(make_nnet(config_text), LoopedConfig(chunk, elci, fsf))
+    return _MODELS[key]
+
+
+def run_stream(model: LoopedModel, x, cuts, ivector=None, reimport_at=()):
+    s = model.stream(ivector)
+    pieces, pos = [], 0
+    for k, n in enumerate(cuts):
+        pieces.append(s.push(x[pos:pos + n]))
+        pos += n
+        if k in reimport_at:
+            s = model.import_stream(s.export_state())
+    pieces.append(s.push(x[pos:]))
+    pieces.append(s.finish())
+    return np.concatenate(pieces, axis=0)
+
+
+# -- Kaldi references ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(SHARED is None, reason="../shared/kaldi-ref not present (full set)")
+@pytest.mark.parametrize("model_dir", model_dirs(SHARED, "looped.json"), ids=lambda p: p.name)
+def test_kaldi_looped_reference(model_dir):
+    js = read_json(model_dir / "looped.json")
+    z = np.load(model_dir / "looped.npz")
+    nnet = load_model(model_dir / "model.raw").nnet
+    rng = np.random.default_rng(7)
+    for s in js["settings"]:
+        model = LoopedModel(nnet, LoopedConfig(s["frames_per_chunk"],
+                                               s["extra_left_context_initial"],
+                                               s["frame_subsampling_factor"]))
+        for key in z.files:
+            prefix = f"output.{s['key']}."
+            if not key.startswith(prefix):
+                continue
+            utt = key[len(prefix):]
+            x = z[f"features.{utt}"]
+            cuts = rng.integers(1, 45, size=len(x) // 10)
+            out = run_stream(model, x, cuts, z.get(f"ivector.{utt}"), reimport_at={2, 5})
+            assert_close(out, z[key], f"{model_dir.name} {s['key']} {utt}")
+
+
+# -- looped compilation ----------------------------------------------------------------------
+
+
+def test_looped_requests_and_extrapolation():
+    nnet = modify_nnet_ivector_period(make_nnet(TDNN_IVECTOR), 6)
+    r1, r2, r3 = create_looped_requests(nnet, 6, 2, 6, 5, 4, num_sequences=2)
+    assert [i.t for i in r1.inputs[0].indexes[:3]] == [-5, -4, -3]
+    assert len(r1.inputs[0].indexes) == 2 * (5 + 6 + 4)
+    assert [i.t for i in r2.inputs[0].indexes[:6]] == list(range(10, 16))
+    assert [i.t for i in r1.outputs[0].indexes] == [0, 2, 4] * 2
+    assert [i.n for i in r1.outputs[0].indexes] == [0, 0, 0, 1, 1, 1]
+    # i-vector times: rounded down to the period, each listed once over all chunks
+    assert [i.t for i in r1.inputs[1].indexes] == [-6, 0, 6] * 2
+    assert [i.t for i in r2.inputs[1].indexes] == [12, 12]
+    r4 = extrapolate_request(r2, r3)
+    assert [i.t for i in r4.inputs[0].indexes[:2]] == [22, 23]
+    with pytest.raises(InferenceError):
+        extrapolate_request(r1, r2)
+    line = [ln for ln in nnet.config_lines() if ln.startswith("component-node name=affine1")]
+    assert "Round(ivector, 6)" in line[0] and "ReplaceIndex" not in line[0]
+
+
+def test_looped_computation_ends_in_goto():
+    model = looped(RECURRENT)
+    cmds = model.computation.commands
+    assert cmds[-1].command_type == CT.GOTO_LABEL
+    assert any(c.command_type == CT.SWAP_MATRIX for c in cmds)
+    assert get_chunk_size(model.nnet, 3, 7) == 9
+
+
+# -- streaming == offline ------------------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(num_frames=st.integers(1, 60), data=st.data(), fsf=st.sampled_from([1, 2, 3]))
+def test_stream_equals_offline_non_recurrent(num_frames, data, fsf):
+    model = looped(TDNN_IVECTOR, chunk=6, fsf=fsf)
+    x, iv = feats(num_frames, seed=num_frames), feats(1, 4, seed=3)[0]
+    cuts = data.draw(st.lists(st.integers(0, 15), max_size=8))
+    out = run_stream(model, x, cuts, iv)
+    ref = Inferencer(make_nnet(TDNN_IVECTOR),
+                     InferenceOptions(frames_per_chunk=12, frame_subsampling_factor=fsf)
+                     ).infer(x, iv)
+    assert_close(out, ref, f"T={num_frames} cuts={cuts} fsf={fsf}")
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(num_frames=st.integers(1, 50), data=st.data(), elci=st.sampled_from([0, 4]))
+def test_stream_recurrent_carries_state(num_frames, data, elci):
+    """A recurrent stream equals one computation over the whole utterance (state is
+    carried, never restarted), with the first chunk's extra left context."""
+    model = looped(RECURRENT, chunk=5, elci=elci)
+    x = feats(num_frames, seed=num_frames)
+    cuts = data.draw(st.lists(st.integers(0, 12), max_size=8))
+    out = run_stream(model, x, cuts)
+    ref = Inferencer(make_nnet(RECURRENT),
+                     InferenceOptions(frames_per_chunk=100, extra_left_context_initial=elci)
+                     ).infer(x)
+    assert_close(out, ref, f"T={num_frames} cuts={cuts}")
+
+
+def test_outputs_arrive_as_soon_as_computable():
+    model = looped(TDNN_PLAIN, chunk=6)           # context 4/4
+    s = model.stream()
+    assert s.push(feats(9)).shape == (0, 6)        # chunk 0 needs frames [-4, 10)
+    assert s.push(feats(1, seed=2)).shape == (6, 6)
+    assert s.push(feats(5, seed=3)).shape == (0, 6)
+    assert s.push(feats(1, seed=4)).shape == (6, 6)
+    assert s.finish().shape == (4, 6)             # 16 frames in all
+    assert s.num_output_frames == 16
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2, 3, 5])
+def test_export_import_continues_bit_identically(cut):
+    model = looped(RECURRENT, chunk=5)
+    x = feats(41)
+    s = model.stream()
+    first = s.push(x[:7 * cut + 3])
+    clone = model.import_stream(s.export_state())
+    # a fresh model object (as in another process) accepts the state too
+    other = LoopedModel(make_nnet(RECURRENT), LoopedConfig(5, 0, 1))
+    clone2 = other.import_stream(s.export_state())
+    rest = [np.concatenate([st.push(x[7 * cut + 3:]), st.finish()]) for st in (s, clone, clone2)]
+    np.testing.assert_array_equal(rest[0], rest[1])
+    np.testing.assert_array_equal(rest[0], rest[2])
+    assert first.shape[0] + rest[0].shape[0] == 41
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_stream_errors():
+    model = looped(TDNN_IVECTOR, chunk=6)
+    iv = feats(1, 4)[0]
+    with pytest.raises(InferenceError, match="no i-vector|none was given"):
+        model.stream()
+    with pytest.raises(InferenceError, match="dimension 4"):
+        model.stream(np.zeros(3, np.float32))
+    s = model.stream(iv)
+    with pytest.raises(InferenceError, match="dimension 8"):
+        s.push(feats(5, dim=7))
+    s.push(feats(3))
+    state = s.export_state()
+    s.finish()
+    with pytest.raises(StreamError, match="push after finish"):
+        s.push(feats(2))
+    with pytest.raises(StreamError, match="twice"):
+        s.finish()
+    with pytest.raises(StreamError, match="not readable"):
+        model.import_stream(b"garbage")
+    with pytest.raises(StreamError, match="another model"):
+        looped(TDNN_IVECTOR, chunk=12).import_stream(state)
+    with pytest.raises(StreamError, match="another model"):
+        looped(TDNN_PLAIN).import_stream(state)
+    with pytest.raises(InferenceError, match="no 'ivector' input"):
+        looped(TDNN_PLAIN).stream(iv)
+    with pytest.raises(InferenceError, match="chunk size"):
+        LoopedModel(make_nnet(TDNN_PLAIN), LoopedConfig(0, 0, 1))
+    with pytest.raises(InferenceError, match="extra_left_context_initial"):
+        LoopedModel(make_nnet(TDNN_PLAIN), LoopedConfig(6, -1, 1))
+
+
+def test_cli_stream(tmp_path):
+    from service.cli import main
+    nnet = make_nnet(TDNN_IVECTOR)
+    save_model(Model(nnet), tmp_path / "m.raw", binary=False)
+    x, iv = feats(37), feats(1, 4, seed=5)[0]
+    np.save(tmp_path / "f.npy", x)
+    np.save(tmp_path / "iv.npy", iv)
+    args = ["stream", str(tmp_path / "m.raw"), "--features", str(tmp_path / "f.npy"),
+            "--ivector", str(tmp_path / "iv.npy"), "--chunk-size", "5",
+            "--frame-subsampling-factor", "3", "--extra-left-context-initial", "2",
+            "--out", str(tmp_path / "o.npy")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    ref = Inferencer(nnet, InferenceOptions(frame_subsampling_factor=3)).infer(x, iv)
+    assert_close(np.load(tmp_path / "o.npy"), ref, "nnetc stream")
+    r = CliRunner().invoke(main, args[:4] + ["--out", str(tmp_path / "o.npy")])
+    assert r.exit_code == 2 and "i-vector" in r.output
