@@ -331,8 +331,9 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
     feats = _load_npy(features_path, "--features")
     ivector = _load_npy(ivector_path, "--ivector") if ivector_path else None
     online = _load_npy(online_path, "--online-ivectors") if online_path else None
-    out = Inferencer(model.nnet, opts, priors=model.priors).infer(feats, ivector, online,
-                                                                  online_ivector_period)
+    from engine.inference.common import model_priors  # noqa: PLC0415
+    out = Inferencer(model.nnet, opts, priors=model_priors(model)).infer(
+        feats, ivector, online, online_ivector_period)
     np.save(out_path, out.astype(np.float32, copy=False))
 
 

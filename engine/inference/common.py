@@ -191,6 +191,16 @@ def check_ivectors(nnet, ivector, online_ivectors, online_ivector_period) -> tup
     return None, m, int(online_ivector_period)
 
 
+def model_priors(model):
+    """The priors to pass for a loaded model (engine.nnet.model_io.Model): its vector,
+    an empty one for an .mdl without priors (chain models: --use-priors is then a
+    no-op, as in Kaldi), None for a bare network."""
+    priors = getattr(model, "priors", None)
+    if priors is None and getattr(model, "is_am", False):
+        return np.zeros(0, dtype=np.float32)
+    return priors
+
+
 def log_priors(priors, output_dim: int) -> np.ndarray | None:
     """log(priors) as float32 (Kaldi applies the log in float), checked against the
     output dimension; None when there are no priors."""

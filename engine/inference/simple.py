@@ -103,9 +103,11 @@ class Inferencer:
         self.input_dim = self.nnet.input_dim("input")
         self.output_dim = self.nnet.output_dim(options.output)
         self.log_priors = log_priors(priors, self.output_dim) if options.use_priors else None
-        if options.use_priors and self.log_priors is None:
+        if options.use_priors and priors is None:
+            # An .mdl with an empty <Priors> (chain models) is fine: nothing is subtracted,
+            # as in Kaldi; pass an empty array for it (see model_priors()).
             raise InferenceError("use_priors was asked for but the model has no priors (a .mdl "
-                                 "with a <Priors> vector is needed)")
+                                 "is needed)")
         n = lcm(options.frame_subsampling_factor, self.nnet.modulus())
         # Kaldi's CheckAndFixConfigs: round frames-per-chunk up to a multiple of n.
         self.frames_per_chunk = n * ((options.frames_per_chunk + n - 1) // n)
@@ -237,7 +239,8 @@ def infer(model, features, options: InferenceOptions = InferenceOptions(), ivect
           online_ivectors=None, online_ivector_period: int = 0, backend=np) -> np.ndarray:
     """Convenience: ``model`` is an engine.nnet.model_io.Model (priors used when
     ``options.use_priors``) or an Nnet."""
+    from engine.inference.common import model_priors  # noqa: PLC0415
     nnet = getattr(model, "nnet", model)
-    priors = getattr(model, "priors", None)
+    priors = model_priors(model)
     return Inferencer(nnet, options, priors=priors, backend=backend).infer(
         features, ivector, online_ivectors, online_ivector_period)

@@ -63,8 +63,9 @@ class LoopedModel:
         self.input_dim = prepared.input_dim("input")
         self.output_dim = prepared.output_dim("output")
         self.log_priors = log_priors(priors, self.output_dim) if use_priors else None
-        if use_priors and self.log_priors is None:
-            raise InferenceError("use_priors was asked for but the model has no priors")
+        if use_priors and priors is None:
+            raise InferenceError("use_priors was asked for but the model has no priors (a .mdl "
+                                 "is needed)")
         self.requests = create_looped_requests(prepared, self.chunk_size, self.fsf,
                                                self.chunk_size, self.frames_left_context,
                                                self.frames_right_context)
