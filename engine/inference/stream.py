@@ -45,8 +45,11 @@ class LoopedModel:
 
     def __init__(self, nnet, config: LoopedConfig = LoopedConfig(), priors=None,
                  use_priors: bool = False, backend=np, collapse: bool = True,
-                 optimize_options=None):
+                 optimize_options=None, num_sequences: int = 1):
         config.check()
+        if num_sequences < 1:
+            raise InferenceError(f"num_sequences must be >= 1, got {num_sequences}")
+        self.num_sequences = num_sequences
         check_simple(nnet, "output")
         self.config = config
         prepared = prepare_nnet(nnet, collapse=collapse)
@@ -68,8 +71,9 @@ class LoopedModel:
                                  "is needed)")
         self.requests = create_looped_requests(prepared, self.chunk_size, self.fsf,
                                                self.chunk_size, self.frames_left_context,
-                                               self.frames_right_context)
-        self.num_ivectors = ([len(r.inputs[1].indexes) for r in self.requests[:2]]
+                                               self.frames_right_context, num_sequences)
+        self.num_ivectors = ([len(r.inputs[1].indexes) // num_sequences
+                              for r in self.requests[:2]]
                              if self.has_ivectors else [0, 0])
         self.computation = compile_looped(prepared, *self.requests,
                                           optimize_options=optimize_options)
@@ -82,7 +86,7 @@ class LoopedModel:
         from engine.nnet.model_io import nnet_to_bytes  # noqa: PLC0415
         h = hashlib.sha256()
         h.update(nnet_to_bytes(self.nnet, binary=True))
-        h.update(json.dumps([self.chunk_size, self.frames_left_context,
+        h.update(json.dumps([self.num_sequences, self.chunk_size, self.frames_left_context,
                              self.frames_right_context, self.fsf, len(self.computation.commands),
                              len(self.computation.matrices),
                              None if self.log_priors is None else
@@ -97,6 +101,9 @@ class LoopedModel:
         return b, b + self.chunk_size
 
     def stream(self, ivector=None) -> "Stream":
+        if self.num_sequences != 1:
+            raise InferenceError(f"this LoopedModel runs {self.num_sequences} sequences at "
+                                 f"once; use StreamBatch")
         return Stream(self, ivector)
 
     def import_stream(self, state: bytes) -> "Stream":
@@ -282,3 +289,80 @@ class Stream:
         s.executor._pc = pc
         s.executor._pending = pending
         return s
+
+
+class StreamBatch:
+    """Several streams advanced in lock-step by one looped computation whose requests
+    have ``n`` = 0..B-1 (a LoopedModel built with ``num_sequences=B``): a chunk is
+    computed when every stream has its frames or has finished (a finished stream's
+    input repeats its last frame, its surplus rows are dropped).  Streams must start
+    together; this is the basis of batched streaming, not yet the gathering of
+    streams at different chunk positions into one batch."""
+
+    def __init__(self, model: LoopedModel, ivectors=None):
+        from engine.runtime.executor import Executor  # noqa: PLC0415
+        self.model = model
+        b = model.num_sequences
+        ivectors = [None] * b if ivectors is None else list(ivectors)
+        if len(ivectors) != b:
+            raise InferenceError(f"expected {b} i-vectors (one per stream), got {len(ivectors)}")
+        checker = Stream.__new__(Stream)
+        checker.model = model
+        self.ivectors = [Stream._check_ivector(checker, v) for v in ivectors]
+        self.executor = Executor(model.computation, model.nnet, backend=model.backend,
+                                 pool=model.pool)
+        self.frames = [np.zeros((0, model.input_dim), np.float32) for _ in range(b)]
+        self.finished = [False] * b
+        self.emitted = [0] * b
+        self.chunks_computed = 0
+
+    def push(self, j: int, frames) -> None:
+        """Append frames to stream j (outputs come from ``advance``)."""
+        if self.finished[j]:
+            raise StreamError(f"stream {j}: push after finish")
+        f = as_features(frames, self.model.input_dim, f"stream {j} frames")
+        self.frames[j] = np.concatenate([self.frames[j], f], axis=0)
+
+    def finish(self, j: int) -> None:
+        if self.finished[j]:
+            raise StreamError(f"stream {j}: finish() called twice")
+        if self.frames[j].shape[0] == 0:
+            raise StreamError(f"stream {j}: finished without any frames")
+        self.finished[j] = True
+
+    def advance(self) -> list[np.ndarray]:
+        """Compute every chunk that all streams allow; the new output rows per stream."""
+        from engine.runtime.backend import to_host  # noqa: PLC0415
+        m = self.model
+        b = m.num_sequences
+        per_chunk = m.chunk_size // m.fsf
+        outs: list[list[np.ndarray]] = [[] for _ in range(b)]
+        while True:
+            k = self.chunks_computed
+            begin, end = m.input_range(k)
+            totals = [(f.shape[0] + m.fsf - 1) // m.fsf for f in self.frames]
+            ready = all((fin and f.shape[0] > 0) or f.shape[0] >= end
+                        for f, fin in zip(self.frames, self.finished))
+            if not ready or all(fin and k * per_chunk >= tot
+                                for fin, tot in zip(self.finished, totals)):
+                break
+            feats = np.concatenate([f[np.clip(np.arange(begin, end), 0, f.shape[0] - 1)]
+                                    for f in self.frames], axis=0)
+            self.executor.accept_input("input", feats)
+            if m.has_ivectors:
+                count = m.num_ivectors[0 if k == 0 else 1]
+                self.executor.accept_input("ivector", np.repeat(np.stack(self.ivectors),
+                                                                count, axis=0))
+            self.executor.run()
+            out = np.array(to_host(self.executor.get_output("output")), np.float32, copy=True)
+            if m.log_priors is not None:
+                out -= m.log_priors
+            self.chunks_computed += 1
+            for j in range(b):
+                rows = out[j * per_chunk:(j + 1) * per_chunk]
+                if self.finished[j]:
+                    rows = rows[:max(0, totals[j] - self.emitted[j])]
+                self.emitted[j] += rows.shape[0]
+                outs[j].append(rows)
+        return [np.concatenate(o, axis=0) if o else np.zeros((0, m.output_dim), np.float32)
+                for o in outs]

@@ -210,3 +210,32 @@ def test_cli_stream(tmp_path):
     assert_close(np.load(tmp_path / "o.npy"), ref, "nnetc stream")
     r = CliRunner().invoke(main, args[:4] + ["--out", str(tmp_path / "o.npy")])
     assert r.exit_code == 2 and "i-vector" in r.output
+
+
+def test_stream_batch_equals_single_streams():
+    from engine.inference.stream import StreamBatch
+    nnet = make_nnet(TDNN_IVECTOR)
+    single = looped(TDNN_IVECTOR, chunk=6)
+    batch_model = LoopedModel(nnet, LoopedConfig(6, 0, 1), num_sequences=3)
+    xs = [feats(n, seed=n) for n in (23, 9, 31)]
+    ivs = [feats(1, 4, seed=10 + j)[0] for j in range(3)]
+    sb = StreamBatch(batch_model, ivs)
+    got = [[] for _ in range(3)]
+    for start in range(0, 31, 5):
+        for j, x in enumerate(xs):
+            if start < len(x):
+                sb.push(j, x[start:start + 5])
+            elif not sb.finished[j]:
+                sb.finish(j)
+        for j, o in enumerate(sb.advance()):
+            got[j].append(o)
+    for j in range(3):
+        if not sb.finished[j]:
+            sb.finish(j)
+    for j, o in enumerate(sb.advance()):
+        got[j].append(o)
+    for j, x in enumerate(xs):
+        ref = run_stream(single, x, [], ivs[j])
+        assert_close(np.concatenate(got[j]), ref, f"stream {j}")
+    with pytest.raises(StreamError):
+        sb.push(0, feats(2))
