@@ -17,6 +17,8 @@ turned, once per network, into:
   or Const.  Then it is computable exactly when every dependency is, and all
   dependencies are used: the builder needs no per-cindex evaluation of the
   tree at all.
+- ``deps_arrays(n, t, x)``: the same for whole arrays of Indexes (NumPy), for
+  the graph builder's layered fast path (engine.compiler.graph_fast).
 - ``computable(present)`` / ``used(present)``: the general answer given, for
   each dependency position (same order as ``deps``), whether that input is in
   the cindex set.  They follow the semantics of engine.nnet.descriptors
@@ -28,6 +30,8 @@ turned, once per network, into:
 from __future__ import annotations
 
 from typing import Callable
+
+import numpy as np
 
 from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor, Descriptor,
                                      ForwardingDescriptor, OffsetForwardingDescriptor,
@@ -71,6 +75,46 @@ def _shift(var: str, by: int) -> str:
     if by == 0:
         return var
     return f"({var} + {by})" if by > 0 else f"({var} - {-by})"
+
+
+def _forward_arrays(fd: ForwardingDescriptor, n, t, x) -> tuple:
+    """``map_to_input`` on whole int64 arrays: (node, n, t, x), node an int or,
+    below a Switch, an array."""
+    kind = type(fd)
+    if kind is SimpleForwardingDescriptor:
+        return fd.node_index, n, t, x
+    if kind is OffsetForwardingDescriptor:
+        o = fd.offset
+        return _forward_arrays(fd.src, n + o.n if o.n else n, t + o.t if o.t else t,
+                               x + o.x if o.x else x)
+    if kind is RoundingForwardingDescriptor:
+        m = fd.t_modulus
+        return _forward_arrays(fd.src, n, t if m == 1 else t - t % m, x)
+    if kind is ReplaceIndexForwardingDescriptor:
+        if fd.variable == "t":
+            return _forward_arrays(fd.src, n, np.full_like(t, fd.value), x)
+        return _forward_arrays(fd.src, n, t, np.full_like(x, fd.value))
+    if kind is SwitchingForwardingDescriptor:
+        which = t % len(fd.srcs)
+        outs = [_forward_arrays(s, n, t, x) for s in fd.srcs]
+        return tuple(np.choose(which, [np.broadcast_to(np.asarray(o[k], dtype=np.int64),
+                                                       t.shape) for o in outs])
+                     for k in range(4))
+    raise UnsupportedDescriptor(type(fd).__name__)
+
+
+def _sum_forwarding(sd: SumDescriptor, out: list) -> None:
+    """The forwarding descriptors of ``sd`` in GetDependencies order."""
+    kind = type(sd)
+    if kind is SimpleSumDescriptor:
+        out.append(sd.src)
+    elif kind is OptionalSumDescriptor:
+        _sum_forwarding(sd.src, out)
+    elif kind is BinarySumDescriptor:
+        _sum_forwarding(sd.src1, out)
+        _sum_forwarding(sd.src2, out)
+    elif kind is not ConstantSumDescriptor:
+        raise UnsupportedDescriptor(type(sd).__name__)
 
 
 def _sum_exprs(sd: SumDescriptor, out: list[str], n: str, t: str, x: str) -> None:
@@ -139,7 +183,7 @@ def _compile_eval(sd: SumDescriptor) -> _Eval:
 class FastDescriptor:
     """One node's Descriptor as generated functions (see the module docstring)."""
 
-    __slots__ = ("deps", "all_required", "num_deps", "_parts")
+    __slots__ = ("deps", "all_required", "num_deps", "_parts", "_forwarding")
 
     def __init__(self, desc: Descriptor) -> None:
         exprs: list[str] = []
@@ -152,6 +196,14 @@ class FastDescriptor:
         self.deps: Callable[[tuple], list] = scope["deps"]
         self.all_required = all(_all_required(p) for p in desc.parts)
         self._parts = [_compile_eval(p) for p in desc.parts]
+        self._forwarding: list = []
+        for part in desc.parts:
+            _sum_forwarding(part, self._forwarding)
+
+    def deps_arrays(self, n: np.ndarray, t: np.ndarray, x: np.ndarray) -> list[tuple]:
+        """``deps`` for many Indexes at once: per dependency position, the
+        (node, n, t, x) int64 arrays (node an int unless a Switch decides it)."""
+        return [_forward_arrays(fd, n, t, x) for fd in self._forwarding]
 
     def evaluate(self, present: list) -> tuple[bool, list[int]]:
         """(computable, positions of the dependencies used) given presence flags."""

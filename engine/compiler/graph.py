@@ -32,6 +32,7 @@ from typing import Sequence
 
 from engine.core.errors import NotComputableError, RequestError
 from engine.compiler.fast_descriptors import compile_descriptor
+from engine.compiler.graph_fast import build_layered
 from engine.core.index import Cindex, Index
 from engine.nnet.components.base import ComponentProperty
 
@@ -222,6 +223,11 @@ class ComputationGraphBuilder:
         self.depend_on_this: list[list[int]] = [[] for _ in range(n)]
         self.current_queue: list[int] = []
         self.next_queue: list[int] = []
+        # Try the NumPy layered path first (engine.compiler.graph_fast); it
+        # gives the same graph, and declines when its premise does not hold.
+        self.use_layered = True
+        # "used" or "declined: <why>" for the last compute() (for tests and profiling).
+        self.layered_status = ""
 
     # -- adding cindexes ------------------------------------------------------------
     def _new_info(self) -> None:
@@ -274,6 +280,9 @@ class ComputationGraphBuilder:
         self.request = request
         self._add_inputs()
         self._add_outputs()
+        if self.use_layered and build_layered(self, self.current_queue,
+                                              MAX_BUILD_ITERATIONS // 2 - 2):
+            return
         for _ in range(MAX_BUILD_ITERATIONS):
             self._build_one_iter()
             if not self.current_queue:
