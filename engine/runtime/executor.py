@@ -35,6 +35,7 @@ from engine.core.errors import ExecutionError, NnetcError
 from engine.nnet.components.base import ComponentProperty as P
 from engine.runtime import kernels as K
 from engine.runtime.backend import BufferPool, backend_name, to_host
+from engine.runtime.program import build_program, command_matrices
 
 # Per-computation, per-backend index plans (built once, reused by every run).
 _PLAN_CACHE: "weakref.WeakKeyDictionary[NnetComputation, dict]" = weakref.WeakKeyDictionary()
@@ -193,6 +194,40 @@ class Executor:
             raise ExecutionError(f"running a computation that has finished (program counter "
                                  f"{self._pc} of {n} commands)")
         self._check_no_pending_io()
+        if type(self)._execute is not Executor._execute:
+            self._run_interpreted(cmds, n)   # a subclass handles some commands itself
+            return
+        program = self._plans.get("program")
+        if program is None:
+            program = self._plans["program"] = build_program(self.computation, self.xp,
+                                                             self._plan)
+        mats = self._matrices
+        pc = self._pc
+        try:
+            while pc < n:
+                op = program[pc]
+                if op is None:      # an input/output command: stop, as Kaldi's Run
+                    break
+                target = op(self, mats)
+                if target is not None:
+                    pc = target
+                pc += 1
+        except ExecutionError as e:
+            self._pc = pc
+            if str(e).startswith("while executing"):
+                raise
+            raise self._error(e) from e
+        except (NnetcError, ValueError, IndexError, KeyError, TypeError, ArithmeticError,
+                AttributeError, MemoryError, RuntimeError) as e:
+            self._pc = pc
+            for m in command_matrices(self.computation, cmds[pc]):
+                if mats[m] is None:
+                    raise self._error(ExecutionError(
+                        f"matrix m{m} is used before it is allocated")) from e
+            raise self._error(e) from e
+        self._pc = pc
+
+    def _run_interpreted(self, cmds, n) -> None:
         while self._pc < n:
             c = cmds[self._pc]
             if c.command_type in _IO:

@@ -222,3 +222,160 @@ def add_row_ranges(xp, dest, src, plan: RangePlan, alpha: float = 1.0) -> None:
     if alpha != 1.0:
         sums *= alpha
     dest[plan.dest_rows] += sums.astype(dest.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Pointer-list plans in matrix coordinates (used by the compiled program).
+#
+# A (submatrix, row) pair is a row of an underlying matrix and a column range; pairs
+# whose submatrices share matrix and column range become one gather or scatter.  A
+# BLSTM's per-frame pointer lists name ~one submatrix per frame, each of the same
+# few matrices, so this turns tens of tiny gathers into one; a group of one row is
+# done with plain indexing, which costs far less than a one-element fancy index.
+
+
+@dataclass
+class MatrixGroup:
+    matrix: int
+    cols: object            # None (all columns) or a column slice
+    num_cols: int
+    positions: object       # rows of the "this" matrix
+    rows: object            # rows of the underlying matrix
+    unique_rows: bool
+    single: tuple | None    # (position, row) when the group has one row
+
+
+@dataclass
+class MatrixMultiPlan:
+    num_rows: int
+    groups: list
+    null_positions: object
+    has_null: bool
+    error: str | None       # a static range error, raised when the command runs
+
+
+def _matrix_group(xp, m, cols, ncols, pos, rows) -> MatrixGroup:
+    single = (int(pos[0]), int(rows[0])) if pos.size == 1 else None
+    return MatrixGroup(m, cols, ncols, _asindex(xp, pos), _asindex(xp, rows),
+                       bool(np.unique(rows).size == rows.size), single)
+
+
+def make_matrix_multi_plan(xp, computation, pairs, views, scatter: bool = False
+                           ) -> MatrixMultiPlan:
+    """``views[s]`` is (matrix, None or (row slice, column slice)) for submatrix s.
+    With ``scatter`` (the To-rows variants) groups are merged only when no
+    destination row of a matrix is named twice, so that additions happen in the
+    same order as with one group per submatrix."""
+    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    subs = arr[:, 0]
+    per_sub = []            # (submatrix, matrix, col key, positions, absolute rows)
+    error = None
+    for s in np.unique(subs[subs >= 0]):
+        s = int(s)
+        sm = computation.submatrices[s]
+        pos = np.nonzero(subs == s)[0]
+        rows = arr[pos, 1]
+        if rows.size and (rows.max() >= sm.num_rows or rows.min() < 0) and error is None:
+            error = (f"index {int(rows.max())} out of range for a source of "
+                     f"{sm.num_rows} rows (submatrix {s})")
+        m = sm.matrix_index
+        mi = computation.matrices[m]
+        whole_cols = sm.col_offset == 0 and sm.num_cols == mi.num_cols
+        key = None if whole_cols else (sm.col_offset, sm.num_cols)
+        per_sub.append((s, m, key, pos, rows + sm.row_offset, sm.num_cols))
+    by_key: dict = {}
+    for item in per_sub:
+        by_key.setdefault((item[1], item[2]), []).append(item)
+    merge = True
+    if scatter:
+        keys_per_matrix: dict = {}
+        for m, key in by_key:
+            keys_per_matrix[m] = keys_per_matrix.get(m, 0) + 1
+        for (m, key), items in by_key.items():
+            rows = np.concatenate([it[4] for it in items])
+            if keys_per_matrix[m] > 1 or np.unique(rows).size != rows.size:
+                merge = False
+    groups = []
+    if merge:
+        for (m, key), items in by_key.items():
+            pos = np.concatenate([it[3] for it in items])
+            rows = np.concatenate([it[4] for it in items])
+            cols = None if key is None else slice(key[0], key[0] + key[1])
+            groups.append(_matrix_group(xp, m, cols, items[0][5], pos, rows))
+    else:
+        for s, m, key, pos, rows, ncols in per_sub:
+            cols = None if key is None else slice(key[0], key[0] + key[1])
+            groups.append(_matrix_group(xp, m, cols, ncols, pos, rows))
+    null = np.nonzero(subs < 0)[0]
+    return MatrixMultiPlan(arr.shape[0], groups, _asindex(xp, null), bool(null.size), error)
+
+
+def _group_array(mats, g, what: str):
+    a = mats[g.matrix]
+    if a is None:
+        from engine.core.errors import ExecutionError  # noqa: PLC0415
+        raise ExecutionError(f"{what}: matrix m{g.matrix} is used before it is allocated")
+    return a if g.cols is None else a[:, g.cols]
+
+
+def rows_multi_by_matrix(xp, dest, plan: MatrixMultiPlan, mats, alpha: float, add: bool) -> None:
+    """AddRowsMulti / CopyRowsMulti with a MatrixMultiPlan (same results as rows_multi)."""
+    what = "AddRowsMulti" if add else "CopyRowsMulti"
+    _check_rows(plan.num_rows, dest, what)
+    if plan.error is not None:
+        raise ValueError(f"{what}: {plan.error}")
+    if not add and alpha == 0.0:
+        return
+    ncols = dest.shape[1]
+    for g in plan.groups:
+        if g.num_cols != ncols:
+            raise ValueError(f"{what}: a source has {g.num_cols} columns, destination {ncols}")
+        src = _group_array(mats, g, what)
+        if g.single is not None:
+            p, r = g.single
+            v = src[r] if alpha == 1.0 else src[r] * alpha
+            if add:
+                dest[p] += v
+            else:
+                dest[p] = v
+            continue
+        vals = src[g.rows]
+        if alpha != 1.0:
+            vals *= alpha
+        if add:
+            dest[g.positions] += vals
+        else:
+            dest[g.positions] = vals
+    if not add and plan.has_null:
+        dest[plan.null_positions] = 0
+
+
+def to_rows_multi_by_matrix(xp, src, plan: MatrixMultiPlan, mats, alpha: float,
+                            add: bool) -> None:
+    """AddToRowsMulti / CopyToRowsMulti with a MatrixMultiPlan built with scatter=True."""
+    what = "AddToRowsMulti" if add else "CopyToRowsMulti"
+    _check_rows(plan.num_rows, src, what)
+    if plan.error is not None:
+        raise ValueError(f"{what}: {plan.error}")
+    ncols = src.shape[1]
+    for g in plan.groups:
+        if g.num_cols != ncols:
+            raise ValueError(f"{what}: a destination has {g.num_cols} columns, source {ncols}")
+        dest = _group_array(mats, g, what)
+        if g.single is not None:
+            p, r = g.single
+            v = src[p] if alpha == 1.0 else alpha * src[p]
+            if add:
+                dest[r] += v
+            else:
+                dest[r] = v
+            continue
+        vals = src[g.positions]
+        if alpha != 1.0:
+            vals = alpha * vals
+        if not add:
+            dest[g.rows] = vals
+        elif g.unique_rows:
+            dest[g.rows] += vals
+        else:
+            scatter_add(xp, dest, g.rows, vals)
