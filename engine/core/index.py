@@ -48,6 +48,16 @@ class Index(NamedTuple):
         # Kaldi prints Indexes as (n,t,x) e.g. "(0,5,0)"
         return f"({self.n}, {self.t}, {self.x})"
 
+    # Immutable values of ints: a copy is the object itself.  copy.deepcopy
+    # would otherwise rebuild every named tuple through __reduce_ex__, which
+    # made copying a computation's debug info (one Cindex per matrix row)
+    # most of the optimizer's time.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 class Cindex(NamedTuple):
     node: int
@@ -66,6 +76,13 @@ class Cindex(NamedTuple):
 
     def __ge__(self, other):  # type: ignore[override]
         return self == other or other < self
+
+    # Immutable (see Index.__deepcopy__).
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def index_sort_key(i: Index) -> tuple[int, int, int]:
