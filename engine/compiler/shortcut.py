@@ -179,28 +179,59 @@ class _Expander:
 
     # -- strides -------------------------------------------------------------------------
     def init_strides(self) -> None:
+        """The n-stride of every matrix from its debug cindexes (FindNStride with
+        N = 2), checked for all matrices at once on one concatenated array."""
         c = self.c
         nm = len(c.matrices)
         if len(c.matrix_debug_info) != nm:
             raise ShortcutNotApplicable("the mini computation has no debug info")
-        self.cindex_rows: list[np.ndarray] = [np.zeros((0, 4), np.int64)]
-        stride = np.zeros(nm, dtype=np.int64)
-        for m in range(1, nm):
-            rows = _cindex_rows(c.matrix_debug_info[m].cindexes)
-            if rows.shape[0] != c.matrices[m].num_rows:
-                raise ShortcutNotApplicable(f"matrix m{m}: debug info has {rows.shape[0]} "
-                                            f"cindexes for {c.matrices[m].num_rows} rows")
-            s = find_n_stride(rows)
-            if s == 0 or rows[-1, 0] != 1:
-                raise ShortcutNotApplicable(f"matrix m{m} lacks the regular n structure")
-            stride[m] = s
-            self.cindex_rows.append(rows)
-        self.stride = stride
-        # n of every row of every matrix, in one array addressed by base[m] + row
-        sizes = [c.matrices[m].num_rows for m in range(1, nm)]
-        self.base = np.concatenate([[0, 0], np.cumsum(sizes[:-1], dtype=np.int64)])[:nm]
-        self.row_n = np.concatenate([r[:, 0] for r in self.cindex_rows[1:]]) if nm > 1 \
-            else np.zeros(0, np.int64)
+        sizes = np.array([0] + [mi.num_rows for mi in c.matrices[1:]], dtype=np.int64)
+        if any(len(c.matrix_debug_info[m].cindexes) != sizes[m] for m in range(1, nm)):
+            raise ShortcutNotApplicable("the debug info does not cover every matrix row")
+        self.sizes = sizes
+        self.base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        # all rows of all matrices as [n, node, t, x]
+        rows = _cindex_rows([ci for m in range(1, nm) for ci in c.matrix_debug_info[m].cindexes])
+        self.rows = rows
+        self.row_n = rows[:, 0]
+        mat = np.repeat(np.arange(nm), sizes)
+        local = np.arange(rows.shape[0]) - self.base[mat]
+        self.row_matrix, self.row_local = mat, local
+        self.stride = np.zeros(nm, dtype=np.int64)
+        if nm == 1:
+            return
+        n, rest = rows[:, 0], rows[:, 1:]
+        ms = np.arange(1, nm)
+        first, last = self.base[ms], self.base[ms] + sizes[ms] - 1
+        bad = (sizes[ms] % 2 != 0) | (n[first] != 0) | (n[last] != 1)
+        if ((n != 0) & (n != 1)).any() or bad.any():
+            raise ShortcutNotApplicable("a matrix of the mini computation does not hold "
+                                        "n = 0 and n = 1 rows in equal numbers")
+        # candidate strides, in Kaldi's order: 1, size / 2, the smallest other divisor
+        twin = (n == 1) & (rest == rest[self.base[mat]]).all(axis=1)
+        half = sizes // 2
+        other = np.full(nm, np.iinfo(np.int64).max)
+        cand = twin & (local >= 2) & (local < half[mat])
+        cand[cand] &= sizes[mat[cand]] % local[cand] == 0
+        np.minimum.at(other, mat[cand], local[cand])
+        stride = np.where(twin[first + 1], 1, np.where(
+            twin[first + half[ms]], half[ms], np.where(other[ms] < np.iinfo(np.int64).max,
+                                                       other[ms], 0)))
+        self.stride[1:] = stride
+        s = self.stride[mat]
+        zero = n == 0
+        # every n = 0 row has its n = 1 twin one stride later within its block of
+        # 2 * stride rows, and every n = 1 row its n = 0 twin one stride earlier
+        j = np.where(zero, local + s, local - s)
+        ok = (stride > 0).all() and bool(((j >= 0) & (j < sizes[mat])).all())
+        if ok:
+            g = self.base[mat] + j
+            ok = bool(((rest[g] == rest).all(axis=1) & (n[g] == 1 - n)).all())
+            blk = 2 * s[zero]
+            ok = ok and bool((local[zero] // blk == (local[zero] + s[zero]) // blk).all())
+        if not ok:
+            raise ShortcutNotApplicable("a matrix of the mini computation lacks the regular "
+                                        "n structure")
 
     def new_matrix_row(self, m, r):
         """GetNewMatrixLocationInfo, vectorised over (m, r): where old row r of
@@ -218,12 +249,24 @@ class _Expander:
             mi._replace(num_rows=(mi.num_rows // 2) * n) for mi in self.c.matrices[1:]]
 
     def compute_debug_info(self) -> None:
-        dbg = [MatrixDebugInfo()]
-        for m in range(1, len(self.c.matrices)):
-            rows = convert_num_n_values(self.cindex_rows[m], int(self.stride[m]), 2, self.num_n)
-            dbg.append(MatrixDebugInfo(self.c.matrix_debug_info[m].is_deriv,
-                                       [(nd, Index(a, b, x)) for a, nd, b, x in rows.tolist()]))
-        self.out.matrix_debug_info = dbg
+        """Every matrix's cindexes with n running over 0..N-1 (all matrices in one
+        vectorised pass; only the final (node, Index) objects are built per row)."""
+        nm, big_n = len(self.c.matrices), self.num_n
+        new_sizes = (self.sizes // 2) * big_n
+        new_base = np.concatenate([[0], np.cumsum(new_sizes)[:-1]])
+        i0 = np.flatnonzero(self.row_n == 0)
+        m, loc = self.row_matrix[i0], self.row_local[i0]
+        s = self.stride[m]
+        pos = (new_base[m] + (loc // (2 * s)) * (big_n * s) + loc % (2 * s))[:, None] \
+            + s[:, None] * np.arange(big_n)
+        out = np.empty((int(new_sizes.sum()), 4), dtype=np.int64)
+        out[pos.ravel()] = np.repeat(self.rows[i0], big_n, axis=0)
+        out[pos.ravel(), 0] = np.tile(np.arange(big_n), i0.size)
+        pairs = list(zip(out[:, 1].tolist(), map(Index._make, out[:, [0, 2, 3]].tolist())))
+        src = self.c.matrix_debug_info
+        self.out.matrix_debug_info = [MatrixDebugInfo()] + [
+            MatrixDebugInfo(src[k].is_deriv, pairs[new_base[k]:new_base[k] + new_sizes[k]])
+            for k in range(1, nm)]
 
     def compute_submatrices(self) -> None:
         c = self.c
