@@ -17,6 +17,69 @@ from __future__ import annotations
 
 from collections import Counter
 
+# The prime bucket counts of libstdc++'s _Prime_rehash_policy, as far as any
+# computation here can need them (a hash map of submatrix indexes).
+_LIBSTDCXX_PRIMES = (
+    2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83,
+    89, 97, 103, 109, 113, 127, 137, 139, 149, 157, 167, 179, 193, 199, 211, 227, 241, 257,
+    277, 293, 313, 337, 359, 383, 409, 439, 467, 503, 541, 577, 619, 661, 709, 761, 823,
+    887, 953, 1031, 1109, 1193, 1289, 1381, 1493, 1613, 1741, 1879, 2029, 2179, 2357, 2549,
+    2753, 2971, 3209, 3469, 3739, 4027, 4349, 4703, 5087, 5503, 5953, 6427, 6949, 7517,
+    8123, 8783, 9497, 10273, 11113, 12011, 12983, 14033, 15173, 16411, 17749, 19183, 20753,
+    22447, 24281, 26267, 28411, 30727, 33223, 35933, 38873, 42043, 45481, 49201, 53201,
+    57557, 62233, 67307, 72817, 78779, 85229, 92203, 99733, 107897, 116731, 126271, 136607,
+    147793, 159871, 172933, 187091, 202409, 218971, 236897, 256279, 277261, 299951, 324503,
+    351061, 379787, 410857, 444487, 480881, 520241, 562841, 608903, 658753, 712697, 771049,
+    834181, 902483, 976369)
+_FAST_BUCKETS = (2, 2, 2, 3, 5, 5, 7, 7, 11, 11, 11, 11, 13, 13)
+
+
+def unordered_map_order(keys) -> list[int]:
+    """The iteration order of a libstdc++ ``std::unordered_map<int32, ...>`` into
+    which the distinct non-negative ints ``keys`` were inserted in this order.
+
+    Kaldi iterates such maps in a few places where the order shows in the
+    computation (GetSubmatCounts decides which summed term is added first, and so
+    which add the optimizer can turn into a copy); reproducing the order makes our
+    command sequences Kaldi's.  The model: identity hash, one bucket until the
+    first insert, then prime bucket counts (load factor 1, growth x2); a key whose
+    bucket is empty goes to the front of the node list, otherwise in front of its
+    bucket's first node; a rehash re-inserts the nodes in list order by the same
+    rule."""
+    order: list[int] = []
+    n_bkt, next_resize = 1, 0
+
+    def place(lst: list[int], k: int, nb: int) -> None:
+        b = k % nb
+        for i, x in enumerate(lst):
+            if x % nb == b:
+                lst.insert(i, k)
+                return
+        lst.insert(0, k)
+
+    def next_bkt(n: int) -> tuple[int, int]:
+        if n < len(_FAST_BUCKETS):
+            return _FAST_BUCKETS[n], _FAST_BUCKETS[n]
+        for p in _LIBSTDCXX_PRIMES[6:]:
+            if p >= n:
+                return p, p
+        raise ValueError(f"unordered_map_order: {n} buckets is beyond the modelled range")
+
+    for k in keys:
+        n_elt = len(order)
+        if n_elt + 1 > next_resize:
+            min_bkts = max(n_elt + 1, 0 if next_resize else 11)
+            if min_bkts >= n_bkt:
+                n_bkt, next_resize = next_bkt(max(min_bkts + 1, n_bkt * 2))
+                old, order = order, []
+                for x in old:
+                    place(order, x, n_bkt)
+            else:
+                next_resize = n_bkt
+        place(order, k, n_bkt)
+    return order
+
+
 def split_locations(submat_lists: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
     """Kaldi's SplitLocations: lists (one per row) of (submatrix, row) sources ->
     vectors with at most one source per row, sources used by more than half the
@@ -29,7 +92,8 @@ def split_locations(submat_lists: list[list[tuple[int, int]]]) -> list[list[tupl
         return [[lst[0] if lst else (-1, -1) for lst in submat_lists]]
     counts = Counter(s for lst in submat_lists for s, _ in lst)
     cutoff = num_rows // 2
-    large = [s for s, n in counts.items() if n > cutoff]
+    # Kaldi collects the large-count submatrices by iterating an unordered_map
+    large = [s for s in unordered_map_order(counts) if counts[s] > cutoff]
     if large:
         pos = {s: i for i, s in enumerate(large)}
         split = [[(-1, -1)] * num_rows for _ in large]
