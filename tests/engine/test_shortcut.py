@@ -374,3 +374,29 @@ def test_reference_models_chunk_requests(model):
     req = chunk_request(nnet, 21, 3)
     shortcut, normal = assert_shortcut_equivalent(nnet, req)
     assert shortcut.stats() == normal.stats()
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_cli_compile_uses_the_shortcut(tmp_path):
+    import json  # noqa: PLC0415
+
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from service.cli import main  # noqa: PLC0415
+    case = LOCAL_CASES[0]
+    nnet, req = _load_case(case)
+    wide = widen(req, 5, "interleaved", full_derivs=True)
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(wide.to_json()))
+    runs = {}
+    for flags in ((), ("--no-shortcut",)):
+        r = CliRunner().invoke(main, ["compile", str(case / "model.txt"), "--request", str(path),
+                                      "--stats", *flags])
+        assert r.exit_code == 0, r.output
+        runs[flags] = json.loads(r.output)
+    expected = compile_via_shortcut(nnet, wide).stats()
+    assert {k: runs[()][k] for k in expected} == expected
+    assert runs[()]["optimized"] and runs[("--no-shortcut",)]["optimized"]
+    assert runs[()]["commands"] == runs[("--no-shortcut",)]["commands"]
