@@ -35,7 +35,7 @@ import numpy as np
 from engine.compiler.compiler import CompilerOptions, compile_computation
 from engine.compiler.request import ComputationRequest
 from engine.runtime.backend import to_host
-from engine.runtime.executor import Executor
+from engine.runtime.executor import Executor, io_names
 
 
 @dataclass
@@ -96,10 +96,17 @@ def run_network(nnet, request: ComputationRequest, inputs: dict, output_derivs: 
     run = NetworkRun(outputs, computation=computation)
     backward = output_derivs is not None and any(s.has_deriv for s in request.outputs)
     if backward:
+        # As in Kaldi (Compiler::ComputeDerivNeeded), an output without has_deriv
+        # still accepts a derivative when a node it reads needs one for another
+        # output; its derivative is zero by definition.
+        accepted = set(io_names(computation, nnet)[3])
         for spec in request.outputs:
             if spec.has_deriv:
                 ex.accept_output_deriv(spec.name,
                                        np.asarray(output_derivs[spec.name], dtype=np.float32))
+            elif spec.name in accepted:
+                ex.accept_output_deriv(spec.name, np.zeros(
+                    (len(spec.indexes), nnet.output_dim(spec.name)), np.float32))
         ex.run()
         run.input_derivs = {s.name: np.array(to_host(ex.get_input_deriv(s.name)))
                             for s in request.inputs if s.has_deriv}
