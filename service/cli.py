@@ -376,5 +376,39 @@ def stream_cmd(model_path, features_path, ivector_path, chunk_size, frame_subsam
     np.save(out_path, np.concatenate(pieces, axis=0).astype(np.float32, copy=False))
 
 
+@main.group("bench")
+def bench_group() -> None:
+    """Benchmarks (bench/ in the source tree; issue 7)."""
+
+
+@bench_group.command("forward")
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False))
+@click.option("--chunk", type=int, required=True, help="Output frames per sequence.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences (n).")
+@click.option("--repeat", type=int, default=7, show_default=True,
+              help="Timed runs (median) of compile and of forward, after a warm-up.")
+@click.option("--backend", type=click.Choice(["numpy", "cupy"]), default="numpy",
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_typed_errors
+def bench_forward_cmd(model_path, chunk, batch, repeat, backend, as_json) -> None:
+    """Cold compile and forward time of MODEL on the chunk request of kaldi_stats.json."""
+    try:
+        from bench.forward import measure_forward  # noqa: PLC0415
+    except ImportError:
+        # bench/ sits beside service/ in the source tree and is not installed
+        from pathlib import Path  # noqa: PLC0415
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench.forward import measure_forward  # noqa: PLC0415
+    if chunk < 1 or batch < 1 or repeat < 1:
+        raise click.UsageError("--chunk, --batch and --repeat must be positive")
+    figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend)
+    if as_json:
+        click.echo(json.dumps(figures))
+        return
+    for key, value in figures.items():
+        click.echo(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,6 @@ kernels."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest

