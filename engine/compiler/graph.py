@@ -203,6 +203,13 @@ class _NodeTable:
             self.dim_range_src.append(node.node_index if kind == _DIM_RANGE else -1)
             self.is_output.append(bool(nnet.is_output_node(i)))
             self.fast.append(compile_descriptor(node.descriptor) if kind == _DESCRIPTOR else None)
+        # Nodes whose computable, usable cindexes keep their dependency lists
+        # through pruning (all inputs required): inputs, dim-range nodes, simple
+        # components and descriptors without IfDefined/Failover/Const.
+        self.prune_trivial: list[bool] = [
+            k in (_INPUT, _DIM_RANGE) or (k == _COMPONENT and s)
+            or (k == _DESCRIPTOR and f is not None and f.all_required)
+            for k, s, f in zip(self.kind, self.simple, self.fast)]
 
 
 class ComputationGraphBuilder:
@@ -278,6 +285,7 @@ class ComputationGraphBuilder:
         if self.request is not None and not self.graph.segment_ends:
             raise RuntimeError("call compute(), prune(), compute(), prune() ... in that order")
         self.request = request
+        self.layered_status = ""
         self._add_inputs()
         self._add_outputs()
         if self.use_layered and build_layered(self, self.current_queue,
@@ -637,12 +645,28 @@ class ComputationGraphBuilder:
         graph = self.graph
         start = graph.segment_ends[-1] if graph.segment_ends else 0
         n = len(graph.cindexes)
+        cindexes, deps, is_input = graph.cindexes, graph.dependencies, graph.is_input
+        computable, usable, trivial = self.computable, self.usable, self.nodes.prune_trivial
+        changed = False
         for c in range(start, n):
+            if (trivial[cindexes[c][0]] and computable[c] == K_COMPUTABLE and usable[c] != 0
+                    and not is_input[c]):
+                # Kaldi's PruneDependencies would keep this list as it is (every
+                # input is required and computable); skip the call.
+                continue
+            before = deps[c]
             self._prune_dependencies(c)
-        required = self._compute_required(start)
-        keep = [required[c - start] or graph.is_input[c] for c in range(start, n)]
+            if deps[c] != before:
+                changed = True
+        if not changed and self.layered_status == "used":
+            # Layered build, no list shortened: every cindex was added as an
+            # input of one reachable from the outputs, so all are required.
+            keep = [True] * (n - start)
+        else:
+            required = self._compute_required(start)
+            keep = [required[c - start] or is_input[c] for c in range(start, n)]
         for c in range(start, n):
-            if keep[c - start] and self.computable[c] != K_COMPUTABLE:
+            if keep[c - start] and computable[c] != K_COMPUTABLE:
                 raise AssertionError("prune called while not everything is computable")
         graph.renumber(start, keep)
         new_n = len(graph.cindexes)

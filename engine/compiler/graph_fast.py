@@ -312,37 +312,41 @@ def _check_general_nodes(builder, coords: _Coords, rows_done: np.ndarray) -> Non
 
 def _commit(builder, base, coords, rows_done, dep_rows, dep_ids, total) -> None:
     graph = builder.graph
-    new_rows = coords.data[base:total].tolist()
-    new_cindexes = [_tuple_new(Cindex, (r[0], _tuple_new(Index, r[1:]))) for r in new_rows]
+    m = total - base
+    cols = coords.data[base:total].T.tolist()
+    new_cindexes = [_tuple_new(Cindex, (nd, _tuple_new(Index, (n, t, x))))
+                    for nd, n, t, x in zip(*cols)] if m else []
     graph.cindexes.extend(new_cindexes)
     graph._ids.update(zip(new_cindexes, range(base, total)))
-    m = total - base
     graph.is_input.extend([False] * m)
-    # Dependency lists (sorted sets) of every cindex whose inputs were added.
-    starts = np.searchsorted(dep_rows, rows_done)
-    ends = np.searchsorted(dep_rows, rows_done, side="right")
+    # Dependency lists (sorted sets) of every cindex whose inputs were added:
+    # the outputs, then every new cindex (in id order).
     ids_list = dep_ids.tolist()
     deps = graph.dependencies
-    deps.extend([] for _ in range(m))
-    for c, s, e in zip(rows_done.tolist(), starts.tolist(), ends.tolist()):
+    old_arr = rows_done[rows_done < base]
+    old = old_arr.tolist()
+    lo = np.searchsorted(dep_rows, old_arr).tolist()
+    hi = np.searchsorted(dep_rows, old_arr, side="right").tolist()
+    for c, s, e in zip(old, lo, hi):
         deps[c] = ids_list[s:e]
-    users = np.bincount(dep_ids, minlength=total).tolist()
-    computable, usable = builder.computable, builder.usable
-    computable.extend([0] * m)
-    usable.extend([0] * m)
-    builder.queued.extend([False] * m)
-    builder.deps_done.extend([False] * m)
-    builder.depend_on_this.extend([] for _ in range(m))
+    b = np.searchsorted(dep_rows, np.arange(base, total + 1)).tolist()
+    deps.extend([ids_list[b[j]:b[j + 1]] for j in range(m)])
     # What Kaldi's rounds leave: all computable, usable_count = dependents
     # (+1 for requested outputs), nothing queued.  depend_on_this is not
     # filled in: only the computability rounds read it, and there are none
     # left before prune() resets the segment.
-    for c in rows_done.tolist():
+    users = np.bincount(dep_ids, minlength=total)
+    computable, usable, deps_done = builder.computable, builder.usable, builder.deps_done
+    computable.extend([1] * m)
+    usable.extend(users[base:].tolist())
+    builder.queued.extend([False] * m)
+    deps_done.extend([True] * m)
+    builder.depend_on_this.extend([] for _ in range(m))
+    for c in old:
         computable[c] = 1
-        builder.deps_done[c] = True
+        deps_done[c] = True
         builder.queued[c] = False
-    for c in range(total):
-        if users[c]:
-            usable[c] += users[c]
+    for c in np.flatnonzero(users[:base]).tolist():
+        usable[c] += int(users[c])
     builder.current_queue = []
     builder.next_queue = []
