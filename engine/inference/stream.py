@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import threading
 
 import numpy as np
 
@@ -78,6 +79,10 @@ class LoopedModel:
         self.computation = compile_looped(prepared, *self.requests,
                                           optimize_options=optimize_options)
         self.backend = backend
+        self.optimize_options = optimize_options
+        # batched looped computations (engine.inference.batch.BatchPlan), by batch size
+        self.batch_plans: dict = {}
+        self.batch_lock = threading.Lock()
         from engine.runtime.backend import BufferPool  # noqa: PLC0415
         self.pool = BufferPool()
         self.fingerprint = self._fingerprint()
@@ -126,6 +131,7 @@ class Stream:
         self.num_received = 0
         self.chunks_computed = 0
         self.num_emitted = 0         # subsampled output rows returned so far
+        self.input_ended = False     # end_input()/finish(): the right edge may be flushed
         self.finished = False
 
     def _check_ivector(self, ivector):
@@ -151,66 +157,118 @@ class Stream:
         """Append feature frames; returns the newly computable output rows (possibly
         none).  ``ivector`` replaces the stream's i-vector for the chunks computed
         from now on (online i-vectors)."""
+        self.feed(frames, ivector)
+        return self._advance()
+
+    def feed(self, frames, ivector=None) -> None:
+        """Append frames without computing anything: for a scheduler that advances
+        many streams in one batched computation (engine.inference.batch)."""
         if self.finished:
             raise StreamError("push after finish(): the stream has ended")
+        if self.input_ended:
+            raise StreamError("push after end_input(): no more frames are accepted")
         feats = as_features(frames, self.model.input_dim, "pushed frames")
         if ivector is not None:
             self.ivector = self._check_ivector(ivector)
         if feats.shape[0]:
             self.buffer = np.concatenate([self.buffer, feats], axis=0)
             self.num_received += feats.shape[0]
-        return self._advance(final=False)
+
+    def end_input(self) -> None:
+        """Announce that no more frames come, without computing: the remaining chunks
+        (right edge padded with the last frame) become ready, and the stream ends
+        once they are computed (by ``finish()`` or a batched advance)."""
+        if self.finished:
+            raise StreamError("end_input() on a stream that has ended")
+        self.input_ended = True
 
     def finish(self) -> np.ndarray:
         """Flush the right edge (repeating the last frame); the stream then ends."""
         if self.finished:
             raise StreamError("finish() called twice")
-        out = self._advance(final=True)
+        self.input_ended = True
+        out = self._advance()
+        self._end()
+        return out
+
+    def _end(self) -> None:
         self.finished = True
         self.executor.release()
-        return out
 
     @property
     def num_output_frames(self) -> int:
         return self.num_emitted
 
-    def _advance(self, final: bool) -> np.ndarray:
+    @property
+    def chunk_ready(self) -> bool:
+        """Whether the next chunk can be computed now (its frames have all arrived,
+        or the input has ended and the chunk still has output rows to give)."""
+        return self.next_chunk() is not None
+
+    @property
+    def flushed(self) -> bool:
+        """The input has ended and every output row has been computed."""
+        return self.input_ended and self.next_chunk() is None
+
+    def next_chunk(self) -> tuple[int, int, int] | None:
+        """(k, begin, end): the index and input frame range of the next chunk when it
+        can be computed now, else None."""
+        if self.finished or self.num_received == 0:
+            return None
         m = self.model
-        per_chunk = m.chunk_size // m.fsf
-        total_sub = (self.num_received + m.fsf - 1) // m.fsf
+        k = self.chunks_computed
+        begin, end = m.input_range(k)
+        if self.input_ended:
+            total_sub = (self.num_received + m.fsf - 1) // m.fsf
+            if k * (m.chunk_size // m.fsf) >= total_sub:
+                return None
+        elif end > self.num_received:
+            return None
+        return k, begin, end
+
+    def _advance(self) -> np.ndarray:
         pieces = []
-        while self.num_received > 0:
-            k = self.chunks_computed
-            if final and k * per_chunk >= total_sub:
-                break
-            begin, end = m.input_range(k)
-            if not final and end > self.num_received:
-                break
-            out = self._compute_chunk(k, begin, end)
-            if final:
-                out = out[:max(0, total_sub - self.num_emitted)]
-            self.num_emitted += out.shape[0]
-            pieces.append(out)
+        while (chunk := self.next_chunk()) is not None:
+            feats, ivectors = self.chunk_inputs(*chunk)
+            pieces.append(self.take_output(self._run_chunk(feats, ivectors)))
         if not pieces:
-            return np.zeros((0, m.output_dim), dtype=np.float32)
+            return np.zeros((0, self.model.output_dim), dtype=np.float32)
         return np.concatenate(pieces, axis=0)
 
-    def _compute_chunk(self, k: int, begin: int, end: int) -> np.ndarray:
-        from engine.runtime.backend import to_host  # noqa: PLC0415
+    def chunk_inputs(self, k: int, begin: int, end: int):
+        """The input rows of chunk k (frames before 0 repeat frame 0, frames past the
+        end repeat the last one) and its i-vector rows (None without i-vectors)."""
         m = self.model
         rows = np.clip(np.arange(begin, end), 0, self.num_received - 1) - self.buffer_start
         feats = self.buffer[rows]
-        ex = self.executor
-        ex.accept_input("input", feats)
+        ivectors = None
         if m.has_ivectors:
             count = m.num_ivectors[0 if k == 0 else 1]
-            ex.accept_input("ivector", np.repeat(self.ivector[None, :], count, axis=0))
+            ivectors = np.repeat(self.ivector[None, :], count, axis=0)
+        return feats, ivectors
+
+    def _run_chunk(self, feats, ivectors) -> np.ndarray:
+        from engine.runtime.backend import to_host  # noqa: PLC0415
+        ex = self.executor
+        ex.accept_input("input", feats)
+        if ivectors is not None:
+            ex.accept_input("ivector", ivectors)
         ex.run()
         # a copy: the executor may recycle the output matrix in a later chunk
-        out = np.array(to_host(ex.get_output("output")), dtype=np.float32, copy=True)
+        return np.array(to_host(ex.get_output("output")), dtype=np.float32, copy=True)
+
+    def take_output(self, out: np.ndarray) -> np.ndarray:
+        """Book-keeping after the next chunk was computed (here or in a batch) with
+        raw network output ``out``: priors, counters, the input buffer; returns the
+        rows to give to the caller (the right edge's surplus rows dropped)."""
+        m = self.model
         if m.log_priors is not None:
-            out -= m.log_priors
+            out = out - m.log_priors
         self.chunks_computed += 1
+        if self.input_ended:
+            total_sub = (self.num_received + m.fsf - 1) // m.fsf
+            out = out[:max(0, total_sub - self.num_emitted)]
+        self.num_emitted += out.shape[0]
         # keep from the next chunk's first frame on, and always the last frame (right-edge
         # padding); chunk 0's negative frames repeat frame 0, which is then still here.
         next_begin, _ = m.input_range(self.chunks_computed)
@@ -234,7 +292,7 @@ class Stream:
         meta = {"version": STATE_VERSION, "fingerprint": self.model.fingerprint,
                 "pc": ex._pc, "pending": list(ex._pending), "buffer_start": self.buffer_start,
                 "num_received": self.num_received, "chunks_computed": self.chunks_computed,
-                "num_emitted": self.num_emitted}
+                "num_emitted": self.num_emitted, "input_ended": self.input_ended}
         arrays = dict(mats)
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
         arrays["buffer"] = self.buffer
@@ -268,6 +326,7 @@ class Stream:
             s.num_received = int(meta["num_received"])
             s.chunks_computed = int(meta["chunks_computed"])
             s.num_emitted = int(meta["num_emitted"])
+            s.input_ended = bool(meta.get("input_ended", False))
             pc, pending = int(meta["pc"]), [int(p) for p in meta["pending"]]
             if not (0 <= pc <= len(comp.commands)) or any(
                     not 0 <= p < len(comp.commands) for p in pending):
