@@ -66,6 +66,19 @@ def _cindex_key(c) -> tuple[int, int, int, int]:
     return (c[0], c[1][1], c[1][2], c[1][0])
 
 
+def _pair_key(p) -> tuple[int, int, int, int]:
+    c = p[0]
+    return (c[0], c[1][1], c[1][2], c[1][0])
+
+
+def _compile_part(part):
+    """The compiled form (engine.compiler.fast_descriptors) of one SumDescriptor
+    part, or None when it has no compiled form."""
+    from engine.compiler.fast_descriptors import compile_descriptor  # noqa: PLC0415
+    from engine.nnet.descriptors import Descriptor  # noqa: PLC0415
+    return compile_descriptor(Descriptor([part]))
+
+
 # ----------------------------------------------------------------------------------------
 # the compiler
 
@@ -254,6 +267,15 @@ class Compiler:
         def in_graph(c) -> bool:
             return get_id(c) != -1
 
+        # Compiled once per (node, part) for this compilation (descriptors are
+        # not assumed immutable between compilations).
+        cache = self.__dict__.setdefault("_fast_parts", {})
+        key = (info.node_index, part)
+        if key not in cache:
+            cache[key] = _compile_part(desc)
+        fast = cache[key]
+        if fast is not None:
+            return self._input_locations_fast(info, fast)
         out = []
         for index in info.output_indexes:
             if index[1] == K_NO_TIME:
@@ -267,6 +289,35 @@ class Compiler:
             if len(used) > 1:
                 used.sort(key=_cindex_key)
             out.append([loc[get_id(c)] for c in used])
+        return out
+
+    def _input_locations_fast(self, info, fast) -> list[list[tuple[int, int]]]:
+        """_input_locations_list through a compiled descriptor part: the same
+        inputs (those present in the pruned graph, IfDefined/Failover resolved),
+        sorted the same way."""
+        get, loc = self.graph._ids.get, self.cindex_id_to_location
+        all_required, deps = fast.all_required, fast.deps
+        out = []
+        for index in info.output_indexes:
+            if index[1] == K_NO_TIME:
+                out.append([])
+                continue
+            ins = deps(index)
+            ids = [get(ci) for ci in ins]
+            if all_required:
+                ok = None not in ids
+                used = range(len(ins))
+            else:
+                ok, used = fast.evaluate([d is not None for d in ids])
+            if not ok:
+                raise CompilerError(
+                    f"node {self.nnet.nodes[info.node_index].name!r}: Index {tuple(index)} is "
+                    f"not computable from the pruned graph")
+            if len(used) == 1:
+                out.append([loc[ids[used[0]]]])
+            else:
+                pairs = sorted(((ins[u], ids[u]) for u in used), key=_pair_key)
+                out.append([loc[d] for _, d in pairs])
         return out
 
     # -- descriptors ----------------------------------------------------------------------------

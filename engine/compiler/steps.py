@@ -63,7 +63,7 @@ def _epoch_info(nnet, graph: ComputationGraph):
         epochs: list[list[int]] = [[] for _ in range(num_epochs)]
         base = seg * num_epochs
         for c in range(start, end):
-            e = 0 if is_input[c] else node_to_epoch[cindexes[c].node]
+            e = 0 if is_input[c] else node_to_epoch[cindexes[c][0]]
             key[c] = base + e
             epochs[e].append(c)
         epochs_per_segment.append(epochs)
@@ -71,8 +71,8 @@ def _epoch_info(nnet, graph: ComputationGraph):
     return epochs_per_segment, key, epoch_is_trivial
 
 
-def _phases_for_epoch(this_epoch: list[int], deps_subset: list[list[int]],
-                      depend_on_subset: list[list[int]], trivial: bool,
+def _phases_for_epoch(this_epoch: list[int], deps_subset: dict[int, list[int]],
+                      depend_on_subset: dict[int, list[int]], trivial: bool,
                       phase_index: list[int], phases: list[list[int]],
                       graph: ComputationGraph, names: Sequence[str]) -> None:
     if not this_epoch:
@@ -110,14 +110,23 @@ def compute_computation_phases(nnet, graph: ComputationGraph) -> list[list[list[
     """
     epochs_per_segment, key, epoch_is_trivial = _epoch_info(nnet, graph)
     n = len(graph.cindexes)
-    deps_subset: list[list[int]] = []
-    depend_on_subset: list[list[int]] = [[] for _ in range(n)]
-    for c, deps in enumerate(graph.dependencies):
-        k = key[c]
-        sub = [d for d in deps if key[d] == k]
-        deps_subset.append(sub)
-        for d in sub:
-            depend_on_subset[d].append(c)
+    # Dependencies inside the same segment and epoch, both ways; only epochs of
+    # several nodes (recurrences) look at them, so only those are computed.
+    deps_subset: dict[int, list[int]] = {}
+    depend_on_subset: dict[int, list[int]] = {}
+    all_deps = graph.dependencies
+    for epochs in epochs_per_segment:
+        for e, this_epoch in enumerate(epochs):
+            if epoch_is_trivial[e]:
+                continue
+            for c in this_epoch:
+                depend_on_subset[c] = []
+            for c in this_epoch:
+                k = key[c]
+                sub = [d for d in all_deps[c] if key[d] == k]
+                deps_subset[c] = sub
+                for d in sub:
+                    depend_on_subset[d].append(c)
     phase_index = [-1] * n
     names = node_names(nnet)
     out = []
