@@ -134,6 +134,21 @@ def _cindex_rows(cindexes) -> np.ndarray:
                     dtype=np.int64).reshape(-1, 4)
 
 
+def _index_objects(rows: np.ndarray) -> list[Index]:
+    """Index objects for the (n, t, x) rows, one object per distinct row (building
+    NamedTuples is what costs here, and rows repeat across matrices)."""
+    if rows.shape[0] == 0:
+        return []
+    lo = rows.min(axis=0)
+    span = rows.max(axis=0) - lo + 1
+    if float(span[0]) * float(span[1]) * float(span[2]) >= 2.0 ** 62:
+        return list(map(Index._make, rows.tolist()))
+    code = ((rows[:, 0] - lo[0]) * span[1] + (rows[:, 1] - lo[1])) * span[2] + (rows[:, 2] - lo[2])
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    objs = list(map(Index._make, rows[first].tolist()))
+    return list(map(objs.__getitem__, inverse.ravel().tolist()))
+
+
 def request_is_decomposable(request: ComputationRequest
                             ) -> tuple[ComputationRequest, int] | None:
     """Kaldi's RequestIsDecomposable: (two-sequence mini request, N) when every
@@ -176,6 +191,7 @@ class _Expander:
         self.num_n = num_n
         self.need_debug_info = need_debug_info
         self.out = NnetComputation()
+        self._expanded_indexes: dict[bytes, list[Index]] = {}
 
     # -- strides -------------------------------------------------------------------------
     def init_strides(self) -> None:
@@ -262,7 +278,7 @@ class _Expander:
         out = np.empty((int(new_sizes.sum()), 4), dtype=np.int64)
         out[pos.ravel()] = np.repeat(self.rows[i0], big_n, axis=0)
         out[pos.ravel(), 0] = np.tile(np.arange(big_n), i0.size)
-        pairs = list(zip(out[:, 1].tolist(), map(Index._make, out[:, [0, 2, 3]].tolist())))
+        pairs = list(zip(out[:, 1].tolist(), _index_objects(out[:, [0, 2, 3]])))
         src = self.c.matrix_debug_info
         self.out.matrix_debug_info = [MatrixDebugInfo()] + [
             MatrixDebugInfo(src[k].is_deriv, pairs[new_base[k]:new_base[k] + new_sizes[k]])
@@ -399,10 +415,17 @@ class _Expander:
 
     def expand_indexes(self, indexes) -> list[Index]:
         rows = _index_rows(indexes)
+        # layers with the same time pattern share one expanded list (components
+        # only read the lists they are given)
+        key = rows.tobytes()
+        if key in self._expanded_indexes:
+            return self._expanded_indexes[key]
         s = find_n_stride(rows)
         if s == 0 or rows[-1, 0] != 1:
             raise ShortcutNotApplicable("precomputed indexes lack the regular n structure")
-        return [Index(*r) for r in convert_num_n_values(rows, s, 2, self.num_n).tolist()]
+        out = _index_objects(convert_num_n_values(rows, s, 2, self.num_n))
+        self._expanded_indexes[key] = out
+        return out
 
     def compute_precomputed_indexes(self) -> None:
         c = self.c
