@@ -170,6 +170,21 @@ def node_names(nnet) -> list[str]:
     return names() if callable(names) else names
 
 
+# Non-simple components whose IsComputable is "every Index GetInputIndexes
+# lists is present" and which then use all of them: the base class's default,
+# and Kaldi's TdnnComponent (time offsets, all required).  For these the graph
+# builder settles computability from the dependency states alone.
+_ALL_INPUTS_COMPONENTS = ("TdnnComponent",)
+
+
+def _needs_all_inputs(comp) -> bool:
+    cls = type(comp)
+    if cls.__name__ in _ALL_INPUTS_COMPONENTS:
+        return True
+    base = next((k for k in cls.__mro__ if k.__name__ == "Component"), None)
+    return base is not None and cls.is_computable is base.is_computable
+
+
 class _NodeTable:
     """Per-node facts the builder needs, read once from the Nnet."""
 
@@ -206,10 +221,13 @@ class _NodeTable:
         # Nodes whose computable, usable cindexes keep their dependency lists
         # through pruning (all inputs required): inputs, dim-range nodes, simple
         # components and descriptors without IfDefined/Failover/Const.
+        self.comp_all_required: list[bool] = [
+            c is not None and not s and _needs_all_inputs(c)
+            for c, s in zip(self.component, self.simple)]
         self.prune_trivial: list[bool] = [
-            k in (_INPUT, _DIM_RANGE) or (k == _COMPONENT and s)
+            k in (_INPUT, _DIM_RANGE) or (k == _COMPONENT and (s or a))
             or (k == _DESCRIPTOR and f is not None and f.all_required)
-            for k, s, f in zip(self.kind, self.simple, self.fast)]
+            for k, s, a, f in zip(self.kind, self.simple, self.comp_all_required, self.fast)]
 
 
 class ComputationGraphBuilder:
@@ -437,6 +455,15 @@ class ComputationGraphBuilder:
                 # A simple component needs exactly the same Index at its input.
                 d = self.graph._ids.get((node - 1, idx))
                 return K_NOT_COMPUTABLE if d is None else computable[d]
+            if nodes.comp_all_required[node]:
+                status = K_COMPUTABLE
+                for d in self.graph.dependencies[c]:
+                    s = computable[d]
+                    if s == K_NOT_COMPUTABLE:
+                        return K_NOT_COMPUTABLE
+                    if s == K_UNKNOWN:
+                        status = K_UNKNOWN
+                return status
             comp, misc = nodes.component[node], self.request.misc_info
             if comp.is_computable(misc, idx, self._index_set(node - 1, False), None):
                 return K_COMPUTABLE

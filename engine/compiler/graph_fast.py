@@ -291,7 +291,8 @@ def _check_general_nodes(builder, coords: _Coords, rows_done: np.ndarray) -> Non
     for node in np.unique(node_of).tolist():
         kind = nodes.kind[node]
         general_desc = kind == _DESCRIPTOR and not nodes.fast[node].all_required
-        general_comp = kind == _COMPONENT and not nodes.simple[node]
+        general_comp = (kind == _COMPONENT and not nodes.simple[node]
+                        and not nodes.comp_all_required[node])
         if not (general_desc or general_comp):
             continue
         rows = coords.data[rows_done[node_of == node]]

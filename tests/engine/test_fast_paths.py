@@ -1,0 +1,259 @@
+"""The compiler front half's fast paths give exactly what the general code gives.
+
+- engine.compiler.fast_descriptors: generated dependency functions, their
+  NumPy form and the compiled IfDefined/Failover/Const evaluation against the
+  Descriptor object tree (GetDependencies, IsComputable with used inputs).
+- engine.compiler.graph_fast: the layered NumPy graph build against Kaldi's
+  per-cindex algorithm (ComputationGraphBuilder with use_layered=False): the
+  same cindexes in the same order, dependencies, inputs, segments, usable
+  counts, steps; on the reference networks of tests/data/compiler, the models
+  of ../shared/kaldi-ref when present, random networks of
+  engine.nnet.random_config, and two-segment (looped-style) requests.
+- the compiler's input locations through compiled descriptor parts against the
+  object-tree path: the same printed computation.
+No timing is asserted here (bench/compile_speed.py measures speed).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.compiler import compiler as compiler_mod
+from engine.compiler.compiler import Compiler, CompilerOptions
+from engine.compiler.fast_descriptors import compile_descriptor
+from engine.compiler.graph import (ComputationGraph, ComputationGraphBuilder,
+                                   build_computation_graph)
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.compiler.steps import compute_computation_phases, compute_computation_steps
+from engine.core.errors import NotComputableError, RequestError
+from engine.core.index import Cindex, Index
+from engine.nnet.random_config import GenerationOptions, generate_config_sequence, random_request
+
+from compiler_ref import CASES, load_case
+from conftest import shared_ref
+
+OPTS = GenerationOptions(dim_scale=0.3)
+RANDOM_SEEDS = range(60)
+
+
+def _random(seed: int):
+    rng = np.random.default_rng(seed)
+    net = generate_config_sequence(rng, OPTS)
+    nnet = net.build(rng)
+    return nnet, random_request(nnet, rng)
+
+
+def _build(nnet, requests, layered: bool):
+    """(graph, statuses, usable counts before each prune) or the error raised."""
+    graph = ComputationGraph()
+    builder = ComputationGraphBuilder(nnet, graph)
+    builder.use_layered = layered
+    statuses, usables = [], []
+    try:
+        for req in requests:
+            builder.compute(req)
+            statuses.append(builder.layered_status)
+            if not builder.all_outputs_are_computable():
+                raise builder.not_computable_error()
+            usables.append(list(builder.usable))
+            builder.prune()
+    except (NotComputableError, RequestError) as e:
+        return None, statuses, str(e)
+    return graph, statuses, usables
+
+
+def _steps(nnet, requests, graph):
+    phases = compute_computation_phases(nnet, graph)
+    return [list(s) for s in compute_computation_steps(nnet, requests, phases, graph)]
+
+
+def _assert_same_build(nnet, requests) -> str:
+    """Build both ways, compare everything; returns the layered path's status."""
+    g1, st1, u1 = _build(nnet, requests, True)
+    g0, _, u0 = _build(nnet, requests, False)
+    if g0 is None or g1 is None:
+        assert g0 is None and g1 is None and u0 == u1, (u0, u1)
+        return st1[-1] if st1 else ""
+    assert g1.cindexes == g0.cindexes
+    assert all(type(c) is Cindex and type(c.index) is Index for c in g1.cindexes)
+    assert g1.dependencies == g0.dependencies
+    assert g1.is_input == g0.is_input
+    assert g1.segment_ends == g0.segment_ends
+    assert u1 == u0
+    assert _steps(nnet, requests, g1) == _steps(nnet, requests, g0)
+    return st1[-1]
+
+
+def _second_segment(req: ComputationRequest, nnet) -> ComputationRequest | None:
+    """A looped-style next chunk: the next frames of input and output, reusing
+    the first segment's cindexes (ivector only in the first segment)."""
+    inp = next(s for s in req.inputs if s.name == "input")
+    out = req.outputs[0]
+    ts = [i.t for i in inp.indexes]
+    ots = [i.t for i in out.indexes]
+    shift = max(ots) - min(ots) + 1
+    ns = sorted({i.n for i in inp.indexes})
+    new_in = [Index(n, t, 0) for n in ns for t in range(max(ts) + 1, max(ts) + 1 + shift)]
+    new_out = [Index(i.n, i.t + shift, i.x) for i in out.indexes]
+    return ComputationRequest([IoSpecification("input", new_in)],
+                              [IoSpecification(out.name, new_out)])
+
+
+# -- fast descriptors ------------------------------------------------------------------------
+
+
+def _descriptor_nodes():
+    out = []
+    for seed in RANDOM_SEEDS:
+        nnet, _ = _random(seed)
+        for node in nnet.nodes:
+            if getattr(node, "descriptor", None) is not None:
+                out.append(node.descriptor)
+    return out
+
+
+def test_fast_descriptors_match_the_object_tree():
+    rng = np.random.default_rng(5)
+    descs = _descriptor_nodes()
+    seen_general = 0
+    for desc in descs:
+        fast = compile_descriptor(desc)
+        assert fast is not None, desc
+        indexes = [Index(int(n), int(t), int(x)) for n, t, x in
+                   zip(rng.integers(0, 4, 12), rng.integers(-30, 30, 12), rng.integers(0, 2, 12))]
+        for idx in indexes:
+            want = desc.get_dependencies(idx)
+            got = fast.deps(idx)
+            assert got == want
+            arrays = fast.deps_arrays(np.array([idx.n]), np.array([idx.t]), np.array([idx.x]))
+            assert [(int(np.broadcast_to(nd, (1,))[0]), (int(n[0]), int(t[0]), int(x[0])))
+                    for nd, n, t, x in arrays] == want
+            # every subset of present inputs for small lists, random ones otherwise
+            k = len(want)
+            masks = ([[(m >> i) & 1 == 1 for i in range(k)] for m in range(1 << k)] if k <= 6
+                     else [list(rng.integers(0, 2, k) == 1) for _ in range(40)])
+            for present in masks:
+                have = {c for c, p in zip(want, present) if p}
+                used: list = []
+                ok = desc.is_computable(idx, have.__contains__, used)
+                fok, fpos = fast.evaluate(present)
+                # the same cindex may sit at two positions: presence is per cindex
+                if len(set(want)) == len(want):
+                    assert fok == ok
+                    assert [want[p] for p in fpos] == used
+                    assert fast.computable(present) == ok
+        if not fast.all_required:
+            seen_general += 1
+    assert seen_general > 0, "no IfDefined/Failover/Const descriptor among the random networks"
+
+
+# -- the layered graph build -----------------------------------------------------------------------
+
+
+def test_layered_build_equals_kaldi_algorithm_on_reference_networks():
+    used = 0
+    for case in CASES:
+        nnet, req = load_case(case)
+        if nnet is None:
+            continue
+        used += _assert_same_build(nnet, [req]) == "used"
+    assert used > 0, "the layered path was never taken on the reference networks"
+
+
+def test_layered_build_equals_kaldi_algorithm_on_random_networks():
+    status = {}
+    for seed in RANDOM_SEEDS:
+        nnet, req = _random(seed)
+        status[seed] = _assert_same_build(nnet, [req])
+    taken = sum(s == "used" for s in status.values())
+    declined = sum(s.startswith("declined") for s in status.values())
+    # both branches are exercised
+    assert taken >= 10 and declined >= 5, status
+
+
+def test_layered_build_equals_kaldi_algorithm_on_two_segments():
+    taken = 0
+    for seed in RANDOM_SEEDS[:30]:
+        nnet, req = _random(seed)
+        req2 = _second_segment(req, nnet)
+        taken += _assert_same_build(nnet, [req, req2]) == "used"
+    assert taken > 0
+
+
+@pytest.mark.skipif(shared_ref() is None, reason="needs ../shared/kaldi-ref (reference models)")
+@pytest.mark.parametrize("model", ["tdnn", "tdnnf", "tdnn_lstm", "blstm"])
+def test_layered_build_on_reference_models(model):
+    from engine.nnet.model_io import load_model  # noqa: PLC0415
+    d = shared_ref() / "models" / model
+    nnet = load_model(str(d / "model.raw")).nnet
+    info = json.loads((d / "infer.json").read_text())["info"]
+    left, right = info["left-context"], info["right-context"]
+    for chunk, batch in [(21, 2), (8, 3)]:
+        inputs = [IoSpecification("input", [Index(n, t, 0) for n in range(batch)
+                                            for t in range(-left, chunk + right)])]
+        if nnet.get_node_index("ivector") >= 0:
+            inputs.append(IoSpecification("ivector", [Index(n, 0, 0) for n in range(batch)]))
+        outputs = [IoSpecification("output", [Index(n, t, 0) for n in range(batch)
+                                              for t in range(chunk)])]
+        status = _assert_same_build(nnet, [ComputationRequest(inputs, outputs)])
+        if model in ("tdnn", "tdnnf"):
+            assert status == "used"
+
+
+def test_layered_build_reports_uncomputable_outputs_like_kaldi():
+    # An output frame whose context the request does not supply: the layered
+    # path declines and the error is the general path's.
+    for seed in RANDOM_SEEDS[:20]:
+        nnet, req = _random(seed)
+        out = req.outputs[0]
+        far = [Index(i.n, i.t + 1000, i.x) for i in out.indexes]
+        bad = ComputationRequest(req.inputs, [IoSpecification(out.name, far)])
+        g1, st1, e1 = _build(nnet, [bad], True)
+        g0, _, e0 = _build(nnet, [bad], False)
+        assert g1 is None and g0 is None and e1 == e0
+        assert st1[0].startswith("declined")
+
+
+# -- compiler input locations ------------------------------------------------------------------------
+
+
+def _compiled_text(nnet, req, fast: bool, monkeypatch) -> str:
+    if not fast:
+        monkeypatch.setattr(compiler_mod, "_compile_part", lambda part: None)
+    try:
+        comp = Compiler(nnet, [req]).create_computation(CompilerOptions())
+    except NotComputableError as e:
+        return f"error: {e}"
+    finally:
+        monkeypatch.undo()
+    return comp.to_text(nnet)
+
+
+def test_input_locations_through_compiled_parts(monkeypatch):
+    for seed in RANDOM_SEEDS[:40]:
+        nnet, req = _random(seed)
+        assert (_compiled_text(nnet, req, True, monkeypatch)
+                == _compiled_text(nnet, req, False, monkeypatch))
+    for case in CASES[:20]:
+        nnet, req = load_case(case)
+        if nnet is not None:
+            assert (_compiled_text(nnet, req, True, monkeypatch)
+                    == _compiled_text(nnet, req, False, monkeypatch))
+
+
+def test_build_computation_graph_entry_point_uses_the_fast_path():
+    for seed in RANDOM_SEEDS:
+        nnet, req = _random(seed)
+        graph = ComputationGraph()
+        builder = ComputationGraphBuilder(nnet, graph)
+        try:
+            build_computation_graph(nnet, req, graph, builder)
+        except NotComputableError:
+            continue
+        if builder.layered_status == "used":
+            assert graph.segment_ends == [len(graph.cindexes)]
+            return
+    pytest.fail("no random network took the layered path")
