@@ -185,7 +185,7 @@ class Stream:
     def finish(self) -> np.ndarray:
         """Flush the right edge (repeating the last frame); the stream then ends."""
         if self.finished:
-            raise StreamError("finish() called twice")
+            raise StreamError("finish() called twice: the stream has ended")
         self.input_ended = True
         out = self._advance()
         self._end()
@@ -355,8 +355,9 @@ class StreamBatch:
     have ``n`` = 0..B-1 (a LoopedModel built with ``num_sequences=B``): a chunk is
     computed when every stream has its frames or has finished (a finished stream's
     input repeats its last frame, its surplus rows are dropped).  Streams must start
-    together; this is the basis of batched streaming, not yet the gathering of
-    streams at different chunk positions into one batch."""
+    together.  For independent Streams at any chunk position (different start times,
+    first chunks next to steady-state ones, export/import in between) use
+    engine.inference.batch.StreamBatcher."""
 
     def __init__(self, model: LoopedModel, ivectors=None):
         from engine.runtime.executor import Executor  # noqa: PLC0415
