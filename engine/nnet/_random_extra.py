@@ -36,6 +36,9 @@ def _c_pnorm(rng, d):
 
 
 def _c_normalize(rng, d):
+    # A block of one element normalises to its sign: no derivative, and a jump
+    # at zero (Kaldi's generator avoids dim=1 for the same reason).
+    d = d if d >= 2 else _ri(rng, 2, 10)
     bd = _divisor(rng, d)
     if bd == 1:
         bd = d

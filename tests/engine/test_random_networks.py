@@ -38,7 +38,7 @@ from network_harness import (approx_equal_vectors, compile_request, dot_gradient
 
 # Kaldi's dimensions scaled down: the same architectures, a fraction of the work.
 OPTS = GenerationOptions(dim_scale=0.3)
-NUM_FAST = 90          # random kinds (about a minute in all on 2 cores)
+NUM_FAST = 60          # random kinds (the fast file runs in about a minute on 2 cores)
 NUM_SLOW = 400
 PER_KIND = 2           # plus this many seeds forced to each kind
 NUM_DIRECTIONS = 3
@@ -342,3 +342,25 @@ def test_recurrent_output_without_any_input_is_not_computable():
                              [IoSpecification("output", [Index(0, 1_000_000, 0)])])
     with pytest.raises(NotComputableError):
         compile_request(nnet, req)
+
+
+# -- the harness's optimize hook (the optimizer's own differential tests use it) ----------------------
+
+
+@pytest.mark.parametrize("kind", GENERATOR_NAMES)
+def test_optimized_run_matches_unoptimized(kind):
+    opt = pytest.importorskip("engine.optimizer", reason="engine.optimizer is not available")
+    rng, net, nnet = _make(5, kind)
+    req = _full_deriv_request(random_request(nnet, rng))
+    x = random_inputs(nnet, req, rng)
+    dy = random_output_derivs(nnet, req, rng)
+    plain = run_network(nnet, req, x, dy)
+    hooks = [True, lambda c, n, r: opt.optimize(c, n, opt.OptimizeOptions(), request=r)]
+    for hook in hooks:
+        run = run_network(nnet, req, x, dy, optimize=hook)
+        assert run.computation is not plain.computation
+        got = dict(zip(("outputs", "input_derivs", "model_gradient"), run))
+        for what, ref in zip(("outputs", "input_derivs", "model_gradient"), plain):
+            assert set(got[what]) == set(ref), what
+            for k, v in ref.items():
+                _assert_close(f"{kind}: optimized {what} {k}", got[what][k], v)
