@@ -417,7 +417,7 @@ def gen_multi_io(rng, opts) -> RandomNetwork:
     hi_terms = ", ".join(
         f"Failover(Offset(input_hi, {off}), input_hi)" if off > 0 and _coin(rng)
         else f"Offset(input_hi, {off})" for off in c2)
-    mix = (f"Sum(a1, Scale(0.5, a2))" if _coin(rng)
+    mix = ("Sum(a1, Scale(0.5, a2))" if _coin(rng)
            else f"Sum(a1, Sum(a2, Const(0.5, {h})))")
     part = _ri(rng, 1, h - 1)
     L = [f"input-node name=input dim={i}",
