@@ -149,46 +149,88 @@ def command_submatrix_accesses(computation: NnetComputation, command, nnet
     """(submatrix, READ/WRITE/READWRITE) for every submatrix a command reads or
     writes (not alloc/dealloc/swap), from COMMAND_SPECS plus the refinements in
     the module docstring."""
+    return _submatrix_accesses(computation, command, _ComponentProps(nnet))
+
+
+class _ComponentProps:
+    """Component properties, asked of each component once per analysis."""
+
+    def __init__(self, nnet) -> None:
+        self.nnet = nnet   # only touched for commands that name a component
+        self.cache: dict[int, int] = {}
+
+    def __getitem__(self, c: int) -> int:
+        p = self.cache.get(c)
+        if p is None:
+            p = self.cache[c] = int(self.nnet.components[c].properties())
+        return p
+
+
+# Per command type, the (slot position, kind, access) of the slots that name
+# submatrices or multi-indexes (what command_submatrix_accesses looks at).
+_SLOT_CACHE: dict = {}
+
+
+def _access_slots(ct) -> list[tuple[int, object, object]]:
+    slots = _SLOT_CACHE.get(ct)
+    if slots is None:
+        slots = [(i, slot.kind, slot.access) for i, slot in enumerate(COMMAND_SPECS[ct].slots)
+                 if (slot.kind == ArgKind.SUBMATRIX and slot.access in (READ, WRITE, READWRITE))
+                 or slot.kind == ArgKind.INDEXES_MULTI]
+        _SLOT_CACHE[ct] = slots
+    return slots
+
+
+_PROPAGATE, _BACKPROP_TYPES = CT.PROPAGATE, (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE)
+_COPY_ROWS, _COPY_ROWS_MULTI = CT.COPY_ROWS, CT.COPY_ROWS_MULTI
+_PROPAGATE_ADDS, _BACKPROP_ADDS = int(P.PROPAGATE_ADDS), int(P.BACKPROP_ADDS)
+
+
+def _submatrix_accesses(computation: NnetComputation, command, props: _ComponentProps
+                        ) -> list[tuple[int, Access]]:
     ct = command.command_type
-    spec = COMMAND_SPECS[ct]
     args = command.args
     out: list[tuple[int, Access]] = []
-    for i, slot in enumerate(spec.slots):
+    for i, kind, acc in _access_slots(ct):
         a = args[i]
-        if slot.kind == ArgKind.SUBMATRIX and slot.access in (READ, WRITE, READWRITE):
+        if kind == ArgKind.SUBMATRIX:
             if a <= 0:
                 continue
-            acc = slot.access
-            if ct == CT.PROPAGATE and acc == WRITE:
-                if nnet.components[command.arg1].properties() & P.PROPAGATE_ADDS:
-                    acc = READWRITE
-            elif ct in (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE) and acc == WRITE:
-                if nnet.components[command.arg1].properties() & P.BACKPROP_ADDS:
-                    acc = READWRITE
-            elif ct == CT.COPY_ROWS and i == 0:
+            if acc == WRITE:
+                if ct == _PROPAGATE:
+                    if props[command.arg1] & _PROPAGATE_ADDS:
+                        acc = READWRITE
+                elif ct in _BACKPROP_TYPES:
+                    if props[command.arg1] & _BACKPROP_ADDS:
+                        acc = READWRITE
+            if ct == _COPY_ROWS and i == 0:
                 acc = READWRITE if -1 in computation.indexes[command.arg3] else WRITE
-            elif ct == CT.COPY_ROWS_MULTI and i == 0:
+            elif ct == _COPY_ROWS_MULTI and i == 0:
                 acc = WRITE
             out.append((a, acc))
-        elif slot.kind == ArgKind.INDEXES_MULTI:
+        else:
             subs = sorted({s for s, _ in computation.indexes_multi[a] if s > 0})
-            out.extend((s, slot.access) for s in subs)
+            out.extend((s, acc) for s in subs)
     return out
 
 
 def compute_command_attributes(nnet, computation: NnetComputation,
                                vars_: ComputationVariables) -> list[CommandAttributes]:
     out = []
+    props = _ComponentProps(nnet)
+    updatable = int(P.UPDATABLE_COMPONENT)
+    backprop = CT.BACKPROP
     for c in computation.commands:
         attr = CommandAttributes()
-        for s, acc in command_submatrix_accesses(computation, c, nnet):
+        for s, acc in _submatrix_accesses(computation, c, props):
             _record(vars_, s, acc, attr)
-        if (c.command_type == CT.BACKPROP
-                and nnet.components[c.arg1].properties() & P.UPDATABLE_COMPONENT):
+        if c.command_type == backprop and props[c.arg1] & updatable:
             attr.has_side_effects = True
         for name in ("variables_read", "variables_written", "submatrices_read",
                      "submatrices_written", "matrices_read", "matrices_written"):
-            setattr(attr, name, sorted(set(getattr(attr, name))))
+            v = getattr(attr, name)
+            if len(v) > 1:
+                setattr(attr, name, sorted(set(v)))
         out.append(attr)
     return out
 
@@ -385,16 +427,6 @@ def max_memory_use(computation: NnetComputation) -> int:
 
 
 def reference_peak_bytes(computation: NnetComputation) -> int:
-    """Peak memory as the kaldi-ref stats.json files count it: kAllocMatrix adds the
-    matrix's float32 bytes, kDeallocMatrix subtracts them (inputs included, though
-    their kAcceptInput added nothing), kSwapMatrix changes nothing.  Differs from
-    ``NnetComputation.stats()`` (which follows ownership through swaps) only on
-    optimized computations; use this to compare with the reference numbers."""
-    cur = peak = 0
-    for c in computation.commands:
-        if c.command_type in (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX):
-            mi = computation.matrices[computation.submatrices[c.arg1].matrix_index]
-            nbytes = 4 * mi.num_rows * mi.num_cols
-            cur += nbytes if c.command_type == CT.ALLOC_MATRIX else -nbytes
-            peak = max(peak, cur)
-    return peak
+    """Peak memory as the kaldi-ref stats.json files count it; one implementation,
+    ``NnetComputation.peak_bytes()`` (also what ``stats()`` reports)."""
+    return computation.peak_bytes()
