@@ -169,6 +169,7 @@ class BatchPlan:
                                           optimize_options=model.optimize_options)
         self.phases: dict[tuple, _Phase] = {}
         self.after: dict[tuple, tuple] = {}     # batched phase -> single phase
+        self._device_rows: dict = {}            # row numbers on a GPU backend, made once
         self._calibrate(np.random.default_rng(seed))
 
     # -- calibration (Kaldi: AdvanceChunkUntilStable) ---------------------------------------
@@ -247,7 +248,7 @@ class BatchPlan:
         pairs = []
         for j in liveb:
             rm = _row_map(self.computation, j, nb)
-            rows_b, cols = self.computation.matrices[j].num_rows, self.computation.matrices[j].num_cols
+            rows_b, cols = self.computation.matrices[j][:2]
             same_unset = rm is None or not by_key.get(rm[0])
             if not same_unset:
                 cands = [(i, rm[1]) for i in by_key[rm[0]] if i not in used]
@@ -282,6 +283,9 @@ class BatchPlan:
         if not 0 < len(streams) <= nb:
             raise StreamError(f"a batch of {len(streams)} streams for a computation of {nb}")
         phase = self.phases.get(_phase(streams[0].executor))
+        if any(_phase(s.executor) != _phase(streams[0].executor) for s in streams):
+            raise StreamError("streams batched together must be at the same phase of the "
+                              "looped computation (see StreamBatcher.groups)")
         if phase is None:
             raise StreamError(f"stream is at program counter {_phase(streams[0].executor)[0]}, "
                               f"not between two chunks of the looped computation")
@@ -289,10 +293,10 @@ class BatchPlan:
         xp, pool = m.backend, m.pool
         ex = _new_executor(self.computation, m)
         big = [None] * len(self.computation.matrices)
-        for i, j, rows in phase.pairs:
+        for p, (i, j, _) in enumerate(phase.pairs):
             parts = xp.concatenate([_matrices(streams[s].executor)[i] for s in slots], axis=0)
             dest = pool.get(xp, parts.shape[0], parts.shape[1])
-            dest[xp.asarray(rows.reshape(-1))] = parts
+            dest[self._rows(phase, p, None)] = parts
             big[j] = dest
         _set_state(ex, phase.batched, big)
         feats = np.concatenate([inputs[s][0] for s in slots], axis=0)
@@ -307,11 +311,8 @@ class BatchPlan:
         for b, s in enumerate(streams):
             own = _matrices(s.executor)
             new = [None] * len(own)
-            for i, j, rows in nxt.pairs:
-                src = _matrices(ex)[j][xp.asarray(rows[b])]
-                buf = pool.get(xp, src.shape[0], src.shape[1])
-                buf[...] = src
-                new[i] = buf
+            for p, (i, j, _) in enumerate(nxt.pairs):
+                new[i] = _matrices(ex)[j][self._rows(nxt, p, b)]   # a fresh array
             for a in own:
                 if a is not None:
                     pool.release(xp, a)
@@ -319,6 +320,20 @@ class BatchPlan:
         ex.release()
         per = out.shape[0] // nb
         return [out[b * per:(b + 1) * per] for b in range(len(streams))]
+
+    def _rows(self, phase: _Phase, p: int, b: int | None):
+        """Rows of pair p of ``phase``: all, in stream order (b None), or stream b's,
+        as an index array of the model's backend."""
+        rows = phase.pairs[p][2]
+        xp = self.model.backend
+        if xp is np:
+            return rows.reshape(-1) if b is None else rows[b]
+        key = (phase.single, p)
+        dev = self._device_rows.get(key)
+        if dev is None:
+            dev = self._device_rows[key] = (xp.asarray(rows.reshape(-1)),
+                                            [xp.asarray(r) for r in rows])
+        return dev[0] if b is None else dev[1][b]
 
 
 def _run(ex, feats, ivecs, to_host) -> np.ndarray:
@@ -380,33 +395,36 @@ class StreamBatcher:
             if s.model is not self.model and s.model.fingerprint != self.model.fingerprint:
                 raise StreamError("a stream of another model or chunk configuration was given")
 
+    def groups(self, streams) -> list[list[int]]:
+        """How ``step`` would batch ``streams``: the positions of the streams with a
+        chunk ready, one list per computation (same phase, at most max_batch_size).
+        A scheduler may wait for more streams when the groups are small."""
+        streams = list(streams)
+        self._check(streams)
+        by_phase: dict[tuple, list[int]] = defaultdict(list)
+        for idx, s in enumerate(streams):
+            if s.next_chunk() is not None:
+                by_phase[_phase(s.executor)].append(idx)
+        return [members[lo:lo + self.max_batch_size] for members in by_phase.values()
+                for lo in range(0, len(members), self.max_batch_size)]
+
     def step(self, streams) -> list[np.ndarray]:
         """Compute the next chunk of every stream in ``streams`` that has one ready;
         returns each stream's new output rows (empty for the others).  A stream whose
         input has ended (``end_input``) and whose last chunk is computed here ends."""
         streams = list(streams)
-        self._check(streams)
         outs = [np.zeros((0, self.model.output_dim), np.float32) for _ in streams]
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        chunks = {}
-        for idx, s in enumerate(streams):
-            c = s.next_chunk()
-            if c is not None:
-                chunks[idx] = c
-                groups[_phase(s.executor)].append(idx)
-        for members in groups.values():
-            for lo in range(0, len(members), self.max_batch_size):
-                part = members[lo:lo + self.max_batch_size]
-                group = [streams[i] for i in part]
-                inputs = [s.chunk_inputs(*chunks[i]) for s, i in zip(group, part)]
-                size = self._size_for(len(part))
-                if size == 1:
-                    raws = [group[0]._run_chunk(*inputs[0])]
-                else:
-                    raws = batch_plan(self.model, size).run(group, inputs)
-                self.num_runs += 1
-                for s, i, raw in zip(group, part, raws):
-                    outs[i] = s.take_output(raw)
+        for part in self.groups(streams):
+            group = [streams[i] for i in part]
+            inputs = [s.chunk_inputs(*s.next_chunk()) for s in group]
+            size = self._size_for(len(part))
+            if size == 1:
+                raws = [group[0]._run_chunk(*inputs[0])]
+            else:
+                raws = batch_plan(self.model, size).run(group, inputs)
+            self.num_runs += 1
+            for s, i, raw in zip(group, part, raws):
+                outs[i] = s.take_output(raw)
         for s in streams:
             if not s.finished and s.flushed:
                 s._end()
