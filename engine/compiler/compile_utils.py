@@ -92,8 +92,11 @@ def split_locations(submat_lists: list[list[tuple[int, int]]]) -> list[list[tupl
         return [[lst[0] if lst else (-1, -1) for lst in submat_lists]]
     counts = Counter(s for lst in submat_lists for s, _ in lst)
     cutoff = num_rows // 2
-    # Kaldi collects the large-count submatrices by iterating an unordered_map
-    large = [s for s in unordered_map_order(counts) if counts[s] > cutoff]
+    large = [s for s, n in counts.items() if n > cutoff]
+    if len(large) > 1:
+        # Kaldi collects them by iterating an unordered_map: their order is the order
+        # in which the summed terms are written
+        large = [s for s in unordered_map_order(counts) if counts[s] > cutoff]
     if large:
         pos = {s: i for i, s in enumerate(large)}
         split = [[(-1, -1)] * num_rows for _ in large]
