@@ -11,6 +11,8 @@ into commands that each touch every row at most once.
   where a column must not write any destination row twice.
 - ``has_contiguous_property`` (HasContiguousProperty): whether a row map can be
   run as AddRowRanges.
+- ``unordered_map_order``: the iteration order of libstdc++'s unordered_map, which
+  Kaldi's GetSubmatCounts exposes (it orders the terms of a summed input).
 """
 
 from __future__ import annotations
