@@ -200,7 +200,7 @@ class Executor:
         program = self._plans.get("program")
         if program is None:
             program = self._plans["program"] = build_program(self.computation, self.xp,
-                                                             self._plan)
+                                                             self._plan, self._components)
         mats = self._matrices
         pc = self._pc
         try:

