@@ -226,12 +226,56 @@ class FastDescriptor:
         return self.evaluate(present)[0]
 
 
+def _structure(obj) -> tuple:
+    """A hashable value equal for descriptor trees that compile to the same code."""
+    kind = type(obj)
+    if kind is SimpleForwardingDescriptor:
+        return ("node", obj.node_index)
+    if kind is OffsetForwardingDescriptor:
+        return ("offset", tuple(obj.offset), _structure(obj.src))
+    if kind is RoundingForwardingDescriptor:
+        return ("round", obj.t_modulus, _structure(obj.src))
+    if kind is ReplaceIndexForwardingDescriptor:
+        return ("replace", obj.variable, obj.value, _structure(obj.src))
+    if kind is SwitchingForwardingDescriptor:
+        return ("switch",) + tuple(_structure(s) for s in obj.srcs)
+    if kind is SimpleSumDescriptor:
+        return ("simple", _structure(obj.src))
+    if kind is OptionalSumDescriptor:
+        return ("optional", _structure(obj.src))
+    if kind is ConstantSumDescriptor:
+        return ("const",)
+    if kind is BinarySumDescriptor:
+        return ("binary", int(obj.op), _structure(obj.src1), _structure(obj.src2))
+    if kind is Descriptor:
+        return ("append",) + tuple(_structure(p) for p in obj.parts)
+    raise UnsupportedDescriptor(kind.__name__)
+
+
+# Compiled descriptors by structure: generating and exec'ing the code is most of
+# the cost for small requests, and networks repeat the same shapes.  Scales and
+# constant values do not enter the structure (nothing here depends on them).
+_CACHE: dict[tuple, FastDescriptor] = {}
+_CACHE_LIMIT = 4096
+
+
 def compile_descriptor(desc: Descriptor) -> FastDescriptor | None:
     """The compiled form of ``desc``, or None for a descriptor class not known here."""
     try:
-        return FastDescriptor(desc)
+        key = _structure(desc)
     except UnsupportedDescriptor:
         return None
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    try:
+        fast = FastDescriptor(desc)
+    except UnsupportedDescriptor:
+        return None
+    if len(_CACHE) >= _CACHE_LIMIT:
+        _CACHE.clear()
+    _CACHE[key] = fast
+    return fast
 
 
 __all__ = ["FastDescriptor", "compile_descriptor", "UnsupportedDescriptor"]
