@@ -245,12 +245,17 @@ class ComputationGraphBuilder:
         self.usable = [1] * n
         self.queued = [False] * n
         self.deps_done = [False] * n
-        self.depend_on_this: list[list[int]] = [[] for _ in range(n)]
+        # Dependents of each cindex; None stands for an empty list (most
+        # entries, and saves allocating one list per graph vertex).
+        self.depend_on_this: list[list[int] | None] = [None] * n
         self.current_queue: list[int] = []
         self.next_queue: list[int] = []
         # Try the NumPy layered path first (engine.compiler.graph_fast); it
         # gives the same graph, and declines when its premise does not hold.
         self.use_layered = True
+        # ... for requests with at least this many output Indexes: below that
+        # the per-layer NumPy overhead costs more than the per-cindex loop saves.
+        self.layered_min_outputs = 100
         # "used" or "declined: <why>" for the last compute() (for tests and profiling).
         self.layered_status = ""
 
@@ -260,7 +265,7 @@ class ComputationGraphBuilder:
         self.usable.append(0)
         self.queued.append(False)
         self.deps_done.append(False)
-        self.depend_on_this.append([])
+        self.depend_on_this.append(None)
 
     def _add_inputs(self) -> None:
         graph, nnet = self.graph, self.nnet
@@ -304,10 +309,13 @@ class ComputationGraphBuilder:
             raise RuntimeError("call compute(), prune(), compute(), prune() ... in that order")
         self.request = request
         self.layered_status = ""
+        # Set by the layered build: ids of the cindexes on nodes that choose
+        # among their inputs (the only ones prune() has to look at then).
+        self._layered_general: list[int] = []
         self._add_inputs()
         self._add_outputs()
-        if self.use_layered and build_layered(self, self.current_queue,
-                                              MAX_BUILD_ITERATIONS // 2 - 2):
+        if (self.use_layered and len(self.current_queue) >= self.layered_min_outputs
+                and build_layered(self, self.current_queue, MAX_BUILD_ITERATIONS // 2 - 2)):
             return
         for _ in range(MAX_BUILD_ITERATIONS):
             self._build_one_iter()
@@ -373,7 +381,7 @@ class ComputationGraphBuilder:
                 usable.append(0)
                 queued.append(True)
                 self.deps_done.append(False)
-                self.depend_on_this.append([])
+                self.depend_on_this.append(None)
                 self.next_queue.append(d)
             this_dep.append(d)
         if len(this_dep) > 1:
@@ -381,7 +389,11 @@ class ComputationGraphBuilder:
         dependencies[c] = this_dep
         dot = self.depend_on_this
         for d in this_dep:
-            dot[d].append(c)
+            lst = dot[d]
+            if lst is None:
+                dot[d] = [c]
+            else:
+                lst.append(c)
             if usable[d] == 0 and computable[d] != K_NOT_COMPUTABLE:
                 if not dependencies[d] and (queued[d] or computable[d] != K_UNKNOWN):
                     # What _increment_usable would do here: nothing below d to
@@ -484,7 +496,7 @@ class ComputationGraphBuilder:
         if status == K_UNKNOWN:
             return
         computable, queued = self.computable, self.queued
-        for o in self.depend_on_this[c]:
+        for o in self.depend_on_this[c] or ():
             if computable[o] == K_UNKNOWN and not queued[o]:
                 queued[o] = True
                 self.next_queue.append(o)
@@ -675,7 +687,12 @@ class ComputationGraphBuilder:
         cindexes, deps, is_input = graph.cindexes, graph.dependencies, graph.is_input
         computable, usable, trivial = self.computable, self.usable, self.nodes.prune_trivial
         changed = False
-        for c in range(start, n):
+        layered = self.layered_status == "used"
+        # After a layered build every cindex is computable and usable (or a
+        # supplied input, whose list is empty): only the nodes with a real
+        # choice of inputs need looking at.
+        todo = self._layered_general if layered else range(start, n)
+        for c in todo:
             if (trivial[cindexes[c][0]] and computable[c] == K_COMPUTABLE and usable[c] != 0
                     and not is_input[c]):
                 # Kaldi's PruneDependencies would keep this list as it is (every
@@ -685,16 +702,17 @@ class ComputationGraphBuilder:
             self._prune_dependencies(c)
             if deps[c] != before:
                 changed = True
-        if not changed and self.layered_status == "used":
+        if not changed and layered:
             # Layered build, no list shortened: every cindex was added as an
-            # input of one reachable from the outputs, so all are required.
+            # input of one reachable from the outputs, so all are required
+            # (and all are computable).
             keep = [True] * (n - start)
         else:
             required = self._compute_required(start)
             keep = [required[c - start] or is_input[c] for c in range(start, n)]
-        for c in range(start, n):
-            if keep[c - start] and computable[c] != K_COMPUTABLE:
-                raise AssertionError("prune called while not everything is computable")
+            for c in range(start, n):
+                if keep[c - start] and computable[c] != K_COMPUTABLE:
+                    raise AssertionError("prune called while not everything is computable")
         graph.renumber(start, keep)
         new_n = len(graph.cindexes)
         # As in Kaldi: everything kept is computable; usable_count 1 stops any
@@ -706,7 +724,7 @@ class ComputationGraphBuilder:
         self.usable.extend([1] * m)
         self.queued.extend([False] * m)
         self.deps_done.extend([False] * m)
-        self.depend_on_this.extend([] for _ in range(m))
+        self.depend_on_this.extend([None] * m)
         graph.segment_ends.append(new_n)
 
 

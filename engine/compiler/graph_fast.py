@@ -57,8 +57,11 @@ class _Grids:
         self.cells = 0
 
     def _fit(self, node: int, n: np.ndarray, t: np.ndarray, x: np.ndarray) -> None:
-        lo = (int(n.min()), int(t.min()), int(x.min()))
-        hi = (int(n.max()), int(t.max()), int(x.max()))
+        if len(n) == 1:
+            lo = hi = (int(n[0]), int(t[0]), int(x[0]))
+        else:
+            lo = (int(n.min()), int(t.min()), int(x.min()))
+            hi = (int(n.max()), int(t.max()), int(x.max()))
         old = self.ids[node]
         if old is not None:
             o = self.lo[node]
@@ -88,8 +91,9 @@ class _Grids:
         o = self.lo[node]
         return self.ids[node][n - o[0], t - o[1], x - o[2]]
 
-    def store(self, node: int, n, t, x, ids) -> None:
-        self._fit(node, n, t, x)
+    def store(self, node: int, n, t, x, ids, fits: bool = False) -> None:
+        if not fits:
+            self._fit(node, n, t, x)
         o = self.lo[node]
         self.ids[node][n - o[0], t - o[1], x - o[2]] = ids
 
@@ -259,7 +263,7 @@ def _plan(builder, outputs: list[int], max_layers: int):
                 k += len(first)
                 ids[mpos] = mine[inverse]
                 src = flat[mpos[first]]
-                grids.store(node, src[:, 1], src[:, 2], src[:, 3], mine)
+                grids.store(node, src[:, 1], src[:, 2], src[:, 3], mine, fits=True)
             coords.append(flat[np.sort(firsts)])
             layer = next_id + np.arange(len(firsts))
             next_id += len(firsts)
@@ -311,12 +315,25 @@ def _check_general_nodes(builder, coords: _Coords, rows_done: np.ndarray) -> Non
                 raise GiveUp("a component not computable from all of its inputs")
 
 
+def _make_cindexes(rows: np.ndarray) -> list:
+    """Cindex objects for (k, 4) node/n/t/x rows; cindexes with the same (n, t, x)
+    share one Index object (fewer allocations, and cheaper copies later)."""
+    if not len(rows):
+        return []
+    idx = rows[:, 1:]
+    lo = idx.min(axis=0)
+    span = idx.max(axis=0) - lo + 1
+    key = ((idx[:, 0] - lo[0]) * span[1] + (idx[:, 1] - lo[1])) * span[2] + (idx[:, 2] - lo[2])
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    objs = [_tuple_new(Index, r) for r in idx[first].tolist()]
+    shared = [objs[i] for i in inverse.tolist()]
+    return [_tuple_new(Cindex, pair) for pair in zip(rows[:, 0].tolist(), shared)]
+
+
 def _commit(builder, base, coords, rows_done, dep_rows, dep_ids, total) -> None:
     graph = builder.graph
     m = total - base
-    cols = coords.data[base:total].T.tolist()
-    new_cindexes = [_tuple_new(Cindex, (nd, _tuple_new(Index, (n, t, x))))
-                    for nd, n, t, x in zip(*cols)] if m else []
+    new_cindexes = _make_cindexes(coords.data[base:total])
     graph.cindexes.extend(new_cindexes)
     graph._ids.update(zip(new_cindexes, range(base, total)))
     graph.is_input.extend([False] * m)
@@ -342,7 +359,12 @@ def _commit(builder, base, coords, rows_done, dep_rows, dep_ids, total) -> None:
     usable.extend(users[base:].tolist())
     builder.queued.extend([False] * m)
     deps_done.extend([True] * m)
-    builder.depend_on_this.extend([] for _ in range(m))
+    builder.depend_on_this.extend([None] * m)
+    trivial = builder.nodes.prune_trivial
+    node_col = coords.data[:total, 0]
+    general_nodes = [k for k in np.unique(node_col[rows_done]).tolist() if not trivial[k]]
+    builder._layered_general = (
+        rows_done[np.isin(node_col[rows_done], general_nodes)].tolist() if general_nodes else [])
     for c in old:
         computable[c] = 1
         deps_done[c] = True
