@@ -100,11 +100,15 @@ def _has_memos(ex) -> bool:
 class _Phase:
     """One phase of the single-stream computation and the batched phase it maps to:
     ``pairs`` lists (single matrix i, batched matrix j, rows) where ``rows[b]`` are
-    the rows of matrix j holding stream b's copy of matrix i."""
+    the rows of matrix j holding stream b's copy of matrix i; None when the two
+    computations carry different matrices here (they were optimized differently).
+    ``batchable``: this phase and the one after the next chunk both map."""
 
     single: tuple
     batched: tuple
-    pairs: list
+    pairs: list | None
+    reason: str = ""
+    batchable: bool = False
 
 
 def _row_map(computation, m: int, batch_size: int):
@@ -168,7 +172,7 @@ class BatchPlan:
         self.computation = compile_looped(model.nnet, *requests,
                                           optimize_options=model.optimize_options)
         self.phases: dict[tuple, _Phase] = {}
-        self.after: dict[tuple, tuple] = {}     # batched phase -> single phase
+        self.following: dict[tuple, tuple] = {}  # single phase -> the one a chunk later
         self._device_rows: dict = {}            # row numbers on a GPU backend, made once
         self._calibrate(np.random.default_rng(seed))
 
@@ -177,7 +181,9 @@ class BatchPlan:
         """Run the batched computation with different random input per sequence next to
         single streams (the first and last sequence), chunk by chunk until the pair of
         phases repeats; at every phase, map the carried matrices and check the mapped
-        values and the outputs against the single streams."""
+        values and the outputs against the single streams.  A phase is batchable when
+        it maps to one batched phase whose matrices correspond, and so does the phase
+        a chunk later."""
         from engine.runtime.backend import to_host  # noqa: PLC0415
         m, nb = self.model, self.batch_size
         sample = sorted({0, nb - 1})
@@ -185,6 +191,9 @@ class BatchPlan:
         batched = _new_executor(self.computation, m, pool)
         singles = {b: _new_executor(m.computation, m, pool) for b in sample}
         seen: set[tuple] = set()
+        conflicts: dict[tuple, str] = {}
+        batched_next: dict[tuple, tuple] = {}   # single phase -> batched phase a chunk later
+        prev = None
         for k in range(_MAX_CAL_CHUNKS):
             key1 = _phase(singles[sample[0]])
             keyb = _phase(batched)
@@ -194,20 +203,23 @@ class BatchPlan:
             if _has_memos(batched) or any(_has_memos(s) for s in singles.values()):
                 raise InferenceError("cannot batch streams of this model: its looped "
                                      "computation keeps memos between chunks")
+            if prev is not None:
+                self.following[prev] = key1
+                if batched_next.setdefault(prev, keyb) != keyb:
+                    conflicts[prev] = "the batched computation goes on to two different phases"
+            prev = key1
             if (key1, keyb) in seen:
                 break
             seen.add((key1, keyb))
-            if key1 in self.phases and self.phases[key1].batched != keyb:
-                raise InferenceError(f"cannot batch streams of this model: phase {key1[0]} of "
-                                     f"the single-stream computation maps to two phases of "
-                                     f"the {nb}-stream computation")
-            if self.after.get(keyb, key1) != key1:
-                raise InferenceError(f"cannot batch streams of this model: phase {keyb[0]} of "
-                                     f"the {nb}-stream computation maps to two single phases")
-            self.after[keyb] = key1
             if key1 not in self.phases:
-                self.phases[key1] = _Phase(key1, keyb, self._map_state(
-                    batched, {b: singles[b] for b in sample}, to_host))
+                try:
+                    pairs, reason = self._map_state(batched, singles, to_host), ""
+                except InferenceError as e:
+                    pairs, reason = None, str(e)
+                self.phases[key1] = _Phase(key1, keyb, pairs, reason)
+            elif self.phases[key1].batched != keyb:
+                conflicts[key1] = (f"it meets two phases of the {nb}-stream computation (the "
+                                   f"two were optimized into loops of different lengths)")
             # one chunk of random input, different in every sequence
             begin, end = m.input_range(k)
             feats = rng.standard_normal((nb, end - begin, m.input_dim)).astype(np.float32)
@@ -229,6 +241,14 @@ class BatchPlan:
         batched.release()
         for s in singles.values():
             s.release()
+        for key1, reason in conflicts.items():
+            self.phases[key1].pairs, self.phases[key1].reason = None, reason
+        for key1, phase in self.phases.items():
+            nxt = self.phases[self.following[key1]]
+            phase.batchable = (phase.pairs is not None and nxt.pairs is not None
+                               and batched_next[key1] == nxt.batched)
+            if phase.pairs is not None and not phase.batchable:
+                phase.reason = f"the phase after its chunk does not map: {nxt.reason}"
 
     def _map_state(self, batched, singles: dict, to_host) -> list:
         """Pairs (i, j, rows) for the matrices live in both executors now."""
@@ -289,6 +309,9 @@ class BatchPlan:
         if phase is None:
             raise StreamError(f"stream is at program counter {_phase(streams[0].executor)[0]}, "
                               f"not between two chunks of the looped computation")
+        if not phase.batchable:
+            raise StreamError(f"streams at program counter {phase.single[0]} cannot be "
+                              f"batched: {phase.reason}")
         slots = list(range(len(streams))) + [0] * (nb - len(streams))
         xp, pool = m.backend, m.pool
         ex = _new_executor(self.computation, m)
@@ -303,11 +326,10 @@ class BatchPlan:
         ivecs = (np.concatenate([inputs[s][1] for s in slots], axis=0)
                  if m.has_ivectors else None)
         out = _run(ex, feats, ivecs, to_host)
-        key1 = self.after.get(_phase(ex))
-        nxt = self.phases.get(key1) if key1 is not None else None
-        if nxt is None:
+        nxt = self.phases[self.following[phase.single]]
+        if _phase(ex) != nxt.batched:
             raise StreamError(f"the {nb}-stream computation stopped at program counter "
-                              f"{_phase(ex)[0]}, a phase the calibration did not see")
+                              f"{_phase(ex)[0]}, not where the calibration saw it stop")
         for b, s in enumerate(streams):
             own = _matrices(s.executor)
             new = [None] * len(own)
@@ -320,6 +342,11 @@ class BatchPlan:
         ex.release()
         per = out.shape[0] // nb
         return [out[b * per:(b + 1) * per] for b in range(len(streams))]
+
+    def batchable(self, stream: Stream) -> bool:
+        """Whether ``stream``'s next chunk can run in this batched computation."""
+        phase = self.phases.get(_phase(stream.executor))
+        return phase is not None and phase.batchable
 
     def _rows(self, phase: _Phase, p: int, b: int | None):
         """Rows of pair p of ``phase``: all, in stream order (b None), or stream b's,
@@ -379,7 +406,19 @@ class StreamBatcher:
         self.model = model
         self.max_batch_size = max_batch_size
         self.batch_sizes = batch_sizes
-        self.num_runs = 0            # batched computations run (statistics)
+        self.num_runs = 0            # computations run (statistics)
+        self.unbatchable: dict[int, str] = {}   # batch size -> why no plan could be made
+
+    def _plan(self, size: int) -> BatchPlan | None:
+        """The plan for ``size`` streams; None (streams then run one by one) when the
+        model cannot be batched at that size, the reason kept in ``unbatchable``."""
+        if size in self.unbatchable:
+            return None
+        try:
+            return batch_plan(self.model, size)
+        except InferenceError as e:
+            self.unbatchable[size] = str(e)
+            return None
 
     def _size_for(self, n: int) -> int:
         if self.batch_sizes is None or n == 1:
@@ -418,11 +457,13 @@ class StreamBatcher:
             group = [streams[i] for i in part]
             inputs = [s.chunk_inputs(*s.next_chunk()) for s in group]
             size = self._size_for(len(part))
-            if size == 1:
-                raws = [group[0]._run_chunk(*inputs[0])]
+            plan = self._plan(size) if size > 1 else None
+            if plan is not None and plan.batchable(group[0]):
+                raws = plan.run(group, inputs)
+                self.num_runs += 1
             else:
-                raws = batch_plan(self.model, size).run(group, inputs)
-            self.num_runs += 1
+                raws = [s._run_chunk(*x) for s, x in zip(group, inputs)]
+                self.num_runs += len(group)
             for s, i, raw in zip(group, part, raws):
                 outs[i] = s.take_output(raw)
         for s in streams:
