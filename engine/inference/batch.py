@@ -22,7 +22,10 @@ Where Kaldi differs, and why:
   single-sequence matrix it holds, and the matching single-sequence matrix is the
   one with the same node and (t, x) rows.  A calibration run with different
   random input in each sequence then checks the mapping against streams run
-  alone (a model whose mapping fails that check cannot be batched: typed error).
+  alone.  Where the two computations carry different matrices (the optimizer
+  treated them differently, e.g. around statistics pooling) that phase is not
+  batchable: StreamBatcher computes its streams one by one, and a batch size
+  whose computation cannot be made at all is not used (``unbatchable``).
 * Kaldi batches first chunks apart from the others and squeezes the state left
   by a first chunk into the steady-state shapes by keeping the most recent rows,
   an approximation.  Here streams are grouped by their phase in the looped
