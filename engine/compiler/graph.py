@@ -338,7 +338,8 @@ class ComputationGraphBuilder:
                 if not queued[c]:
                     queued[c] = True
                     self.next_queue.append(c)
-            elif computable[c] == K_UNKNOWN:
+            elif computable[c] == K_UNKNOWN and usable[c] != 0:
+                # (_update_computable_info returns at once for unusable cindexes)
                 self._update_computable_info(c)
         self.current_queue, self.next_queue = self.next_queue, queue
 
@@ -365,14 +366,27 @@ class ComputationGraphBuilder:
         graph = self.graph
         ids, cindexes, dependencies = graph._ids, graph.cindexes, graph.dependencies
         usable, computable, queued = self.usable, self.computable, self.queued
+        # The two commonest kinds inline; the rest through _input_cindexes.
+        node, idx = cindexes[c]
+        nodes = self.nodes
+        kind = nodes.kind[node]
+        if kind == _DESCRIPTOR and nodes.fast[node] is not None:
+            inputs = nodes.fast[node].deps(idx)
+        elif kind == _COMPONENT and nodes.simple[node]:
+            inputs = [(node - 1, idx)]
+        else:
+            inputs = self._input_cindexes(c)
         this_dep = []
-        for ci in self._input_cindexes(c):
+        for ci in inputs:
             d = ids.get(ci)
             if d is None:
                 # A new cindex (graph.get_or_add and _new_info, inlined): unknown,
                 # queued for the next round.
                 d = len(cindexes)
-                ci = _make_cindex(ci)
+                if type(ci) is not Cindex:
+                    i = ci[1]
+                    ci = _tuple_new(Cindex, (ci[0], i if type(i) is Index
+                                             else _tuple_new(Index, i)))
                 ids[ci] = d
                 cindexes.append(ci)
                 graph.is_input.append(False)
