@@ -185,6 +185,38 @@ def _needs_all_inputs(comp) -> bool:
     return base is not None and cls.is_computable is base.is_computable
 
 
+def _has_node_cycle(table) -> bool:
+    """Whether the node graph has a cycle (a recurrence).  A recurrence walks
+    back in time until the supplied input runs out, so something always turns
+    out not computable and the layered fast path would only decline late."""
+    num = len(table.kind)
+    users: list[list[int]] = [[] for _ in range(num)]
+    pending = [0] * num
+    for i in range(num):
+        kind = table.kind[i]
+        if kind == _DESCRIPTOR:
+            srcs = set(table.descriptor[i].get_node_dependencies())
+        elif kind == _COMPONENT:
+            srcs = {i - 1}
+        elif kind == _DIM_RANGE:
+            srcs = {table.dim_range_src[i]}
+        else:
+            srcs = set()
+        pending[i] = len(srcs)
+        for j in srcs:
+            users[j].append(i)
+    ready = [i for i in range(num) if pending[i] == 0]
+    done = 0
+    while ready:
+        i = ready.pop()
+        done += 1
+        for u in users[i]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                ready.append(u)
+    return done < num
+
+
 class _NodeTable:
     """Per-node facts the builder needs, read once from the Nnet."""
 
@@ -224,6 +256,7 @@ class _NodeTable:
         self.comp_all_required: list[bool] = [
             c is not None and not s and _needs_all_inputs(c)
             for c, s in zip(self.component, self.simple)]
+        self.recurrent = _has_node_cycle(self)
         self.prune_trivial: list[bool] = [
             k in (_INPUT, _DIM_RANGE) or (k == _COMPONENT and (s or a))
             or (k == _DESCRIPTOR and f is not None and f.all_required)
@@ -255,6 +288,8 @@ class ComputationGraphBuilder:
         self.use_layered = True
         # ... for requests with at least this many output Indexes: below that
         # the per-layer NumPy overhead costs more than the per-cindex loop saves.
+        # Recurrent networks are left to the general path too (they always have
+        # uncomputable cindexes), unless this is set to 0 (tests: try anyway).
         self.layered_min_outputs = 100
         # "used" or "declined: <why>" for the last compute() (for tests and profiling).
         self.layered_status = ""
@@ -315,6 +350,7 @@ class ComputationGraphBuilder:
         self._add_inputs()
         self._add_outputs()
         if (self.use_layered and len(self.current_queue) >= self.layered_min_outputs
+                and not (self.nodes.recurrent and self.layered_min_outputs)
                 and build_layered(self, self.current_queue, MAX_BUILD_ITERATIONS // 2 - 2)):
             return
         for _ in range(MAX_BUILD_ITERATIONS):

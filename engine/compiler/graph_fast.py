@@ -40,7 +40,7 @@ from engine.core.index import Cindex, Index
 _INPUT, _DESCRIPTOR, _COMPONENT, _DIM_RANGE = 0, 1, 2, 3
 # Refuse grids bigger than this many cells (a request spread over huge t or n
 # ranges): the per-cindex algorithm handles those without the memory.
-MAX_GRID_CELLS = 1 << 26
+MAX_GRID_CELLS = 1 << 23
 _tuple_new = tuple.__new__
 
 
