@@ -28,6 +28,7 @@ in the same order.  Per-cindex state lives in flat lists of ints.
 
 from __future__ import annotations
 
+from itertools import compress
 from typing import Sequence
 
 from engine.core.errors import NotComputableError, RequestError
@@ -91,31 +92,25 @@ class ComputationGraph:
         assert len(keep) == n - start
         if all(keep):
             return
-        old2new = [-1] * (n - start)
-        kept = []
-        for j, k in enumerate(keep):
-            if k:
-                old2new[j] = start + len(kept)
-                kept.append(start + j)
-            else:
-                del self._ids[self.cindexes[start + j]]
-        new_cindexes, new_input, new_deps = [], [], []
+        cindexes, ids = self.cindexes, self._ids
+        kept = list(compress(range(start, n), keep))
+        for c in compress(range(start, n), (not k for k in keep)):
+            del ids[cindexes[c]]
+        # old id -> new id for every id (identity below start, -1 if dropped)
+        mapping = list(range(start)) + [-1] * (n - start)
+        for new_id, old in enumerate(kept, start):
+            mapping[old] = new_id
+        new_deps = []
         for old in kept:
-            deps = []
-            for d in self.dependencies[old]:
-                if d < start:
-                    deps.append(d)
-                else:
-                    nd = old2new[d - start]
-                    if nd < 0:
-                        raise AssertionError("dependency on a pruned cindex")
-                    deps.append(nd)
-            new_cindexes.append(self.cindexes[old])
-            new_input.append(self.is_input[old])
-            new_deps.append(deps)
-        for j, old in enumerate(kept):
-            if old != start + j:
-                self._ids[self.cindexes[old]] = start + j
+            nd = [mapping[d] for d in self.dependencies[old]]
+            if -1 in nd:
+                raise AssertionError("dependency on a pruned cindex")
+            new_deps.append(nd)
+        new_cindexes = [cindexes[old] for old in kept]
+        new_input = [self.is_input[old] for old in kept]
+        for new_id, old in enumerate(kept, start):
+            if old != new_id:
+                ids[cindexes[old]] = new_id
         del self.cindexes[start:], self.is_input[start:], self.dependencies[start:]
         self.cindexes.extend(new_cindexes)
         self.is_input.extend(new_input)
