@@ -298,6 +298,20 @@ class Compiler:
         get, loc = self.graph._ids.get, self.cindex_id_to_location
         all_required, deps = fast.all_required, fast.deps
         out = []
+        if all_required and fast.dep1 is not None:
+            # One required input per row (plain forwarding): its location.
+            dep1 = fast.dep1
+            for index in info.output_indexes:
+                if index[1] == K_NO_TIME:
+                    out.append([])
+                    continue
+                d = get(dep1(index))
+                if d is None:
+                    raise CompilerError(
+                        f"node {self.nnet.nodes[info.node_index].name!r}: Index "
+                        f"{tuple(index)} is not computable from the pruned graph")
+                out.append([loc[d]])
+            return out
         for index in info.output_indexes:
             if index[1] == K_NO_TIME:
                 out.append([])

@@ -183,7 +183,7 @@ def _compile_eval(sd: SumDescriptor) -> _Eval:
 class FastDescriptor:
     """One node's Descriptor as generated functions (see the module docstring)."""
 
-    __slots__ = ("deps", "all_required", "num_deps", "_parts", "_forwarding")
+    __slots__ = ("deps", "dep1", "all_required", "num_deps", "_parts", "_forwarding")
 
     def __init__(self, desc: Descriptor) -> None:
         exprs: list[str] = []
@@ -194,6 +194,11 @@ class FastDescriptor:
         scope: dict = {}
         exec(src, scope)  # noqa: S102 - code generated above from the descriptor tree
         self.deps: Callable[[tuple], list] = scope["deps"]
+        # With exactly one input: that input itself (no list), for hot loops.
+        self.dep1: Callable[[tuple], tuple] | None = None
+        if len(exprs) == 1:
+            exec(f"def dep1(idx):\n    n, t, x = idx\n    return {exprs[0]}\n", scope)  # noqa: S102
+            self.dep1 = scope["dep1"]
         self.all_required = all(_all_required(p) for p in desc.parts)
         self._parts = [_compile_eval(p) for p in desc.parts]
         self._forwarding: list = []

@@ -326,7 +326,8 @@ class ComputationStepsComputer:
         comp = self.nnet.get_component(self.nnet.nodes[node].component_index)
         props = comp.properties()
         if props & ComponentProperty.SIMPLE_COMPONENT:
-            self._add_step([Cindex(in_node, ci[1]) for ci in step])
+            # (plain tuples look up the same as Cindexes)
+            self._add_step([(in_node, ci[1]) for ci in step])
             self._add_step(step)
             return
         graph = self.graph

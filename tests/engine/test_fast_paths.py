@@ -129,6 +129,8 @@ def test_fast_descriptors_match_the_object_tree():
             want = desc.get_dependencies(idx)
             got = fast.deps(idx)
             assert got == want
+            if fast.dep1 is not None:
+                assert [fast.dep1(idx)] == want
             arrays = fast.deps_arrays(np.array([idx.n]), np.array([idx.t]), np.array([idx.x]))
             assert [(int(np.broadcast_to(nd, (1,))[0]), (int(n[0]), int(t[0]), int(x[0])))
                     for nd, n, t, x in arrays] == want
