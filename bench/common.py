@@ -111,8 +111,8 @@ def compile_cold(nnet, request, shortcut: bool = True):
 # -- timing -----------------------------------------------------------------------------------------
 
 
-def median_time(fn, repeat: int, warmup: int = 1) -> float:
-    """Median wall-clock seconds of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
+def timings(fn, repeat: int, warmup: int = 1) -> list[float]:
+    """Wall-clock seconds of ``repeat`` runs of ``fn()`` after ``warmup`` runs."""
     for _ in range(warmup):
         fn()
     runs = []
@@ -120,7 +120,38 @@ def median_time(fn, repeat: int, warmup: int = 1) -> float:
         t = time.perf_counter()
         fn()
         runs.append(time.perf_counter() - t)
-    return statistics.median(runs)
+    return runs
+
+
+def median_time(fn, repeat: int, warmup: int = 1) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
+    return statistics.median(timings(fn, repeat, warmup))
+
+
+class blas_threads:
+    """Limit the BLAS thread pool inside a ``with`` block (threadpoolctl, when it is
+    installed; ``None`` leaves the library default).  On a shared 2-core machine a
+    2-thread OpenBLAS stalls whenever one of its threads loses its core, turning a
+    20 ms forward into 200 ms; one thread is slower on large products but stable."""
+
+    def __init__(self, n: int | None):
+        self.n = n
+        self._ctx = None
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("threadpoolctl") is not None
+
+    def __enter__(self):
+        if self.n is not None and self.available():
+            from threadpoolctl import threadpool_limits  # noqa: PLC0415
+            self._ctx = threadpool_limits(limits=self.n, user_api="blas")
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
 
 
 class CountingPool:
