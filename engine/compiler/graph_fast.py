@@ -157,8 +157,11 @@ def _layer_inputs(builder, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     for pos, slots in pieces:
         if isinstance(slots, tuple):
             src, lists = slots
-            at = np.concatenate([np.arange(starts[p], starts[p + 1]) for p in pos.tolist()]
-                                or [np.zeros(0, dtype=np.int64)])
+            cnt = counts[pos]
+            total = int(cnt.sum())
+            # positions starts[p] .. starts[p + 1] - 1 of every row p, in order
+            first = np.cumsum(cnt) - cnt
+            at = np.repeat(starts[pos] - first, cnt) + np.arange(total)
             vals = [i for v in lists for i in v]
             if vals:
                 flat[at, 0] = src
