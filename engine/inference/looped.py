@@ -19,6 +19,18 @@ I-vectors: a network reading ``ReplaceIndex(ivector, t, 0)`` wants one
 i-vector per sequence at t=0, which a stream cannot give before it has seen the
 data; ModifyNnetIvectorPeriod rewrites it to ``Round(ivector, period)`` so that
 each chunk supplies i-vectors for its own (rounded) times.
+
+Two checks make failures fast and clear (Kaldi has neither; it would retry up
+to 100 requests or run a broken computation):
+
+- ``find_future_recurrence``, before compiling: a recurrence whose time offsets
+  add up to a positive shift (a backward LSTM reading ``Offset(r, 1)``) makes
+  every output depend on all later frames, which no chunked computation can
+  give; InferenceError names the nodes and the shift.
+- ``check_looped_computation``, after compiling: no command may read a matrix
+  before the command that creates it (in the multi-segment compilation an
+  optional input such as ``Failover(Offset(x, 1), x)`` at a chunk's last frame
+  can be resolved to a cindex that only the next chunk computes).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from dataclasses import dataclass
 
 from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.core.errors import InferenceError
-from engine.core.index import Index
+from engine.core.index import K_NO_TIME, Index
 
 
 def get_chunk_size(nnet, frame_subsampling_factor: int, advised_chunk_size: int) -> int:
@@ -140,11 +152,151 @@ def extrapolate_request(request1: ComputationRequest, request2: ComputationReque
     return shift_request(request2, offset)
 
 
+def _positive_cycle(vertices: list, edges: list[tuple[int, int, int]]) -> list[int] | None:
+    """A cycle of positive total weight in the graph (vertex indexes along it), or
+    None: Bellman-Ford on the negated weights, then walking back from a vertex
+    still relaxed in round |V| to land on the cycle."""
+    n = len(vertices)
+    dist = [0] * n
+    pred = [-1] * n
+    last = -1
+    for _ in range(n):
+        last = -1
+        for a, b, w in edges:
+            if dist[a] + w > dist[b]:
+                dist[b] = dist[a] + w
+                pred[b] = a
+                last = b
+        if last < 0:
+            return None
+    v = last
+    for _ in range(n):
+        v = pred[v]
+    cycle, u = [v], pred[v]
+    while u != v:
+        cycle.append(u)
+        u = pred[u]
+    return cycle[::-1]
+
+
+def find_future_recurrence(nnet, output_name: str = "output") -> str | None:
+    """Why ``nnet`` cannot be computed in a looped way, or None: a recurrence among
+    the nodes ``output_name`` depends on whose time offsets add up to a positive
+    shift (node X at t needs X at t + d, d > 0, as in the backward half of a
+    BLSTM).  Then each output depends on every later frame of the utterance, and
+    a chunk can only truncate that dependency.
+
+    Vertices are (node, t mod modulus), so that Round() and clockwork offsets
+    are exact; edge weights are the t offsets of each node's dependencies."""
+    from engine.nnet.graph import (cindex_dependencies, find_sccs,  # noqa: PLC0415
+                                   graph_transpose, nnet_to_directed_graph)
+    from engine.core.index import Cindex  # noqa: PLC0415
+    from engine.nnet.components.base import MiscComputationInfo  # noqa: PLC0415
+    out = nnet.get_node_index(output_name)
+    if out < 0:
+        return None
+    graph = nnet_to_directed_graph(nnet)
+    needed, stack, rev = {out}, [out], graph_transpose(graph)
+    while stack:
+        for d in rev[stack.pop()]:
+            if d not in needed:
+                needed.add(d)
+                stack.append(d)
+    mod = nnet.modulus()
+    misc = MiscComputationInfo()
+    for scc in find_sccs(graph):
+        if not needed.issuperset(scc) or (len(scc) == 1 and scc[0] not in graph[scc[0]]):
+            continue
+        members = set(scc)
+        vertices = [(node, r) for node in scc for r in range(mod)]
+        vid = {v: i for i, v in enumerate(vertices)}
+        edges = []
+        for (node, r), i in vid.items():
+            for dep in cindex_dependencies(nnet, Cindex(node, Index(0, r, 0)), misc):
+                if dep.node in members and dep.index.t != K_NO_TIME:
+                    edges.append((i, vid[(dep.node, dep.index.t % mod)], dep.index.t - r))
+        cycle = _positive_cycle(vertices, edges)
+        if cycle is not None:
+            steps = [(vertices[a][0], vertices[b][0], w) for a, b, w in edges
+                     if a in cycle and b in cycle
+                     and cycle.index(b) == (cycle.index(a) + 1) % len(cycle)]
+            shift = sum(w for _, _, w in steps)
+            ahead = [f"{nnet._user_name(a)} reads {nnet._user_name(b)} at t+{w}"
+                     for a, b, w in steps if w > 0]
+            names = [nnet._user_name(i) for i in dict.fromkeys(x for x, _, _ in steps)
+                     if not nnet.is_component_input_node(i)]
+            more = f" (+{len(names) - 6} more)" if len(names) > 6 else ""
+            return (f"the recurrence through {', '.join(names[:6])}{more} depends on its own "
+                    f"value {shift} frame(s) later ({'; '.join(ahead[:3])}), e.g. a backward "
+                    f"LSTM: each output depends on all later frames, which a looped "
+                    f"(streaming) computation cannot give; use whole-utterance inference "
+                    f"(engine.inference.Inferencer) instead")
+    return None
+
+
+def check_loopable(nnet, output_name: str = "output") -> None:
+    """InferenceError naming the reason when ``nnet`` cannot be streamed."""
+    why = find_future_recurrence(nnet, output_name)
+    if why is not None:
+        raise InferenceError(f"looped compilation is not possible: {why}")
+
+
+def check_looped_computation(computation, nnet) -> None:
+    """InferenceError when a command reads a matrix before the command that creates
+    it (allocation or user input): in a looped computation that is a chunk reading
+    what only a later chunk computes, which would fail (or read stale data) at run
+    time.  Then the whole checker (engine.optimizer.checker) runs."""
+    from engine.compiler.computation import CommandType as CT  # noqa: PLC0415
+    from engine.compiler.computation import submatrix_accesses  # noqa: PLC0415
+    creators = (CT.ALLOC_MATRIX, CT.ACCEPT_INPUT, CT.SWAP_MATRIX)
+    cmds, subs = computation.commands, computation.submatrices
+    segment_of, accessed, created_at = [], [], {}
+    segment = 0
+    for i, cmd in enumerate(cmds):
+        segment += cmd.command_type == CT.NO_OPERATION_MARKER
+        segment_of.append(segment)
+        ms = [subs[s].matrix_index for s, _ in submatrix_accesses(computation, cmd)]
+        accessed.append(ms)
+        if cmd.command_type in creators:
+            for m in ms:
+                created_at.setdefault(m, i)
+    for i, ms in enumerate(accessed):
+        for m in ms:
+            c = created_at.get(m)
+            if c is not None and c <= i:
+                continue
+            what = f"m{m}"
+            dbg = computation.matrix_debug_info
+            if m < len(dbg) and dbg[m].cindexes:
+                node, idx = dbg[m].cindexes[0]
+                what += f" ({nnet.nodes[node].name} from t={idx[1]})"
+            made = (f", which only chunk segment {segment_of[c]} creates (c{c})"
+                    if c is not None else ", which nothing creates")
+            raise InferenceError(
+                f"looped compilation produced an invalid computation: "
+                f"'{computation.command_string(i, nnet).strip()}' in chunk segment {segment_of[i]} "
+                f"reads {what}{made}.  An optional input (IfDefined/Failover, or a "
+                f"component that accepts missing inputs) of one chunk was resolved to "
+                f"something only a later chunk computes.")
+    try:
+        from engine.optimizer.checker import check_computation  # noqa: PLC0415
+    except ImportError:
+        return
+    from engine.core.errors import CheckError  # noqa: PLC0415
+    try:
+        check_computation(nnet, computation)
+    except CheckError as e:
+        raise InferenceError(f"looped compilation produced an invalid computation: {e}"
+                             ) from None
+
+
 def compile_looped(nnet, request1, request2, request3, optimize_options=None,
                    max_requests: int = 100):
     """Kaldi's CompileLooped: compile 5, 10, 20, ... chunk requests as segments and
     optimize with ``optimize_looped_computation`` until the computation ends in a
-    goto.  Raises InferenceError when no loop forms (or there is no optimizer)."""
+    goto.  Raises InferenceError up front for a network that cannot be looped
+    (``check_loopable``), when no loop forms (or there is no optimizer), and when
+    the looped computation is invalid (``check_looped_computation``)."""
     from dataclasses import replace  # noqa: PLC0415
 
     from engine.compiler.compiler import compile_computation  # noqa: PLC0415
@@ -153,6 +305,7 @@ def compile_looped(nnet, request1, request2, request3, optimize_options=None,
         from engine.optimizer import OptimizeOptions, optimize  # noqa: PLC0415
     except ImportError as e:
         raise InferenceError(f"looped compilation needs engine.optimizer: {e}") from None
+    check_loopable(nnet)
     opts = replace(optimize_options or OptimizeOptions(), optimize_looped_computation=True)
     num = 5
     while num <= max_requests:
@@ -162,6 +315,7 @@ def compile_looped(nnet, request1, request2, request3, optimize_options=None,
         computation = compile_computation(nnet, requests)
         computation = optimize(computation, nnet, opts, request=requests[2])
         if computation.commands and computation.commands[-1].command_type == CT.GOTO_LABEL:
+            check_looped_computation(computation, nnet)
             return computation
         num *= 2
     raise InferenceError(f"looped compilation failed with {num // 2} chunk requests: the "
