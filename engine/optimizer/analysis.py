@@ -126,24 +126,6 @@ class MatrixAccesses:
     is_output: bool = False
 
 
-def _record(vars_: ComputationVariables, s: int, access: Access, attr: CommandAttributes) -> None:
-    if s <= 0:
-        return
-    m = vars_.submatrix_to_matrix[s]
-    vs = vars_.variables_for_submatrix[s]
-    if access in (WRITE, READWRITE):
-        attr.variables_written.extend(vs)
-        attr.submatrices_written.append(s)
-        attr.matrices_written.append(m)
-        # writing part of a matrix leaves the rest as it was: a read of the matrix
-        if access == READWRITE or not vars_.submatrix_is_whole_matrix[s]:
-            attr.matrices_read.append(m)
-    if access in (READ, READWRITE):
-        attr.variables_read.extend(vs)
-        attr.submatrices_read.append(s)
-        attr.matrices_read.append(m)
-
-
 def command_submatrix_accesses(computation: NnetComputation, command, nnet
                                ) -> list[tuple[int, Access]]:
     """(submatrix, READ/WRITE/READWRITE) for every submatrix a command reads or
@@ -220,18 +202,35 @@ def compute_command_attributes(nnet, computation: NnetComputation,
     props = _ComponentProps(nnet)
     updatable = int(P.UPDATABLE_COMPONENT)
     backprop = CT.BACKPROP
+    s2m, vfs = vars_.submatrix_to_matrix, vars_.variables_for_submatrix
+    whole = vars_.submatrix_is_whole_matrix
+    writes, reads = (WRITE, READWRITE), (READ, READWRITE)
     for c in computation.commands:
-        attr = CommandAttributes()
+        vr: list[int] = []
+        vw: list[int] = []
+        sr: list[int] = []
+        sw: list[int] = []
+        mr: list[int] = []
+        mw: list[int] = []
         for s, acc in _submatrix_accesses(computation, c, props):
-            _record(vars_, s, acc, attr)
-        if c.command_type == backprop and props[c.arg1] & updatable:
-            attr.has_side_effects = True
-        for name in ("variables_read", "variables_written", "submatrices_read",
-                     "submatrices_written", "matrices_read", "matrices_written"):
-            v = getattr(attr, name)
-            if len(v) > 1:
-                setattr(attr, name, sorted(set(v)))
-        out.append(attr)
+            # (_record, inlined: this loop runs for every command of every analysis)
+            if s <= 0:
+                continue
+            m = s2m[s]
+            if acc in writes:
+                vw.extend(vfs[s])
+                sw.append(s)
+                mw.append(m)
+                # writing part of a matrix leaves the rest as it was: a read of it
+                if acc == READWRITE or not whole[s]:
+                    mr.append(m)
+            if acc in reads:
+                vr.extend(vfs[s])
+                sr.append(s)
+                mr.append(m)
+        lists = [sorted(set(v)) if len(v) > 1 else v for v in (vr, vw, sr, sw, mr, mw)]
+        out.append(CommandAttributes(*lists, c.command_type == backprop
+                                     and bool(props[c.arg1] & updatable)))
     return out
 
 
@@ -241,13 +240,27 @@ def _accesses(items_read: list[int], items_written: list[int]):
         yield x, (READWRITE if x in r and x in w else READ if x in r else WRITE)
 
 
+def _append_accesses(out: list[list], c: int, items_read: list[int],
+                     items_written: list[int]) -> None:
+    """out[x].append((c, access)) for each x read or written, in increasing x
+    (what iterating _accesses does, without the generator when one side is empty)."""
+    if not items_written:
+        for x in (items_read if len(items_read) < 2 else sorted(set(items_read))):
+            out[x].append((c, READ))
+    elif not items_read:
+        for x in (items_written if len(items_written) < 2 else sorted(set(items_written))):
+            out[x].append((c, WRITE))
+    else:
+        for x, acc in _accesses(items_read, items_written):
+            out[x].append((c, acc))
+
+
 def compute_variable_accesses(vars_: ComputationVariables,
                               attributes: list[CommandAttributes]
                               ) -> list[list[tuple[int, Access]]]:
     out: list[list[tuple[int, Access]]] = [[] for _ in range(vars_.num_variables)]
     for c, attr in enumerate(attributes):
-        for v, acc in _accesses(attr.variables_read, attr.variables_written):
-            out[v].append((c, acc))
+        _append_accesses(out, c, attr.variables_read, attr.variables_written)
     return out
 
 
@@ -277,9 +290,9 @@ def compute_matrix_accesses(computation: NnetComputation, attributes: list[Comma
                            f"c{out[m].deallocate_command})")
         out[m].deallocate_command = c
 
+    acc_lists = [ma.accesses for ma in out]
     for c, (attr, cmd) in enumerate(zip(attributes, computation.commands)):
-        for m, acc in _accesses(attr.matrices_read, attr.matrices_written):
-            out[m].accesses.append((c, acc))
+        _append_accesses(acc_lists, c, attr.matrices_read, attr.matrices_written)
         ct = cmd.command_type
         if ct == CT.ALLOC_MATRIX:
             set_alloc(whole(cmd.arg1, c), c)
