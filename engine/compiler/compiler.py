@@ -122,6 +122,7 @@ class Compiler:
         steps = [list(s) for s in compute_computation_steps(nnet, self.requests,
                                                             phases_per_segment, graph, computer)]
         step_to_segment = list(computer.step_to_segment)
+        self.step_to_segment = step_to_segment
         # (step, row) of every cindex; the steps computer may have added blank cindexes
         loc = [(-1, -1)] * len(graph.cindexes)
         for s, ids in enumerate(steps):
@@ -203,6 +204,7 @@ class Compiler:
     def _create_step_info(self, deriv_needed, step_to_segment, by_step, computation) -> None:
         nnet, graph = self.nnet, self.graph
         self.steps = steps = [_StepInfo() for _ in by_step]
+        self._by_step = by_step
         for step, ids in enumerate(by_step):
             info = steps[step]
             info.output_cindex_ids = ids
@@ -256,6 +258,22 @@ class Compiler:
                                 computation.new_submatrix(info.deriv, 0, -1, off, d))
                         off += d
 
+    def _later_segment_ids(self, info) -> frozenset[int]:
+        """The cindex ids that steps of segments after ``info``'s compute.  Kaldi
+        resolves IfDefined/Failover against the whole multi-segment graph (CindexSet
+        over all of it), so a step of one chunk could pick an input that only a later
+        chunk's steps compute, e.g. ``Failover(Offset(x, 1), x)`` at the chunk's last
+        frame, reading a matrix that does not exist yet.  The graph builder decided
+        computability segment by segment and never chose those; neither do we."""
+        seg = info.segment
+        if seg + 1 >= len(self.graph.segment_ends):
+            return frozenset()
+        cache = self.__dict__.setdefault("_later_ids", {})
+        if seg not in cache:
+            first = next(s for s, g in enumerate(self.step_to_segment) if g > seg)
+            cache[seg] = frozenset(c for ids in self._by_step[first:] for c in ids)
+        return cache[seg]
+
     def _input_locations_list(self, step: int, part: int) -> list[list[tuple[int, int]]]:
         """For each output row, the sorted (step, row) locations summed into it."""
         info = self.steps[step]
@@ -264,8 +282,11 @@ class Compiler:
         loc = self.cindex_id_to_location
         get_id = graph.get_cindex_id
 
+        later = self._later_segment_ids(info)
+
         def in_graph(c) -> bool:
-            return get_id(c) != -1
+            i = get_id(c)
+            return i != -1 and i not in later
 
         # Compiled once per (node, part) for this compilation (descriptors are
         # not assumed immutable between compilations).
@@ -297,6 +318,13 @@ class Compiler:
         sorted the same way."""
         get, loc = self.graph._ids.get, self.cindex_id_to_location
         all_required, deps = fast.all_required, fast.deps
+        later = self._later_segment_ids(info)
+        if later:
+            get0 = get
+
+            def get(ci):
+                i = get0(ci)
+                return None if i in later else i
         out = []
         if all_required and fast.dep1 is not None:
             # One required input per row (plain forwarding): its location.

@@ -99,25 +99,17 @@ def test_future_recurrence_detection():
 
 @pytest.mark.parametrize("seed", [0, 4, 5])
 def test_failover_on_future_input(seed):
-    """multi_io networks reading ``Failover(Offset(x, k), x)`` (right context 0): the
-    compiler resolves the Failover at a chunk's last frames against the whole
-    multi-chunk graph (as Kaldi's CindexSet does), so chunk 0 read the input of
-    chunk 1 before it existed and streaming failed at run time with 'matrix m8 is
-    used before it is allocated'.  Now LoopedModel refuses the computation with
-    the reason.  Once the compiler resolves optional inputs only against the
-    chunk's own and earlier segments, the stream equals chunk-by-chunk inference
-    (each chunk sees its inputs only, as the looped requests define)."""
+    """multi_io networks reading ``Failover(Offset(x, k), x)`` (right context 0).
+    Kaldi's compiler resolves the Failover at a chunk's last frames against the whole
+    multi-chunk graph, so chunk 0 would read chunk 1's input before it exists ('matrix
+    m8 is used before it is allocated').  Our compiler resolves optional inputs only
+    against the chunk's own and earlier segments, so the stream equals chunk-by-chunk
+    inference (each chunk sees its inputs only, as the looped requests define)."""
     nnet = _random_net("multi_io", seed)
     rng = np.random.default_rng(100 + seed)
     chunk, elci = int(rng.integers(3, 9)), int(rng.choice([0, 3]))
-    try:
-        model = LoopedModel(nnet, LoopedConfig(frames_per_chunk=chunk,
-                                               extra_left_context_initial=elci))
-    except InferenceError as e:
-        msg = str(e)
-        assert "chunk segment 0 reads" in msg and "which only chunk segment 1 creates" in msg
-        pytest.xfail("engine/compiler/compiler.py resolves IfDefined/Failover against later "
-                     "segments of a looped computation (Kaldi's behaviour): refused cleanly")
+    model = LoopedModel(nnet, LoopedConfig(frames_per_chunk=chunk,
+                                           extra_left_context_initial=elci))
     T = int(rng.integers(1, 40))
     x = rng.standard_normal((T, model.input_dim)).astype(np.float32)
     iv = rng.standard_normal(model.ivector_dim).astype(np.float32)
