@@ -43,6 +43,9 @@ def backend_name(xp) -> str:
     return "numpy" if xp is np else getattr(xp, "__name__", str(xp))
 
 
+_F32 = np.dtype(np.float32)
+
+
 def to_host(a) -> np.ndarray:
     """A NumPy array from a numpy or cupy array."""
     if type(a).__module__.startswith("cupy"):
@@ -63,7 +66,7 @@ class BufferPool:
         self.misses = 0
 
     def get(self, xp, num_rows: int, num_cols: int):
-        key = (backend_name(xp), num_rows, num_cols)
+        key = ("numpy" if xp is np else backend_name(xp), num_rows, num_cols)
         with self._lock:
             lst = self._free.get(key)
             if lst:
@@ -75,9 +78,12 @@ class BufferPool:
         return xp.empty((num_rows, num_cols), dtype=np.float32)
 
     def release(self, xp, a) -> None:
-        if a is None or a.ndim != 2 or a.dtype != np.float32 or not a.flags.c_contiguous:
+        # (called for every kDeallocMatrix: the cheap checks first; a dtype comparison
+        # by identity before the general one)
+        if a is None or a.ndim != 2 or (a.dtype is not _F32 and a.dtype != _F32) \
+                or not a.flags.c_contiguous:
             return
-        key = (backend_name(xp), a.shape[0], a.shape[1])
+        key = ("numpy" if xp is np else backend_name(xp), a.shape[0], a.shape[1])
         with self._lock:
             if self._bytes + a.nbytes > self.max_bytes:
                 return
