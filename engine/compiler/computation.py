@@ -392,6 +392,15 @@ def _all_node_names(nnet) -> list[str]:
 # the computation
 
 
+
+def _copy_debug_info(d):
+    if d is None:
+        return None
+    new = _copy.copy(d)
+    new.cindexes = list(d.cindexes)
+    return new
+
+
 class NnetComputation:
     def __init__(self) -> None:
         self.matrices: list[MatrixInfo] = []
@@ -492,7 +501,9 @@ class NnetComputation:
     def copy(self) -> "NnetComputation":
         new = _copy.copy(self)
         new.matrices = list(self.matrices)
-        new.matrix_debug_info = _copy.deepcopy(self.matrix_debug_info)
+        # Cindexes are immutable tuples: copying each list is enough (a deep copy of
+        # every entry dominated optimisation time on large requests).
+        new.matrix_debug_info = [_copy_debug_info(d) for d in self.matrix_debug_info]
         new.submatrices = list(self.submatrices)
         new.component_precomputed_indexes = list(self.component_precomputed_indexes)
         new.indexes = [list(v) for v in self.indexes]
