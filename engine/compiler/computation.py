@@ -392,7 +392,6 @@ def _all_node_names(nnet) -> list[str]:
 # the computation
 
 
-
 def _copy_debug_info(d):
     if d is None:
         return None
