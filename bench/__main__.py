@@ -47,6 +47,7 @@ def main(argv=None) -> int:
                "load_average": os.getloadavg(), "gemm_s": runner.gemm_s,
                "python_s": runner.python_s, "gemm_s_runs": runner.gemm_runs,
                "python_s_runs": runner.python_runs,
+               "gemm_s_same_threads": runner.gemm_same_threads_s,
                "blas_threads": (runner.blas_threads if blas_threads.available()
                                 else "default (threadpoolctl not installed)")}
     print(f"machine: {machine}", flush=True)
