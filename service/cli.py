@@ -376,6 +376,27 @@ def stream_cmd(model_path, features_path, ivector_path, chunk_size, frame_subsam
     np.save(out_path, np.concatenate(pieces, axis=0).astype(np.float32, copy=False))
 
 
+@main.command("serve")
+@click.option("--host", default=None, help="Interface to listen on (default: settings, "
+                                           "127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port (default: settings, 8000).")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+              default=None, help="Log level (default: settings, INFO).")
+def serve_cmd(host, port, log_level) -> None:
+    """Run the HTTP service in process (LRU cache, one worker thread).
+
+    Other settings come from NNETC_* environment variables (service/settings.py)."""
+    import uvicorn  # noqa: PLC0415
+
+    from service.app import create_app  # noqa: PLC0415
+    from service.settings import Settings  # noqa: PLC0415
+    overrides = {k: v for k, v in (("host", host), ("port", port), ("log_level", log_level))
+                 if v is not None}
+    settings = Settings(**overrides)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level.lower(), access_log=False)
+
+
 @main.group("bench")
 def bench_group() -> None:
     """Benchmarks (bench/ in the source tree; issue 7)."""

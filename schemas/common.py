@@ -1,0 +1,46 @@
+"""Shared wire types: matrices and errors.
+
+A matrix travels either as JSON rows (``[[1.0, 2.0], [3.0, 4.0]]``, handy for
+small data) or, for anything large, as ``{"shape": [r, c], "dtype": "float32",
+"data": <base64 of the little-endian float32 bytes, row-major>}``.  In a msgpack
+body ``data`` may also be the raw bytes (msgpack has a binary type).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    """Base of every wire model: unknown fields are an error (a typo in an option
+    must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class EncodedMatrix(Strict):
+    shape: tuple[int, int] = Field(description="[rows, cols]")
+    dtype: Literal["float32"] = "float32"
+    data: Union[str, bytes] = Field(
+        description="base64 of rows*cols little-endian float32 values, row-major "
+                    "(raw bytes allowed in msgpack bodies)")
+
+
+# JSON rows or the encoded form
+Matrix = Union[list[list[float]], EncodedMatrix]
+Vector = list[float]
+
+MatrixEncoding = Literal["json", "base64", "auto"]
+
+
+class ErrorDetail(Strict):
+    type: str = Field(description="error class, e.g. ConfigError, NotFound, RequestError")
+    message: str
+    field: str | None = Field(default=None,
+                              description="the request field at fault, dotted, when known")
+
+
+class ErrorResponse(Strict):
+    error: ErrorDetail

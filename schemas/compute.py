@@ -1,0 +1,58 @@
+"""Compute (Kaldi's NnetComputer on a request) and infer (nnet3-compute)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.common import Matrix, MatrixEncoding, Strict, Vector
+from schemas.compile import CompileOptions, ComputationRequestModel
+
+
+class ComputeRequest(CompileOptions):
+    model_id: str
+    request: ComputationRequestModel
+    inputs: dict[str, Matrix] = Field(description="one matrix per request input, rows in "
+                                                  "the order of its indexes")
+    output_derivs: dict[str, Matrix] = Field(default_factory=dict,
+                                             description="one per output with has_deriv")
+    encoding: MatrixEncoding = Field(default="auto", description="how to return matrices: "
+                                     "json rows, base64, or auto (base64 above a size)")
+
+
+class ComputeResponse(Strict):
+    computation_id: str
+    outputs: dict[str, Matrix]
+    input_derivs: dict[str, Matrix] = Field(default_factory=dict)
+    model_gradient: dict[str, dict[str, Matrix]] | None = Field(
+        default=None, description="component -> parameter name -> gradient, for "
+                                  "updatable components (need_model_derivative)")
+
+
+class InferOptions(Strict):
+    """The options of Kaldi's nnet3-compute."""
+
+    frames_per_chunk: int = 50
+    extra_left_context: int = 0
+    extra_right_context: int = 0
+    extra_left_context_initial: int = -1
+    extra_right_context_final: int = -1
+    frame_subsampling_factor: int = 1
+    acoustic_scale: float = 1.0
+    apply_exp: bool = False
+    use_priors: bool = False
+    output: str = "output"
+
+
+class InferRequest(Strict):
+    model_id: str
+    features: Matrix
+    ivector: Vector | None = None
+    online_ivectors: Matrix | None = None
+    online_ivector_period: int = 0
+    options: InferOptions = Field(default_factory=InferOptions)
+    encoding: MatrixEncoding = "auto"
+
+
+class InferResponse(Strict):
+    output: Matrix
+    num_frames: int

@@ -1,0 +1,95 @@
+"""The FastAPI application factory (in-process mode: LRU cache, one worker thread).
+
+``create_app(settings)`` wires settings -> registry, cache, queue, worker,
+metrics, routes and middleware; the lifespan starts and stops the worker.
+OpenAPI: ``/openapi.json`` always; ``/docs`` (Swagger UI) is served from the
+assets of the ``swagger-ui-bundle`` package when it is installed (no CDN), and
+is left out otherwise.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+
+from engine.runtime.backend import get_backend
+from service import logs
+from service.cache import LRUComputationCache
+from service.deps import Services
+from service.errors import install_error_handlers
+from service.metrics import Metrics
+from service.middleware import WireMiddleware
+from service.operations import Operations
+from service.registry import InProcessRegistry
+from service.routes import compile as compile_routes
+from service.routes import compute, health, infer, models
+from service.settings import Settings
+from service.worker import InProcessQueue
+
+_DOCS_STATIC = "/docs/static"
+
+
+def _swagger_path() -> str | None:
+    try:
+        from swagger_ui_bundle import swagger_ui_path  # noqa: PLC0415
+    except ImportError:
+        return None
+    return str(swagger_ui_path)
+
+
+def build_services(settings: Settings) -> Services:
+    metrics = Metrics()
+    cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event)
+    operations = Operations(cache, metrics, get_backend(settings.backend))
+    queue = InProcessQueue({"compile": operations.compile_job,
+                            "compute": operations.compute_job,
+                            "infer": operations.infer_job},
+                           maxsize=settings.queue_size, metrics=metrics)
+    return Services(settings, InProcessRegistry(settings.max_models), cache, queue,
+                    operations, metrics)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    logs.configure(settings.log_level)
+    services = build_services(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        services.queue.start()
+        services.ready = True
+        try:
+            yield
+        finally:
+            services.ready = False
+            services.queue.stop()
+
+    app = FastAPI(title="nnetc", version="0.1.0", lifespan=lifespan, docs_url=None,
+                  redoc_url=None,
+                  description="Compile, run and serve Kaldi nnet3 networks.")
+    app.state.services = services
+    install_error_handlers(app)
+    for r in (health.router, models.router, compile_routes.router, compute.router,
+              infer.router):
+        app.include_router(r)
+    _mount_docs(app)
+    app.add_middleware(WireMiddleware, max_body_bytes=settings.max_body_bytes,
+                       metrics=services.metrics)
+    return app
+
+
+def _mount_docs(app: FastAPI) -> None:
+    path = _swagger_path()
+    if path is None:
+        return
+    from fastapi.staticfiles import StaticFiles  # noqa: PLC0415
+    app.mount(_DOCS_STATIC, StaticFiles(directory=path), name="swagger-static")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs():
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title="nnetc API",
+                                   swagger_js_url=f"{_DOCS_STATIC}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{_DOCS_STATIC}/swagger-ui.css",
+                                   swagger_favicon_url=f"{_DOCS_STATIC}/favicon-32x32.png")

@@ -1,0 +1,50 @@
+"""Dependencies of the routes, as ``Annotated`` aliases."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from service.errors import ServiceError
+from service.settings import Settings
+
+
+class Services:
+    """What the app's lifespan builds and the routes use (on ``app.state.services``)."""
+
+    def __init__(self, settings, registry, cache, queue, operations, metrics):
+        self.settings = settings
+        self.registry = registry
+        self.cache = cache
+        self.queue = queue
+        self.operations = operations
+        self.metrics = metrics
+        self.ready = False
+
+
+def get_services(request: Request) -> Services:
+    return request.app.state.services
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.services.settings
+
+
+def require_auth(request: Request) -> None:
+    """Bearer-token check when the settings carry a token."""
+    token = request.app.state.services.settings.auth_token
+    if not token:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(),
+                                                                 token.encode()):
+        raise ServiceError(401, "Unauthorized", "missing or invalid bearer token",
+                           "Authorization")
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+AUTH = [Depends(require_auth)]

@@ -1,0 +1,38 @@
+"""Prometheus metrics, one registry per app (so several apps in one process,
+as in tests, do not collide on the global registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                    60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_latency = Histogram(
+            "nnetc_request_seconds", "HTTP request latency", ["route", "method", "status"],
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.compile_seconds = Histogram(
+            "nnetc_compile_seconds", "compile + optimize time of cache misses",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.job_seconds = Histogram(
+            "nnetc_job_seconds", "time a job spends in the worker", ["kind"],
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.cache_events = Counter(
+            "nnetc_cache_events_total", "computation cache lookups", ["event"], registry=r)
+        self.queue_depth = Gauge("nnetc_queue_depth", "jobs waiting for the worker",
+                                 registry=r)
+        self.batch_size = Histogram(
+            "nnetc_batch_size", "sequences (n values) per executed computation",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+
+    def cache_event(self, event: str) -> None:
+        self.cache_events.labels(event=event).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,152 @@
+"""ASGI middleware around the whole app: body-size limit (413), msgpack bodies,
+request timing (Prometheus + one structured log line per request).
+
+msgpack: a request with ``Content-Type: application/msgpack`` is decoded and
+handed to the routes as JSON (raw ``bytes`` values become base64 strings, which
+is what the matrix ``data`` field expects), so routes, validation and the
+OpenAPI schema are the same for both content types; a request with ``Accept:
+application/msgpack`` gets its JSON response re-encoded as msgpack.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+
+import msgpack
+import orjson
+
+from service.errors import error_body
+
+MSGPACK = "application/msgpack"
+log = logging.getLogger("nnetc.access")
+
+
+def _bytes_to_b64(obj):
+    if isinstance(obj, (bytes, bytearray)):
+        return base64.b64encode(obj).decode("ascii")
+    if isinstance(obj, dict):
+        return {str(k): _bytes_to_b64(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_bytes_to_b64(v) for v in obj]
+    return obj
+
+
+def _headers(scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+async def _send_json(send, status: int, body: dict, msgpack_out: bool) -> None:
+    data = msgpack.packb(body) if msgpack_out else orjson.dumps(body)
+    ctype = MSGPACK if msgpack_out else "application/json"
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype.encode()),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class WireMiddleware:
+    def __init__(self, app, max_body_bytes: int, metrics):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        state = {"status": 500}
+        try:
+            await self._handle(scope, receive, send, state)
+        finally:
+            seconds = time.perf_counter() - t0
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.metrics.request_latency.labels(route=path, method=scope["method"],
+                                                status=str(state["status"])).observe(seconds)
+            log.info("request", extra={"method": scope["method"], "path": scope["path"],
+                                       "route": path, "status": state["status"],
+                                       "ms": round(seconds * 1000.0, 3)})
+
+    async def _handle(self, scope, receive, send, state):
+        outer = scope
+        headers = _headers(scope)
+        msgpack_out = MSGPACK in headers.get("accept", "")
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            state["status"] = 413
+            await _send_json(send, 413, error_body(
+                "PayloadTooLarge", f"request body of {declared} bytes exceeds the limit of "
+                                   f"{self.max_body_bytes} bytes"), msgpack_out)
+            return
+        body = b""
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    state["status"] = 413
+                    await _send_json(send, 413, error_body(
+                        "PayloadTooLarge", f"request body exceeds the limit of "
+                                           f"{self.max_body_bytes} bytes"), msgpack_out)
+                    return
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+            body = b"".join(chunks)
+            if headers.get("content-type", "").split(";")[0].strip() == MSGPACK:
+                try:
+                    obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
+                    body = orjson.dumps(_bytes_to_b64(obj))
+                except Exception as e:  # noqa: BLE001 - any undecodable body is the client's
+                    state["status"] = 400
+                    await _send_json(send, 400, error_body(
+                        "BadRequest", f"body is not valid msgpack: {type(e).__name__}"),
+                        msgpack_out)
+                    return
+                scope = dict(scope)
+                scope["headers"] = [(k, v) for k, v in scope["headers"]
+                                    if k.lower() not in (b"content-type", b"content-length")]
+                scope["headers"] += [(b"content-type", b"application/json"),
+                                     (b"content-length", str(len(body)).encode())]
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        start: dict = {}
+        parts: list[bytes] = []
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                ctype = dict(message.get("headers", [])).get(b"content-type", b"")
+                if msgpack_out and ctype.startswith(b"application/json"):
+                    start.update(message)
+                    return
+            elif message["type"] == "http.response.body" and start:
+                parts.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                data = msgpack.packb(orjson.loads(b"".join(parts)))
+                hdrs = [(k, v) for k, v in start.get("headers", [])
+                        if k.lower() not in (b"content-type", b"content-length")]
+                hdrs += [(b"content-type", MSGPACK.encode()),
+                         (b"content-length", str(len(data)).encode())]
+                await send({**start, "headers": hdrs})
+                await send({"type": "http.response.body", "body": data})
+                return
+            await send(message)
+
+        await self.app(scope, replay, capture)
+        if scope is not outer and "route" in scope:
+            outer["route"] = scope["route"]   # for the metric label

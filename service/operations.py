@@ -1,0 +1,120 @@
+"""What the worker does: compile (through the cache), compute, infer.
+
+Job handlers take plain payloads (engine objects here, in process; a Redis
+worker would rebuild them from ids and bytes) and return engine results; the
+routes translate to and from the wire through service/convert.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.compiler.computation import NnetComputation
+from engine.compiler.request import ComputationRequest
+from engine.compiler.shortcut import compile_request
+from engine.inference import InferenceOptions, Inferencer
+from engine.inference.common import model_priors
+from engine.optimizer.options import OptimizeOptions
+from engine.runtime.backend import to_host
+from engine.runtime.executor import Executor
+from service.cache import cache_key
+from service.registry import ModelEntry
+
+_INFERENCERS_PER_MODEL = 8
+
+
+@dataclass
+class Compiled:
+    key: str
+    computation: NnetComputation
+    cached: bool
+    compile_ms: float
+    optimized: bool
+
+
+@dataclass
+class ComputeResult:
+    outputs: dict
+    input_derivs: dict
+    gradient: object | None      # the gradient Nnet (Kaldi's SetNnetAsGradient convention)
+
+
+class Operations:
+    def __init__(self, cache, metrics, backend):
+        self.cache = cache
+        self.metrics = metrics
+        self.xp = backend
+        # one compile at a time per key even if several threads ask (a Redis worker
+        # pool would use a lock key); cheap since compiles run on the worker anyway
+        self._compile_lock = threading.Lock()
+
+    # -- compile ---------------------------------------------------------------------------
+    def compile(self, entry: ModelEntry, request: ComputationRequest, options: OptimizeOptions,
+                optimize: bool, use_shortcut: bool) -> Compiled:
+        key = cache_key(entry.structure_hash, request, options, optimize, use_shortcut)
+        found = self.cache.get(key)
+        if found is not None:
+            meta = self.cache.meta(key) or {}
+            return Compiled(key, found, True, float(meta.get("compile_ms", 0.0)), optimize)
+        with self._compile_lock:
+            t0 = time.perf_counter()
+            computation = compile_request(entry.model.nnet, request, options,
+                                          use_shortcut=use_shortcut, optimize=optimize)
+            seconds = time.perf_counter() - t0
+        self.metrics.compile_seconds.observe(seconds)
+        self.cache.put(key, computation, {"model_id": entry.model_id,
+                                          "compile_ms": seconds * 1000.0})
+        return Compiled(key, computation, False, seconds * 1000.0, optimize)
+
+    def compile_job(self, p: dict) -> Compiled:
+        return self.compile(p["entry"], p["request"], p["options"], p["optimize"],
+                            p["use_shortcut"])
+
+    # -- compute ---------------------------------------------------------------------------
+    def compute_job(self, p: dict) -> tuple[Compiled, ComputeResult]:
+        entry: ModelEntry = p["entry"]
+        request: ComputationRequest = p["request"]
+        compiled = self.compile_job(p)
+        nnet = entry.model.nnet
+        if request.store_component_stats:
+            nnet = nnet.copy()   # statistics go to a private copy, never the shared model
+        n_values = {i.n for s in request.outputs for i in s.indexes}
+        self.metrics.batch_size.observe(len(n_values))
+        ex = Executor(compiled.computation, nnet, backend=self.xp)
+        for spec in request.inputs:
+            ex.accept_input(spec.name, self.xp.asarray(p["inputs"][spec.name]))
+        ex.run()
+        outputs = {s.name: to_host(ex.get_output(s.name)) for s in request.outputs}
+        input_derivs = {}
+        if any(s.has_deriv for s in request.outputs):
+            for spec in request.outputs:
+                if spec.has_deriv:
+                    ex.accept_output_deriv(spec.name,
+                                           self.xp.asarray(p["output_derivs"][spec.name]))
+            ex.run()
+            input_derivs = {s.name: to_host(ex.get_input_deriv(s.name))
+                            for s in request.inputs if s.has_deriv}
+        gradient = ex.get_model_gradient() if request.need_model_derivative else None
+        ex.release()
+        return compiled, ComputeResult(outputs, input_derivs, gradient)
+
+    # -- infer -----------------------------------------------------------------------------
+    def infer_job(self, p: dict):
+        entry: ModelEntry = p["entry"]
+        opts: InferenceOptions = p["options"]
+        opts.check()
+        with entry.lock:
+            cache: OrderedDict = entry.extras.setdefault("inferencers", OrderedDict())
+            inferencer = cache.get(opts)
+            if inferencer is None:
+                inferencer = Inferencer(entry.model.nnet, opts,
+                                        priors=model_priors(entry.model), backend=self.xp)
+                cache[opts] = inferencer
+                while len(cache) > _INFERENCERS_PER_MODEL:
+                    cache.popitem(last=False)
+            cache.move_to_end(opts)
+        return inferencer.infer(p["features"], p["ivector"], p["online_ivectors"],
+                                p["online_ivector_period"])

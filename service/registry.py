@@ -1,0 +1,142 @@
+"""Registered models, keyed by the sha256 of their bytes.
+
+Registering the same bytes twice is a no-op that returns the existing entry.
+Each entry also carries a *structure hash*: the sha256 of the network written
+in binary with every parameter and other floating-point array replaced by zeros
+of the same shape, so two models that differ only in parameter values (e.g. two
+checkpoints of one training run) share compiled computations in the cache.
+
+``ModelRegistry`` is the interface; ``InProcessRegistry`` keeps models in memory
+(LRU-bounded).  A Redis-backed registry would store the bytes and rebuild
+entries on demand behind the same methods.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from engine.nnet.kaldi_io import KaldiWriter
+from engine.nnet.model_io import Model, load_model
+from service.errors import FieldError, not_found
+
+
+@dataclass
+class ModelEntry:
+    model_id: str
+    structure_hash: str
+    model: Model
+    info: dict                      # figures of ``nnetc info`` (service.cli.model_info)
+    name: str | None = None
+    # per-entry objects built lazily by the worker (e.g. Inferencers per options)
+    extras: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _structural_copy(comp):
+    c = copy.copy(comp)
+    for p in tuple(comp.PARAMS) + tuple(comp.ARRAYS):
+        v = getattr(comp, p, None)
+        if isinstance(v, np.ndarray) and v.dtype.kind in "fc":
+            setattr(c, p, np.zeros_like(v))
+    return c
+
+
+def structure_hash(nnet) -> str:
+    """sha256 of the network's structure: config lines, component names, types and
+    configuration, with parameter values left out (zeros of the same shapes)."""
+    h = hashlib.sha256(b"nnetc-structure-v1\n")
+    for line in nnet.config_lines(include_dim=True):
+        h.update(line.encode("utf-8") + b"\n")
+    for name, comp in zip(nnet.component_names, nnet.components):
+        w = KaldiWriter(binary=True)
+        _structural_copy(comp).write(w)
+        h.update(name.encode("utf-8") + b"\0" + w.getvalue())
+    return h.hexdigest()
+
+
+def decode_model_bytes(config: str | None, text: str | None, binary_b64: str | None
+                       ) -> tuple[bytes, str]:
+    """(bytes, field name) of a registration request."""
+    if config is not None:
+        return config.encode("utf-8"), "config"
+    if text is not None:
+        return text.encode("utf-8"), "text"
+    try:
+        return base64.b64decode(binary_b64 or "", validate=True), "binary_b64"
+    except (binascii.Error, ValueError):
+        raise FieldError("binary_b64", "not valid base64") from None
+
+
+class ModelRegistry(Protocol):
+    def register(self, data: bytes, source_field: str, name: str | None = None,
+                 seed: int | None = None) -> tuple[ModelEntry, bool]: ...
+    def get(self, model_id: str) -> ModelEntry: ...
+    def list(self) -> list[ModelEntry]: ...
+    def delete(self, model_id: str) -> None: ...
+
+
+class InProcessRegistry:
+    def __init__(self, max_models: int = 64):
+        self.max_models = max_models
+        self._models: OrderedDict[str, ModelEntry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def register(self, data: bytes, source_field: str, name: str | None = None,
+                 seed: int | None = None) -> tuple[ModelEntry, bool]:
+        """Load and register ``data``; returns (entry, created).  The seed (random
+        initial parameters of a config) is part of the id."""
+        digest = hashlib.sha256(data)
+        if seed is not None:
+            digest.update(f"\0seed={seed}".encode())
+        model_id = digest.hexdigest()
+        with self._lock:
+            if model_id in self._models:
+                self._models.move_to_end(model_id)
+                return self._models[model_id], False
+        from service.cli import model_info  # noqa: PLC0415 (the figures of `nnetc info`)
+        model = _load(data, source_field, seed)
+        entry = ModelEntry(model_id, structure_hash(model.nnet), model, model_info(model), name)
+        with self._lock:
+            if model_id in self._models:       # registered meanwhile by another request
+                return self._models[model_id], False
+            self._models[model_id] = entry
+            while len(self._models) > self.max_models:
+                self._models.popitem(last=False)
+        return entry, True
+
+    def get(self, model_id: str) -> ModelEntry:
+        with self._lock:
+            entry = self._models.get(model_id)
+            if entry is None:
+                raise not_found("model", model_id, "model_id")
+            self._models.move_to_end(model_id)
+            return entry
+
+    def list(self) -> list[ModelEntry]:
+        with self._lock:
+            return list(self._models.values())
+
+    def delete(self, model_id: str) -> None:
+        with self._lock:
+            if self._models.pop(model_id, None) is None:
+                raise not_found("model", model_id, "model_id")
+
+
+def _load(data: bytes, source_field: str, seed: int | None) -> Model:
+    if source_field == "config":
+        from engine.nnet.config import apply_config  # noqa: PLC0415
+        from engine.nnet.nnet import Nnet  # noqa: PLC0415
+        nnet = Nnet()
+        apply_config(nnet, data.decode("utf-8"), source="config",
+                     rng=np.random.default_rng(seed))
+        return Model(nnet, source="config")
+    return load_model(data, source=source_field)

@@ -1,0 +1,34 @@
+"""One APIRouter per resource."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from contextlib import contextmanager
+
+from fastapi import Request
+
+from engine.core.errors import NnetcError
+from service.errors import ServiceError
+
+
+@contextmanager
+def blame(request: Request, field: str):
+    """Engine errors raised inside are reported against request field ``field``."""
+    try:
+        yield
+    except NnetcError:
+        if getattr(request.state, "error_field", None) is None:
+            request.state.error_field = field
+        raise
+
+
+def run_job(services, kind: str, payload: dict):
+    """Submit a job to the worker and wait for its result (routes are sync and run in
+    the thread pool, so waiting here does not block the event loop)."""
+    future = services.queue.submit(kind, payload)
+    try:
+        return future.result(timeout=services.settings.job_timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise ServiceError(504, "Timeout", f"{kind} job did not finish within "
+                                           f"{services.settings.job_timeout_s} s") from None

@@ -1,0 +1,40 @@
+"""/compile: model + ComputationRequest (+ optimizer options) -> computation id and
+statistics (and, on request, the listing)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from schemas.compile import CompileRequest, CompileResponse, CompileStats
+from service import convert
+from service.deps import AUTH, ServicesDep
+from service.routes import blame, run_job
+
+router = APIRouter(tags=["compile"], dependencies=AUTH)
+
+
+def compile_payload(body, services, request: Request) -> dict:
+    """The compile part of a compile or compute body, converted and checked."""
+    entry = services.registry.get(body.model_id)
+    with blame(request, "request"):
+        engine_request = convert.request_to_engine(body.request)
+    with blame(request, "optimizer"):
+        options = convert.optimize_options(body.optimizer)
+    return {"entry": entry, "request": engine_request, "options": options,
+            "optimize": not body.no_optimize, "use_shortcut": body.use_shortcut}
+
+
+@router.post("/compile", response_model=CompileResponse, response_model_exclude_none=True)
+def compile_route(body: CompileRequest, services: ServicesDep, request: Request
+                  ) -> CompileResponse:
+    payload = compile_payload(body, services, request)
+    with blame(request, "request"):
+        compiled = run_job(services, "compile", payload)
+    stats = compiled.computation.stats()
+    listing = None
+    if body.listing:
+        listing = compiled.computation.to_text(payload["entry"].model.nnet)
+    return CompileResponse(computation_id=compiled.key, cached=compiled.cached,
+                           stats=CompileStats(**stats, compile_ms=round(compiled.compile_ms, 3),
+                                              optimized=compiled.optimized),
+                           listing=listing)

@@ -1,0 +1,31 @@
+"""/healthz (the process answers), /readyz (the worker runs), /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from service.deps import ServicesDep
+from service.errors import ServiceError
+from service.metrics import CONTENT_TYPE_LATEST
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(services: ServicesDep) -> dict:
+    if not (services.ready and services.queue.alive()):
+        raise ServiceError(503, "NotReady", "the worker is not running")
+    return {"status": "ready", "queue_depth": services.queue.depth(),
+            "cached_computations": len(services.cache),
+            "models": len(services.registry.list())}
+
+
+@router.get("/metrics")
+def metrics(services: ServicesDep) -> Response:
+    services.metrics.queue_depth.set(services.queue.depth())
+    return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,36 @@
+"""/infer: model + features (+ i-vectors) -> network output, with the semantics of
+Kaldi's nnet3-compute (edge padding, chunking, frame subsampling, i-vectors)."""
+
+from __future__ import annotations
+
+import numpy as np
+from fastapi import APIRouter, Request
+
+from schemas.compute import InferRequest, InferResponse
+from service import convert
+from service.deps import AUTH, ServicesDep
+from service.routes import blame, run_job
+
+router = APIRouter(tags=["infer"], dependencies=AUTH)
+
+
+@router.post("/infer", response_model=InferResponse)
+def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> InferResponse:
+    entry = services.registry.get(body.model_id)
+    features = convert.matrix_from_wire(body.features, "features")
+    online = None
+    if body.online_ivectors is not None:
+        online = convert.matrix_from_wire(body.online_ivectors, "online_ivectors")
+    ivector = None
+    if body.ivector is not None:
+        ivector = np.asarray(body.ivector, dtype=np.float32)
+    with blame(request, "options"):
+        options = convert.inference_options(body.options)
+    with blame(request, "features"):
+        out = run_job(services, "infer", {
+            "entry": entry, "features": features, "ivector": ivector,
+            "online_ivectors": online, "online_ivector_period": body.online_ivector_period,
+            "options": options})
+    return InferResponse(output=convert.matrix_to_wire(out, body.encoding,
+                                                       services.settings.base64_threshold),
+                         num_frames=int(out.shape[0]))

@@ -1,0 +1,33 @@
+"""Service settings (pydantic-settings): the one place where environment
+variables become values.  Every field can be set as ``NNETC_<FIELD>`` (e.g.
+``NNETC_AUTH_TOKEN``) or passed to ``create_app(Settings(...))``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NNETC_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    cache_size: int = Field(default=256, ge=1,
+                            description="compiled computations kept in the in-process LRU")
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024,
+                                description="larger request bodies get 413")
+    auth_token: str | None = Field(default=None,
+                                   description="when set, every API route needs "
+                                               "'Authorization: Bearer <token>'")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    max_models: int = Field(default=64, ge=1, description="registered models kept in memory")
+    queue_size: int = Field(default=1024, ge=1, description="jobs waiting for the worker "
+                                                            "before requests get 503")
+    job_timeout_s: float = Field(default=600.0, gt=0)
+    base64_threshold: int = Field(default=4096, ge=0,
+                                  description="'auto' encoding returns matrices with more "
+                                              "elements than this as base64")
+    backend: Literal["numpy", "cupy"] = "numpy"

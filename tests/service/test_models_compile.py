@@ -1,0 +1,120 @@
+"""/models and /compile against the CLI: info figures equal `nnetc info`, stats equal
+`nnetc compile --stats`, and the computation cache keyed by structure, request,
+options and IR version."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from engine.nnet.model_io import load_model, model_to_bytes
+from service.cli import main
+from tests.service.conftest import CASES, TINY_CONFIG, register, request_for
+
+CASE = CASES / "case024"
+
+
+def _cli_json(*args) -> dict:
+    r = CliRunner().invoke(main, list(args))
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def test_register_text_binary_config_and_info_matches_cli(client, tmp_path):
+    text = register(client, CASE / "model.txt")
+    assert text["created"] is True
+    again = register(client, CASE / "model.txt")
+    assert again["created"] is False and again["model_id"] == text["model_id"]
+    binary_path = tmp_path / "model.raw"
+    binary_path.write_bytes(model_to_bytes(load_model(CASE / "model.txt"), binary=True))
+    binary = register(client, binary_path, binary=True)
+    # different bytes, same network: different id, same structure
+    assert binary["model_id"] != text["model_id"]
+    assert binary["structure_hash"] == text["structure_hash"]
+    figures = _cli_json("info", str(CASE / "model.txt"), "--json")
+    info = text["info"]
+    assert info["left_context"] == figures.get("left-context")
+    assert info["right_context"] == figures.get("right-context")
+    assert info["modulus"] == figures["modulus"]
+    assert info["num_parameters"] == figures["num-parameters"]
+    assert info["input_dims"] == figures["input-dim"]
+    assert info["output_dims"] == figures["output-dim"]
+    assert info["component_types"] == figures["component-types"]
+    assert binary["info"] == info
+    cfg = register(client, config=TINY_CONFIG)
+    assert cfg["info"]["input_dims"] == {"input": 4}
+    assert cfg["info"]["left_context"] == 1 and cfg["info"]["right_context"] == 1
+    listed = {m["model_id"] for m in client.get("/models").json()["models"]}
+    assert {text["model_id"], binary["model_id"], cfg["model_id"]} <= listed
+    assert client.get(f"/models/{cfg['model_id']}").json()["info"] == cfg["info"]
+    assert client.delete(f"/models/{binary['model_id']}").status_code == 204
+    assert client.get(f"/models/{binary['model_id']}").status_code == 404
+
+
+@pytest.mark.parametrize("no_optimize", [False, True])
+def test_compile_stats_match_cli_and_cache_hits(client, no_optimize):
+    model = register(client, CASE / "model.txt")
+    req = json.loads((CASE / "request.json").read_text())
+    body = {"model_id": model["model_id"], "request": req, "no_optimize": no_optimize,
+            "listing": True}
+    first = client.post("/compile", json=body)
+    assert first.status_code == 200, first.text
+    first = first.json()
+    args = ["compile", str(CASE / "model.txt"), "--request", str(CASE / "request.json"),
+            "--stats"] + (["--no-optimize"] if no_optimize else [])
+    cli = _cli_json(*args)
+    for k in ("commands", "matrices", "peak_bytes", "optimized"):
+        assert first["stats"][k] == cli[k], k
+    assert first["cached"] is False
+    assert first["listing"].startswith("c0") or "c0:" in first["listing"]
+    second = client.post("/compile", json=body).json()
+    assert second["cached"] is True
+    assert second["computation_id"] == first["computation_id"]
+    assert second["stats"] == first["stats"]
+    metrics = client.get("/metrics").text
+    assert 'nnetc_cache_events_total{event="hit"}' in metrics
+
+
+def test_cache_key_follows_options_not_parameters(client):
+    cfg = register(client, config=TINY_CONFIG)
+    body = {"model_id": cfg["model_id"], "request": request_for(0, 5, n=2)}
+    base = client.post("/compile", json=body).json()["computation_id"]
+    for opts in ({"propagate_in_place": False}, {"memory_compression_level": 0},
+                 {"max_deriv_time": 3}):
+        key = client.post("/compile", json={**body, "optimizer": opts}).json()
+        assert key["computation_id"] != base, opts
+    assert client.post("/compile", json={**body, "use_shortcut": False}).json()[
+        "computation_id"] != base
+    other_req = client.post("/compile", json={**body, "request": request_for(0, 6, n=2)})
+    assert other_req.json()["computation_id"] != base
+    # same structure, other parameter values (another seed): same key, a cache hit
+    reseeded = client.post("/models", json={"config": TINY_CONFIG, "seed": 2}).json()
+    assert reseeded["model_id"] != cfg["model_id"]
+    assert reseeded["structure_hash"] == cfg["structure_hash"]
+    hit = client.post("/compile", json={**body, "model_id": reseeded["model_id"]}).json()
+    assert hit["computation_id"] == base and hit["cached"] is True
+    # a different structure (wider layer): another key
+    wider = TINY_CONFIG.replace("output-dim=5", "output-dim=6").replace("dim=5", "dim=6") \
+        .replace("input-dim=5", "input-dim=6")
+    w = client.post("/models", json={"config": wider}).json()
+    assert w["structure_hash"] != cfg["structure_hash"]
+    assert client.post("/compile", json={**body, "model_id": w["model_id"]}).json()[
+        "computation_id"] != base
+
+
+def test_cache_stores_plain_data_and_drops_corrupt_entries(client):
+    cfg = register(client, config=TINY_CONFIG)
+    body = {"model_id": cfg["model_id"], "request": request_for(0, 3)}
+    key = client.post("/compile", json=body).json()["computation_id"]
+    cache = client.app.state.services.cache
+    raw = cache.raw(key)
+    json.dumps(raw)   # plain data: JSON-serialisable, no pickled objects
+    raw["commands"][0][2] = 10 ** 6   # corrupt: a submatrix index out of range
+    again = client.post("/compile", json=body).json()
+    assert again["cached"] is False   # the corrupt entry was rejected and recompiled
+    assert client.post("/compile", json=body).json()["cached"] is True
+    assert 'nnetc_cache_events_total{event="corrupt"} 1.0' in client.get("/metrics").text
