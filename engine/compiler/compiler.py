@@ -22,7 +22,6 @@ by one command.
 
 from __future__ import annotations
 
-import gc
 import math
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ from engine.compiler.compile_utils import (convert_to_indexes,  # noqa: F401 (re
 from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_COLS, Command,
                                          CommandType as CT, MatrixDebugInfo, NnetComputation,
                                          PrecomputedIndexesInfo)
+from engine.compiler.gc_pause import gc_paused
 from engine.core.errors import NnetcError, RequestError
 from engine.core.index import K_NO_TIME
 from engine.nnet.components.base import ComponentProperty as P
@@ -660,11 +660,6 @@ def compile_computation(nnet, requests, options: CompilerOptions = CompilerOptio
     # The compiler allocates hundreds of thousands of small lists and tuples
     # (one graph vertex each) and frees them by reference counting; the cyclic
     # collector's full passes over them cost up to 40% of the compile time and
-    # find nothing, so it is paused for the duration.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    # find nothing, so it is paused for the duration (gc_pause: nests, thread-safe).
+    with gc_paused():
         return Compiler(nnet, requests).create_computation(options)
-    finally:
-        if was_enabled:
-            gc.enable()

@@ -196,41 +196,114 @@ def _submatrix_accesses(computation: NnetComputation, command, props: _Component
     return out
 
 
+# Per command type, the plan compute_command_attributes follows: a tuple of
+# (attribute name, is a submatrix slot, access as int, rule) for the slots of
+# _access_slots, where rule says which data-dependent refinement applies.
+_PLAIN, _ADDS_PROP, _ADDS_BACK, _ROWS_DEST, _MULTI_DEST = range(5)
+_PLAN_CACHE: dict = {}
+
+
+def _plan(ct) -> tuple:
+    plan = _PLAN_CACHE.get(ct)
+    if plan is None:
+        items = []
+        for i, kind, acc in _access_slots(ct):
+            rule = _PLAIN
+            if kind == ArgKind.SUBMATRIX:
+                if ct == _COPY_ROWS and i == 0:
+                    rule = _ROWS_DEST
+                elif ct == _COPY_ROWS_MULTI and i == 0:
+                    rule = _MULTI_DEST
+                elif acc == WRITE and ct == _PROPAGATE:
+                    rule = _ADDS_PROP
+                elif acc == WRITE and ct in _BACKPROP_TYPES:
+                    rule = _ADDS_BACK
+            items.append((f"arg{i + 1}", kind == ArgKind.SUBMATRIX, int(acc), rule))
+        plan = _PLAN_CACHE[ct] = tuple(items)
+    return plan
+
+
+def _union(lists_of: list, keys: list[int]) -> list[int]:
+    """sorted(set(chain of lists_of[k] for k in keys)), copying when one list."""
+    if len(keys) == 1:
+        return list(lists_of[keys[0]])
+    acc: set = set()
+    for k in keys:
+        acc.update(lists_of[k])
+    return sorted(acc)
+
+
 def compute_command_attributes(nnet, computation: NnetComputation,
                                vars_: ComputationVariables) -> list[CommandAttributes]:
+    """Every list in the result is sorted and free of duplicates, so the accesses
+    are gathered per command as submatrices read / written (and matrices read
+    because only part of them is written) and expanded once at the end."""
     out = []
+    append = out.append
     props = _ComponentProps(nnet)
     updatable = int(P.UPDATABLE_COMPONENT)
     backprop = CT.BACKPROP
     s2m, vfs = vars_.submatrix_to_matrix, vars_.variables_for_submatrix
     whole = vars_.submatrix_is_whole_matrix
-    writes, reads = (WRITE, READWRITE), (READ, READWRITE)
+    indexes, indexes_multi = computation.indexes, computation.indexes_multi
+    plans = {ct: _plan(ct) for ct in COMMAND_SPECS}
+    rw, w = int(READWRITE), int(WRITE)
     for c in computation.commands:
-        vr: list[int] = []
-        vw: list[int] = []
-        sr: list[int] = []
-        sw: list[int] = []
-        mr: list[int] = []
-        mw: list[int] = []
-        for s, acc in _submatrix_accesses(computation, c, props):
-            # (_record, inlined: this loop runs for every command of every analysis)
-            if s <= 0:
-                continue
-            m = s2m[s]
-            if acc in writes:
-                vw.extend(vfs[s])
-                sw.append(s)
-                mw.append(m)
-                # writing part of a matrix leaves the rest as it was: a read of it
-                if acc == READWRITE or not whole[s]:
-                    mr.append(m)
-            if acc in reads:
-                vr.extend(vfs[s])
-                sr.append(s)
-                mr.append(m)
-        lists = [sorted(set(v)) if len(v) > 1 else v for v in (vr, vw, sr, sw, mr, mw)]
-        out.append(CommandAttributes(*lists, c.command_type == backprop
-                                     and bool(props[c.arg1] & updatable)))
+        ct = c.command_type
+        plan = plans[ct]
+        if not plan:
+            append(CommandAttributes())
+            continue
+        rd: list[int] = []
+        wr: list[int] = []
+        part: list[int] = []   # matrices written in part or read-write: read too
+        for attr, is_sub, acc, rule in plan:
+            a = getattr(c, attr)
+            if is_sub:
+                if a <= 0:
+                    continue
+                if rule:
+                    if rule == _ROWS_DEST:
+                        acc = rw if -1 in indexes[c.arg3] else w
+                    elif rule == _MULTI_DEST:
+                        acc = w
+                    elif rule == _ADDS_PROP:
+                        if props[c.arg1] & _PROPAGATE_ADDS:
+                            acc = rw
+                    elif props[c.arg1] & _BACKPROP_ADDS:
+                        acc = rw
+                if acc & 2:
+                    wr.append(a)
+                    if acc == rw or not whole[a]:
+                        part.append(s2m[a])
+                if acc & 1:
+                    rd.append(a)
+            else:
+                subs = {s for s, _ in indexes_multi[a] if s > 0}
+                for s in subs:
+                    if acc & 2:
+                        wr.append(s)
+                        if acc == rw or not whole[s]:
+                            part.append(s2m[s])
+                    if acc & 1:
+                        rd.append(s)
+        if rd:
+            vr = _union(vfs, rd)
+            if len(rd) > 1:
+                rd = sorted(set(rd))
+            part.extend(s2m[s] for s in rd)
+        else:
+            vr = []
+        if wr:
+            vw = _union(vfs, wr)
+            if len(wr) > 1:
+                wr = sorted(set(wr))
+            mw = [s2m[wr[0]]] if len(wr) == 1 else sorted({s2m[s] for s in wr})
+        else:
+            vw, mw = [], []
+        mr = part if len(part) < 2 else sorted(set(part))
+        append(CommandAttributes(vr, vw, rd, wr, mr, mw, ct == backprop
+                                 and bool(props[c.arg1] & updatable)))
     return out
 
 

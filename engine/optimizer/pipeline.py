@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.compiler.computation import NnetComputation
+from engine.compiler.gc_pause import gc_paused
 from engine.core.errors import CheckError
 from engine.optimizer.analysis import Analyzer
 from engine.optimizer.checker import check_computation
@@ -164,7 +165,15 @@ def _check(nnet, computation, where: str, ran: list[str], check_rewrite: bool) -
 def run_passes(computation: NnetComputation, nnet, options: OptimizeOptions | None = None,
                request=None, passes: tuple[PassSpec, ...] = PASSES
                ) -> tuple[NnetComputation, list[PassRecord]]:
-    """Optimize a copy of ``computation``; returns (optimized, pass table)."""
+    """Optimize a copy of ``computation``; returns (optimized, pass table).  The
+    cyclic garbage collector is paused meanwhile (see engine.compiler.gc_pause:
+    the analyses allocate millions of small lists, and full collections over
+    the computation's objects found nothing and cost ~40% of the time)."""
+    with gc_paused():
+        return _run_passes(computation, nnet, options, request, passes)
+
+
+def _run_passes(computation, nnet, options, request, passes):
     options = options if options is not None else OptimizeOptions()
     comp = computation.copy()
     ctx = PassContext(nnet, options, request)

@@ -18,23 +18,42 @@ from engine.compiler.computation import COMMAND_SPECS, ArgKind, CommandType, Nne
 CT = CommandType
 
 
-def _slots(computation: NnetComputation, kind: ArgKind):
-    """(command, slot) for every argument slot of the given kind."""
+_ARG = tuple(f"arg{i + 1}" for i in range(7))
+_KIND_POSITIONS: dict = {}
+
+
+def _positions(ct) -> dict:
+    """ArgKind -> attribute names of the slots of that kind, per command type."""
+    pos = _KIND_POSITIONS.get(ct)
+    if pos is None:
+        pos = {}
+        for i, slot in enumerate(COMMAND_SPECS[ct].slots):
+            pos.setdefault(slot.kind, []).append(_ARG[i])
+        _KIND_POSITIONS[ct] = pos
+    return pos
+
+
+def _all_slots(computation: NnetComputation) -> dict:
+    """ArgKind -> [(command, attribute name)] for every argument slot, in command
+    order (one walk over the commands serves every table: renumbering changes
+    arguments, never command types)."""
+    out: dict = {k: [] for k in ArgKind}
     for cmd in computation.commands:
-        for i, slot in enumerate(COMMAND_SPECS[cmd.command_type].slots):
-            if slot.kind == kind:
-                yield cmd, i
+        for kind, names in _positions(cmd.command_type).items():
+            lst = out[kind]
+            for a in names:
+                lst.append((cmd, a))
+    return out
 
 
-def _renumber_table(computation: NnetComputation, attr: str, kind: ArgKind,
+def _renumber_table(computation: NnetComputation, attr: str, refs: list,
                     key=tuple) -> bool:
     """Keep the entries of computation.<attr> that some command uses, merging equal
     ones (first occurrence wins); returns True if the numbering changed."""
     table = getattr(computation, attr)
     if not table:
         return False
-    refs = list(_slots(computation, kind))
-    used = sorted({cmd.args[i] for cmd, i in refs})
+    used = sorted({getattr(cmd, a) for cmd, a in refs})
     old_to_new: dict[int, int] = {}
     seen: dict = {}
     new_table = []
@@ -48,8 +67,8 @@ def _renumber_table(computation: NnetComputation, attr: str, kind: ArgKind,
     changed = len(new_table) != len(table) or any(o != n for o, n in old_to_new.items())
     if changed:
         setattr(computation, attr, new_table)
-        for cmd, i in refs:
-            cmd.set_arg(i, old_to_new[cmd.args[i]])
+        for cmd, a in refs:
+            setattr(cmd, a, old_to_new[getattr(cmd, a)])
     return changed
 
 
@@ -69,24 +88,26 @@ def _renumber_memos(computation: NnetComputation) -> bool:
             new = new_of[cmd.arg7]
         else:
             continue
-        slot = 4 if cmd.command_type == CT.PROPAGATE else 6
-        if cmd.args[slot] != new:
-            cmd.set_arg(slot, new)
+        attr = "arg5" if cmd.command_type == CT.PROPAGATE else "arg7"
+        if getattr(cmd, attr) != new:
+            setattr(cmd, attr, new)
             changed = True
     return changed
 
 
 def renumber_computation(computation: NnetComputation, ctx=None) -> bool:
     c = computation
-    changed = _renumber_table(c, "indexes_multi", ArgKind.INDEXES_MULTI,
+    slots = _all_slots(c)
+    changed = _renumber_table(c, "indexes_multi", slots[ArgKind.INDEXES_MULTI],
                               key=lambda v: tuple(map(tuple, v)))
     # which submatrices are referred to, from commands and from indexes_multi
-    sub_refs = list(_slots(c, ArgKind.SUBMATRIX))
+    sub_refs = slots[ArgKind.SUBMATRIX]
     used = [False] * len(c.submatrices)
     used[0] = True
-    for cmd, i in sub_refs:
-        if cmd.args[i] > 0:
-            used[cmd.args[i]] = True
+    for cmd, a in sub_refs:
+        v = getattr(cmd, a)
+        if v > 0:
+            used[v] = True
     for lst in c.indexes_multi:
         for s, _ in lst:
             if s > 0:
@@ -120,9 +141,10 @@ def renumber_computation(computation: NnetComputation, ctx=None) -> bool:
         old_to_new_sub[s] != s for s in range(len(c.submatrices)) if used[s])
     mat_changed = n != len(c.matrices)
     if sub_changed:
-        for cmd, i in sub_refs:
-            if cmd.args[i] > 0:
-                cmd.set_arg(i, old_to_new_sub[cmd.args[i]])
+        for cmd, a in sub_refs:
+            v = getattr(cmd, a)
+            if v > 0:
+                setattr(cmd, a, old_to_new_sub[v])
         c.indexes_multi = [[(old_to_new_sub[s], r) if s > 0 else (s, r) for s, r in lst]
                            for lst in c.indexes_multi]
     if sub_changed or mat_changed:
@@ -135,10 +157,10 @@ def renumber_computation(computation: NnetComputation, ctx=None) -> bool:
             c.matrix_debug_info = [d for d, u in zip(c.matrix_debug_info, matrix_used) if u]
     changed |= sub_changed or mat_changed
     # submatrix renumbering may have made indexes_multi entries equal
-    changed |= _renumber_table(c, "indexes_multi", ArgKind.INDEXES_MULTI,
+    changed |= _renumber_table(c, "indexes_multi", slots[ArgKind.INDEXES_MULTI],
                                key=lambda v: tuple(map(tuple, v)))
-    changed |= _renumber_table(c, "indexes", ArgKind.INDEXES)
-    changed |= _renumber_table(c, "indexes_ranges", ArgKind.INDEXES_RANGES,
+    changed |= _renumber_table(c, "indexes", slots[ArgKind.INDEXES])
+    changed |= _renumber_table(c, "indexes_ranges", slots[ArgKind.INDEXES_RANGES],
                                key=lambda v: tuple(map(tuple, v)))
     changed |= _renumber_memos(c)
     return changed
