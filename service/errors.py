@@ -78,6 +78,8 @@ def _field_of(e: NnetcError, request: Request) -> str | None:
     fld = getattr(request.state, "error_field", None)
     if isinstance(e, ConfigError) and fld is None:
         return "config"
+    if isinstance(e, NotComputableError) and fld == "request":
+        return "request.outputs"    # what cannot be computed is always an output
     return fld
 
 

@@ -1,0 +1,197 @@
+"""Bad input on every route gets a 4xx naming what is at fault; concurrent clients
+do not disturb each other; msgpack bodies round-trip."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import msgpack
+import numpy as np
+
+from tests.service.conftest import (CASES, TINY_CONFIG, decode, encode, make_client, register,
+                                    request_for)
+
+CASE = CASES / "case024"
+
+
+def _err(r, status):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"type", "message", "field"}
+    return body["error"]
+
+
+def test_models_bad_input(client):
+    bad = TINY_CONFIG.replace("component name=relu1 type=RectifiedLinearComponent dim=5",
+                              "component name=relu1 type=NoSuchComponent dim=5")
+    e = _err(client.post("/models", json={"config": bad}), 400)
+    assert e["type"] == "ConfigError" and "config:4" in e["message"]
+    assert "NoSuchComponent" in e["message"] and e["field"] == "config"
+    e = _err(client.post("/models", json={"text": "<Nnet3> garbage"}), 400)
+    assert e["type"] == "ModelFormatError" and e["field"] == "text"
+    e = _err(client.post("/models", json={"binary_b64": base64.b64encode(b"\0Bxx").decode()}),
+             400)
+    assert e["type"] == "ModelFormatError" and "byte" in e["message"]
+    e = _err(client.post("/models", json={"binary_b64": "%%%"}), 422)
+    assert e["field"] == "binary_b64"
+    e = _err(client.post("/models", json={"config": "a", "text": "b"}), 422)
+    assert "exactly one" in e["message"]
+    e = _err(client.post("/models", content=b"{not json", headers={
+        "content-type": "application/json"}), 422)
+    _err(client.get("/models/" + "0" * 64), 404)
+    _err(client.delete("/models/" + "0" * 64), 404)
+
+
+def test_compile_and_compute_bad_input(client):
+    cfg = register(client, config=TINY_CONFIG)
+    mid = cfg["model_id"]
+    e = _err(client.post("/compile", json={"model_id": "f" * 64, "request": request_for(0, 3)}),
+             404)
+    assert e["field"] == "model_id" and "f" * 64 in e["message"]
+    # an output whose inputs are not supplied: not computable, named
+    req = request_for(0, 3)
+    req["inputs"][0]["indexes"] = [[0, 0, 0]]
+    e = _err(client.post("/compile", json={"model_id": mid, "request": req}), 422)
+    assert e["type"] == "NotComputableError" and "output(0, 0, 0)" in e["message"]
+    assert e["field"] == "request.outputs"
+    e = _err(client.post("/compile", json={"model_id": mid, "request": {
+        **request_for(0, 3), "outputs": [{"name": "nope", "indexes": [[0, 0, 0]]}]}}), 422)
+    assert e["type"] == "RequestError" and "'nope'" in e["message"] and e["field"] == "request"
+    e = _err(client.post("/compile", json={"model_id": mid, "request": request_for(0, 3),
+                                           "optimizer": {"memory_compression_level": 9}}), 400)
+    assert "memory_compression_level" in e["message"] and e["field"] == "optimizer"
+    e = _err(client.post("/compile", json={"model_id": mid, "request": request_for(0, 3),
+                                           "optimizer": {"no_such_option": 1}}), 422)
+    assert e["field"] == "optimizer.no_such_option"
+    # wrong matrix shape: named
+    good = np.zeros((5, 4), np.float32)
+    body = {"model_id": mid, "request": request_for(0, 3), "inputs": {"input": encode(good)}}
+    assert client.post("/compute", json=body).status_code == 200
+    e = _err(client.post("/compute", json={**body, "inputs": {"input": encode(good[:, :3])}}),
+             422)
+    assert e["field"] == "inputs.input" and "[5, 4]" in e["message"]
+    e = _err(client.post("/compute", json={**body, "inputs": {"input": [[1, 2], [3]]}}), 422)
+    assert e["field"] == "inputs.input"
+    e = _err(client.post("/compute", json={**body, "inputs": {}}), 422)
+    assert e["field"] == "inputs.input" and "missing" in e["message"]
+    e = _err(client.post("/compute", json={**body, "inputs": {"input": encode(good),
+                                                              "x": encode(good)}}), 422)
+    assert e["field"] == "inputs.x"
+    nan = good.copy()
+    nan[0, 0] = np.nan
+    e = _err(client.post("/compute", json={**body, "inputs": {"input": encode(nan)}}), 422)
+    assert "NaN" in e["message"]
+    short = {"shape": [5, 4], "dtype": "float32", "data": base64.b64encode(b"abc").decode()}
+    e = _err(client.post("/compute", json={**body, "inputs": {"input": short}}), 422)
+    assert "80" in e["message"]
+    deriv = {**body, "request": request_for(0, 3, deriv=True)}
+    e = _err(client.post("/compute", json=deriv), 422)
+    assert e["field"] == "output_derivs.output"
+
+
+def test_infer_bad_input(client):
+    cfg = register(client, config=TINY_CONFIG)
+    e = _err(client.post("/infer", json={"model_id": cfg["model_id"],
+                                         "features": encode(np.zeros((10, 7)))}), 422)
+    assert "features" in e["message"] and "4" in e["message"]
+    e = _err(client.post("/infer", json={"model_id": cfg["model_id"],
+                                         "features": encode(np.zeros((10, 4))),
+                                         "options": {"frames_per_chunk": 0}}), 422)
+    assert "frames_per_chunk" in e["message"]
+    ok = client.post("/infer", json={"model_id": cfg["model_id"],
+                                     "features": np.zeros((10, 4)).tolist()})
+    assert ok.status_code == 200 and ok.json()["num_frames"] == 10
+
+
+def test_oversize_body_and_auth():
+    with make_client(max_body_bytes=4096, auth_token="s3cret") as c:
+        assert c.get("/healthz").status_code == 200      # health needs no token
+        e = _err(c.post("/models", json={"config": TINY_CONFIG}), 401)
+        assert e["type"] == "Unauthorized"
+        e = _err(c.post("/models", json={"config": TINY_CONFIG},
+                        headers={"Authorization": "Bearer wrong"}), 401)
+        auth = {"Authorization": "Bearer s3cret"}
+        assert c.post("/models", json={"config": TINY_CONFIG}, headers=auth).status_code == 201
+        big = {"config": TINY_CONFIG + "#" * 5000}
+        e = _err(c.post("/models", json=big, headers=auth), 413)
+        assert "4096" in e["message"]
+
+        def chunks():   # no content-length: the limit applies while reading
+            for _ in range(10):
+                yield b" " * 1000
+        e = _err(c.post("/models", content=chunks(), headers={
+            **auth, "content-type": "application/json"}), 413)
+
+
+def test_concurrent_clients_bad_input_does_not_disturb_good(client):
+    cfg = register(client, config=TINY_CONFIG)
+    mid = cfg["model_id"]
+    rng = np.random.default_rng(0)
+    feats = [rng.standard_normal((5, 4)).astype(np.float32) for _ in range(6)]
+    body = lambda x: {"model_id": mid, "request": request_for(0, 3),  # noqa: E731
+                      "inputs": {"input": encode(x)}}
+    want = [decode(client.post("/compute", json=body(x)).json()["outputs"]["output"])
+            for x in feats]
+    results: dict = {}
+
+    def good(k):
+        for rep in range(5):
+            r = client.post("/compute", json=body(feats[k]))
+            results[(k, rep)] = (r.status_code, decode(r.json()["outputs"]["output"]))
+
+    def bad(k):
+        for rep in range(5):
+            x = feats[k].copy()
+            x[0, 0] = np.inf if rep % 2 else 0
+            wrong = {**body(x)}
+            if rep % 2 == 0:
+                wrong["inputs"] = {"input": encode(x[:, :2])}
+            r = client.post("/compute", json=wrong)
+            results[("bad", k, rep)] = (r.status_code, None)
+            r = client.post("/compile", json={"model_id": mid, "request": {
+                **request_for(0, 3), "outputs": [{"name": "input", "indexes": [[0, 0, 0]]}]}})
+            results[("badc", k, rep)] = (r.status_code, None)
+
+    threads = [threading.Thread(target=good, args=(k,)) for k in range(6)]
+    threads += [threading.Thread(target=bad, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key, (status, out) in results.items():
+        if key[0] in ("bad", "badc"):
+            assert 400 <= status < 500, (key, status)
+        else:
+            assert status == 200
+            np.testing.assert_array_equal(out, want[key[0]])
+    assert len(results) == 6 * 5 + 3 * 5 * 2
+    assert client.get("/readyz").status_code == 200
+
+
+def test_msgpack_round_trip(client):
+    model = register(client, CASE / "model.txt")
+    req = json.loads((CASE / "request.json").read_text())
+    arrays = np.load(CASE / "arrays.npz")
+    raw = lambda a: {"shape": list(a.shape), "dtype": "float32",  # noqa: E731
+                     "data": np.ascontiguousarray(a, "<f4").tobytes()}
+    body = {"model_id": model["model_id"], "request": req, "encoding": "base64",
+            "inputs": {"input": raw(arrays["input.input"])},
+            "output_derivs": {"output": raw(arrays["output_deriv.output"])}}
+    r = client.post("/compute", content=msgpack.packb(body),
+                    headers={"content-type": "application/msgpack",
+                             "accept": "application/msgpack"})
+    assert r.status_code == 200, r.content[:300]
+    assert r.headers["content-type"] == "application/msgpack"
+    out = msgpack.unpackb(r.content)
+    via_json = client.post("/compute", json={
+        **body, "inputs": {"input": encode(arrays["input.input"])},
+        "output_derivs": {"output": encode(arrays["output_deriv.output"])}}).json()
+    assert out == via_json
+    np.testing.assert_allclose(decode(out["outputs"]["output"]), arrays["output.output"],
+                               rtol=1e-3, atol=1e-4)
+    # errors come back in msgpack too, and a body that is not msgpack is a 400
+    r = client.post("/models", content=b"\xc1", headers={
+        "content-type": "application/msgpack", "accept": "application/msgpack"})
+    assert r.status_code == 400 and msgpack.unpackb(r.content)["error"]["type"] == "BadRequest"

@@ -1,0 +1,106 @@
+"""/compute on Kaldi's reference networks (outputs, input derivatives and model
+gradients to Kaldi's tolerance) and /infer against nnet3-compute's output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.nnet.model_io import load_nnet
+from tests.service.conftest import BLSTM, CASES, DATA, decode, encode, register
+
+CASE_DIRS = sorted(p for p in CASES.iterdir() if p.is_dir())
+
+
+def _close(what, ours, ref):
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape, f"{what}: shape {ours.shape} vs {ref.shape}"
+    if ref.size:
+        err = float(np.max(np.abs(ours - ref)))
+        tol = 1e-4 + 2e-3 * float(np.max(np.abs(ref)))
+        assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("encoding", ["json", "base64"])
+@pytest.mark.parametrize("case", CASE_DIRS, ids=lambda p: p.name)
+def test_compute_reference(client, case, encoding):
+    model = register(client, case / "model.txt")
+    req = json.loads((case / "request.json").read_text())
+    arrays = np.load(case / "arrays.npz")
+
+    def wire(a):   # the two wire forms of a matrix
+        return encode(a) if encoding == "base64" else a.astype(np.float64).tolist()
+
+    body = {"model_id": model["model_id"], "request": req, "encoding": encoding,
+            "inputs": {s["name"]: wire(arrays[f"input.{s['name']}"]) for s in req["inputs"]},
+            "output_derivs": {s["name"]: wire(arrays[f"output_deriv.{s['name']}"])
+                              for s in req["outputs"] if s["has_deriv"]}}
+    r = client.post("/compute", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    for s in req["outputs"]:
+        _close(f"output {s['name']}", decode(out["outputs"][s["name"]]),
+               arrays[f"output.{s['name']}"])
+    for s in req["inputs"]:
+        if s["has_deriv"]:
+            _close(f"input_deriv {s['name']}", decode(out["input_derivs"][s["name"]]),
+                   arrays[f"input_deriv.{s['name']}"])
+    grad_file = DATA / "service" / case.name / "model_grad.txt"
+    if req["need_model_derivative"]:
+        grads = out["model_gradient"]
+        nnet = load_nnet(case / "model.txt")
+        updatable = [n for n, c in zip(nnet.component_names, nnet.components)
+                     if c.is_updatable]
+        assert sorted(grads) == sorted(updatable)
+        if grad_file.exists():
+            model_nnet, ref = load_nnet(case / "model.txt"), load_nnet(grad_file)
+            checked = 0
+            for name, theirs, orig in zip(ref.component_names, ref.components,
+                                          model_nnet.components):
+                if not orig.is_updatable:
+                    continue
+                for p, b, o in zip(orig.PARAMS, theirs.param_arrays(), orig.param_arrays()):
+                    want = np.asarray(b, np.float64) - np.asarray(o, np.float64)
+                    _close(f"gradient {name}.{p}",
+                           decode(grads[name][p]).reshape(want.shape), want)
+                    checked += 1
+            assert checked > 0
+    else:
+        assert "model_gradient" not in out
+
+
+def test_compute_is_deterministic_and_model_unchanged(client):
+    """Running a request with store_component_stats uses a private copy of the model."""
+    case = CASES / "case024"
+    model = register(client, case / "model.txt")
+    req = json.loads((case / "request.json").read_text())
+    arrays = np.load(case / "arrays.npz")
+    body = {"model_id": model["model_id"], "request": {**req, "store_component_stats": True},
+            "inputs": {"input": encode(arrays["input.input"])},
+            "output_derivs": {"output": encode(arrays["output_deriv.output"])}}
+    entry = client.app.state.services.registry.get(model["model_id"])
+    before = [np.array(a, copy=True) for c in entry.model.nnet.components
+              for a in (getattr(c, p, None) for p in c.PARAMS + c.ARRAYS)
+              if isinstance(a, np.ndarray)]
+    first = client.post("/compute", json=body).json()
+    second = client.post("/compute", json=body).json()
+    assert first["outputs"] == second["outputs"]
+    after = [a for c in entry.model.nnet.components
+             for a in (getattr(c, p, None) for p in c.PARAMS + c.ARRAYS)
+             if isinstance(a, np.ndarray)]
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))
+
+
+def test_infer_blstm_matches_nnet3_compute(client):
+    model = register(client, BLSTM / "model.raw", binary=True)
+    ref = np.load(BLSTM / "infer_utt1_part.npz")
+    r = client.post("/infer", json={"model_id": model["model_id"],
+                                    "features": encode(ref["features"]),
+                                    "options": {"frames_per_chunk": 50}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["num_frames"] == ref["features"].shape[0]
+    got = decode(out["output"])
+    _close("infer output", got[:100], ref["output"])
