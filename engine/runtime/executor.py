@@ -43,9 +43,30 @@ _PLAN_CACHE: "weakref.WeakKeyDictionary[NnetComputation, dict]" = weakref.WeakKe
 _IO = (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
 
 
+def _signature(computation: NnetComputation) -> tuple:
+    """What must be unchanged for cached plans and programs to stay valid: the
+    command objects (by identity) and the sizes of every table.  Optimizer passes
+    that rewrite a computation in place replace, insert or drop commands and
+    tables, which this catches; a pass that edited a command's fields in place
+    and changed nothing else would not be -- call ``forget_computation`` then."""
+    c = computation
+    return (tuple(c.commands), len(c.submatrices), len(c.matrices), len(c.indexes),
+            len(c.indexes_multi), len(c.indexes_ranges), len(c.component_precomputed_indexes))
+
+
 def _plans_for(computation: NnetComputation, xp) -> dict:
-    per = _PLAN_CACHE.setdefault(computation, {})
+    sig = _signature(computation)
+    per = _PLAN_CACHE.get(computation)
+    if per is None or per.get("__signature__") != sig:
+        per = {"__signature__": sig}
+        _PLAN_CACHE[computation] = per
     return per.setdefault(backend_name(xp), {})
+
+
+def forget_computation(computation: NnetComputation) -> None:
+    """Drop the index plans and compiled program cached for ``computation`` (after
+    modifying it in place in a way the signature check cannot see)."""
+    _PLAN_CACHE.pop(computation, None)
 
 
 def _component_to_backend(comp, xp):

@@ -197,3 +197,27 @@ def test_decoding_models_bit_identical():
         comp = compile_with_shortcut(nnet, req)
         fast, slow = _both(nnet, req, x, None, comp)
         _assert_identical(str(path), fast, slow)
+
+
+def test_program_rebuilt_after_the_computation_changes_in_place():
+    """Cached programs follow in-place rewrites that replace or insert commands (as
+    optimizer passes do) instead of running the stale command list."""
+    from engine.compiler.computation import Command  # noqa: PLC0415
+    from engine.compiler.computation import CommandType as CT  # noqa: PLC0415
+    rng = np.random.default_rng(11)
+    net = generate_config_sequence(rng, OPTS, kind=GENERATOR_NAMES[0])
+    nnet = net.build(rng)
+    req = random_request(nnet, rng)
+    x = random_inputs(nnet, req, rng)
+    comp = compile_request(nnet, req, True)
+    first = run_network(nnet, req, x, None, computation=comp).outputs
+    # set every output to 7 just before it is provided
+    k = max(i for i, c in enumerate(comp.commands) if c.command_type == CT.PROVIDE_OUTPUT)
+    for i in range(k, -1, -1):
+        c = comp.commands[i]
+        if c.command_type == CT.PROVIDE_OUTPUT:
+            comp.commands.insert(i, Command.make(CT.SET_CONST, c.arg1, alpha=7.0))
+    second = run_network(nnet, req, x, None, computation=comp).outputs
+    for name in first:
+        assert not np.all(first[name] == 7.0)
+        assert np.all(second[name] == 7.0), name
