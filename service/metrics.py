@@ -3,8 +3,10 @@ as in tests, do not collide on the global registry)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST   # the /metrics response's media type
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                     60, 120)

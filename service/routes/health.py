@@ -6,7 +6,7 @@ from fastapi import APIRouter, Response
 
 from service.deps import ServicesDep
 from service.errors import ServiceError
-from service.metrics import CONTENT_TYPE_LATEST
+from service.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["operations"])
 
@@ -28,4 +28,4 @@ def readyz(services: ServicesDep) -> dict:
 @router.get("/metrics")
 def metrics(services: ServicesDep) -> Response:
     services.metrics.queue_depth.set(services.queue.depth())
-    return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(services.metrics.render(), media_type=CONTENT_TYPE)

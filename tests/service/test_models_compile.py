@@ -4,14 +4,14 @@ options and IR version."""
 
 from __future__ import annotations
 
-import base64
 import json
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from engine.nnet.model_io import load_model, model_to_bytes
+from engine.optimizer.options import OptimizeOptions
+from schemas.compile import OptimizerOptions
 from service.cli import main
 from tests.service.conftest import CASES, TINY_CONFIG, register, request_for
 
@@ -83,10 +83,22 @@ def test_cache_key_follows_options_not_parameters(client):
     cfg = register(client, config=TINY_CONFIG)
     body = {"model_id": cfg["model_id"], "request": request_for(0, 5, n=2)}
     base = client.post("/compile", json=body).json()["computation_id"]
-    for opts in ({"propagate_in_place": False}, {"memory_compression_level": 0},
-                 {"max_deriv_time": 3}):
-        key = client.post("/compile", json={**body, "optimizer": opts}).json()
-        assert key["computation_id"] != base, opts
+    # the API exposes every engine option that changes the result, except Kaldi's hidden
+    # optimize_looped_computation (set by the looped compiler only)
+    assert set(OptimizerOptions.model_fields) == \
+        set(OptimizeOptions.result_fields()) - {"optimize_looped_computation"}
+    defaults = OptimizeOptions()
+    changed = {"min_deriv_time": 0, "max_deriv_time": 3, "max_deriv_time_relative": 2,
+               "memory_compression_level": 2}
+    keys = {base}
+    for name in OptimizerOptions.model_fields:   # every option the API exposes
+        value = getattr(defaults, name)
+        value = (not value) if isinstance(value, bool) else changed[name]
+        r = client.post("/compile", json={**body, "optimizer": {name: value}})
+        assert r.status_code == 200, (name, r.text)
+        assert r.json()["computation_id"] not in keys, name
+        keys.add(r.json()["computation_id"])
+    assert len(keys) == 1 + len(OptimizerOptions.model_fields)
     assert client.post("/compile", json={**body, "use_shortcut": False}).json()[
         "computation_id"] != base
     other_req = client.post("/compile", json={**body, "request": request_for(0, 6, n=2)})
