@@ -1,0 +1,62 @@
+"""Operations endpoints: metrics, readiness, offline docs, internal errors that leak
+nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+
+from tests.service.conftest import TINY_CONFIG, encode, make_client, register, request_for
+
+
+def test_metrics_cover_requests_compile_cache_queue_batches():
+    with make_client() as c:
+        mid = register(c, config=TINY_CONFIG)["model_id"]
+        body = {"model_id": mid, "request": request_for(0, 3, n=2),
+                "inputs": {"input": encode(np.zeros((10, 4)))}}
+        assert c.post("/compute", json=body).status_code == 200
+        assert c.post("/compute", json=body).status_code == 200
+        text = c.get("/metrics").text
+    for needle in ('nnetc_request_seconds_count{method="POST",route="/compute",status="200"} 2.0',
+                   "nnetc_compile_seconds_count 1.0",
+                   'nnetc_cache_events_total{event="hit"} 1.0',
+                   'nnetc_cache_events_total{event="miss"} 1.0',
+                   "nnetc_queue_depth 0.0",
+                   'nnetc_batch_size_bucket{le="2.0"} 2.0',
+                   'nnetc_job_seconds_count{kind="compute"} 2.0'):
+        assert needle in text, needle
+
+
+def test_readyz_follows_the_worker():
+    c = make_client()
+    assert c.get("/readyz").status_code == 503      # lifespan not started: no worker
+    with c:
+        assert c.get("/readyz").json()["status"] == "ready"
+
+
+def test_docs_offline_or_absent():
+    with make_client() as c:
+        assert "/infer" in c.get("/openapi.json").json()["paths"]
+        r = c.get("/docs")
+        if importlib.util.find_spec("swagger_ui_bundle") is None:
+            assert r.status_code == 404
+            return
+        assert r.status_code == 200
+        assert "http://" not in r.text and "https://" not in r.text   # no CDN
+        assert c.get("/docs/static/swagger-ui-bundle.js").status_code == 200
+
+
+def test_internal_error_is_500_without_details():
+    with make_client() as c:
+        mid = register(c, config=TINY_CONFIG)["model_id"]
+
+        def broken(payload):
+            raise RuntimeError("secret internal detail")
+        c.app.state.services.queue.handlers["compile"] = broken
+        r = c.post("/compile", json={"model_id": mid, "request": request_for(0, 3)})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "InternalError" and "secret" not in r.text
+        assert "Traceback" not in r.text
+        assert c.get("/readyz").status_code == 200   # the worker survived
