@@ -47,8 +47,8 @@ class Operations:
         self.cache = cache
         self.metrics = metrics
         self.xp = backend
-        # one compile at a time per key even if several threads ask (a Redis worker
-        # pool would use a lock key); cheap since compiles run on the worker anyway
+        # Compiles are serialised: in the service they already run on the one worker;
+        # the lock keeps direct callers (tests, a future pool) from compiling twice at once.
         self._compile_lock = threading.Lock()
 
     # -- compile ---------------------------------------------------------------------------
