@@ -307,25 +307,28 @@ def compute_command_attributes(nnet, computation: NnetComputation,
     return out
 
 
-def _accesses(items_read: list[int], items_written: list[int]):
-    r, w = set(items_read), set(items_written)
-    for x in sorted(r | w):
-        yield x, (READWRITE if x in r and x in w else READ if x in r else WRITE)
-
-
-def _append_accesses(out: list[list], c: int, items_read: list[int],
-                     items_written: list[int]) -> None:
-    """out[x].append((c, access)) for each x read or written, in increasing x
-    (what iterating _accesses does, without the generator when one side is empty)."""
-    if not items_written:
-        for x in (items_read if len(items_read) < 2 else sorted(set(items_read))):
-            out[x].append((c, READ))
-    elif not items_read:
-        for x in (items_written if len(items_written) < 2 else sorted(set(items_written))):
-            out[x].append((c, WRITE))
+def _append_sorted_accesses(out: list[list], c: int, r: list[int], w: list[int]) -> None:
+    """out[x].append((c, access)) for each x read or written, in increasing x.
+    ``r`` and ``w`` are sorted and free of duplicates (what CommandAttributes
+    holds); the (c, access) tuples are shared between the lists they go into."""
+    if not w:
+        if r:
+            t = (c, READ)
+            for x in r:
+                out[x].append(t)
+    elif not r:
+        t = (c, WRITE)
+        for x in w:
+            out[x].append(t)
+    elif r == w:
+        t = (c, READWRITE)
+        for x in r:
+            out[x].append(t)
     else:
-        for x, acc in _accesses(items_read, items_written):
-            out[x].append((c, acc))
+        rs, ws = set(r), set(w)
+        tr, tw, trw = (c, READ), (c, WRITE), (c, READWRITE)
+        for x in sorted(rs | ws):
+            out[x].append(trw if x in rs and x in ws else tr if x in rs else tw)
 
 
 def compute_variable_accesses(vars_: ComputationVariables,
@@ -333,7 +336,7 @@ def compute_variable_accesses(vars_: ComputationVariables,
                               ) -> list[list[tuple[int, Access]]]:
     out: list[list[tuple[int, Access]]] = [[] for _ in range(vars_.num_variables)]
     for c, attr in enumerate(attributes):
-        _append_accesses(out, c, attr.variables_read, attr.variables_written)
+        _append_sorted_accesses(out, c, attr.variables_read, attr.variables_written)
     return out
 
 
@@ -346,10 +349,17 @@ def compute_matrix_accesses(computation: NnetComputation, attributes: list[Comma
         e.command, e.reason = c, reason   # the checker reprints the command in full
         return e
 
+    subs, mats = computation.submatrices, computation.matrices
+    nsub = len(subs)
+
     def whole(s: int, c: int) -> int:
-        if not (0 < s < len(computation.submatrices)) or not computation.is_whole_matrix(s):
-            raise error(c, "command does not operate on a whole matrix")
-        return computation.submatrices[s].matrix_index
+        # computation.is_whole_matrix, inlined: this runs for every (de)allocation
+        if 0 < s < nsub:
+            m, ro, nr, co, nc = subs[s]
+            mi = mats[m]
+            if ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols:
+                return m
+        raise error(c, "command does not operate on a whole matrix")
 
     def set_alloc(m: int, c: int) -> None:
         if out[m].allocate_command != -1:
@@ -364,9 +374,12 @@ def compute_matrix_accesses(computation: NnetComputation, attributes: list[Comma
         out[m].deallocate_command = c
 
     acc_lists = [ma.accesses for ma in out]
+    life = _MATRIX_LIFE
     for c, (attr, cmd) in enumerate(zip(attributes, computation.commands)):
-        _append_accesses(acc_lists, c, attr.matrices_read, attr.matrices_written)
+        _append_sorted_accesses(acc_lists, c, attr.matrices_read, attr.matrices_written)
         ct = cmd.command_type
+        if ct not in life:
+            continue
         if ct == CT.ALLOC_MATRIX:
             set_alloc(whole(cmd.arg1, c), c)
         elif ct == CT.SWAP_MATRIX:
@@ -382,6 +395,10 @@ def compute_matrix_accesses(computation: NnetComputation, attributes: list[Comma
         elif ct == CT.PROVIDE_OUTPUT:
             out[whole(cmd.arg1, c)].is_output = True
     return out
+
+
+_MATRIX_LIFE = frozenset((CT.ALLOC_MATRIX, CT.SWAP_MATRIX, CT.DEALLOC_MATRIX, CT.ACCEPT_INPUT,
+                          CT.PROVIDE_OUTPUT))
 
 
 class Analyzer:
