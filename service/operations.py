@@ -7,6 +7,7 @@ routes translate to and from the wire through service/convert.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from service.cache import cache_key
 from service.registry import ModelEntry
 
 _INFERENCERS_PER_MODEL = 8
+log = logging.getLogger("nnetc.worker")
 
 
 @dataclass
@@ -65,6 +67,9 @@ class Operations:
                                           use_shortcut=use_shortcut, optimize=optimize)
             seconds = time.perf_counter() - t0
         self.metrics.compile_seconds.observe(seconds)
+        log.info("compiled", extra={"model_id": entry.model_id, "computation_id": key,
+                                    "compile_ms": round(seconds * 1000.0, 3),
+                                    "optimized": optimize, **computation.stats()})
         self.cache.put(key, computation, {"model_id": entry.model_id,
                                           "compile_ms": seconds * 1000.0})
         return Compiled(key, computation, False, seconds * 1000.0, optimize)
@@ -83,6 +88,9 @@ class Operations:
             nnet = nnet.copy()   # statistics go to a private copy, never the shared model
         n_values = {i.n for s in request.outputs for i in s.indexes}
         self.metrics.batch_size.observe(len(n_values))
+        log.debug("compute", extra={"model_id": entry.model_id,
+                                    "computation_id": compiled.key, "batch_size": len(n_values),
+                                    "cached": compiled.cached})
         ex = Executor(compiled.computation, nnet, backend=self.xp)
         for spec in request.inputs:
             ex.accept_input(spec.name, self.xp.asarray(p["inputs"][spec.name]))
