@@ -414,13 +414,7 @@ def bench_group() -> None:
 @_typed_errors
 def bench_forward_cmd(model_path, chunk, batch, repeat, backend, as_json) -> None:
     """Cold compile and forward time of MODEL on the chunk request of kaldi_stats.json."""
-    try:
-        from bench.forward import measure_forward  # noqa: PLC0415
-    except ImportError:
-        # bench/ sits beside service/ in the source tree and is not installed
-        from pathlib import Path  # noqa: PLC0415
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from bench.forward import measure_forward  # noqa: PLC0415
+    from bench.forward import measure_forward  # noqa: PLC0415
     if chunk < 1 or batch < 1 or repeat < 1:
         raise click.UsageError("--chunk, --batch and --repeat must be positive")
     figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend)
