@@ -24,7 +24,6 @@ from engine.compiler.compiler import (CompilerOptions, compile_computation,
                                       has_contiguous_property, split_locations,
                                       split_locations_backward, split_pair_list)
 from engine.compiler.request import ComputationRequest
-from engine.core.errors import ModelFormatError
 from engine.runtime.executor import Executor
 
 from conftest import shared_ref
@@ -54,12 +53,7 @@ def _close(what, ours, ref):
 
 def _load(case: Path):
     from engine.nnet.model_io import load_nnet
-    try:
-        nnet = load_nnet(case / "model.txt")
-    except ModelFormatError as e:
-        if "unknown component type" in str(e):
-            pytest.skip(f"component type not implemented yet: {e}")
-        raise
+    nnet = load_nnet(case / "model.txt")
     req = ComputationRequest.from_json((case / "request.json").read_bytes())
     return nnet, req
 

@@ -88,7 +88,7 @@ def test_reference_model_figures(info_path):
     path = info_path.parent / "model.raw"
     missing = missing_types_in_model(path)
     if missing:
-        pytest.skip(f"component types not registered: {missing}")
+        pytest.fail(f"component types not registered: {missing}")
     info = json.loads(info_path.read_text())["info"]
     nnet = load_model(path).nnet
     assert compute_simple_context(nnet) == (info["left-context"], info["right-context"])
@@ -102,7 +102,7 @@ def test_reference_model_figures(info_path):
 def test_vosk_context():
     missing = missing_types_in_model(vosk_mdl())
     if missing:
-        pytest.skip(f"component types not registered: {missing}")
+        pytest.fail(f"component types not registered: {missing}")
     nnet = load_model(vosk_mdl()).nnet
     assert compute_simple_context(nnet) == (34, 34)
     assert nnet.num_parameters() == 3_422_064

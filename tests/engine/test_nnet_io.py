@@ -26,7 +26,7 @@ output-node name=output input=s
 def _need(path):
     missing = missing_types_in_model(path)
     if missing:
-        pytest.skip(f"component types not registered: {missing}")
+        pytest.fail(f"component types not registered: {missing}")
 
 
 def _params(nnet):
