@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.core.errors import ConfigError, ModelFormatError
 from engine.core.xp import to_numpy
+from engine.nnet.components.base import updatable_info  # noqa: F401  (re-exported)
 from engine.nnet.components.base import Component, UpdatableComponent
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader
@@ -115,19 +116,6 @@ def param_stats(name: str, arr, include_mean: bool) -> str:
     return f", {name}-rms={_g4(math.sqrt(float((a * a).mean())))}"
 
 
-def updatable_info(comp: UpdatableComponent) -> str:
-    """Kaldi's UpdatableComponent::Info."""
-    s = (f"{comp.type_name}, input-dim={comp.input_dim()}, output-dim={comp.output_dim()}, "
-         f"learning-rate={comp.learning_rate:g}")
-    if comp.is_gradient:
-        s += ", is-gradient=true"
-    if comp.l2_regularize != 0.0:
-        s += f", l2-regularize={comp.l2_regularize:g}"
-    if comp.learning_rate_factor != 1.0:
-        s += f", learning-rate-factor={comp.learning_rate_factor:g}"
-    if comp.max_change > 0.0:
-        s += f", max-change={comp.max_change:g}"
-    return s
 
 
 def check_rows(comp: Component, in_value, out) -> None:

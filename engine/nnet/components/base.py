@@ -347,6 +347,20 @@ class UpdatableComponent(Component):
         self.max_change = 0.0
         self.l2_regularize = 0.0
 
+    def updatable_info(self) -> str:
+        """The prefix of Kaldi's UpdatableComponent::Info()."""
+        s = (f"{self.type_name}, input-dim={self.input_dim()}, output-dim={self.output_dim()}, "
+             f"learning-rate={self.learning_rate:g}")
+        if self.is_gradient:
+            s += ", is-gradient=true"
+        if self.l2_regularize != 0.0:
+            s += f", l2-regularize={self.l2_regularize:g}"
+        if self.learning_rate_factor != 1.0:
+            s += f", learning-rate-factor={self.learning_rate_factor:g}"
+        if self.max_change > 0.0:
+            s += f", max-change={self.max_change:g}"
+        return s
+
     def init_learning_rate_common(self, cfg: ConfigLine) -> None:
         self.learning_rate = cfg.get_float("learning-rate", 0.001)
         self.learning_rate_factor = cfg.get_float("learning-rate-factor", 1.0)
@@ -397,6 +411,11 @@ class UpdatableComponent(Component):
             writer.write_float(self.l2_regularize)
         writer.write_token("<LearningRate>")
         writer.write_float(self.learning_rate)
+
+
+def updatable_info(comp: UpdatableComponent) -> str:
+    """Kaldi's UpdatableComponent::Info prefix (function form for the component modules)."""
+    return comp.updatable_info()
 
 
 def iter_types() -> Iterable[str]:

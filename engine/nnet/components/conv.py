@@ -135,7 +135,7 @@ class ConvolutionComponent(UpdatableComponent):
         return dev, m["scatter"]
 
     def info(self) -> str:
-        from engine.nnet.components.recurrent import updatable_info  # noqa: PLC0415
+        from engine.nnet.components.base import updatable_info  # noqa: PLC0415
         f, b = np.asarray(self.filter_params, np.float64), np.asarray(self.bias_params, np.float64)
         rms_f = float(np.sqrt(np.mean(f * f))) if f.size else 0.0
         mean_b = float(b.mean()) if b.size else 0.0

@@ -34,6 +34,7 @@ import numpy as np
 
 from engine.core.errors import ComponentError, ConfigError
 from engine.core.xp import array_module
+from engine.nnet.components.base import updatable_info  # noqa: F401  (re-exported)
 from engine.nnet.components.base import P, UpdatableComponent, register_component
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for gru.py)
@@ -56,19 +57,6 @@ def sigmoid(xp, a):
     return xp.where(a > 0, 1 / (1 + e), e / (1 + e))
 
 
-def updatable_info(comp: UpdatableComponent) -> str:
-    """The prefix of Kaldi's UpdatableComponent::Info()."""
-    s = (f"{comp.type_name}, input-dim={comp.input_dim()}, output-dim={comp.output_dim()}, "
-         f"learning-rate={comp.learning_rate:g}")
-    if comp.is_gradient:
-        s += ", is-gradient=true"
-    if comp.l2_regularize != 0.0:
-        s += f", l2-regularize={comp.l2_regularize:g}"
-    if comp.learning_rate_factor != 1.0:
-        s += f", learning-rate-factor={comp.learning_rate_factor:g}"
-    if comp.max_change > 0.0:
-        s += f", max-change={comp.max_change:g}"
-    return s
 
 
 def rms(a) -> float:
