@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.compiler.computation import CommandType as CT
 from engine.core.errors import ExecutionError
 from engine.runtime.executor import Executor
 
@@ -133,22 +132,13 @@ class CompressingExecutor(Executor):
     """An Executor that carries out kCompressMatrix / kDecompressMatrix as Kaldi's
     NnetComputer does on a GPU: the matrix is replaced by its compressed form
     (its float buffer goes back to the pool) until the matching decompression,
-    which allocates it again and fills it from the compressed data."""
+    which allocates it again and fills it from the compressed data.  The
+    commands run in the executor's compiled program like all others
+    (program.py builds them as closures calling the two methods below)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._compressed: dict[int, CompressedMatrix] = {}
+    _real_compression = True
 
-    def _execute(self, c) -> None:
-        if c.command_type == CT.COMPRESS_MATRIX:
-            self._compress_real(c)
-        elif c.command_type == CT.DECOMPRESS_MATRIX:
-            self._decompress_real(c)
-        else:
-            super()._execute(c)
-
-    def _compress_real(self, c) -> None:
-        m = self.computation.submatrices[c.arg1].matrix_index
+    def _compress_matrix(self, m: int, c) -> None:
         a = self._matrices[m]
         if m in self._compressed or a is None or a.shape[0] == 0:
             raise ExecutionError(f"cannot compress matrix m{m}: it is not allocated or is "
@@ -157,8 +147,7 @@ class CompressingExecutor(Executor):
         self.pool.release(self.xp, a)
         self._matrices[m] = None
 
-    def _decompress_real(self, c) -> None:
-        m = self.computation.submatrices[c.arg1].matrix_index
+    def _decompress_matrix(self, m: int) -> None:
         cm = self._compressed.pop(m, None)
         if cm is None or self._matrices[m] is not None:
             raise ExecutionError(f"cannot decompress matrix m{m}: it was not compressed")

@@ -34,6 +34,7 @@ from engine.compiler.computation import NnetComputation
 from engine.core.errors import ExecutionError, NnetcError
 from engine.nnet.components.base import ComponentProperty as P
 from engine.runtime import kernels as K
+from engine.runtime.arena import IDLE_ARENAS, arena_shape
 from engine.runtime.backend import BufferPool, backend_name, to_host
 from engine.runtime.program import build_program, command_matrices
 
@@ -74,11 +75,16 @@ def _component_to_backend(comp, xp):
 
 
 class Executor:
+    # kCompressMatrix / kDecompressMatrix: no-ops as in Kaldi's CPU build
+    # (CompressingExecutor carries them out)
+    _real_compression = False
+
     def __init__(self, computation: NnetComputation, nnet, backend=np,
                  pool: BufferPool | None = None, nnet_to_store_stats=None):
         self.computation = computation
         self.nnet = nnet
         self.xp = backend
+        self._own_pool = pool is None     # arenas then come from arena.IDLE_ARENAS
         self.pool = pool if pool is not None else BufferPool()
         self.nnet_to_store_stats = nnet_to_store_stats
         self._components = [_component_to_backend(c, backend) for c in nnet.components]
@@ -95,6 +101,12 @@ class Executor:
         self._grad_components: dict[int, object] = {}
         self._stats_components: dict[int, object] = {}
         self._handed_out: set[int] = set()   # matrices given to the caller
+        self._compressed: dict[int, object] = {}   # CompressingExecutor's matrices
+        # the static plan (program.py, arena.py): decided when the first command
+        # or input comes; _bound is the program bound to this run's arena
+        self._mode: str | None = None       # None (undecided), "static", "dynamic"
+        self._program = None
+        self._bound = None
         if computation.need_model_derivative:
             self._make_gradient_nnet()
 
@@ -136,6 +148,11 @@ class Executor:
         return idx
 
     def _io_matrix_index(self, name: str, is_output: bool, consume: bool = True) -> int:
+        return self._io_command(name, is_output, consume)[1]
+
+    def _io_command(self, name: str, is_output: bool, consume: bool = True) -> tuple[int, int]:
+        """(command index, matrix index) of the pending input/output command for
+        ``name`` (Kaldi's GetIoMatrixIndex)."""
         node = self._node_index(name)
         cmds = self.computation.commands
         while self._pc < len(cmds) and (cmds[self._pc].command_type in _IO
@@ -150,7 +167,7 @@ class Executor:
                     del self._pending[k]
                 if not self.computation.is_whole_matrix(c.arg1):
                     raise ExecutionError(f"c{ci}: input/output is not a whole matrix")
-                return self.computation.submatrices[c.arg1].matrix_index
+                return ci, self.computation.submatrices[c.arg1].matrix_index
         what = "provide output" if is_output else "accept input"
         raise ExecutionError(f"cannot {what} for node {name!r}: it is not expected at this "
                              f"point in the computation (command c{self._pc})")
@@ -165,7 +182,15 @@ class Executor:
             raise ExecutionError(f"input {name!r}: expected a matrix of shape "
                                  f"({info.num_rows}, {info.num_cols}) as in the request, "
                                  f"got {tuple(arr.shape)}")
-        self._io_matrix_index(name, is_output=False)  # now consume the pending command
+        ci, _ = self._io_command(name, is_output=False)  # now consume the pending command
+        self._decide_mode()
+        if self._bound is not None:
+            inst = self._program.layout.accept_inst[ci]
+            view = self._bound.inst_views[inst]
+            if view is not None:      # the input lives in the arena
+                view[...] = arr
+                self._matrices[m] = view
+                return
         buf = self.pool.get(self.xp, info.num_rows, info.num_cols)
         buf[...] = arr  # a private copy: the pool may recycle it after a dealloc
         self._matrices[m] = buf
@@ -180,6 +205,7 @@ class Executor:
         if a is None:
             raise ExecutionError(f"output {name!r} (matrix m{m}) has not been computed")
         self._handed_out.add(id(a))
+        self._maybe_finish()
         return a
 
     get_input_deriv = get_output
@@ -188,11 +214,64 @@ class Executor:
         """Give every matrix still held (except those handed to the caller) back to
         the pool; call when done with a computation that is not run to its end
         (e.g. forward only), so the next run can reuse the memory."""
+        arena = self._bound.inst_ids if self._bound is not None else ()
         for m, a in enumerate(self._matrices):
-            if a is not None and id(a) not in self._handed_out:
+            if a is not None and id(a) not in self._handed_out and id(a) not in arena:
                 self.pool.release(self.xp, a)
             self._matrices[m] = None
         self._memos.clear()
+        self._release_arena()
+
+    # -- the static plan ---------------------------------------------------------------------
+    def _get_program(self):
+        program = self._program
+        if program is None:
+            key = "program/compress" if self._real_compression else "program"
+            program = self._plans.get(key)
+            if program is None:
+                program = self._plans[key] = build_program(
+                    self.computation, self.xp, self._plan, self._components,
+                    compress=self._real_compression)
+            self._program = program
+        return program
+
+    def _decide_mode(self) -> None:
+        """Before the first command runs: use the arena-bound program when the
+        computation has a static layout (see arena.py)."""
+        if self._mode is not None:
+            return
+        if type(self)._execute is not Executor._execute:
+            self._mode = "dynamic"    # a subclass handles some commands itself
+            return
+        program = self._get_program()
+        if program.layout is None or any(a is not None for a in self._matrices):
+            self._mode = "dynamic"
+            return
+        self._mode = "static"
+        shape = arena_shape(program.layout)
+        if self._own_pool:
+            bound = IDLE_ARENAS.take(program)
+            if bound is None:
+                bound = program.bind(self.xp.empty(shape, dtype=np.float32))
+        else:
+            bound = program.bound_for(self.pool.get(self.xp, *shape))
+        self._bound = bound
+
+    def _release_arena(self) -> None:
+        bound, self._bound = self._bound, None
+        if bound is None:
+            return
+        if self._own_pool:
+            IDLE_ARENAS.give(self._program, bound)
+        else:
+            self.pool.release(self.xp, bound.buf)
+
+    def _maybe_finish(self) -> None:
+        """At the end of the commands, give the arena back (nothing in it is alive
+        any more when the layout says so; outputs are never in it)."""
+        if (self._bound is not None and self._pc >= len(self.computation.commands)
+                and self._program.layout.all_freed_at_end):
+            self._release_arena()
 
     # -- running ---------------------------------------------------------------------------
     def _check_no_pending_io(self) -> None:
@@ -215,24 +294,30 @@ class Executor:
             raise ExecutionError(f"running a computation that has finished (program counter "
                                  f"{self._pc} of {n} commands)")
         self._check_no_pending_io()
+        self._decide_mode()
         if type(self)._execute is not Executor._execute:
             self._run_interpreted(cmds, n)   # a subclass handles some commands itself
             return
-        program = self._plans.get("program")
-        if program is None:
-            program = self._plans["program"] = build_program(self.computation, self.xp,
-                                                             self._plan, self._components)
+        program = self._get_program()
         mats = self._matrices
         pc = self._pc
         try:
-            while pc < n:
-                op = program[pc]
-                if op is None:      # an input/output command: stop, as Kaldi's Run
-                    break
-                target = op(self, mats)
-                if target is not None:
-                    pc = target
-                pc += 1
+            if self._bound is not None:
+                # straight-line commands: no goto, no program-counter checks
+                ops = self._bound.ops
+                for pc in range(pc, program.stops[pc]):
+                    ops[pc](self, mats)
+                pc = program.stops[pc]
+            else:
+                ops = program.ops
+                while pc < n:
+                    op = ops[pc]
+                    if op is None:      # an input/output command: stop, as Kaldi's Run
+                        break
+                    target = op(self, mats)
+                    if target is not None:
+                        pc = target
+                    pc += 1
         except ExecutionError as e:
             self._pc = pc
             if str(e).startswith("while executing"):
@@ -247,6 +332,7 @@ class Executor:
                         f"matrix m{m} is used before it is allocated")) from e
             raise self._error(e) from e
         self._pc = pc
+        self._maybe_finish()
 
     def _run_interpreted(self, cmds, n) -> None:
         while self._pc < n:
@@ -412,9 +498,22 @@ class Executor:
                          self._plan("ranges", c.arg3), c.alpha)
 
     def _compress(self, c):
+        if self._real_compression:
+            m = self.computation.submatrices[c.arg1].matrix_index
+            if c.command_type == CT.COMPRESS_MATRIX:
+                self._compress_matrix(m, c)
+            else:
+                self._decompress_matrix(m)
+            return
         # Kaldi compresses only on a GPU; its CPU build (which produced the reference
         # numbers) leaves the matrix as it is, and so do we, on every backend.
         self._sub(c.arg1)
+
+    def _compress_matrix(self, m: int, c) -> None:
+        raise ExecutionError("this executor does not compress matrices")
+
+    def _decompress_matrix(self, m: int) -> None:
+        raise ExecutionError("this executor does not compress matrices")
 
     def _noop(self, c):
         pass

@@ -1,37 +1,103 @@
 """Direct NumPy forms of the hottest component propagates, for the compiled
-program (engine/runtime/program.py).
+program (engine/runtime/program.py) and the arena-bound program (arena.py).
 
 Kaldi's NnetComputer calls a virtual Propagate whose own cost is nothing next to
 the matrix work; here a component's ``propagate`` spends 1-5 microseconds of
 Python (shape checks, array-module lookup, temporaries) around 1-2 microseconds
 of NumPy work for the small matrices of a 21-frame chunk or of one recurrent
-step.  The functions below do the same NumPy operations, in the same order and
-precision, writing into the output with ``out=`` instead of through temporaries,
-so the results are bit-identical (tests/engine/test_executor_program.py checks
-this against the interpreted executor).  Each applies only to the exact class
-it was written for, whose ``propagate`` must still be the one it mirrors (a
-subclass that overrides it, or an unexpected state such as batch-norm in
-training mode, or a shape the component would reject, goes to the component's
-own ``propagate``, which also raises the proper error).
+step.  The functions below do the same NumPy operations on the same values, in
+the same order and precision, writing with ``out=`` into the output or into
+temporaries instead of allocating, so the results are bit-identical
+(tests/engine/test_executor_program.py checks this against the components on
+random and reference networks):
 
-Only the NumPy backend uses them; CuPy calls the components.
+- element-wise arithmetic (+, -, *, /, max) is exact in IEEE arithmetic, so its
+  grouping into calls and the memory it writes do not matter;
+- transcendental functions (exp, tanh, log) are evaluated on inputs and into
+  outputs of the same layout as in the component (a contiguous temporary where
+  the component makes a fresh array), as NumPy may pick a different loop for
+  other strides;
+- reductions (sums) run over arrays of the same layout as in the component;
+- matrix products are the same calls (same operands, same transposition).
+
+The logistic function is computed without masked copies: with e = exp(-|x|) and
+d = 1 + e, the component takes 1/d where x >= 0 and e/d elsewhere; here the
+numerator is max(e, [x >= 0]) (1 where x >= 0 since e <= 1, e elsewhere, NaN
+stays NaN), divided by d once: the same division on the same operands.
+
+Each form applies only to the exact class it was written for, whose
+``propagate`` must still be the one it mirrors (a subclass that overrides it, an
+unexpected state such as batch-norm in training mode, or a shape the component
+would reject goes to the component's own ``propagate``, which also raises the
+proper error).
+
+Two variants exist: ``fast_propagate(type)`` gives ``f(comp, indexes, x, out)``
+for the dynamic program (temporaries allocated per call), and
+``bind_propagate(type, x, out, scratch)`` gives ``f(comp, indexes)`` with the
+input and output arrays, their shape checks and the temporaries bound once
+(arena.BoundProgram).  Only the NumPy backend uses them; CuPy calls the
+components.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.nnet.components.affine import AffineComponent, NaturalGradientAffineComponent
+from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent,
+                                           LinearComponent, NaturalGradientAffineComponent)
 from engine.nnet.components.dropout import GeneralDropoutComponent
 from engine.nnet.components.gradient_control import BackpropTruncationComponent
 from engine.nnet.components.misc import ElementwiseProductComponent, NoOpComponent
-from engine.nnet.components.nonlinear import (RectifiedLinearComponent, SigmoidComponent,
-                                              TanhComponent)
+from engine.nnet.components.nonlinear import (LogSoftmaxComponent, RectifiedLinearComponent,
+                                              SigmoidComponent, TanhComponent)
 from engine.nnet.components.normalize import BatchNormComponent
+from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
                                                  PerElementScaleComponent)
+from engine.nnet.components.tdnn import TdnnComponent
 
 _matmul, _add, _multiply, _copyto = np.matmul, np.add, np.multiply, np.copyto
+_abs, _negative, _exp, _divide, _maximum = np.abs, np.negative, np.exp, np.divide, np.maximum
+_np_tanh, _log, _subtract = np.tanh, np.log, np.subtract
+_ge, _gt = np.greater_equal, np.greater
+_F32 = np.dtype(np.float32)
+
+
+class _Fresh:
+    """Scratch stand-in for the dynamic forms: a new temporary every time."""
+
+    @staticmethod
+    def get(shape, slot: int = 0, dtype=np.float32):
+        return np.empty(shape, dtype=dtype)
+
+
+_FRESH = _Fresh()
+
+
+def _inner_contiguous(a) -> bool:
+    """Rows are contiguous (the layout a fresh array has, row by row)."""
+    return a.ndim == 2 and (a.shape[1] <= 1 or a.strides[1] == a.itemsize)
+
+
+def _c_contiguous(a) -> bool:
+    return a.flags.c_contiguous
+
+
+def _logistic(a, out, e, d, h, positive_strict: bool) -> None:
+    """out = the logistic of ``a`` as the components compute it (see the module
+    docstring); e, d, h: temporaries of a's shape, contiguous; out may be a."""
+    _abs(a, out=e)
+    _negative(e, out=e)
+    _exp(e, out=e)
+    _add(e, 1.0, out=d)
+    # the mask is taken before ``out`` (maybe ``a``) is written
+    (_gt if positive_strict else _ge)(a, 0, out=h)
+    _maximum(e, h, out=e)
+    _divide(e, d, out=out)
+
+
+# --------------------------------------------------------------------------------------
+# affine-type components: out[...] = x @ W^T (+ b)
 
 
 def _affine(comp, pre, x, out):
@@ -45,6 +111,89 @@ def _affine(comp, pre, x, out):
     return None
 
 
+def _bind_affine(x, out, scratch):
+    if x.ndim != 2 or out.ndim != 2 or out.shape[0] != x.shape[0]:
+        return None
+    nin, nout = x.shape[1], out.shape[1]
+
+    def f(comp, pre):
+        w = comp.linear_params
+        if w.shape[1] != nin or w.shape[0] != nout:
+            return comp.propagate(pre, x, out)
+        _matmul(x, w.T, out=out)
+        _add(out, comp.bias_params, out=out)
+        return None
+    return f
+
+
+def _linear(comp, pre, x, out):
+    w = comp.params
+    if (x.ndim != 2 or out.ndim != 2 or x.shape[1] != w.shape[1]
+            or out.shape[0] != x.shape[0] or out.shape[1] != w.shape[0]):
+        return comp.propagate(pre, x, out)
+    # out += x @ W^T
+    _add(out, _matmul(x, w.T), out=out)
+    return None
+
+
+def _bind_linear(x, out, scratch):
+    if x.ndim != 2 or out.ndim != 2 or out.shape[0] != x.shape[0]:
+        return None
+    nin, nout = x.shape[1], out.shape[1]
+    if x.dtype != _F32 or out.dtype != _F32:
+        return None
+    tmp = scratch.get(out.shape, 0)
+
+    def f(comp, pre):
+        w = comp.params
+        if w.shape[1] != nin or w.shape[0] != nout or w.dtype != _F32:
+            return comp.propagate(pre, x, out)
+        _matmul(x, w.T, out=tmp)
+        _add(out, tmp, out=out)
+        return None
+    return f
+
+
+def _tdnn_core(comp, pre, x, out, tmp):
+    w = comp.linear_params
+    k = len(comp.time_offsets)
+    if (x.ndim != 2 or out.ndim != 2 or k == 0 or w.shape[1] % k or w.dtype != _F32
+            or x.dtype != _F32 or out.dtype != _F32
+            or x.shape[1] != w.shape[1] // k or out.shape[1] != w.shape[0]):
+        return comp.propagate(pre, x, out)
+    d = x.shape[1]
+    rows = out.shape[0]
+    stride, offsets = comp._layout(pre, x.shape[0], rows)   # raises as propagate would
+    if comp.bias_params.shape[0] != 0:
+        _copyto(out, comp.bias_params)
+    part = comp._part
+    for i, off in enumerate(offsets):
+        # out += part @ W_i^T, the product in a temporary as the component makes it
+        _matmul(part(x, off, stride, rows), w[:, i * d:(i + 1) * d].T, out=tmp)
+        _add(out, tmp, out=out)
+    return None
+
+
+def _tdnn(comp, pre, x, out):
+    if out.ndim != 2:
+        return comp.propagate(pre, x, out)
+    return _tdnn_core(comp, pre, x, out, np.empty(out.shape, dtype=out.dtype))
+
+
+def _bind_tdnn(x, out, scratch):
+    if x.ndim != 2 or out.ndim != 2:
+        return None
+    tmp = scratch.get(out.shape, 0, out.dtype)
+
+    def f(comp, pre):
+        return _tdnn_core(comp, pre, x, out, tmp)
+    return f
+
+
+# --------------------------------------------------------------------------------------
+# element-wise components
+
+
 def _cols_ok(x, out, dim) -> bool:
     return (x.ndim == 2 and out.ndim == 2 and x.shape[1] == dim and out.shape[1] == dim
             and out.shape[0] == x.shape[0])
@@ -53,32 +202,78 @@ def _cols_ok(x, out, dim) -> bool:
 def _sigmoid(comp, pre, x, out):
     if not _cols_ok(x, out, comp.dim):
         return comp.propagate(pre, x, out)
-    # the stable logistic of nonlinear._sigmoid: exp(-|x|), then 1/(1+e) where x >= 0
-    # and e/(1+e) elsewhere; the mask is taken before ``out`` (maybe ``x``) is written.
-    e = np.abs(x)
-    np.negative(e, out=e)
-    np.exp(e, out=e)
-    d = 1.0 + e
-    mask = x >= 0
-    np.divide(e, d, out=e)
-    _copyto(out, e)
-    np.divide(1.0, d, out=d)
-    _copyto(out, d, where=mask)
+    if x.dtype != _F32 or out.dtype != _F32:
+        return comp.propagate(pre, x, out)
+    shape = x.shape
+    _logistic(x, out, np.empty(shape, _F32), np.empty(shape, _F32), np.empty(shape, _F32),
+              False)
     return None
+
+
+def _bind_sigmoid(x, out, scratch):
+    if not (x.ndim == 2 and out.shape == x.shape and x.dtype == _F32 and out.dtype == _F32):
+        return None
+    dim = x.shape[1]
+    e, d, h = (scratch.get(x.shape, k) for k in range(3))
+
+    def f(comp, pre):
+        if comp.dim != dim:
+            return comp.propagate(pre, x, out)
+        _logistic(x, out, e, d, h, False)
+        return None
+    return f
 
 
 def _tanh(comp, pre, x, out):
     if not _cols_ok(x, out, comp.dim):
         return comp.propagate(pre, x, out)
-    np.tanh(x, out=out)
+    if _inner_contiguous(out):
+        _np_tanh(x, out=out)
+    else:
+        _copyto(out, np.tanh(x))
     return None
+
+
+def _bind_tanh(x, out, scratch):
+    if not (x.ndim == 2 and out.shape == x.shape):
+        return None
+    dim = x.shape[1]
+    if _inner_contiguous(out):
+        def f(comp, pre):
+            if comp.dim != dim:
+                return comp.propagate(pre, x, out)
+            _np_tanh(x, out=out)
+            return None
+    else:
+        tmp = scratch.get(x.shape, 0, out.dtype)
+
+        def f(comp, pre):
+            if comp.dim != dim:
+                return comp.propagate(pre, x, out)
+            _np_tanh(x, out=tmp)
+            _copyto(out, tmp)
+            return None
+    return f
 
 
 def _relu(comp, pre, x, out):
     if not _cols_ok(x, out, comp.dim):
         return comp.propagate(pre, x, out)
-    np.maximum(x, 0, out=out)
+    _maximum(x, 0, out=out)
     return None
+
+
+def _bind_relu(x, out, scratch):
+    if not (x.ndim == 2 and out.shape == x.shape):
+        return None
+    dim = x.shape[1]
+
+    def f(comp, pre):
+        if comp.dim != dim:
+            return comp.propagate(pre, x, out)
+        _maximum(x, 0, out=out)
+        return None
+    return f
 
 
 def _copy(comp, pre, x, out):
@@ -89,6 +284,21 @@ def _copy(comp, pre, x, out):
     return None
 
 
+def _bind_copy(x, out, scratch):
+    if not (x.ndim == 2 and out.shape == x.shape):
+        return None
+    dim = x.shape[1]
+    same = out is x
+
+    def f(comp, pre):
+        if comp.dim != dim:
+            return comp.propagate(pre, x, out)
+        if not same:
+            _copyto(out, x)
+        return None
+    return f
+
+
 def _truncation(comp, pre, x, out):
     if comp.scale_value != 1.0 or not _cols_ok(x, out, comp.dim):
         return comp.propagate(pre, x, out)
@@ -97,12 +307,42 @@ def _truncation(comp, pre, x, out):
     return None
 
 
+def _bind_truncation(x, out, scratch):
+    if not (x.ndim == 2 and out.shape == x.shape):
+        return None
+    dim = x.shape[1]
+    same = out is x
+
+    def f(comp, pre):
+        if comp.scale_value != 1.0 or comp.dim != dim:
+            return comp.propagate(pre, x, out)
+        if not same:
+            _copyto(out, x)
+        return None
+    return f
+
+
 def _dropout(comp, pre, x, out):
     if not comp._inactive() or not _cols_ok(x, out, comp.dim):
         return comp.propagate(pre, x, out)
     if out is not x:
         _copyto(out, x)
     return None
+
+
+def _bind_dropout(x, out, scratch):
+    if not (x.ndim == 2 and out.shape == x.shape):
+        return None
+    dim = x.shape[1]
+    same = out is x
+
+    def f(comp, pre):
+        if not comp._inactive() or comp.dim != dim:
+            return comp.propagate(pre, x, out)
+        if not same:
+            _copyto(out, x)
+        return None
+    return f
 
 
 def _product(comp, pre, x, out):
@@ -120,6 +360,21 @@ def _product(comp, pre, x, out):
     return None
 
 
+def _bind_product(x, out, scratch):
+    if (x.ndim != 2 or out.ndim != 2 or out.shape[0] != x.shape[0] or out is x
+            or out.shape[1] == 0 or x.shape[1] != 2 * out.shape[1]):
+        return None
+    d, nin = out.shape[1], x.shape[1]
+    a, b = x[:, :d], x[:, d:]
+
+    def f(comp, pre):
+        if comp.in_dim != nin or comp.out_dim != d:
+            return comp.propagate(pre, x, out)
+        _multiply(a, b, out=out)
+        return None
+    return f
+
+
 def _per_element_scale(comp, pre, x, out):
     s = comp.scales
     if not _cols_ok(x, out, s.shape[0]):
@@ -128,9 +383,27 @@ def _per_element_scale(comp, pre, x, out):
     return None
 
 
+def _bind_per_element_scale(x, out, scratch):
+    if not (x.ndim == 2 and out.shape == x.shape):
+        return None
+    dim = x.shape[1]
+
+    def f(comp, pre):
+        s = comp.scales
+        if s.shape[0] != dim:
+            return comp.propagate(pre, x, out)
+        _multiply(x, s, out=out)
+        return None
+    return f
+
+
+def _batchnorm_ok(comp) -> bool:
+    return (comp.test_mode and comp.block_dim == comp.dim
+            and comp.offset_vec.shape[0] == comp.block_dim)
+
+
 def _batchnorm(comp, pre, x, out):
-    if (not comp.test_mode or comp.block_dim != comp.dim
-            or comp.offset_vec.shape[0] != comp.block_dim or not _cols_ok(x, out, comp.dim)):
+    if not _batchnorm_ok(comp) or not _cols_ok(x, out, comp.dim):
         return comp.propagate(pre, x, out)
     sc = np.asarray(comp.scale_vec, dtype=x.dtype)
     off = np.asarray(comp.offset_vec, dtype=x.dtype)
@@ -139,27 +412,228 @@ def _batchnorm(comp, pre, x, out):
     return None
 
 
-# class -> (the propagate it mirrors, the fast form)
+def _bind_batchnorm(x, out, scratch):
+    if not (x.ndim == 2 and out.shape == x.shape):
+        return None
+    dim, dt = x.shape[1], x.dtype
+
+    def f(comp, pre):
+        if comp.dim != dim or not _batchnorm_ok(comp):
+            return comp.propagate(pre, x, out)
+        sc, off = comp.scale_vec, comp.offset_vec
+        if sc.dtype != dt:
+            sc = np.asarray(sc, dtype=dt)
+        if off.dtype != dt:
+            off = np.asarray(off, dtype=dt)
+        _multiply(x, sc, out=out)
+        _add(out, off, out=out)
+        return None
+    return f
+
+
+# --------------------------------------------------------------------------------------
+# log-softmax: shifted = x - max(x); out = shifted - log(sum(exp(shifted)))
+
+
+def _log_softmax_core(x, out, shifted, ex, col, lcol) -> None:
+    np.max(x, axis=1, keepdims=True, out=col)
+    _subtract(x, col, out=shifted)
+    _exp(shifted, out=ex)
+    np.sum(ex, axis=1, keepdims=True, out=col)
+    _log(col, out=lcol)
+    _subtract(shifted, lcol, out=out)
+
+
+def _log_softmax_shapes_ok(x, out) -> bool:
+    return (x.ndim == 2 and out.shape == x.shape and x.shape[1] > 0
+            and x.dtype == _F32 and out.dtype == _F32)
+
+
+def _log_softmax(comp, pre, x, out):
+    if not _log_softmax_shapes_ok(x, out) or x.shape[1] != comp.dim:
+        return comp.propagate(pre, x, out)
+    r = x.shape[0]
+    _log_softmax_core(x, out, np.empty(x.shape, _F32), np.empty(x.shape, _F32),
+                      np.empty((r, 1), _F32), np.empty((r, 1), _F32))
+    return None
+
+
+def _bind_log_softmax(x, out, scratch):
+    if not _log_softmax_shapes_ok(x, out):
+        return None
+    dim, r = x.shape[1], x.shape[0]
+    shifted, ex = scratch.get(x.shape, 0), scratch.get(x.shape, 1)
+    col, lcol = scratch.get((r, 1), 2), scratch.get((r, 1), 3)
+
+    def f(comp, pre):
+        if comp.dim != dim:
+            return comp.propagate(pre, x, out)
+        _log_softmax_core(x, out, shifted, ex, col, lcol)
+        return None
+    return f
+
+
+# --------------------------------------------------------------------------------------
+# LstmNonlinearityComponent (recurrent.py): i, f, o gates with peepholes, cell c
+
+
+class _LstmViews:
+    """The parts of input and output one LSTM propagate reads and writes."""
+
+    def __init__(self, x, out, cd: int, drop: bool):
+        r = x.shape[0]
+        self.if_part = x[:, :2 * cd].reshape(r, 2, cd)   # i and f pre-activations
+        self.c_part = x[:, 2 * cd:3 * cd]
+        self.o_part = x[:, 3 * cd:4 * cd]
+        self.c_prev = x[:, 4 * cd:5 * cd]
+        self.c_prev3 = self.c_prev.reshape(r, 1, cd)
+        if drop:
+            self.i_s = x[:, 5 * cd:5 * cd + 1]
+            self.f_s = x[:, 5 * cd + 1:5 * cd + 2]
+            self.o_s = x[:, 5 * cd + 2:5 * cd + 3]
+        self.c_out = out[:, :cd]
+        self.m_out = out[:, cd:]
+
+
+def _lstm_ok(comp, x, out) -> bool:
+    w = comp.params
+    if w.ndim != 2 or w.shape[0] != 3:
+        return False
+    cd = w.shape[1]
+    return (cd > 0 and x.ndim == 2 and out.ndim == 2 and x.shape[1] == comp.input_dim()
+            and out.shape == (x.shape[0], 2 * cd) and x.dtype == _F32 and out.dtype == _F32)
+
+
+def _lstm_temps(get, r: int, cd: int) -> tuple:
+    return tuple(get((r, 2, cd) if k < 4 else (r, cd), k) for k in range(11))
+
+
+def _lstm_core(comp, v: _LstmViews, drop: bool, temps) -> None:
+    """The component's propagate, operation for operation (see the module
+    docstring for why the grouping of element-wise operations is free)."""
+    w = comp.params
+    if w.dtype != _F32:
+        w = w.astype(_F32)
+    g, e, d, h, tc, a, b, c_t, e1, d1, h1 = temps
+    # i_t, f_t = sigmoid(i_part + w0 * c_prev), sigmoid(f_part + w1 * c_prev)
+    _multiply(w[:2], v.c_prev3, out=g)
+    _add(v.if_part, g, out=g)
+    _logistic(g, g, e, d, h, True)
+    i_t, f_t = g[:, 0], g[:, 1]
+    # c_t = f_t * f_s * c_prev + i_t * i_s * tanh(c_part)
+    _np_tanh(v.c_part, out=tc)
+    if drop:
+        _multiply(f_t, v.f_s, out=a)
+        _multiply(a, v.c_prev, out=a)
+        _multiply(i_t, v.i_s, out=b)
+        _multiply(b, tc, out=b)
+    else:      # x * 1.0 == x exactly
+        _multiply(f_t, v.c_prev, out=a)
+        _multiply(i_t, tc, out=b)
+    _add(a, b, out=c_t)
+    _copyto(v.c_out, c_t)
+    # o_t = sigmoid(o_part + w2 * c_t); m_t = o_t * o_s * tanh(c_t)
+    _multiply(w[2], c_t, out=a)
+    _add(v.o_part, a, out=a)
+    _logistic(a, a, e1, d1, h1, True)
+    _np_tanh(c_t, out=tc)
+    if drop:
+        _multiply(a, v.o_s, out=a)
+    _multiply(a, tc, out=v.m_out)
+
+
+def _lstm_views(x, out, cd: int, drop: bool):
+    v = _LstmViews(x, out, cd, drop)
+    # the gate views must be views of x, never copies
+    if not (np.shares_memory(v.if_part, x) and np.shares_memory(v.c_prev3, x)):
+        return None
+    return v
+
+
+def _lstm(comp, pre, x, out):
+    if not _lstm_ok(comp, x, out) or np.may_share_memory(x, out):
+        return comp.propagate(pre, x, out)
+    drop = bool(comp.use_dropout)
+    cd = comp.params.shape[1]
+    v = _lstm_views(x, out, cd, drop)
+    if v is None:
+        return comp.propagate(pre, x, out)
+    _lstm_core(comp, v, drop, _lstm_temps(_FRESH.get, x.shape[0], cd))
+    return None
+
+
+def _bind_lstm(x, out, scratch):
+    if (x.ndim != 2 or out.ndim != 2 or out.shape[0] != x.shape[0] or out.shape[1] % 2
+            or out.shape[1] == 0 or np.may_share_memory(x, out)
+            or x.dtype != _F32 or out.dtype != _F32):
+        return None
+    cd = out.shape[1] // 2
+    if x.shape[1] == 5 * cd + 3:
+        drop = True
+    elif x.shape[1] == 5 * cd:
+        drop = False
+    else:
+        return None
+    views = _lstm_views(x, out, cd, drop)
+    if views is None:
+        return None
+    temps = _lstm_temps(scratch.get, x.shape[0], cd)
+
+    def f(comp, pre):
+        w = comp.params
+        if w.ndim != 2 or w.shape[0] != 3 or w.shape[1] != cd or bool(comp.use_dropout) != drop:
+            return comp.propagate(pre, x, out)
+        _lstm_core(comp, views, drop, temps)
+        return None
+    return f
+
+
+# class -> (the propagate it mirrors, the dynamic form, the bound form)
 _FAST = {
-    AffineComponent: (AffineComponent.propagate, _affine),
-    NaturalGradientAffineComponent: (AffineComponent.propagate, _affine),
-    SigmoidComponent: (SigmoidComponent.propagate, _sigmoid),
-    TanhComponent: (TanhComponent.propagate, _tanh),
-    RectifiedLinearComponent: (RectifiedLinearComponent.propagate, _relu),
-    NoOpComponent: (NoOpComponent.propagate, _copy),
-    BackpropTruncationComponent: (BackpropTruncationComponent.propagate, _truncation),
-    GeneralDropoutComponent: (GeneralDropoutComponent.propagate, _dropout),
-    ElementwiseProductComponent: (ElementwiseProductComponent.propagate, _product),
-    PerElementScaleComponent: (PerElementScaleComponent.propagate, _per_element_scale),
+    AffineComponent: (AffineComponent.propagate, _affine, _bind_affine),
+    NaturalGradientAffineComponent: (AffineComponent.propagate, _affine, _bind_affine),
+    FixedAffineComponent: (FixedAffineComponent.propagate, _affine, _bind_affine),
+    LinearComponent: (LinearComponent.propagate, _linear, _bind_linear),
+    TdnnComponent: (TdnnComponent.propagate, _tdnn, _bind_tdnn),
+    SigmoidComponent: (SigmoidComponent.propagate, _sigmoid, _bind_sigmoid),
+    TanhComponent: (TanhComponent.propagate, _tanh, _bind_tanh),
+    RectifiedLinearComponent: (RectifiedLinearComponent.propagate, _relu, _bind_relu),
+    LogSoftmaxComponent: (LogSoftmaxComponent.propagate, _log_softmax, _bind_log_softmax),
+    NoOpComponent: (NoOpComponent.propagate, _copy, _bind_copy),
+    BackpropTruncationComponent: (BackpropTruncationComponent.propagate, _truncation,
+                                  _bind_truncation),
+    GeneralDropoutComponent: (GeneralDropoutComponent.propagate, _dropout, _bind_dropout),
+    ElementwiseProductComponent: (ElementwiseProductComponent.propagate, _product,
+                                  _bind_product),
+    PerElementScaleComponent: (PerElementScaleComponent.propagate, _per_element_scale,
+                               _bind_per_element_scale),
     NaturalGradientPerElementScaleComponent: (PerElementScaleComponent.propagate,
-                                              _per_element_scale),
-    BatchNormComponent: (BatchNormComponent.propagate, _batchnorm),
+                                              _per_element_scale, _bind_per_element_scale),
+    BatchNormComponent: (BatchNormComponent.propagate, _batchnorm, _bind_batchnorm),
+    LstmNonlinearityComponent: (LstmNonlinearityComponent.propagate, _lstm, _bind_lstm),
 }
 
 
-def fast_propagate(component_type):
-    """The fast form for components of exactly ``component_type``, or None."""
+def _entry(component_type):
     entry = _FAST.get(component_type)
     if entry is None or component_type.propagate is not entry[0]:
         return None
-    return entry[1]
+    return entry
+
+
+def fast_propagate(component_type):
+    """The fast form ``f(comp, indexes, x, out)`` for components of exactly
+    ``component_type``, or None."""
+    entry = _entry(component_type)
+    return None if entry is None else entry[1]
+
+
+def bind_propagate(component_type, x, out, scratch):
+    """``f(comp, indexes)`` computing the propagate of a component of exactly
+    ``component_type`` from the fixed array ``x`` into the fixed array ``out``
+    (temporaries from ``scratch``), or None when there is no bound form for this
+    type or these arrays."""
+    entry = _entry(component_type)
+    if entry is None or x is None or out is None:
+        return None
+    return entry[2](x, out, scratch)

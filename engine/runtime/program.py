@@ -13,22 +13,35 @@ time when they depend only on the computation.  A run then is one loop calling
 ``op(executor, matrices)``; the closure returns a new program counter only for
 kGotoLabel.
 
-Results are identical to the interpreted handlers of executor.py (the same
-NumPy/CuPy operations in the same order, only without the lookups); commands
-whose cost is dominated by their own work (backprop, propagate that stores
-statistics) simply call those handlers.
+Two forms exist (``Program``):
 
-Matrices are re-read from the executor's list on every call, never bound into
-the closures, because allocation, swapping and state import replace them.
+- the *dynamic* closures (``ProgramBuilder``) read each matrix from the
+  executor's list on every call, because allocation, swapping and state import
+  replace them; they serve looped computations (kGotoLabel), the compressing
+  executor (real kCompressMatrix / kDecompressMatrix) and command lists the
+  static plan does not accept;
+- the *bound* closures (``bind_command``, arena.py): for every other computation
+  the matrices live at fixed places of one arena, so each closure holds the very
+  arrays (views) it works on, plus preallocated temporaries.
+
+Results are identical to the interpreted handlers of executor.py (the same
+NumPy/CuPy operations on the same values, only without the lookups; see
+fastpaths.py for the component forms); commands whose cost is dominated by
+their own work (backprop, propagate that stores statistics) simply call those
+handlers.
 """
 
 from __future__ import annotations
+
+import threading
+from collections import OrderedDict
 
 import numpy as np
 
 from engine.compiler.computation import CommandType as CT
 from engine.runtime import kernels as K
-from engine.runtime.fastpaths import fast_propagate
+from engine.runtime.arena import BoundProgram, StaticLayout
+from engine.runtime.fastpaths import bind_propagate, fast_propagate
 
 
 def _views(computation):
@@ -83,22 +96,26 @@ def command_matrices(computation, c) -> list[int]:
 
 
 class ProgramBuilder:
-    """Builds the closures for one computation on one backend."""
+    """Builds the dynamic closures for one computation on one backend."""
 
-    def __init__(self, computation, xp, plan, components=None):
+    def __init__(self, computation, xp, plan, components=None, compress: bool = False):
         self.c = computation
         self.xp = xp
         self.components = components   # to choose fast propagates (fastpaths.py)
         self.plan = plan            # Executor._plan-like: (kind, index) -> kernel plan
+        self.compress_real = compress  # carry out kCompressMatrix / kDecompressMatrix
         self.views = _views(computation)
+        self.ctypes: dict[int, type] = {}   # command -> component type with a fast form
+        self.row_plans: dict[int, object] = {}
 
     def build(self) -> list:
         ops = []
-        for c in self.c.commands:
+        for k, c in enumerate(self.c.commands):
             ct = c.command_type
             if ct in (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT):
                 ops.append(None)     # the run loop stops here
                 continue
+            self.k = k
             make = _FACTORIES.get(ct)
             ops.append(make(self, c) if make is not None else _slow(c))
         return ops
@@ -166,6 +183,8 @@ class ProgramBuilder:
         if self.xp is np and self.components is not None and ci < len(self.components):
             ctype = type(self.components[ci])
             fast = fast_propagate(ctype)
+            if fast is not None:
+                self.ctypes[self.k] = ctype
         if memo_index > 0:
             def op(ex, mats):
                 ex._memos[memo_index] = ex._components[ci].propagate(
@@ -225,6 +244,7 @@ class ProgramBuilder:
     def copy_rows(self, c):
         get_d, get_s = _getter(self.xp, self.views, c.arg1), _getter(self.xp, self.views, c.arg2)
         plan, alpha, xp = self.plan("rows", c.arg3), c.alpha, self.xp
+        self.row_plans[self.k] = plan
         fn = K.add_rows if c.command_type == CT.ADD_ROWS else K.copy_rows
 
         def op(ex, mats):
@@ -256,16 +276,27 @@ class ProgramBuilder:
     def add_row_ranges(self, c):
         get_d, get_s = _getter(self.xp, self.views, c.arg1), _getter(self.xp, self.views, c.arg2)
         plan, alpha, xp = self.plan("ranges", c.arg3), c.alpha, self.xp
+        self.row_plans[self.k] = plan
 
         def op(ex, mats):
             K.add_row_ranges(xp, get_d(mats), get_s(mats), plan, alpha)
         return op
 
     def compress(self, c):
+        m = self.c.submatrices[c.arg1].matrix_index if c.arg1 > 0 else 0
+        if self.compress_real:
+            # Kaldi's NnetComputer on a GPU: the matrix is replaced by its compressed
+            # form until the matching kDecompressMatrix (CompressingExecutor)
+            if c.command_type == CT.COMPRESS_MATRIX:
+                def op(ex, mats):
+                    ex._compress_matrix(m, c)
+            else:
+                def op(ex, mats):
+                    ex._decompress_matrix(m)
+            return op
+
         # Kaldi's CPU build leaves the matrix as it is (see Executor._compress); the
         # only effect is the check that the matrix exists.
-        m = self.c.submatrices[c.arg1].matrix_index if c.arg1 > 0 else 0
-
         def op(ex, mats):
             if m and mats[m] is None:
                 raise TypeError(f"matrix m{m} is not allocated")
@@ -322,7 +353,228 @@ _FACTORIES = {
 }
 
 
-def build_program(computation, xp, plan, components=None) -> list:
-    """The closures of ``computation``'s commands (None for input/output commands).
-    ``components``: the network's components, to pick fast propagates by type."""
-    return ProgramBuilder(computation, xp, plan, components).build()
+# --------------------------------------------------------------------------------------
+# the program of one computation on one backend
+
+
+class Program:
+    """The dynamic closures of a computation (``ops``, None at input/output
+    commands), ``stops[pc]``: the first input/output command at or after ``pc``,
+    and, when the computation has a static layout, the closures bound to arena
+    buffers (``bound_for``)."""
+
+    MAX_BOUND = 4       # bound copies kept (one per arena buffer in use)
+
+    def __init__(self, computation, xp, plan, components=None, compress: bool = False):
+        builder = ProgramBuilder(computation, xp, plan, components, compress)
+        self.computation = computation
+        self.xp = xp
+        self.ops = builder.build()
+        self.ctypes = builder.ctypes
+        self.row_plans = builder.row_plans
+        n = len(self.ops)
+        self.stops = [n] * (n + 1)
+        nxt = n
+        for k in range(n - 1, -1, -1):
+            if self.ops[k] is None:
+                nxt = k
+            self.stops[k] = nxt
+        layout = None if compress else StaticLayout(computation)
+        self.layout = layout if layout is not None and layout.ok else None
+        self._bound: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def bind(self, buf) -> BoundProgram:
+        """The commands bound to the arena buffer ``buf`` (new)."""
+        return BoundProgram(self, buf, self.xp)
+
+    def bound_for(self, buf) -> BoundProgram:
+        """The bound commands of ``buf``, reused when ``buf`` has been bound before."""
+        key = id(buf)
+        with self._lock:
+            b = self._bound.get(key)
+            if b is not None and b.buf is buf:
+                self._bound.move_to_end(key)
+                return b
+        b = self.bind(buf)
+        with self._lock:
+            self._bound[key] = b
+            while len(self._bound) > self.MAX_BOUND:
+                self._bound.popitem(last=False)
+        return b
+
+
+def build_program(computation, xp, plan, components=None, compress: bool = False) -> Program:
+    """The compiled form of ``computation`` (see ``Program``).  ``components``: the
+    network's components, to pick fast propagates by type; ``compress``: carry
+    out compression commands (CompressingExecutor)."""
+    return Program(computation, xp, plan, components, compress)
+
+
+# --------------------------------------------------------------------------------------
+# binding one command to an arena (arena.BoundProgram)
+
+
+_EMPTY = np.zeros((0, 0), dtype=np.float32)
+
+
+def bind_command(program: Program, bound: BoundProgram, k: int, c):
+    """The closure of command ``k`` on ``bound``'s arena: arrays bound where the
+    command touches only arena instances, else the dynamic closure."""
+    dyn = program.ops[k]
+    if dyn is None:
+        return None
+    make = _BINDERS.get(c.command_type)
+    if make is None:
+        return dyn
+    op = make(program, bound, k, c)
+    return dyn if op is None else op
+
+
+def _bview(program, bound, k, slot, s):
+    """The bound array of submatrix ``s`` (argument ``slot`` of command ``k``), or
+    None when it is external (or empty)."""
+    if s <= 0:
+        return None
+    return bound.view(program.layout.cmd_inst[k][slot], s, program.computation)
+
+
+def _bind_alloc(program, bound, k, c):
+    i = program.layout.cmd_inst[k][0]
+    v = bound.inst_views[i]
+    if v is None:
+        return None
+    m = program.computation.submatrices[c.arg1].matrix_index
+
+    def op(ex, mats):
+        mats[m] = v
+    return op
+
+
+def _bind_dealloc(program, bound, k, c):
+    i = program.layout.cmd_inst[k][0]
+    if bound.inst_views[i] is None:
+        return None
+    m = program.computation.submatrices[c.arg1].matrix_index
+
+    def op(ex, mats):
+        mats[m] = None
+    return op
+
+
+def _bind_set_const(program, bound, k, c):
+    v = _bview(program, bound, k, 0, c.arg1)
+    if v is None:
+        return None
+    fill, alpha = v.fill, c.alpha
+
+    def op(ex, mats):
+        fill(alpha)
+    return op
+
+
+def _bind_propagate(program, bound, k, c):
+    if c.arg6:
+        return None
+    x = _bview(program, bound, k, 2, c.arg3) if c.arg3 > 0 else _EMPTY
+    y = _bview(program, bound, k, 3, c.arg4) if c.arg4 > 0 else _EMPTY
+    if x is None or y is None or (program.xp is not np and (c.arg3 == 0 or c.arg4 == 0)):
+        return None
+    ci, pi, memo = c.arg1, c.arg2, c.arg5
+    if memo > 0:
+        def op(ex, mats):
+            ex._memos[memo] = ex._components[ci].propagate(ex._precomputed[pi], x, y)
+        return op
+    ctype = program.ctypes.get(k)
+    f = bind_propagate(ctype, x, y, bound.scratch) if ctype is not None else None
+    if f is not None:
+        def op(ex, mats):
+            comp = ex._components[ci]
+            if type(comp) is ctype:
+                f(comp, ex._precomputed[pi])
+            else:
+                comp.propagate(ex._precomputed[pi], x, y)
+        return op
+
+    def op(ex, mats):
+        ex._components[ci].propagate(ex._precomputed[pi], x, y)
+    return op
+
+
+def _bind_matrix_copy(program, bound, k, c):
+    comp = program.computation
+    if c.arg1 == c.arg2 or _shape(comp, c.arg1) != _shape(comp, c.arg2):
+        return None
+    d, s = _bview(program, bound, k, 0, c.arg1), _bview(program, bound, k, 1, c.arg2)
+    if d is None or s is None:
+        return None
+    xp, alpha = program.xp, c.alpha
+    if alpha == 1.0:
+        copyto = xp.copyto
+
+        def op(ex, mats):
+            copyto(d, s)
+    else:
+        multiply = xp.multiply
+
+        def op(ex, mats):
+            multiply(s, alpha, out=d)
+    return op
+
+
+def _bind_matrix_add(program, bound, k, c):
+    comp = program.computation
+    if _shape(comp, c.arg1) != _shape(comp, c.arg2):
+        return None
+    d, s = _bview(program, bound, k, 0, c.arg1), _bview(program, bound, k, 1, c.arg2)
+    if d is None or s is None:
+        return None
+    xp, alpha = program.xp, c.alpha
+    add = xp.add
+    if alpha == 1.0:
+        def op(ex, mats):
+            add(d, s, out=d)
+    else:
+        multiply = xp.multiply
+        tmp = bound.scratch.get(s.shape, 0, s.dtype)
+
+        def op(ex, mats):
+            # alpha * src, as a float32 temporary, then added
+            multiply(s, alpha, out=tmp)
+            add(d, tmp, out=d)
+    return op
+
+
+def _bind_rows(program, bound, k, c):
+    d, s = _bview(program, bound, k, 0, c.arg1), _bview(program, bound, k, 1, c.arg2)
+    plan = program.row_plans.get(k)
+    if d is None or s is None or plan is None:
+        return None
+    xp, alpha = program.xp, c.alpha
+    if c.command_type == CT.ADD_ROW_RANGES:
+        fn = K.add_row_ranges
+    else:
+        fn = K.add_rows if c.command_type == CT.ADD_ROWS else K.copy_rows
+
+    def op(ex, mats):
+        fn(xp, d, s, plan, alpha)
+    return op
+
+
+def _bind_compress(program, bound, k, c):
+    return _nop       # the layout has checked that the matrix is allocated here
+
+
+_BINDERS = {
+    CT.ALLOC_MATRIX: _bind_alloc,
+    CT.DEALLOC_MATRIX: _bind_dealloc,
+    CT.SET_CONST: _bind_set_const,
+    CT.PROPAGATE: _bind_propagate,
+    CT.MATRIX_COPY: _bind_matrix_copy,
+    CT.MATRIX_ADD: _bind_matrix_add,
+    CT.COPY_ROWS: _bind_rows,
+    CT.ADD_ROWS: _bind_rows,
+    CT.ADD_ROW_RANGES: _bind_rows,
+    CT.COMPRESS_MATRIX: _bind_compress,
+    CT.DECOMPRESS_MATRIX: _bind_compress,
+}
