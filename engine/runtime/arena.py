@@ -146,26 +146,35 @@ class StaticLayout:
         self.ok = True
 
     def _place(self, start, end, external) -> None:
-        """Best-fit offsets in one arena for the non-external instances."""
+        """Offsets in one arena for the non-external instances: largest first, each
+        at the lowest offset free of every placed instance whose lifetime meets
+        its own (instances that are never alive at the same time share memory)."""
         self.inst_offset = [-1] * len(start)
-        live: list = []          # (offset, size, instance), sorted by offset
+        todo = [i for i in range(len(start)) if not external[i]]
+        if not todo:
+            self.total = 0
+            return
+        sizes = {i: -(-(self.inst_shape[i][0] * self.inst_shape[i][1]) // _ALIGN) * _ALIGN
+                 for i in todo}
+        todo.sort(key=lambda i: (-sizes[i], start[i], i))
+        p_start = np.empty(len(todo), np.int64)
+        p_end = np.empty(len(todo), np.int64)
+        p_off = np.empty(len(todo), np.int64)
+        p_size = np.empty(len(todo), np.int64)
         top = 0
-        for i in sorted((i for i in range(len(start)) if not external[i]),
-                        key=lambda i: (start[i], i)):
-            live = [b for b in live if end[b[2]] >= start[i]]
-            r, c = self.inst_shape[i]
-            size = -(-(r * c) // _ALIGN) * _ALIGN
-            best, best_gap, prev = None, None, 0
-            for off, sz, _ in live:
-                gap = off - prev
-                if gap >= size and (best_gap is None or gap < best_gap):
-                    best, best_gap = prev, gap
-                prev = max(prev, off + sz)
-            if best is None:
-                best = prev
+        for j, i in enumerate(todo):
+            size = sizes[i]
+            meet = (p_start[:j] <= end[i]) & (p_end[:j] >= start[i])
+            best = 0
+            if meet.any():
+                offs, szs = p_off[:j][meet], p_size[:j][meet]
+                order = np.argsort(offs, kind="stable")
+                for off, sz in zip(offs[order].tolist(), szs[order].tolist()):
+                    if off - best >= size:
+                        break
+                    best = max(best, off + sz)
+            p_start[j], p_end[j], p_off[j], p_size[j] = start[i], end[i], best, size
             self.inst_offset[i] = best
-            live.append((best, size, i))
-            live.sort()
             top = max(top, best + size)
         self.total = top
 

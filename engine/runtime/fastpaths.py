@@ -55,6 +55,7 @@ from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
                                                  PerElementScaleComponent)
 from engine.nnet.components.tdnn import TdnnComponent
+from engine.runtime.gemm import EXCHANGED, nt_form
 
 _matmul, _add, _multiply, _copyto = np.matmul, np.add, np.multiply, np.copyto
 _abs, _negative, _exp, _divide, _maximum = np.abs, np.negative, np.exp, np.divide, np.maximum
@@ -97,7 +98,45 @@ def _logistic(a, out, e, d, h, positive_strict: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# affine-type components: out[...] = x @ W^T (+ b)
+# affine-type components: out[...] = x @ W^T (+ b).  The product is the components'
+# ``x @ W.T`` or, where gemm.nt_form has found it faster and equal bit for bit,
+# ``(W @ x.T).T`` (see gemm.py).
+
+
+def _product_nt(x, w, direct_out):
+    """x @ w.T: into ``direct_out`` (returned) or, in the exchanged form, into a
+    new (n, rows) array whose transpose is returned."""
+    if nt_form(x, w, direct_out) == EXCHANGED:
+        t = np.empty((w.shape[0], x.shape[0]), dtype=direct_out.dtype)
+        _matmul(w, x.T, out=t)
+        return t.T
+    _matmul(x, w.T, out=direct_out)
+    return direct_out
+
+
+class _BoundNT:
+    """x @ w.T for a fixed x (and output shape), the form decided per weight array."""
+
+    def __init__(self, x, out_shape, scratch, slot: int):
+        self.x, self.xT = x, x.T
+        self.shape = out_shape
+        self.scratch, self.slot = scratch, slot
+        self.w = None
+        self.exchanged = False
+        self.t = None
+
+    def __call__(self, w, direct_out):
+        if w is not self.w:
+            self.exchanged = nt_form(self.x, w, direct_out) == EXCHANGED
+            if self.exchanged and self.t is None:
+                self.t = self.scratch.get((self.shape[1], self.shape[0]), self.slot,
+                                          direct_out.dtype)
+            self.w = w
+        if self.exchanged:
+            _matmul(w, self.xT, out=self.t)
+            return self.t.T
+        _matmul(self.x, w.T, out=direct_out)
+        return direct_out
 
 
 def _affine(comp, pre, x, out):
@@ -106,8 +145,7 @@ def _affine(comp, pre, x, out):
             or out.shape[0] != x.shape[0] or out.shape[1] != w.shape[0]):
         return comp.propagate(pre, x, out)
     # out[...] = x @ W^T; out += b   (the same GEMM, without the temporary)
-    _matmul(x, w.T, out=out)
-    _add(out, comp.bias_params, out=out)
+    _add(_product_nt(x, w, out), comp.bias_params, out=out)
     return None
 
 
@@ -115,13 +153,13 @@ def _bind_affine(x, out, scratch):
     if x.ndim != 2 or out.ndim != 2 or out.shape[0] != x.shape[0]:
         return None
     nin, nout = x.shape[1], out.shape[1]
+    prod = _BoundNT(x, out.shape, scratch, 20)
 
     def f(comp, pre):
         w = comp.linear_params
         if w.shape[1] != nin or w.shape[0] != nout:
             return comp.propagate(pre, x, out)
-        _matmul(x, w.T, out=out)
-        _add(out, comp.bias_params, out=out)
+        _add(prod(w, out), comp.bias_params, out=out)
         return None
     return f
 
@@ -132,7 +170,10 @@ def _linear(comp, pre, x, out):
             or out.shape[0] != x.shape[0] or out.shape[1] != w.shape[0]):
         return comp.propagate(pre, x, out)
     # out += x @ W^T
-    _add(out, _matmul(x, w.T), out=out)
+    if w.dtype != _F32 or x.dtype != _F32 or out.dtype != _F32:
+        _add(out, _matmul(x, w.T), out=out)
+    else:
+        _add(out, _product_nt(x, w, np.empty(out.shape, _F32)), out=out)
     return None
 
 
@@ -143,50 +184,72 @@ def _bind_linear(x, out, scratch):
     if x.dtype != _F32 or out.dtype != _F32:
         return None
     tmp = scratch.get(out.shape, 0)
+    prod = _BoundNT(x, out.shape, scratch, 20)
 
     def f(comp, pre):
         w = comp.params
         if w.shape[1] != nin or w.shape[0] != nout or w.dtype != _F32:
             return comp.propagate(pre, x, out)
-        _matmul(x, w.T, out=tmp)
-        _add(out, tmp, out=out)
+        _add(out, prod(w, tmp), out=out)
         return None
     return f
 
 
-def _tdnn_core(comp, pre, x, out, tmp):
+def _tdnn_ok(comp, x, out) -> bool:
     w = comp.linear_params
     k = len(comp.time_offsets)
-    if (x.ndim != 2 or out.ndim != 2 or k == 0 or w.shape[1] % k or w.dtype != _F32
-            or x.dtype != _F32 or out.dtype != _F32
-            or x.shape[1] != w.shape[1] // k or out.shape[1] != w.shape[0]):
-        return comp.propagate(pre, x, out)
-    d = x.shape[1]
-    rows = out.shape[0]
-    stride, offsets = comp._layout(pre, x.shape[0], rows)   # raises as propagate would
+    return not (x.ndim != 2 or out.ndim != 2 or k == 0 or w.shape[1] % k or w.dtype != _F32
+                or x.dtype != _F32 or out.dtype != _F32
+                or x.shape[1] != w.shape[1] // k or out.shape[1] != w.shape[0])
+
+
+def _tdnn_bias(comp, out) -> None:
     if comp.bias_params.shape[0] != 0:
         _copyto(out, comp.bias_params)
-    part = comp._part
-    for i, off in enumerate(offsets):
-        # out += part @ W_i^T, the product in a temporary as the component makes it
-        _matmul(part(x, off, stride, rows), w[:, i * d:(i + 1) * d].T, out=tmp)
-        _add(out, tmp, out=out)
-    return None
 
 
 def _tdnn(comp, pre, x, out):
-    if out.ndim != 2:
+    if not _tdnn_ok(comp, x, out):
         return comp.propagate(pre, x, out)
-    return _tdnn_core(comp, pre, x, out, np.empty(out.shape, dtype=out.dtype))
+    w = comp.linear_params
+    d, rows = x.shape[1], out.shape[0]
+    stride, offsets = comp._layout(pre, x.shape[0], rows)   # raises as propagate would
+    _tdnn_bias(comp, out)
+    tmp = np.empty(out.shape, dtype=out.dtype)
+    for i, off in enumerate(offsets):
+        # out += part @ W_i^T, the product in a temporary as the component makes it
+        _add(out, _product_nt(comp._part(x, off, stride, rows), w[:, i * d:(i + 1) * d], tmp),
+             out=out)
+    return None
 
 
 def _bind_tdnn(x, out, scratch):
-    if x.ndim != 2 or out.ndim != 2:
+    if x.ndim != 2 or out.ndim != 2 or x.dtype != _F32 or out.dtype != _F32:
         return None
     tmp = scratch.get(out.shape, 0, out.dtype)
+    d, rows = x.shape[1], out.shape[0]
+    # the parts of x per (row offset, stride), each with its own product form, and
+    # the column blocks of the weights (kept while the weight array is the same)
+    parts: dict = {}
+    blocks: list = [None, ()]
 
     def f(comp, pre):
-        return _tdnn_core(comp, pre, x, out, tmp)
+        if not _tdnn_ok(comp, x, out):
+            return comp.propagate(pre, x, out)
+        stride, offsets = comp._layout(pre, x.shape[0], rows)
+        w = comp.linear_params
+        if blocks[0] is not w:
+            blocks[0] = w
+            blocks[1] = tuple(w[:, i * d:(i + 1) * d] for i in range(len(offsets)))
+        _tdnn_bias(comp, out)
+        wb = blocks[1]
+        for i, off in enumerate(offsets):
+            prod = parts.get((off, stride, i))
+            if prod is None:
+                prod = parts[(off, stride, i)] = _BoundNT(comp._part(x, off, stride, rows),
+                                                          out.shape, scratch, 20)
+            _add(out, prod(wb[i], tmp), out=out)
+        return None
     return f
 
 
