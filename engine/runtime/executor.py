@@ -244,7 +244,7 @@ class Executor:
             self._mode = "dynamic"    # a subclass handles some commands itself
             return
         program = self._get_program()
-        if program.layout is None or any(a is not None for a in self._matrices):
+        if program.layout is None or self._matrices.count(None) != len(self._matrices):
             self._mode = "dynamic"
             return
         self._mode = "static"

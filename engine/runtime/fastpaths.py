@@ -23,7 +23,8 @@ random and reference networks):
 The logistic function is computed without masked copies: with e = exp(-|x|) and
 d = 1 + e, the component takes 1/d where x >= 0 and e/d elsewhere; here the
 numerator is max(e, [x >= 0]) (1 where x >= 0 since e <= 1, e elsewhere, NaN
-stays NaN), divided by d once: the same division on the same operands.
+stays NaN), divided by d once: the same division on the same operands.  -|x| is
+copysign(x, -1), the same bits as negative(abs(x)) in one call.
 
 Each form applies only to the exact class it was written for, whose
 ``propagate`` must still be the one it mirrors (a subclass that overrides it, an
@@ -55,13 +56,19 @@ from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
                                                  PerElementScaleComponent)
 from engine.nnet.components.tdnn import TdnnComponent
-from engine.runtime.gemm import EXCHANGED, nt_form
+from engine.runtime.gemm import DIRECT, DOT, EXCHANGED, nt_form
 
-_matmul, _add, _multiply, _copyto = np.matmul, np.add, np.multiply, np.copyto
-_abs, _negative, _exp, _divide, _maximum = np.abs, np.negative, np.exp, np.divide, np.maximum
+_matmul, _dot, _add, _multiply, _copyto = np.matmul, np.dot, np.add, np.multiply, np.copyto
+_copysign, _exp, _divide, _maximum = np.copysign, np.exp, np.divide, np.maximum
 _np_tanh, _log, _subtract = np.tanh, np.log, np.subtract
 _ge, _gt = np.greater_equal, np.greater
+_max_reduce, _add_reduce = np.maximum.reduce, np.add.reduce
 _F32 = np.dtype(np.float32)
+# scalar operands as 0-d float32 arrays: the same float32 values a Python number
+# takes against a float32 array, without converting it on every call
+_ONE = np.array(1.0, np.float32)
+_MINUS_ONE = np.array(-1.0, np.float32)
+_ZERO = np.array(0.0, np.float32)
 
 
 class _Fresh:
@@ -87,14 +94,13 @@ def _c_contiguous(a) -> bool:
 def _logistic(a, out, e, d, h, positive_strict: bool) -> None:
     """out = the logistic of ``a`` as the components compute it (see the module
     docstring); e, d, h: temporaries of a's shape, contiguous; out may be a."""
-    _abs(a, out=e)
-    _negative(e, out=e)
-    _exp(e, out=e)
-    _add(e, 1.0, out=d)
+    _copysign(a, _MINUS_ONE, e)     # -|a|, bit for bit
+    _exp(e, e)
+    _add(e, _ONE, d)
     # the mask is taken before ``out`` (maybe ``a``) is written
-    (_gt if positive_strict else _ge)(a, 0, out=h)
+    (_gt if positive_strict else _ge)(a, _ZERO, h)
     _maximum(e, h, out=e)
-    _divide(e, d, out=out)
+    _divide(e, d, out)
 
 
 # --------------------------------------------------------------------------------------
@@ -106,11 +112,15 @@ def _logistic(a, out, e, d, h, positive_strict: bool) -> None:
 def _product_nt(x, w, direct_out):
     """x @ w.T: into ``direct_out`` (returned) or, in the exchanged form, into a
     new (n, rows) array whose transpose is returned."""
-    if nt_form(x, w, direct_out) == EXCHANGED:
+    form = nt_form(x, w, direct_out)
+    if form == EXCHANGED:
         t = np.empty((w.shape[0], x.shape[0]), dtype=direct_out.dtype)
         _matmul(w, x.T, out=t)
         return t.T
-    _matmul(x, w.T, out=direct_out)
+    if form == DOT:
+        _dot(x, w.T, direct_out)
+    else:
+        _matmul(x, w.T, out=direct_out)
     return direct_out
 
 
@@ -121,21 +131,25 @@ class _BoundNT:
         self.x, self.xT = x, x.T
         self.shape = out_shape
         self.scratch, self.slot = scratch, slot
-        self.w = None
-        self.exchanged = False
-        self.t = None
+        self.w = self.wT = None
+        self.form = DIRECT
+        self.t = self.tT = None
 
     def __call__(self, w, direct_out):
         if w is not self.w:
-            self.exchanged = nt_form(self.x, w, direct_out) == EXCHANGED
-            if self.exchanged and self.t is None:
+            self.form = nt_form(self.x, w, direct_out)
+            if self.form == EXCHANGED and self.t is None:
                 self.t = self.scratch.get((self.shape[1], self.shape[0]), self.slot,
                                           direct_out.dtype)
-            self.w = w
-        if self.exchanged:
-            _matmul(w, self.xT, out=self.t)
-            return self.t.T
-        _matmul(self.x, w.T, out=direct_out)
+                self.tT = self.t.T
+            self.w, self.wT = w, w.T
+        if self.form == EXCHANGED:
+            _matmul(w, self.xT, self.t)
+            return self.tT
+        if self.form == DOT:
+            _dot(self.x, self.wT, direct_out)
+        else:
+            _matmul(self.x, self.wT, direct_out)
         return direct_out
 
 
@@ -152,14 +166,33 @@ def _affine(comp, pre, x, out):
 def _bind_affine(x, out, scratch):
     if x.ndim != 2 or out.ndim != 2 or out.shape[0] != x.shape[0]:
         return None
-    nin, nout = x.shape[1], out.shape[1]
-    prod = _BoundNT(x, out.shape, scratch, 20)
+    wshape = (out.shape[1], x.shape[1])
+    xT = x.T
+    # per weight array (checked by identity): its transpose, the product form and,
+    # for the exchanged form, the (n, rows) temporary and its transpose
+    cur_w = wT = t = tT = None
+    form = DIRECT
 
     def f(comp, pre):
+        nonlocal cur_w, wT, t, tT, form
         w = comp.linear_params
-        if w.shape[1] != nin or w.shape[0] != nout:
-            return comp.propagate(pre, x, out)
-        _add(prod(w, out), comp.bias_params, out=out)
+        if w is not cur_w or w.shape != wshape:
+            if w.ndim != 2 or w.shape != wshape:
+                return comp.propagate(pre, x, out)
+            form = nt_form(x, w, out)
+            if form == EXCHANGED and t is None:
+                t = scratch.get((wshape[0], x.shape[0]), 20)
+                tT = t.T
+            cur_w, wT = w, w.T
+        if form == EXCHANGED:
+            _matmul(w, xT, t)
+            _add(tT, comp.bias_params, out)
+        else:
+            if form == DOT:
+                _dot(x, wT, out)
+            else:
+                _matmul(x, wT, out)
+            _add(out, comp.bias_params, out)
         return None
     return f
 
@@ -205,7 +238,7 @@ def _tdnn_ok(comp, x, out) -> bool:
 
 def _tdnn_bias(comp, out) -> None:
     if comp.bias_params.shape[0] != 0:
-        _copyto(out, comp.bias_params)
+        out[...] = comp.bias_params
 
 
 def _tdnn(comp, pre, x, out):
@@ -305,7 +338,7 @@ def _bind_tanh(x, out, scratch):
         def f(comp, pre):
             if comp.dim != dim:
                 return comp.propagate(pre, x, out)
-            _np_tanh(x, out=out)
+            _np_tanh(x, out)
             return None
     else:
         tmp = scratch.get(x.shape, 0, out.dtype)
@@ -313,8 +346,8 @@ def _bind_tanh(x, out, scratch):
         def f(comp, pre):
             if comp.dim != dim:
                 return comp.propagate(pre, x, out)
-            _np_tanh(x, out=tmp)
-            _copyto(out, tmp)
+            _np_tanh(x, tmp)
+            out[...] = tmp
             return None
     return f
 
@@ -334,7 +367,7 @@ def _bind_relu(x, out, scratch):
     def f(comp, pre):
         if comp.dim != dim:
             return comp.propagate(pre, x, out)
-        _maximum(x, 0, out=out)
+        _maximum(x, _ZERO, out=out)
         return None
     return f
 
@@ -357,7 +390,7 @@ def _bind_copy(x, out, scratch):
         if comp.dim != dim:
             return comp.propagate(pre, x, out)
         if not same:
-            _copyto(out, x)
+            out[...] = x
         return None
     return f
 
@@ -380,7 +413,7 @@ def _bind_truncation(x, out, scratch):
         if comp.scale_value != 1.0 or comp.dim != dim:
             return comp.propagate(pre, x, out)
         if not same:
-            _copyto(out, x)
+            out[...] = x
         return None
     return f
 
@@ -403,7 +436,7 @@ def _bind_dropout(x, out, scratch):
         if not comp._inactive() or comp.dim != dim:
             return comp.propagate(pre, x, out)
         if not same:
-            _copyto(out, x)
+            out[...] = x
         return None
     return f
 
@@ -433,7 +466,7 @@ def _bind_product(x, out, scratch):
     def f(comp, pre):
         if comp.in_dim != nin or comp.out_dim != d:
             return comp.propagate(pre, x, out)
-        _multiply(a, b, out=out)
+        _multiply(a, b, out)
         return None
     return f
 
@@ -455,7 +488,7 @@ def _bind_per_element_scale(x, out, scratch):
         s = comp.scales
         if s.shape[0] != dim:
             return comp.propagate(pre, x, out)
-        _multiply(x, s, out=out)
+        _multiply(x, s, out)
         return None
     return f
 
@@ -488,8 +521,8 @@ def _bind_batchnorm(x, out, scratch):
             sc = np.asarray(sc, dtype=dt)
         if off.dtype != dt:
             off = np.asarray(off, dtype=dt)
-        _multiply(x, sc, out=out)
-        _add(out, off, out=out)
+        _multiply(x, sc, out)
+        _add(out, off, out)
         return None
     return f
 
@@ -499,12 +532,13 @@ def _bind_batchnorm(x, out, scratch):
 
 
 def _log_softmax_core(x, out, shifted, ex, col, lcol) -> None:
-    np.max(x, axis=1, keepdims=True, out=col)
-    _subtract(x, col, out=shifted)
-    _exp(shifted, out=ex)
-    np.sum(ex, axis=1, keepdims=True, out=col)
-    _log(col, out=lcol)
-    _subtract(shifted, lcol, out=out)
+    # (max and sum as the ufunc reductions np.max / np.sum call)
+    _max_reduce(x, 1, None, col, True)
+    _subtract(x, col, shifted)
+    _exp(shifted, ex)
+    _add_reduce(ex, 1, None, col, True)
+    _log(col, lcol)
+    _subtract(shifted, lcol, out)
 
 
 def _log_softmax_shapes_ok(x, out) -> bool:
@@ -579,30 +613,30 @@ def _lstm_core(comp, v: _LstmViews, drop: bool, temps) -> None:
         w = w.astype(_F32)
     g, e, d, h, tc, a, b, c_t, e1, d1, h1 = temps
     # i_t, f_t = sigmoid(i_part + w0 * c_prev), sigmoid(f_part + w1 * c_prev)
-    _multiply(w[:2], v.c_prev3, out=g)
-    _add(v.if_part, g, out=g)
+    _multiply(w[:2], v.c_prev3, g)
+    _add(v.if_part, g, g)
     _logistic(g, g, e, d, h, True)
     i_t, f_t = g[:, 0], g[:, 1]
     # c_t = f_t * f_s * c_prev + i_t * i_s * tanh(c_part)
-    _np_tanh(v.c_part, out=tc)
+    _np_tanh(v.c_part, tc)
     if drop:
-        _multiply(f_t, v.f_s, out=a)
-        _multiply(a, v.c_prev, out=a)
-        _multiply(i_t, v.i_s, out=b)
-        _multiply(b, tc, out=b)
+        _multiply(f_t, v.f_s, a)
+        _multiply(a, v.c_prev, a)
+        _multiply(i_t, v.i_s, b)
+        _multiply(b, tc, b)
     else:      # x * 1.0 == x exactly
-        _multiply(f_t, v.c_prev, out=a)
-        _multiply(i_t, tc, out=b)
-    _add(a, b, out=c_t)
-    _copyto(v.c_out, c_t)
+        _multiply(f_t, v.c_prev, a)
+        _multiply(i_t, tc, b)
+    _add(a, b, c_t)
+    v.c_out[...] = c_t
     # o_t = sigmoid(o_part + w2 * c_t); m_t = o_t * o_s * tanh(c_t)
-    _multiply(w[2], c_t, out=a)
-    _add(v.o_part, a, out=a)
+    _multiply(w[2], c_t, a)
+    _add(v.o_part, a, a)
     _logistic(a, a, e1, d1, h1, True)
-    _np_tanh(c_t, out=tc)
+    _np_tanh(c_t, tc)
     if drop:
-        _multiply(a, v.o_s, out=a)
-    _multiply(a, tc, out=v.m_out)
+        _multiply(a, v.o_s, a)
+    _multiply(a, tc, v.m_out)
 
 
 def _lstm_views(x, out, cd: int, drop: bool):

@@ -508,17 +508,17 @@ def _bind_matrix_copy(program, bound, k, c):
     d, s = _bview(program, bound, k, 0, c.arg1), _bview(program, bound, k, 1, c.arg2)
     if d is None or s is None:
         return None
-    xp, alpha = program.xp, c.alpha
-    if alpha == 1.0:
-        copyto = xp.copyto
-
+    xp = program.xp
+    if c.alpha == 1.0:
         def op(ex, mats):
-            copyto(d, s)
+            d[...] = s
     else:
         multiply = xp.multiply
+        # float32 * a Python float is float32 * float32(alpha)
+        alpha = xp.asarray(c.alpha, dtype=s.dtype)
 
         def op(ex, mats):
-            multiply(s, alpha, out=d)
+            multiply(s, alpha, d)
     return op
 
 
@@ -529,19 +529,20 @@ def _bind_matrix_add(program, bound, k, c):
     d, s = _bview(program, bound, k, 0, c.arg1), _bview(program, bound, k, 1, c.arg2)
     if d is None or s is None:
         return None
-    xp, alpha = program.xp, c.alpha
+    xp = program.xp
     add = xp.add
-    if alpha == 1.0:
+    if c.alpha == 1.0:
         def op(ex, mats):
-            add(d, s, out=d)
+            add(d, s, d)
     else:
         multiply = xp.multiply
         tmp = bound.scratch.get(s.shape, 0, s.dtype)
+        alpha = xp.asarray(c.alpha, dtype=s.dtype)
 
         def op(ex, mats):
             # alpha * src, as a float32 temporary, then added
-            multiply(s, alpha, out=tmp)
-            add(d, tmp, out=d)
+            multiply(s, alpha, tmp)
+            add(d, tmp, d)
     return op
 
 
