@@ -36,6 +36,7 @@ pool of its own takes arenas from a small process-wide cache of idle ones.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import OrderedDict
 
@@ -46,9 +47,14 @@ from engine.compiler.computation import CommandType as CT
 
 _ALIGN = 16                 # floats: 64 bytes
 
+_LIST_OPS = (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, CT.SWAP_MATRIX)
+
 _SUBMATRIX_SLOTS = {ct: tuple(i for i, slot in enumerate(spec.slots)
                               if slot.kind == ArgKind.SUBMATRIX)
                     for ct, spec in COMMAND_SPECS.items()}
+
+
+_MULTI = (CT.COPY_ROWS_MULTI, CT.ADD_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI)
 
 
 def _args(c):
@@ -67,6 +73,7 @@ class StaticLayout:
         self.inst_offset: list[int] = []      # arena offset in floats; -1 = external
         self.cmd_inst: list = []              # per command: {slot: instance}
         self.accept_inst: dict[int, int] = {}  # kAcceptInput command -> instance
+        self.multi_inst: dict[int, dict] = {}  # pointer-list command -> {matrix: instance}
         self.total = 0                        # arena floats (without alignment slack)
         self.all_freed_at_end = False         # no arena instance outlives the commands
         self._build(computation)
@@ -140,6 +147,15 @@ class StaticLayout:
                         if i is None:
                             return
                         refs[slot] = i
+                if ct in _MULTI:
+                    named = {}
+                    for s, _ in comp.indexes_multi[c.arg2]:
+                        if s >= 0:
+                            m = subs[s].matrix_index
+                            if current[m] is None:
+                                return
+                            named[m] = current[m]
+                    self.multi_inst[k] = named
             self.cmd_inst.append(refs)
         self._place(start, end, external)
         self.all_freed_at_end = all(end[i] < n for i in range(len(end)) if not external[i])
@@ -224,8 +240,30 @@ class BoundProgram:
         self.inst_ids = frozenset(id(v) for v in self.inst_views if v is not None)
         self._sub_views: dict = {}
         self.scratch = Scratch(xp)
-        from engine.runtime.program import bind_command  # noqa: PLC0415
-        self.ops = [bind_command(program, self, k, c) for k, c in enumerate(comp.commands)]
+        from engine.runtime.program import (bind_command,  # noqa: PLC0415
+                                            matrices_read_dynamically, no_op)
+        ops = [bind_command(program, self, k, c) for k, c in enumerate(comp.commands)]
+        # allocation, deallocation and swap commands only keep the executor's matrix
+        # list; for matrices that no remaining closure looks up they are dropped
+        needed = matrices_read_dynamically(program, ops)
+        subs = comp.submatrices
+        for k, c in enumerate(comp.commands):
+            if c.command_type in _LIST_OPS and ops[k] is not None:
+                ms = [subs[c.arg1].matrix_index]
+                if c.command_type == CT.SWAP_MATRIX:
+                    ms.append(subs[c.arg2].matrix_index)
+                if not any(m in needed for m in ms):
+                    ops[k] = no_op
+        self.ops = ops
+        # per input/output stop, the commands before it that do something:
+        # (command index, closure) pairs, and where each command index starts in them
+        stops = program.stops
+        self.runs: dict[int, list] = {stop: [] for stop in set(stops)}
+        for k, op in enumerate(ops):
+            if k < stops[k] and op is not no_op:
+                self.runs[stops[k]].append((k, op))
+        self.run_start = [bisect.bisect_left(self.runs[stops[k]], k, key=lambda e: e[0])
+                          for k in range(len(ops) + 1)]
 
     def view(self, inst: int, s: int, comp):
         """The array of submatrix ``s`` on instance ``inst`` (None if external)."""

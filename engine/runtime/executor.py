@@ -26,6 +26,7 @@ printed form ("while executing c17: ...").
 from __future__ import annotations
 
 import weakref
+from itertools import islice
 
 import numpy as np
 
@@ -303,11 +304,13 @@ class Executor:
         pc = self._pc
         try:
             if self._bound is not None:
-                # straight-line commands: no goto, no program-counter checks
-                ops = self._bound.ops
-                for pc in range(pc, program.stops[pc]):
-                    ops[pc](self, mats)
-                pc = program.stops[pc]
+                # straight-line commands: no goto, no program-counter checks, only
+                # the commands that do something (arena.BoundProgram.runs)
+                bound = self._bound
+                stop = program.stops[pc]
+                for pc, op in islice(bound.runs[stop], bound.run_start[pc], None):
+                    op(self, mats)
+                pc = stop
             else:
                 ops = program.ops
                 while pc < n:

@@ -255,6 +255,7 @@ class ProgramBuilder:
         get_d = _getter(self.xp, self.views, c.arg1)
         plan = K.make_matrix_multi_plan(self.xp, self.c, self.c.indexes_multi[c.arg2],
                                         self.views)
+        self.row_plans[self.k] = plan
         alpha, xp, add = c.alpha, self.xp, c.command_type == CT.ADD_ROWS_MULTI
 
         def op(ex, mats):
@@ -267,6 +268,7 @@ class ProgramBuilder:
         get_s = _getter(self.xp, self.views, c.arg1)
         plan = K.make_matrix_multi_plan(self.xp, self.c, self.c.indexes_multi[c.arg2],
                                         self.views, scatter=True)
+        self.row_plans[self.k] = plan
         alpha, xp, add = c.alpha, self.xp, c.command_type == CT.ADD_TO_ROWS_MULTI
 
         def op(ex, mats):
@@ -318,6 +320,9 @@ class ProgramBuilder:
 
 def _nop(ex, mats):
     return None
+
+
+no_op = _nop
 
 
 def _slow(c):
@@ -503,8 +508,10 @@ def _bind_propagate(program, bound, k, c):
 
 def _bind_matrix_copy(program, bound, k, c):
     comp = program.computation
-    if c.arg1 == c.arg2 or _shape(comp, c.arg1) != _shape(comp, c.arg2):
+    if _shape(comp, c.arg1) != _shape(comp, c.arg2):
         return None
+    if c.arg1 == c.arg2 and c.alpha == 1.0:
+        return _nop
     d, s = _bview(program, bound, k, 0, c.arg1), _bview(program, bound, k, 1, c.arg2)
     if d is None or s is None:
         return None
@@ -562,6 +569,35 @@ def _bind_rows(program, bound, k, c):
     return op
 
 
+def _bind_multi(program, bound, k, c):
+    """The pointer-list commands with the matrices they name bound (their
+    instances at this command, from the layout)."""
+    this = _bview(program, bound, k, 0, c.arg1)
+    plan = program.row_plans.get(k)
+    insts = program.layout.multi_inst.get(k)
+    if this is None or plan is None or insts is None:
+        return None
+    arrays = {}
+    for m, i in insts.items():
+        v = bound.inst_views[i]
+        if v is None:
+            return None
+        arrays[m] = v
+    xp, alpha = program.xp, c.alpha
+    ct = c.command_type
+    if ct in (CT.COPY_ROWS_MULTI, CT.ADD_ROWS_MULTI):
+        add = ct == CT.ADD_ROWS_MULTI
+
+        def op(ex, mats):
+            K.rows_multi_by_matrix(xp, this, plan, arrays, alpha, add)
+    else:
+        add = ct == CT.ADD_TO_ROWS_MULTI
+
+        def op(ex, mats):
+            K.to_rows_multi_by_matrix(xp, this, plan, arrays, alpha, add)
+    return op
+
+
 def _bind_compress(program, bound, k, c):
     return _nop       # the layout has checked that the matrix is allocated here
 
@@ -578,4 +614,47 @@ _BINDERS = {
     CT.ADD_ROW_RANGES: _bind_rows,
     CT.COMPRESS_MATRIX: _bind_compress,
     CT.DECOMPRESS_MATRIX: _bind_compress,
+    CT.COPY_ROWS_MULTI: _bind_multi,
+    CT.ADD_ROWS_MULTI: _bind_multi,
+    CT.COPY_TO_ROWS_MULTI: _bind_multi,
+    CT.ADD_TO_ROWS_MULTI: _bind_multi,
 }
+
+_MATRIX_LIST_OPS = (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, CT.SWAP_MATRIX)
+
+
+def matrices_read_dynamically(program: Program, ops: list) -> set[int]:
+    """Matrices whose entry in the executor's matrix list some command of ``ops``
+    reads (the dynamic closures among them, which look matrices up), closed over
+    swaps; allocation, deallocation and swap commands of other matrices need not
+    keep the list (arena.BoundProgram drops them)."""
+    comp = program.computation
+    subs = comp.submatrices
+    needed: set[int] = set()
+    for k, c in enumerate(comp.commands):
+        op = ops[k]
+        ct = c.command_type
+        if op is None or op is _nop or ct in _MATRIX_LIST_OPS:
+            continue
+        if op is program.ops[k]:          # a dynamic closure
+            needed.update(command_matrices(comp, c))
+            plan = program.row_plans.get(k)
+            for g in getattr(plan, "groups", ()):
+                m = getattr(g, "matrix", None)
+                if m is None:            # a per-submatrix plan
+                    m = subs[g.submatrix].matrix_index
+                needed.add(m)
+    layout = program.layout
+    for i, m in enumerate(layout.inst_matrix):   # external instances: pool buffers
+        if layout.inst_offset[i] < 0:
+            needed.add(m)
+    swaps = [(subs[c.arg1].matrix_index, subs[c.arg2].matrix_index)
+             for c in comp.commands if c.command_type == CT.SWAP_MATRIX]
+    changed = True
+    while changed:
+        changed = False
+        for m1, m2 in swaps:
+            if (m1 in needed) != (m2 in needed):
+                needed.update((m1, m2))
+                changed = True
+    return needed
