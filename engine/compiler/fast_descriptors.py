@@ -18,10 +18,11 @@ turned, once per network, into:
   dependencies are used: the builder needs no per-cindex evaluation of the
   tree at all.
 - ``deps_arrays(n, t, x)``: the same for whole arrays of Indexes (NumPy), for
-  the graph builder's layered fast path (engine.compiler.graph_fast).
-- ``computable(present)`` / ``used(present)``: the general answer given, for
+  the array graph builder (engine.compiler.graph_arrays) and the compiler.
+- ``computable(present)`` / ``evaluate(present)``: the general answer given, for
   each dependency position (same order as ``deps``), whether that input is in
-  the cindex set.  They follow the semantics of engine.nnet.descriptors
+  the cindex set; ``computable_arrays`` / ``used_arrays`` the same for many
+  Indexes at once (a boolean matrix, one row per Index).  They follow the semantics of engine.nnet.descriptors
   (IfDefined always computable but reports the inputs its source used;
   Failover takes the first computable side; Sum needs both; Append needs all
   parts and reports nothing when a part fails).
@@ -180,10 +181,52 @@ def _compile_eval(sd: SumDescriptor) -> _Eval:
     raise UnsupportedDescriptor(type(sd).__name__)
 
 
+# The same on whole arrays: given the (m, K) presence matrix, the position of the
+# first dependency and whether the used positions are wanted, (computable (m,),
+# [(position, mask of rows using it)], next position).  Every mask is already
+# restricted to the rows where that sub-descriptor is computable.
+_EvalArrays = Callable[[np.ndarray, int, bool], tuple]
+
+
+def _compile_eval_arrays(sd: SumDescriptor) -> _EvalArrays:
+    kind = type(sd)
+    if kind is SimpleSumDescriptor:
+        def simple(p, i, want):
+            ok = p[:, i]
+            return ok, ([(i, ok)] if want else None), i + 1
+        return simple
+    if kind is OptionalSumDescriptor:
+        inner = _compile_eval_arrays(sd.src)
+
+        def optional(p, i, want):
+            _, used, j = inner(p, i, want)
+            return np.ones(p.shape[0], dtype=bool), used, j
+        return optional
+    if kind is ConstantSumDescriptor:
+        return lambda p, i, want: (np.ones(p.shape[0], dtype=bool), [] if want else None, i)
+    if kind is BinarySumDescriptor:
+        a, b = _compile_eval_arrays(sd.src1), _compile_eval_arrays(sd.src2)
+        is_sum = sd.op == SumOp.SUM
+
+        def binary(p, i, want):
+            ok1, u1, j = a(p, i, want)
+            ok2, u2, k = b(p, j, want)
+            if is_sum:
+                ok = ok1 & ok2
+                return ok, ([(q, m & ok) for q, m in u1 + u2] if want else None), k
+            ok = ok1 | ok2
+            if not want:
+                return ok, None, k
+            return ok, u1 + [(q, m & ~ok1) for q, m in u2], k
+        return binary
+    raise UnsupportedDescriptor(type(sd).__name__)
+
+
 class FastDescriptor:
     """One node's Descriptor as generated functions (see the module docstring)."""
 
-    __slots__ = ("deps", "dep1", "all_required", "num_deps", "_parts", "_forwarding")
+    __slots__ = ("deps", "dep1", "all_required", "num_deps", "_parts", "forwarding",
+                 "_array_parts")
 
     def __init__(self, desc: Descriptor) -> None:
         exprs: list[str] = []
@@ -201,14 +244,32 @@ class FastDescriptor:
             self.dep1 = scope["dep1"]
         self.all_required = all(_all_required(p) for p in desc.parts)
         self._parts = [_compile_eval(p) for p in desc.parts]
-        self._forwarding: list = []
+        self._array_parts = [_compile_eval_arrays(p) for p in desc.parts]
+        self.forwarding: list = []
         for part in desc.parts:
-            _sum_forwarding(part, self._forwarding)
+            _sum_forwarding(part, self.forwarding)
+
+    def linear_positions(self) -> list[tuple[int, int, int, int]] | None:
+        """Per dependency position, (node, dn, dt, dx) when every input is the Index
+        shifted by a constant (Offset chains), else None."""
+        out = []
+        for fd in self.forwarding:
+            shift = [0, 0, 0]
+            while type(fd) is OffsetForwardingDescriptor:
+                o = fd.offset
+                shift[0] += o.n
+                shift[1] += o.t
+                shift[2] += o.x
+                fd = fd.src
+            if type(fd) is not SimpleForwardingDescriptor:
+                return None
+            out.append((fd.node_index, shift[0], shift[1], shift[2]))
+        return out
 
     def deps_arrays(self, n: np.ndarray, t: np.ndarray, x: np.ndarray) -> list[tuple]:
         """``deps`` for many Indexes at once: per dependency position, the
         (node, n, t, x) int64 arrays (node an int unless a Switch decides it)."""
-        return [_forward_arrays(fd, n, t, x) for fd in self._forwarding]
+        return [_forward_arrays(fd, n, t, x) for fd in self.forwarding]
 
     def evaluate(self, present: list) -> tuple[bool, list[int]]:
         """(computable, positions of the dependencies used) given presence flags."""
@@ -229,6 +290,34 @@ class FastDescriptor:
         if self.all_required:
             return all(present)
         return self.evaluate(present)[0]
+
+    def computable_arrays(self, present: np.ndarray) -> np.ndarray:
+        """``computable`` for each row of the (m, num_deps) boolean matrix ``present``."""
+        if self.all_required:
+            return present.all(axis=1)
+        ok = np.ones(present.shape[0], dtype=bool)
+        i = 0
+        for part in self._array_parts:
+            k, _, i = part(present, i, False)
+            ok &= k
+        return ok
+
+    def used_arrays(self, present: np.ndarray) -> np.ndarray:
+        """The positions ``evaluate`` reports as used, for each row of ``present``
+        ((m, num_deps) booleans; a row that is not computable uses nothing)."""
+        if self.all_required:
+            return present & present.all(axis=1)[:, None]
+        ok = np.ones(present.shape[0], dtype=bool)
+        used: list = []
+        i = 0
+        for part in self._array_parts:
+            k, u, i = part(present, i, True)
+            ok &= k
+            used.extend(u)
+        out = np.zeros(present.shape, dtype=bool)
+        for q, m in used:
+            out[:, q] |= m & ok
+        return out
 
 
 def _structure(obj) -> tuple:

@@ -25,16 +25,18 @@ Kaldi's recursions on usable counts are done here with explicit stacks
 (graphs reach 100k cindexes, deeper than Python's recursion limit), visiting
 in the same order.  Per-cindex state lives in flat lists of ints.
 
-Speed: descriptors are evaluated through generated functions
-(engine.compiler.fast_descriptors), and when nothing can turn out not
-computable the whole segment is built by layers with NumPy
-(engine.compiler.graph_fast, same result; large non-recurrent requests only).
-The graph container and per-node facts live in engine.compiler.graph_nodes.
+Speed: the builder first tries engine.compiler.graph_arrays, which computes the
+same pruned graph node by node on whole arrays; this module's cindex-by-cindex
+algorithm runs when that declines (its docstring lists when) and reports the
+errors.  Descriptors are evaluated through generated functions
+(engine.compiler.fast_descriptors).  The graph container and per-node facts
+live in engine.compiler.graph_nodes; a finished segment is numbered
+canonically there, whichever way it was built.
 """
 
 from __future__ import annotations
 
-from engine.compiler.graph_fast import build_layered
+from engine.compiler.graph_arrays import build_arrays
 from engine.compiler.graph_nodes import (ComputationGraph, NodeTable,  # noqa: F401
                                          node_names, print_indexes)
 from engine.core.errors import NotComputableError, RequestError
@@ -64,28 +66,33 @@ class ComputationGraphBuilder:
         self.graph = graph
         self.nodes = NodeTable(nnet)
         self.request = None
-        # Cindexes of earlier segments were all computable and kept (Kaldi's
-        # state right after Prune): usable_count 1 so they never propagate.
-        n = len(graph.cindexes)
-        self.computable = [K_COMPUTABLE] * n
-        self.usable = [1] * n
-        self.queued = [False] * n
-        self.deps_done = [False] * n
+        # Per-cindex state of the general algorithm (sized by _sync_state).
+        self.computable: list[int] = []
+        self.usable: list[int] = []
+        self.queued: list[bool] = []
+        self.deps_done: list[bool] = []
         # Dependents of each cindex; None stands for an empty list (most
         # entries, and saves allocating one list per graph vertex).
-        self.depend_on_this: list[list[int] | None] = [None] * n
+        self.depend_on_this: list[list[int] | None] = []
         self.current_queue: list[int] = []
         self.next_queue: list[int] = []
-        # Try the NumPy layered path first (engine.compiler.graph_fast); it
-        # gives the same graph, and declines when its premise does not hold.
-        self.use_layered = True
-        # ... for requests with at least this many output Indexes: below that
-        # the per-layer NumPy overhead costs more than the per-cindex loop saves.
-        # Recurrent networks are left to the general path too (they always have
-        # uncomputable cindexes), unless this is set to 0 (tests: try anyway).
-        self.layered_min_outputs = 100
+        # Try the array build first (engine.compiler.graph_arrays); it gives the
+        # same graph, and declines where it does not apply.
+        self.use_arrays = True
         # "used" or "declined: <why>" for the last compute() (for tests and profiling).
-        self.layered_status = ""
+        self.array_status = ""
+        self._array_result = None
+
+    def _sync_state(self) -> None:
+        """Cindexes of earlier segments were all computable and kept (Kaldi's
+        state right after Prune): usable_count 1 so they never propagate."""
+        m = len(self.graph) - len(self.computable)
+        if m > 0:
+            self.computable.extend([K_COMPUTABLE] * m)
+            self.usable.extend([1] * m)
+            self.queued.extend([False] * m)
+            self.deps_done.extend([False] * m)
+            self.depend_on_this.extend([None] * m)
 
     # -- adding cindexes ------------------------------------------------------------
     def _new_info(self) -> None:
@@ -136,16 +143,15 @@ class ComputationGraphBuilder:
         if self.request is not None and not self.graph.segment_ends:
             raise RuntimeError("call compute(), prune(), compute(), prune() ... in that order")
         self.request = request
-        self.layered_status = ""
-        # Set by the layered build: ids of the cindexes on nodes that choose
-        # among their inputs (the only ones prune() has to look at then).
-        self._layered_general: list[int] = []
+        self.array_status = ""
+        self._array_result = None
+        if self.use_arrays:
+            self._array_result = build_arrays(self, request, MAX_BUILD_ITERATIONS)
+            if self._array_result is not None:
+                return
+        self._sync_state()
         self._add_inputs()
         self._add_outputs()
-        if (self.use_layered and len(self.current_queue) >= self.layered_min_outputs
-                and not (self.nodes.recurrent and self.layered_min_outputs)
-                and build_layered(self, self.current_queue, MAX_BUILD_ITERATIONS // 2 - 2)):
-            return
         for _ in range(MAX_BUILD_ITERATIONS):
             self._build_one_iter()
             if not self.current_queue:
@@ -382,12 +388,16 @@ class ComputationGraphBuilder:
 
     # -- results --------------------------------------------------------------------------
     def all_outputs_are_computable(self) -> bool:
+        if self._array_result is not None:
+            return True      # the array build declines otherwise
         is_output, cindexes, computable = self.nodes.is_output, self.graph.cindexes, self.computable
         return all(computable[c] == K_COMPUTABLE for c in range(len(cindexes))
                    if is_output[cindexes[c].node])
 
     def get_computable_info(self) -> list[list[bool]]:
         """Per requested output, per Index: computable or not (call before prune)."""
+        if self._array_result is not None:
+            return [[True] * len(spec.indexes) for spec in self.request.outputs]
         out = []
         for spec in self.request.outputs:
             node = self.nnet.get_node_index(spec.name)
@@ -525,50 +535,36 @@ class ComputationGraphBuilder:
 
     def prune(self) -> None:
         graph = self.graph
+        if self._array_result is not None:
+            graph.append_arrays(*self._array_result)
+            self._array_result = None
+            graph.segment_ends.append(len(graph))
+            return
         start = graph.segment_ends[-1] if graph.segment_ends else 0
         n = len(graph.cindexes)
         cindexes, deps, is_input = graph.cindexes, graph.dependencies, graph.is_input
         computable, usable, trivial = self.computable, self.usable, self.nodes.prune_trivial
-        changed = False
-        layered = self.layered_status == "used"
-        # After a layered build every cindex is computable and usable (or a
-        # supplied input, whose list is empty): only the nodes with a real
-        # choice of inputs need looking at.
-        todo = self._layered_general if layered else range(start, n)
-        for c in todo:
+        for c in range(start, n):
             if (trivial[cindexes[c][0]] and computable[c] == K_COMPUTABLE and usable[c] != 0
                     and not is_input[c]):
                 # Kaldi's PruneDependencies would keep this list as it is (every
                 # input is required and computable); skip the call.
                 continue
-            before = deps[c]
             self._prune_dependencies(c)
-            if deps[c] != before:
-                changed = True
-        if not changed and layered:
-            # Layered build, no list shortened: every cindex was added as an
-            # input of one reachable from the outputs, so all are required
-            # (and all are computable).
-            keep = [True] * (n - start)
-        else:
-            required = self._compute_required(start)
-            keep = [required[c - start] or is_input[c] for c in range(start, n)]
-            for c in range(start, n):
-                if keep[c - start] and computable[c] != K_COMPUTABLE:
-                    raise AssertionError("prune called while not everything is computable")
+        required = self._compute_required(start)
+        keep = [required[c - start] or is_input[c] for c in range(start, n)]
+        for c in range(start, n):
+            if keep[c - start] and computable[c] != K_COMPUTABLE:
+                raise AssertionError("prune called while not everything is computable")
         graph.renumber(start, keep)
+        graph.commit_lists(start)
         new_n = len(graph.cindexes)
         # As in Kaldi: everything kept is computable; usable_count 1 stops any
         # later segment from propagating through these cindexes.
         del self.computable[start:], self.usable[start:], self.queued[start:]
         del self.deps_done[start:], self.depend_on_this[start:]
-        m = new_n - start
-        self.computable.extend([K_COMPUTABLE] * m)
-        self.usable.extend([1] * m)
-        self.queued.extend([False] * m)
-        self.deps_done.extend([False] * m)
-        self.depend_on_this.extend([None] * m)
         graph.segment_ends.append(new_n)
+        self._sync_state()
 
 
 def build_computation_graph(nnet, request, graph: ComputationGraph | None = None,

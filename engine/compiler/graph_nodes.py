@@ -1,93 +1,367 @@
-"""The computation graph's container and the per-node facts its builder reads
+"""The computation graph's container and the per-node facts its builders read
 (the data side of Kaldi's nnet-computation-graph.{h,cc}: ComputationGraph, and
 what ComputationGraphBuilder asks of the Nnet for every node).
 
 ``ComputationGraph`` holds the cindexes (vertices), which of them are supplied
-inputs, their dependency lists and the segment boundaries.  ``NodeTable`` reads
-the Nnet once per builder: node kinds, descriptors (and their compiled forms,
-engine.compiler.fast_descriptors), components, whether a component is simple
-or needs every input it lists, and whether the node graph has a recurrence.
+inputs, their dependency lists and the segment boundaries.  Its primary form is
+arrays: ``coords`` ((N, 4) int64 rows node, n, t, x), ``is_input_array`` and the
+dependencies as CSR (``dep_ptr``, ``dep_idx``, each list a sorted set of ids);
+``find`` looks cindex ids up for whole arrays.  The list form Kaldi's
+per-cindex algorithm works on (``cindexes`` of Cindex tuples, ``is_input``,
+``dependencies``, the id dict) is made from the arrays when first asked for;
+the per-cindex builder appends to it and hands a finished segment back with
+``commit_lists``.
+
+Ids within a segment are canonical: the supplied inputs in request order, then
+every other cindex sorted by (node, t, x, n).  Kaldi numbers cindexes in the
+order its builder meets them; nothing computed from the graph depends on that
+numbering (phases and steps sort cindexes, the compiler sorts the inputs it
+sums), so both builders give the same graph.
+
+``NodeTable`` reads the Nnet once per builder: node kinds, descriptors (and
+their compiled forms, engine.compiler.fast_descriptors), components, how a
+node's inputs follow from its Indexes, and an order of the nodes in which
+producers come before their consumers except along recurrences.
 """
 
 from __future__ import annotations
 
-from itertools import compress
 from typing import Sequence
 
+import numpy as np
+
 from engine.compiler.fast_descriptors import compile_descriptor
-from engine.core.index import Cindex, Index
-from engine.nnet.components.base import ComponentProperty
+from engine.core.index import K_NO_TIME, Cindex, Index
+from engine.nnet.components.base import Component, ComponentProperty
 
 # Node kinds, from the nnet's NodeType (kept as small ints for speed).
 INPUT, DESCRIPTOR, COMPONENT, DIM_RANGE = 0, 1, 2, 3
 _INPUT, _DESCRIPTOR, _COMPONENT, _DIM_RANGE = INPUT, DESCRIPTOR, COMPONENT, DIM_RANGE
+
+# How a node's input cindexes follow from an Index (NodeTable.deps_mode).
+DEPS_NONE = 0        # input node
+DEPS_IDENTITY = 1    # the same Index on one other node (simple components, dim-range nodes,
+                     # components with the default GetInputIndexes/IsComputable)
+DEPS_DESCRIPTOR = 2  # a compiled descriptor
+DEPS_OFFSETS = 3     # a component whose inputs are fixed shifts of the Index (input_offsets)
+DEPS_GENERAL = 4     # asked of the object (descriptor or component), Index by Index
+
+_tuple_new = tuple.__new__
+
+
+def _grow(a: np.ndarray, need: int) -> np.ndarray:
+    if need <= len(a):
+        return a
+    new = np.empty((max(need, 2 * len(a), 64),) + a.shape[1:], dtype=a.dtype)
+    new[:len(a)] = a
+    return new
+
+
+class CindexTable:
+    """Cindex (node, n, t, x) -> id for whole arrays at once: a dense table when the
+    Index ranges are compact, sorted keys otherwise; blank (t = kNoTime) cindexes in
+    a dict."""
+
+    MAX_DENSE = 1 << 22
+
+    def __init__(self, coords: np.ndarray) -> None:
+        coords = np.asarray(coords, dtype=np.int64).reshape(-1, 4)
+        blank = coords[:, 2] == K_NO_TIME
+        self.blank: dict[tuple[int, int, int], int] = {}
+        ids = np.arange(len(coords), dtype=np.int64)
+        if blank.any():
+            for i in np.flatnonzero(blank).tolist():
+                node, n, _, x = coords[i].tolist()
+                self.blank[(node, n, x)] = i
+            coords, ids = coords[~blank], ids[~blank]
+        if len(coords):
+            self.lo = coords.min(axis=0)
+            span = coords.max(axis=0) - self.lo + 1
+        else:
+            self.lo = np.zeros(4, np.int64)
+            span = np.ones(4, np.int64)
+        self.span = span
+        cells = int(span[0]) * int(span[1]) * int(span[2]) * int(span[3])
+        self.dense = cells <= max(self.MAX_DENSE, 8 * len(coords))
+        if self.dense:
+            self.table = np.full(cells, -1, dtype=np.int64)
+            self.table[self._key(coords[:, 0], coords[:, 1], coords[:, 2], coords[:, 3])] = ids
+        else:
+            if cells >= 1 << 62:
+                # ranges too wide even for one int64 key: lexicographic search
+                order = np.lexsort((coords[:, 3], coords[:, 2], coords[:, 1], coords[:, 0]))
+                self.sorted_rows, self.sorted_ids, self.keyed = coords[order], ids[order], False
+                return
+            key = self._key(coords[:, 0], coords[:, 1], coords[:, 2], coords[:, 3])
+            order = np.argsort(key, kind="stable")
+            self.sorted_keys, self.sorted_ids, self.keyed = key[order], ids[order], True
+
+    def _key(self, node, n, t, x):
+        lo, span = self.lo, self.span
+        return (((node - lo[0]) * span[1] + (n - lo[1])) * span[2] + (t - lo[2])) * span[3] \
+            + (x - lo[3])
+
+    def find(self, node, n, t, x) -> np.ndarray:
+        """Ids of the cindexes (node, n, t, x) (arrays, node may be an int), -1 if absent."""
+        n = np.asarray(n, dtype=np.int64)
+        t = np.asarray(t, dtype=np.int64)
+        x = np.asarray(x, dtype=np.int64)
+        node = np.broadcast_to(np.asarray(node, dtype=np.int64), t.shape)
+        lo, span = self.lo, self.span
+        inside = ((node >= lo[0]) & (node < lo[0] + span[0]) & (n >= lo[1])
+                  & (n < lo[1] + span[1]) & (t >= lo[2]) & (t < lo[2] + span[2])
+                  & (x >= lo[3]) & (x < lo[3] + span[3]))
+        out = np.full(t.shape, -1, dtype=np.int64)
+        if inside.all():
+            sel = slice(None)
+        else:
+            sel = np.flatnonzero(inside)
+        if self.dense:
+            out[sel] = self.table[self._key(node[sel], n[sel], t[sel], x[sel])]
+        elif self.keyed:
+            key = self._key(node[sel], n[sel], t[sel], x[sel])
+            pos = np.searchsorted(self.sorted_keys, key)
+            pos = np.minimum(pos, len(self.sorted_keys) - 1)
+            hit = self.sorted_keys[pos] == key if len(self.sorted_keys) else np.zeros(0, bool)
+            out[sel] = np.where(hit, self.sorted_ids[pos], -1)
+        else:
+            rows = self.sorted_rows
+            for j in (np.flatnonzero(inside).tolist()):
+                q = (int(node[j]), int(n[j]), int(t[j]), int(x[j]))
+                a, b = 0, len(rows)
+                while a < b:
+                    m = (a + b) // 2
+                    if tuple(rows[m].tolist()) < q:
+                        a = m + 1
+                    else:
+                        b = m
+                if a < len(rows) and tuple(rows[a].tolist()) == q:
+                    out[j] = self.sorted_ids[a]
+        if self.blank:
+            for j in np.flatnonzero(t == K_NO_TIME).tolist():
+                out[j] = self.blank.get((int(node[j]), int(n[j]), int(x[j])), -1)
+        return out
 
 
 class ComputationGraph:
     """Cindexes, which of them are supplied inputs, and their dependencies."""
 
     def __init__(self) -> None:
-        self.cindexes: list[Cindex] = []
-        self.is_input: list[bool] = []
-        self.dependencies: list[list[int]] = []
+        self._coords = np.empty((0, 4), dtype=np.int64)
+        self._num = 0                                  # cindexes held in the arrays
+        self._input_arr = np.empty(0, dtype=bool)
+        self._dep_parts: list[tuple[np.ndarray, np.ndarray]] = []
+        self._dep_cache: tuple[np.ndarray, np.ndarray] | None = (
+            np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
         self.segment_ends: list[int] = []
-        self._ids: dict[tuple, int] = {}
+        self._table: CindexTable | None = None
+        # the list form (the first len(self._cindex_list) ids)
+        self._cindex_list: list[Cindex] = []
+        self._input_list: list[bool] = []
+        self._deps_list: list[list[int]] = []
+        self._id_dict: dict[tuple, int] = {}
 
     def __len__(self) -> int:
-        return len(self.cindexes)
+        return max(self._num, len(self._cindex_list))
+
+    # -- the array form ------------------------------------------------------------------
+    @property
+    def coords(self) -> np.ndarray:
+        """(N, 4) int64 rows (node, n, t, x), one per cindex id."""
+        self._check_arrays()
+        return self._coords[:self._num]
+
+    @property
+    def is_input_array(self) -> np.ndarray:
+        self._check_arrays()
+        return self._input_arr[:self._num]
+
+    @property
+    def dep_ptr(self) -> np.ndarray:
+        return self._deps_csr()[0]
+
+    @property
+    def dep_idx(self) -> np.ndarray:
+        return self._deps_csr()[1]
+
+    def _check_arrays(self) -> None:
+        if len(self._cindex_list) > self._num:
+            raise RuntimeError("the graph has cindexes not yet committed from the list form")
+
+    def _deps_csr(self) -> tuple[np.ndarray, np.ndarray]:
+        self._check_arrays()
+        if self._dep_cache is None:
+            ptrs, idxs = [np.zeros(1, dtype=np.int64)], []
+            base = 0
+            for ptr, idx in self._dep_parts:
+                ptrs.append(ptr[1:] + base)
+                idxs.append(idx)
+                base += int(ptr[-1])
+            self._dep_cache = (np.concatenate(ptrs),
+                               np.concatenate(idxs) if idxs else np.zeros(0, dtype=np.int64))
+            self._dep_parts = [(self._dep_cache[0], self._dep_cache[1])]
+        return self._dep_cache
+
+    def append_arrays(self, coords: np.ndarray, is_input: np.ndarray,
+                      dep_ptr: np.ndarray | None = None, dep_idx: np.ndarray | None = None
+                      ) -> int:
+        """Add cindexes (ids from len(self) on) with their dependency lists (CSR,
+        ``dep_ptr`` of length m + 1; none when omitted); returns the first new id."""
+        self._check_arrays()
+        m = len(coords)
+        start = self._num
+        self._coords = _grow(self._coords, start + m)
+        self._coords[start:start + m] = coords
+        self._input_arr = _grow(self._input_arr, start + m)
+        self._input_arr[start:start + m] = is_input
+        if dep_ptr is None:
+            dep_ptr = np.zeros(m + 1, dtype=np.int64)
+            dep_idx = np.zeros(0, dtype=np.int64)
+        self._dep_parts.append((np.asarray(dep_ptr, dtype=np.int64),
+                                np.asarray(dep_idx, dtype=np.int64)))
+        self._dep_cache = None
+        self._num = start + m
+        self._table = None
+        return start
+
+    def find(self, node, n, t, x) -> np.ndarray:
+        """Ids of cindexes given as arrays (node may be one int), -1 where absent."""
+        if self._table is None:
+            self._table = CindexTable(self.coords)
+        return self._table.find(node, n, t, x)
+
+    # -- the list form --------------------------------------------------------------------
+    def _sync_lists(self) -> None:
+        done = len(self._cindex_list)
+        if done >= self._num:
+            return
+        rows = self._coords[done:self._num]
+        new = make_cindexes(rows)
+        self._cindex_list.extend(new)
+        self._id_dict.update(zip(new, range(done, self._num)))
+        self._input_list.extend(self._input_arr[done:self._num].tolist())
+        ptr, idx = self._deps_csr()
+        b = ptr[done:self._num + 1].tolist()
+        flat = idx[b[0]:b[-1]].tolist()
+        b0 = b[0]
+        self._deps_list.extend(flat[b[j] - b0:b[j + 1] - b0] for j in range(len(b) - 1))
+
+    @property
+    def cindexes(self) -> list[Cindex]:
+        self._sync_lists()
+        return self._cindex_list
+
+    @property
+    def is_input(self) -> list[bool]:
+        self._sync_lists()
+        return self._input_list
+
+    @property
+    def dependencies(self) -> list[list[int]]:
+        self._sync_lists()
+        return self._deps_list
+
+    @property
+    def _ids(self) -> dict[tuple, int]:
+        self._sync_lists()
+        return self._id_dict
 
     def get_cindex_id(self, cindex) -> int:
         """Id of ``cindex`` (a Cindex or ``(node, (n, t, x))`` tuple), or -1."""
         return self._ids.get(cindex, -1)
 
     def get_or_add(self, cindex, is_input: bool = False) -> tuple[int, bool]:
-        """Id of ``cindex``, adding it (with ``is_input``) if absent; returns (id, is_new)."""
-        cid = self._ids.get(cindex)
+        """(List form) id of ``cindex``, adding it (with ``is_input``) if absent;
+        returns (id, is_new).  Cindexes added this way are committed to the arrays
+        by ``commit_lists``."""
+        ids = self._ids
+        cid = ids.get(cindex)
         if cid is not None:
             return cid, False
-        cid = len(self.cindexes)
+        cid = len(self._cindex_list)
         if type(cindex) is not Cindex:
             cindex = make_cindex(cindex)
-        self._ids[cindex] = cid
-        self.cindexes.append(cindex)
-        self.is_input.append(is_input)
-        self.dependencies.append([])
+        ids[cindex] = cid
+        self._cindex_list.append(cindex)
+        self._input_list.append(is_input)
+        self._deps_list.append([])
         return cid, True
 
     def renumber(self, start: int, keep: Sequence[bool]) -> None:
-        """Drop cindex ids >= ``start`` whose ``keep[id - start]`` is false, keeping order.
-
-        Dependencies must not point at a dropped cindex (the builder guarantees
-        this: only unused cindexes are dropped).
-        """
-        n = len(self.cindexes)
+        """(List form) drop cindex ids >= ``start`` whose ``keep[id - start]`` is false,
+        keeping order.  Dependencies must not point at a dropped cindex."""
+        n = len(self._cindex_list)
         assert len(keep) == n - start
         if all(keep):
             return
-        cindexes, ids = self.cindexes, self._ids
-        kept = list(compress(range(start, n), keep))
-        for c in compress(range(start, n), (not k for k in keep)):
-            del ids[cindexes[c]]
-        # old id -> new id for every id (identity below start, -1 if dropped)
+        cindexes, ids = self._cindex_list, self._id_dict
+        kept = [c for c in range(start, n) if keep[c - start]]
+        for c in range(start, n):
+            if not keep[c - start]:
+                del ids[cindexes[c]]
         mapping = list(range(start)) + [-1] * (n - start)
         for new_id, old in enumerate(kept, start):
             mapping[old] = new_id
         new_deps = []
         for old in kept:
-            nd = [mapping[d] for d in self.dependencies[old]]
+            nd = [mapping[d] for d in self._deps_list[old]]
             if -1 in nd:
                 raise AssertionError("dependency on a pruned cindex")
             new_deps.append(nd)
         new_cindexes = [cindexes[old] for old in kept]
-        new_input = [self.is_input[old] for old in kept]
+        new_input = [self._input_list[old] for old in kept]
         for new_id, old in enumerate(kept, start):
             if old != new_id:
                 ids[cindexes[old]] = new_id
-        del self.cindexes[start:], self.is_input[start:], self.dependencies[start:]
-        self.cindexes.extend(new_cindexes)
-        self.is_input.extend(new_input)
-        self.dependencies.extend(new_deps)
+        del self._cindex_list[start:], self._input_list[start:], self._deps_list[start:]
+        self._cindex_list.extend(new_cindexes)
+        self._input_list.extend(new_input)
+        self._deps_list.extend(new_deps)
 
+    def commit_lists(self, start: int) -> None:
+        """Renumber the list-form cindexes from ``start`` on canonically (supplied
+        inputs first, as they are, then the rest sorted by node, t, x, n) and add
+        them to the arrays."""
+        if start != self._num:
+            raise RuntimeError("commit_lists: the arrays do not end where the segment starts")
+        cindexes, deps, inputs = self._cindex_list, self._deps_list, self._input_list
+        n = len(cindexes)
+        m = n - start
+        rows = np.array([(c[0], c[1][0], c[1][1], c[1][2]) for c in cindexes[start:]],
+                        dtype=np.int64).reshape(-1, 4)
+        inp = np.array(inputs[start:], dtype=bool)
+        first = np.flatnonzero(inp)
+        rest = np.flatnonzero(~inp)
+        r = rows[rest]
+        rest = rest[np.lexsort((r[:, 1], r[:, 3], r[:, 2], r[:, 0]))]
+        order = np.concatenate((first, rest))            # new position -> old offset
+        new_of = np.empty(m, dtype=np.int64)
+        new_of[order] = np.arange(start, n)
+        mapping = np.concatenate((np.arange(start, dtype=np.int64), new_of))
+        old_deps = [deps[start + o] for o in order.tolist()]
+        lens = np.fromiter((len(d) for d in old_deps), dtype=np.int64, count=m)
+        flat = np.fromiter((d for lst in old_deps for d in lst), dtype=np.int64,
+                           count=int(lens.sum()))
+        flat = mapping[flat]
+        ptr = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(lens, out=ptr[1:])
+        # each list a sorted set of the new ids (the renumbering is one to one, so
+        # sorting each list again is enough)
+        owner = np.repeat(np.arange(m), lens)
+        flat = flat[np.lexsort((flat, owner))]
+        new_rows = rows[order]
+        ol = order.tolist()
+        new_c = [cindexes[start + o] for o in ol]
+        del cindexes[start:], deps[start:], inputs[start:]
+        self.append_arrays(new_rows, inp[order], ptr, flat)
+        # the lists in the new order
+        cindexes.extend(new_c)
+        inputs.extend(inp[order].tolist())
+        fl, pl = flat.tolist(), ptr.tolist()
+        deps.extend(fl[pl[j]:pl[j + 1]] for j in range(m))
+        self._id_dict.update(zip(new_c, range(start, n)))
+
+    # -- printing -------------------------------------------------------------------------
     def cindex_str(self, c: int, node_names: Sequence[str]) -> str:
         node, idx = self.cindexes[c]
         return f"{node_names[node]}({idx.n}, {idx.t}, {idx.x})"
@@ -99,8 +373,9 @@ class ComputationGraph:
             # Kaldi's PrintCindex: x is shown only when nonzero
             node, (n, t, x) = ci
             return f"{node_names[node]}({n},{t}" + (f",{x})" if x else ")")
-        pairs = sorted(((self.cindexes[c], sorted(self.cindexes[d] for d in self.dependencies[c]),
-                         c) for c in range(len(self.cindexes))),
+        cindexes, dependencies, is_input = self.cindexes, self.dependencies, self.is_input
+        pairs = sorted(((cindexes[c], sorted(cindexes[d] for d in dependencies[c]), c)
+                        for c in range(len(cindexes))),
                        key=lambda p: (p[0].node, p[0].index.t, p[0].index.x, p[0].index.n))
         out, cur_node, count = [], None, 0
         for ci, deps, c in pairs:
@@ -110,7 +385,7 @@ class ComputationGraph:
                 cur_node, count = ci.node, 0
             if count < max_per_node:
                 s = "[ " + fmt(ci)
-                if not self.is_input[c]:
+                if not is_input[c]:
                     shown = ", ".join(fmt(d) for d in deps[:max_deps])
                     s += " -> " + shown + (", ..." if len(deps) > max_deps else "")
                 out.append(s + " ] ")
@@ -129,7 +404,29 @@ def make_cindex(ci) -> Cindex:
     return _tuple_new(Cindex, (ci[0], idx))
 
 
-_tuple_new = tuple.__new__
+def make_indexes(nxt: np.ndarray) -> list[Index]:
+    """Index objects for (k, 3) n/t/x rows; equal rows share one object (fewer
+    allocations, and cheaper copies later)."""
+    if not len(nxt):
+        return []
+    if len(nxt) < 64:
+        return [_tuple_new(Index, r) for r in nxt.tolist()]
+    lo = nxt.min(axis=0)
+    span = nxt.max(axis=0) - lo + 1
+    if int(span[0]) * int(span[1]) * int(span[2]) > 4 * len(nxt) + 4096:
+        return [_tuple_new(Index, r) for r in nxt.tolist()]
+    key = ((nxt[:, 0] - lo[0]) * span[1] + (nxt[:, 1] - lo[1])) * span[2] + (nxt[:, 2] - lo[2])
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    objs = [_tuple_new(Index, r) for r in nxt[first].tolist()]
+    return [objs[i] for i in inverse.tolist()]
+
+
+def make_cindexes(rows: np.ndarray) -> list[Cindex]:
+    """Cindex objects for (k, 4) node/n/t/x rows (Index objects shared)."""
+    if not len(rows):
+        return []
+    return [_tuple_new(Cindex, pair)
+            for pair in zip(rows[:, 0].tolist(), make_indexes(rows[:, 1:]))]
 
 
 def node_names(nnet) -> list[str]:
@@ -140,7 +437,7 @@ def node_names(nnet) -> list[str]:
 # Non-simple components whose IsComputable is "every Index GetInputIndexes
 # lists is present" and which then use all of them: the base class's default,
 # and Kaldi's TdnnComponent (time offsets, all required).  For these the graph
-# builder settles computability from the dependency states alone.
+# builders settle computability from the dependency states alone.
 _ALL_INPUTS_COMPONENTS = ("TdnnComponent",)
 
 
@@ -148,27 +445,27 @@ def _needs_all_inputs(comp) -> bool:
     cls = type(comp)
     if cls.__name__ in _ALL_INPUTS_COMPONENTS:
         return True
-    base = next((k for k in cls.__mro__ if k.__name__ == "Component"), None)
-    return base is not None and cls.is_computable is base.is_computable
+    return cls.is_computable is Component.is_computable
+
+
+def _node_sources(table, i: int) -> set[int]:
+    kind = table.kind[i]
+    if kind == _DESCRIPTOR:
+        return set(table.descriptor[i].get_node_dependencies())
+    if kind == _COMPONENT:
+        return {i - 1}
+    if kind == _DIM_RANGE:
+        return {table.dim_range_src[i]}
+    return set()
 
 
 def _has_node_cycle(table) -> bool:
-    """Whether the node graph has a cycle (a recurrence).  A recurrence walks
-    back in time until the supplied input runs out, so something always turns
-    out not computable and the layered fast path would only decline late."""
+    """Whether the node graph has a cycle (a recurrence)."""
     num = len(table.kind)
     users: list[list[int]] = [[] for _ in range(num)]
     pending = [0] * num
     for i in range(num):
-        kind = table.kind[i]
-        if kind == _DESCRIPTOR:
-            srcs = set(table.descriptor[i].get_node_dependencies())
-        elif kind == _COMPONENT:
-            srcs = {i - 1}
-        elif kind == _DIM_RANGE:
-            srcs = {table.dim_range_src[i]}
-        else:
-            srcs = set()
+        srcs = _node_sources(table, i)
         pending[i] = len(srcs)
         for j in srcs:
             users[j].append(i)
@@ -185,7 +482,7 @@ def _has_node_cycle(table) -> bool:
 
 
 class NodeTable:
-    """Per-node facts the builder needs, read once from the Nnet."""
+    """Per-node facts the builders need, read once from the Nnet."""
 
     def __init__(self, nnet) -> None:
         num = nnet.num_nodes() if callable(getattr(nnet, "num_nodes", None)) else len(nnet.nodes)
@@ -198,6 +495,8 @@ class NodeTable:
         # Descriptors compiled to generated functions; None where the object
         # tree has to be asked (a descriptor class fast_descriptors lacks).
         self.fast: list = []
+        self.deps_mode: list[int] = []
+        self.src: list[int] = []          # the one source node of components and dim-range nodes
         for i in range(num):
             node = nnet.nodes[i]
             if nnet.is_input_node(i):
@@ -209,14 +508,55 @@ class NodeTable:
             else:
                 kind = _DESCRIPTOR
             comp = nnet.get_component(node.component_index) if kind == _COMPONENT else None
+            fast = compile_descriptor(node.descriptor) if kind == _DESCRIPTOR else None
             self.kind.append(kind)
             self.descriptor.append(node.descriptor if kind == _DESCRIPTOR else None)
             self.component.append(comp)
-            self.simple.append(bool(comp is not None and comp.properties()
-                                    & ComponentProperty.SIMPLE_COMPONENT))
+            simple = bool(comp is not None and comp.properties()
+                          & ComponentProperty.SIMPLE_COMPONENT)
+            self.simple.append(simple)
             self.dim_range_src.append(node.node_index if kind == _DIM_RANGE else -1)
             self.is_output.append(bool(nnet.is_output_node(i)))
-            self.fast.append(compile_descriptor(node.descriptor) if kind == _DESCRIPTOR else None)
+            self.fast.append(fast)
+            src = -1
+            if kind == _INPUT:
+                mode = DEPS_NONE
+            elif kind == _DIM_RANGE:
+                mode, src = DEPS_IDENTITY, node.node_index
+            elif kind == _DESCRIPTOR:
+                mode = DEPS_DESCRIPTOR if fast is not None else DEPS_GENERAL
+            elif simple or (type(comp).get_input_indexes is Component.get_input_indexes
+                            and _needs_all_inputs(comp)):
+                mode, src = DEPS_IDENTITY, i - 1
+            elif callable(getattr(comp, "input_offsets", None)) and _needs_all_inputs(comp):
+                mode, src = DEPS_OFFSETS, i - 1
+            else:
+                mode, src = DEPS_GENERAL, i - 1
+            self.deps_mode.append(mode)
+            self.src.append(src)
+        # Inputs as constant shifts: per dependency position (node, dn, dt, dx),
+        # or None where some input is not (Round, Switch, ReplaceIndex, or asked
+        # Index by Index); and the nodes a node reads (None: decided by t).
+        self.shifts: list = []
+        self.producers: list = []
+        for i in range(num):
+            mode = self.deps_mode[i]
+            if mode == DEPS_IDENTITY:
+                sh = [(self.src[i], 0, 0, 0)]
+            elif mode == DEPS_OFFSETS:
+                sh = [(self.src[i], a, b, c) for a, b, c in self.component[i].input_offsets()]
+            elif mode == DEPS_DESCRIPTOR:
+                sh = self.fast[i].linear_positions()
+            else:
+                sh = None
+            self.shifts.append(sh)
+            if mode == DEPS_DESCRIPTOR:
+                prods = set(self.descriptor[i].get_node_dependencies())
+            elif mode == DEPS_NONE:
+                prods = set()
+            else:
+                prods = {self.src[i]}
+            self.producers.append(sorted(prods))
         # Nodes whose computable, usable cindexes keep their dependency lists
         # through pruning (all inputs required): inputs, dim-range nodes, simple
         # components and descriptors without IfDefined/Failover/Const.
@@ -228,6 +568,81 @@ class NodeTable:
             k in (_INPUT, _DIM_RANGE) or (k == _COMPONENT and (s or a))
             or (k == _DESCRIPTOR and f is not None and f.all_required)
             for k, s, a, f in zip(self.kind, self.simple, self.comp_all_required, self.fast)]
+        self._order: list[int] | None = None
+        self._nnet = nnet
+
+    @property
+    def order(self) -> list[int]:
+        """The nodes, producers before consumers except along recurrences: Kaldi's
+        computation epochs (strongly connected components in topological order);
+        inside an epoch, producers first along the edges that keep t (a
+        recurrence goes back or forward in time), by node index otherwise."""
+        if self._order is None:
+            self._order = self._compute_order()
+        return self._order
+
+    def _compute_order(self) -> list[int]:
+        import heapq  # noqa: PLC0415
+
+        from engine.nnet.graph import compute_nnet_computation_epochs  # noqa: PLC0415
+        epochs = compute_nnet_computation_epochs(self._nnet)
+        members: dict[int, list[int]] = {}
+        for i, e in enumerate(epochs):
+            members.setdefault(e, []).append(i)
+        order: list[int] = []
+        for e in sorted(members):
+            group = members[e]
+            if len(group) == 1:
+                order.extend(group)
+                continue
+            inside = set(group)
+            users: dict[int, list[int]] = {i: [] for i in group}
+            pending = {i: 0 for i in group}
+            for i in group:
+                for j in self._same_time_sources(i):
+                    if j in inside and j != i:
+                        users[j].append(i)
+                        pending[i] += 1
+            ready = [i for i in group if pending[i] == 0]
+            heapq.heapify(ready)
+            done = set()
+            while ready:
+                i = heapq.heappop(ready)
+                order.append(i)
+                done.add(i)
+                for u in users[i]:
+                    pending[u] -= 1
+                    if pending[u] == 0:
+                        heapq.heappush(ready, u)
+            order.extend(i for i in group if i not in done)
+        return order
+
+    def _same_time_sources(self, i: int) -> set[int]:
+        """Source nodes of node i reached with t unchanged (for ordering only)."""
+        mode = self.deps_mode[i]
+        if mode in (DEPS_IDENTITY, DEPS_OFFSETS) or (mode == DEPS_GENERAL
+                                                    and self.kind[i] == _COMPONENT):
+            return {self.src[i]}
+        if mode == DEPS_DESCRIPTOR:
+            return {fd_node for fd_node in (_same_time_node(fd)
+                                            for fd in self.fast[i].forwarding)
+                    if fd_node is not None}
+        return set()
+
+
+def _same_time_node(fd):
+    """The node a forwarding descriptor reads with t unchanged, or None."""
+    from engine.nnet.descriptors import (OffsetForwardingDescriptor,  # noqa: PLC0415
+                                         ReplaceIndexForwardingDescriptor,
+                                         SimpleForwardingDescriptor)
+    kind = type(fd)
+    if kind is SimpleForwardingDescriptor:
+        return fd.node_index
+    if kind is OffsetForwardingDescriptor:
+        return _same_time_node(fd.src) if fd.offset.t == 0 else None
+    if kind is ReplaceIndexForwardingDescriptor and fd.variable != "t":
+        return _same_time_node(fd.src)
+    return None
 
 
 def print_indexes(indexes: Sequence) -> str:
@@ -252,5 +667,6 @@ def print_indexes(indexes: Sequence) -> str:
     return text
 
 
-__all__ = ["ComputationGraph", "NodeTable", "node_names", "make_cindex", "print_indexes",
-           "INPUT", "DESCRIPTOR", "COMPONENT", "DIM_RANGE"]
+__all__ = ["ComputationGraph", "CindexTable", "NodeTable", "node_names", "make_cindex",
+           "make_cindexes", "make_indexes", "print_indexes", "INPUT", "DESCRIPTOR",
+           "COMPONENT", "DIM_RANGE"]

@@ -315,6 +315,11 @@ class TdnnComponent(UpdatableComponent):
         n, t, x = output_index
         return [Index(n, t + o, x) for o in self.time_offsets]
 
+    def input_offsets(self) -> list[tuple[int, int, int]]:
+        """get_input_indexes as fixed shifts of the output Index: output (n, t, x)
+        needs (n + a, t + b, x + c) for each listed (a, b, c), in this order."""
+        return [(0, o, 0) for o in self.time_offsets]
+
     def is_computable(self, misc_info, output_index: Index, input_index_set,
                       used_inputs) -> bool:
         needed = self.get_input_indexes(misc_info, output_index)

@@ -1,0 +1,762 @@
+"""Kaldi's ComputationGraphBuilder::Compute and Prune (nnet-computation-graph.cc)
+on whole arrays, node by node; engine.compiler.graph uses it when it applies and
+runs Kaldi's cindex-by-cindex algorithm otherwise.
+
+What the result depends on.  After pruning, the graph holds the supplied inputs
+and every cindex reachable from the requested outputs through *used*
+dependencies (all inputs of a plain descriptor or component; the chosen side of
+a Failover; an IfDefined input only when it is computable), all of them
+computable, each with its used dependencies as a sorted set.  Computability is
+a property of the cindex (Kaldi's three-valued evaluation only ever settles a
+status to its true value), so any order of discovery that settles the statuses
+of everything reachable gives Kaldi's graph; ids are made canonical at the end
+(engine.compiler.graph_nodes).
+
+Here the work goes node by node.  The nodes are ordered producers first except
+along recurrences (NodeTable.order).  A *sweep* visits them consumers first: the
+cindexes demanded of a node since it was last visited get their inputs all at
+once; demands on a node further down the order are served in the same sweep,
+demands along a recurrence (on a node already visited) in the next one.  After
+each sweep the statuses of the new cindexes are settled producers first with
+Kaldi's rule (computable if computable with the unsettled inputs absent, not
+computable if not computable even with them present).  In networks with
+recurrences Kaldi's usable counts are kept as well (the number of dependents
+that are usable and not known to be not computable, plus one for a requested
+output; a cindex whose count drops to zero withdraws its own contribution from
+its inputs, and adds it back if it becomes usable again): only usable cindexes
+get their inputs, which is what stops a recurrence where the supplied input
+ends.  Pruning follows the used dependencies from the outputs, again node by
+node (or keeps everything, when nothing can have been left unused).
+
+A cindex is a key into one dense table over (node, n, t, x).  Inputs that are
+the Index shifted by a constant (Offset chains, simple components, dim-range
+nodes, TdnnComponent's time offsets) are found by adding a constant to the
+key; the table keeps a margin around every cindex so that such a key is always
+inside it.  Other descriptors go through their compiled NumPy form
+(engine.compiler.fast_descriptors), and components that give their inputs only
+Index by Index are asked Index by Index.
+
+The array build gives up (and Kaldi's algorithm runs) for a descriptor without
+a compiled form, inputs supplied at component nodes, anything the general path
+rejects with an error (which it then reports), outputs that are not
+computable, Index ranges too wide for a dense table, statuses that settle only
+one step per pass (a recurrence without IfDefined), and more sweeps than
+Kaldi's iteration limit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL,
+                                         DEPS_IDENTITY, DEPS_NONE, DEPS_OFFSETS, INPUT)
+from engine.core.index import Index
+
+# Kaldi's ComputableInfo values (as in engine.compiler.graph).
+U, C, NC = 0, 1, 2
+# Dense lookup tables beyond this many cells are refused (the per-cindex
+# algorithm handles such requests without the memory).
+MAX_TABLE_CELLS = 1 << 23
+# Settling passes after one sweep before giving up.
+MAX_SETTLE_PASSES = 64
+_tuple_new = tuple.__new__
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class GiveUp(Exception):
+    """The array build does not apply; use the per-cindex algorithm."""
+
+
+def _cat(parts: list) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _distinct(a: np.ndarray) -> np.ndarray:
+    """The distinct values of ``a``, sorted (np.unique without its overhead)."""
+    a = np.sort(a)
+    if len(a) > 1:
+        step = a[1:] != a[:-1]
+        if not step.all():
+            a = a[np.concatenate(([True], step))]
+    return a
+
+
+def _counts(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values, how often each occurs) of ``a``."""
+    a = np.sort(a)
+    if len(a) < 2:
+        return a, np.ones(len(a), dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1])))
+    return a[starts], np.diff(np.append(starts, len(a)))
+
+
+class _NodeDeps:
+    """Expanded cindexes of one node and their inputs: ``rows`` (ids) and ``deps``
+    ((len(rows), K) input ids, K fixed per node), or per-row id arrays
+    (``lists``) for components asked Index by Index."""
+
+    __slots__ = ("parts", "rows", "deps", "lists", "num_unsettled")
+
+    def __init__(self) -> None:
+        self.parts: list = []
+        self.rows = None
+        self.deps = None
+        self.lists: list | None = None
+        self.num_unsettled = 0
+
+    def add(self, rows: np.ndarray, deps) -> None:
+        self.parts.append((rows, deps))
+        self.rows = None
+        self.num_unsettled += len(rows)
+
+    def merged(self):
+        if not self.parts:
+            return None, None
+        if self.rows is None:
+            rows = _cat([p[0] for p in self.parts])
+            deps = _cat([p[1] for p in self.parts]) if self.lists is None else None
+            self.parts = [(rows, deps)]
+            self.rows, self.deps = rows, deps
+        return self.rows, self.deps
+
+
+class ArrayGraphBuild:
+    """One segment's Compute + Prune.  ``run()`` returns what the graph gets
+    (ComputationGraph.append_arrays), or raises GiveUp; the graph is not
+    touched either way."""
+
+    def __init__(self, builder, request, max_sweeps: int) -> None:
+        self.builder = builder
+        self.nodes = nodes = builder.nodes
+        self.graph = builder.graph
+        self.request = request
+        self.misc = request.misc_info
+        self.max_sweeps = max_sweeps
+        num = len(nodes.kind)
+        self.num_nodes = num
+        self.pos = [0] * num
+        for p, v in enumerate(nodes.order):
+            self.pos[v] = p
+        self.is_input_node = np.array([k == INPUT for k in nodes.kind], dtype=bool)
+        self.node_deps = [_NodeDeps() for _ in range(num)]
+        self.pending: list[list] = [[] for _ in range(num)]
+        # Kaldi's usable counts matter only where a recurrence could go on forever.
+        self.track_usable = nodes.recurrent
+        # how many cindexes of each node are not (yet) known to be computable
+        self.not_c = np.zeros(num, dtype=np.int64)
+        self.producers = [np.array(p, dtype=np.int64) for p in nodes.producers]
+        # the margins the table keeps around every cindex (largest constant shifts)
+        margin = [0, 0, 0]
+        for sh in nodes.shifts:
+            for _, dn, dt, dx in sh or ():
+                margin = [max(margin[0], abs(dn)), max(margin[1], abs(dt)),
+                          max(margin[2], abs(dx))]
+        self.margin = margin
+
+    # -- keys and the table -----------------------------------------------------------------------
+    def _init_rows(self, base_coords: np.ndarray, specs: list) -> None:
+        r = np.concatenate([base_coords[:, 1:]] + specs)
+        self.size = len(base_coords)
+        cap = max(1024, 4 * (self.size + len(r)))
+        self.keys = np.empty(cap, dtype=np.int64)
+        self.status = np.full(cap, C, dtype=np.int8)
+        self.expanded = np.ones(cap, dtype=bool)
+        self.usable = np.zeros(cap, dtype=np.int64)
+        self.estart = np.zeros(cap, dtype=np.int64)
+        self.ecount = np.zeros(cap, dtype=np.int64)
+        self.scratch = np.zeros(cap, dtype=np.int64)
+        self.edges = np.empty(4 * cap, dtype=np.int64)
+        self.num_edges = 0
+        self._make_table(r.min(axis=0), r.max(axis=0), base_coords)
+
+    def _make_table(self, lo, hi, coords: np.ndarray) -> None:
+        """A table covering n, t, x in [lo, hi] plus margins (room to grow in t);
+        ``coords`` are the (node, n, t, x) rows of the ids so far."""
+        mg = self.margin
+        lo = [int(lo[0]) - mg[0], int(lo[1]) - mg[1], int(lo[2]) - mg[2]]
+        hi = [int(hi[0]) + mg[0], int(hi[1]) + mg[1], int(hi[2]) + mg[2]]
+        pad = max(16, (hi[1] - lo[1]) // 2)
+        lo[1] -= pad
+        hi[1] += pad
+        span = [self.num_nodes, hi[0] - lo[0] + 1, hi[1] - lo[1] + 1, hi[2] - lo[2] + 1]
+        cells = span[0] * span[1] * span[2] * span[3]
+        if cells > MAX_TABLE_CELLS:
+            raise GiveUp("Index ranges too wide for a dense table")
+        self.lo, self.hi = lo, hi
+        self.stride_t = span[3]
+        self.stride_n = span[2] * span[3]
+        self.stride_node = span[1] * self.stride_n
+        self.table = np.full(cells, -1, dtype=np.int64)
+        if self.size:
+            keys = self._encode(coords[:, 0], coords[:, 1], coords[:, 2], coords[:, 3])
+            self.keys[:self.size] = keys
+            self.table[keys] = np.arange(self.size)
+
+    def _encode(self, node, n, t, x):
+        lo = self.lo
+        return (node * self.stride_node + (n - lo[0]) * self.stride_n
+                + (t - lo[1]) * self.stride_t + (x - lo[2]))
+
+    def _decode(self, keys: np.ndarray) -> np.ndarray:
+        """(k, 4) rows node, n, t, x of keys."""
+        lo = self.lo
+        out = np.empty((len(keys), 4), dtype=np.int64)
+        out[:, 0], rem = np.divmod(keys, self.stride_node)
+        out[:, 1], rem = np.divmod(rem, self.stride_n)
+        out[:, 2], out[:, 3] = np.divmod(rem, self.stride_t)
+        out[:, 1:] += lo
+        return out
+
+    def coords_of(self, ids: np.ndarray) -> np.ndarray:
+        return self._decode(self.keys[ids])
+
+    def _key_checked(self, node, n, t, x) -> np.ndarray:
+        """Keys of arbitrary (node, n, t, x) arrays, growing the table first if needed."""
+        lo, hi = self.lo, self.hi
+        if len(t):
+            ext = [int(n.min()), int(t.min()), int(x.min())], \
+                  [int(n.max()), int(t.max()), int(x.max())]
+            if any(ext[0][k] < lo[k] or ext[1][k] > hi[k] for k in range(3)):
+                self._regrow(ext[0], ext[1])
+        return self._encode(node, n, t, x)
+
+    def _regrow(self, lo_need, hi_need) -> None:
+        coords = self._decode(self.keys[:self.size])
+        mg = self.margin
+        lo = [min(self.lo[k] + mg[k], lo_need[k]) for k in range(3)]
+        hi = [max(self.hi[k] - mg[k], hi_need[k]) for k in range(3)]
+        self._make_table(lo, hi, coords)
+
+    def _lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Ids of the cindexes with these (in-table) keys, adding the missing ones
+        (unsettled, not expanded; on input nodes not computable, nothing to expand)."""
+        table = self.table
+        got = table[keys]
+        miss = got < 0
+        if not miss.any():
+            return got
+        mk = keys[miss]
+        start = self.size
+        new = np.arange(start, start + len(mk))
+        table[mk] = new
+        back = table[mk]
+        if (back == new).all():
+            uk = mk
+        else:
+            # a key asked for more than once: the last write won; renumber the winners
+            uk = mk[back == new]
+            table[uk] = np.arange(start, start + len(uk))
+            back = table[mk]
+        got[miss] = back
+        end = start + len(uk)
+        rows = self._decode(uk)
+        # keep the margins: a new cindex near the edge of the table grows it
+        mg, lo, hi = self.margin, self.lo, self.hi
+        ext = rows[:, 1:].min(axis=0).tolist(), rows[:, 1:].max(axis=0).tolist()
+        if end > len(self.keys):
+            self._grow_rows(end)
+        self.keys[start:end] = uk
+        nd = rows[:, 0]
+        on_input = self.is_input_node[nd]
+        self.status[start:end] = np.where(on_input, NC, U)
+        self.expanded[start:end] = on_input
+        self.usable[start:end] = 0
+        self.ecount[start:end] = 0
+        self.size = end
+        self.not_c += np.bincount(nd, minlength=self.num_nodes)
+        if any(ext[0][k] - mg[k] < lo[k] or ext[1][k] + mg[k] > hi[k] for k in range(3)):
+            self._regrow(ext[0], ext[1])
+        return got
+
+    def _grow_rows(self, end: int) -> None:
+        cap = max(end, 2 * len(self.keys))
+        for name in ("keys", "status", "expanded", "usable", "estart", "ecount", "scratch"):
+            old = getattr(self, name)
+            arr = np.zeros(cap, dtype=old.dtype)
+            arr[:self.size] = old[:self.size]
+            setattr(self, name, arr)
+
+    # -- usable counts ----------------------------------------------------------------------------
+    def _inputs_of(self, rows: np.ndarray) -> np.ndarray:
+        """The input ids of expanded cindexes ``rows``, concatenated."""
+        cnt = self.ecount[rows]
+        total = int(cnt.sum())
+        if not total:
+            return _EMPTY
+        first = np.cumsum(cnt) - cnt
+        at = np.repeat(self.estart[rows] - first, cnt) + np.arange(total)
+        return self.edges[at]
+
+    def _add_usable(self, targets: np.ndarray) -> None:
+        """One more usable dependent for each entry of ``targets`` (Kaldi's
+        IncrementUsableCount): a cindex that becomes usable gives its inputs one
+        too, or, not expanded yet, is queued for expansion."""
+        usable, status, expanded = self.usable, self.status, self.expanded
+        while len(targets):
+            u, cnt = _counts(targets)
+            before = usable[u]
+            usable[u] = before + cnt
+            woke = u[(before == 0) & (status[u] != NC)]
+            if not len(woke):
+                return
+            ex = expanded[woke]
+            if not ex.all():
+                self._queue(woke[~ex])
+            targets = self._inputs_of(woke[ex])
+
+    def _drop_usable(self, targets: np.ndarray) -> None:
+        """Kaldi's DecrementUsableCount: a cindex left with no usable dependent (and
+        not known to be not computable) withdraws from its inputs in turn."""
+        usable, status = self.usable, self.status
+        while len(targets):
+            u, cnt = _counts(targets)
+            after = usable[u] - cnt
+            usable[u] = after
+            targets = self._inputs_of(u[(after == 0) & (status[u] != NC)])
+
+    def _queue(self, rows: np.ndarray) -> None:
+        nd = self.keys[rows] // self.stride_node
+        first = int(nd[0])
+        if (nd == first).all():
+            self.pending[first].append(rows)
+            return
+        for v in np.unique(nd).tolist():
+            self.pending[v].append(rows[nd == v])
+
+    # -- expanding ------------------------------------------------------------------------------
+    def _expand(self, v: int, g: np.ndarray) -> None:
+        nodes = self.nodes
+        shifts = nodes.shifts[v]
+        m = len(g)
+        if shifts is not None:
+            k = len(shifts)
+            if k == 0:
+                self._record(v, g, np.zeros((m, 0), dtype=np.int64))
+                return
+            sn, st, snode = self.stride_n, self.stride_t, self.stride_node
+            kg = self.keys[g]
+            deltas = [(p - v) * snode + dn * sn + dt * st + dx for p, dn, dt, dx in shifts]
+            if k == 1:
+                flat = self._lookup(kg + deltas[0])
+            else:
+                flat = self._lookup((np.array(deltas, dtype=np.int64)[:, None]
+                                     + kg[None, :]).ravel())
+            self._route(v, shifts, flat, m)
+            self._record(v, g, flat.reshape(k, m).T if k > 1 else flat[:, None])
+            return
+        mode = nodes.deps_mode[v]
+        c = self.coords_of(g)
+        n, t, x = c[:, 1], c[:, 2], c[:, 3]
+        if mode == DEPS_GENERAL:
+            self._expand_general(v, g, n, t, x)
+            return
+        if mode != DEPS_DESCRIPTOR:
+            raise GiveUp("a node without inputs was asked for its inputs")
+        slots = nodes.fast[v].deps_arrays(n, t, x)
+        k = len(slots)
+        node_col = np.concatenate([np.broadcast_to(np.asarray(s[0], np.int64), (m,))
+                                   for s in slots])
+        flat = self._lookup(self._key_checked(node_col, np.concatenate([s[1] for s in slots]),
+                                              np.concatenate([s[2] for s in slots]),
+                                              np.concatenate([s[3] for s in slots])))
+        self._queue(flat)
+        self._record(v, g, flat.reshape(k, m).T)
+
+    def _route(self, v: int, shifts: list, flat: np.ndarray, m: int) -> None:
+        pending = self.pending
+        first = shifts[0][0]
+        if all(s[0] == first for s in shifts):
+            pending[first].append(flat)
+            return
+        for k, s in enumerate(shifts):
+            pending[s[0]].append(flat[k * m:(k + 1) * m])
+
+    def _record(self, v: int, g: np.ndarray, deps: np.ndarray) -> None:
+        """Store the (m, K) inputs of cindexes g of node v."""
+        self.node_deps[v].add(g, deps)
+        if self.track_usable and deps.shape[1]:
+            flat = deps.ravel()
+            self._store_edges(g, flat, np.full(len(g), deps.shape[1], dtype=np.int64))
+            self._add_usable(flat)
+
+    def _store_edges(self, g, flat, counts) -> None:
+        e0 = self.num_edges
+        e1 = e0 + len(flat)
+        if e1 > len(self.edges):
+            grown = np.empty(max(e1, 2 * len(self.edges)), dtype=np.int64)
+            grown[:e0] = self.edges[:e0]
+            self.edges = grown
+        self.edges[e0:e1] = flat
+        self.estart[g] = e0 + np.cumsum(counts) - counts
+        self.ecount[g] = counts
+        self.num_edges = e1
+
+    def _expand_general(self, v: int, g, n, t, x) -> None:
+        nodes = self.nodes
+        if nodes.kind[v] != COMPONENT:
+            raise GiveUp("descriptor class without a compiled form")
+        comp, src = nodes.component[v], nodes.src[v]
+        lists = [comp.get_input_indexes(self.misc, _tuple_new(Index, r))
+                 for r in zip(n.tolist(), t.tolist(), x.tolist())]
+        counts = np.array([len(lst) for lst in lists], dtype=np.int64)
+        vals = [i for lst in lists for i in lst]
+        nd = self.node_deps[v]
+        if nd.lists is None:
+            nd.lists = []
+        if vals:
+            a = np.array(vals, dtype=np.int64).reshape(-1, 3)
+            flat = self._lookup(self._key_checked(src, a[:, 0], a[:, 1], a[:, 2]))
+            self.pending[src].append(flat)
+            bounds = np.cumsum(counts).tolist()
+            nd.lists.extend(np.split(flat, bounds[:-1]))
+            if self.track_usable:
+                self._store_edges(g, flat, counts)
+                self._add_usable(flat)
+        else:
+            nd.lists.extend(_EMPTY for _ in range(len(g)))
+        nd.add(g, None)
+
+    # -- statuses --------------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Settle what can be settled, producers first, until nothing changes."""
+        order = self.nodes.order
+        node_deps = self.node_deps
+        for _ in range(MAX_SETTLE_PASSES):
+            changed = False
+            for v in order:
+                nd = node_deps[v]
+                if nd.num_unsettled and self._settle_node(v, nd):
+                    changed = True
+            if not changed:
+                return
+        raise GiveUp("statuses settle too slowly (a long recurrence without IfDefined)")
+
+    def _settle_node(self, v: int, nd: _NodeDeps) -> bool:
+        rows, deps = nd.merged()
+        status = self.status
+        nodes = self.nodes
+        mode = nodes.deps_mode[v]
+        fast = nodes.fast[v] if mode == DEPS_DESCRIPTOR else None
+        all_required = mode != DEPS_GENERAL and (fast is None or fast.all_required)
+        if all_required and not self.not_c[self.producers[v]].any():
+            # every cindex of every node read is computable: so are these
+            status[rows] = C
+            self.not_c[v] -= nd.num_unsettled
+            nd.num_unsettled = 0
+            return True
+        sel = np.flatnonzero(status[rows] == U)
+        if not len(sel):
+            nd.num_unsettled = 0
+            return False
+        if mode == DEPS_GENERAL:
+            new = self._settle_general(v, rows, sel)
+        else:
+            st = status[deps[sel]]
+            if all_required:
+                if st.shape[1] == 0:
+                    new = np.full(len(sel), C, dtype=np.int8)
+                else:
+                    new = np.where((st == C).all(axis=1), C,
+                                   np.where((st == NC).any(axis=1), NC, U)).astype(np.int8)
+            else:
+                ok_lo = fast.computable_arrays(st == C)
+                ok_hi = fast.computable_arrays(st != NC)
+                new = np.where(ok_lo, C, np.where(ok_hi, U, NC)).astype(np.int8)
+        done = new != U
+        k = int(np.count_nonzero(done))
+        nd.num_unsettled = len(sel) - k
+        if not k:
+            return False
+        changed_rows = rows[sel[done]]
+        status[changed_rows] = new[done]
+        self.not_c[v] -= int(np.count_nonzero(new == C))
+        if self.track_usable:
+            bad = changed_rows[new[done] == NC]
+            bad = bad[self.usable[bad] != 0]
+            if len(bad):
+                # Kaldi: a cindex found not computable while usable withdraws
+                # from its inputs.
+                self._drop_usable(self._inputs_of(bad))
+        return True
+
+    def _index_set(self, node: int, treat_unknown: bool):
+        lo, hi, table, status = self.lo, self.hi, self.table, self.status
+        base = node * self.stride_node
+        sn, st = self.stride_n, self.stride_t
+
+        def contains(index) -> bool:
+            n, t, x = index
+            if not (lo[0] <= n <= hi[0] and lo[1] <= t <= hi[1] and lo[2] <= x <= hi[2]):
+                return False
+            gid = int(table[base + (n - lo[0]) * sn + (t - lo[1]) * st + (x - lo[2])])
+            if gid < 0:
+                return False
+            s = status[gid]
+            return s == C or (treat_unknown and s == U)
+        return contains
+
+    def _settle_general(self, v: int, rows, sel) -> np.ndarray:
+        comp, src, misc = self.nodes.component[v], self.nodes.src[v], self.misc
+        have, maybe = self._index_set(src, False), self._index_set(src, True)
+        out = np.empty(len(sel), dtype=np.int8)
+        for j, r in enumerate(self.coords_of(rows[sel])[:, 1:].tolist()):
+            idx = _tuple_new(Index, r)
+            if comp.is_computable(misc, idx, have, None):
+                out[j] = C
+            elif not comp.is_computable(misc, idx, maybe, None):
+                out[j] = NC
+            else:
+                out[j] = U
+        return out
+
+    # -- the build -------------------------------------------------------------------------------
+    def run(self):
+        nodes, nnet, req, graph = self.nodes, self.builder.nnet, self.request, self.graph
+        base = len(graph)
+        in_specs, out_specs = [], []
+        for spec in req.inputs:
+            node = nnet.get_node_index(spec.name)
+            if node == -1 or nodes.kind[node] != INPUT:
+                raise GiveUp("input at a component node (or not an input node)")
+            in_specs.append((node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3)))
+        if not any(spec.indexes for spec in req.outputs):
+            raise GiveUp("no outputs")
+        for spec in req.outputs:
+            node = nnet.get_node_index(spec.name)
+            if node == -1 or nodes.kind[node] == INPUT:
+                raise GiveUp("no such output node, or an output at an input node")
+            out_specs.append((node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3)))
+        self._init_rows(graph.coords, [a for _, a in in_specs] + [a for _, a in out_specs])
+        # supplied inputs (computable), then the outputs; all new and distinct
+        input_ids, output_ids = [], []
+        for specs, ids_out in ((in_specs, input_ids), (out_specs, output_ids)):
+            for node, a in specs:
+                if not len(a):
+                    continue
+                before = self.size
+                ids = self._lookup(self._encode(node, a[:, 0], a[:, 1], a[:, 2]))
+                if ids.min() < before or self.size - before != len(a):
+                    raise GiveUp("an Index repeated or already in the graph")
+                ids_out.append(ids)
+        inputs = _cat(input_ids) if input_ids else _EMPTY
+        outs = _cat(output_ids)
+        self.status[inputs] = C
+        for node, a in in_specs:
+            self.not_c[node] -= len(a)
+        self.usable[outs] = 1
+        self._queue(outs)
+        rev = nodes.order[::-1]
+        pending = self.pending
+        track = self.track_usable
+        for _ in range(self.max_sweeps):
+            work = False
+            for v in rev:
+                parts = pending[v]
+                if not parts:
+                    continue
+                pending[v] = []
+                g = _cat(parts)
+                keep = ~self.expanded[g]
+                if track:
+                    keep &= (self.usable[g] > 0) & (self.status[g] != NC)
+                g = g[keep]
+                if not len(g):
+                    continue
+                if len(g) > 1:
+                    # distinct ids (any order): the last write of each id wins
+                    scratch = self.scratch
+                    at = np.arange(len(g))
+                    scratch[g] = at
+                    g = g[scratch[g] == at]
+                self.expanded[g] = True
+                self._expand(v, g)
+                work = True
+            if not work:
+                break
+            self._settle()
+        else:
+            raise GiveUp("too many sweeps")
+        if (self.status[outs] != C).any():
+            raise GiveUp("some outputs are not computable")
+        return self._prune(base, inputs, outs)
+
+    # -- pruning ---------------------------------------------------------------------------------
+    def _used(self, v: int):
+        """(rows, deps, used) of node v's computable expanded cindexes: deps (m, K)
+        and used a (m, K) mask (None: all); for components asked Index by Index,
+        deps is a list of used-id arrays and used is None."""
+        nd = self.node_deps[v]
+        rows, deps = nd.merged()
+        if rows is None:
+            return None
+        ok = self.status[rows] == C
+        if self.nodes.deps_mode[v] == DEPS_GENERAL:
+            return self._used_general(v, rows, ok)
+        if not ok.all():
+            sel = np.flatnonzero(ok)
+            rows, deps = rows[sel], deps[sel]
+        fast = self.nodes.fast[v]
+        if fast is None or fast.all_required:
+            return rows, deps, None
+        return rows, deps, fast.used_arrays(self.status[deps] == C)
+
+    def _used_general(self, v: int, rows, ok):
+        nodes = self.nodes
+        comp, src, misc = nodes.component[v], nodes.src[v], self.misc
+        have = self._index_set(src, False)
+        out_rows, lists = [], []
+        sel = np.flatnonzero(ok)
+        for r, idx in zip(rows[sel].tolist(), self.coords_of(rows[sel])[:, 1:].tolist()):
+            used: list = []
+            if not comp.is_computable(misc, _tuple_new(Index, idx), have, used):
+                raise GiveUp("a component's computability changed")
+            out_rows.append(r)
+            if used:
+                a = np.array(used, dtype=np.int64).reshape(-1, 3)
+                lists.append(self.table[self._encode(src, a[:, 0], a[:, 1], a[:, 2])])
+            else:
+                lists.append(_EMPTY)
+        return np.array(out_rows, dtype=np.int64), lists, None
+
+    def _everything_used(self, base: int) -> bool:
+        """Whether every cindex of the segment is computable and every dependency
+        used: then every cindex added was added as an input of one reachable from
+        the outputs, so all are required (no usable counts: all were expanded)."""
+        if self.track_usable or not (self.status[base:self.size] == C).all():
+            return False
+        nodes = self.nodes
+        for v in range(self.num_nodes):
+            if self.node_deps[v].parts:
+                mode = nodes.deps_mode[v]
+                if mode == DEPS_GENERAL or (mode == DEPS_DESCRIPTOR
+                                            and not nodes.fast[v].all_required):
+                    return False
+        return True
+
+    def _prune(self, base: int, input_ids: np.ndarray, outs: np.ndarray):
+        size = self.size
+        if self._everything_used(base):
+            parts = [nd.merged() for nd in self.node_deps if nd.parts]
+            edges_src = [np.repeat(rows, deps.shape[1]) for rows, deps in parts]
+            edges_dst = [deps.ravel() for _, deps in parts]
+            required = np.ones(size, dtype=bool)
+        else:
+            required, edges_src, edges_dst = self._required(base, outs)
+        # the kept cindexes of this segment, numbered canonically
+        keep = required[base:size].copy()
+        keep[input_ids - base] = False
+        rest = np.flatnonzero(keep) + base
+        r = self.coords_of(rest)
+        rest = rest[np.lexsort((r[:, 1], r[:, 3], r[:, 2], r[:, 0]))]
+        order = np.concatenate((input_ids, rest))
+        m = len(order)
+        new_id = np.arange(size, dtype=np.int64)
+        new_id[base:] = -1
+        new_id[order] = np.arange(base, base + m)
+        if edges_src:
+            src = new_id[np.concatenate(edges_src)] - base
+            dst = new_id[np.concatenate(edges_dst)]
+            if (dst < 0).any() or (src < 0).any():
+                raise GiveUp("inconsistent pruned dependencies")
+            pair = _distinct(src * (base + m) + dst)
+            src, dst = np.divmod(pair, base + m)
+            ptr = np.zeros(m + 1, dtype=np.int64)
+            np.cumsum(np.bincount(src, minlength=m), out=ptr[1:])
+        else:
+            ptr, dst = np.zeros(m + 1, dtype=np.int64), _EMPTY
+        is_input = np.zeros(m, dtype=bool)
+        is_input[:len(input_ids)] = True
+        return self.coords_of(order), is_input, ptr, dst
+
+    def _required(self, base: int, outs: np.ndarray):
+        """Cindexes reachable from the outputs by used dependencies, and those
+        dependencies (as parallel id arrays)."""
+        num = self.num_nodes
+        used = [self._used(v) for v in range(num)]
+        size = self.size
+        rowpos = np.full(size, -1, dtype=np.int64)
+        for u in used:
+            if u is not None:
+                rowpos[u[0]] = np.arange(len(u[0]))
+        required = np.zeros(size, dtype=bool)
+        pending: list[list] = [[] for _ in range(num)]
+        snode = self.stride_node
+        out_nodes = self.keys[outs] // snode
+        for v in np.unique(out_nodes).tolist():
+            pending[v].append(outs[out_nodes == v])
+        rev = self.nodes.order[::-1]
+        pos = self.pos
+        edges_src, edges_dst = [], []
+        for _ in range(self.max_sweeps):
+            later: list[list] = [[] for _ in range(num)]
+            any_later = False
+            for v in rev:
+                parts = pending[v]
+                if not parts:
+                    continue
+                pending[v] = []
+                g = _cat(parts)
+                g = g[~required[g]]
+                if not len(g):
+                    continue
+                g = _distinct(g)
+                required[g] = True
+                u = used[v]
+                if u is None:
+                    continue
+                g = g[g >= base]
+                p = rowpos[g]
+                if (p < 0).any():
+                    raise GiveUp("a required cindex was not expanded")
+                rows, deps, mask = u
+                if isinstance(deps, list):
+                    lists = [deps[i] for i in p.tolist()]
+                    counts = [len(lst) for lst in lists]
+                    if not sum(counts):
+                        continue
+                    dst = np.concatenate(lists)
+                    src = np.repeat(g, counts)
+                else:
+                    d = deps[p]
+                    if mask is None:
+                        src = np.repeat(g, d.shape[1])
+                        dst = d.ravel()
+                    else:
+                        mk = mask[p]
+                        src = np.repeat(g, mk.sum(axis=1))
+                        dst = d[mk]
+                if not len(dst):
+                    continue
+                edges_src.append(src)
+                edges_dst.append(dst)
+                dn = self.keys[dst] // snode
+                first = int(dn[0])
+                groups = ([(first, dst)] if (dn == first).all()
+                          else [(w, dst[dn == w]) for w in np.unique(dn).tolist()])
+                for w, ids in groups:
+                    if pos[w] < pos[v]:
+                        pending[w].append(ids)
+                    else:
+                        later[w].append(ids)
+                        any_later = True
+            if not any_later:
+                break
+            pending = later
+        else:
+            raise GiveUp("too many sweeps")
+        return required, edges_src, edges_dst
+
+
+def build_arrays(builder, request, max_sweeps: int):
+    """(coords, is_input, dep_ptr, dep_idx) of the segment for ``request``, or
+    None when the array build does not apply (builder.array_status says why)."""
+    try:
+        result = ArrayGraphBuild(builder, request, max_sweeps).run()
+    except GiveUp as e:
+        builder.array_status = f"declined: {e}"
+        return None
+    builder.array_status = "used"
+    return result
+
+
+__all__ = ["build_arrays", "GiveUp", "ArrayGraphBuild"]
