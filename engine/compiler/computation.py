@@ -395,6 +395,8 @@ def _all_node_names(nnet) -> list[str]:
 def _copy_debug_info(d):
     if d is None:
         return None
+    if type(d) is MatrixDebugInfo:
+        return MatrixDebugInfo(d.is_deriv, list(d.cindexes))
     new = _copy.copy(d)
     new.cindexes = list(d.cindexes)
     return new
@@ -461,9 +463,11 @@ class NnetComputation:
         """For each matrix, a submatrix index covering all of it (Kaldi's
         GetWholeSubmatrices: the last such submatrix)."""
         out = [0] * len(self.matrices)
-        for s in range(1, len(self.submatrices)):
-            if self.is_whole_matrix(s):
-                out[self.submatrices[s].matrix_index] = s
+        mats, subs = self.matrices, self.submatrices
+        for s in range(1, len(subs)):
+            m, ro, nr, co, nc = subs[s]
+            if ro == 0 and co == 0 and nr == mats[m].num_rows and nc == mats[m].num_cols:
+                out[m] = s
         for m in range(1, len(self.matrices)):
             if out[m] == 0:
                 raise ValueError(f"matrix m{m} has no submatrix covering all of it")
@@ -508,7 +512,9 @@ class NnetComputation:
         new.indexes = [list(v) for v in self.indexes]
         new.indexes_multi = [list(v) for v in self.indexes_multi]
         new.indexes_ranges = [list(v) for v in self.indexes_ranges]
-        new.commands = [_copy.copy(c) for c in self.commands]
+        # the constructor is ~10x faster than copy.copy on a slotted dataclass
+        new.commands = [Command(c.command_type, c.alpha, c.arg1, c.arg2, c.arg3, c.arg4, c.arg5,
+                                c.arg6, c.arg7) for c in self.commands]
         new.segments = list(self.segments)
         return new
 

@@ -4,9 +4,9 @@ CommandAttributes, variable and matrix accesses, Analyzer, ComputationAnalysis).
 A *variable* is the smallest rectangle of a matrix that the computation can
 address separately: each matrix is cut at every row and column boundary of
 every submatrix on it, and the cells of that grid are the variables.  Reads and
-writes are then tracked per variable, which is exact for partial accesses.
+writes are tracked per variable, which is exact for partial accesses.
 
-Command attributes come from ``COMMAND_SPECS`` (which slots are submatrices and
+Command accesses come from ``COMMAND_SPECS`` (which slots are submatrices and
 how they are accessed), refined only where the access depends on data the
 static table cannot see:
 
@@ -20,12 +20,24 @@ static table cannot see:
 
 Allocation, deallocation and swap commands touch no variable: they leave the
 matrix undefined.  Their command indexes are recorded in ``MatrixAccesses``.
+
+How it is computed.  A command touches a variable of submatrix s exactly when
+one of the submatrices it accesses overlaps s (every submatrix is a union of
+variables), so every question Kaldi asks about the variables of s -- first and
+last access, last write, next write -- is answered from the accesses of s's
+matrix with a rectangle test.  ``Analyzer`` therefore keeps, per matrix, its
+accesses in command order (``entries``: command, access bits, the rectangle
+accessed) next to Kaldi's ``MatrixAccesses``; matrices are accessed a few times
+each, so these scans are short.  The variables themselves and the access list
+of every variable (what the checker walks) are built only when asked for.
+``Analyzer.reanalyze`` redoes just the matrices that a round of variable
+merging changed.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from engine.compiler.computation import (COMMAND_SPECS, Access, ArgKind, CommandType,
                                          NnetComputation, SubMatrixInfo)
@@ -34,58 +46,183 @@ from engine.nnet.components.base import ComponentProperty as P
 
 CT = CommandType
 READ, WRITE, READWRITE = Access.READ, Access.WRITE, Access.READWRITE
+# accesses are handled as plain ints in the loops (bit 1 read, bit 2 write) and
+# stored as Access members in the Kaldi-shaped lists; _ACCESS maps one to the other
+_R, _W, _RW = 1, 2, 3
+_ACCESS = (Access.NONE, READ, WRITE, READWRITE)
+
+
+class ComponentProperties:
+    """Component properties as ints, asked of each component once (the network does
+    not change while a computation is optimized, so one instance can serve every
+    analysis of an optimization)."""
+
+    def __init__(self, nnet) -> None:
+        self.nnet = nnet   # only touched for commands that name a component
+        self.cache: dict[int, int] = {}
+
+    def __getitem__(self, c: int) -> int:
+        p = self.cache.get(c)
+        if p is None:
+            p = self.cache[c] = int(self.nnet.components[c].properties())
+        return p
+
+
+# -- per-command accesses -------------------------------------------------------------------
+
+_PLAIN, _ADDS_PROP, _ADDS_BACK, _ROWS_DEST, _MULTI_DEST = range(5)
+_PROPAGATE, _BACKPROP_TYPES = CT.PROPAGATE, (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE)
+_PROPAGATE_ADDS, _BACKPROP_ADDS = int(P.PROPAGATE_ADDS), int(P.BACKPROP_ADDS)
+
+
+def _make_plan(ct) -> tuple:
+    """(getter, is a submatrix slot, access as int, refinement rule) for each slot
+    of ``ct`` that names submatrices (directly or through indexes_multi)."""
+    items = []
+    for i, slot in enumerate(COMMAND_SPECS[ct].slots):
+        if slot.kind == ArgKind.INDEXES_MULTI:
+            items.append((attrgetter(f"arg{i + 1}"), False, int(slot.access), _PLAIN))
+        elif slot.kind == ArgKind.SUBMATRIX and slot.access in (READ, WRITE, READWRITE):
+            rule = _PLAIN
+            if ct == CT.COPY_ROWS and i == 0:
+                rule = _ROWS_DEST
+            elif ct == CT.COPY_ROWS_MULTI and i == 0:
+                rule = _MULTI_DEST
+            elif slot.access == WRITE and ct == _PROPAGATE:
+                rule = _ADDS_PROP
+            elif slot.access == WRITE and ct in _BACKPROP_TYPES:
+                rule = _ADDS_BACK
+            items.append((attrgetter(f"arg{i + 1}"), True, int(slot.access), rule))
+    return tuple(items)
+
+
+# indexed by command type
+_PLANS = [_make_plan(CT(t)) for t in range(len(CT))]
+
+
+def accesses_submatrices(command_type) -> bool:
+    """Whether commands of this type read or write submatrices (not allocation,
+    deallocation, swap, no-ops, markers, labels, goto)."""
+    return bool(_PLANS[command_type])
+
+
+def command_accesses(computation: NnetComputation, props) -> list[list[tuple[int, int]]]:
+    """Per command, its (submatrix, access) pairs with access as an int (1 read, 2
+    write, 3 read-write): the slots of COMMAND_SPECS plus the refinements in the
+    module docstring, the submatrices of an indexes_multi list once each in
+    increasing order.  ``props``: component index -> properties as an int."""
+    out: list[list[tuple[int, int]]] = []
+    append = out.append
+    plans = _PLANS
+    indexes, indexes_multi = computation.indexes, computation.indexes_multi
+    for cmd in computation.commands:
+        plan = plans[cmd.command_type]
+        if not plan:
+            append(())
+            continue
+        lst = []
+        for get, is_sub, acc, rule in plan:
+            a = get(cmd)
+            if is_sub:
+                if a <= 0:
+                    continue
+                if rule:
+                    if rule == _ROWS_DEST:
+                        acc = _RW if -1 in indexes[cmd.arg3] else _W
+                    elif rule == _MULTI_DEST:
+                        acc = _W
+                    elif rule == _ADDS_PROP:
+                        if props[cmd.arg1] & _PROPAGATE_ADDS:
+                            acc = _RW
+                    elif props[cmd.arg1] & _BACKPROP_ADDS:
+                        acc = _RW
+                lst.append((a, acc))
+            else:
+                lst.extend((s, acc) for s in sorted({s for s, _ in indexes_multi[a] if s > 0}))
+        append(lst)
+    return out
+
+
+# -- variables ------------------------------------------------------------------------------
 
 
 class ComputationVariables:
-    """Kaldi's ComputationVariables: the split of every matrix into variables."""
+    """Kaldi's ComputationVariables: the split of every matrix into variables,
+    numbered matrix by matrix."""
 
     def __init__(self, computation: NnetComputation):
-        nm = len(computation.matrices)
-        rows: list[set] = [set() for _ in range(nm)]
-        cols: list[set] = [set() for _ in range(nm)]
-        for sm in computation.submatrices[1:]:
-            m = sm.matrix_index
-            rows[m].update((sm.row_offset, sm.row_offset + sm.num_rows))
-            cols[m].update((sm.col_offset, sm.col_offset + sm.num_cols))
+        subs, mats = computation.submatrices, computation.matrices
+        nm, ns = len(mats), len(subs)
+        rows: list = [None] * nm       # split points beyond (0, num_rows), when any
+        cols: list = [None] * nm
+        s2m = [0] * ns
+        for s in range(1, ns):
+            m, ro, nr, co, nc = subs[s]
+            if not 0 < m < nm:
+                raise CheckError(f"submatrix {s} refers to matrix m{m}, which does not exist")
+            s2m[s] = m
+            mi = mats[m]
+            if ro or nr != mi.num_rows:
+                r = rows[m]
+                if r is None:
+                    r = rows[m] = {0, mi.num_rows}
+                r.add(ro)
+                r.add(ro + nr)
+            if co or nc != mi.num_cols:
+                c = cols[m]
+                if c is None:
+                    c = cols[m] = {0, mi.num_cols}
+                c.add(co)
+                c.add(co + nc)
+        self.submatrix_to_matrix = s2m
         self.row_split_points: list[list[int]] = [[0]]
         self.column_split_points: list[list[int]] = [[0]]
         self.matrix_to_variable_index = [0, 0]
         for m in range(1, nm):
-            info = computation.matrices[m]
-            rows[m].update((0, info.num_rows))
-            cols[m].update((0, info.num_cols))
-            self.row_split_points.append(sorted(rows[m]))
-            self.column_split_points.append(sorted(cols[m]))
-            n = (len(self.row_split_points[m]) - 1) * (len(self.column_split_points[m]) - 1)
-            self.matrix_to_variable_index.append(self.matrix_to_variable_index[-1] + n)
+            mi = mats[m]
+            rs = sorted(rows[m]) if rows[m] is not None else sorted({0, mi.num_rows})
+            cs = sorted(cols[m]) if cols[m] is not None else sorted({0, mi.num_cols})
+            self.row_split_points.append(rs)
+            self.column_split_points.append(cs)
+            self.matrix_to_variable_index.append(self.matrix_to_variable_index[-1]
+                                                 + (len(rs) - 1) * (len(cs) - 1))
         self.num_variables = self.matrix_to_variable_index[-1]
-        self.variable_to_matrix = [0] * self.num_variables
-        for m in range(1, nm):
-            for v in range(self.matrix_to_variable_index[m], self.matrix_to_variable_index[m + 1]):
-                self.variable_to_matrix[v] = m
-        self.submatrix_to_matrix = [0] * len(computation.submatrices)
-        self.submatrix_is_whole_matrix = [False] * len(computation.submatrices)
-        self.variables_for_submatrix: list[list[int]] = [[]]
-        for s in range(1, len(computation.submatrices)):
-            sm = computation.submatrices[s]
-            m = sm.matrix_index
-            if not 0 < m < nm:
-                raise CheckError(f"submatrix {s} refers to matrix m{m}, which does not exist")
-            self.submatrix_to_matrix[s] = m
+        self._variable_to_matrix: list[int] | None = None
+        whole = self.submatrix_is_whole_matrix = [False] * ns
+        vfs = self.variables_for_submatrix = [[] for _ in range(ns)]
+        index: dict = {}
+        for s in range(1, ns):
+            m, ro, nr, co, nc = subs[s]
             rs, cs = self.row_split_points[m], self.column_split_points[m]
-            r0 = bisect.bisect_left(rs, sm.row_offset)
-            r1 = bisect.bisect_left(rs, sm.row_offset + sm.num_rows)
-            c0 = bisect.bisect_left(cs, sm.col_offset)
-            c1 = bisect.bisect_left(cs, sm.col_offset + sm.num_cols)
-            ncv = len(cs) - 1
             base = self.matrix_to_variable_index[m]
-            self.variables_for_submatrix.append(
-                [base + r * ncv + c for r in range(r0, r1) for c in range(c0, c1)])
-            self.submatrix_is_whole_matrix[s] = (r0 == 0 and r1 == len(rs) - 1 and c0 == 0
-                                                 and c1 == ncv)
+            nrv, ncv = len(rs) - 1, len(cs) - 1
+            if nrv == 1 and ncv == 1:
+                vfs[s] = [base]
+                whole[s] = ro == rs[0] and ro + nr == rs[1] and co == cs[0] and co + nc == cs[1]
+                continue
+            ix = index.get(m)
+            if ix is None:
+                ix = index[m] = ({p: i for i, p in enumerate(rs)},
+                                 {p: i for i, p in enumerate(cs)})
+            r0, r1, c0, c1 = ix[0][ro], ix[0][ro + nr], ix[1][co], ix[1][co + nc]
+            if ncv == 1:
+                vfs[s] = list(range(base + r0, base + r1))
+            else:
+                vfs[s] = [base + r * ncv + c for r in range(r0, r1) for c in range(c0, c1)]
+            whole[s] = r0 == 0 and r1 == nrv and c0 == 0 and c1 == ncv
 
     def variables_for_matrix(self, m: int) -> range:
         return range(self.matrix_to_variable_index[m], self.matrix_to_variable_index[m + 1])
+
+    @property
+    def variable_to_matrix(self) -> list[int]:
+        if self._variable_to_matrix is None:
+            out = [0] * self.num_variables
+            for m in range(1, len(self.row_split_points)):
+                for v in self.variables_for_matrix(m):
+                    out[v] = m
+            self._variable_to_matrix = out
+        return self._variable_to_matrix
 
     def variable_info(self, v: int) -> SubMatrixInfo:
         m = self.variable_to_matrix[v]
@@ -126,290 +263,375 @@ class MatrixAccesses:
     is_output: bool = False
 
 
-def command_submatrix_accesses(computation: NnetComputation, command, nnet
-                               ) -> list[tuple[int, Access]]:
-    """(submatrix, READ/WRITE/READWRITE) for every submatrix a command reads or
-    writes (not alloc/dealloc/swap), from COMMAND_SPECS plus the refinements in
-    the module docstring."""
-    return _submatrix_accesses(computation, command, _ComponentProps(nnet))
+_MATRIX_LIFE = frozenset((CT.ALLOC_MATRIX, CT.SWAP_MATRIX, CT.DEALLOC_MATRIX, CT.ACCEPT_INPUT,
+                          CT.PROVIDE_OUTPUT))
 
 
-class _ComponentProps:
-    """Component properties, asked of each component once per analysis."""
+class _Life:
+    """Allocation, deallocation, input and output of matrices (the part of Kaldi's
+    ComputeMatrixAccesses that is not about reads and writes), with its errors."""
 
-    def __init__(self, nnet) -> None:
-        self.nnet = nnet   # only touched for commands that name a component
-        self.cache: dict[int, int] = {}
+    def __init__(self, computation: NnetComputation, out: list[MatrixAccesses],
+                 whole: list[bool], s2m: list[int]):
+        self.c, self.out, self.whole, self.s2m = computation, out, whole, s2m
 
-    def __getitem__(self, c: int) -> int:
-        p = self.cache.get(c)
-        if p is None:
-            p = self.cache[c] = int(self.nnet.components[c].properties())
-        return p
-
-
-# Per command type, the (slot position, kind, access) of the slots that name
-# submatrices or multi-indexes (what command_submatrix_accesses looks at).
-_SLOT_CACHE: dict = {}
-
-
-def _access_slots(ct) -> list[tuple[int, object, object]]:
-    slots = _SLOT_CACHE.get(ct)
-    if slots is None:
-        slots = [(i, slot.kind, slot.access) for i, slot in enumerate(COMMAND_SPECS[ct].slots)
-                 if (slot.kind == ArgKind.SUBMATRIX and slot.access in (READ, WRITE, READWRITE))
-                 or slot.kind == ArgKind.INDEXES_MULTI]
-        _SLOT_CACHE[ct] = slots
-    return slots
-
-
-_PROPAGATE, _BACKPROP_TYPES = CT.PROPAGATE, (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE)
-_COPY_ROWS, _COPY_ROWS_MULTI = CT.COPY_ROWS, CT.COPY_ROWS_MULTI
-_PROPAGATE_ADDS, _BACKPROP_ADDS = int(P.PROPAGATE_ADDS), int(P.BACKPROP_ADDS)
-
-
-def _submatrix_accesses(computation: NnetComputation, command, props: _ComponentProps
-                        ) -> list[tuple[int, Access]]:
-    ct = command.command_type
-    args = command.args
-    out: list[tuple[int, Access]] = []
-    for i, kind, acc in _access_slots(ct):
-        a = args[i]
-        if kind == ArgKind.SUBMATRIX:
-            if a <= 0:
-                continue
-            if acc == WRITE:
-                if ct == _PROPAGATE:
-                    if props[command.arg1] & _PROPAGATE_ADDS:
-                        acc = READWRITE
-                elif ct in _BACKPROP_TYPES:
-                    if props[command.arg1] & _BACKPROP_ADDS:
-                        acc = READWRITE
-            if ct == _COPY_ROWS and i == 0:
-                acc = READWRITE if -1 in computation.indexes[command.arg3] else WRITE
-            elif ct == _COPY_ROWS_MULTI and i == 0:
-                acc = WRITE
-            out.append((a, acc))
-        else:
-            subs = sorted({s for s, _ in computation.indexes_multi[a] if s > 0})
-            out.extend((s, acc) for s in subs)
-    return out
-
-
-# Per command type, the plan compute_command_attributes follows: a tuple of
-# (attribute name, is a submatrix slot, access as int, rule) for the slots of
-# _access_slots, where rule says which data-dependent refinement applies.
-_PLAIN, _ADDS_PROP, _ADDS_BACK, _ROWS_DEST, _MULTI_DEST = range(5)
-_PLAN_CACHE: dict = {}
-
-
-def _plan(ct) -> tuple:
-    plan = _PLAN_CACHE.get(ct)
-    if plan is None:
-        items = []
-        for i, kind, acc in _access_slots(ct):
-            rule = _PLAIN
-            if kind == ArgKind.SUBMATRIX:
-                if ct == _COPY_ROWS and i == 0:
-                    rule = _ROWS_DEST
-                elif ct == _COPY_ROWS_MULTI and i == 0:
-                    rule = _MULTI_DEST
-                elif acc == WRITE and ct == _PROPAGATE:
-                    rule = _ADDS_PROP
-                elif acc == WRITE and ct in _BACKPROP_TYPES:
-                    rule = _ADDS_BACK
-            items.append((f"arg{i + 1}", kind == ArgKind.SUBMATRIX, int(acc), rule))
-        plan = _PLAN_CACHE[ct] = tuple(items)
-    return plan
-
-
-def _union(lists_of: list, keys: list[int]) -> list[int]:
-    """sorted(set(chain of lists_of[k] for k in keys)), copying when one list."""
-    if len(keys) == 1:
-        return list(lists_of[keys[0]])
-    acc: set = set()
-    for k in keys:
-        acc.update(lists_of[k])
-    return sorted(acc)
-
-
-def compute_command_attributes(nnet, computation: NnetComputation,
-                               vars_: ComputationVariables) -> list[CommandAttributes]:
-    """Every list in the result is sorted and free of duplicates, so the accesses
-    are gathered per command as submatrices read / written (and matrices read
-    because only part of them is written) and expanded once at the end."""
-    out = []
-    append = out.append
-    props = _ComponentProps(nnet)
-    updatable = int(P.UPDATABLE_COMPONENT)
-    backprop = CT.BACKPROP
-    s2m, vfs = vars_.submatrix_to_matrix, vars_.variables_for_submatrix
-    whole = vars_.submatrix_is_whole_matrix
-    indexes, indexes_multi = computation.indexes, computation.indexes_multi
-    plans = {ct: _plan(ct) for ct in COMMAND_SPECS}
-    rw, w = int(READWRITE), int(WRITE)
-    for c in computation.commands:
-        ct = c.command_type
-        plan = plans[ct]
-        if not plan:
-            append(CommandAttributes())
-            continue
-        rd: list[int] = []
-        wr: list[int] = []
-        part: list[int] = []   # matrices written in part or read-write: read too
-        for attr, is_sub, acc, rule in plan:
-            a = getattr(c, attr)
-            if is_sub:
-                if a <= 0:
-                    continue
-                if rule:
-                    if rule == _ROWS_DEST:
-                        acc = rw if -1 in indexes[c.arg3] else w
-                    elif rule == _MULTI_DEST:
-                        acc = w
-                    elif rule == _ADDS_PROP:
-                        if props[c.arg1] & _PROPAGATE_ADDS:
-                            acc = rw
-                    elif props[c.arg1] & _BACKPROP_ADDS:
-                        acc = rw
-                if acc & 2:
-                    wr.append(a)
-                    if acc == rw or not whole[a]:
-                        part.append(s2m[a])
-                if acc & 1:
-                    rd.append(a)
-            else:
-                subs = {s for s, _ in indexes_multi[a] if s > 0}
-                for s in subs:
-                    if acc & 2:
-                        wr.append(s)
-                        if acc == rw or not whole[s]:
-                            part.append(s2m[s])
-                    if acc & 1:
-                        rd.append(s)
-        if rd:
-            vr = _union(vfs, rd)
-            if len(rd) > 1:
-                rd = sorted(set(rd))
-            part.extend(s2m[s] for s in rd)
-        else:
-            vr = []
-        if wr:
-            vw = _union(vfs, wr)
-            if len(wr) > 1:
-                wr = sorted(set(wr))
-            mw = [s2m[wr[0]]] if len(wr) == 1 else sorted({s2m[s] for s in wr})
-        else:
-            vw, mw = [], []
-        mr = part if len(part) < 2 else sorted(set(part))
-        append(CommandAttributes(vr, vw, rd, wr, mr, mw, ct == backprop
-                                 and bool(props[c.arg1] & updatable)))
-    return out
-
-
-def _append_sorted_accesses(out: list[list], c: int, r: list[int], w: list[int]) -> None:
-    """out[x].append((c, access)) for each x read or written, in increasing x.
-    ``r`` and ``w`` are sorted and free of duplicates (what CommandAttributes
-    holds); the (c, access) tuples are shared between the lists they go into."""
-    if not w:
-        if r:
-            t = (c, READ)
-            for x in r:
-                out[x].append(t)
-    elif not r:
-        t = (c, WRITE)
-        for x in w:
-            out[x].append(t)
-    elif r == w:
-        t = (c, READWRITE)
-        for x in r:
-            out[x].append(t)
-    else:
-        rs, ws = set(r), set(w)
-        tr, tw, trw = (c, READ), (c, WRITE), (c, READWRITE)
-        for x in sorted(rs | ws):
-            out[x].append(trw if x in rs and x in ws else tr if x in rs else tw)
-
-
-def compute_variable_accesses(vars_: ComputationVariables,
-                              attributes: list[CommandAttributes]
-                              ) -> list[list[tuple[int, Access]]]:
-    out: list[list[tuple[int, Access]]] = [[] for _ in range(vars_.num_variables)]
-    for c, attr in enumerate(attributes):
-        _append_sorted_accesses(out, c, attr.variables_read, attr.variables_written)
-    return out
-
-
-def compute_matrix_accesses(computation: NnetComputation, attributes: list[CommandAttributes]
-                            ) -> list[MatrixAccesses]:
-    out = [MatrixAccesses() for _ in computation.matrices]
-
+    @staticmethod
     def error(c: int, reason: str) -> CheckError:
         e = CheckError(f"c{c}: {reason}")
         e.command, e.reason = c, reason   # the checker reprints the command in full
         return e
 
-    subs, mats = computation.submatrices, computation.matrices
-    nsub = len(subs)
+    def matrix(self, s: int, c: int) -> int:
+        if 0 < s < len(self.whole) and self.whole[s]:
+            return self.s2m[s]
+        raise self.error(c, "command does not operate on a whole matrix")
 
-    def whole(s: int, c: int) -> int:
-        # computation.is_whole_matrix, inlined: this runs for every (de)allocation
-        if 0 < s < nsub:
-            m, ro, nr, co, nc = subs[s]
-            mi = mats[m]
-            if ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols:
-                return m
-        raise error(c, "command does not operate on a whole matrix")
+    def set_alloc(self, m: int, c: int) -> None:
+        ma = self.out[m]
+        if ma.allocate_command != -1:
+            raise self.error(c, f"matrix m{m} is initialized twice (first by "
+                                f"c{ma.allocate_command})")
+        ma.allocate_command = c
 
-    def set_alloc(m: int, c: int) -> None:
-        if out[m].allocate_command != -1:
-            raise error(c, f"matrix m{m} is initialized twice (first by "
-                           f"c{out[m].allocate_command})")
-        out[m].allocate_command = c
+    def set_dealloc(self, m: int, c: int) -> None:
+        ma = self.out[m]
+        if ma.deallocate_command != -1:
+            raise self.error(c, f"matrix m{m} is destroyed twice (first by "
+                                f"c{ma.deallocate_command})")
+        ma.deallocate_command = c
 
-    def set_dealloc(m: int, c: int) -> None:
-        if out[m].deallocate_command != -1:
-            raise error(c, f"matrix m{m} is destroyed twice (first by "
-                           f"c{out[m].deallocate_command})")
-        out[m].deallocate_command = c
-
-    acc_lists = [ma.accesses for ma in out]
-    life = _MATRIX_LIFE
-    for c, (attr, cmd) in enumerate(zip(attributes, computation.commands)):
-        _append_sorted_accesses(acc_lists, c, attr.matrices_read, attr.matrices_written)
+    def apply(self, c: int, only=None) -> None:
+        """Record command c (a life command); with ``only``, just for those matrices."""
+        cmd = self.c.commands[c]
         ct = cmd.command_type
-        if ct not in life:
-            continue
         if ct == CT.ALLOC_MATRIX:
-            set_alloc(whole(cmd.arg1, c), c)
+            m = self.matrix(cmd.arg1, c)
+            if only is None or m in only:
+                self.set_alloc(m, c)
         elif ct == CT.SWAP_MATRIX:
-            set_alloc(whole(cmd.arg1, c), c)
-            set_dealloc(whole(cmd.arg2, c), c)
+            m, m2 = self.matrix(cmd.arg1, c), self.matrix(cmd.arg2, c)
+            if only is None or m in only:
+                self.set_alloc(m, c)
+            if only is None or m2 in only:
+                self.set_dealloc(m2, c)
         elif ct == CT.DEALLOC_MATRIX:
-            set_dealloc(whole(cmd.arg1, c), c)
+            m = self.matrix(cmd.arg1, c)
+            if only is None or m in only:
+                self.set_dealloc(m, c)
         elif ct == CT.ACCEPT_INPUT:
-            m = whole(cmd.arg1, c)
-            out[m].is_input = True
-            if out[m].allocate_command == -1:
-                out[m].allocate_command = c
+            m = self.matrix(cmd.arg1, c)
+            if only is None or m in only:
+                ma = self.out[m]
+                ma.is_input = True
+                if ma.allocate_command == -1:
+                    ma.allocate_command = c
         elif ct == CT.PROVIDE_OUTPUT:
-            out[whole(cmd.arg1, c)].is_output = True
-    return out
-
-
-_MATRIX_LIFE = frozenset((CT.ALLOC_MATRIX, CT.SWAP_MATRIX, CT.DEALLOC_MATRIX, CT.ACCEPT_INPUT,
-                          CT.PROVIDE_OUTPUT))
+            m = self.matrix(cmd.arg1, c)
+            if only is None or m in only:
+                self.out[m].is_output = True
 
 
 class Analyzer:
-    """Kaldi's Analyzer: variables, command attributes, variable and matrix accesses."""
+    """Kaldi's Analyzer: matrix accesses (with the per-matrix ``entries`` the
+    queries use) at once, variables, variable accesses and command attributes
+    when first asked for.
 
-    def __init__(self, nnet, computation: NnetComputation):
-        self.variables = ComputationVariables(computation)
-        self.command_attributes = compute_command_attributes(nnet, computation, self.variables)
-        self.variable_accesses = compute_variable_accesses(self.variables,
-                                                           self.command_attributes)
-        self.matrix_accesses = compute_matrix_accesses(computation, self.command_attributes)
+    ``command_accesses[c]``: the (submatrix, access bits) pairs of command c.
+    ``submatrix_matrix``, ``submatrix_whole``, ``submatrix_rect``: per submatrix,
+    its matrix, whether it covers all of it, (row begin, row end, column begin,
+    column end).
+    ``entries[m]``: (command, access bits, (row begin, row end, column begin,
+    column end)) for each submatrix of m a command accesses, in command order.
+    ``matrix_accesses`` raises CheckError (at construction) for a matrix
+    initialized or destroyed twice, or a sizing command on part of a matrix.
+    ``props``: a shared ComponentProperties (one is made if not given)."""
+
+    def __init__(self, nnet, computation: NnetComputation, props=None):
+        self.computation = computation
+        self.props = props if props is not None else ComponentProperties(nnet)
+        subs, mats = computation.submatrices, computation.matrices
+        nm, ns = len(mats), len(subs)
+        s2m = [0] * ns
+        whole = [False] * ns
+        rect: list = [None] * ns
+        for s in range(1, ns):
+            m, ro, nr, co, nc = subs[s]
+            if not 0 < m < nm:
+                raise CheckError(f"submatrix {s} refers to matrix m{m}, which does not exist")
+            s2m[s] = m
+            mi = mats[m]
+            whole[s] = ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
+            rect[s] = (ro, ro + nr, co, co + nc)
+        self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect = s2m, whole, rect
+        self.command_accesses = command_accesses(computation, self.props)
+        self.matrix_accesses = out = [MatrixAccesses() for _ in range(nm)]
+        self.entries: list[list[tuple]] = [[] for _ in range(nm)]
+        self._submatrices_of: list[list[int]] | None = None
+        self._variables: ComputationVariables | None = None
+        self._variable_accesses: list[list[tuple[int, Access]]] | None = None
+        self._command_attributes: list[CommandAttributes] | None = None
+        life = _Life(computation, out, whole, s2m)
+        alloc, dealloc, life_types = CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, _MATRIX_LIFE
+        entries = self.entries
+        acc_lists = [ma.accesses for ma in out]
+        add = self._add
+        for ci, (cmd, lst) in enumerate(zip(computation.commands, self.command_accesses)):
+            if lst:
+                if len(lst) == 1:
+                    # _add for the usual one-submatrix command, inline
+                    s, a = lst[0]
+                    m = s2m[s]
+                    entries[m].append((ci, a, rect[s]))
+                    acc_lists[m].append((ci, _ACCESS[_RW if a == _W and not whole[s] else a]))
+                else:
+                    add(ci, lst)
+            ct = cmd.command_type
+            if ct in life_types:
+                s = cmd.arg1
+                # the usual cases inline; anything else (and every error) in _Life
+                if ct == alloc and 0 < s < ns and whole[s]:
+                    ma = out[s2m[s]]
+                    if ma.allocate_command == -1:
+                        ma.allocate_command = ci
+                        continue
+                elif ct == dealloc and 0 < s < ns and whole[s]:
+                    ma = out[s2m[s]]
+                    if ma.deallocate_command == -1:
+                        ma.deallocate_command = ci
+                        continue
+                life.apply(ci)
+
+    def _add(self, ci: int, lst) -> None:
+        """Record the accesses of command ci (more than one submatrix)."""
+        s2m, whole, rect = self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect
+        entries = self.entries
+        acc = self.matrix_accesses
+        if len(lst) == 2:
+            (s, a), (t, b) = lst
+            m, n = s2m[s], s2m[t]
+            if m != n:   # the usual two-matrix command (copy, propagate)
+                entries[m].append((ci, a, rect[s]))
+                entries[n].append((ci, b, rect[t]))
+                acc[m].accesses.append((ci, _ACCESS[_RW if a == _W and not whole[s] else a]))
+                acc[n].accesses.append((ci, _ACCESS[_RW if b == _W and not whole[t] else b]))
+                return
+        bits: dict[int, int] = {}
+        for s, a in lst:
+            m = s2m[s]
+            entries[m].append((ci, a, rect[s]))
+            if a == _W and not whole[s]:
+                a = _RW
+            bits[m] = bits.get(m, 0) | a
+        for m, a in bits.items():
+            acc[m].accesses.append((ci, _ACCESS[a]))
+
+    # -- built when first asked for --------------------------------------------------------
+    @property
+    def submatrices_of(self) -> list[list[int]]:
+        """matrix -> its submatrices (Kaldi's ComputeMatrixToSubmatrix)."""
+        if self._submatrices_of is None:
+            out: list[list[int]] = [[] for _ in self.matrix_accesses]
+            for s in range(1, len(self.submatrix_matrix)):
+                out[self.submatrix_matrix[s]].append(s)
+            self._submatrices_of = out
+        return self._submatrices_of
+
+    @property
+    def variables(self) -> ComputationVariables:
+        if self._variables is None:
+            self._variables = ComputationVariables(self.computation)
+        return self._variables
+
+    @property
+    def variable_accesses(self) -> list[list[tuple[int, Access]]]:
+        """Per variable, (command, access) in command order."""
+        if self._variable_accesses is None:
+            v = self.variables
+            out: list[list] = [[] for _ in range(v.num_variables)]
+            vfs, s2m = v.variables_for_submatrix, v.submatrix_to_matrix
+            for c, lst in enumerate(self.command_accesses):
+                if not lst:
+                    continue
+                if len(lst) == 1 or len({s2m[s] for s, _ in lst}) == len(lst):
+                    # submatrices on different matrices share no variable
+                    for s, a in lst:
+                        t = (c, _ACCESS[a])
+                        for x in vfs[s]:
+                            out[x].append(t)
+                    continue
+                bits: dict[int, int] = {}
+                for s, a in lst:
+                    for x in vfs[s]:
+                        bits[x] = bits.get(x, 0) | a
+                for x, a in bits.items():
+                    out[x].append((c, _ACCESS[a]))
+            self._variable_accesses = out
+        return self._variable_accesses
+
+    @property
+    def command_attributes(self) -> list[CommandAttributes]:
+        if self._command_attributes is None:
+            vfs = self.variables.variables_for_submatrix
+            s2m, whole = self.submatrix_matrix, self.submatrix_whole
+            out = []
+            for c, lst in enumerate(self.command_accesses):
+                rd = sorted({s for s, a in lst if a & _R})
+                wr = sorted({s for s, a in lst if a & _W})
+                mr = {s2m[s] for s, a in lst if a & _R or (a == _W and not whole[s])}
+                cmd = self.computation.commands[c]
+                out.append(CommandAttributes(
+                    sorted({x for s in rd for x in vfs[s]}),
+                    sorted({x for s in wr for x in vfs[s]}), rd, wr, sorted(mr),
+                    sorted({s2m[s] for s in wr}),
+                    cmd.command_type == CT.BACKPROP
+                    and bool(self.props[cmd.arg1] & P.UPDATABLE_COMPONENT)))
+            self._command_attributes = out
+        return self._command_attributes
+
+    def variable_accesses_of(self, m: int) -> list[list[tuple[int, Access]]]:
+        """The access lists of the variables of matrix m, on the grid cut by the
+        accesses themselves (the variables nothing touches are left out; any grid
+        at least that fine gives the same lists).  When the rectangles accessed
+        do not overlap, each is one variable of that grid."""
+        ents = self.entries[m]
+        if not ents:
+            return []
+        by_rect: dict = {}
+        for c, a, rc in ents:
+            lst = by_rect.get(rc)
+            if lst is None:
+                by_rect[rc] = [(c, a)]
+            elif lst[-1][0] == c:
+                lst[-1] = (c, lst[-1][1] | a)
+            else:
+                lst.append((c, a))
+        if len(by_rect) == 1 or _disjoint(sorted(by_rect)):
+            return [[(c, _ACCESS[a]) for c, a in lst] for lst in by_rect.values()]
+        rows = sorted({r for _, _, rc in ents for r in rc[:2]})
+        cols = sorted({c for _, _, rc in ents for c in rc[2:]})
+        ncv = len(cols) - 1
+        cells: list[list] = [[] for _ in range((len(rows) - 1) * ncv)]
+        ri = {p: i for i, p in enumerate(rows)}
+        ki = {p: i for i, p in enumerate(cols)}
+        for c, a, (r0, r1, c0, c1) in ents:
+            for r in range(ri[r0], ri[r1]):
+                for k in range(ki[c0], ki[c1]):
+                    cell = cells[r * ncv + k]
+                    if cell and cell[-1][0] == c:
+                        cell[-1] = (c, cell[-1][1] | a)
+                    else:
+                        cell.append((c, a))
+        return [[(c, _ACCESS[a]) for c, a in cell] for cell in cells if cell]
+
+    # -- incremental update ------------------------------------------------------------------
+    def remove_commands(self, gone: set[int]) -> None:
+        """Bring the analysis up to date after the commands ``gone`` (kNoOperation
+        now) were deleted from the list, the later ones moving up."""
+        n = len(self.command_accesses)
+        new_index = []
+        k = 0
+        for i in range(n):
+            new_index.append(k)
+            if i not in gone:
+                k += 1
+        self.command_accesses = [x for i, x in enumerate(self.command_accesses)
+                                 if i not in gone]
+        self._variables = self._variable_accesses = self._command_attributes = None
+        for ma, ents in zip(self.matrix_accesses, self.entries):
+            if ma.accesses:
+                ma.accesses = [(new_index[c], a) for c, a in ma.accesses if c not in gone]
+            if ents:
+                ents[:] = [(new_index[c], a, r) for c, a, r in ents if c not in gone]
+            if ma.allocate_command >= 0:
+                ma.allocate_command = (-1 if ma.allocate_command in gone
+                                       else new_index[ma.allocate_command])
+            if ma.deallocate_command >= 0:
+                ma.deallocate_command = (-1 if ma.deallocate_command in gone
+                                         else new_index[ma.deallocate_command])
+
+    def reanalyze(self, groups: dict[int, list[int]]) -> None:
+        """Bring the analysis up to date after edits that moved every submatrix of
+        some matrices onto another matrix and turned commands into kNoOperation,
+        and nothing else (what a round of variable merging does).  ``groups``:
+        receiving matrix -> the matrices whose submatrices and commands it now
+        holds, itself included.  The receiving matrices are analysed again, the
+        others of each group are left empty."""
+        c = self.computation
+        cmds, subs, mats = c.commands, c.submatrices, c.matrices
+        self._variables = self._variable_accesses = self._command_attributes = None
+        of = self.submatrices_of
+        s2m, whole, rect = self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect
+        macc, entries = self.matrix_accesses, self.entries
+        touched: set[int] = set()
+        life: set[int] = set()
+        for keep, group in groups.items():
+            moved: list[int] = []
+            for m in group:
+                ma = macc[m]
+                touched.update([ci for ci, _ in ma.accesses])
+                life.add(ma.allocate_command)
+                life.add(ma.deallocate_command)
+                if m != keep:
+                    moved.extend(of[m])
+                    of[m] = []
+                    macc[m] = MatrixAccesses()
+                    entries[m] = []
+            mi = mats[keep]
+            for s in moved:
+                m, ro, nr, co, nc = subs[s]
+                s2m[s] = m
+                whole[s] = ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
+                rect[s] = (ro, ro + nr, co, co + nc)
+            of[keep] = sorted(of[keep] + moved)
+            macc[keep] = MatrixAccesses()
+            entries[keep] = []
+        noop, io = CT.NO_OPERATION, (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
+        cacc = self.command_accesses
+        for ci in sorted(touched):
+            ct = cmds[ci].command_type
+            if ct == noop:
+                cacc[ci] = ()
+                continue
+            lst = cacc[ci]
+            if len(lst) == 1:   # its one submatrix is on a receiving matrix
+                s, a = lst[0]
+                m = s2m[s]
+                entries[m].append((ci, a, rect[s]))
+                macc[m].accesses.append((ci, _ACCESS[_RW if a == _W and not whole[s] else a]))
+                if ct in io:
+                    life.add(ci)
+                continue
+            bits: dict[int, int] = {}
+            for s, a in lst:
+                m = s2m[s]
+                if m in groups:
+                    entries[m].append((ci, a, rect[s]))
+                    if a == _W and not whole[s]:
+                        a = _RW
+                    bits[m] = bits.get(m, 0) | a
+            for m, a in bits.items():
+                macc[m].accesses.append((ci, _ACCESS[a]))
+            if ct in io:
+                life.add(ci)
+        life.discard(-1)
+        life_c = _Life(c, macc, whole, s2m)
+        for ci in sorted(life):
+            if cmds[ci].command_type == noop:
+                cacc[ci] = ()
+            else:
+                life_c.apply(ci, only=groups)
+
+
+def _disjoint(rects: list[tuple[int, int, int, int]]) -> bool:
+    """No two of these rectangles (sorted) overlap."""
+    for i, (r0, r1, c0, c1) in enumerate(rects):
+        for j in range(i + 1, len(rects)):
+            q0, q1, d0, d1 = rects[j]
+            if q0 >= r1:
+                break   # sorted by first row: none of the rest reaches row r1
+            if d0 < c1 and c0 < d1:
+                return False
+    return True
 
 
 def _is_zeroing(cmd) -> bool:
@@ -419,33 +641,36 @@ def _is_zeroing(cmd) -> bool:
 class ComputationAnalysis:
     """Kaldi's ComputationAnalysis: queries about when submatrices and matrices are
     first/last touched.  ``n`` (the number of commands) means "never" for first-access
-    queries, -1 for last-access queries."""
+    queries, -1 for last-access queries.  A command touches a variable of s when
+    one of its accesses overlaps s (see the module docstring)."""
 
     def __init__(self, computation: NnetComputation, analyzer: Analyzer):
         self.c = computation
         self.a = analyzer
+        self._entries = analyzer.entries
 
-    def _vars(self, s: int) -> list[int]:
-        return self.a.variables.variables_for_submatrix[s]
+    def _where(self, s: int):
+        m, ro, nr, co, nc = self.c.submatrices[s]
+        return self._entries[m], ro, ro + nr, co, co + nc
 
     def first_access(self, s: int) -> int:
-        ans = len(self.c.commands)
-        for v in self._vars(s):
-            acc = self.a.variable_accesses[v]
-            if acc:
-                ans = min(ans, acc[0][0])
-        return ans
+        ents, R0, R1, C0, C1 = self._where(s)
+        for c, _, (r0, r1, c0, c1) in ents:
+            if r0 < R1 and R0 < r1 and c0 < C1 and C0 < c1:
+                return c
+        return len(self.c.commands)
 
     def first_nontrivial_access(self, s: int) -> int:
         """First access other than zeroing (kSetConst with alpha 0)."""
-        ans = len(self.c.commands)
+        ents, R0, R1, C0, C1 = self._where(s)
         cmds = self.c.commands
-        for v in self._vars(s):
-            for ci, _ in self.a.variable_accesses[v]:
-                if not _is_zeroing(cmds[ci]):
-                    ans = min(ans, ci)
-                    break
-        return ans
+        set_const = CT.SET_CONST
+        for c, _, (r0, r1, c0, c1) in ents:
+            if r0 < R1 and R0 < r1 and c0 < C1 and C0 < c1:
+                cmd = cmds[c]
+                if cmd.command_type != set_const or cmd.alpha != 0.0:
+                    return c
+        return len(cmds)
 
     def first_nontrivial_matrix_access(self, m: int) -> int:
         cmds = self.c.commands
@@ -459,12 +684,11 @@ class ComputationAnalysis:
         return acc[-1][0] if acc else -1
 
     def last_access(self, s: int) -> int:
-        ans = -1
-        for v in self._vars(s):
-            acc = self.a.variable_accesses[v]
-            if acc:
-                ans = max(ans, acc[-1][0])
-        return ans
+        ents, R0, R1, C0, C1 = self._where(s)
+        for c, _, (r0, r1, c0, c1) in reversed(ents):
+            if r0 < R1 and R0 < r1 and c0 < C1 and C0 < c1:
+                return c
+        return -1
 
     def last_write_access(self, s: int) -> int:
         """Last command writing any part of ``s``; the number of commands when the
@@ -472,13 +696,11 @@ class ComputationAnalysis:
         m = self.c.submatrices[s].matrix_index
         if self.a.matrix_accesses[m].is_output:
             return len(self.c.commands)
-        ans = -1
-        for v in self._vars(s):
-            for ci, acc in reversed(self.a.variable_accesses[v]):
-                if acc != READ:
-                    ans = max(ans, ci)
-                    break
-        return ans
+        ents, R0, R1, C0, C1 = self._where(s)
+        for c, a, (r0, r1, c0, c1) in reversed(ents):
+            if a & _W and r0 < R1 and R0 < r1 and c0 < C1 and C0 < c1:
+                return c
+        return -1
 
     def data_invalidated_command(self, c: int, s: int) -> int:
         """First command after ``c`` that writes any part of ``s`` or deallocates its
@@ -487,11 +709,10 @@ class ComputationAnalysis:
         ans = self.a.matrix_accesses[m].deallocate_command
         if ans == -1:
             ans = len(self.c.commands)
-        for v in self._vars(s):
-            for ci, acc in self.a.variable_accesses[v]:
-                if ci > c and acc != READ:
-                    ans = min(ans, ci)
-                    break
+        ents, R0, R1, C0, C1 = self._where(s)
+        for ci, a, (r0, r1, c0, c1) in ents:
+            if ci > c and a & _W and r0 < R1 and R0 < r1 and c0 < C1 and C0 < c1:
+                return min(ans, ci)
         return ans
 
 

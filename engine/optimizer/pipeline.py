@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,7 +28,7 @@ from typing import Callable
 from engine.compiler.computation import NnetComputation
 from engine.compiler.gc_pause import gc_paused
 from engine.core.errors import CheckError
-from engine.optimizer.analysis import Analyzer
+from engine.optimizer.analysis import Analyzer, ComponentProperties
 from engine.optimizer.checker import check_computation
 from engine.optimizer.options import INT32_MAX, INT32_MIN, OptimizeOptions
 
@@ -36,18 +37,24 @@ log = logging.getLogger("engine.optimizer")
 
 class PassContext:
     """What a pass gets besides the computation: the network, the options, the
-    request (may be None), and an analysis cache.  ``analyzer(computation)`` is
-    valid until the computation changes; a pass that edits the computation and
-    then wants a fresh analysis calls ``invalidate()`` first (the pipeline
-    invalidates after every pass)."""
+    request (may be None), the component properties (``props``, asked of each
+    component once) and an analysis cache.  ``analyzer(computation)`` is valid
+    until the computation changes: a pass that got it and then edits the
+    computation calls ``invalidate()``, or, if it brought the analysis up to
+    date with its edits, ``analysis_updated()``.  The pipeline invalidates
+    after every pass that reports a change and did neither; a pass that reports
+    no change has changed nothing, so the next pass can use the same analysis."""
 
     def __init__(self, nnet, options: OptimizeOptions, request=None):
         self.nnet = nnet
         self.options = options
         self.request = request
+        self.props = ComponentProperties(nnet)
         self.changed: dict[str, bool] = {}   # pass name -> changed, for passes run so far
         self._analyzer: Analyzer | None = None
         self._analyzed: NnetComputation | None = None
+        self._shape: tuple[int, int, int] = (0, 0, 0)
+        self._updated = False
 
     @property
     def max_output_time(self) -> int | None:
@@ -56,11 +63,27 @@ class PassContext:
         ts = [ix[1] for r in reqs if r is not None for o in r.outputs for ix in o.indexes]
         return max(ts) if ts else None
 
+    @staticmethod
+    def _shape_of(computation: NnetComputation) -> tuple[int, int, int]:
+        # the sizes guard against a pass that added unused submatrices (SplitRowOps
+        # can) without reporting a change
+        return (len(computation.commands), len(computation.submatrices),
+                len(computation.matrices))
+
     def analyzer(self, computation: NnetComputation) -> Analyzer:
-        if self._analyzer is None or self._analyzed is not computation:
-            self._analyzer = Analyzer(self.nnet, computation)
+        shape = self._shape_of(computation)
+        if (self._analyzer is None or self._analyzed is not computation
+                or self._shape != shape):
+            self._analyzer = Analyzer(self.nnet, computation, self.props)
             self._analyzed = computation
+            self._shape = shape
         return self._analyzer
+
+    def analysis_updated(self, analyzer: Analyzer, computation: NnetComputation) -> None:
+        """``analyzer`` describes ``computation`` as it is now (a pass edited both)."""
+        self._analyzer, self._analyzed = analyzer, computation
+        self._shape = self._shape_of(computation)
+        self._updated = True
 
     def invalidate(self) -> None:
         self._analyzer = None
@@ -140,12 +163,14 @@ def load_pass(spec: PassSpec) -> tuple[Callable | None, str]:
     if spec.function is not None:
         return spec.function, ""
     modname = f"engine.optimizer.passes.{spec.module}"
-    try:
-        mod = importlib.import_module(modname)
-    except ModuleNotFoundError as e:
-        if e.name is not None and modname.startswith(e.name):
-            return None, f"module {modname} does not exist yet"
-        raise
+    mod = sys.modules.get(modname)
+    if mod is None:
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name is not None and modname.startswith(e.name):
+                return None, f"module {modname} does not exist yet"
+            raise
     fn = getattr(mod, spec.name, None)
     if fn is None:
         return None, f"module {modname} has no function {spec.name}"
@@ -191,8 +216,10 @@ def _run_passes(computation, nnet, options, request, passes):
             table.append(PassRecord(spec.name, spec.module, "missing", note=why))
             continue
         t0 = time.perf_counter()
+        ctx._updated = False
         changed = bool(fn(comp, ctx))
-        ctx.invalidate()
+        if changed and not ctx._updated:
+            ctx.invalidate()
         ctx.changed[spec.name] = changed
         ran.append(spec.name)
         rec = PassRecord(spec.name, spec.module, "ran", changed, time.perf_counter() - t0)

@@ -33,19 +33,26 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
     """Kaldi's ConvertAdditionToAssignment; returns True if a command was converted."""
     analyzer = ctx.analyzer(computation) if hasattr(ctx, "analyzer") else Analyzer(ctx.nnet,
                                                                                     computation)
-    analysis = ComputationAnalysis(computation, analyzer)
+    analysis = None
+    accesses = analyzer.command_accesses
     changed = False
     for i, c in enumerate(computation.commands):
         new_type = _TO_COPY.get(c.command_type)
         if new_type is None:
             continue
-        written = analyzer.command_attributes[i].submatrices_written
+        if c.command_type == CT.ADD_TO_ROWS_MULTI and c.alpha != 1.0:
+            continue
+        written = {s for s, a in accesses[i] if a & 2}
+        if not written:
+            continue
+        if analysis is None:
+            analysis = ComputationAnalysis(computation, analyzer)
         # the first non-zeroing access of each written submatrix must be this
         # command; an earlier one means there is something to add to
-        if not written or any(analysis.first_nontrivial_access(s) != i for s in written):
-            continue
-        if c.command_type == CT.ADD_TO_ROWS_MULTI and c.alpha != 1.0:
+        if any(analysis.first_nontrivial_access(s) != i for s in written):
             continue
         c.command_type = new_type
         changed = True
+    if changed and hasattr(ctx, "invalidate"):
+        ctx.invalidate()
     return changed

@@ -19,18 +19,17 @@ CT = CommandType
 
 def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
     a = ctx.analyzer(computation)
+    cmds = computation.commands
     changed = False
     for m in range(1, len(computation.matrices)):
         ma = a.matrix_accesses[m]
         if not ma.accesses:
             continue
-        zc = ma.accesses[0][0]
-        cmd = computation.commands[zc]
+        cmd = cmds[ma.accesses[0][0]]
         if not (cmd.command_type == CT.SET_CONST and cmd.alpha == 0.0):
             continue
         needed = False
-        for v in a.variables.variables_for_matrix(m):
-            acc = a.variable_accesses[v]
+        for acc in a.variable_accesses_of(m):
             if len(acc) > 1 and acc[1][1] != WRITE:
                 needed = True   # something reads or adds to the zeros
                 break
@@ -41,5 +40,8 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
             cmd.command_type = CT.NO_OPERATION
             changed = True
     if changed:
+        # the analysis follows the deletion (moving allocations needs it next)
+        a.remove_commands({i for i, c in enumerate(cmds) if c.command_type == CT.NO_OPERATION})
         remove_no_ops(computation)
+        ctx.analysis_updated(a, computation)
     return changed

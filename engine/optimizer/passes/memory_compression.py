@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 
 from engine.compiler.computation import Command, CommandType as CT, NnetComputation
-from engine.optimizer.analysis import Access, Analyzer
+from engine.optimizer.analysis import Access, Analyzer, accesses_submatrices
 from engine.optimizer.passes._edit import commands_of_type, insert_commands
 
 # Kaldi's CuCompressedMatrixType values (the same table is in engine.runtime.compression)
@@ -61,6 +61,20 @@ def _plan(nnet, computation: NnetComputation, analyzer: Analyzer, level: int,
     return out
 
 
+def _may_compress(nnet, backward: list, level: int) -> bool:
+    """False when _plan would find nothing, seen from the commands after the
+    marker alone: every matrix compressed is accessed there (its first backward
+    access), by a command other than handing out an output (outputs are never
+    compressed), and at level 1 that access is a ReLU backprop.  A forward-only
+    computation has only deallocations and outputs there."""
+    if level == 1:
+        return any(c.command_type == CT.BACKPROP
+                   and nnet.components[c.arg1].type_name == "RectifiedLinearComponent"
+                   for c in backward)
+    return any(c.command_type != CT.PROVIDE_OUTPUT and accesses_submatrices(c.command_type)
+               for c in backward)
+
+
 def optimize_memory_compression(computation: NnetComputation, ctx) -> bool:
     """Kaldi's OptimizeMemoryCompression with ``ctx.options.memory_compression_level``."""
     level = ctx.options.memory_compression_level
@@ -70,6 +84,8 @@ def optimize_memory_compression(computation: NnetComputation, ctx) -> bool:
     markers = commands_of_type(computation, CT.NO_OPERATION_MARKER)
     if len(markers) != 1:
         # none: no backward pass; several: not expected outside looped computations
+        return False
+    if not _may_compress(ctx.nnet, cmds[markers[0] + 1:], level):
         return False
     analyzer = ctx.analyzer(computation) if hasattr(ctx, "analyzer") else Analyzer(ctx.nnet,
                                                                                     computation)

@@ -46,7 +46,7 @@ def move_sizing_commands(computation: NnetComputation, ctx) -> bool:
         if (dealloc != -1 and ma.accesses
                 and cmds[dealloc].command_type == CT.DEALLOC_MATRIX):
             key[dealloc] = 3 * ma.accesses[-1][0] + 1
-    order = sorted(range(n), key=lambda i: (key[i], i))
+    order = sorted(range(n), key=key.__getitem__)   # stable: ties keep command order
     new = []
     for old in order:
         if cmds[old].command_type == CT.GOTO_LABEL:

@@ -39,16 +39,20 @@ _MAX_SIZE_RATIO = 2
 def _special_structure(indexes) -> tuple[int, int, int] | None:
     """(first_nonnegative_pos, first_value, count) when ``indexes`` is -1's, one run of
     consecutive nonnegative values, then -1's; None otherwise."""
-    arr = np.asarray(indexes, dtype=np.int64)
-    nonneg = arr >= 0
-    if arr.size == 0 or not nonneg.any():
+    n = len(indexes)
+    first = 0
+    while first < n and indexes[first] < 0:
+        first += 1
+    if first == n:
         return None
-    first = int(np.argmax(nonneg))
-    last = arr.size - 1 - int(np.argmax(nonneg[::-1]))
-    run = arr[first:last + 1]
-    if not np.array_equal(run, run[0] + np.arange(run.size)):
+    last = n - 1
+    while indexes[last] < 0:
+        last -= 1
+    value = int(indexes[first])
+    count = last + 1 - first
+    if list(indexes[first:last + 1]) != list(range(value, value + count)):
         return None
-    return first, int(run[0]), int(run.size)
+    return first, value, count
 
 
 def replace_row_with_matrix_ops(computation: NnetComputation, ctx=None) -> bool:
@@ -69,16 +73,22 @@ def replace_row_with_matrix_ops(computation: NnetComputation, ctx=None) -> bool:
     return changed
 
 
-def _leading_trailing(empty: np.ndarray) -> tuple[int, int] | None:
+def _leading_trailing(empty: list[bool]) -> tuple[int, int] | None:
     """Number of leading and trailing True entries; None if all are True (nothing
     to keep: Kaldi asserts this never happens, we leave such a command alone)."""
-    if empty.size == 0 or empty.all():
+    n = len(empty)
+    lead = 0
+    while lead < n and empty[lead]:
+        lead += 1
+    if lead == n:
         return None
-    keep = ~empty
-    return int(np.argmax(keep)), int(np.argmax(keep[::-1]))
+    trail = 0
+    while empty[n - 1 - trail]:
+        trail += 1
+    return lead, trail
 
 
-def _snip(computation: NnetComputation, c: Command, table: list, empty: np.ndarray,
+def _snip(computation: NnetComputation, c: Command, table: list, empty: list[bool],
           table_slot: int, tables: list) -> bool:
     lt = _leading_trailing(empty)
     if lt is None or lt == (0, 0):
@@ -98,16 +108,19 @@ def snip_row_ops(computation: NnetComputation, ctx=None) -> bool:
         ct = c.command_type
         if ct == CT.ADD_ROWS:
             table = computation.indexes[c.arg3]
-            empty = np.asarray(table, dtype=np.int64) < 0
-            changed |= _snip(computation, c, table, empty, 2, computation.indexes)
+            if table and table[0] >= 0 and table[-1] >= 0:
+                continue   # nothing to cut
+            changed |= _snip(computation, c, table, [i < 0 for i in table], 2,
+                             computation.indexes)
         elif ct in (CT.ADD_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI):
             table = computation.indexes_multi[c.arg2]
-            empty = np.asarray(table, dtype=np.int64).reshape(-1, 2)[:, 0] < 0
-            changed |= _snip(computation, c, table, empty, 1, computation.indexes_multi)
+            if table and table[0][0] >= 0 and table[-1][0] >= 0:
+                continue
+            changed |= _snip(computation, c, table, [p[0] < 0 for p in table], 1,
+                             computation.indexes_multi)
         elif ct == CT.ADD_ROW_RANGES:
             table = computation.indexes_ranges[c.arg3]
-            arr = np.asarray(table, dtype=np.int64).reshape(-1, 2)
-            changed |= _snip(computation, c, table, arr[:, 0] == arr[:, 1], 2,
+            changed |= _snip(computation, c, table, [p[0] == p[1] for p in table], 2,
                              computation.indexes_ranges)
     return changed
 

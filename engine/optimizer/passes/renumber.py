@@ -13,37 +13,60 @@ submatrices are also referred to from inside ``indexes_multi``.
 
 from __future__ import annotations
 
-from engine.compiler.computation import COMMAND_SPECS, ArgKind, CommandType, NnetComputation
+from operator import attrgetter
+
+from engine.compiler.computation import (COMMAND_SPECS, ArgKind, CommandType, NnetComputation,
+                                         SubMatrixInfo)
 
 CT = CommandType
 
-
 _ARG = tuple(f"arg{i + 1}" for i in range(7))
-_KIND_POSITIONS: dict = {}
+# per command type: ArgKind -> attribute names of the slots of that kind
+_KIND_POSITIONS = {ct: {} for ct in CT}
+for _ct, _spec in COMMAND_SPECS.items():
+    for _i, _slot in enumerate(_spec.slots):
+        _KIND_POSITIONS[_ct].setdefault(_slot.kind, []).append(_ARG[_i])
+_GET = {a: attrgetter(a) for a in _ARG}
 
 
-def _positions(ct) -> dict:
-    """ArgKind -> attribute names of the slots of that kind, per command type."""
-    pos = _KIND_POSITIONS.get(ct)
-    if pos is None:
-        pos = {}
-        for i, slot in enumerate(COMMAND_SPECS[ct].slots):
-            pos.setdefault(slot.kind, []).append(_ARG[i])
-        _KIND_POSITIONS[ct] = pos
-    return pos
+class _Refs:
+    """The argument slots of every command, per kind, as (attribute name, the
+    commands of one type in command order) -- one walk over the commands serves
+    every table (renumbering changes arguments, never command types)."""
 
+    def __init__(self, computation: NnetComputation):
+        by_type: dict = {}
+        for cmd in computation.commands:
+            lst = by_type.get(cmd.command_type)
+            if lst is None:
+                by_type[cmd.command_type] = [cmd]
+            else:
+                lst.append(cmd)
+        self.by_type = by_type
 
-def _all_slots(computation: NnetComputation) -> dict:
-    """ArgKind -> [(command, attribute name)] for every argument slot, in command
-    order (one walk over the commands serves every table: renumbering changes
-    arguments, never command types)."""
-    out: dict = {k: [] for k in ArgKind}
-    for cmd in computation.commands:
-        for kind, names in _positions(cmd.command_type).items():
-            lst = out[kind]
-            for a in names:
-                lst.append((cmd, a))
-    return out
+    def of(self, kind) -> list[tuple[str, list]]:
+        return [(a, group) for ct, group in self.by_type.items()
+                for a in _KIND_POSITIONS[ct].get(kind, ())]
+
+    @staticmethod
+    def values(refs) -> set[int]:
+        out: set[int] = set()
+        for a, group in refs:
+            out.update(map(_GET[a], group))
+        return out
+
+    @staticmethod
+    def remap(refs, new_of, positive_only: bool = False) -> None:
+        for a, group in refs:
+            get = _GET[a]
+            if positive_only:
+                for cmd in group:
+                    v = get(cmd)
+                    if v > 0:
+                        setattr(cmd, a, new_of[v])
+            else:
+                for cmd in group:
+                    setattr(cmd, a, new_of[get(cmd)])
 
 
 def _renumber_table(computation: NnetComputation, attr: str, refs: list,
@@ -53,7 +76,7 @@ def _renumber_table(computation: NnetComputation, attr: str, refs: list,
     table = getattr(computation, attr)
     if not table:
         return False
-    used = sorted({getattr(cmd, a) for cmd, a in refs})
+    used = sorted(_Refs.values(refs))
     old_to_new: dict[int, int] = {}
     seen: dict = {}
     new_table = []
@@ -67,100 +90,113 @@ def _renumber_table(computation: NnetComputation, attr: str, refs: list,
     changed = len(new_table) != len(table) or any(o != n for o, n in old_to_new.items())
     if changed:
         setattr(computation, attr, new_table)
-        for cmd, a in refs:
-            setattr(cmd, a, old_to_new[getattr(cmd, a)])
+        _Refs.remap(refs, old_to_new)
     return changed
 
 
-def _renumber_memos(computation: NnetComputation) -> bool:
+def _renumber_memos(refs: _Refs) -> bool:
+    """Memos numbered 1, 2, ... in the order of the propagates that make them."""
     new_of: dict[int, int] = {}
     changed = False
-    for cmd in computation.commands:
-        if cmd.command_type == CT.PROPAGATE and cmd.arg5 > 0:
+    props = refs.by_type.get(CT.PROPAGATE, ())
+    for cmd in props:
+        if cmd.arg5 > 0:
             new_of[cmd.arg5] = len(new_of) + 1
-    for cmd in computation.commands:
-        if cmd.command_type == CT.PROPAGATE and cmd.arg5 > 0:
-            new = new_of[cmd.arg5]
-        elif cmd.command_type in (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE) and cmd.arg7 > 0:
-            if cmd.arg7 not in new_of:
-                raise ValueError(f"renumber_computation: memo {cmd.arg7} consumed by a backprop "
-                                 "but produced by no propagate")
-            new = new_of[cmd.arg7]
-        else:
-            continue
-        attr = "arg5" if cmd.command_type == CT.PROPAGATE else "arg7"
-        if getattr(cmd, attr) != new:
-            setattr(cmd, attr, new)
+    for cmd in props:
+        if cmd.arg5 > 0 and cmd.arg5 != new_of[cmd.arg5]:
+            cmd.arg5 = new_of[cmd.arg5]
             changed = True
+    for ct in (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE):
+        for cmd in refs.by_type.get(ct, ()):
+            if cmd.arg7 > 0:
+                if cmd.arg7 not in new_of:
+                    raise ValueError(f"renumber_computation: memo {cmd.arg7} consumed by a "
+                                     "backprop but produced by no propagate")
+                if cmd.arg7 != new_of[cmd.arg7]:
+                    cmd.arg7 = new_of[cmd.arg7]
+                    changed = True
     return changed
 
 
-def renumber_computation(computation: NnetComputation, ctx=None) -> bool:
+def _multi_key(v) -> tuple:
+    return tuple(map(tuple, v))
+
+
+def renumber_computation(computation: NnetComputation, ctx=None,
+                         submatrix_order: list[int] | None = None) -> bool:
+    """Kaldi's RenumberComputation.  ``submatrix_order``: a sort key per submatrix
+    for the new numbering (default: the current numbers); of equal submatrices
+    the first in that order stands for all."""
     c = computation
-    slots = _all_slots(c)
-    changed = _renumber_table(c, "indexes_multi", slots[ArgKind.INDEXES_MULTI],
-                              key=lambda v: tuple(map(tuple, v)))
+    refs = _Refs(c)
+    multi_refs = refs.of(ArgKind.INDEXES_MULTI)
+    changed = _renumber_table(c, "indexes_multi", multi_refs, key=_multi_key)
     # which submatrices are referred to, from commands and from indexes_multi
-    sub_refs = slots[ArgKind.SUBMATRIX]
-    used = [False] * len(c.submatrices)
-    used[0] = True
-    for cmd, a in sub_refs:
-        v = getattr(cmd, a)
+    sub_refs = refs.of(ArgKind.SUBMATRIX)
+    nsub = len(c.submatrices)
+    used = [False] * nsub
+    if nsub:
+        used[0] = True
+    for v in refs.values(sub_refs):
         if v > 0:
             used[v] = True
     for lst in c.indexes_multi:
         for s, _ in lst:
             if s > 0:
                 used[s] = True
+    subs = c.submatrices
     matrix_used = [False] * len(c.matrices)
     if matrix_used:
         matrix_used[0] = True
-    for s in range(1, len(c.submatrices)):
+    for s in range(1, nsub):
         if used[s]:
-            matrix_used[c.submatrices[s].matrix_index] = True
+            matrix_used[subs[s].matrix_index] = True
     old_to_new_matrix = []
     n = 0
     for u in matrix_used:
         old_to_new_matrix.append(n if u else -1)
         n += u
     # submatrices: drop unused ones and merge duplicates (same matrix and extent)
-    old_to_new_sub = [-1] * len(c.submatrices)
-    old_to_new_sub[0] = 0 if c.submatrices else -1
-    new_subs = c.submatrices[:1]
+    old_to_new_sub = [-1] * nsub
+    old_to_new_sub[0] = 0 if nsub else -1
+    new_subs = subs[:1]
     by_info: dict = {}
-    for s in range(1, len(c.submatrices)):
+    order = range(1, nsub)
+    if submatrix_order is not None:
+        order = sorted(order, key=submatrix_order.__getitem__)
+    for s in order:
         if not used[s]:
             continue
-        info = c.submatrices[s]
-        if info in by_info:
-            old_to_new_sub[s] = by_info[info]
+        info = subs[s]
+        k = by_info.get(info)
+        if k is not None:
+            old_to_new_sub[s] = k
         else:
             by_info[info] = old_to_new_sub[s] = len(new_subs)
             new_subs.append(info)
-    sub_changed = len(new_subs) != len(c.submatrices) or any(
-        old_to_new_sub[s] != s for s in range(len(c.submatrices)) if used[s])
+    sub_changed = len(new_subs) != nsub or any(
+        old_to_new_sub[s] != s for s in range(nsub) if used[s])
     mat_changed = n != len(c.matrices)
     if sub_changed:
-        for cmd, a in sub_refs:
-            v = getattr(cmd, a)
-            if v > 0:
-                setattr(cmd, a, old_to_new_sub[v])
+        _Refs.remap(sub_refs, old_to_new_sub, positive_only=True)
         c.indexes_multi = [[(old_to_new_sub[s], r) if s > 0 else (s, r) for s, r in lst]
                            for lst in c.indexes_multi]
+    if mat_changed:
+        new_subs[1:] = [info if old_to_new_matrix[info[0]] == info[0] else
+                        SubMatrixInfo(old_to_new_matrix[info[0]], info[1], info[2], info[3],
+                                      info[4])
+                        for info in new_subs[1:]]
     if sub_changed or mat_changed:
-        c.submatrices = [info if k == 0 else info._replace(
-            matrix_index=old_to_new_matrix[info.matrix_index])
-            for k, info in enumerate(new_subs)]
+        c.submatrices = new_subs
     if mat_changed:
         c.matrices = [m for m, u in zip(c.matrices, matrix_used) if u]
         if c.matrix_debug_info:
             c.matrix_debug_info = [d for d, u in zip(c.matrix_debug_info, matrix_used) if u]
     changed |= sub_changed or mat_changed
     # submatrix renumbering may have made indexes_multi entries equal
-    changed |= _renumber_table(c, "indexes_multi", slots[ArgKind.INDEXES_MULTI],
-                               key=lambda v: tuple(map(tuple, v)))
-    changed |= _renumber_table(c, "indexes", slots[ArgKind.INDEXES])
-    changed |= _renumber_table(c, "indexes_ranges", slots[ArgKind.INDEXES_RANGES],
-                               key=lambda v: tuple(map(tuple, v)))
-    changed |= _renumber_memos(c)
+    changed |= _renumber_table(c, "indexes_multi", multi_refs, key=_multi_key)
+    changed |= _renumber_table(c, "indexes", refs.of(ArgKind.INDEXES))
+    changed |= _renumber_table(c, "indexes_ranges", refs.of(ArgKind.INDEXES_RANGES),
+                               key=_multi_key)
+    changed |= _renumber_memos(refs)
     return changed

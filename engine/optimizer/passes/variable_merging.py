@@ -20,6 +20,26 @@ allow_right_merge switch them.  The discarded matrix's allocation,
 deallocation and initial zeroing become no-ops; inputs and outputs keep their
 own matrix.  Each round merges every pair it can among variables not yet
 touched by a merge in that round; rounds repeat until nothing merges.
+
+Rounds are Kaldi's, computed with less work and the same result:
+
+- each round sees the analysis of the computation as the round started (Kaldi
+  builds a new analyzer per round); after a round only the matrices that took
+  part in a merge are analysed again (``Analyzer.reanalyze``), and
+- the next round looks only at candidates that touch one of those matrices:
+  every other candidate depends on nothing that changed and was turned down
+  last time (anything turned down because of the round's dirty variables
+  touches a merged matrix), so it would be turned down again;
+- the renumbering and removal of no-ops that Kaldi does after every round that
+  merged something is done once at the end.  In between only the order of
+  commands and the identity of submatrices matter: no-ops touch nothing, and
+  renumbering keeps the order of matrices and submatrices.  The one place
+  where submatrix numbers are compared (the backprop arguments below) compares
+  what renumbering would make equal -- the same extent -- after the first round.
+  What the skipped renumberings would have decided is the position of each
+  group of equal submatrices (the first one in use at that time): that is
+  tracked as a sort key per submatrix (``_SubmatrixOrder``) and handed to the
+  final renumbering.
 """
 
 from __future__ import annotations
@@ -27,22 +47,39 @@ from __future__ import annotations
 from engine.compiler.computation import (K_STRIDE_EQUAL_NUM_COLS, CommandType, NnetComputation,
                                          SubMatrixInfo)
 from engine.nnet.components.base import ComponentProperty as P
-from engine.optimizer.analysis import Analyzer, ComputationAnalysis, matrix_to_submatrices
+from engine.optimizer.analysis import Analyzer, ComponentProperties, ComputationAnalysis
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
 from engine.optimizer.passes.renumber import renumber_computation
 
 CT = CommandType
+_PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE = int(P.PROPAGATE_IN_PLACE), int(P.BACKPROP_IN_PLACE)
 
 
 class VariableMergingOptimizer:
-    def __init__(self, options, nnet, computation: NnetComputation):
+    """One round (Kaldi's VariableMergingOptimizer::MergeVariables) on an analysis
+    of the computation as the round starts."""
+
+    def __init__(self, options, computation: NnetComputation, analyzer: Analyzer,
+                 props, first_round: bool = True):
         self.o = options
-        self.nnet = nnet
+        self.props = props
         self.c = computation
-        self.a = Analyzer(nnet, computation)
-        self.analysis = ComputationAnalysis(computation, self.a)
-        self.matrix_to_submatrix = matrix_to_submatrices(computation)
-        self.dirty = [False] * self.a.variables.num_variables
+        self.a = analyzer
+        self.analysis = ComputationAnalysis(computation, analyzer)
+        # as the round starts (reanalyze() updates it after the round)
+        self.matrix_to_submatrix = analyzer.submatrices_of
+        # Kaldi's dirty variables: those of the kept submatrices (rectangles per
+        # matrix) and of the discarded matrices (whose submatrices have moved)
+        self.dirty: dict[int, list[tuple[int, int, int, int]]] = {}
+        self.moved: set[int] = set()
+        self.first_round = first_round
+        self.groups: dict[int, list[int]] = {}   # kept matrix -> itself and the discarded
+
+    def _same(self, s: int, t: int) -> bool:
+        """s and t are the same submatrix (as numbered after a renumbering)."""
+        if self.first_round:
+            return s == t
+        return s == t or self.c.submatrices[s] == self.c.submatrices[t]
 
     def _candidate(self, cmd) -> tuple[int, int]:
         """(s1, s2): source and destination that might be merged, or (-1, -1)."""
@@ -51,21 +88,25 @@ class VariableMergingOptimizer:
         if ct == CT.MATRIX_COPY and o.remove_assignments:
             return cmd.arg2, cmd.arg1
         if ct == CT.PROPAGATE and o.propagate_in_place:
-            if self.nnet.components[cmd.arg1].properties() & P.PROPAGATE_IN_PLACE:
+            if self.props[cmd.arg1] & _PROPAGATE_IN_PLACE:
                 return cmd.arg3, cmd.arg4
         elif ct in (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE) and o.backprop_in_place:
-            if self.nnet.components[cmd.arg1].properties() & P.BACKPROP_IN_PLACE:
+            if self.props[cmd.arg1] & _BACKPROP_IN_PLACE:
                 s1, s2 = cmd.arg5, cmd.arg6
                 # the values the backprop reads must not be overwritten by it
-                if cmd.arg3 in (s1, s2) or cmd.arg4 in (s1, s2):
+                same = self._same
+                if same(cmd.arg3, s1) or same(cmd.arg3, s2) or same(cmd.arg4, s1) \
+                        or same(cmd.arg4, s2):
                     return -1, -1
                 return s1, s2
         return -1, -1
 
-    def merge_variables(self) -> bool:
+    def merge_variables(self, commands) -> bool:
+        """Try the candidates among ``commands`` (indexes, increasing)."""
         merged = False
-        for ci, cmd in enumerate(self.c.commands):
-            s1, s2 = self._candidate(cmd)
+        cmds = self.c.commands
+        for ci in commands:
+            s1, s2 = self._candidate(cmds[ci])
             if s1 <= 0 or s2 <= 0:
                 continue
             left, right = self.may_be_merged(ci, s1, s2)
@@ -75,14 +116,7 @@ class VariableMergingOptimizer:
             elif right:
                 self.do_merge(ci, s2, s1)
                 merged = True
-        if merged:
-            renumber_computation(self.c)
-            remove_no_ops(self.c)
         return merged
-
-    def _mark_dirty(self, s: int) -> None:
-        for v in self.a.variables.variables_for_submatrix[s]:
-            self.dirty[v] = True
 
     def may_be_merged(self, ci: int, s1: int, s2: int) -> tuple[bool, bool]:
         """(left merge possible, right merge possible)."""
@@ -93,13 +127,13 @@ class VariableMergingOptimizer:
         m1, m2 = c.submatrices[s1].matrix_index, c.submatrices[s2].matrix_index
         if m1 == m2:
             return no
-        vfs = self.a.variables.variables_for_submatrix
-        if any(self.dirty[v] for v in vfs[s1]) or any(self.dirty[v] for v in vfs[s2]):
+        if self.dirty and (self._is_dirty(s1) or self._is_dirty(s2)):
             return no
         a1, a2 = self.a.matrix_accesses[m1], self.a.matrix_accesses[m2]
         if (a1.is_input and a2.is_input) or (a1.is_output and a2.is_output):
             return no
-        whole1, whole2 = c.is_whole_matrix(s1), c.is_whole_matrix(s2)
+        whole = self.a.submatrix_whole   # s1, s2 have not moved: as at the round's start
+        whole1, whole2 = whole[s1], whole[s2]
         if (a1.is_input or a1.is_output or a2.is_input or a2.is_output) and not (whole1
                                                                                  and whole2):
             return no
@@ -127,6 +161,14 @@ class VariableMergingOptimizer:
             ok = an.first_nontrivial_access(s2) == ci and an.last_access(s1) == ci
         return (left, right) if ok else no
 
+    def _is_dirty(self, s: int) -> bool:
+        """A variable of s was touched by a merge in this round."""
+        if s in self.moved:
+            return True
+        m, ro, nr, co, nc = self.c.submatrices[s]
+        return any(r0 < ro + nr and ro < r1 and c0 < co + nc and co < c1
+                   for r0, r1, c0, c1 in self.dirty.get(m, ()))
+
     def _alloc_precedes(self, m_keep: int, m_discard: int) -> bool:
         ma = self.a.matrix_accesses
         if self.c.commands[ma[m_discard].allocate_command].command_type == CT.ACCEPT_INPUT:
@@ -135,11 +177,12 @@ class VariableMergingOptimizer:
 
     def do_merge(self, ci: int, s_keep: int, s_discard: int) -> None:
         c = self.c
-        self._mark_dirty(s_keep)
-        self._mark_dirty(s_discard)
-        m_keep = c.submatrices[s_keep].matrix_index
+        m_keep, ro, nr, co, nc = c.submatrices[s_keep]
         m_discard = c.submatrices[s_discard].matrix_index
+        self.dirty.setdefault(m_keep, []).append((ro, ro + nr, co, co + nc))
+        self.moved.update(self.matrix_to_submatrix[m_discard])
         assert m_keep != m_discard and m_keep > 0 and m_discard > 0
+        self.groups.setdefault(m_keep, [m_keep]).append(m_discard)
         keep = c.submatrices[s_keep]
         # every submatrix of the discarded matrix becomes the same region of s_keep
         for s in self.matrix_to_submatrix[m_discard]:
@@ -177,8 +220,88 @@ class VariableMergingOptimizer:
             c.matrices[m_keep] = c.matrices[m_keep]._replace(stride_type=K_STRIDE_EQUAL_NUM_COLS)
 
 
+class _SubmatrixOrder:
+    """Where each submatrix would stand after the renumberings Kaldi does between
+    rounds: each renumbering keeps the submatrices in use, in order, one per
+    extent (the first).  ``key[s]`` is the number of the submatrix that stands for
+    s's group, so sorting the submatrices in use by key gives Kaldi's final order
+    (the groups only ever grow: submatrices of one extent move together)."""
+
+    def __init__(self, computation: NnetComputation, analyzer: Analyzer):
+        self.c, self.a = computation, analyzer
+        self.key = list(range(len(computation.submatrices)))
+
+    def _in_use(self, matrices) -> set[int]:
+        """Submatrices that commands touching ``matrices`` refer to (accesses,
+        indexes_multi lists, allocation and deallocation)."""
+        cmds, cacc = self.c.commands, self.a.command_accesses
+        used: set[int] = set()
+        for m in matrices:
+            ma = self.a.matrix_accesses[m]
+            for ci, _ in ma.accesses:
+                used.update(s for s, _ in cacc[ci])
+            for ci in (ma.allocate_command, ma.deallocate_command):
+                if ci >= 0:
+                    cmd = cmds[ci]
+                    used.add(cmd.arg1)
+                    if cmd.command_type == CT.SWAP_MATRIX:
+                        used.add(cmd.arg2)
+        return used
+
+    def renumbered(self, matrices, first: bool) -> None:
+        """A renumbering after a round in which ``matrices`` changed (their
+        submatrices moved or lost references).  After the ``first`` round, also
+        the submatrices that were equal before it (only they can be grouped on
+        the matrices that did not change)."""
+        subs, key = self.c.submatrices, self.key
+        of = self.a.submatrices_of
+        if first:
+            matrices = set(matrices)
+            seen: set = set()
+            for s in range(1, len(subs)):
+                info = subs[s]
+                if info in seen:
+                    matrices.add(info.matrix_index)
+                seen.add(info)
+        used = self._in_use(matrices)
+        first: dict = {}
+        members = [s for m in matrices for s in of[m] if s in used]
+        for s in members:
+            info = subs[s]
+            k = first.get(info)
+            if k is None or key[s] < k:
+                first[info] = key[s]
+        for s in members:
+            key[s] = first[subs[s]]
+
+
 def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
-    changed = False
-    while VariableMergingOptimizer(ctx.options, ctx.nnet, computation).merge_variables():
-        changed = True
-    return changed
+    """Kaldi's VariableMergingOptimization: rounds of merging until one merges nothing."""
+    o = ctx.options
+    if not o.allow_left_merge and not o.allow_right_merge:
+        return False   # nothing can merge
+    props = getattr(ctx, "props", None) or ComponentProperties(ctx.nnet)
+    analyzer = (ctx.analyzer(computation) if hasattr(ctx, "analyzer")
+                else Analyzer(ctx.nnet, computation, props))
+    kinds = {CT.MATRIX_COPY, CT.PROPAGATE, CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE}
+    commands = [i for i, c in enumerate(computation.commands) if c.command_type in kinds]
+    order = None
+    while True:
+        opt = VariableMergingOptimizer(o, computation, analyzer, props,
+                                       first_round=order is None)
+        if not opt.merge_variables(commands):
+            break
+        analyzer.reanalyze(opt.groups)
+        first = order is None
+        if first:
+            order = _SubmatrixOrder(computation, analyzer)
+        order.renumbered(list(opt.groups), first)
+        commands = sorted({ci for m in opt.groups for ci, _ in
+                           analyzer.matrix_accesses[m].accesses})
+    if order is None:
+        return False
+    if hasattr(ctx, "invalidate"):
+        ctx.invalidate()
+    renumber_computation(computation, submatrix_order=order.key)
+    remove_no_ops(computation)
+    return True
