@@ -58,14 +58,21 @@ def _grow(a: np.ndarray, need: int) -> np.ndarray:
 
 
 class CindexTable:
-    """Cindex (node, n, t, x) -> id for whole arrays at once: a dense table when the
-    Index ranges are compact, sorted keys otherwise; blank (t = kNoTime) cindexes in
-    a dict."""
+    """Cindex (node, n, t, x) -> id for whole arrays at once.
+
+    Cindexes are keys ((node * span_n + n) * span_t + t) * span_x + x (relative to
+    the low corner) into a dense table when the ranges are compact, sorted keys
+    otherwise; blank (t = kNoTime) cindexes live in a dict.  The table keeps
+    ``margin`` (n, t, x) free around every cindex and covers nodes 0 ..
+    ``num_nodes`` - 1, so that ``find_shifted`` (the same Index shifted by a
+    small constant, on another node) is one addition and one lookup."""
 
     MAX_DENSE = 1 << 22
 
-    def __init__(self, coords: np.ndarray) -> None:
+    def __init__(self, coords: np.ndarray, num_nodes: int = 0,
+                 margin: tuple[int, int, int] = (0, 0, 0)) -> None:
         coords = np.asarray(coords, dtype=np.int64).reshape(-1, 4)
+        self.margin = tuple(margin)
         blank = coords[:, 2] == K_NO_TIME
         self.blank: dict[tuple[int, int, int], int] = {}
         ids = np.arange(len(coords), dtype=np.int64)
@@ -73,74 +80,126 @@ class CindexTable:
             for i in np.flatnonzero(blank).tolist():
                 node, n, _, x = coords[i].tolist()
                 self.blank[(node, n, x)] = i
-            coords, ids = coords[~blank], ids[~blank]
-        if len(coords):
-            self.lo = coords.min(axis=0)
-            span = coords.max(axis=0) - self.lo + 1
+            real, rids = coords[~blank], ids[~blank]
         else:
-            self.lo = np.zeros(4, np.int64)
-            span = np.ones(4, np.int64)
-        self.span = span
-        cells = int(span[0]) * int(span[1]) * int(span[2]) * int(span[3])
-        self.dense = cells <= max(self.MAX_DENSE, 8 * len(coords))
-        if self.dense:
+            real, rids = coords, ids
+        if len(real):
+            lo = real.min(axis=0).tolist()
+            hi = real.max(axis=0).tolist()
+        else:
+            lo, hi = [0, 0, 0, 0], [0, 0, 0, 0]
+        lo[0] = min(lo[0], 0)
+        hi[0] = max(hi[0], num_nodes - 1)
+        for k in range(3):
+            lo[k + 1] -= margin[k]
+            hi[k + 1] += margin[k]
+        self.lo = lo
+        self.hi = hi
+        span = [hi[k] - lo[k] + 1 for k in range(4)]
+        self.stride_t = span[3]
+        self.stride_n = span[2] * span[3]
+        self.stride_node = span[1] * self.stride_n
+        cells = span[0] * self.stride_node
+        self.mode = ("dense" if cells <= max(self.MAX_DENSE, 8 * len(real))
+                     else "sorted" if cells < 1 << 62 else "dict")
+        self.key_of = np.full(len(coords), -1, dtype=np.int64)
+        if self.mode == "dict":
+            self.dict = {tuple(r): i for r, i in zip(real.tolist(), rids.tolist())}
+            return
+        keys = self._key(real[:, 0], real[:, 1], real[:, 2], real[:, 3])
+        self.key_of[rids] = keys
+        if self.mode == "dense":
             self.table = np.full(cells, -1, dtype=np.int64)
-            self.table[self._key(coords[:, 0], coords[:, 1], coords[:, 2], coords[:, 3])] = ids
+            self.table[keys] = rids
         else:
-            if cells >= 1 << 62:
-                # ranges too wide even for one int64 key: lexicographic search
-                order = np.lexsort((coords[:, 3], coords[:, 2], coords[:, 1], coords[:, 0]))
-                self.sorted_rows, self.sorted_ids, self.keyed = coords[order], ids[order], False
-                return
-            key = self._key(coords[:, 0], coords[:, 1], coords[:, 2], coords[:, 3])
-            order = np.argsort(key, kind="stable")
-            self.sorted_keys, self.sorted_ids, self.keyed = key[order], ids[order], True
+            order = np.argsort(keys, kind="stable")
+            self.sorted_keys, self.sorted_ids = keys[order], rids[order]
 
     def _key(self, node, n, t, x):
-        lo, span = self.lo, self.span
-        return (((node - lo[0]) * span[1] + (n - lo[1])) * span[2] + (t - lo[2])) * span[3] \
-            + (x - lo[3])
+        lo = self.lo
+        return ((node - lo[0]) * self.stride_node + (n - lo[1]) * self.stride_n
+                + (t - lo[2]) * self.stride_t + (x - lo[3]))
+
+    def add(self, coords: np.ndarray, ids: np.ndarray) -> bool:
+        """Add cindexes (ids continuing from the last); False when they do not fit
+        with the margin (then build a new table)."""
+        coords = np.asarray(coords, dtype=np.int64).reshape(-1, 4)
+        if self.mode != "dense" or len(ids) and int(ids[0]) != len(self.key_of):
+            return False
+        blank = coords[:, 2] == K_NO_TIME
+        keys = np.full(len(coords), -1, dtype=np.int64)
+        real = ~blank
+        if real.any():
+            c = coords[real]
+            lo, hi, mg = self.lo, self.hi, self.margin
+            ext_lo, ext_hi = c.min(axis=0).tolist(), c.max(axis=0).tolist()
+            if ext_lo[0] < lo[0] or ext_hi[0] > hi[0] or any(
+                    ext_lo[k + 1] - mg[k] < lo[k + 1] or ext_hi[k + 1] + mg[k] > hi[k + 1]
+                    for k in range(3)):
+                return False
+            keys[real] = self._key(c[:, 0], c[:, 1], c[:, 2], c[:, 3])
+            self.table[keys[real]] = ids[real]
+        for (node, n, _, x), i in zip(coords[blank].tolist(), ids[blank].tolist()):
+            self.blank[(node, n, x)] = i
+        self.key_of = np.concatenate((self.key_of, keys))
+        return True
+
+    def _lookup(self, keys: np.ndarray) -> np.ndarray:
+        if self.mode == "dense":
+            return self.table[keys]
+        if not len(self.sorted_keys):
+            return np.full(len(keys), -1, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(self.sorted_keys, keys), len(self.sorted_keys) - 1)
+        return np.where(self.sorted_keys[pos] == keys, self.sorted_ids[pos], -1)
 
     def find(self, node, n, t, x) -> np.ndarray:
-        """Ids of the cindexes (node, n, t, x) (arrays, node may be an int), -1 if absent."""
-        n = np.asarray(n, dtype=np.int64)
-        t = np.asarray(t, dtype=np.int64)
-        x = np.asarray(x, dtype=np.int64)
-        node = np.broadcast_to(np.asarray(node, dtype=np.int64), t.shape)
-        lo, span = self.lo, self.span
-        inside = ((node >= lo[0]) & (node < lo[0] + span[0]) & (n >= lo[1])
-                  & (n < lo[1] + span[1]) & (t >= lo[2]) & (t < lo[2] + span[2])
-                  & (x >= lo[3]) & (x < lo[3] + span[3]))
-        out = np.full(t.shape, -1, dtype=np.int64)
-        if inside.all():
-            sel = slice(None)
+        """Ids of the cindexes (node, n, t, x) (int64 arrays; node may be an int), -1
+        where absent."""
+        lo, hi = self.lo, self.hi
+        out = np.full(len(t), -1, dtype=np.int64)
+        if self.mode == "dict":
+            nodes = np.broadcast_to(node, t.shape).tolist()
+            for j, key in enumerate(zip(nodes, n.tolist(), t.tolist(), x.tolist())):
+                out[j] = self.dict.get(key, self.blank.get((key[0], key[1], key[3]), -1)
+                                       if key[2] == K_NO_TIME else -1)
+            return out
+        ok = (t >= lo[2]) & (t <= hi[2]) & (n >= lo[1]) & (n <= hi[1]) & (x >= lo[3]) \
+            & (x <= hi[3])
+        if isinstance(node, (int, np.integer)):
+            if not lo[0] <= node <= hi[0]:
+                ok[:] = False
         else:
-            sel = np.flatnonzero(inside)
-        if self.dense:
-            out[sel] = self.table[self._key(node[sel], n[sel], t[sel], x[sel])]
-        elif self.keyed:
-            key = self._key(node[sel], n[sel], t[sel], x[sel])
-            pos = np.searchsorted(self.sorted_keys, key)
-            pos = np.minimum(pos, len(self.sorted_keys) - 1)
-            hit = self.sorted_keys[pos] == key if len(self.sorted_keys) else np.zeros(0, bool)
-            out[sel] = np.where(hit, self.sorted_ids[pos], -1)
-        else:
-            rows = self.sorted_rows
-            for j in (np.flatnonzero(inside).tolist()):
-                q = (int(node[j]), int(n[j]), int(t[j]), int(x[j]))
-                a, b = 0, len(rows)
-                while a < b:
-                    m = (a + b) // 2
-                    if tuple(rows[m].tolist()) < q:
-                        a = m + 1
-                    else:
-                        b = m
-                if a < len(rows) and tuple(rows[a].tolist()) == q:
-                    out[j] = self.sorted_ids[a]
+            ok &= (node >= lo[0]) & (node <= hi[0])
+        if ok.all():
+            out = self._lookup(self._key(node, n, t, x))
+        elif ok.any():
+            sel = np.flatnonzero(ok)
+            nd = node if isinstance(node, (int, np.integer)) else node[sel]
+            out[sel] = self._lookup(self._key(nd, n[sel], t[sel], x[sel]))
         if self.blank:
             for j in np.flatnonzero(t == K_NO_TIME).tolist():
-                out[j] = self.blank.get((int(node[j]), int(n[j]), int(x[j])), -1)
+                nd = int(node) if isinstance(node, (int, np.integer)) else int(node[j])
+                out[j] = self.blank.get((nd, int(n[j]), int(x[j])), -1)
         return out
+
+    def shift_ok(self, dn: int, dt: int, dx: int) -> bool:
+        mg = self.margin
+        return self.mode != "dict" and abs(dn) <= mg[0] and abs(dt) <= mg[1] \
+            and abs(dx) <= mg[2]
+
+    def find_shifted(self, ids: np.ndarray, from_node: int, to_node: int,
+                     dn: int = 0, dt: int = 0, dx: int = 0) -> np.ndarray | None:
+        """Ids of (to_node, n + dn, t + dt, x + dx) for the cindexes ``ids`` (all on
+        ``from_node``), -1 where absent; None when the shift exceeds the margin or
+        some of ``ids`` are blank (ask ``find``)."""
+        if not self.shift_ok(dn, dt, dx) or not self.lo[0] <= to_node <= self.hi[0]:
+            return None
+        keys = self.key_of[ids]
+        if len(keys) and keys.min() < 0:
+            return None
+        delta = ((to_node - from_node) * self.stride_node + dn * self.stride_n
+                 + dt * self.stride_t + dx)
+        return self._lookup(keys + delta)
 
 
 class ComputationGraph:
@@ -221,14 +280,43 @@ class ComputationGraph:
                                 np.asarray(dep_idx, dtype=np.int64)))
         self._dep_cache = None
         self._num = start + m
-        self._table = None
+        if self._table is not None and not self._table.add(coords, np.arange(start, start + m)):
+            self._table = None
         return start
 
+    def table(self, num_nodes: int = 0, margin: tuple[int, int, int] = (0, 0, 0)
+              ) -> CindexTable:
+        """The lookup table of the graph's cindexes (kept up to date as cindexes are
+        added), covering nodes 0 .. num_nodes - 1 with at least ``margin``."""
+        t = self._table
+        if t is not None and num_nodes == 0 and margin == (0, 0, 0):
+            return t
+        if (t is None or t.hi[0] < num_nodes - 1
+                or any(t.margin[k] < margin[k] for k in range(3))):
+            if t is not None:
+                num_nodes = max(num_nodes, t.hi[0] + 1)
+                margin = tuple(max(t.margin[k], margin[k]) for k in range(3))
+            t = self._table = CindexTable(self.coords, num_nodes, margin)
+        return t
+
+    def add_cindexes(self, coords: np.ndarray) -> np.ndarray:
+        """Add cindexes (not inputs, no dependencies) given as (m, 4) rows; their ids."""
+        start = self.append_arrays(coords, np.zeros(len(coords), dtype=bool))
+        return np.arange(start, start + len(coords))
+
     def find(self, node, n, t, x) -> np.ndarray:
-        """Ids of cindexes given as arrays (node may be one int), -1 where absent."""
-        if self._table is None:
-            self._table = CindexTable(self.coords)
-        return self._table.find(node, n, t, x)
+        """Ids of cindexes given as int64 arrays (node may be one int), -1 where absent."""
+        return self.table().find(node, n, t, x)
+
+    def find_like(self, ids: np.ndarray, from_node: int, to_node: int) -> np.ndarray:
+        """Ids of the cindexes on ``to_node`` with the Indexes of cindexes ``ids``
+        (all on ``from_node``), -1 where absent."""
+        table = self.table()
+        out = table.find_shifted(ids, from_node, to_node)
+        if out is None:
+            c = self.coords[ids]
+            out = table.find(to_node, c[:, 1], c[:, 2], c[:, 3])
+        return out
 
     # -- the list form --------------------------------------------------------------------
     def _sync_lists(self) -> None:

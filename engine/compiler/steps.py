@@ -26,286 +26,400 @@ The order of steps, and of cindexes inside them, is the matrix row order that
 must reproduce Kaldi's computations, so every rule above follows Kaldi's code;
 where Kaldi iterates a hash set the iteration order of its (libstdc++) set is
 reproduced (see ``_unordered_set_order``).
+
+Everything works on the graph's arrays (engine.compiler.graph_nodes): the
+graph's ids inside a segment are already in Cindex order (supplied inputs
+first), so sorting a phase is sorting ids by node; steps are id arrays, and
+``loc_step`` / ``loc_row`` give the (step, row) of every cindex.  Phases and
+steps read as lists of id lists (``PhaseList``, ``StepList``) for callers that
+want them.  Only the cindexes of recurrences are peeled one by one (a plain
+Python loop over them; every other epoch is one phase).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from typing import Sequence
+from collections.abc import Sequence
 
-from engine.core.errors import NotComputableError, RequestError
-from engine.core.index import Cindex, Index
+import numpy as np
+
+from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
+from engine.core.errors import NotComputableError, RequestError
+from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import ComponentProperty
 from engine.nnet.graph import compute_nnet_computation_epochs
+
+_tuple_new = tuple.__new__
+
+
+class _IdLists(Sequence):
+    """A list of id lists kept as one id array and boundaries."""
+
+    def __init__(self, ids: np.ndarray, ptr: np.ndarray) -> None:
+        self.ids = ids
+        self.ptr = ptr
+        self._bounds = ptr.tolist()
+
+    def __len__(self) -> int:
+        return len(self._bounds) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.ids[self._bounds[i]:self._bounds[i + 1]].tolist()
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+
+class PhaseList(_IdLists):
+    """One segment's phases (lists of cindex ids, in order)."""
+
 
 # --------------------------------------------------------------------------------------
 # phases
 
 
-def _epoch_info(nnet, graph: ComputationGraph):
-    """Per segment, per epoch, the cindex ids; the segment-and-epoch key of each
-    cindex id; and whether each epoch is 'trivial' (at most one node)."""
-    node_to_epoch = [e + 1 for e in compute_nnet_computation_epochs(nnet)]
-    num_epochs = 1 + max(node_to_epoch)
-    nodes_per_epoch = [0] * num_epochs
-    for e in node_to_epoch:
-        nodes_per_epoch[e] += 1
-    epoch_is_trivial = [k <= 1 for k in nodes_per_epoch]
-    n = len(graph.cindexes)
-    if not graph.segment_ends or graph.segment_ends[-1] != n:
-        raise ValueError("the graph has cindexes outside any segment (was prune called?)")
-    key = [0] * n
-    epochs_per_segment = []
-    start = 0
-    cindexes, is_input = graph.cindexes, graph.is_input
-    for seg, end in enumerate(graph.segment_ends):
-        epochs: list[list[int]] = [[] for _ in range(num_epochs)]
-        base = seg * num_epochs
-        for c in range(start, end):
-            e = 0 if is_input[c] else node_to_epoch[cindexes[c][0]]
-            key[c] = base + e
-            epochs[e].append(c)
-        epochs_per_segment.append(epochs)
-        start = end
-    return epochs_per_segment, key, epoch_is_trivial
+def _csr_rows(ptr: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner position, dependency id) for every dependency of the cindexes ``rows``."""
+    cnt = ptr[rows + 1] - ptr[rows]
+    total = int(cnt.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    owner = np.repeat(np.arange(len(rows)), cnt)
+    first = np.cumsum(cnt) - cnt
+    at = np.repeat(ptr[rows] - first, cnt) + np.arange(total)
+    return owner, idx[at]
 
 
-def _phases_for_epoch(this_epoch: list[int], deps_subset: dict[int, list[int]],
-                      depend_on_subset: dict[int, list[int]], trivial: bool,
-                      phase_index: list[int], phases: list[list[int]],
-                      graph: ComputationGraph, names: Sequence[str]) -> None:
-    if not this_epoch:
-        return
-    if trivial:
-        # One node (or the supplied inputs): nothing inside depends on anything
-        # else inside, so the whole epoch is one phase.
-        phases.append(list(this_epoch))
-        return
-    this_phase = [c for c in this_epoch if not deps_subset[c]]
-    if not this_phase:
+def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.ndarray,
+                  graph: ComputationGraph, names) -> np.ndarray:
+    """Kaldi's ComputeComputationPhasesForEpoch on an epoch of several nodes:
+    the round in which each member (ids, ascending) can be computed, given the
+    dependencies inside the epoch (consumer and producer as member positions).
+    A round holds the members all of whose inputs were computed in earlier
+    rounds; Kaldi finds them among the users of the previous round."""
+    k = len(members)
+    remaining = np.bincount(deps_owner, minlength=k).tolist()
+    order = np.argsort(deps_local, kind="stable")
+    flat = deps_owner[order].tolist()
+    bounds = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(np.bincount(deps_local, minlength=k), out=bounds[1:])
+    b = bounds.tolist()
+    users = [flat[b[i]:b[i + 1]] for i in range(k)]
+    level = [0] * k
+    frontier = [i for i in range(k) if remaining[i] == 0]
+    if not frontier:
         raise NotComputableError(
             "the computation has a cycle at the cindex level (e.g. "
-            f"{graph.cindex_str(this_epoch[0], names)} depends on itself)")
-    while this_phase:
-        phases.append(this_phase)
-        cur = len(phases) - 1
-        candidates = set()
-        for c in this_phase:
-            phase_index[c] = cur
-            candidates.update(depend_on_subset[c])
-        this_phase = [c for c in sorted(candidates)
-                      if all(phase_index[d] >= 0 for d in deps_subset[c])]
-        if candidates and not this_phase:
-            raise NotComputableError(
-                "the model has a type of recurrence that cannot be computed (e.g. x[t] "
-                "depending on both x[t+1] and x[t-1]); stuck at "
-                f"{graph.cindex_str(min(candidates), names)}")
-
-
-def compute_computation_phases(nnet, graph: ComputationGraph) -> list[list[list[int]]]:
-    """Kaldi's ComputeComputationPhases: per segment, a list of phases (lists of cindex ids).
-
-    Call after the graph is built and pruned for every segment.
-    """
-    epochs_per_segment, key, epoch_is_trivial = _epoch_info(nnet, graph)
-    n = len(graph.cindexes)
-    # Dependencies inside the same segment and epoch, both ways; only epochs of
-    # several nodes (recurrences) look at them, so only those are computed.
-    deps_subset: dict[int, list[int]] = {}
-    depend_on_subset: dict[int, list[int]] = {}
-    all_deps = graph.dependencies
-    for epochs in epochs_per_segment:
-        for e, this_epoch in enumerate(epochs):
-            if epoch_is_trivial[e]:
-                continue
-            for c in this_epoch:
-                depend_on_subset[c] = []
-            for c in this_epoch:
-                k = key[c]
-                sub = [d for d in all_deps[c] if key[d] == k]
-                deps_subset[c] = sub
-                for d in sub:
-                    depend_on_subset[d].append(c)
-    phase_index = [-1] * n
-    names = node_names(nnet)
-    out = []
-    for epochs in epochs_per_segment:
-        phases: list[list[int]] = []
-        for e, this_epoch in enumerate(epochs):
-            _phases_for_epoch(this_epoch, deps_subset, depend_on_subset, epoch_is_trivial[e],
-                              phase_index, phases, graph, names)
-        out.append(phases)
-    if sum(len(p) for phases in out for p in phases) != n:
+            f"{graph.cindex_str(int(members[0]), names)} depends on itself)")
+    lev = 0
+    while frontier:
+        nxt = []
+        for c in frontier:
+            level[c] = lev
+            for u in users[c]:
+                r = remaining[u] - 1
+                remaining[u] = r
+                if not r:
+                    nxt.append(u)
+        if not nxt:
+            stuck = [u for c in frontier for u in users[c]]
+            if stuck:
+                raise NotComputableError(
+                    "the model has a type of recurrence that cannot be computed (e.g. x[t] "
+                    "depending on both x[t+1] and x[t-1]); stuck at "
+                    f"{graph.cindex_str(int(members[min(stuck)]), names)}")
+        frontier = nxt
+        lev += 1
+    if any(remaining):
         raise AssertionError("phases do not cover every cindex")
+    return np.array(level, dtype=np.int64)
+
+
+def compute_computation_phases(nnet, graph: ComputationGraph) -> list[PhaseList]:
+    """Kaldi's ComputeComputationPhases: per segment, its phases (a PhaseList:
+    lists of cindex ids).  Call after the graph is built and pruned for every
+    segment."""
+    node_to_epoch = np.array([e + 1 for e in compute_nnet_computation_epochs(nnet)],
+                             dtype=np.int64)
+    num_epochs = 1 + int(node_to_epoch.max())
+    nodes_per_epoch = np.bincount(node_to_epoch, minlength=num_epochs)
+    trivial = (nodes_per_epoch <= 1).tolist()
+    n = len(graph)
+    if not graph.segment_ends or graph.segment_ends[-1] != n:
+        raise ValueError("the graph has cindexes outside any segment (was prune called?)")
+    coords, is_input = graph.coords, graph.is_input_array
+    epoch_of = np.where(is_input, 0, node_to_epoch[coords[:, 0]])
+    ptr, idx = graph.dep_ptr, graph.dep_idx
+    names = None
+    out = []
+    start = 0
+    for end in graph.segment_ends:
+        ep = epoch_of[start:end]
+        order = np.argsort(ep, kind="stable") + start
+        counts = np.bincount(ep, minlength=num_epochs).tolist()
+        ids_parts, sizes = [], []
+        pos = 0
+        for e, k in enumerate(counts):
+            if not k:
+                continue
+            members = order[pos:pos + k]
+            pos += k
+            if trivial[e]:
+                # One node (or the supplied inputs): nothing inside depends on
+                # anything else inside, so the whole epoch is one phase.
+                ids_parts.append(members)
+                sizes.append(k)
+                continue
+            owner, dep = _csr_rows(ptr, idx, members)
+            inside = (dep >= start) & (dep < end)
+            inside[inside] = epoch_of[dep[inside]] == e
+            if names is None:
+                names = node_names(nnet)
+            level = _epoch_levels(members, owner[inside],
+                                  np.searchsorted(members, dep[inside]), graph, names)
+            ids_parts.append(members[np.lexsort((members, level))])
+            sizes.extend(np.bincount(level).tolist())
+        ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
+        bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=bounds[1:])
+        out.append(PhaseList(ids, bounds))
+        start = end
     return out
 
 
 # --------------------------------------------------------------------------------------
 # the iteration order of Kaldi's std::unordered_set<int32>
 
-# libstdc++'s table of bucket counts (_Prime_rehash_policy), as far as any
-# realistic number of steps needs it.
-_PRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73,
-           79, 83, 89, 97, 103, 109, 113, 127, 137, 139, 149, 157, 167, 179, 193, 199, 211,
-           227, 241, 257, 277, 293, 313, 337, 359, 383, 409, 439, 467, 503, 541, 577, 619,
-           661, 709, 761, 823, 887, 953, 1031, 1109, 1193, 1289, 1381, 1493, 1613, 1741,
-           1879, 2029, 2179, 2357, 2549, 2753, 2971, 3209, 3469, 3739, 4027, 4349, 4703,
-           5087, 5503, 5953, 6427, 6949, 7517, 8123, 8783, 9497, 10273, 11113, 12011,
-           12983, 14033, 15173, 16411, 17749, 19183, 20753, 22447, 24281, 26267, 28411,
-           30727, 33223, 35933, 38873, 42043, 45481, 49201, 53201, 57557, 62233, 67307,
-           72817, 78779, 85229, 92203, 99733, 107897, 116731, 126271, 136607, 147793,
-           159871, 172933, 187091, 202409, 218971, 236897, 256279, 277261, 299951,
-           324503, 351061, 379787, 410857, 444487, 480881, 520241, 562841, 608903,
-           658753, 712697, 771049, 834181, 902483, 976369]
-_FAST_BKT = [2, 2, 2, 3, 5, 5, 7, 7, 11, 11, 11, 11, 13, 13]
-
-
-def _next_bucket_count(n: int) -> int:
-    if n < len(_FAST_BKT):
-        return _FAST_BKT[n]
-    i = bisect_left(_PRIMES, n, lo=6)
-    return _PRIMES[i] if i < len(_PRIMES) else n | 1
-
 
 def _unordered_set_order(values: Sequence[int]) -> list[int]:
     """The iteration order of a libstdc++ ``std::unordered_set<int>`` after
-    inserting ``values`` in order (identity hash, prime bucket counts, each
-    new element placed first in its bucket, a new bucket's group placed first
-    in the list, rehashing when the size would exceed the bucket count).
+    inserting ``values`` in order (repeats ignored): that of an unordered_map
+    with the distinct values as keys (engine.compiler.compile_utils).
 
     Kaldi creates dim-range steps in this order, which fixes step numbering.
     """
-    order: list[int] = []          # the singly linked list, front first
-    members: set[int] = set()
-    num_buckets, next_resize = 1, 0
-
-    def place(lst: list[int], x: int, nb: int) -> None:
-        b = x % nb
-        for pos, y in enumerate(lst):
-            if y % nb == b:
-                lst.insert(pos, x)
-                return
-        lst.insert(0, x)
-
-    for x in values:
-        if x in members:
-            continue
-        count = len(order)
-        if count + 1 > next_resize:
-            min_bkts = max(count + 1, 11 if next_resize == 0 else 0)
-            if min_bkts >= num_buckets:
-                num_buckets = _next_bucket_count(max(min_bkts + 1, num_buckets * 2))
-                next_resize = num_buckets
-                rebuilt: list[int] = []
-                for y in order:
-                    place(rebuilt, y, num_buckets)
-                order = rebuilt
-            else:
-                next_resize = num_buckets
-        place(order, x, num_buckets)
-        members.add(x)
-    return order
+    return unordered_map_order(list(dict.fromkeys(values)))
 
 
 # --------------------------------------------------------------------------------------
 # steps
 
+# node roles for the steps computer
+_R_INPUT, _R_OUTPUT, _R_COMPONENT, _R_COMPONENT_INPUT, _R_DIM_RANGE = range(5)
 
-def _sort_key(c: Cindex) -> tuple[int, int, int, int]:
-    node, idx = c
-    return (node, idx[1], idx[2], idx[0])
+
+class StepList(_IdLists):
+    """The steps (lists of cindex ids) of a ComputationStepsComputer."""
 
 
 class ComputationStepsComputer:
     """Kaldi's ComputationStepsComputer: turns phases into steps, segment by segment.
 
-    ``steps`` (lists of cindex ids), ``locations[c] = (step, row)`` of every
-    cindex id, and ``step_to_segment`` accumulate over calls to
-    ``compute_for_segment``.  The graph may grow (padding and dim-range
-    cindexes).
+    ``step_ids`` (id arrays; ``steps`` as lists), ``loc_step`` / ``loc_row``
+    (``locations[c] = (step, row)``) of every cindex id, ``step_nodes`` and
+    ``step_to_segment`` accumulate over calls to ``compute_for_segment``.  The
+    graph may grow (padding and dim-range cindexes).
     """
 
     def __init__(self, nnet, graph: ComputationGraph) -> None:
         self.nnet = nnet
         self.graph = graph
-        self.steps: list[list[int]] = []
-        self.locations: list[tuple[int, int]] = [(-1, -1)] * len(graph.cindexes)
+        self.step_ids: list[np.ndarray] = []
+        self.step_nodes: list[int] = []
+        n = len(graph)
+        self.loc_step = np.full(max(n, 16), -1, dtype=np.int64)
+        self.loc_row = np.full(max(n, 16), -1, dtype=np.int64)
         self.step_to_segment: list[int] = []
         self.num_segments_done = 0
         self._dim_range_done: set[tuple[int, int]] = set()
         self._names = node_names(nnet)
+        self._link_src: np.ndarray | None = None
+        self._steps_view: StepList | None = None
+        roles = []
+        self._component: list = []
+        self._simple: list[bool] = []
+        self._reorders: list[bool] = []
+        self._dim_range_src: list[int] = []
+        for i in range(nnet.num_nodes()):
+            comp = (nnet.get_component(nnet.nodes[i].component_index)
+                    if nnet.is_component_node(i) else None)
+            props = comp.properties() if comp is not None else 0
+            self._component.append(comp)
+            self._simple.append(bool(props & ComponentProperty.SIMPLE_COMPONENT))
+            self._reorders.append(bool(props & ComponentProperty.REORDERS_INDEXES))
+            self._dim_range_src.append(nnet.nodes[i].node_index if nnet.is_dim_range_node(i)
+                                       else -1)
+            if nnet.is_component_node(i):
+                roles.append(_R_COMPONENT)
+            elif nnet.is_input_node(i):
+                roles.append(_R_INPUT)
+            elif nnet.is_output_node(i):
+                roles.append(_R_OUTPUT)
+            elif nnet.is_dim_range_node(i):
+                roles.append(_R_DIM_RANGE)
+            elif nnet.is_component_input_node(i):
+                roles.append(_R_COMPONENT_INPUT)
+            else:
+                roles.append(-1)
+        self._roles = roles
+
+    # -- views ----------------------------------------------------------------------------
+    @property
+    def steps(self) -> StepList:
+        if self._steps_view is None or len(self._steps_view) != len(self.step_ids):
+            lens = [len(a) for a in self.step_ids]
+            ptr = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=ptr[1:])
+            ids = (np.concatenate(self.step_ids) if self.step_ids
+                   else np.zeros(0, dtype=np.int64))
+            self._steps_view = StepList(ids, ptr)
+        return self._steps_view
+
+    @property
+    def locations(self) -> list[tuple[int, int]]:
+        n = len(self.graph)
+        return list(zip(self.loc_step[:n].tolist(), self.loc_row[:n].tolist()))
 
     # -- adding steps ----------------------------------------------------------------
-    def _add_step_ids(self, ids: list[int]) -> int:
-        s = len(self.steps)
-        self.steps.append(ids)
-        loc = self.locations
-        for row, c in enumerate(ids):
-            loc[c] = (s, row)
+    def _add_step_ids(self, ids: np.ndarray, node: int) -> int:
+        s = len(self.step_ids)
+        self.step_ids.append(ids)
+        self.step_nodes.append(node)
+        self.loc_step[ids] = s
+        self.loc_row[ids] = np.arange(len(ids))
         return s
 
-    def _add_step(self, cindexes: list, add_if_absent: bool = False) -> int:
+    def _fit_locations(self) -> None:
+        n = len(self.graph)
+        if n > len(self.loc_step):
+            grow = max(n, 2 * len(self.loc_step))
+            for name in ("loc_step", "loc_row"):
+                old = getattr(self, name)
+                arr = np.full(grow, -1, dtype=np.int64)
+                arr[:len(old)] = old
+                setattr(self, name, arr)
+
+    def _add_step_like(self, node: int, src: np.ndarray, src_node: int,
+                       add_if_absent: bool = False) -> int:
+        """A step of node ``node`` with the Indexes of cindexes ``src`` (on ``src_node``)."""
+        ids = self.graph.find_like(src, src_node, node)
+        if (ids < 0).any():
+            return self._add_step(node, self.graph.coords[src, 1:], add_if_absent, ids)
+        return self._add_step_ids(ids, node)
+
+    def _add_step(self, node: int, rows: np.ndarray, add_if_absent: bool = False,
+                  ids: np.ndarray | None = None) -> int:
+        """A step of node ``node`` with Indexes ``rows`` ((m, 3) n, t, x)."""
         graph = self.graph
-        if add_if_absent:
-            ids = []
-            for ci in cindexes:
-                c, is_new = graph.get_or_add(ci, False)
-                if is_new:
-                    self.locations.append((-1, -1))
-                ids.append(c)
-        else:
-            get = graph._ids.get
-            ids = [get(ci, -1) for ci in cindexes]
-            if -1 in ids:
-                bad = cindexes[ids.index(-1)]
-                raise AssertionError(f"step cindex {self._names[bad[0]]}{tuple(bad[1])} "
+        if ids is None:
+            ids = graph.find(node, rows[:, 0], rows[:, 1], rows[:, 2])
+        miss = ids < 0
+        if miss.any():
+            if not add_if_absent:
+                bad = rows[int(np.flatnonzero(miss)[0])].tolist()
+                raise AssertionError(f"step cindex {self._names[node]}{tuple(bad)} "
                                      f"is not in the computation graph")
-        return self._add_step_ids(ids)
+            # new cindexes, numbered in order of first appearance (a repeated
+            # blank Index is one cindex)
+            where = np.flatnonzero(miss)
+            first: dict[tuple, int] = {}
+            for j, r in zip(where.tolist(), rows[where].tolist()):
+                first.setdefault(tuple(r), j)
+            new_rows = np.array([[node, *r] for r in first], dtype=np.int64).reshape(-1, 4)
+            new_ids = graph.add_cindexes(new_rows)
+            self._fit_locations()
+            pos = dict(zip(first, new_ids.tolist()))
+            ids = ids.copy()
+            ids[where] = [pos[tuple(r)] for r in rows[where].tolist()]
+        return self._add_step_ids(ids, node)
 
     # -- per segment ----------------------------------------------------------------------
-    def compute_for_segment(self, request, phases: list[list[int]]) -> None:
+    def compute_for_segment(self, request, phases) -> None:
+        if not isinstance(phases, PhaseList):
+            lists = list(phases)
+            sizes = [len(p) for p in lists]
+            bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
+            np.cumsum(sizes, out=bounds[1:])
+            phases = PhaseList(np.array([c for p in lists for c in p], dtype=np.int64), bounds)
         segment = self.num_segments_done
-        for phase in phases:
-            for sub_phase in self._split_into_sub_phases(phase):
-                self._process_sub_phase(request, sub_phase)
-        self.step_to_segment.extend([segment] * (len(self.steps) - len(self.step_to_segment)))
+        ids = phases.ids
+        if len(ids):
+            # sub-phases: each phase split by node, in Kaldi's Cindex order (ids
+            # are in that order within a node, except supplied inputs, whose step
+            # follows the request anyway)
+            phase = np.repeat(np.arange(len(phases)), np.diff(phases.ptr))
+            node = self.graph.coords[ids, 0]
+            order = np.lexsort((ids, node, phase))
+            ids, node, phase = ids[order], node[order], phase[order]
+            cut = np.flatnonzero((node[1:] != node[:-1]) | (phase[1:] != phase[:-1])) + 1
+            bounds = [0] + cut.tolist() + [len(ids)]
+            nodes = node[bounds[:-1]].tolist()
+            # the cindexes of each row on the node a simple component or a
+            # dim-range node reads, looked up for all rows at once
+            linked = self._linked_ids(ids, node)
+            for k, v in enumerate(nodes):
+                a, b = bounds[k], bounds[k + 1]
+                self._process_sub_phase(request, v, ids[a:b],
+                                        None if linked is None else linked[a:b])
+        self.step_to_segment.extend([segment] * (len(self.step_ids) - len(self.step_to_segment)))
         self.num_segments_done += 1
 
-    def _split_into_sub_phases(self, phase: list[int]) -> list[list[Cindex]]:
-        cindexes = self.graph.cindexes
-        ordered = sorted((cindexes[c] for c in phase), key=_sort_key)
-        out: list[list[Cindex]] = []
-        cur = None
-        for ci in ordered:
-            if ci[0] != cur:
-                cur = ci[0]
-                out.append([])
-            out[-1].append(ci)
+    def _linked_ids(self, ids: np.ndarray, node: np.ndarray) -> np.ndarray | None:
+        """For rows of simple components the id of the same Index on the component's
+        input node, for rows of dim-range nodes that on the source node (-1 if absent,
+        or for other rows); None where the lookup table cannot do it."""
+        table = self.graph.table(num_nodes=len(self._roles))
+        keys = table.key_of[ids]
+        if table.mode == "dict" or (len(keys) and keys.min() < 0):
+            return None
+        src = self._link_src
+        if src is None:
+            src = np.array([i - 1 if self._simple[i] else self._dim_range_src[i]
+                            for i in range(len(self._roles))], dtype=np.int64)
+            self._link_src = src
+        to = src[node]
+        out = np.full(len(ids), -1, dtype=np.int64)
+        sel = np.flatnonzero(to >= 0)
+        if len(sel):
+            out[sel] = table._lookup(keys[sel] + (to[sel] - node[sel]) * table.stride_node)
         return out
 
-    def _process_sub_phase(self, request, sub_phase: list[Cindex]) -> None:
-        nnet = self.nnet
-        node = sub_phase[0][0]
-        if nnet.is_component_node(node):
-            if any(self.graph.is_input[self.graph._ids[ci]] for ci in sub_phase[:1]):
+    def _process_sub_phase(self, request, node: int, sub: np.ndarray,
+                           linked: np.ndarray | None) -> None:
+        role = self._roles[node]
+        if role == _R_COMPONENT:
+            if self.graph.is_input_array[sub[0]]:
                 raise RequestError(f"inputs supplied at component node "
                                    f"{self._names[node]!r} are not supported")
-            self._process_component_step(sub_phase)
-        elif nnet.is_input_node(node):
-            self._process_io_step(request, False, sub_phase)
-        elif nnet.is_output_node(node):
-            self._process_io_step(request, True, sub_phase)
-        elif nnet.is_dim_range_node(node):
-            self._process_dim_range_sub_phase(sub_phase)
-        elif nnet.is_component_input_node(node):
+            if self._simple[node]:
+                if linked is None:
+                    linked = self.graph.find_like(sub, node, node - 1)
+                if (linked < 0).any():
+                    self._add_step(node - 1, self.graph.coords[sub, 1:], False, linked)
+                else:
+                    self._add_step_ids(linked, node - 1)
+                self._add_step_ids(sub, node)
+            else:
+                self._process_component_step(node, sub)
+        elif role == _R_INPUT:
+            self._process_io_step(request, False, node, sub)
+        elif role == _R_OUTPUT:
+            self._process_io_step(request, True, node, sub)
+        elif role == _R_DIM_RANGE:
+            self._process_dim_range_sub_phase(node, sub, linked)
+        elif role == _R_COMPONENT_INPUT:
             # Done together with the component's own step.
             return
         else:
             raise AssertionError(f"node {node} has an unknown type")
 
-    def _process_io_step(self, request, is_output: bool, sub_phase: list[Cindex]) -> None:
-        node = sub_phase[0][0]
+    def _process_io_step(self, request, is_output: bool, node: int, sub: np.ndarray) -> None:
         name = self._names[node]
         specs = request.outputs if is_output else request.inputs
         spec = None
@@ -315,81 +429,80 @@ class ComputationStepsComputer:
         if spec is None:
             raise AssertionError(f"{'output' if is_output else 'input'} node {name!r} is "
                                  f"not in the request")
-        if len(spec.indexes) != len(sub_phase):
-            raise AssertionError(f"node {name!r}: {len(sub_phase)} cindexes in the phase but "
+        if len(spec.indexes) != len(sub):
+            raise AssertionError(f"node {name!r}: {len(sub)} cindexes in the phase but "
                                  f"{len(spec.indexes)} in the request")
-        self._add_step([Cindex(node, idx) for idx in spec.indexes])
+        self._add_step(node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3))
 
-    def _process_component_step(self, step: list[Cindex]) -> None:
-        node = step[0][0]
+    def _process_component_step(self, node: int, step: np.ndarray) -> None:
+        """A non-simple component's input step and its own step."""
         in_node = node - 1
-        comp = self.nnet.get_component(self.nnet.nodes[node].component_index)
-        props = comp.properties()
-        if props & ComponentProperty.SIMPLE_COMPONENT:
-            # (plain tuples look up the same as Cindexes)
-            self._add_step([(in_node, ci[1]) for ci in step])
-            self._add_step(step)
-            return
+        comp = self._component[node]
         graph = self.graph
-        step_ids = [graph._ids[ci] for ci in step]
-        input_ids = set()
-        for c in step_ids:
-            input_ids.update(graph.dependencies[c])
-        input_step = sorted((graph.cindexes[c] for c in input_ids), key=_sort_key)
-        if props & ComponentProperty.REORDERS_INDEXES:
-            in_idx = [ci[1] for ci in input_step]
-            out_idx = [ci[1] for ci in step]
+        coords = graph.coords
+        _, deps = _csr_rows(graph.dep_ptr, graph.dep_idx, step)
+        deps = np.unique(deps)
+        c = coords[deps]
+        input_step = deps[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
+        if self._reorders[node]:
+            in_idx = [_tuple_new(Index, r) for r in coords[input_step, 1:].tolist()]
+            out_idx = [_tuple_new(Index, r) for r in coords[step, 1:].tolist()]
             orig = len(in_idx) + len(out_idx)
             in_idx, out_idx = comp.reorder_indexes(in_idx, out_idx)
             padded = len(in_idx) + len(out_idx) != orig
-            self._add_step([Cindex(in_node, Index(*i)) for i in in_idx], padded)
-            self._add_step([Cindex(node, Index(*i)) for i in out_idx], padded)
+            self._add_step(in_node, np.array(in_idx, dtype=np.int64).reshape(-1, 3), padded)
+            self._add_step(node, np.array(out_idx, dtype=np.int64).reshape(-1, 3), padded)
         else:
-            self._add_step(input_step)
-            self._add_step_ids(step_ids)
+            self._add_step_ids(input_step, in_node)
+            self._add_step_ids(step, node)
 
-    def _process_dim_range_sub_phase(self, sub_phase: list[Cindex]) -> None:
-        node = sub_phase[0][0]
-        src = self.nnet.nodes[node].node_index
-        ids, loc = self.graph._ids, self.locations
-        source_steps = []
-        prev = -1
-        for ci in sub_phase:
-            s = loc[ids[(src, ci[1])]][0]
-            if s < 0:
-                raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
-                                     f"not yet in a step")
-            if s != prev:
-                prev = s
-                source_steps.append(s)
-        cindexes = self.graph.cindexes
-        for s in _unordered_set_order(source_steps):
-            if (s, node) in self._dim_range_done:
+    def _process_dim_range_sub_phase(self, node: int, sub: np.ndarray,
+                                     src_ids: np.ndarray | None) -> None:
+        src = self._dim_range_src[node]
+        if src_ids is None:
+            src_ids = self.graph.find_like(sub, node, src)
+        s = self.loc_step[src_ids]
+        if (src_ids < 0).any() or (s < 0).any():
+            raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
+                                 f"not yet in a step")
+        first = int(s[0])
+        if (s == first).all():
+            source_steps = [first]
+        else:
+            s = s[np.concatenate(([True], s[1:] != s[:-1]))]
+            source_steps = _unordered_set_order(s.tolist())
+        for step in source_steps:
+            if (step, node) in self._dim_range_done:
                 continue
-            self._dim_range_done.add((s, node))
-            self._add_step([Cindex(node, cindexes[c][1]) for c in self.steps[s]],
-                           add_if_absent=True)
+            self._dim_range_done.add((step, node))
+            self._add_step_like(node, self.step_ids[step], src, add_if_absent=True)
 
     def check(self) -> None:
         """Every cindex has a location that points back at it (blank padding excepted)."""
-        from engine.core.index import K_NO_TIME
-        if len(self.locations) != len(self.graph.cindexes):
-            raise AssertionError("locations and graph disagree in size")
-        for c, (s, r) in enumerate(self.locations):
-            if not (s >= 0 and r >= 0 and self.steps[s][r] == c):
-                if self.graph.cindexes[c][1][1] != K_NO_TIME:
+        n = len(self.graph)
+        s, r = self.loc_step[:n], self.loc_row[:n]
+        steps = self.steps
+        flat = steps.ids
+        ok = (s >= 0) & (r >= 0)
+        at = np.where(ok, steps.ptr[np.maximum(s, 0)] + r, 0)
+        ok &= (at < len(flat))
+        ok[ok] = flat[at[ok]] == np.flatnonzero(ok)
+        if not ok.all():
+            coords = self.graph.coords
+            for c in np.flatnonzero(~ok).tolist():
+                if coords[c, 2] != K_NO_TIME:
                     raise AssertionError(f"cindex {self.graph.cindex_str(c, self._names)} has "
                                          f"no consistent location in the steps")
 
 
 def compute_computation_steps(nnet, request, phases, graph: ComputationGraph,
                               computer: ComputationStepsComputer | None = None
-                              ) -> list[list[int]]:
+                              ) -> StepList:
     """Steps for one segment (``request``, its ``phases``), or for all segments when
     ``request`` is a list of requests and ``phases`` the per-segment phases.
 
     Pass the same ``computer`` for successive segments (Kaldi keeps one
-    ComputationStepsComputer for the whole computation); its ``locations`` and
+    ComputationStepsComputer for the whole computation); its locations and
     ``step_to_segment`` are what the Compiler needs besides the steps.
     """
     if computer is None:
@@ -407,4 +520,4 @@ def compute_computation_steps(nnet, request, phases, graph: ComputationGraph,
 
 
 __all__ = ["compute_computation_phases", "compute_computation_steps",
-           "ComputationStepsComputer"]
+           "ComputationStepsComputer", "PhaseList", "StepList"]
