@@ -18,13 +18,28 @@ matrix becomes kMatrixAdd (identity rows) or kAddRows, otherwise kAddRowsMulti.
 Backward goes the other way, choosing kMatrixAdd, reversed kAddRows,
 kAddRowRanges or kAddToRowsMulti so that no destination row is written twice
 by one command.
+
+Everything per row is done on arrays: the input locations of a descriptor node
+are computed for all its steps at once (an input that is the Index shifted by a
+constant is one lookup in the graph's key table; others go through the
+compiled descriptor's NumPy form, or, for a descriptor class without a compiled
+form, the object tree row by row), as a (rows, width) matrix of input cindex
+ids sorted like Kaldi's; the splitting helpers of engine.compiler.compile_utils
+work on such matrices; Index objects exist only where the computation keeps
+them (component precomputed indexes, matrix debug info), shared between equal
+Indexes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import repeat
 
+import numpy as np
+
+from engine.compiler.compile_utils import (column_source, left_align, row_ranges,
+                                           split_columns, split_columns_backward)
 from engine.compiler.compile_utils import (convert_to_indexes,  # noqa: F401 (re-exported)
                                            ensure_contiguous_property, has_contiguous_property,
                                            split_locations, split_locations_backward,
@@ -33,9 +48,12 @@ from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_CO
                                          CommandType as CT, MatrixDebugInfo, NnetComputation,
                                          PrecomputedIndexesInfo)
 from engine.compiler.gc_pause import gc_paused
+from engine.compiler.graph_nodes import make_indexes
 from engine.core.errors import NnetcError, RequestError
-from engine.core.index import K_NO_TIME
-from engine.nnet.components.base import ComponentProperty as P
+from engine.core.index import K_NO_TIME, Index
+from engine.nnet.components.base import Component, ComponentProperty as P
+
+_tuple_new = tuple.__new__
 
 
 class CompilerError(NnetcError):
@@ -48,27 +66,21 @@ class CompilerOptions:
     output_debug_info: bool = True
 
 
-@dataclass
 class _StepInfo:
-    node_index: int = -1
-    value: int = 0
-    deriv: int = 0
-    segment: int = 0
-    precomputed_indexes_index: int = 0
-    output_indexes: list = field(default_factory=list)
-    output_cindex_ids: list = field(default_factory=list)
-    value_parts: list = field(default_factory=list)
-    deriv_parts: list = field(default_factory=list)
-    input_locations_list: list = field(default_factory=list)
+    __slots__ = ("node_index", "value", "deriv", "segment", "precomputed_indexes_index",
+                 "ids", "value_parts", "deriv_parts", "inputs")
 
-
-def _cindex_key(c) -> tuple[int, int, int, int]:
-    return (c[0], c[1][1], c[1][2], c[1][0])
-
-
-def _pair_key(p) -> tuple[int, int, int, int]:
-    c = p[0]
-    return (c[0], c[1][1], c[1][2], c[1][0])
+    def __init__(self, node_index: int, ids: np.ndarray, segment: int) -> None:
+        self.node_index = node_index
+        self.ids = ids
+        self.segment = segment
+        self.value = 0
+        self.deriv = 0
+        self.precomputed_indexes_index = 0
+        self.value_parts: list[int] = []
+        self.deriv_parts: list[int] = []
+        # per descriptor part: (rows, width) input cindex ids in Kaldi's order, -1 padded
+        self.inputs: list[np.ndarray] = []
 
 
 def _compile_part(part):
@@ -79,12 +91,23 @@ def _compile_part(part):
     return compile_descriptor(Descriptor([part]))
 
 
+def _sort_rows(D: np.ndarray, coords: np.ndarray) -> np.ndarray:
+    """Each row of the (m, K) id matrix D (-1 = none, left-aligned) in Kaldi's Cindex
+    order (node, t, x, n); equal cindexes keep their order."""
+    m, k = D.shape
+    if k < 2:
+        return D
+    valid = D >= 0
+    c = coords[np.maximum(D, 0)]
+    row = np.repeat(np.arange(m), k).reshape(m, k)
+    big = np.where(valid, 0, 1)
+    order = np.lexsort((c[..., 1].ravel(), c[..., 3].ravel(), c[..., 2].ravel(),
+                        c[..., 0].ravel(), big.ravel(), row.ravel()))
+    return D.ravel()[order].reshape(m, k)
+
+
 # ----------------------------------------------------------------------------------------
 # the compiler
-
-
-def _node_type_name(nnet, i: int) -> str:
-    return nnet.nodes[i].type.name
 
 
 class Compiler:
@@ -102,7 +125,6 @@ class Compiler:
                     raise RequestError("store_component_stats must agree between segments")
         self.graph = None
         self.steps: list[_StepInfo] = []
-        self.cindex_id_to_location: list[tuple[int, int]] = []
 
     # -- driver ---------------------------------------------------------------------------
     def create_computation(self, options: CompilerOptions = CompilerOptions()) -> NnetComputation:
@@ -119,23 +141,15 @@ class Compiler:
         self.graph = graph
         phases_per_segment = compute_computation_phases(nnet, graph)
         computer = ComputationStepsComputer(nnet, graph)
-        steps = [list(s) for s in compute_computation_steps(nnet, self.requests,
-                                                            phases_per_segment, graph, computer)]
-        step_to_segment = list(computer.step_to_segment)
-        self.step_to_segment = step_to_segment
-        # (step, row) of every cindex; the steps computer may have added blank cindexes
-        loc = [(-1, -1)] * len(graph.cindexes)
-        for s, ids in enumerate(steps):
-            for r, cid in enumerate(ids):
-                loc[cid] = (s, r)
-        self.cindex_id_to_location = loc
+        compute_computation_steps(nnet, self.requests, phases_per_segment, graph, computer)
+        self._setup(computer)
 
         computation = NnetComputation()
         if options.output_debug_info:
             computation.matrix_debug_info = [MatrixDebugInfo()]
-        deriv_needed = self._compute_deriv_needed(steps, step_to_segment)
-        self._create_step_info(deriv_needed, step_to_segment, steps, computation)
-        self._add_commands(deriv_needed, step_to_segment, computation)
+        deriv_needed = self._compute_deriv_needed()
+        self._create_step_info(deriv_needed, computation)
+        self._add_commands(deriv_needed, computation)
         consolidate_io_operations(computation)
         if options.output_debug_info:
             self._output_debug_info(computation)
@@ -143,109 +157,152 @@ class Compiler:
             computation.matrix_debug_info = []
         return computation
 
-    # -- which steps need derivatives -----------------------------------------------------------
-    def _step_dependencies(self, this_step: list[int], step: int) -> set[int]:
-        if not this_step:
-            return set()
-        graph = self.graph
-        node = graph.cindexes[this_step[0]][0]
-        if self.nnet.is_component_node(node):
-            return {step - 1}
-        deps = set()
-        loc = self.cindex_id_to_location
-        for cid in this_step:
-            for d in graph.dependencies[cid]:
-                deps.add(loc[d][0])
-        return deps
-
-    def _compute_deriv_needed(self, steps, step_to_segment) -> list[bool]:
+    def _setup(self, computer) -> None:
         nnet, graph = self.nnet, self.graph
-        need = [False] * len(steps)
-        for step, this_step in enumerate(steps):
-            if not this_step:
+        n = len(graph)
+        self.coords = graph.coords
+        self.loc_step = computer.loc_step[:n]
+        self.loc_row = computer.loc_row[:n]
+        self.step_to_segment = list(computer.step_to_segment)
+        self.step_ids = computer.step_ids
+        self.step_nodes = computer.step_nodes
+        num_nodes = nnet.num_nodes()
+        self.kind_input = [nnet.is_input_node(i) for i in range(num_nodes)]
+        self.kind_output = [nnet.is_output_node(i) for i in range(num_nodes)]
+        self.kind_component = [nnet.is_component_node(i) for i in range(num_nodes)]
+        self.kind_dim_range = [nnet.is_dim_range_node(i) for i in range(num_nodes)]
+        self.kind_descriptor = [nnet.is_descriptor_node(i) for i in range(num_nodes)]
+        self.component_index = [nnet.nodes[i].component_index if self.kind_component[i] else -1
+                                for i in range(num_nodes)]
+        self.props = [int(nnet.components[c].properties()) if c >= 0 else 0
+                      for c in self.component_index]
+        self._index_objs = None
+
+    def _indexes_of(self, ids: np.ndarray) -> list:
+        """Index objects of cindex ids (equal Indexes share one object)."""
+        if self._index_objs is None:
+            objs = np.empty(len(self.coords), dtype=object)
+            objs[:] = make_indexes(self.coords[:, 1:])
+            self._index_objs = objs
+        return self._index_objs[ids].tolist()
+
+    def _node_name(self, node: int) -> str:
+        return self.nnet.nodes[node].name
+
+    # -- which steps need derivatives -----------------------------------------------------------
+    def _compute_deriv_needed(self) -> list[bool]:
+        nnet, graph, requests = self.nnet, self.graph, self.requests
+        num_steps = len(self.step_ids)
+        need = [False] * num_steps
+        wants = any(r.need_model_derivative or any(s.has_deriv for s in r.inputs)
+                    or any(s.has_deriv for s in r.outputs) for r in requests)
+        is_input = graph.is_input_array
+        dep_steps = self._step_dependencies() if wants else None
+        for step in range(num_steps):
+            ids = self.step_ids[step]
+            if not len(ids):
                 continue
-            cid = this_step[0]
-            node = graph.cindexes[cid][0]
-            name = nnet.nodes[node].name
-            for d in self._step_dependencies(this_step, step):
-                if need[d]:
-                    need[step] = True
-                    break
-            req = self.requests[step_to_segment[step]]
-            if graph.is_input[cid]:
+            cid = int(ids[0])
+            node = self.step_nodes[step]
+            req = requests[self.step_to_segment[step]]
+            if wants:
+                deps = [step - 1] if self.kind_component[node] else dep_steps[step]
+                for d in deps:
+                    if need[d]:
+                        need[step] = True
+                        break
+            if is_input[cid]:
+                name = self._node_name(node)
                 i = req.index_of_input(name)
                 if i == -1:
                     raise CompilerError(f"input node {name!r} is used but not in the request")
                 if req.inputs[i].has_deriv:
                     need[step] = True
-            if nnet.is_output_node(node):
-                i = req.index_of_output(name)
+            if self.kind_output[node]:
+                i = req.index_of_output(self._node_name(node))
                 if i != -1 and req.outputs[i].has_deriv:
                     need[step] = True
-            if nnet.is_component_node(node) and req.need_model_derivative:
-                comp = nnet.components[nnet.nodes[node].component_index]
-                if (comp.properties() & P.UPDATABLE_COMPONENT
+            if self.kind_component[node] and req.need_model_derivative:
+                comp = nnet.components[self.component_index[node]]
+                if (self.props[node] & P.UPDATABLE_COMPONENT
                         and getattr(comp, "learning_rate", 1.0) != 0):
                     need[step] = True
         return need
 
+    def _step_dependencies(self) -> list[list[int]]:
+        """For each step, the steps holding the dependencies of its cindexes."""
+        from engine.compiler.steps import _csr_rows  # noqa: PLC0415
+        graph = self.graph
+        lens = [len(a) for a in self.step_ids]
+        num_steps = len(lens)
+        flat = np.concatenate(self.step_ids) if num_steps else np.zeros(0, np.int64)
+        owner_step = np.repeat(np.arange(num_steps), lens)
+        owner, dep = _csr_rows(graph.dep_ptr, graph.dep_idx, flat)
+        pairs = np.unique(owner_step[owner] * (num_steps + 1) + self.loc_step[dep])
+        src, dst = np.divmod(pairs, num_steps + 1)
+        bounds = np.searchsorted(src, np.arange(num_steps + 1)).tolist()
+        dl = dst.tolist()
+        return [dl[bounds[s]:bounds[s + 1]] for s in range(num_steps)]
+
     # -- matrices and submatrices ----------------------------------------------------------------
     def _stride_type(self, node_index: int) -> int:
-        nnet = self.nnet
-        if nnet.is_component_input_node(node_index):
+        if self.nnet.is_component_input_node(node_index):
             comp_node, flag = node_index + 1, P.INPUT_CONTIGUOUS
-        elif nnet.is_component_node(node_index):
+        elif self.kind_component[node_index]:
             comp_node, flag = node_index, P.OUTPUT_CONTIGUOUS
         else:
             return K_DEFAULT_STRIDE
-        comp = nnet.components[nnet.nodes[comp_node].component_index]
-        return K_STRIDE_EQUAL_NUM_COLS if comp.properties() & flag else K_DEFAULT_STRIDE
+        return K_STRIDE_EQUAL_NUM_COLS if self.props[comp_node] & flag else K_DEFAULT_STRIDE
 
-    def _create_step_info(self, deriv_needed, step_to_segment, by_step, computation) -> None:
+    def _create_step_info(self, deriv_needed, computation) -> None:
         nnet, graph = self.nnet, self.graph
-        self.steps = steps = [_StepInfo() for _ in by_step]
-        self._by_step = by_step
-        for step, ids in enumerate(by_step):
-            info = steps[step]
-            info.output_cindex_ids = ids
-            info.segment = step_to_segment[step]
-            info.output_indexes = [graph.cindexes[c][1] for c in ids]
-            if not ids:
+        step_ids, step_nodes = self.step_ids, self.step_nodes
+        num_steps = len(step_ids)
+        self.steps = steps = []
+        node_dim: dict[int, int] = {}
+        stride: dict[int, int] = {}
+        ptr, idx = graph.dep_ptr, graph.dep_idx
+        for step in range(num_steps):
+            ids = step_ids[step]
+            info = _StepInfo(step_nodes[step], ids, self.step_to_segment[step])
+            steps.append(info)
+            if not len(ids):
                 # the (empty) input step of a component that needs no input
-                if step + 1 >= len(by_step) or not by_step[step + 1]:
+                if step + 1 >= num_steps or not len(step_ids[step + 1]):
                     raise CompilerError(f"empty step {step} not followed by a component step")
-                info.node_index = graph.cindexes[by_step[step + 1][0]][0] - 1
+                info.node_index = step_nodes[step + 1] - 1
                 continue
-            info.node_index = node_index = graph.cindexes[ids[0]][0]
-            node = nnet.nodes[node_index]
-            num_rows, num_cols = len(ids), nnet.node_dim(node_index)
-            if not nnet.is_dim_range_node(node_index):
-                stride = self._stride_type(node_index)
-                info.value = computation.new_matrix(num_rows, num_cols, stride)
-                if deriv_needed[step]:
-                    info.deriv = computation.new_matrix(num_rows, num_cols, stride)
+            node_index = info.node_index
+            if node_index not in node_dim:
+                node_dim[node_index] = nnet.node_dim(node_index)
+                stride[node_index] = self._stride_type(node_index)
+            num_rows, num_cols = len(ids), node_dim[node_index]
+            need = deriv_needed[step]
+            if not self.kind_dim_range[node_index]:
+                info.value = computation.new_matrix(num_rows, num_cols, stride[node_index])
+                if need:
+                    info.deriv = computation.new_matrix(num_rows, num_cols, stride[node_index])
             else:
-                source = next((graph.dependencies[c][0] for c in ids if graph.dependencies[c]),
-                              -1)
-                if source < 0:
+                node = nnet.nodes[node_index]
+                has = np.flatnonzero(ptr[ids + 1] > ptr[ids])
+                if not len(has):
                     raise CompilerError(f"dim-range node {node.name!r}: no source rows")
-                in_step = self.cindex_id_to_location[source][0]
-                if not (0 <= in_step < step) or len(steps[in_step].output_cindex_ids) != len(ids):
+                source = int(idx[ptr[ids[has[0]]]])
+                in_step = int(self.loc_step[source])
+                if not (0 <= in_step < step) or len(steps[in_step].ids) != len(ids):
                     raise CompilerError(f"dim-range node {node.name!r}: its rows do not match "
                                         f"the rows of its source step")
                 info.value = computation.new_submatrix(steps[in_step].value, 0, -1,
                                                        node.dim_offset, node.dim)
-                if deriv_needed[step]:
+                if need:
                     info.deriv = computation.new_submatrix(steps[in_step].deriv, 0, -1,
                                                            node.dim_offset, node.dim)
-            if nnet.is_descriptor_node(node_index):
-                desc = node.descriptor
+            if self.kind_descriptor[node_index]:
+                desc = nnet.nodes[node_index].descriptor
                 num_parts = desc.num_parts()
-                info.input_locations_list = [self._input_locations_list(step, p)
-                                             for p in range(num_parts)]
                 if num_parts == 1:
                     info.value_parts = [info.value]
-                    if deriv_needed[step]:
+                    if need:
                         info.deriv_parts = [info.deriv]
                 else:
                     off = 0
@@ -253,372 +310,423 @@ class Compiler:
                         d = desc.part(p).dim(nnet)
                         info.value_parts.append(computation.new_submatrix(info.value, 0, -1,
                                                                           off, d))
-                        if deriv_needed[step]:
+                        if need:
                             info.deriv_parts.append(
                                 computation.new_submatrix(info.deriv, 0, -1, off, d))
                         off += d
+        self._compute_input_locations()
 
-    def _later_segment_ids(self, info) -> frozenset[int]:
-        """The cindex ids that steps of segments after ``info``'s compute.  Kaldi
-        resolves IfDefined/Failover against the whole multi-segment graph (CindexSet
-        over all of it), so a step of one chunk could pick an input that only a later
-        chunk's steps compute, e.g. ``Failover(Offset(x, 1), x)`` at the chunk's last
-        frame, reading a matrix that does not exist yet.  The graph builder decided
-        computability segment by segment and never chose those; neither do we."""
-        seg = info.segment
-        if seg + 1 >= len(self.graph.segment_ends):
-            return frozenset()
-        cache = self.__dict__.setdefault("_later_ids", {})
-        if seg not in cache:
-            first = next(s for s, g in enumerate(self.step_to_segment) if g > seg)
-            cache[seg] = frozenset(c for ids in self._by_step[first:] for c in ids)
-        return cache[seg]
+    # -- input locations ---------------------------------------------------------------------------
+    def _compute_input_locations(self) -> None:
+        """Kaldi's ComputeInputLocationsList for every descriptor step: per part, the
+        input cindexes summed into each row, sorted; all steps of a node at once."""
+        by_node: dict[int, list[int]] = {}
+        for step, info in enumerate(self.steps):
+            if len(info.ids) and self.kind_descriptor[info.node_index]:
+                by_node.setdefault(info.node_index, []).append(step)
+        self._part_cache: dict = {}
+        # one lookup table with room for every constant shift of the descriptors
+        margin = [0, 0, 0]
+        for node in by_node:
+            desc = self.nnet.nodes[node].descriptor
+            for p in range(desc.num_parts()):
+                fast = self._part_cache[(node, p)] = _compile_part(desc.part(p))
+                shifts = fast.linear_positions() if fast is not None else None
+                for _, dn, dt, dx in shifts or ():
+                    margin = [max(margin[0], abs(dn)), max(margin[1], abs(dt)),
+                              max(margin[2], abs(dx))]
+        self.graph.table(self.nnet.num_nodes(), tuple(margin))
+        for node, steps in by_node.items():
+            desc = self.nnet.nodes[node].descriptor
+            ids = np.concatenate([self.steps[s].ids for s in steps])
+            lens = [len(self.steps[s].ids) for s in steps]
+            bounds = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=bounds[1:])
+            seg = np.repeat(np.array([self.steps[s].segment for s in steps], dtype=np.int64),
+                            lens)
+            b = bounds.tolist()
+            for p in range(desc.num_parts()):
+                D = self._part_inputs(node, p, ids, seg)
+                for k, s in enumerate(steps):
+                    self.steps[s].inputs.append(D[b[k]:b[k + 1]])
 
-    def _input_locations_list(self, step: int, part: int) -> list[list[tuple[int, int]]]:
-        """For each output row, the sorted (step, row) locations summed into it."""
-        info = self.steps[step]
+    def _part_inputs(self, node: int, part: int, ids: np.ndarray, seg: np.ndarray
+                     ) -> np.ndarray:
+        """(rows, width) input ids of descriptor part ``part`` of node ``node`` for the
+        cindexes ``ids`` (of segments ``seg``), each row's inputs in Kaldi's order
+        (left-aligned, -1 padded)."""
+        desc = self.nnet.nodes[node].descriptor.part(part)
+        # compiled once per (node, part) for this compilation (descriptors are not
+        # assumed immutable between compilations)
+        fast = self._part_cache[(node, part)]
+        graph, coords = self.graph, self.coords
+        c = coords[ids]
+        blank = c[:, 2] == K_NO_TIME
+        m = len(ids)
+        if fast is None:
+            return self._part_inputs_general(node, desc, ids, seg, blank)
+        k = fast.num_deps
+        if k == 0:
+            return np.zeros((m, 0), dtype=np.int64)
+        shifts = fast.linear_positions()
+        if shifts is not None:
+            mg = tuple(max(abs(s[j + 1]) for s in shifts) for j in range(3))
+            table = graph.table(self.nnet.num_nodes(), mg)
+            cols = []
+            for w, dn, dt, dx in shifts:
+                col = None if blank.any() else table.find_shifted(ids, node, w, dn, dt, dx)
+                if col is None:
+                    col = table.find(w, c[:, 1] + dn, c[:, 2] + dt, c[:, 3] + dx)
+                cols.append(col)
+            D = np.stack(cols, axis=1) if k > 1 else cols[0][:, None]
+        else:
+            slots = fast.deps_arrays(c[:, 1], c[:, 2], c[:, 3])
+            D = np.stack([graph.find(s[0] if type(s[0]) is int else s[0].astype(np.int64),
+                                     s[1], s[2], s[3]) for s in slots], axis=1)
+        present = D >= 0
+        if len(self.requests) > 1:
+            # inputs computed by steps of later segments do not count (see below)
+            ls = self.loc_step[np.maximum(D, 0)]
+            later = present & (ls >= 0)
+            later[later] = np.array(self.step_to_segment)[ls[later]] > np.broadcast_to(
+                seg[:, None], D.shape)[later]
+            present &= ~later
+        if blank.any():
+            present[blank] = False
+        if fast.all_required:
+            ok = present.all(axis=1) | blank
+            used = present
+        else:
+            ok = fast.computable_arrays(present) | blank
+            used = fast.used_arrays(present)
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise CompilerError(
+                f"node {self._node_name(node)!r}: Index {tuple(c[bad, 1:].tolist())} is "
+                f"not computable from the pruned graph")
+        D = np.where(used, D, -1)
+        if not used.all():
+            D = left_align(D, D)[0]
+        if shifts is not None and D.shape[1] > 1 and used.all():
+            # the same order in every row: that of the shifts
+            order = sorted(range(k), key=lambda j: (shifts[j][0], shifts[j][2], shifts[j][3],
+                                                     shifts[j][1]))
+            return D[:, order]
+        return _sort_rows(D, coords)
+
+    def _part_inputs_general(self, node: int, desc, ids: np.ndarray, seg: np.ndarray,
+                             blank: np.ndarray) -> np.ndarray:
+        """_part_inputs through the descriptor's object tree, Index by Index (a
+        descriptor class without a compiled form)."""
         graph = self.graph
-        desc = self.nnet.nodes[info.node_index].descriptor.part(part)
-        loc = self.cindex_id_to_location
         get_id = graph.get_cindex_id
-
-        later = self._later_segment_ids(info)
-
-        def in_graph(c) -> bool:
-            i = get_id(c)
-            return i != -1 and i not in later
-
-        # Compiled once per (node, part) for this compilation (descriptors are
-        # not assumed immutable between compilations).
-        cache = self.__dict__.setdefault("_fast_parts", {})
-        key = (info.node_index, part)
-        if key not in cache:
-            cache[key] = _compile_part(desc)
-        fast = cache[key]
-        if fast is not None:
-            return self._input_locations_fast(info, fast)
-        out = []
-        for index in info.output_indexes:
-            if index[1] == K_NO_TIME:
-                out.append([])
+        seg_of_step = self.step_to_segment
+        loc_step = self.loc_step
+        rows = []
+        for r, (c, s, b) in enumerate(zip(self.coords[ids].tolist(), seg.tolist(),
+                                          blank.tolist())):
+            if b:
+                rows.append([])
                 continue
+
+            def in_graph(ci, s=s) -> bool:
+                i = get_id(ci)
+                return i != -1 and not (loc_step[i] >= 0 and seg_of_step[loc_step[i]] > s)
             used: list = []
+            index = _tuple_new(Index, c[1:])
             if not desc.is_computable(index, in_graph, used):
                 raise CompilerError(
-                    f"node {self.nnet.nodes[info.node_index].name!r}: Index {tuple(index)} is "
-                    f"not computable from the pruned graph")
-            if len(used) > 1:
-                used.sort(key=_cindex_key)
-            out.append([loc[get_id(c)] for c in used])
-        return out
-
-    def _input_locations_fast(self, info, fast) -> list[list[tuple[int, int]]]:
-        """_input_locations_list through a compiled descriptor part: the same
-        inputs (those present in the pruned graph, IfDefined/Failover resolved),
-        sorted the same way."""
-        get, loc = self.graph._ids.get, self.cindex_id_to_location
-        all_required, deps = fast.all_required, fast.deps
-        later = self._later_segment_ids(info)
-        if later:
-            get0 = get
-
-            def get(ci):
-                i = get0(ci)
-                return None if i in later else i
-        out = []
-        if all_required and fast.dep1 is not None:
-            # One required input per row (plain forwarding): its location.
-            dep1 = fast.dep1
-            for index in info.output_indexes:
-                if index[1] == K_NO_TIME:
-                    out.append([])
-                    continue
-                d = get(dep1(index))
-                if d is None:
-                    raise CompilerError(
-                        f"node {self.nnet.nodes[info.node_index].name!r}: Index "
-                        f"{tuple(index)} is not computable from the pruned graph")
-                out.append([loc[d]])
-            return out
-        for index in info.output_indexes:
-            if index[1] == K_NO_TIME:
-                out.append([])
-                continue
-            ins = deps(index)
-            ids = [get(ci) for ci in ins]
-            if all_required:
-                ok = None not in ids
-                used = range(len(ins))
-            else:
-                ok, used = fast.evaluate([d is not None for d in ids])
-            if not ok:
-                raise CompilerError(
-                    f"node {self.nnet.nodes[info.node_index].name!r}: Index {tuple(index)} is "
-                    f"not computable from the pruned graph")
-            if len(used) == 1:
-                out.append([loc[ids[used[0]]]])
-            else:
-                pairs = sorted(((ins[u], ids[u]) for u in used), key=_pair_key)
-                out.append([loc[d] for _, d in pairs])
-        return out
+                    f"node {self._node_name(node)!r}: Index {tuple(index)} is not computable "
+                    f"from the pruned graph")
+            rows.append([get_id(ci) for ci in used])
+        width = max((len(r) for r in rows), default=0)
+        D = np.full((len(rows), width), -1, dtype=np.int64)
+        for i, r in enumerate(rows):
+            D[i, :len(r)] = r
+        return _sort_rows(D, self.coords)
 
     # -- descriptors ----------------------------------------------------------------------------
-    def _split_by_scale(self, desc, locations):
-        """Kaldi's SplitByScale: (shared_alpha, []) when every node has the same
-        scale, else (inf, [(alpha, locations restricted to that alpha's nodes)])."""
-        nodes = sorted(set(desc.get_node_dependencies()))
+    def _scales(self, node: int, part: int):
+        """Kaldi's SplitByScale, per node part: (shared alpha, None) when every input
+        node has the same scale, else (None, [(alpha, input nodes)]) by alpha."""
+        key = ("scale", node, part)
+        hit = self._part_cache.get(key)
+        if hit is not None:
+            return hit
+        desc = self.nnet.nodes[node].descriptor.part(part)
         alpha_to_nodes: dict[float, list[int]] = {}
-        for n in nodes:
+        for n in sorted(set(desc.get_node_dependencies())):
             a = desc.get_scale_for_node(n)
             if a - a != 0:
                 raise CompilerError(f"descriptor scale for node {n} is not finite")
             alpha_to_nodes.setdefault(a, []).append(n)
         if len(alpha_to_nodes) == 1:
-            return next(iter(alpha_to_nodes)), []
-        step_alpha: dict[int, int] = {}
-        alphas = sorted(alpha_to_nodes)
-        node_alpha = {n: k for k, a in enumerate(alphas) for n in alpha_to_nodes[a]}
-        for lst in locations:
-            for s, _ in lst:
-                if s not in step_alpha:
-                    step_alpha[s] = node_alpha[self.steps[s].node_index]
-        split = [(a, [[] for _ in locations]) for a in alphas]
-        for r, lst in enumerate(locations):
-            for pair in lst:
-                split[step_alpha[pair[0]]][1][r].append(pair)
-        return math.inf, split
+            hit = (next(iter(alpha_to_nodes)), None, desc.get_scale_for_node(-1))
+        else:
+            hit = (math.inf, [(a, np.array(alpha_to_nodes[a], dtype=np.int64))
+                              for a in sorted(alpha_to_nodes)], desc.get_scale_for_node(-1))
+        self._part_cache[key] = hit
+        return hit
+
+    def _pieces(self, step: int, part: int, subs: np.ndarray):
+        """(alpha, S, R) pieces of a descriptor part: S the submatrices (``subs`` of
+        the input steps) and R the rows summed into each row, split by scale."""
+        info = self.steps[step]
+        D = info.inputs[part]
+        valid = D >= 0
+        if D.shape[1] and not valid[:, -1].any():
+            # the node's widest row is in another step
+            width = int(valid.sum(axis=1).max()) if len(D) else 0
+            D, valid = D[:, :width], valid[:, :width]
+        safe = np.maximum(D, 0)
+        S = np.where(valid, subs[self.loc_step[safe]], -1)
+        R = np.where(valid, self.loc_row[safe], -1)
+        shared, split, _ = self._scales(info.node_index, part)
+        if split is None:
+            return [(shared, S, R)]
+        nodes = self.coords[safe, 0]
+        out = []
+        for alpha, which in split:
+            keep = valid & np.isin(nodes, which)
+            out.append((alpha, *left_align(S, R, keep)))
+        return out
 
     def _compile_forward_sum_descriptor(self, step: int, part: int, computation) -> None:
         info = self.steps[step]
         value = info.value_parts[part]
-        desc = self.nnet.nodes[info.node_index].descriptor.part(part)
-        offset = desc.get_scale_for_node(-1)
+        _, _, offset = self._scales(info.node_index, part)
         if offset != 0.0:
-            computation.add(CT.SET_CONST, value, alpha=offset)
-        locations = info.input_locations_list[part]
-        shared, split = self._split_by_scale(desc, locations)
-        pieces = [(shared, locations)] if math.isfinite(shared) else split
-        for alpha, locs in pieces:
-            submat_lists = [[(self.steps[s].value, r) for s, r in lst] for lst in locs]
-            for column in split_locations(submat_lists):
-                self._forward_from_locations(value, alpha, column, computation)
+            computation.commands.append(Command(CT.SET_CONST, float(offset), value))
+        for alpha, S, R in self._pieces(step, part, self._value_subs):
+            if S.shape[1] == 1:
+                self._forward_column(value, alpha, S[:, 0], R[:, 0], computation)
+                continue
+            for cs, cr in split_columns(S, R):
+                self._forward_column(value, alpha, cs, cr, computation)
 
-    def _forward_from_locations(self, value: int, alpha: float, column, computation) -> None:
-        ok, src, rows = convert_to_indexes(column)
-        if ok:
-            n_in = computation.submatrices[src].num_rows
-            if n_in == len(rows) and all(r == i for i, r in enumerate(rows)):
-                computation.add(CT.MATRIX_ADD, value, src, alpha=alpha)
+    def _forward_column(self, value: int, alpha: float, cs, cr, computation) -> None:
+        src = column_source(cs)
+        if src >= 0:
+            m = len(cr)
+            if (computation.submatrices[src].num_rows == m and cr[0] == 0 and cr[-1] == m - 1
+                    and (np.diff(cr) == 1).all()):
+                computation.commands.append(Command(CT.MATRIX_ADD, float(alpha), value, src))
             else:
-                computation.indexes.append(rows)
-                computation.add(CT.ADD_ROWS, value, src, len(computation.indexes) - 1,
-                                alpha=alpha)
+                computation.indexes.append(cr.tolist())
+                computation.commands.append(Command(CT.ADD_ROWS, float(alpha), value, src,
+                                                    len(computation.indexes) - 1))
         else:
-            computation.indexes_multi.append(list(column))
-            computation.add(CT.ADD_ROWS_MULTI, value, len(computation.indexes_multi) - 1,
-                            alpha=alpha)
+            computation.indexes_multi.append(list(zip(cs.tolist(), cr.tolist())))
+            computation.commands.append(Command(CT.ADD_ROWS_MULTI, float(alpha), value,
+                                                len(computation.indexes_multi) - 1))
 
     def _compile_backward_sum_descriptor(self, step: int, part: int, computation) -> None:
         info = self.steps[step]
         deriv = info.deriv_parts[part]
-        desc = self.nnet.nodes[info.node_index].descriptor.part(part)
-        locations = info.input_locations_list[part]
-        shared, split = self._split_by_scale(desc, locations)
-        pieces = [(shared, locations)] if math.isfinite(shared) else split
-        for alpha, locs in pieces:
-            submat_lists = [[(self.steps[s].deriv, r) for s, r in lst if self.steps[s].deriv > 0]
-                            for lst in locs]
-            for column in split_locations_backward(submat_lists):
-                self._backward_from_locations(step, deriv, alpha, column, computation)
+        for alpha, S, R in self._pieces(step, part, self._deriv_subs):
+            S, R = left_align(S, R, S > 0)
+            for cs, cr in split_columns_backward(S, R):
+                self._backward_column(step, deriv, alpha, cs, cr, computation)
 
-    def _backward_from_locations(self, step, deriv: int, alpha: float, column,
-                                 computation) -> None:
-        ok, in_deriv, rows = convert_to_indexes(column)
-        if not ok:
-            computation.indexes_multi.append(list(column))
-            computation.add(CT.ADD_TO_ROWS_MULTI, deriv, len(computation.indexes_multi) - 1,
-                            alpha=alpha)
+    def _backward_column(self, step, deriv: int, alpha: float, cs, cr, computation) -> None:
+        alpha = float(alpha)
+        in_deriv = column_source(cs)
+        if in_deriv == -2:
+            computation.indexes_multi.append(list(zip(cs.tolist(), cr.tolist())))
+            computation.commands.append(Command(CT.ADD_TO_ROWS_MULTI, alpha, deriv,
+                                                len(computation.indexes_multi) - 1))
             return
+        rows = np.where(cs >= 0, cr, -1)
         num_rows = computation.submatrices[deriv].num_rows
         n_in = computation.submatrices[in_deriv].num_rows
-        if n_in == num_rows and all(r == i for i, r in enumerate(rows)):
-            computation.add(CT.MATRIX_ADD, in_deriv, deriv, alpha=alpha)
+        if n_in == num_rows and (rows == np.arange(num_rows)).all():
+            computation.commands.append(Command(CT.MATRIX_ADD, alpha, in_deriv, deriv))
             return
         if n_in >= num_rows:
-            reverse = [-1] * n_in
-            unique = True
-            for i, r in enumerate(rows):
-                if r >= 0:
-                    if reverse[r] != -1:
-                        unique = False
-                        break
-                    reverse[r] = i
-            if unique:
-                computation.indexes.append(reverse)
-                computation.add(CT.ADD_ROWS, in_deriv, deriv, len(computation.indexes) - 1,
-                                alpha=alpha)
+            pos = np.flatnonzero(rows >= 0)
+            vals = rows[pos]
+            if len(np.unique(vals)) == len(vals):
+                reverse = np.full(n_in, -1, dtype=np.int64)
+                reverse[vals] = pos
+                computation.indexes.append(reverse.tolist())
+                computation.commands.append(Command(CT.ADD_ROWS, alpha, in_deriv, deriv,
+                                                    len(computation.indexes) - 1))
                 return
-        ok, ranges = has_contiguous_property(rows)
-        if ok:
-            ranges = list(ranges) + [(-1, -1)] * (n_in - len(ranges))
-            computation.indexes_ranges.append(ranges)
-            computation.add(CT.ADD_ROW_RANGES, in_deriv, deriv, len(computation.indexes_ranges) - 1,
-                            alpha=alpha)
+        ranges = row_ranges(rows)
+        if ranges is not None:
+            full = [(-1, -1)] * n_in
+            full[:len(ranges)] = [tuple(r) for r in ranges.tolist()]
+            computation.indexes_ranges.append(full)
+            computation.commands.append(Command(CT.ADD_ROW_RANGES, alpha, in_deriv, deriv,
+                                                len(computation.indexes_ranges) - 1))
             return
-        raise CompilerError(f"node {self.nnet.nodes[self.steps[step].node_index].name!r}: "
+        raise CompilerError(f"node {self._node_name(self.steps[step].node_index)!r}: "
                             f"backprop through this descriptor needs a row mapping the "
                             f"compiler does not support (as in Kaldi)")
 
     # -- per step ----------------------------------------------------------------------------------
     def _is_input_step(self, step: int) -> bool:
-        return step < len(self.steps) and self.nnet.is_input_node(self.steps[step].node_index)
+        return step < len(self.steps) and self.kind_input[self.steps[step].node_index]
 
     def _compile_forward(self, step: int, computation) -> None:
-        nnet = self.nnet
         info = self.steps[step]
         node = info.node_index
-        if nnet.is_input_node(node):
-            computation.add(CT.ACCEPT_INPUT, info.value, node)
+        if self.kind_input[node]:
+            computation.commands.append(Command(CT.ACCEPT_INPUT, 1.0, info.value, node))
             if not self._is_input_step(step + 1):
-                computation.add(CT.NO_OPERATION_PERMANENT)
-        elif nnet.is_dim_range_node(node):
+                computation.commands.append(Command(CT.NO_OPERATION_PERMANENT))
+        elif self.kind_dim_range[node]:
             pass
-        elif nnet.is_component_node(node):
+        elif self.kind_component[node]:
             self._forward_component(step, computation)
         else:
             for part in range(len(info.value_parts)):
                 self._compile_forward_sum_descriptor(step, part, computation)
-            if nnet.is_output_node(node):
-                computation.add(CT.PROVIDE_OUTPUT, info.value, node)
+            if self.kind_output[node]:
+                computation.commands.append(Command(CT.PROVIDE_OUTPUT, 1.0, info.value, node))
 
     def _forward_component(self, step: int, computation) -> None:
         info, in_info = self.steps[step], self.steps[step - 1]
-        ci = self.nnet.nodes[info.node_index].component_index
-        props = self.nnet.components[ci].properties()
+        node = info.node_index
+        props = self.props[node]
         memo = step if info.deriv > 0 and props & P.USES_MEMO else 0
         stats = 1 if self.requests[0].store_component_stats and props & P.STORES_STATS else 0
-        computation.add(CT.PROPAGATE, ci, info.precomputed_indexes_index, in_info.value,
-                        info.value, memo, stats)
+        computation.commands.append(Command(CT.PROPAGATE, 1.0, self.component_index[node],
+                                            info.precomputed_indexes_index, in_info.value,
+                                            info.value, memo, stats))
 
     def _compile_backward(self, step: int, computation) -> None:
-        nnet = self.nnet
         info = self.steps[step]
         node = info.node_index
-        if nnet.is_input_node(node):
+        if self.kind_input[node]:
             if info.deriv != 0:
-                computation.add(CT.PROVIDE_OUTPUT, info.deriv, node)
+                computation.commands.append(Command(CT.PROVIDE_OUTPUT, 1.0, info.deriv, node))
             if not self._is_input_step(step + 1):
-                computation.add(CT.NO_OPERATION_PERMANENT)
-        elif nnet.is_dim_range_node(node):
+                computation.commands.append(Command(CT.NO_OPERATION_PERMANENT))
+        elif self.kind_dim_range[node]:
             pass
-        elif nnet.is_component_node(node):
+        elif self.kind_component[node]:
             self._backward_component(step, computation)
         else:
-            if nnet.is_output_node(node) and info.deriv > 0:
-                computation.add(CT.ACCEPT_INPUT, info.deriv, node)
+            if self.kind_output[node] and info.deriv > 0:
+                computation.commands.append(Command(CT.ACCEPT_INPUT, 1.0, info.deriv, node))
             for part in range(len(info.value_parts)):
                 self._compile_backward_sum_descriptor(step, part, computation)
 
     def _backward_component(self, step: int, computation) -> None:
         info, in_info = self.steps[step], self.steps[step - 1]
-        ci = self.nnet.nodes[info.node_index].component_index
-        props = self.nnet.components[ci].properties()
+        node = info.node_index
+        props = self.props[node]
         if info.deriv <= 0 or (in_info.deriv <= 0 and not props & P.UPDATABLE_COMPONENT):
-            raise CompilerError(f"component node {self.nnet.nodes[info.node_index].name!r}: "
+            raise CompilerError(f"component node {self._node_name(node)!r}: "
                                 f"backprop without the derivatives it needs")
         in_value = in_info.value if props & P.BACKPROP_NEEDS_INPUT else 0
         out_value = info.value if props & P.BACKPROP_NEEDS_OUTPUT else 0
         memo = step if props & P.USES_MEMO else 0
-        computation.add(CT.BACKPROP, ci, info.precomputed_indexes_index, in_value, out_value,
-                        info.deriv, in_info.deriv, memo)
+        computation.commands.append(Command(CT.BACKPROP, 1.0, self.component_index[node],
+                                            info.precomputed_indexes_index, in_value,
+                                            out_value, info.deriv, in_info.deriv, memo))
 
     # -- commands -------------------------------------------------------------------------------------
-    def _add_commands(self, deriv_needed, step_to_segment, computation) -> None:
+    def _add_commands(self, deriv_needed, computation) -> None:
         computation.need_model_derivative = self.requests[0].need_model_derivative
         whole = computation.whole_submatrices()
         self._allocate_matrices(whole, computation)
-        self._set_up_precomputed_indexes(step_to_segment, computation)
-        n = len(self.steps)
+        self._set_up_precomputed_indexes(computation)
+        steps = self.steps
+        self._value_subs = np.array([s.value for s in steps] + [0], dtype=np.int64)
+        self._deriv_subs = np.array([s.deriv for s in steps] + [0], dtype=np.int64)
+        seg = self.step_to_segment
+        n = len(steps)
         for step in range(n):
             self._compile_forward(step, computation)
-            if step + 1 < n and step_to_segment[step + 1] != step_to_segment[step]:
-                computation.add(CT.NO_OPERATION_MARKER)
-        computation.add(CT.NO_OPERATION_MARKER)
+            if step + 1 < n and seg[step + 1] != seg[step]:
+                computation.commands.append(Command(CT.NO_OPERATION_MARKER))
+        computation.commands.append(Command(CT.NO_OPERATION_MARKER))
         for step in range(n - 1, -1, -1):
             if deriv_needed[step]:
                 self._compile_backward(step, computation)
-        self._deallocate_matrices(whole, step_to_segment, computation)
+        self._deallocate_matrices(whole, computation)
 
     def _allocate_matrices(self, whole, computation) -> None:
-        nnet, graph = self.nnet, self.graph
         supplied = set()
+        is_input = self.graph.is_input_array
+        subs = computation.submatrices
         for info in self.steps:
-            if not info.output_cindex_ids:
+            if not len(info.ids):
                 continue
-            if graph.is_input[info.output_cindex_ids[0]]:
-                supplied.add(computation.submatrices[info.value].matrix_index)
-            if nnet.is_output_node(info.node_index) and info.deriv != 0:
-                supplied.add(computation.submatrices[info.deriv].matrix_index)
+            if is_input[info.ids[0]]:
+                supplied.add(subs[info.value].matrix_index)
+            if self.kind_output[info.node_index] and info.deriv != 0:
+                supplied.add(subs[info.deriv].matrix_index)
+        cmds = computation.commands
         for m in range(1, len(computation.matrices)):
             if m not in supplied:
-                computation.add(CT.ALLOC_MATRIX, whole[m])
-                computation.add(CT.SET_CONST, whole[m], alpha=0.0)
+                cmds.append(Command(CT.ALLOC_MATRIX, 1.0, whole[m]))
+                cmds.append(Command(CT.SET_CONST, 0.0, whole[m]))
 
-    def _set_up_precomputed_indexes(self, step_to_segment, computation) -> None:
+    def _set_up_precomputed_indexes(self, computation) -> None:
         nnet = self.nnet
         computation.component_precomputed_indexes = [PrecomputedIndexesInfo()]
         for step, info in enumerate(self.steps):
-            if not nnet.is_component_node(info.node_index):
+            node = info.node_index
+            if not self.kind_component[node]:
                 continue
+            comp = nnet.components[self.component_index[node]]
+            if type(comp).precompute_indexes is Component.precompute_indexes:
+                continue          # the default: no precomputed indexes
             in_info = self.steps[step - 1]
-            comp = nnet.components[nnet.nodes[info.node_index].component_index]
-            req = self.requests[step_to_segment[step]]
-            data = comp.precompute_indexes(req.misc_info, in_info.output_indexes,
-                                           info.output_indexes, req.need_derivatives())
+            req = self.requests[info.segment]
+            ins, outs = self._indexes_of(in_info.ids), self._indexes_of(info.ids)
+            data = comp.precompute_indexes(req.misc_info, ins, outs, req.need_derivatives())
             if data is None:
-                info.precomputed_indexes_index = 0
                 continue
             info.precomputed_indexes_index = len(computation.component_precomputed_indexes)
             entry = PrecomputedIndexesInfo(data)
-            ins, outs = in_info.output_indexes, info.output_indexes
             if ins and ins[-1][0] == 1 and outs and outs[-1][0] == 1:
                 # kept for shortcut compilation (ExpandComputation), as Kaldi does
-                entry.input_indexes = list(ins)
-                entry.output_indexes = list(outs)
+                entry.input_indexes = ins
+                entry.output_indexes = outs
             computation.component_precomputed_indexes.append(entry)
 
-    def _deallocate_matrices(self, whole, step_to_segment, computation) -> None:
-        nnet = self.nnet
+    def _deallocate_matrices(self, whole, computation) -> None:
         keep = set()
-        for step, info in enumerate(self.steps):
-            req = self.requests[step_to_segment[step]]
+        subs = computation.submatrices
+        for info in self.steps:
             node = info.node_index
-            if nnet.is_output_node(node):
-                keep.add(computation.submatrices[info.value].matrix_index)
-            elif nnet.is_input_node(node):
-                i = req.index_of_input(nnet.nodes[node].name)
+            if self.kind_output[node]:
+                keep.add(subs[info.value].matrix_index)
+            elif self.kind_input[node]:
+                req = self.requests[info.segment]
+                i = req.index_of_input(self._node_name(node))
                 if i == -1:
-                    raise CompilerError(f"input node {nnet.nodes[node].name!r} not in request")
+                    raise CompilerError(f"input node {self._node_name(node)!r} not in request")
                 if req.inputs[i].has_deriv:
-                    keep.add(computation.submatrices[info.deriv].matrix_index)
+                    keep.add(subs[info.deriv].matrix_index)
+        cmds = computation.commands
         for m in range(1, len(computation.matrices)):
             if m not in keep:
-                computation.add(CT.DEALLOC_MATRIX, whole[m])
+                cmds.append(Command(CT.DEALLOC_MATRIX, 1.0, whole[m]))
 
     def _output_debug_info(self, computation) -> None:
         dbg = [MatrixDebugInfo() for _ in computation.matrices]
+        subs, mats = computation.submatrices, computation.matrices
         for info in self.steps:
-            if info.value == 0 or not computation.is_whole_matrix(info.value):
+            if info.value == 0:
                 continue
-            vm = computation.submatrices[info.value].matrix_index
+            sm = subs[info.value]
+            vm = sm.matrix_index
+            mi = mats[vm]
+            if sm.row_offset or sm.col_offset or sm.num_rows != mi.num_rows \
+                    or sm.num_cols != mi.num_cols:
+                continue
             if dbg[vm].cindexes:
                 continue  # an alias made by a dim-range node covering all columns
             dbg[vm].is_deriv = False
-            node = info.node_index
             # plain (node, Index) tuples: Cindex objects for 100k rows cost real time
-            dbg[vm].cindexes = [(node, i) for i in info.output_indexes]
+            dbg[vm].cindexes = list(zip(repeat(info.node_index), self._indexes_of(info.ids)))
             if info.deriv != 0 and computation.is_whole_matrix(info.deriv):
-                dm = computation.submatrices[info.deriv].matrix_index
+                dm = subs[info.deriv].matrix_index
                 dbg[dm].is_deriv = True
                 dbg[dm].cindexes = dbg[vm].cindexes
         computation.matrix_debug_info = dbg
@@ -631,17 +739,21 @@ def consolidate_io_operations(computation: NnetComputation) -> None:
     out: list[Command] = []
     seg: list[Command] = []
     segments = []
+    accept, provide, marker = CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT, CT.NO_OPERATION_MARKER
 
     def flush():
         start = len(out)
-        out.extend(c for c in seg if c.command_type == CT.ACCEPT_INPUT)
-        out.extend(c for c in seg if c.command_type not in (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT))
-        out.extend(c for c in seg if c.command_type == CT.PROVIDE_OUTPUT)
+        if any(c.command_type == accept or c.command_type == provide for c in seg):
+            out.extend(c for c in seg if c.command_type == accept)
+            out.extend(c for c in seg if c.command_type != accept and c.command_type != provide)
+            out.extend(c for c in seg if c.command_type == provide)
+        else:
+            out.extend(seg)
         segments.append((start, len(out)))
         seg.clear()
 
     for c in cmds:
-        if c.command_type == CT.NO_OPERATION_MARKER:
+        if c.command_type == marker:
             flush()
             out.append(c)
         else:
@@ -657,9 +769,9 @@ def compile_computation(nnet, requests, options: CompilerOptions = CompilerOptio
     (segments of a looped computation)."""
     if not isinstance(requests, (list, tuple)):
         requests = [requests]
-    # The compiler allocates hundreds of thousands of small lists and tuples
-    # (one graph vertex each) and frees them by reference counting; the cyclic
-    # collector's full passes over them cost up to 40% of the compile time and
-    # find nothing, so it is paused for the duration (gc_pause: nests, thread-safe).
+    # The compiler allocates many small lists and tuples and frees them by
+    # reference counting; the cyclic collector's full passes over them cost
+    # real time and find nothing, so it is paused for the duration (gc_pause:
+    # nests, thread-safe).
     with gc_paused():
         return Compiler(nnet, requests).create_computation(options)
