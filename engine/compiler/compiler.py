@@ -79,8 +79,9 @@ class _StepInfo:
         self.precomputed_indexes_index = 0
         self.value_parts: list[int] = []
         self.deriv_parts: list[int] = []
-        # per descriptor part: (rows, width) input cindex ids in Kaldi's order, -1 padded
-        self.inputs: list[np.ndarray] = []
+        # per descriptor part: (rows, width) input cindex ids in Kaldi's order, -1
+        # padded (filled in when first needed, for all steps of the node at once)
+        self.inputs: list[np.ndarray] | None = None
 
 
 def _compile_part(part):
@@ -181,9 +182,8 @@ class Compiler:
     def _indexes_of(self, ids: np.ndarray) -> list:
         """Index objects of cindex ids (equal Indexes share one object)."""
         if self._index_objs is None:
-            objs = np.empty(len(self.coords), dtype=object)
-            objs[:] = make_indexes(self.coords[:, 1:])
-            self._index_objs = objs
+            self._index_objs = np.fromiter(make_indexes(self.coords[:, 1:]), dtype=object,
+                                           count=len(self.coords))
         return self._index_objs[ids].tolist()
 
     def _node_name(self, node: int) -> str:
@@ -314,29 +314,39 @@ class Compiler:
                             info.deriv_parts.append(
                                 computation.new_submatrix(info.deriv, 0, -1, off, d))
                         off += d
-        self._compute_input_locations()
+        self._prepare_descriptors()
 
     # -- input locations ---------------------------------------------------------------------------
-    def _compute_input_locations(self) -> None:
-        """Kaldi's ComputeInputLocationsList for every descriptor step: per part, the
-        input cindexes summed into each row, sorted; all steps of a node at once."""
+    def _prepare_descriptors(self) -> None:
+        """Per descriptor node: its steps, its parts compiled, and one lookup table with
+        room for every constant shift of the descriptors."""
         by_node: dict[int, list[int]] = {}
         for step, info in enumerate(self.steps):
             if len(info.ids) and self.kind_descriptor[info.node_index]:
                 by_node.setdefault(info.node_index, []).append(step)
+        self._node_steps = by_node
         self._part_cache: dict = {}
-        # one lookup table with room for every constant shift of the descriptors
         margin = [0, 0, 0]
         for node in by_node:
             desc = self.nnet.nodes[node].descriptor
             for p in range(desc.num_parts()):
+                # compiled once per (node, part) for this compilation (descriptors
+                # are not assumed immutable between compilations)
                 fast = self._part_cache[(node, p)] = _compile_part(desc.part(p))
                 shifts = fast.linear_positions() if fast is not None else None
                 for _, dn, dt, dx in shifts or ():
                     margin = [max(margin[0], abs(dn)), max(margin[1], abs(dt)),
                               max(margin[2], abs(dx))]
-        self.graph.table(self.nnet.num_nodes(), tuple(margin))
-        for node, steps in by_node.items():
+        self._table = self.graph.table(self.nnet.num_nodes(), tuple(margin))
+
+    def _inputs(self, step: int, part: int) -> np.ndarray:
+        """Kaldi's ComputeInputLocationsList for one descriptor part of a step: the
+        input cindexes summed into each row, sorted; computed for all steps of the
+        node at once."""
+        info = self.steps[step]
+        if info.inputs is None:
+            node = info.node_index
+            steps = self._node_steps[node]
             desc = self.nnet.nodes[node].descriptor
             ids = np.concatenate([self.steps[s].ids for s in steps])
             lens = [len(self.steps[s].ids) for s in steps]
@@ -345,10 +355,13 @@ class Compiler:
             seg = np.repeat(np.array([self.steps[s].segment for s in steps], dtype=np.int64),
                             lens)
             b = bounds.tolist()
+            for s in steps:
+                self.steps[s].inputs = []
             for p in range(desc.num_parts()):
                 D = self._part_inputs(node, p, ids, seg)
                 for k, s in enumerate(steps):
                     self.steps[s].inputs.append(D[b[k]:b[k + 1]])
+        return info.inputs[part]
 
     def _part_inputs(self, node: int, part: int, ids: np.ndarray, seg: np.ndarray
                      ) -> np.ndarray:
@@ -360,6 +373,7 @@ class Compiler:
         # assumed immutable between compilations)
         fast = self._part_cache[(node, part)]
         graph, coords = self.graph, self.coords
+        table = self._table
         c = coords[ids]
         blank = c[:, 2] == K_NO_TIME
         m = len(ids)
@@ -370,8 +384,6 @@ class Compiler:
             return np.zeros((m, 0), dtype=np.int64)
         shifts = fast.linear_positions()
         if shifts is not None:
-            mg = tuple(max(abs(s[j + 1]) for s in shifts) for j in range(3))
-            table = graph.table(self.nnet.num_nodes(), mg)
             cols = []
             for w, dn, dt, dx in shifts:
                 col = None if blank.any() else table.find_shifted(ids, node, w, dn, dt, dx)
@@ -381,7 +393,7 @@ class Compiler:
             D = np.stack(cols, axis=1) if k > 1 else cols[0][:, None]
         else:
             slots = fast.deps_arrays(c[:, 1], c[:, 2], c[:, 3])
-            D = np.stack([graph.find(s[0] if type(s[0]) is int else s[0].astype(np.int64),
+            D = np.stack([table.find(s[0] if type(s[0]) is int else s[0].astype(np.int64),
                                      s[1], s[2], s[3]) for s in slots], axis=1)
         present = D >= 0
         if len(self.requests) > 1:
@@ -472,7 +484,7 @@ class Compiler:
         """(alpha, S, R) pieces of a descriptor part: S the submatrices (``subs`` of
         the input steps) and R the rows summed into each row, split by scale."""
         info = self.steps[step]
-        D = info.inputs[part]
+        D = self._inputs(step, part)
         valid = D >= 0
         if D.shape[1] and not valid[:, -1].any():
             # the node's widest row is in another step
@@ -491,12 +503,144 @@ class Compiler:
             out.append((alpha, *left_align(S, R, keep)))
         return out
 
+    def _single_input_pieces(self, node: int, part: int):
+        """The pieces (SplitByScale order) of a descriptor part as (alpha, shift,
+        optional) when each reads at most one input per row, the Index shifted by a
+        constant (required, or optional as in IfDefined); None otherwise."""
+        key = ("single", node, part)
+        if key in self._part_cache:
+            return self._part_cache[key]
+        out = None
+        fast = self._part_cache[(node, part)]
+        shifts = fast.linear_positions() if fast is not None else None
+        if shifts is not None:
+            k = fast.num_deps
+            shared, split, _ = self._scales(node, part)
+            if split is None:
+                pieces = [(shared, 0)] if k == 1 else None
+            else:
+                pieces = []
+                for alpha, nodes in split:
+                    at = [j for j, sh in enumerate(shifts) if sh[0] in nodes.tolist()]
+                    if len(at) != 1:
+                        pieces = None
+                        break
+                    pieces.append((alpha, at[0]))
+            optional = None
+            if fast.all_required:
+                optional = False
+            elif k == 1:
+                no, yes = np.zeros((1, 1), dtype=bool), np.ones((1, 1), dtype=bool)
+                if (fast.computable_arrays(no)[0] and fast.computable_arrays(yes)[0]
+                        and fast.used_arrays(yes)[0, 0]):
+                    optional = True
+            if pieces is not None and optional is not None:
+                out = [(alpha, shifts[j], optional) for alpha, j in pieces]
+        self._part_cache[key] = out
+        return out
+
+    def _batch_forward(self, computation) -> dict:
+        """The forward commands of every descriptor piece that reads at most one input
+        per row at a constant shift, for all steps at once: {(step, part): [(alpha,
+        command type, source submatrix, rows or pairs)]}.  Parts where a required
+        input is missing are left to the general path (which reports them)."""
+        table = self._table
+        if table.mode == "dict":
+            return {}
+        units = []
+        for node, steps in self._node_steps.items():
+            for p in range(self.nnet.nodes[node].descriptor.num_parts()):
+                pieces = self._single_input_pieces(node, p)
+                if pieces is None:
+                    continue
+                deltas = [(w - node) * table.stride_node + dn * table.stride_n
+                          + dt * table.stride_t + dx for _, (w, dn, dt, dx), _ in pieces]
+                for st in steps:
+                    for j, (alpha, _, optional) in enumerate(pieces):
+                        units.append((st, p, alpha, deltas[j], optional))
+        if not units:
+            return {}
+        steps = self.steps
+        lens = np.array([len(steps[u[0]].ids) for u in units], dtype=np.int64)
+        rows = np.concatenate([steps[u[0]].ids for u in units])
+        starts = np.zeros(len(units), dtype=np.int64)
+        np.cumsum(lens[:-1], out=starts[1:])
+        keys = table.key_of[rows]
+        blank = keys < 0
+        keys = keys + np.repeat(np.array([u[3] for u in units], dtype=np.int64), lens)
+        if blank.any():
+            keys[blank] = 0
+        src = table._lookup(keys)
+        if blank.any():
+            src[blank] = -1
+        present = src >= 0
+        safe = np.maximum(src, 0)
+        src_step = self.loc_step[safe]
+        if len(self.requests) > 1:
+            # inputs computed by steps of later segments do not count (see _part_inputs)
+            seg_of = np.array(self.step_to_segment, dtype=np.int64)
+            row_seg = np.repeat(np.array([steps[u[0]].segment for u in units], np.int64), lens)
+            present &= ~((src_step >= 0) & (seg_of[np.maximum(src_step, 0)] > row_seg))
+        src_row = self.loc_row[safe]
+        local = np.arange(len(rows)) - np.repeat(starts, lens)
+        big = len(steps) + 1
+        low = np.minimum.reduceat(np.where(present, src_step, big), starts)
+        high = np.maximum.reduceat(np.where(present, src_step, -1), starts)
+        missing = np.logical_or.reduceat(~present & ~blank, starts)
+        ident = np.logical_and.reduceat(present & (src_row == local), starts)
+        step_len = np.array([len(s.ids) for s in steps] + [0], dtype=np.int64)
+        ident &= (low == high) & (step_len[np.minimum(low, big - 1)] == lens)
+        rows_out = np.where(present, src_row, -1)
+        subs_out = np.where(present, self._value_subs[np.maximum(src_step, 0)], -1)
+        out: dict = {}
+        failed = set()
+        b = starts.tolist() + [len(rows)]
+        vsub = self._value_subs
+        for k, (st, p, alpha, _, optional) in enumerate(units):
+            if missing[k] and not optional:
+                failed.add((st, p))
+                continue
+            hi = int(high[k])
+            if hi < 0:
+                cmd = None
+            elif low[k] == hi:
+                if ident[k]:
+                    cmd = (alpha, CT.MATRIX_ADD, int(vsub[hi]), None)
+                else:
+                    cmd = (alpha, CT.ADD_ROWS, int(vsub[hi]), rows_out[b[k]:b[k + 1]].tolist())
+            else:
+                cmd = (alpha, CT.ADD_ROWS_MULTI, -1,
+                       list(zip(subs_out[b[k]:b[k + 1]].tolist(),
+                                rows_out[b[k]:b[k + 1]].tolist())))
+            out.setdefault((st, p), []).append(cmd)
+        for key in failed:
+            out.pop(key, None)
+        return out
+
     def _compile_forward_sum_descriptor(self, step: int, part: int, computation) -> None:
         info = self.steps[step]
         value = info.value_parts[part]
         _, _, offset = self._scales(info.node_index, part)
         if offset != 0.0:
             computation.commands.append(Command(CT.SET_CONST, float(offset), value))
+        batched = self._forward_batch.get((step, part))
+        if batched is not None:
+            cmds = computation.commands
+            for cmd in batched:
+                if cmd is None:
+                    continue
+                alpha, ct, src, data = cmd
+                if ct == CT.MATRIX_ADD:
+                    cmds.append(Command(ct, float(alpha), value, src))
+                elif ct == CT.ADD_ROWS:
+                    computation.indexes.append(data)
+                    cmds.append(Command(ct, float(alpha), value, src,
+                                        len(computation.indexes) - 1))
+                else:
+                    computation.indexes_multi.append(data)
+                    cmds.append(Command(ct, float(alpha), value,
+                                        len(computation.indexes_multi) - 1))
+            return
         for alpha, S, R in self._pieces(step, part, self._value_subs):
             if S.shape[1] == 1:
                 self._forward_column(value, alpha, S[:, 0], R[:, 0], computation)
@@ -636,6 +780,7 @@ class Compiler:
         steps = self.steps
         self._value_subs = np.array([s.value for s in steps] + [0], dtype=np.int64)
         self._deriv_subs = np.array([s.deriv for s in steps] + [0], dtype=np.int64)
+        self._forward_batch = self._batch_forward(computation)
         seg = self.step_to_segment
         n = len(steps)
         for step in range(n):
@@ -677,16 +822,24 @@ class Compiler:
                 continue          # the default: no precomputed indexes
             in_info = self.steps[step - 1]
             req = self.requests[info.segment]
-            ins, outs = self._indexes_of(in_info.ids), self._indexes_of(info.ids)
-            data = comp.precompute_indexes(req.misc_info, ins, outs, req.need_derivatives())
+            by_arrays = getattr(comp, "precompute_index_arrays", None)
+            if by_arrays is not None:
+                data = by_arrays(req.misc_info, self.coords[in_info.ids, 1:],
+                                 self.coords[info.ids, 1:], req.need_derivatives())
+            else:
+                data = comp.precompute_indexes(req.misc_info, self._indexes_of(in_info.ids),
+                                               self._indexes_of(info.ids),
+                                               req.need_derivatives())
             if data is None:
                 continue
             info.precomputed_indexes_index = len(computation.component_precomputed_indexes)
             entry = PrecomputedIndexesInfo(data)
-            if ins and ins[-1][0] == 1 and outs and outs[-1][0] == 1:
+            ins, outs = in_info.ids, info.ids
+            if (len(ins) and self.coords[ins[-1], 1] == 1 and len(outs)
+                    and self.coords[outs[-1], 1] == 1):
                 # kept for shortcut compilation (ExpandComputation), as Kaldi does
-                entry.input_indexes = ins
-                entry.output_indexes = outs
+                entry.input_indexes = self._indexes_of(ins)
+                entry.output_indexes = self._indexes_of(outs)
             computation.component_precomputed_indexes.append(entry)
 
     def _deallocate_matrices(self, whole, computation) -> None:

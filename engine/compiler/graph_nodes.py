@@ -499,14 +499,24 @@ def make_indexes(nxt: np.ndarray) -> list[Index]:
         return []
     if len(nxt) < 64:
         return [_tuple_new(Index, r) for r in nxt.tolist()]
+    blank = nxt[:, 1] == K_NO_TIME
+    if blank.any():
+        out = np.empty(len(nxt), dtype=object)
+        real = np.flatnonzero(~blank)
+        out[real] = np.fromiter(make_indexes(nxt[real]), dtype=object, count=len(real))
+        out[np.flatnonzero(blank)] = np.fromiter(
+            (_tuple_new(Index, r) for r in nxt[blank].tolist()), dtype=object,
+            count=int(blank.sum()))
+        return out.tolist()
     lo = nxt.min(axis=0)
     span = nxt.max(axis=0) - lo + 1
     if int(span[0]) * int(span[1]) * int(span[2]) > 4 * len(nxt) + 4096:
         return [_tuple_new(Index, r) for r in nxt.tolist()]
     key = ((nxt[:, 0] - lo[0]) * span[1] + (nxt[:, 1] - lo[1])) * span[2] + (nxt[:, 2] - lo[2])
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    objs = [_tuple_new(Index, r) for r in nxt[first].tolist()]
-    return [objs[i] for i in inverse.tolist()]
+    objs = np.fromiter((_tuple_new(Index, r) for r in nxt[first].tolist()), dtype=object,
+                       count=len(first))
+    return objs[inverse].tolist()
 
 
 def make_cindexes(rows: np.ndarray) -> list[Cindex]:

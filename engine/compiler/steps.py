@@ -445,13 +445,20 @@ class ComputationStepsComputer:
         c = coords[deps]
         input_step = deps[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
         if self._reorders[node]:
-            in_idx = [_tuple_new(Index, r) for r in coords[input_step, 1:].tolist()]
-            out_idx = [_tuple_new(Index, r) for r in coords[step, 1:].tolist()]
-            orig = len(in_idx) + len(out_idx)
-            in_idx, out_idx = comp.reorder_indexes(in_idx, out_idx)
-            padded = len(in_idx) + len(out_idx) != orig
-            self._add_step(in_node, np.array(in_idx, dtype=np.int64).reshape(-1, 3), padded)
-            self._add_step(node, np.array(out_idx, dtype=np.int64).reshape(-1, 3), padded)
+            in_rows, out_rows = coords[input_step, 1:], coords[step, 1:]
+            orig = len(in_rows) + len(out_rows)
+            by_arrays = getattr(comp, "reorder_index_arrays", None)
+            if by_arrays is not None:
+                in_rows, out_rows = by_arrays(in_rows, out_rows)
+            else:
+                in_idx, out_idx = comp.reorder_indexes(
+                    [_tuple_new(Index, r) for r in in_rows.tolist()],
+                    [_tuple_new(Index, r) for r in out_rows.tolist()])
+                in_rows = np.array(in_idx, dtype=np.int64).reshape(-1, 3)
+                out_rows = np.array(out_idx, dtype=np.int64).reshape(-1, 3)
+            padded = len(in_rows) + len(out_rows) != orig
+            self._add_step(in_node, in_rows, padded)
+            self._add_step(node, out_rows, padded)
         else:
             self._add_step_ids(input_step, in_node)
             self._add_step_ids(step, node)

@@ -54,31 +54,37 @@ class TimeGrid:
     reorder_t_in: int = 1
 
 
-def _nx_pairs(indexes: list[Index]) -> list[tuple[int, int]]:
+def _as_rows(indexes) -> np.ndarray:
+    """(k, 3) int64 n, t, x rows of a list of Indexes or an array."""
+    return np.asarray(indexes, dtype=np.int64).reshape(-1, 3)
+
+
+def _nx_pairs(rows: np.ndarray) -> np.ndarray:
     # Kaldi's GetNxList: every (n, x), blank Indexes included, sorted.
-    return sorted({(i.n, i.x) for i in indexes})
+    if not len(rows):
+        return np.zeros((0, 2), dtype=np.int64)
+    return np.unique(rows[:, [0, 2]], axis=0)
 
 
-def _regular_t(indexes: list[Index], what: str) -> tuple[int, int, int]:
+def _regular_t(rows: np.ndarray, what: str) -> tuple[int, int, int]:
     """(start, step, count) of the smallest regular grid covering the t values
     (Kaldi's GetTList + RegularizeTList; step 0 when there is one value)."""
-    ts = sorted({i.t for i in indexes if i.t != K_NO_TIME})
-    if not ts:
+    ts = np.unique(rows[rows[:, 1] != K_NO_TIME, 1])
+    if not len(ts):
         raise ComponentError(f"TdnnComponent: no {what} Indexes with a time value")
-    step = 0
-    for a, b in zip(ts, ts[1:]):
-        step = math.gcd(step, b - a)
-    count = 1 if step == 0 else 1 + (ts[-1] - ts[0]) // step
-    return ts[0], step, count
+    step = int(np.gcd.reduce(np.diff(ts))) if len(ts) > 1 else 0
+    count = 1 if step == 0 else 1 + int(ts[-1] - ts[0]) // step
+    return int(ts[0]), step, count
 
 
-def tdnn_time_grid(input_indexes: list[Index], output_indexes: list[Index]) -> TimeGrid:
-    """GetComputationIo followed by TdnnComponent::ModifyComputationIo."""
-    pairs = _nx_pairs(input_indexes)
-    if not pairs:
+def tdnn_time_grid(input_indexes, output_indexes) -> TimeGrid:
+    """GetComputationIo followed by TdnnComponent::ModifyComputationIo (Indexes as
+    lists or (k, 3) n, t, x arrays)."""
+    ins, outs = _as_rows(input_indexes), _as_rows(output_indexes)
+    pairs = _nx_pairs(ins)
+    if not len(pairs):
         raise ComponentError("TdnnComponent: the computation has no input Indexes")
-    g = TimeGrid(len(pairs), *_regular_t(input_indexes, "input"),
-                 *_regular_t(output_indexes, "output"))
+    g = TimeGrid(len(pairs), *_regular_t(ins, "input"), *_regular_t(outs, "output"))
     if g.t_step_out == 0:
         # a single output (or input) t: the step is a don't-care, pick one that fits
         if g.t_step_in == 0:
@@ -93,31 +99,58 @@ def tdnn_time_grid(input_indexes: list[Index], output_indexes: list[Index]) -> T
     return g
 
 
-def _grid_indexes(pairs, t_start: int, t_step: int, num_t: int, reorder_t: int,
-                  present: set) -> list[Index]:
-    """Kaldi's CreateIndexes + SetSomeIndexesBlank: blocks of ``reorder_t`` t values,
-    within a block each (n, x) pair with its t values consecutive."""
+def _grid_rows(pairs: np.ndarray, t_start: int, t_step: int, num_t: int, reorder_t: int,
+               present: np.ndarray) -> np.ndarray:
+    """Kaldi's CreateIndexes + SetSomeIndexesBlank as (k, 3) rows: blocks of
+    ``reorder_t`` t values, within a block each (n, x) pair with its t values
+    consecutive; rows not among ``present`` get t = kNoTime."""
     if t_step == 0:
         t_step = 1
-    out = []
     outer = t_step * reorder_t
-    for t_block in range(t_start, t_start + num_t * t_step, outer):
-        for n, x in pairs:
-            for t in range(t_block, t_block + outer, t_step):
-                idx = Index(n, t, x)
-                out.append(idx if idx in present else Index(n, K_NO_TIME, x))
+    blocks = np.arange(t_start, t_start + num_t * t_step, outer, dtype=np.int64)
+    within = np.arange(0, outer, t_step, dtype=np.int64)
+    nb, npairs, r = len(blocks), len(pairs), len(within)
+    out = np.empty((nb, npairs, r, 3), dtype=np.int64)
+    out[..., 0] = pairs[None, :, 0, None]
+    out[..., 1] = blocks[:, None, None] + within[None, None, :]
+    out[..., 2] = pairs[None, :, 1, None]
+    out = out.reshape(-1, 3)
+    if len(out):
+        out[~_member(out, present), 1] = K_NO_TIME
     return out
+
+
+def _member(rows: np.ndarray, among: np.ndarray) -> np.ndarray:
+    """Which of the (k, 3) ``rows`` occur in ``among``."""
+    if not len(among):
+        return np.zeros(len(rows), dtype=bool)
+    both = np.concatenate((rows, among))
+    lo = both.min(axis=0)
+    span = both.max(axis=0) - lo + 1
+    if float(span[0]) * float(span[1]) * float(span[2]) < 2.0 ** 62:
+        def key(a):
+            return ((a[:, 0] - lo[0]) * span[1] + (a[:, 1] - lo[1])) * span[2] + (a[:, 2] - lo[2])
+        return np.isin(key(rows), key(among))
+    have = set(map(tuple, among.tolist()))
+    return np.array([tuple(r) in have for r in rows.tolist()], dtype=bool)
+
+
+def tdnn_index_rows_for_grid(g: TimeGrid, input_rows: np.ndarray, output_rows: np.ndarray
+                             ) -> tuple[np.ndarray, np.ndarray]:
+    """Kaldi's GetIndexesForComputation on (k, 3) n, t, x arrays."""
+    pairs = _nx_pairs(input_rows)
+    new_in = _grid_rows(pairs, g.start_t_in, g.t_step_in, g.num_t_in, g.reorder_t_in,
+                        input_rows)
+    new_out = _grid_rows(pairs, g.start_t_out, g.t_step_out, g.num_t_out, 1, output_rows)
+    return new_in, new_out
 
 
 def tdnn_indexes_for_grid(g: TimeGrid, input_indexes: list[Index],
                           output_indexes: list[Index]) -> tuple[list[Index], list[Index]]:
     """Kaldi's GetIndexesForComputation."""
-    pairs = _nx_pairs(input_indexes)
-    new_in = _grid_indexes(pairs, g.start_t_in, g.t_step_in, g.num_t_in, g.reorder_t_in,
-                           set(input_indexes))
-    new_out = _grid_indexes(pairs, g.start_t_out, g.t_step_out, g.num_t_out, 1,
-                            set(output_indexes))
-    return new_in, new_out
+    new_in, new_out = tdnn_index_rows_for_grid(g, _as_rows(input_indexes),
+                                               _as_rows(output_indexes))
+    return ([Index(*r) for r in new_in.tolist()], [Index(*r) for r in new_out.tolist()])
 
 
 class TdnnPrecomputedIndexes(ComponentPrecomputedIndexes):
@@ -332,23 +365,33 @@ class TdnnComponent(UpdatableComponent):
                 used_inputs.append(idx)
         return True
 
-    def reorder_indexes(self, input_indexes, output_indexes):
+    def reorder_index_arrays(self, input_rows: np.ndarray, output_rows: np.ndarray
+                             ) -> tuple[np.ndarray, np.ndarray]:
+        """reorder_indexes on (k, 3) n, t, x int64 arrays (blank rows t = kNoTime)."""
         try:
-            grid = tdnn_time_grid(input_indexes, output_indexes)
+            grid = tdnn_time_grid(input_rows, output_rows)
         except ComponentError as e:
             raise ComponentError(e.reason, component=self.label()) from None
-        return tdnn_indexes_for_grid(grid, input_indexes, output_indexes)
+        return tdnn_index_rows_for_grid(grid, input_rows, output_rows)
 
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes,
-                           need_backprop: bool) -> TdnnPrecomputedIndexes:
+    def reorder_indexes(self, input_indexes, output_indexes):
+        new_in, new_out = self.reorder_index_arrays(_as_rows(input_indexes),
+                                                    _as_rows(output_indexes))
+        return ([Index(*r) for r in new_in.tolist()], [Index(*r) for r in new_out.tolist()])
+
+    def precompute_index_arrays(self, misc_info, input_rows: np.ndarray,
+                                output_rows: np.ndarray, need_backprop: bool
+                                ) -> TdnnPrecomputedIndexes:
+        """precompute_indexes on (k, 3) n, t, x int64 arrays."""
         try:
-            g = tdnn_time_grid(input_indexes, output_indexes)
+            g = tdnn_time_grid(input_rows, output_rows)
         except ComponentError as e:
             raise ComponentError(e.reason, component=self.label()) from None
-        # The indexes must already be in the order reorder_indexes gives (Kaldi
+        # The indexes must already be in the order reorder_indexes produces (Kaldi
         # spot-checks this at random; the check is cheap enough to do always).
-        want_in, want_out = tdnn_indexes_for_grid(g, input_indexes, output_indexes)
-        if want_in != list(input_indexes) or want_out != list(output_indexes):
+        want_in, want_out = tdnn_index_rows_for_grid(g, input_rows, output_rows)
+        if (want_in.shape != input_rows.shape or want_out.shape != output_rows.shape
+                or (want_in != input_rows).any() or (want_out != output_rows).any()):
             raise ComponentError("precompute_indexes: the Indexes are not in the order "
                                  "reorder_indexes produces", component=self.label())
         n = g.reorder_t_in
@@ -362,6 +405,11 @@ class TdnnComponent(UpdatableComponent):
             input_t = rel // g.t_step_in
             offsets.append((input_t // n) * n * g.num_images + input_t % n)
         return TdnnPrecomputedIndexes(n, offsets)
+
+    def precompute_indexes(self, misc_info, input_indexes, output_indexes,
+                           need_backprop: bool) -> TdnnPrecomputedIndexes:
+        return self.precompute_index_arrays(misc_info, _as_rows(input_indexes),
+                                            _as_rows(output_indexes), need_backprop)
 
     # -- maths --------------------------------------------------------------------------
     def _layout(self, indexes, num_in_rows: int, num_out_rows: int) -> tuple[int, list[int]]:
