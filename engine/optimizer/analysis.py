@@ -38,13 +38,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
+from types import SimpleNamespace
 
 from engine.compiler.computation import (COMMAND_SPECS, Access, ArgKind, CommandType,
                                          NnetComputation, SubMatrixInfo)
 from engine.core.errors import CheckError
 from engine.nnet.components.base import ComponentProperty as P
 
-CT = CommandType
+# The command types as plain attributes: looking a member up on the enum class goes
+# through the enum metaclass (~0.1 us, more than the comparison it is for, in loops
+# over every command); on a namespace it is a dictionary lookup.  Same objects.
+CT = SimpleNamespace(**CommandType.__members__)
 READ, WRITE, READWRITE = Access.READ, Access.WRITE, Access.READWRITE
 # accesses are handled as plain ints in the loops (bit 1 read, bit 2 write) and
 # stored as Access members in the Kaldi-shaped lists; _ACCESS maps one to the other
@@ -52,19 +56,17 @@ _R, _W, _RW = 1, 2, 3
 _ACCESS = (Access.NONE, READ, WRITE, READWRITE)
 
 
-class ComponentProperties:
-    """Component properties as ints, asked of each component once (the network does
-    not change while a computation is optimized, so one instance can serve every
-    analysis of an optimization)."""
+class ComponentProperties(dict):
+    """component index -> its properties as an int, asked of each component once
+    (the network does not change while a computation is optimized, so one
+    instance can serve every analysis of an optimization)."""
 
     def __init__(self, nnet) -> None:
+        super().__init__()
         self.nnet = nnet   # only touched for commands that name a component
-        self.cache: dict[int, int] = {}
 
-    def __getitem__(self, c: int) -> int:
-        p = self.cache.get(c)
-        if p is None:
-            p = self.cache[c] = int(self.nnet.components[c].properties())
+    def __missing__(self, c: int) -> int:
+        p = self[c] = int(self.nnet.components[c].properties())
         return p
 
 
@@ -97,7 +99,7 @@ def _make_plan(ct) -> tuple:
 
 
 # indexed by command type
-_PLANS = [_make_plan(CT(t)) for t in range(len(CT))]
+_PLANS = [_make_plan(CommandType(t)) for t in range(len(CommandType))]
 
 
 def accesses_submatrices(command_type) -> bool:
@@ -489,10 +491,16 @@ class Analyzer:
         return self._command_attributes
 
     def variable_accesses_of(self, m: int) -> list[list[tuple[int, Access]]]:
-        """The access lists of the variables of matrix m, on the grid cut by the
-        accesses themselves (the variables nothing touches are left out; any grid
-        at least that fine gives the same lists).  When the rectangles accessed
-        do not overlap, each is one variable of that grid."""
+        """The access lists of the variables of matrix m that something touches:
+        every such variable's list is one of these (variables with the same
+        accesses may share one)."""
+        return [[(c, _ACCESS[a]) for c, a in lst] for lst in self.variable_access_bits_of(m)]
+
+    def variable_access_bits_of(self, m: int) -> list[list[tuple[int, int]]]:
+        """``variable_accesses_of`` with the accesses as bits (1 read, 2 write).
+        Computed on the grid cut by the accesses themselves; when the rectangles
+        accessed are disjoint, apart from one covering all that is accessed, each
+        of them stands for its variables."""
         ents = self.entries[m]
         if not ents:
             return []
@@ -505,8 +513,28 @@ class Analyzer:
                 lst[-1] = (c, lst[-1][1] | a)
             else:
                 lst.append((c, a))
-        if len(by_rect) == 1 or _disjoint(sorted(by_rect)):
-            return [[(c, _ACCESS[a]) for c, a in lst] for lst in by_rect.values()]
+        if len(by_rect) == 1:
+            return list(by_rect.values())
+        parts = sorted(by_rect)
+        b0, b1, b2, b3 = parts[0]
+        for r0, r1, c0, c1 in parts:
+            if r1 > b1:
+                b1 = r1
+            if c0 < b2:
+                b2 = c0
+            if c1 > b3:
+                b3 = c1
+        box = (b0, b1, b2, b3)   # parts[0] has the first row of all
+        everywhere = by_rect.get(box)
+        if everywhere is not None:
+            parts.remove(box)
+        if _disjoint(parts):
+            if everywhere is None:
+                return [by_rect[rc] for rc in parts]
+            lists = [_merged(everywhere, by_rect[rc]) for rc in parts]
+            if _area(box) > sum(map(_area, parts)):
+                lists.append(everywhere)   # variables only the covering accesses touch
+            return lists
         rows = sorted({r for _, _, rc in ents for r in rc[:2]})
         cols = sorted({c for _, _, rc in ents for c in rc[2:]})
         ncv = len(cols) - 1
@@ -521,7 +549,7 @@ class Analyzer:
                         cell[-1] = (c, cell[-1][1] | a)
                     else:
                         cell.append((c, a))
-        return [[(c, _ACCESS[a]) for c, a in cell] for cell in cells if cell]
+        return [cell for cell in cells if cell]
 
     # -- incremental update ------------------------------------------------------------------
     def remove_commands(self, gone: set[int]) -> None:
@@ -549,13 +577,14 @@ class Analyzer:
                 ma.deallocate_command = (-1 if ma.deallocate_command in gone
                                          else new_index[ma.deallocate_command])
 
-    def reanalyze(self, groups: dict[int, list[int]]) -> None:
+    def reanalyze(self, groups: dict[int, list[int]]) -> set[int]:
         """Bring the analysis up to date after edits that moved every submatrix of
         some matrices onto another matrix and turned commands into kNoOperation,
         and nothing else (what a round of variable merging does).  ``groups``:
         receiving matrix -> the matrices whose submatrices and commands it now
         holds, itself included.  The receiving matrices are analysed again, the
-        others of each group are left empty."""
+        others of each group are left empty.  Returns the submatrices of the
+        receiving matrices that commands still refer to."""
         c = self.computation
         cmds, subs, mats = c.commands, c.submatrices, c.matrices
         self._variables = self._variable_accesses = self._command_attributes = None
@@ -587,6 +616,7 @@ class Analyzer:
             entries[keep] = []
         noop, io = CT.NO_OPERATION, (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
         cacc = self.command_accesses
+        used: set[int] = set()
         for ci in sorted(touched):
             ct = cmds[ci].command_type
             if ct == noop:
@@ -595,6 +625,7 @@ class Analyzer:
             lst = cacc[ci]
             if len(lst) == 1:   # its one submatrix is on a receiving matrix
                 s, a = lst[0]
+                used.add(s)
                 m = s2m[s]
                 entries[m].append((ci, a, rect[s]))
                 macc[m].accesses.append((ci, _ACCESS[_RW if a == _W and not whole[s] else a]))
@@ -605,6 +636,7 @@ class Analyzer:
             for s, a in lst:
                 m = s2m[s]
                 if m in groups:
+                    used.add(s)
                     entries[m].append((ci, a, rect[s]))
                     if a == _W and not whole[s]:
                         a = _RW
@@ -616,10 +648,33 @@ class Analyzer:
         life.discard(-1)
         life_c = _Life(c, macc, whole, s2m)
         for ci in sorted(life):
-            if cmds[ci].command_type == noop:
+            cmd = cmds[ci]
+            if cmd.command_type == noop:
                 cacc[ci] = ()
-            else:
-                life_c.apply(ci, only=groups)
+                continue
+            life_c.apply(ci, only=groups)
+            for s in (cmd.arg1, cmd.arg2) if cmd.command_type == CT.SWAP_MATRIX else (cmd.arg1,):
+                if s2m[s] in groups:
+                    used.add(s)
+        return used
+
+
+def _area(rect: tuple[int, int, int, int]) -> int:
+    return (rect[1] - rect[0]) * (rect[3] - rect[2])
+
+
+def _merged(first: list | None, second: list) -> list:
+    """Two (command, bits) lists in command order as one, a command in both
+    with its bits combined."""
+    if not first:
+        return second
+    out: list = []
+    for c, a in sorted(first + second):
+        if out and out[-1][0] == c:
+            out[-1] = (c, out[-1][1] | a)
+        else:
+            out.append((c, a))
+    return out
 
 
 def _disjoint(rects: list[tuple[int, int, int, int]]) -> bool:

@@ -22,12 +22,11 @@ trailing swap commands are read as deallocations, and unused variables allowed.
 
 from __future__ import annotations
 
-from engine.compiler.computation import CommandType, NnetComputation
+from engine.compiler.computation import NnetComputation
 from engine.core.errors import CheckError
 from engine.nnet.components.base import ComponentProperty as P
-from engine.optimizer.analysis import READ, WRITE, Analyzer
+from engine.optimizer.analysis import CT, READ, WRITE, Analyzer
 
-CT = CommandType
 
 
 class ComputationChecker:

@@ -12,8 +12,9 @@ fix-up after every edit.
 
 from __future__ import annotations
 
-from engine.compiler.computation import Command, CommandType as CT, NnetComputation
+from engine.compiler.computation import Command, NnetComputation
 from engine.core.errors import CheckError
+from engine.optimizer.analysis import CT
 from engine.optimizer.passes.remove_no_ops import fix_goto_label
 
 __all__ = ["commands_of_type", "fix_goto_label", "insert_commands"]

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import bisect
 
-from engine.compiler.computation import K_DEFAULT_STRIDE, CommandType, NnetComputation
+from engine.compiler.computation import K_DEFAULT_STRIDE, NnetComputation
+from engine.optimizer.analysis import CT
 from engine.optimizer.passes.remove_no_ops import fix_goto_label, remove_no_ops
 
-CT = CommandType
 
 
 def _pairs(deallocs: list[int], allocs: list[int]) -> list[tuple[int, int]]:

@@ -19,10 +19,10 @@ happens unless the computation needs model derivatives.
 from __future__ import annotations
 
 from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_COLS, Command,
-                                         CommandType, MatrixDebugInfo, NnetComputation)
+                                         MatrixDebugInfo, NnetComputation)
 from engine.nnet.components.base import ComponentProperty as P
+from engine.optimizer.analysis import CT
 
-CT = CommandType
 
 
 class ModelUpdateConsolidator:

@@ -18,8 +18,8 @@ freshly zeroed rows held.
 
 from __future__ import annotations
 
-from engine.compiler.computation import CommandType as CT, NnetComputation
-from engine.optimizer.analysis import Analyzer, ComputationAnalysis
+from engine.compiler.computation import NnetComputation
+from engine.optimizer.analysis import CT, Analyzer, ComputationAnalysis
 
 _TO_COPY = {
     CT.MATRIX_ADD: CT.MATRIX_COPY,

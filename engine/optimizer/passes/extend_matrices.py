@@ -18,9 +18,10 @@ new size, and the computation is renumbered.
 
 from __future__ import annotations
 
-from engine.compiler.computation import CommandType as CT, NnetComputation, SubMatrixInfo
+from engine.compiler.computation import NnetComputation, SubMatrixInfo
 from engine.core.errors import CheckError
 from engine.core.index import K_NO_TIME, Cindex, Index
+from engine.optimizer.analysis import CT
 from engine.optimizer.passes.renumber import renumber_computation
 
 # keep in sync with the checker's allowance for reading extended rows

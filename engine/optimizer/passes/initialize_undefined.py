@@ -10,11 +10,11 @@ when deriv-time limits cut a derivative) keeps its zeroing: the user reads it.
 
 from __future__ import annotations
 
-from engine.compiler.computation import CommandType, NnetComputation
-from engine.optimizer.analysis import WRITE
+from engine.compiler.computation import NnetComputation
+from engine.optimizer.analysis import CT
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
 
-CT = CommandType
+_W = 2   # write access, as a bit (Analyzer.variable_access_bits_of)
 
 
 def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
@@ -29,8 +29,8 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
         if not (cmd.command_type == CT.SET_CONST and cmd.alpha == 0.0):
             continue
         needed = False
-        for acc in a.variable_accesses_of(m):
-            if len(acc) > 1 and acc[1][1] != WRITE:
+        for acc in a.variable_access_bits_of(m):
+            if len(acc) > 1 and acc[1][1] != _W:
                 needed = True   # something reads or adds to the zeros
                 break
             if len(acc) == 1 and ma.is_output:

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.compiler.computation import CommandType as CT, NnetComputation
+from engine.compiler.computation import NnetComputation
 from engine.core.errors import CheckError
 from engine.nnet.components.base import ComponentProperty as P
-from engine.optimizer.analysis import Analyzer
+from engine.optimizer.analysis import CT, Analyzer
 from engine.optimizer.options import INT32_MAX, INT32_MIN
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
 from engine.optimizer.passes.renumber import renumber_computation

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import bisect
 
-from engine.compiler.computation import Command, CommandType as CT, NnetComputation
-from engine.optimizer.analysis import Access, Analyzer, accesses_submatrices
+from engine.compiler.computation import Command, NnetComputation
+from engine.optimizer.analysis import CT, Access, Analyzer, accesses_submatrices
 from engine.optimizer.passes._edit import commands_of_type, insert_commands
 
 # Kaldi's CuCompressedMatrixType values (the same table is in engine.runtime.compression)

@@ -10,9 +10,9 @@ so do swaps (this pass runs before the looped optimization adds any).
 
 from __future__ import annotations
 
-from engine.compiler.computation import CommandType, NnetComputation
+from engine.compiler.computation import NnetComputation
+from engine.optimizer.analysis import CT
 
-CT = CommandType
 
 
 def move_sizing_commands(computation: NnetComputation, ctx) -> bool:

@@ -22,10 +22,10 @@ False; the looped compiler then tries again with more segments.
 
 from __future__ import annotations
 
-from engine.compiler.computation import Command, CommandType as CT, NnetComputation
+from engine.compiler.computation import Command, NnetComputation
 from engine.core.errors import CheckError
 from engine.core.index import K_NO_TIME
-from engine.optimizer.analysis import Analyzer, ComputationAnalysis
+from engine.optimizer.analysis import CT, Analyzer, ComputationAnalysis
 from engine.optimizer.passes._edit import commands_of_type
 from engine.optimizer.passes.remove_no_ops import fix_goto_label
 from engine.optimizer.passes.renumber import renumber_computation

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.compiler.computation import Command, CommandType as CT, NnetComputation
+from engine.compiler.computation import Command, NnetComputation
+from engine.optimizer.analysis import CT
 from engine.optimizer.passes._edit import insert_commands
 
 # SplitRowOps does not create a single-source command whose source block is

@@ -8,9 +8,9 @@ meaning (Kaldi keeps them too).
 
 from __future__ import annotations
 
-from engine.compiler.computation import CommandType, NnetComputation
+from engine.compiler.computation import NnetComputation
+from engine.optimizer.analysis import CT
 
-CT = CommandType
 
 
 def fix_goto_label(computation: NnetComputation, ctx=None) -> bool:

@@ -17,12 +17,12 @@ from operator import attrgetter
 
 from engine.compiler.computation import (COMMAND_SPECS, ArgKind, CommandType, NnetComputation,
                                          SubMatrixInfo)
+from engine.optimizer.analysis import CT
 
-CT = CommandType
 
 _ARG = tuple(f"arg{i + 1}" for i in range(7))
 # per command type: ArgKind -> attribute names of the slots of that kind
-_KIND_POSITIONS = {ct: {} for ct in CT}
+_KIND_POSITIONS = {ct: {} for ct in CommandType}
 for _ct, _spec in COMMAND_SPECS.items():
     for _i, _slot in enumerate(_spec.slots):
         _KIND_POSITIONS[_ct].setdefault(_slot.kind, []).append(_ARG[_i])

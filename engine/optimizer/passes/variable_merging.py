@@ -44,14 +44,13 @@ Rounds are Kaldi's, computed with less work and the same result:
 
 from __future__ import annotations
 
-from engine.compiler.computation import (K_STRIDE_EQUAL_NUM_COLS, CommandType, NnetComputation,
+from engine.compiler.computation import (K_STRIDE_EQUAL_NUM_COLS, NnetComputation,
                                          SubMatrixInfo)
 from engine.nnet.components.base import ComponentProperty as P
-from engine.optimizer.analysis import Analyzer, ComponentProperties, ComputationAnalysis
+from engine.optimizer.analysis import CT, Analyzer, ComponentProperties, ComputationAnalysis
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
 from engine.optimizer.passes.renumber import renumber_computation
 
-CT = CommandType
 _PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE = int(P.PROPAGATE_IN_PLACE), int(P.BACKPROP_IN_PLACE)
 
 
@@ -248,31 +247,35 @@ class _SubmatrixOrder:
                         used.add(cmd.arg2)
         return used
 
-    def renumbered(self, matrices, first: bool) -> None:
+    def renumbered(self, matrices, used: set[int], first: bool) -> None:
         """A renumbering after a round in which ``matrices`` changed (their
-        submatrices moved or lost references).  After the ``first`` round, also
-        the submatrices that were equal before it (only they can be grouped on
-        the matrices that did not change)."""
+        submatrices moved or lost references; ``used``: those of their
+        submatrices still referred to).  After the ``first`` round, also the
+        submatrices that were equal before it (only they can be grouped on the
+        matrices that did not change)."""
         subs, key = self.c.submatrices, self.key
         of = self.a.submatrices_of
+        matrices = set(matrices)
         if first:
-            matrices = set(matrices)
+            others: set = set()
             seen: set = set()
             for s in range(1, len(subs)):
                 info = subs[s]
-                if info in seen:
-                    matrices.add(info.matrix_index)
+                if info in seen and info.matrix_index not in matrices:
+                    others.add(info.matrix_index)
                 seen.add(info)
-        used = self._in_use(matrices)
-        first: dict = {}
+            if others:
+                used = used | self._in_use(others)
+                matrices |= others
+        stand_in: dict = {}
         members = [s for m in matrices for s in of[m] if s in used]
         for s in members:
             info = subs[s]
-            k = first.get(info)
+            k = stand_in.get(info)
             if k is None or key[s] < k:
-                first[info] = key[s]
+                stand_in[info] = key[s]
         for s in members:
-            key[s] = first[subs[s]]
+            key[s] = stand_in[subs[s]]
 
 
 def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
@@ -291,13 +294,15 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
                                        first_round=order is None)
         if not opt.merge_variables(commands):
             break
-        analyzer.reanalyze(opt.groups)
+        used = analyzer.reanalyze(opt.groups)
         first = order is None
         if first:
             order = _SubmatrixOrder(computation, analyzer)
-        order.renumbered(list(opt.groups), first)
+        order.renumbered(opt.groups, used, first)
+        cmds = computation.commands
         commands = sorted({ci for m in opt.groups for ci, _ in
-                           analyzer.matrix_accesses[m].accesses})
+                           analyzer.matrix_accesses[m].accesses
+                           if cmds[ci].command_type in kinds})
     if order is None:
         return False
     if hasattr(ctx, "invalidate"):
