@@ -146,8 +146,6 @@ class Compiler:
         self._setup(computer)
 
         computation = NnetComputation()
-        if options.output_debug_info:
-            computation.matrix_debug_info = [MatrixDebugInfo()]
         deriv_needed = self._compute_deriv_needed()
         self._create_step_info(deriv_needed, computation)
         self._add_commands(deriv_needed, computation)
@@ -254,17 +252,53 @@ class Compiler:
             return K_DEFAULT_STRIDE
         return K_STRIDE_EQUAL_NUM_COLS if self.props[comp_node] & flag else K_DEFAULT_STRIDE
 
+    def _node_facts(self, node_index: int):
+        """(dim, stride type, dim-range node or None, column widths of the descriptor
+        parts or None) of a node."""
+        facts = self._facts.get(node_index)
+        if facts is None:
+            nnet = self.nnet
+            node = nnet.nodes[node_index]
+            parts = None
+            if self.kind_descriptor[node_index] and node.descriptor.num_parts() > 1:
+                parts = [node.descriptor.part(p).dim(nnet)
+                         for p in range(node.descriptor.num_parts())]
+            facts = self._facts[node_index] = (
+                nnet.node_dim(node_index), self._stride_type(node_index),
+                node if self.kind_dim_range[node_index] else None, parts)
+        return facts
+
+    def _dim_range_sources(self) -> dict[int, int]:
+        """For each dim-range step, the step holding the source of its first cindex
+        that has one (Kaldi's CreateStepInfo), -1 where none has."""
+        graph = self.graph
+        steps = [s for s, (node, ids) in enumerate(zip(self.step_nodes, self.step_ids))
+                 if self.kind_dim_range[node] and len(ids)]
+        if not steps:
+            return {}
+        ids = np.concatenate([self.step_ids[s] for s in steps])
+        lens = np.array([len(self.step_ids[s]) for s in steps], dtype=np.int64)
+        starts = np.zeros(len(steps), dtype=np.int64)
+        np.cumsum(lens[:-1], out=starts[1:])
+        ptr, idx = graph.dep_ptr, graph.dep_idx
+        has = ptr[ids + 1] > ptr[ids]
+        pos = np.minimum.reduceat(np.where(has, np.arange(len(ids)), len(ids)), starts)
+        ok = pos < len(ids)
+        src = np.full(len(steps), -1, dtype=np.int64)
+        src[ok] = self.loc_step[idx[ptr[ids[pos[ok]]]]]
+        return dict(zip(steps, src.tolist()))
+
     def _create_step_info(self, deriv_needed, computation) -> None:
-        nnet, graph = self.nnet, self.graph
         step_ids, step_nodes = self.step_ids, self.step_nodes
         num_steps = len(step_ids)
         self.steps = steps = []
-        node_dim: dict[int, int] = {}
-        stride: dict[int, int] = {}
-        ptr, idx = graph.dep_ptr, graph.dep_idx
+        self._facts: dict = {}
+        sources = self._dim_range_sources()
+        segs = self.step_to_segment
+        new_matrix, new_submatrix = computation.new_matrix, computation.new_submatrix
         for step in range(num_steps):
             ids = step_ids[step]
-            info = _StepInfo(step_nodes[step], ids, self.step_to_segment[step])
+            info = _StepInfo(step_nodes[step], ids, segs[step])
             steps.append(info)
             if not len(ids):
                 # the (empty) input step of a component that needs no input
@@ -272,47 +306,36 @@ class Compiler:
                     raise CompilerError(f"empty step {step} not followed by a component step")
                 info.node_index = step_nodes[step + 1] - 1
                 continue
-            node_index = info.node_index
-            if node_index not in node_dim:
-                node_dim[node_index] = nnet.node_dim(node_index)
-                stride[node_index] = self._stride_type(node_index)
-            num_rows, num_cols = len(ids), node_dim[node_index]
+            dim, stride, dim_range, parts = self._node_facts(info.node_index)
+            num_rows = len(ids)
             need = deriv_needed[step]
-            if not self.kind_dim_range[node_index]:
-                info.value = computation.new_matrix(num_rows, num_cols, stride[node_index])
+            if dim_range is None:
+                info.value = new_matrix(num_rows, dim, stride)
                 if need:
-                    info.deriv = computation.new_matrix(num_rows, num_cols, stride[node_index])
+                    info.deriv = new_matrix(num_rows, dim, stride)
             else:
-                node = nnet.nodes[node_index]
-                has = np.flatnonzero(ptr[ids + 1] > ptr[ids])
-                if not len(has):
-                    raise CompilerError(f"dim-range node {node.name!r}: no source rows")
-                source = int(idx[ptr[ids[has[0]]]])
-                in_step = int(self.loc_step[source])
-                if not (0 <= in_step < step) or len(steps[in_step].ids) != len(ids):
-                    raise CompilerError(f"dim-range node {node.name!r}: its rows do not match "
-                                        f"the rows of its source step")
-                info.value = computation.new_submatrix(steps[in_step].value, 0, -1,
-                                                       node.dim_offset, node.dim)
+                in_step = sources[step]
+                if in_step == -1:
+                    raise CompilerError(f"dim-range node {dim_range.name!r}: no source rows")
+                if not (0 <= in_step < step) or len(steps[in_step].ids) != num_rows:
+                    raise CompilerError(f"dim-range node {dim_range.name!r}: its rows do not "
+                                        f"match the rows of its source step")
+                info.value = new_submatrix(steps[in_step].value, 0, -1, dim_range.dim_offset,
+                                           dim_range.dim)
                 if need:
-                    info.deriv = computation.new_submatrix(steps[in_step].deriv, 0, -1,
-                                                           node.dim_offset, node.dim)
-            if self.kind_descriptor[node_index]:
-                desc = nnet.nodes[node_index].descriptor
-                num_parts = desc.num_parts()
-                if num_parts == 1:
+                    info.deriv = new_submatrix(steps[in_step].deriv, 0, -1,
+                                               dim_range.dim_offset, dim_range.dim)
+            if self.kind_descriptor[info.node_index]:
+                if parts is None:
                     info.value_parts = [info.value]
                     if need:
                         info.deriv_parts = [info.deriv]
                 else:
                     off = 0
-                    for p in range(num_parts):
-                        d = desc.part(p).dim(nnet)
-                        info.value_parts.append(computation.new_submatrix(info.value, 0, -1,
-                                                                          off, d))
+                    for d in parts:
+                        info.value_parts.append(new_submatrix(info.value, 0, -1, off, d))
                         if need:
-                            info.deriv_parts.append(
-                                computation.new_submatrix(info.deriv, 0, -1, off, d))
+                            info.deriv_parts.append(new_submatrix(info.deriv, 0, -1, off, d))
                         off += d
         self._prepare_descriptors()
 
@@ -889,29 +912,25 @@ def consolidate_io_operations(computation: NnetComputation) -> None:
     """Kaldi's ConsolidateIoOperations: within each marker-separated segment, put
     kAcceptInput first and kProvideOutput last, keeping relative order."""
     cmds = computation.commands
-    out: list[Command] = []
-    seg: list[Command] = []
-    segments = []
     accept, provide, marker = CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT, CT.NO_OPERATION_MARKER
-
-    def flush():
-        start = len(out)
-        if any(c.command_type == accept or c.command_type == provide for c in seg):
+    kinds = [c.command_type for c in cmds]
+    markers = [i for i, k in enumerate(kinds) if k == marker] + [len(cmds)]
+    out: list[Command] = []
+    segments = []
+    start = 0
+    for end in markers:
+        seg = cmds[start:end]
+        first = len(out)
+        if accept in kinds[start:end] or provide in kinds[start:end]:
             out.extend(c for c in seg if c.command_type == accept)
             out.extend(c for c in seg if c.command_type != accept and c.command_type != provide)
             out.extend(c for c in seg if c.command_type == provide)
         else:
             out.extend(seg)
-        segments.append((start, len(out)))
-        seg.clear()
-
-    for c in cmds:
-        if c.command_type == marker:
-            flush()
-            out.append(c)
-        else:
-            seg.append(c)
-    flush()
+        segments.append((first, len(out)))
+        if end < len(cmds):
+            out.append(cmds[end])
+        start = end + 1
     computation.commands = out
     computation.segments = segments
 

@@ -249,14 +249,10 @@ class ArrayGraphBuild:
             back = table[mk]
         got[miss] = back
         end = start + len(uk)
-        rows = self._decode(uk)
-        # keep the margins: a new cindex near the edge of the table grows it
-        mg, lo, hi = self.margin, self.lo, self.hi
-        ext = rows[:, 1:].min(axis=0).tolist(), rows[:, 1:].max(axis=0).tolist()
         if end > len(self.keys):
             self._grow_rows(end)
         self.keys[start:end] = uk
-        nd = rows[:, 0]
+        nd = uk // self.stride_node
         on_input = self.is_input_node[nd]
         self.status[start:end] = np.where(on_input, NC, U)
         self.expanded[start:end] = on_input
@@ -264,8 +260,16 @@ class ArrayGraphBuild:
         self.ecount[start:end] = 0
         self.size = end
         self.not_c += np.bincount(nd, minlength=self.num_nodes)
-        if any(ext[0][k] - mg[k] < lo[k] or ext[1][k] + mg[k] > hi[k] for k in range(3)):
-            self._regrow(ext[0], ext[1])
+        # keep the margins: a new cindex near the edge of the table grows it
+        mg, lo, hi = self.margin, self.lo, self.hi
+        rel_t = (uk % self.stride_n) // self.stride_t
+        t_lo, t_hi = int(rel_t.min()) + lo[1], int(rel_t.max()) + lo[1]
+        grow = t_lo - mg[1] < lo[1] or t_hi + mg[1] > hi[1]
+        if grow or mg[0] or mg[2]:
+            rows = self._decode(uk)
+            ext = rows[:, 1:].min(axis=0).tolist(), rows[:, 1:].max(axis=0).tolist()
+            if any(ext[0][k] - mg[k] < lo[k] or ext[1][k] + mg[k] > hi[k] for k in range(3)):
+                self._regrow(ext[0], ext[1])
         return got
 
     def _grow_rows(self, end: int) -> None:
@@ -293,16 +297,17 @@ class ArrayGraphBuild:
         too, or, not expanded yet, is queued for expansion."""
         usable, status, expanded = self.usable, self.status, self.expanded
         while len(targets):
-            u, cnt = _counts(targets)
-            before = usable[u]
-            usable[u] = before + cnt
-            woke = u[(before == 0) & (status[u] != NC)]
+            before = usable[targets]
+            np.add.at(usable, targets, 1)
+            woke = targets[before == 0]
             if not len(woke):
                 return
+            woke = woke[status[woke] != NC]
             ex = expanded[woke]
             if not ex.all():
-                self._queue(woke[~ex])
-            targets = self._inputs_of(woke[ex])
+                self._queue(woke[~ex])          # repeats are dropped when expanding
+            # an expanded cindex that becomes usable again: its inputs, once each
+            targets = self._inputs_of(_distinct(woke[ex])) if ex.any() else _EMPTY
 
     def _drop_usable(self, targets: np.ndarray) -> None:
         """Kaldi's DecrementUsableCount: a cindex left with no usable dependent (and

@@ -46,7 +46,7 @@ from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
 from engine.core.errors import NotComputableError, RequestError
 from engine.core.index import K_NO_TIME, Index
-from engine.nnet.components.base import ComponentProperty
+from engine.nnet.components.base import Component, ComponentProperty
 from engine.nnet.graph import compute_nnet_computation_epochs
 
 _tuple_new = tuple.__new__
@@ -240,10 +240,11 @@ class ComputationStepsComputer:
         self._dim_range_done: set[tuple[int, int]] = set()
         self._names = node_names(nnet)
         self._link_src: np.ndarray | None = None
+        self._arange = np.arange(1024)
         self._steps_view: StepList | None = None
         roles = []
         self._component: list = []
-        self._simple: list[bool] = []
+        self._simple: list[bool] = []     # simple, or non-simple with identity inputs
         self._reorders: list[bool] = []
         self._dim_range_src: list[int] = []
         for i in range(nnet.num_nodes()):
@@ -251,7 +252,13 @@ class ComputationStepsComputer:
                     if nnet.is_component_node(i) else None)
             props = comp.properties() if comp is not None else 0
             self._component.append(comp)
-            self._simple.append(bool(props & ComponentProperty.SIMPLE_COMPONENT))
+            # A non-simple component that reads exactly its own Index (Kaldi's
+            # default GetInputIndexes and IsComputable) and keeps the order: its
+            # input step, the sorted union of its inputs, is the same Indexes.
+            self._simple.append(bool(props & ComponentProperty.SIMPLE_COMPONENT) or (
+                comp is not None and not props & ComponentProperty.REORDERS_INDEXES
+                and type(comp).get_input_indexes is Component.get_input_indexes
+                and type(comp).is_computable is Component.is_computable))
             self._reorders.append(bool(props & ComponentProperty.REORDERS_INDEXES))
             self._dim_range_src.append(nnet.nodes[i].node_index if nnet.is_dim_range_node(i)
                                        else -1)
@@ -292,7 +299,9 @@ class ComputationStepsComputer:
         self.step_ids.append(ids)
         self.step_nodes.append(node)
         self.loc_step[ids] = s
-        self.loc_row[ids] = np.arange(len(ids))
+        if len(ids) > len(self._arange):
+            self._arange = np.arange(2 * len(ids))
+        self.loc_row[ids] = self._arange[:len(ids)]
         return s
 
     def _fit_locations(self) -> None:
@@ -474,11 +483,18 @@ class ComputationStepsComputer:
                                  f"not yet in a step")
         first = int(s[0])
         if (s == first).all():
-            source_steps = [first]
-        else:
-            s = s[np.concatenate(([True], s[1:] != s[:-1]))]
-            source_steps = _unordered_set_order(s.tolist())
-        for step in source_steps:
+            if (first, node) in self._dim_range_done:
+                return
+            self._dim_range_done.add((first, node))
+            source = self.step_ids[first]
+            if len(source) == len(sub) and (source == src_ids).all():
+                # the sub-phase is the whole source step, in its order
+                self._add_step_ids(sub, node)
+            else:
+                self._add_step_like(node, source, src, add_if_absent=True)
+            return
+        s = s[np.concatenate(([True], s[1:] != s[:-1]))]
+        for step in _unordered_set_order(s.tolist()):
             if (step, node) in self._dim_range_done:
                 continue
             self._dim_range_done.add((step, node))
