@@ -48,7 +48,7 @@ from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_CO
                                          CommandType as CT, MatrixDebugInfo, NnetComputation,
                                          PrecomputedIndexesInfo)
 from engine.compiler.gc_pause import gc_paused
-from engine.compiler.graph_nodes import make_indexes
+from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT, make_indexes
 from engine.core.errors import NnetcError, RequestError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty as P
@@ -165,16 +165,16 @@ class Compiler:
         self.step_to_segment = list(computer.step_to_segment)
         self.step_ids = computer.step_ids
         self.step_nodes = computer.step_nodes
-        num_nodes = nnet.num_nodes()
-        self.kind_input = [nnet.is_input_node(i) for i in range(num_nodes)]
-        self.kind_output = [nnet.is_output_node(i) for i in range(num_nodes)]
-        self.kind_component = [nnet.is_component_node(i) for i in range(num_nodes)]
-        self.kind_dim_range = [nnet.is_dim_range_node(i) for i in range(num_nodes)]
-        self.kind_descriptor = [nnet.is_descriptor_node(i) for i in range(num_nodes)]
-        self.component_index = [nnet.nodes[i].component_index if self.kind_component[i] else -1
-                                for i in range(num_nodes)]
-        self.props = [int(nnet.components[c].properties()) if c >= 0 else 0
-                      for c in self.component_index]
+        table = graph.node_table
+        kind = table.kind
+        self.kind_input = [k == INPUT for k in kind]
+        self.kind_output = table.is_output
+        self.kind_component = [k == COMPONENT for k in kind]
+        self.kind_dim_range = [k == DIM_RANGE for k in kind]
+        self.kind_descriptor = [k == DESCRIPTOR for k in kind]
+        self.kind_component_input = table.is_component_input
+        self.component_index = table.component_index
+        self.props = table.props
         self._index_objs = None
 
     def _indexes_of(self, ids: np.ndarray) -> list:
@@ -244,7 +244,7 @@ class Compiler:
 
     # -- matrices and submatrices ----------------------------------------------------------------
     def _stride_type(self, node_index: int) -> int:
-        if self.nnet.is_component_input_node(node_index):
+        if self.kind_component_input[node_index]:
             comp_node, flag = node_index + 1, P.INPUT_CONTIGUOUS
         elif self.kind_component[node_index]:
             comp_node, flag = node_index, P.OUTPUT_CONTIGUOUS

@@ -64,7 +64,9 @@ class ComputationGraphBuilder:
     def __init__(self, nnet, graph: ComputationGraph) -> None:
         self.nnet = nnet
         self.graph = graph
-        self.nodes = NodeTable(nnet)
+        table = graph.node_table
+        self.nodes = table if table is not None and table.nnet is nnet else NodeTable(nnet)
+        graph.node_table = self.nodes
         self.request = None
         # Per-cindex state of the general algorithm (sized by _sync_state).
         self.computable: list[int] = []

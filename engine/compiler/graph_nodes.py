@@ -214,6 +214,8 @@ class ComputationGraph:
             np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
         self.segment_ends: list[int] = []
         self._table: CindexTable | None = None
+        # the NodeTable of the network the graph is being built for (set by the builder)
+        self.node_table = None
         # the list form (the first len(self._cindex_list) ids)
         self._cindex_list: list[Cindex] = []
         self._input_list: list[bool] = []
@@ -546,45 +548,18 @@ def _needs_all_inputs(comp) -> bool:
     return cls.is_computable is Component.is_computable
 
 
-def _node_sources(table, i: int) -> set[int]:
-    kind = table.kind[i]
-    if kind == _DESCRIPTOR:
-        return set(table.descriptor[i].get_node_dependencies())
-    if kind == _COMPONENT:
-        return {i - 1}
-    if kind == _DIM_RANGE:
-        return {table.dim_range_src[i]}
-    return set()
-
-
-def _has_node_cycle(table) -> bool:
-    """Whether the node graph has a cycle (a recurrence)."""
-    num = len(table.kind)
-    users: list[list[int]] = [[] for _ in range(num)]
-    pending = [0] * num
-    for i in range(num):
-        srcs = _node_sources(table, i)
-        pending[i] = len(srcs)
-        for j in srcs:
-            users[j].append(i)
-    ready = [i for i in range(num) if pending[i] == 0]
-    done = 0
-    while ready:
-        i = ready.pop()
-        done += 1
-        for u in users[i]:
-            pending[u] -= 1
-            if pending[u] == 0:
-                ready.append(u)
-    return done < num
-
-
 class NodeTable:
-    """Per-node facts the builders need, read once from the Nnet."""
+    """Per-node facts the builders, the steps computer and the compiler need, read
+    once per compilation from the Nnet (the graph builder makes it and the graph
+    carries it as ``node_table``)."""
 
     def __init__(self, nnet) -> None:
         num = nnet.num_nodes() if callable(getattr(nnet, "num_nodes", None)) else len(nnet.nodes)
+        self.nnet = nnet
         self.kind: list[int] = []
+        self.props: list[int] = []        # component properties (0 for other nodes)
+        self.component_index: list[int] = []
+        self.is_component_input: list[bool] = []
         self.descriptor: list = []
         self.component: list = []
         self.simple: list[bool] = []
@@ -607,11 +582,14 @@ class NodeTable:
                 kind = _DESCRIPTOR
             comp = nnet.get_component(node.component_index) if kind == _COMPONENT else None
             fast = compile_descriptor(node.descriptor) if kind == _DESCRIPTOR else None
+            props = int(comp.properties()) if comp is not None else 0
             self.kind.append(kind)
+            self.props.append(props)
+            self.component_index.append(node.component_index if kind == _COMPONENT else -1)
+            self.is_component_input.append(kind == _DESCRIPTOR and nnet.is_component_input_node(i))
             self.descriptor.append(node.descriptor if kind == _DESCRIPTOR else None)
             self.component.append(comp)
-            simple = bool(comp is not None and comp.properties()
-                          & ComponentProperty.SIMPLE_COMPONENT)
+            simple = bool(props & ComponentProperty.SIMPLE_COMPONENT)
             self.simple.append(simple)
             self.dim_range_src.append(node.node_index if kind == _DIM_RANGE else -1)
             self.is_output.append(bool(nnet.is_output_node(i)))
@@ -661,13 +639,16 @@ class NodeTable:
         self.comp_all_required: list[bool] = [
             c is not None and not s and _needs_all_inputs(c)
             for c, s in zip(self.component, self.simple)]
-        self.recurrent = _has_node_cycle(self)
+        from engine.nnet.graph import compute_nnet_computation_epochs  # noqa: PLC0415
+        # Kaldi's computation epochs (strongly connected components of the node
+        # graph in topological order); a recurrence is an epoch of several nodes
+        self.epochs: list[int] = compute_nnet_computation_epochs(nnet)
+        self.recurrent = len(set(self.epochs)) < num
         self.prune_trivial: list[bool] = [
             k in (_INPUT, _DIM_RANGE) or (k == _COMPONENT and (s or a))
             or (k == _DESCRIPTOR and f is not None and f.all_required)
             for k, s, a, f in zip(self.kind, self.simple, self.comp_all_required, self.fast)]
         self._order: list[int] | None = None
-        self._nnet = nnet
 
     @property
     def order(self) -> list[int]:
@@ -682,8 +663,9 @@ class NodeTable:
     def _compute_order(self) -> list[int]:
         import heapq  # noqa: PLC0415
 
-        from engine.nnet.graph import compute_nnet_computation_epochs  # noqa: PLC0415
-        epochs = compute_nnet_computation_epochs(self._nnet)
+        epochs = self.epochs
+        if not self.recurrent:
+            return sorted(range(len(epochs)), key=epochs.__getitem__)
         members: dict[int, list[int]] = {}
         for i, e in enumerate(epochs):
             members.setdefault(e, []).append(i)

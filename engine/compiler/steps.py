@@ -44,6 +44,7 @@ import numpy as np
 
 from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
+from engine.compiler.graph_nodes import COMPONENT, DIM_RANGE, INPUT, NodeTable
 from engine.core.errors import NotComputableError, RequestError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty
@@ -145,8 +146,10 @@ def compute_computation_phases(nnet, graph: ComputationGraph) -> list[PhaseList]
     """Kaldi's ComputeComputationPhases: per segment, its phases (a PhaseList:
     lists of cindex ids).  Call after the graph is built and pruned for every
     segment."""
-    node_to_epoch = np.array([e + 1 for e in compute_nnet_computation_epochs(nnet)],
-                             dtype=np.int64)
+    table = graph.node_table
+    epochs = (table.epochs if table is not None and table.nnet is nnet
+              else compute_nnet_computation_epochs(nnet))
+    node_to_epoch = np.array(epochs, dtype=np.int64) + 1
     num_epochs = 1 + int(node_to_epoch.max())
     nodes_per_epoch = np.bincount(node_to_epoch, minlength=num_epochs)
     trivial = (nodes_per_epoch <= 1).tolist()
@@ -242,39 +245,35 @@ class ComputationStepsComputer:
         self._link_src: np.ndarray | None = None
         self._arange = np.arange(1024)
         self._steps_view: StepList | None = None
-        roles = []
-        self._component: list = []
-        self._simple: list[bool] = []     # simple, or non-simple with identity inputs
-        self._reorders: list[bool] = []
-        self._dim_range_src: list[int] = []
-        for i in range(nnet.num_nodes()):
-            comp = (nnet.get_component(nnet.nodes[i].component_index)
-                    if nnet.is_component_node(i) else None)
-            props = comp.properties() if comp is not None else 0
-            self._component.append(comp)
+        table = graph.node_table
+        if table is None or table.nnet is not nnet:
+            table = NodeTable(nnet)
+        self._component = table.component
+        self._dim_range_src = table.dim_range_src
+        roles, simple, reorders = [], [], []
+        for i, kind in enumerate(table.kind):
+            props, comp = table.props[i], table.component[i]
             # A non-simple component that reads exactly its own Index (Kaldi's
             # default GetInputIndexes and IsComputable) and keeps the order: its
             # input step, the sorted union of its inputs, is the same Indexes.
-            self._simple.append(bool(props & ComponentProperty.SIMPLE_COMPONENT) or (
+            simple.append(bool(props & ComponentProperty.SIMPLE_COMPONENT) or (
                 comp is not None and not props & ComponentProperty.REORDERS_INDEXES
                 and type(comp).get_input_indexes is Component.get_input_indexes
                 and type(comp).is_computable is Component.is_computable))
-            self._reorders.append(bool(props & ComponentProperty.REORDERS_INDEXES))
-            self._dim_range_src.append(nnet.nodes[i].node_index if nnet.is_dim_range_node(i)
-                                       else -1)
-            if nnet.is_component_node(i):
+            reorders.append(bool(props & ComponentProperty.REORDERS_INDEXES))
+            if kind == COMPONENT:
                 roles.append(_R_COMPONENT)
-            elif nnet.is_input_node(i):
+            elif kind == INPUT:
                 roles.append(_R_INPUT)
-            elif nnet.is_output_node(i):
+            elif table.is_output[i]:
                 roles.append(_R_OUTPUT)
-            elif nnet.is_dim_range_node(i):
+            elif kind == DIM_RANGE:
                 roles.append(_R_DIM_RANGE)
-            elif nnet.is_component_input_node(i):
+            elif table.is_component_input[i]:
                 roles.append(_R_COMPONENT_INPUT)
             else:
                 roles.append(-1)
-        self._roles = roles
+        self._roles, self._simple, self._reorders = roles, simple, reorders
 
     # -- views ----------------------------------------------------------------------------
     @property
