@@ -104,8 +104,14 @@ class VariableMergingOptimizer:
         """Try the candidates among ``commands`` (indexes, increasing)."""
         merged = False
         cmds = self.c.commands
+        candidate = self._candidate
+        copy = CT.MATRIX_COPY if self.o.remove_assignments else None
         for ci in commands:
-            s1, s2 = self._candidate(cmds[ci])
+            cmd = cmds[ci]
+            if cmd.command_type == copy:   # the usual candidate, inline
+                s1, s2 = cmd.arg2, cmd.arg1
+            else:
+                s1, s2 = candidate(cmd)
             if s1 <= 0 or s2 <= 0:
                 continue
             left, right = self.may_be_merged(ci, s1, s2)
