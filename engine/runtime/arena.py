@@ -246,6 +246,7 @@ class BoundProgram:
         # allocation, deallocation and swap commands only keep the executor's matrix
         # list; for matrices that no remaining closure looks up they are dropped
         needed = matrices_read_dynamically(program, ops)
+        self.needed = frozenset(needed)     # matrices the executor's list must hold
         subs = comp.submatrices
         for k, c in enumerate(comp.commands):
             if c.command_type in _LIST_OPS and ops[k] is not None:
@@ -320,6 +321,8 @@ class _IdleArenas:
 
     def give(self, program, bound) -> None:
         with self._lock:
+            for key in [k for k, (p, _) in self._idle.items() if p._computation() is None]:
+                self._bytes -= self._idle.pop(key)[1].buf.nbytes   # computation gone
             self._seq += 1
             self._idle[(id(program), self._seq)] = (program, bound)
             self._bytes += bound.buf.nbytes

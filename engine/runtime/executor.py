@@ -79,6 +79,9 @@ class Executor:
     # kCompressMatrix / kDecompressMatrix: no-ops as in Kaldi's CPU build
     # (CompressingExecutor carries them out)
     _real_compression = False
+    # run straight-line computations on an arena (arena.py); False keeps the
+    # dynamic closures for every computation (tests compare the two)
+    _use_arena = True
 
     def __init__(self, computation: NnetComputation, nnet, backend=np,
                  pool: BufferPool | None = None, nnet_to_store_stats=None):
@@ -190,7 +193,10 @@ class Executor:
             view = self._bound.inst_views[inst]
             if view is not None:      # the input lives in the arena
                 view[...] = arr
-                self._matrices[m] = view
+                # (the matrix list holds arena views only where some closure reads
+                # them; those are deallocated by the commands, never left behind)
+                if m in self._bound.needed:
+                    self._matrices[m] = view
                 return
         buf = self.pool.get(self.xp, info.num_rows, info.num_cols)
         buf[...] = arr  # a private copy: the pool may recycle it after a dealloc
@@ -245,7 +251,8 @@ class Executor:
             self._mode = "dynamic"    # a subclass handles some commands itself
             return
         program = self._get_program()
-        if program.layout is None or self._matrices.count(None) != len(self._matrices):
+        if (not self._use_arena or program.layout is None
+                or self._matrices.count(None) != len(self._matrices)):
             self._mode = "dynamic"
             return
         self._mode = "static"
@@ -262,6 +269,13 @@ class Executor:
         bound, self._bound = self._bound, None
         if bound is None:
             return
+        # no view of the arena may stay in the matrix list once it is given back
+        # (release() would otherwise hand it to the pool as a matrix of its own)
+        ids = bound.inst_ids
+        mats = self._matrices
+        for m in bound.needed:
+            if mats[m] is not None and id(mats[m]) in ids:
+                mats[m] = None
         if self._own_pool:
             IDLE_ARENAS.give(self._program, bound)
         else:

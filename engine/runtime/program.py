@@ -34,6 +34,7 @@ handlers.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -372,7 +373,9 @@ class Program:
 
     def __init__(self, computation, xp, plan, components=None, compress: bool = False):
         builder = ProgramBuilder(computation, xp, plan, components, compress)
-        self.computation = computation
+        # a weak reference: programs are cached per computation (executor._PLAN_CACHE,
+        # arena.IDLE_ARENAS) and must not keep it alive
+        self._computation = weakref.ref(computation)
         self.xp = xp
         self.ops = builder.build()
         self.ctypes = builder.ctypes
@@ -388,6 +391,13 @@ class Program:
         self.layout = layout if layout is not None and layout.ok else None
         self._bound: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def computation(self):
+        c = self._computation()
+        if c is None:
+            raise RuntimeError("the computation of this program no longer exists")
+        return c
 
     def bind(self, buf) -> BoundProgram:
         """The commands bound to the arena buffer ``buf`` (new)."""

@@ -2,8 +2,12 @@
 handlers of the executor: bit-identical outputs, input derivatives and model
 gradients on random networks of every generator kind (optimized computations,
 forward and backward), and on Kaldi's reference networks when ../shared is
-present; plus the matrix-coordinate pointer-list plans against the per-submatrix
-kernels."""
+present, for both forms of the program (closures bound to an arena, arena.py, and
+the dynamic closures); plus the matrix-coordinate pointer-list plans against the
+per-submatrix kernels, the arena layout (no two matrices alive at the same time
+share memory), reuse of bound programs, weights changed between runs, several
+networks sharing one computation, concurrent runs, the product forms of gemm.py
+and the element-wise forms of fastpaths.py on special values."""
 
 from __future__ import annotations
 
@@ -31,15 +35,29 @@ class InterpretedExecutor(Executor):
         super()._execute(c)
 
 
-def _both(nnet, req, x, dy, comp):
+class DynamicExecutor(Executor):
+    """The compiled program without the arena: the dynamic closures only."""
+
+    _use_arena = False
+
+
+def _run_with(executor_class, nnet, req, x, dy, comp):
     import network_harness as H  # noqa: PLC0415
-    fast = run_network(nnet, req, x, dy, computation=comp)
     saved = H.Executor
-    H.Executor = InterpretedExecutor
+    H.Executor = executor_class
     try:
-        slow = run_network(nnet, req, x, dy, computation=comp)
+        return run_network(nnet, req, x, dy, computation=comp)
     finally:
         H.Executor = saved
+
+
+def _both(nnet, req, x, dy, comp):
+    """(arena-bound run, interpreted run); the dynamic program's run is checked
+    against the interpreted one here too."""
+    fast = run_network(nnet, req, x, dy, computation=comp)
+    slow = _run_with(InterpretedExecutor, nnet, req, x, dy, comp)
+    dynamic = _run_with(DynamicExecutor, nnet, req, x, dy, comp)
+    _assert_identical("dynamic program", dynamic, slow)
     return fast, slow
 
 
@@ -221,3 +239,293 @@ def test_program_rebuilt_after_the_computation_changes_in_place():
     for name in first:
         assert not np.all(first[name] == 7.0)
         assert np.all(second[name] == 7.0), name
+
+
+# -- the arena ---------------------------------------------------------------------------------
+
+
+def _random_case(seed: int, kind=None, full: bool = False):
+    rng = np.random.default_rng(seed)
+    net = generate_config_sequence(rng, OPTS, kind=kind)
+    nnet = net.build(rng)
+    req = random_request(nnet, rng)
+    if full:
+        req = _full(req)
+    return nnet, req, rng
+
+
+def test_arena_layout_never_overlaps_live_matrices():
+    from engine.runtime.arena import StaticLayout  # noqa: PLC0415
+    checked = 0
+    for seed in range(12):
+        for kind in (None, GENERATOR_NAMES[seed % len(GENERATOR_NAMES)]):
+            nnet, req, _ = _random_case(700 + seed, kind, full=seed % 2 == 0)
+            comp = compile_request(nnet, req, True)
+            layout = StaticLayout(comp)
+            if not layout.ok:
+                continue
+            checked += 1
+            # lifetimes again, from the commands (start: alloc/input; end: dealloc)
+            n = len(comp.commands)
+            spans = {}
+            for i, m in enumerate(layout.inst_matrix):
+                spans[i] = [None, n]
+            for k, refs in enumerate(layout.cmd_inst):
+                for i in refs.values():
+                    if spans[i][0] is None:
+                        spans[i][0] = k
+            from engine.compiler.computation import CommandType as CT  # noqa: PLC0415
+            for k, c in enumerate(comp.commands):
+                if c.command_type == CT.DEALLOC_MATRIX:
+                    spans[layout.cmd_inst[k][0]][1] = k
+            placed = [(i, layout.inst_offset[i], layout.inst_shape[i])
+                      for i in range(len(layout.inst_offset)) if layout.inst_offset[i] >= 0]
+            for a, (i, oi, (ri, ci)) in enumerate(placed):
+                for j, oj, (rj, cj) in placed[a + 1:]:
+                    live_together = spans[i][0] <= spans[j][1] and spans[j][0] <= spans[i][1]
+                    apart = oi + ri * ci <= oj or oj + rj * cj <= oi
+                    assert apart or not live_together, (seed, kind, i, j)
+                assert oi + ri * ci <= layout.total
+    assert checked >= 10
+
+
+def test_bound_program_reused_and_memory_about_the_peak():
+    from engine.runtime.backend import BufferPool  # noqa: PLC0415
+    nnet, req, rng = _random_case(801)
+    comp = compile_request(nnet, req, True)
+    x = random_inputs(nnet, req, rng)
+    pool = BufferPool()
+    seen = []
+    outs = []
+    for _ in range(3):
+        ex = Executor(comp, nnet, pool=pool)
+        for s in req.inputs:
+            ex.accept_input(s.name, x[s.name])
+        seen.append(ex._bound)
+        ex.run()
+        outs.append({s.name: np.array(ex.get_output(s.name)) for s in req.outputs})
+        ex.release()
+    assert seen[0] is not None and seen[0] is seen[1] is seen[2]
+    for o in outs[1:]:
+        for k in o:
+            assert np.array_equal(o[k], outs[0][k])
+    # the arena holds the computation's matrices except the outputs: at most the
+    # peak of Kaldi's accounting plus the alignment of each matrix
+    layout = seen[0].buf.size * 4
+    assert layout <= comp.stats()["peak_bytes"] + 64 * (len(comp.matrices) + 1)
+
+
+def _perturbed(nnet, rng):
+    other = nnet.copy()
+    for comp in other.components:
+        for name in ("linear_params", "bias_params", "params", "scales"):
+            a = getattr(comp, name, None)
+            if isinstance(a, np.ndarray) and a.dtype == np.float32 and a.size:
+                setattr(comp, name, (a + rng.standard_normal(a.shape).astype(np.float32) * 0.1))
+    return other
+
+
+def test_weights_changed_between_runs_and_networks_sharing_a_computation():
+    for seed in range(4):
+        nnet, req, rng = _random_case(820 + seed)
+        comp = compile_request(nnet, req, True)
+        x = random_inputs(nnet, req, rng)
+        first = run_network(nnet, req, x, None, computation=comp)
+        # another network of the same structure, same computation
+        other = _perturbed(nnet, rng)
+        got = run_network(other, req, x, None, computation=comp)
+        want = _run_with(InterpretedExecutor, other, req, x, None, comp)
+        _assert_identical(f"seed {seed} other network", got, want)
+        # the first network again, then its weights changed in place
+        again = run_network(nnet, req, x, None, computation=comp)
+        _assert_identical(f"seed {seed} first network again", again, first)
+        for c in nnet.components:
+            a = getattr(c, "linear_params", None)
+            if isinstance(a, np.ndarray) and a.size:
+                a *= 0.5
+        got = run_network(nnet, req, x, None, computation=comp)
+        want = _run_with(InterpretedExecutor, nnet, req, x, None, comp)
+        _assert_identical(f"seed {seed} weights changed in place", got, want)
+
+
+def test_concurrent_runs_of_one_computation():
+    import threading  # noqa: PLC0415
+
+    from engine.runtime.backend import BufferPool  # noqa: PLC0415
+    nnet, req, rng = _random_case(840, "lstm")
+    comp = compile_request(nnet, req, True)
+    inputs = [random_inputs(nnet, req, rng) for _ in range(6)]
+    want = [_run_with(InterpretedExecutor, nnet, req, x, None, comp).outputs for x in inputs]
+    for pool in (BufferPool(), None):
+        got = [None] * len(inputs)
+        errors = []
+
+        def work(i):
+            try:
+                for _ in range(5):
+                    ex = Executor(comp, nnet, pool=pool)
+                    for s in req.inputs:
+                        ex.accept_input(s.name, inputs[i][s.name])
+                    ex.run()
+                    got[i] = {s.name: np.array(ex.get_output(s.name)) for s in req.outputs}
+                    ex.release()
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for g, w in zip(got, want):
+            for k in w:
+                assert np.array_equal(g[k], w[k])
+
+
+def test_programs_do_not_keep_computations_alive():
+    import gc  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+    nnet, req, rng = _random_case(850)
+    comp = compile_request(nnet, req, True)
+    x = random_inputs(nnet, req, rng)
+    run_network(nnet, req, x, None, computation=comp)
+    ref = weakref.ref(comp)
+    del comp
+    gc.collect()
+    assert ref() is None
+
+
+def test_product_forms_agree_with_the_components_product():
+    from engine.runtime import gemm  # noqa: PLC0415
+    from engine.runtime.fastpaths import _product_nt  # noqa: PLC0415
+    rng = np.random.default_rng(5)
+    gemm.forget_choices()
+    seen = set()
+    for rows, n, k in [(1, 128, 232), (3, 1024, 320), (8, 256, 768), (21, 384, 128),
+                       (35, 384, 64), (2, 64, 128), (150, 300, 128)]:
+        big = rng.standard_normal((rows + 2, k + 7)).astype(np.float32)
+        for x in (big[1:rows + 1, 3:3 + k], np.ascontiguousarray(big[1:rows + 1, 3:3 + k])):
+            w = rng.standard_normal((n, k)).astype(np.float32)
+            out = np.empty((rows, n), np.float32)
+            got = _product_nt(x, w, out)
+            seen.add(gemm.nt_form(x, w, out))
+            assert np.array_equal(got, x @ w.T)
+    assert seen <= {gemm.DIRECT, gemm.DOT, gemm.EXCHANGED}
+
+
+def _special(shape, rng):
+    a = rng.standard_normal(shape).astype(np.float32) * 30
+    flat = a.reshape(-1)
+    vals = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 88.0, -88.0, 3e38,
+                     -3e38, 1.0, -1.0], np.float32)
+    flat[:vals.size] = vals
+    return a
+
+
+def test_element_wise_forms_on_special_values():
+    from engine.nnet.components.nonlinear import (LogSoftmaxComponent,  # noqa: PLC0415
+                                                  SigmoidComponent, TanhComponent)
+    from engine.nnet.components.recurrent import LstmNonlinearityComponent  # noqa: PLC0415
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import bind_propagate, fast_propagate  # noqa: PLC0415
+    rng = np.random.default_rng(9)
+    with np.errstate(all="ignore"):
+        for cls, dim in ((SigmoidComponent, 37), (TanhComponent, 37), (LogSoftmaxComponent, 37)):
+            comp = cls()
+            comp.dim = dim
+            for rows in (1, 5):
+                big = _special((rows, dim + 4), rng)
+                for x in (big[:, 2:2 + dim], np.ascontiguousarray(big[:, 2:2 + dim])):
+                    want = np.empty((rows, dim), np.float32)
+                    comp.propagate(None, x, want)
+                    got = np.empty_like(want)
+                    fast_propagate(cls)(comp, None, x, got)
+                    assert np.array_equal(got, want, equal_nan=True), cls
+                    got2 = np.empty_like(want)
+                    bind_propagate(cls, x, got2, Scratch(np))(comp, None)
+                    assert np.array_equal(got2, want, equal_nan=True), cls
+        for use_dropout in (False, True):
+            comp = LstmNonlinearityComponent()
+            cd = 16
+            comp.use_dropout = use_dropout
+            comp.params = rng.standard_normal((3, cd)).astype(np.float32)
+            for rows in (1, 3):
+                x = _special((rows, comp.input_dim()), rng)
+                want = np.empty((rows, 2 * cd), np.float32)
+                comp.propagate(None, x, want)
+                got = np.empty_like(want)
+                fast_propagate(LstmNonlinearityComponent)(comp, None, x, got)
+                assert np.array_equal(got, want, equal_nan=True)
+                got2 = np.empty_like(want)
+                bind_propagate(LstmNonlinearityComponent, x, got2, Scratch(np))(comp, None)
+                assert np.array_equal(got2, want, equal_nan=True)
+
+
+def test_pool_never_receives_views_of_the_arena():
+    """After runs that end early (forward only, outputs taken) or are released,
+    the pool holds separate buffers only: a view of an arena handed to the pool
+    would let two matrices share memory."""
+    from engine.runtime.backend import BufferPool  # noqa: PLC0415
+    for seed in range(6):
+        nnet, req, rng = _random_case(860 + seed, full=seed % 2 == 1)
+        comp = compile_request(nnet, req, True)
+        x = random_inputs(nnet, req, rng)
+        pool = BufferPool()
+        for release in (True, False, True):
+            ex = Executor(comp, nnet, pool=pool)
+            for s in req.inputs:
+                ex.accept_input(s.name, x[s.name])
+            ex.run()
+            for s in req.outputs:
+                ex.get_output(s.name)
+            if release:
+                ex.release()
+        held = [a for lst in pool._free.values() for a in lst]
+        for i, a in enumerate(held):
+            assert a.base is None or a.base.size == a.size, "a view was pooled"
+            for b in held[i + 1:]:
+                assert not np.shares_memory(a, b)
+
+
+def test_arena_given_back_at_the_end_leaves_nothing_behind():
+    """A forward computation whose output is its last command: taking the output
+    ends the run and gives the arena back; the input matrix (deallocated by a
+    command that needs no matrix list) must not be left pointing into it, or
+    release() would pool a view of the arena."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from engine.compiler.computation import CommandType as CT  # noqa: PLC0415
+    from engine.compiler.computation import NnetComputation  # noqa: PLC0415
+    from engine.runtime.backend import BufferPool  # noqa: PLC0415
+    names = ["input", "output"]
+    nnet = SimpleNamespace(components=[], component_names=[],
+                           get_node_index=lambda n: names.index(n) if n in names else -1,
+                           get_node_name=lambda i: names[i])
+    c = NnetComputation()
+    x = c.new_matrix(5, 3)
+    h = c.new_matrix(5, 3)
+    y = c.new_matrix(5, 3)
+    c.add(CT.ACCEPT_INPUT, x, 0)
+    c.add(CT.ALLOC_MATRIX, h)
+    c.add(CT.MATRIX_COPY, h, x, alpha=2.0)
+    c.add(CT.DEALLOC_MATRIX, x)
+    c.add(CT.ALLOC_MATRIX, y)
+    c.add(CT.MATRIX_COPY, y, h)
+    c.add(CT.MATRIX_ADD, y, h)
+    c.add(CT.DEALLOC_MATRIX, h)
+    c.add(CT.PROVIDE_OUTPUT, y, 1)
+    c.add(CT.NO_OPERATION_MARKER)
+    pool = BufferPool()
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        ex = Executor(c, nnet, pool=pool)
+        v = rng.standard_normal((5, 3)).astype(np.float32)
+        ex.accept_input("input", v)
+        assert ex._bound is not None
+        ex.run()
+        out = ex.get_output("output")
+        assert ex._bound is None           # the run is over: the arena went back
+        ex.release()
+        assert np.array_equal(out, (v * np.float32(2.0)) * 2)
+        held = [a for lst in pool._free.values() for a in lst]
+        assert all(a.base is None or a.base.size == a.size for a in held)
