@@ -42,6 +42,7 @@ import numpy as np
 
 from engine.compiler.computation import (CommandType as CT, MatrixDebugInfo, NnetComputation,
                                          PrecomputedIndexesInfo, SubMatrixInfo)
+from engine.compiler.graph_nodes import make_indexes
 from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.core.index import Index
 
@@ -134,21 +135,6 @@ def _cindex_rows(cindexes) -> np.ndarray:
                     dtype=np.int64).reshape(-1, 4)
 
 
-def _index_objects(rows: np.ndarray) -> list[Index]:
-    """Index objects for the (n, t, x) rows, one object per distinct row (building
-    NamedTuples is what costs here, and rows repeat across matrices)."""
-    if rows.shape[0] == 0:
-        return []
-    lo = rows.min(axis=0)
-    span = rows.max(axis=0) - lo + 1
-    if float(span[0]) * float(span[1]) * float(span[2]) >= 2.0 ** 62:
-        return list(map(Index._make, rows.tolist()))
-    code = ((rows[:, 0] - lo[0]) * span[1] + (rows[:, 1] - lo[1])) * span[2] + (rows[:, 2] - lo[2])
-    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-    objs = list(map(Index._make, rows[first].tolist()))
-    return list(map(objs.__getitem__, inverse.ravel().tolist()))
-
-
 def request_is_decomposable(request: ComputationRequest
                             ) -> tuple[ComputationRequest, int] | None:
     """Kaldi's RequestIsDecomposable: (two-sequence mini request, N) when every
@@ -192,6 +178,7 @@ class _Expander:
         self.need_debug_info = need_debug_info
         self.out = NnetComputation()
         self._expanded_indexes: dict[bytes, list[Index]] = {}
+        self._expanded_rows: dict[bytes, np.ndarray] = {}
 
     # -- strides -------------------------------------------------------------------------
     def init_strides(self) -> None:
@@ -278,7 +265,7 @@ class _Expander:
         out = np.empty((int(new_sizes.sum()), 4), dtype=np.int64)
         out[pos.ravel()] = np.repeat(self.rows[i0], big_n, axis=0)
         out[pos.ravel(), 0] = np.tile(np.arange(big_n), i0.size)
-        pairs = list(zip(out[:, 1].tolist(), _index_objects(out[:, [0, 2, 3]])))
+        pairs = list(zip(out[:, 1].tolist(), make_indexes(out[:, [0, 2, 3]])))
         src = self.c.matrix_debug_info
         self.out.matrix_debug_info = [MatrixDebugInfo()] + [
             MatrixDebugInfo(src[k].is_deriv, pairs[new_base[k]:new_base[k] + new_sizes[k]])
@@ -413,19 +400,25 @@ class _Expander:
                 new.arg3 = memo[key]
             out.commands.append(new)
 
-    def expand_indexes(self, indexes) -> list[Index]:
+    def expand_index_rows(self, indexes) -> tuple[bytes, np.ndarray]:
+        """(key, expanded (k, 3) n, t, x rows) of a two-sequence Index list."""
         rows = _index_rows(indexes)
-        # layers with the same time pattern share one expanded list (components
-        # only read the lists they are given)
+        # layers with the same time pattern share one expansion (components only
+        # read what they are given)
         key = rows.tobytes()
-        if key in self._expanded_indexes:
-            return self._expanded_indexes[key]
-        s = find_n_stride(rows)
-        if s == 0 or rows[-1, 0] != 1:
-            raise ShortcutNotApplicable("precomputed indexes lack the regular n structure")
-        out = _index_objects(convert_num_n_values(rows, s, 2, self.num_n))
-        self._expanded_indexes[key] = out
-        return out
+        hit = self._expanded_rows.get(key)
+        if hit is None:
+            s = find_n_stride(rows)
+            if s == 0 or rows[-1, 0] != 1:
+                raise ShortcutNotApplicable("precomputed indexes lack the regular n structure")
+            hit = self._expanded_rows[key] = convert_num_n_values(rows, s, 2, self.num_n)
+        return key, hit
+
+    def expand_indexes(self, indexes) -> list[Index]:
+        key, rows = self.expand_index_rows(indexes)
+        if key not in self._expanded_indexes:
+            self._expanded_indexes[key] = make_indexes(rows)
+        return self._expanded_indexes[key]
 
     def compute_precomputed_indexes(self) -> None:
         c = self.c
@@ -443,9 +436,16 @@ class _Expander:
             if not info.input_indexes or not info.output_indexes or component[p] < 0:
                 raise ShortcutNotApplicable(f"precomputed indexes {p} cannot be rebuilt")
             comp = self.nnet.components[component[p]]
-            data = comp.precompute_indexes(self.misc_info, self.expand_indexes(info.input_indexes),
-                                           self.expand_indexes(info.output_indexes),
-                                           need_backprop[p])
+            by_arrays = getattr(comp, "precompute_index_arrays", None)
+            if by_arrays is not None:
+                data = by_arrays(self.misc_info, self.expand_index_rows(info.input_indexes)[1],
+                                 self.expand_index_rows(info.output_indexes)[1],
+                                 need_backprop[p])
+            else:
+                data = comp.precompute_indexes(self.misc_info,
+                                               self.expand_indexes(info.input_indexes),
+                                               self.expand_indexes(info.output_indexes),
+                                               need_backprop[p])
             if data is None:
                 raise ShortcutNotApplicable(f"component {self.nnet.component_names[component[p]]}"
                                             f" gave no precomputed indexes when expanded")

@@ -59,17 +59,31 @@ def _as_rows(indexes) -> np.ndarray:
     return np.asarray(indexes, dtype=np.int64).reshape(-1, 3)
 
 
+def _distinct(a: np.ndarray) -> np.ndarray:
+    a = np.sort(a)
+    if len(a) > 1:
+        step = a[1:] != a[:-1]
+        if not step.all():
+            a = a[np.concatenate(([True], step))]
+    return a
+
+
 def _nx_pairs(rows: np.ndarray) -> np.ndarray:
     # Kaldi's GetNxList: every (n, x), blank Indexes included, sorted.
     if not len(rows):
         return np.zeros((0, 2), dtype=np.int64)
-    return np.unique(rows[:, [0, 2]], axis=0)
+    n, x = rows[:, 0], rows[:, 2]
+    n0, x0 = int(n.min()), int(x.min())
+    span = int(x.max()) - x0 + 1
+    key = _distinct((n - n0) * span + (x - x0))
+    return np.stack((key // span + n0, key % span + x0), axis=1)
 
 
 def _regular_t(rows: np.ndarray, what: str) -> tuple[int, int, int]:
     """(start, step, count) of the smallest regular grid covering the t values
     (Kaldi's GetTList + RegularizeTList; step 0 when there is one value)."""
-    ts = np.unique(rows[rows[:, 1] != K_NO_TIME, 1])
+    t = rows[:, 1]
+    ts = _distinct(t[t != K_NO_TIME])
     if not len(ts):
         raise ComponentError(f"TdnnComponent: no {what} Indexes with a time value")
     step = int(np.gcd.reduce(np.diff(ts))) if len(ts) > 1 else 0
@@ -102,37 +116,37 @@ def tdnn_time_grid(input_indexes, output_indexes) -> TimeGrid:
 def _grid_rows(pairs: np.ndarray, t_start: int, t_step: int, num_t: int, reorder_t: int,
                present: np.ndarray) -> np.ndarray:
     """Kaldi's CreateIndexes + SetSomeIndexesBlank as (k, 3) rows: blocks of
-    ``reorder_t`` t values, within a block each (n, x) pair with its t values
-    consecutive; rows not among ``present`` get t = kNoTime."""
+    ``reorder_t`` t values, within a block each (n, x) pair (``pairs``, sorted) with
+    its t values consecutive; rows not among ``present`` get t = kNoTime."""
     if t_step == 0:
         t_step = 1
     outer = t_step * reorder_t
     blocks = np.arange(t_start, t_start + num_t * t_step, outer, dtype=np.int64)
     within = np.arange(0, outer, t_step, dtype=np.int64)
     nb, npairs, r = len(blocks), len(pairs), len(within)
+    # which grid cells (pair, t position) the present rows fill
+    filled = np.zeros((npairs, nb * r), dtype=bool)
+    if len(present) and npairs:
+        n0, x0 = int(pairs[:, 0].min()), int(pairs[:, 1].min())
+        span = int(pairs[:, 1].max()) - x0 + 1
+        pair_keys = (pairs[:, 0] - n0) * span + (pairs[:, 1] - x0)
+        n, t, x = present[:, 0], present[:, 1], present[:, 2]
+        rel = t - t_start
+        k = rel // t_step
+        ok = (t != K_NO_TIME) & (rel % t_step == 0) & (k >= 0) & (k < nb * r) \
+            & (x >= x0) & (x < x0 + span)
+        key = (n - n0) * span + (x - x0)
+        at = np.minimum(np.searchsorted(pair_keys, key), npairs - 1)
+        ok &= pair_keys[at] == key
+        filled[at[ok], k[ok]] = True
     out = np.empty((nb, npairs, r, 3), dtype=np.int64)
     out[..., 0] = pairs[None, :, 0, None]
     out[..., 1] = blocks[:, None, None] + within[None, None, :]
     out[..., 2] = pairs[None, :, 1, None]
     out = out.reshape(-1, 3)
-    if len(out):
-        out[~_member(out, present), 1] = K_NO_TIME
+    hole = ~filled.reshape(npairs, nb, r).transpose(1, 0, 2).reshape(-1)
+    out[hole, 1] = K_NO_TIME
     return out
-
-
-def _member(rows: np.ndarray, among: np.ndarray) -> np.ndarray:
-    """Which of the (k, 3) ``rows`` occur in ``among``."""
-    if not len(among):
-        return np.zeros(len(rows), dtype=bool)
-    both = np.concatenate((rows, among))
-    lo = both.min(axis=0)
-    span = both.max(axis=0) - lo + 1
-    if float(span[0]) * float(span[1]) * float(span[2]) < 2.0 ** 62:
-        def key(a):
-            return ((a[:, 0] - lo[0]) * span[1] + (a[:, 1] - lo[1])) * span[2] + (a[:, 2] - lo[2])
-        return np.isin(key(rows), key(among))
-    have = set(map(tuple, among.tolist()))
-    return np.array([tuple(r) in have for r in rows.tolist()], dtype=bool)
 
 
 def tdnn_index_rows_for_grid(g: TimeGrid, input_rows: np.ndarray, output_rows: np.ndarray
