@@ -39,7 +39,8 @@ from itertools import repeat
 import numpy as np
 
 from engine.compiler.compile_utils import (column_source, left_align, row_ranges,
-                                           split_columns, split_columns_backward)
+                                           split_columns, split_columns_backward,
+                                           unordered_map_order)
 from engine.compiler.compile_utils import (convert_to_indexes,  # noqa: F401 (re-exported)
                                            ensure_contiguous_property, has_contiguous_property,
                                            split_locations, split_locations_backward,
@@ -526,11 +527,14 @@ class Compiler:
             out.append((alpha, *left_align(S, R, keep)))
         return out
 
-    def _single_input_pieces(self, node: int, part: int):
-        """The pieces (SplitByScale order) of a descriptor part as (alpha, shift,
-        optional) when each reads at most one input per row, the Index shifted by a
-        constant (required, or optional as in IfDefined); None otherwise."""
-        key = ("single", node, part)
+    def _batch_plan(self, node: int, part: int):
+        """How the forward commands of a descriptor part can be decided for all its
+        steps at once, when every input is the Index shifted by a constant:
+        ("pieces", [(alpha, shift, optional)]) when each SplitByScale piece reads at
+        most one input per row (required, or optional as in IfDefined), ("sum",
+        alpha, [shift]) for several required inputs of one scale (in the order
+        each row sorts them); None otherwise."""
+        key = ("plan", node, part)
         if key in self._part_cache:
             return self._part_cache[key]
         out = None
@@ -539,8 +543,13 @@ class Compiler:
         if shifts is not None:
             k = fast.num_deps
             shared, split, _ = self._scales(node, part)
+            pieces = None
             if split is None:
-                pieces = [(shared, 0)] if k == 1 else None
+                if k == 1:
+                    pieces = [(shared, 0)]
+                elif k > 1 and fast.all_required:
+                    out = ("sum", shared, sorted(shifts, key=lambda sh: (sh[0], sh[2], sh[3],
+                                                                         sh[1])))
             else:
                 pieces = []
                 for alpha, nodes in split:
@@ -558,39 +567,50 @@ class Compiler:
                         and fast.used_arrays(yes)[0, 0]):
                     optional = True
             if pieces is not None and optional is not None:
-                out = [(alpha, shifts[j], optional) for alpha, j in pieces]
+                out = ("pieces", [(alpha, shifts[j], optional) for alpha, j in pieces])
         self._part_cache[key] = out
         return out
 
     def _batch_forward(self, computation) -> dict:
-        """The forward commands of every descriptor piece that reads at most one input
-        per row at a constant shift, for all steps at once: {(step, part): [(alpha,
-        command type, source submatrix, rows or pairs)]}.  Parts where a required
-        input is missing are left to the general path (which reports them)."""
+        """The forward commands of the descriptor parts _batch_plan can do, for all
+        steps at once: {(step, part): [(alpha, command type, source submatrix, rows
+        or pairs) or None]}.  A part whose required input is missing, or whose
+        summed inputs do not each come from one step, is left to the general path
+        (which reports the former)."""
         table = self._table
         if table.mode == "dict":
             return {}
-        units = []
+        # columns: (step, part, alpha, key delta, optional, group); a "sum" part is
+        # a group of columns, one per input position
+        cols = []
+        groups = 0
         for node, steps in self._node_steps.items():
             for p in range(self.nnet.nodes[node].descriptor.num_parts()):
-                pieces = self._single_input_pieces(node, p)
-                if pieces is None:
+                plan = self._batch_plan(node, p)
+                if plan is None:
                     continue
+                if plan[0] == "pieces":
+                    items = [(alpha, sh, optional) for alpha, sh, optional in plan[1]]
+                else:
+                    items = [(plan[1], sh, False) for sh in plan[2]]
                 deltas = [(w - node) * table.stride_node + dn * table.stride_n
-                          + dt * table.stride_t + dx for _, (w, dn, dt, dx), _ in pieces]
+                          + dt * table.stride_t + dx for _, (w, dn, dt, dx), _ in items]
                 for st in steps:
-                    for j, (alpha, _, optional) in enumerate(pieces):
-                        units.append((st, p, alpha, deltas[j], optional))
-        if not units:
+                    group = -1
+                    if plan[0] == "sum":
+                        group, groups = groups, groups + 1
+                    for j, (alpha, _, optional) in enumerate(items):
+                        cols.append((st, p, alpha, deltas[j], optional, group))
+        if not cols:
             return {}
         steps = self.steps
-        lens = np.array([len(steps[u[0]].ids) for u in units], dtype=np.int64)
-        rows = np.concatenate([steps[u[0]].ids for u in units])
-        starts = np.zeros(len(units), dtype=np.int64)
+        lens = np.array([len(steps[u[0]].ids) for u in cols], dtype=np.int64)
+        rows = np.concatenate([steps[u[0]].ids for u in cols])
+        starts = np.zeros(len(cols), dtype=np.int64)
         np.cumsum(lens[:-1], out=starts[1:])
         keys = table.key_of[rows]
         blank = keys < 0
-        keys = keys + np.repeat(np.array([u[3] for u in units], dtype=np.int64), lens)
+        keys = keys + np.repeat(np.array([u[3] for u in cols], dtype=np.int64), lens)
         if blank.any():
             keys[blank] = 0
         src = table._lookup(keys)
@@ -602,7 +622,7 @@ class Compiler:
         if len(self.requests) > 1:
             # inputs computed by steps of later segments do not count (see _part_inputs)
             seg_of = np.array(self.step_to_segment, dtype=np.int64)
-            row_seg = np.repeat(np.array([steps[u[0]].segment for u in units], np.int64), lens)
+            row_seg = np.repeat(np.array([steps[u[0]].segment for u in cols], np.int64), lens)
             present &= ~((src_step >= 0) & (seg_of[np.maximum(src_step, 0)] > row_seg))
         src_row = self.loc_row[safe]
         local = np.arange(len(rows)) - np.repeat(starts, lens)
@@ -610,32 +630,55 @@ class Compiler:
         low = np.minimum.reduceat(np.where(present, src_step, big), starts)
         high = np.maximum.reduceat(np.where(present, src_step, -1), starts)
         missing = np.logical_or.reduceat(~present & ~blank, starts)
+        full = np.logical_and.reduceat(present, starts)
         ident = np.logical_and.reduceat(present & (src_row == local), starts)
         step_len = np.array([len(s.ids) for s in steps] + [0], dtype=np.int64)
         ident &= (low == high) & (step_len[np.minimum(low, big - 1)] == lens)
         rows_out = np.where(present, src_row, -1)
         subs_out = np.where(present, self._value_subs[np.maximum(src_step, 0)], -1)
+        vsub = self._value_subs.tolist()
+        low, high = low.tolist(), high.tolist()
+        missing, full, ident = missing.tolist(), full.tolist(), ident.tolist()
+        b = starts.tolist() + [len(rows)]
+
+        def column(k: int, alpha):
+            hi = high[k]
+            if hi < 0:
+                return None
+            if low[k] == hi:
+                if ident[k]:
+                    return (alpha, CT.MATRIX_ADD, vsub[hi], None)
+                return (alpha, CT.ADD_ROWS, vsub[hi], rows_out[b[k]:b[k + 1]].tolist())
+            return (alpha, CT.ADD_ROWS_MULTI, -1,
+                    list(zip(subs_out[b[k]:b[k + 1]].tolist(), rows_out[b[k]:b[k + 1]].tolist())))
+
         out: dict = {}
         failed = set()
-        b = starts.tolist() + [len(rows)]
-        vsub = self._value_subs
-        for k, (st, p, alpha, _, optional) in enumerate(units):
-            if missing[k] and not optional:
-                failed.add((st, p))
-                continue
-            hi = int(high[k])
-            if hi < 0:
-                cmd = None
-            elif low[k] == hi:
-                if ident[k]:
-                    cmd = (alpha, CT.MATRIX_ADD, int(vsub[hi]), None)
+        k = 0
+        num = len(cols)
+        while k < num:
+            st, p, alpha, _, optional, group = cols[k]
+            if group < 0:
+                if missing[k] and not optional:
+                    failed.add((st, p))
                 else:
-                    cmd = (alpha, CT.ADD_ROWS, int(vsub[hi]), rows_out[b[k]:b[k + 1]].tolist())
+                    out.setdefault((st, p), []).append(column(k, alpha))
+                k += 1
+                continue
+            # a sum of several inputs: Kaldi's SplitLocations gives one column per
+            # source when each input position reads a whole single step (each
+            # source is then used by every row), in unordered_map order
+            end = k
+            while end < num and cols[end][5] == group:
+                end += 1
+            ks = range(k, end)
+            subs = [vsub[low[j]] if low[j] < big else -1 for j in ks]
+            if all(full[j] and low[j] == high[j] for j in ks) and len(set(subs)) == len(subs):
+                at = dict(zip(subs, ks))
+                out[(st, p)] = [column(at[sub], alpha) for sub in unordered_map_order(subs)]
             else:
-                cmd = (alpha, CT.ADD_ROWS_MULTI, -1,
-                       list(zip(subs_out[b[k]:b[k + 1]].tolist(),
-                                rows_out[b[k]:b[k + 1]].tolist())))
-            out.setdefault((st, p), []).append(cmd)
+                failed.add((st, p))
+            k = end
         for key in failed:
             out.pop(key, None)
         return out
