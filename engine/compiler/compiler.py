@@ -55,6 +55,15 @@ from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty as P
 
 _tuple_new = tuple.__new__
+# component property flags as plain ints (NodeTable.props holds ints; IntFlag
+# arithmetic costs far more than int arithmetic)
+_UPDATABLE = int(P.UPDATABLE_COMPONENT)
+_INPUT_CONTIGUOUS = int(P.INPUT_CONTIGUOUS)
+_OUTPUT_CONTIGUOUS = int(P.OUTPUT_CONTIGUOUS)
+_USES_MEMO = int(P.USES_MEMO)
+_STORES_STATS = int(P.STORES_STATS)
+_BACKPROP_NEEDS_INPUT = int(P.BACKPROP_NEEDS_INPUT)
+_BACKPROP_NEEDS_OUTPUT = int(P.BACKPROP_NEEDS_OUTPUT)
 
 
 class CompilerError(NnetcError):
@@ -223,7 +232,7 @@ class Compiler:
                     need[step] = True
             if self.kind_component[node] and req.need_model_derivative:
                 comp = nnet.components[self.component_index[node]]
-                if (self.props[node] & P.UPDATABLE_COMPONENT
+                if (self.props[node] & _UPDATABLE
                         and getattr(comp, "learning_rate", 1.0) != 0):
                     need[step] = True
         return need
@@ -246,9 +255,9 @@ class Compiler:
     # -- matrices and submatrices ----------------------------------------------------------------
     def _stride_type(self, node_index: int) -> int:
         if self.kind_component_input[node_index]:
-            comp_node, flag = node_index + 1, P.INPUT_CONTIGUOUS
+            comp_node, flag = node_index + 1, _INPUT_CONTIGUOUS
         elif self.kind_component[node_index]:
-            comp_node, flag = node_index, P.OUTPUT_CONTIGUOUS
+            comp_node, flag = node_index, _OUTPUT_CONTIGUOUS
         else:
             return K_DEFAULT_STRIDE
         return K_STRIDE_EQUAL_NUM_COLS if self.props[comp_node] & flag else K_DEFAULT_STRIDE
@@ -799,8 +808,8 @@ class Compiler:
         info, in_info = self.steps[step], self.steps[step - 1]
         node = info.node_index
         props = self.props[node]
-        memo = step if info.deriv > 0 and props & P.USES_MEMO else 0
-        stats = 1 if self.requests[0].store_component_stats and props & P.STORES_STATS else 0
+        memo = step if info.deriv > 0 and props & _USES_MEMO else 0
+        stats = 1 if self.requests[0].store_component_stats and props & _STORES_STATS else 0
         computation.commands.append(Command(CT.PROPAGATE, 1.0, self.component_index[node],
                                             info.precomputed_indexes_index, in_info.value,
                                             info.value, memo, stats))
@@ -827,12 +836,12 @@ class Compiler:
         info, in_info = self.steps[step], self.steps[step - 1]
         node = info.node_index
         props = self.props[node]
-        if info.deriv <= 0 or (in_info.deriv <= 0 and not props & P.UPDATABLE_COMPONENT):
+        if info.deriv <= 0 or (in_info.deriv <= 0 and not props & _UPDATABLE):
             raise CompilerError(f"component node {self._node_name(node)!r}: "
                                 f"backprop without the derivatives it needs")
-        in_value = in_info.value if props & P.BACKPROP_NEEDS_INPUT else 0
-        out_value = info.value if props & P.BACKPROP_NEEDS_OUTPUT else 0
-        memo = step if props & P.USES_MEMO else 0
+        in_value = in_info.value if props & _BACKPROP_NEEDS_INPUT else 0
+        out_value = info.value if props & _BACKPROP_NEEDS_OUTPUT else 0
+        memo = step if props & _USES_MEMO else 0
         computation.commands.append(Command(CT.BACKPROP, 1.0, self.component_index[node],
                                             info.precomputed_indexes_index, in_value,
                                             out_value, info.deriv, in_info.deriv, memo))

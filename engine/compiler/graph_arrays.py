@@ -140,6 +140,8 @@ class ArrayGraphBuild:
         self.is_input_node = np.array([k == INPUT for k in nodes.kind], dtype=bool)
         self.node_deps = [_NodeDeps() for _ in range(num)]
         self.pending: list[list] = [[] for _ in range(num)]
+        # whether a node's pending ids may repeat (beyond one list from one consumer)
+        self.pending_dup = [False] * num
         # Kaldi's usable counts matter only where a recurrence could go on forever.
         self.track_usable = nodes.recurrent
         # how many cindexes of each node are not (yet) known to be computable
@@ -227,9 +229,12 @@ class ArrayGraphBuild:
         hi = [max(self.hi[k] - mg[k], hi_need[k]) for k in range(3)]
         self._make_table(lo, hi, coords)
 
-    def _lookup(self, keys: np.ndarray) -> np.ndarray:
+    def _lookup(self, keys: np.ndarray, node: int = -1, shifted: bool = True) -> np.ndarray:
         """Ids of the cindexes with these (in-table) keys, adding the missing ones
-        (unsettled, not expanded; on input nodes not computable, nothing to expand)."""
+        (unsettled, not expanded; on input nodes not computable, nothing to expand).
+        ``node``: the one node of all keys, if known; ``shifted``: whether the keys
+        may lie outside the Index ranges of the cindexes so far (else no table
+        margin can be crossed)."""
         table = self.table
         got = table[keys]
         miss = got < 0
@@ -252,31 +257,41 @@ class ArrayGraphBuild:
         if end > len(self.keys):
             self._grow_rows(end)
         self.keys[start:end] = uk
-        nd = uk // self.stride_node
-        on_input = self.is_input_node[nd]
-        self.status[start:end] = np.where(on_input, NC, U)
-        self.expanded[start:end] = on_input
-        self.usable[start:end] = 0
-        self.ecount[start:end] = 0
+        # (usable counts and edge counts of new rows are zero from allocation)
+        if node >= 0:
+            if self.is_input_node[node]:
+                self.status[start:end] = NC
+                self.expanded[start:end] = True
+            else:
+                self.status[start:end] = U
+                self.expanded[start:end] = False
+            self.not_c[node] += end - start
+        else:
+            nd = uk // self.stride_node
+            on_input = self.is_input_node[nd]
+            self.status[start:end] = np.where(on_input, NC, U)
+            self.expanded[start:end] = on_input
+            self.not_c += np.bincount(nd, minlength=self.num_nodes)
         self.size = end
-        self.not_c += np.bincount(nd, minlength=self.num_nodes)
-        # keep the margins: a new cindex near the edge of the table grows it
-        mg, lo, hi = self.margin, self.lo, self.hi
-        rel_t = (uk % self.stride_n) // self.stride_t
-        t_lo, t_hi = int(rel_t.min()) + lo[1], int(rel_t.max()) + lo[1]
-        grow = t_lo - mg[1] < lo[1] or t_hi + mg[1] > hi[1]
-        if grow or mg[0] or mg[2]:
-            rows = self._decode(uk)
-            ext = rows[:, 1:].min(axis=0).tolist(), rows[:, 1:].max(axis=0).tolist()
-            if any(ext[0][k] - mg[k] < lo[k] or ext[1][k] + mg[k] > hi[k] for k in range(3)):
-                self._regrow(ext[0], ext[1])
+        if shifted:
+            # keep the margins: a new cindex near the edge of the table grows it
+            mg, lo, hi = self.margin, self.lo, self.hi
+            rel_t = (uk % self.stride_n) // self.stride_t
+            t_lo, t_hi = int(rel_t.min()) + lo[1], int(rel_t.max()) + lo[1]
+            grow = t_lo - mg[1] < lo[1] or t_hi + mg[1] > hi[1]
+            if grow or mg[0] or mg[2]:
+                rows = self._decode(uk)
+                ext = rows[:, 1:].min(axis=0).tolist(), rows[:, 1:].max(axis=0).tolist()
+                if any(ext[0][k] - mg[k] < lo[k] or ext[1][k] + mg[k] > hi[k]
+                       for k in range(3)):
+                    self._regrow(ext[0], ext[1])
         return got
 
     def _grow_rows(self, end: int) -> None:
         cap = max(end, 2 * len(self.keys))
         for name in ("keys", "status", "expanded", "usable", "estart", "ecount", "scratch"):
             old = getattr(self, name)
-            arr = np.zeros(cap, dtype=old.dtype)
+            arr = np.zeros(cap, dtype=old.dtype)      # zeros: see _lookup
             arr[:self.size] = old[:self.size]
             setattr(self, name, arr)
 
@@ -320,13 +335,16 @@ class ArrayGraphBuild:
             targets = self._inputs_of(u[(after == 0) & (status[u] != NC)])
 
     def _queue(self, rows: np.ndarray) -> None:
+        """Queue ids (possibly repeated) on their nodes."""
         nd = self.keys[rows] // self.stride_node
         first = int(nd[0])
         if (nd == first).all():
             self.pending[first].append(rows)
+            self.pending_dup[first] = True
             return
         for v in np.unique(nd).tolist():
             self.pending[v].append(rows[nd == v])
+            self.pending_dup[v] = True
 
     # -- expanding ------------------------------------------------------------------------------
     def _expand(self, v: int, g: np.ndarray) -> None:
@@ -341,11 +359,14 @@ class ArrayGraphBuild:
             sn, st, snode = self.stride_n, self.stride_t, self.stride_node
             kg = self.keys[g]
             deltas = [(p - v) * snode + dn * sn + dt * st + dx for p, dn, dt, dx in shifts]
+            one = shifts[0][0]
+            node = one if all(sh[0] == one for sh in shifts) else -1
+            shifted = any(sh[1] or sh[2] or sh[3] for sh in shifts)
             if k == 1:
-                flat = self._lookup(kg + deltas[0])
+                flat = self._lookup(kg + deltas[0], node, shifted)
             else:
                 flat = self._lookup((np.array(deltas, dtype=np.int64)[:, None]
-                                     + kg[None, :]).ravel())
+                                     + kg[None, :]).ravel(), node, shifted)
             self._route(v, shifts, flat, m)
             self._record(v, g, flat.reshape(k, m).T if k > 1 else flat[:, None])
             return
@@ -372,9 +393,12 @@ class ArrayGraphBuild:
         first = shifts[0][0]
         if all(s[0] == first for s in shifts):
             pending[first].append(flat)
+            if len(shifts) > 1:
+                self.pending_dup[first] = True
             return
         for k, s in enumerate(shifts):
             pending[s[0]].append(flat[k * m:(k + 1) * m])
+            self.pending_dup[s[0]] = True
 
     def _record(self, v: int, g: np.ndarray, deps: np.ndarray) -> None:
         """Store the (m, K) inputs of cindexes g of node v."""
@@ -412,6 +436,7 @@ class ArrayGraphBuild:
             a = np.array(vals, dtype=np.int64).reshape(-1, 3)
             flat = self._lookup(self._key_checked(src, a[:, 0], a[:, 1], a[:, 2]))
             self.pending[src].append(flat)
+            self.pending_dup[src] = True
             bounds = np.cumsum(counts).tolist()
             nd.lists.extend(np.split(flat, bounds[:-1]))
             if self.track_usable:
@@ -560,6 +585,8 @@ class ArrayGraphBuild:
                 if not parts:
                     continue
                 pending[v] = []
+                dup = self.pending_dup[v] or len(parts) > 1
+                self.pending_dup[v] = False
                 g = _cat(parts)
                 keep = ~self.expanded[g]
                 if track:
@@ -567,7 +594,7 @@ class ArrayGraphBuild:
                 g = g[keep]
                 if not len(g):
                     continue
-                if len(g) > 1:
+                if dup and len(g) > 1:
                     # distinct ids (any order): the last write of each id wins
                     scratch = self.scratch
                     at = np.arange(len(g))

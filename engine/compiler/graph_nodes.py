@@ -47,6 +47,7 @@ DEPS_OFFSETS = 3     # a component whose inputs are fixed shifts of the Index (i
 DEPS_GENERAL = 4     # asked of the object (descriptor or component), Index by Index
 
 _tuple_new = tuple.__new__
+_SIMPLE = int(ComponentProperty.SIMPLE_COMPONENT)
 
 
 def _grow(a: np.ndarray, need: int) -> np.ndarray:
@@ -589,7 +590,7 @@ class NodeTable:
             self.is_component_input.append(kind == _DESCRIPTOR and nnet.is_component_input_node(i))
             self.descriptor.append(node.descriptor if kind == _DESCRIPTOR else None)
             self.component.append(comp)
-            simple = bool(props & ComponentProperty.SIMPLE_COMPONENT)
+            simple = bool(props & _SIMPLE)
             self.simple.append(simple)
             self.dim_range_src.append(node.node_index if kind == _DIM_RANGE else -1)
             self.is_output.append(bool(nnet.is_output_node(i)))

@@ -51,6 +51,8 @@ from engine.nnet.components.base import Component, ComponentProperty
 from engine.nnet.graph import compute_nnet_computation_epochs
 
 _tuple_new = tuple.__new__
+_SIMPLE = int(ComponentProperty.SIMPLE_COMPONENT)
+_REORDERS = int(ComponentProperty.REORDERS_INDEXES)
 
 
 class _IdLists(Sequence):
@@ -256,11 +258,11 @@ class ComputationStepsComputer:
             # A non-simple component that reads exactly its own Index (Kaldi's
             # default GetInputIndexes and IsComputable) and keeps the order: its
             # input step, the sorted union of its inputs, is the same Indexes.
-            simple.append(bool(props & ComponentProperty.SIMPLE_COMPONENT) or (
-                comp is not None and not props & ComponentProperty.REORDERS_INDEXES
+            simple.append(bool(props & _SIMPLE) or (
+                comp is not None and not props & _REORDERS
                 and type(comp).get_input_indexes is Component.get_input_indexes
                 and type(comp).is_computable is Component.is_computable))
-            reorders.append(bool(props & ComponentProperty.REORDERS_INDEXES))
+            reorders.append(bool(props & _REORDERS))
             if kind == COMPONENT:
                 roles.append(_R_COMPONENT)
             elif kind == INPUT:
