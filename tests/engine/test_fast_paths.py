@@ -260,3 +260,44 @@ def test_build_computation_graph_entry_point_uses_the_fast_path():
             assert graph.segment_ends == [len(graph.cindexes)]
             return
     pytest.fail("no random network took the array build")
+
+
+# -- the graph's cindex lookup table ----------------------------------------------------------------
+
+
+def test_cindex_table_lookups_in_every_mode():
+    from engine.compiler.graph_nodes import CindexTable  # noqa: PLC0415
+    from engine.core.index import K_NO_TIME  # noqa: PLC0415
+    rng = np.random.default_rng(7)
+    # compact ranges (dense table), a wide t range (sorted keys), ranges too wide
+    # for one int64 key (dict)
+    for spread_t, spread_x, mode in ((40, 2, "dense"), (10 ** 9, 2, "sorted"),
+                                     (2 ** 40, 2 ** 40, "dict")):
+        rows = np.stack([rng.integers(0, 5, 300), rng.integers(0, 3, 300),
+                         rng.integers(-spread_t, spread_t, 300),
+                         rng.integers(0, spread_x, 300)], axis=1)
+        rows = np.unique(rows, axis=0)
+        rows = np.concatenate([rows, [[2, 0, K_NO_TIME, 0], [4, 1, K_NO_TIME, 1]]])
+        table = CindexTable(rows, num_nodes=6, margin=(0, 3, 0))
+        assert table.mode == mode
+        want = {tuple(r): i for i, r in enumerate(rows.tolist())}
+        probe = np.concatenate([rows, rows + [0, 0, 1, 0], rows + [1, 0, 0, 0],
+                                [[9, 0, 0, 0], [2, 0, K_NO_TIME, 0], [3, 0, K_NO_TIME, 0]]])
+        got = table.find(probe[:, 0], probe[:, 1], probe[:, 2], probe[:, 3])
+        assert got.tolist() == [want.get(tuple(r), -1) for r in probe.tolist()]
+        # the same Index shifted, on another node
+        on1 = np.flatnonzero((rows[:, 0] == 1) & (rows[:, 2] != K_NO_TIME))
+        shifted = table.find_shifted(on1, 1, 3, 0, 2, 0)
+        expect = [want.get((3, n, t + 2, x), -1) for _, n, t, x in rows[on1].tolist()]
+        if mode == "dict":
+            assert shifted is None
+        else:
+            assert shifted.tolist() == expect
+        # adding cindexes keeps every lookup right (or asks for a new table)
+        extra = np.array([[0, 0, 5, 0], [5, 2, -1, 1], [1, 1, K_NO_TIME, 0]])
+        extra = extra[[tuple(r) not in want for r in extra.tolist()]]
+        ids = np.arange(len(rows), len(rows) + len(extra))
+        if table.add(extra, ids):
+            for r, i in zip(extra.tolist(), ids.tolist()):
+                assert table.find(np.array([r[0]]), np.array([r[1]]), np.array([r[2]]),
+                                  np.array([r[3]])).tolist() == [i]
