@@ -937,8 +937,10 @@ class Compiler:
                 cmds.append(Command(CT.DEALLOC_MATRIX, 1.0, whole[m]))
 
     def _output_debug_info(self, computation) -> None:
-        dbg = [MatrixDebugInfo() for _ in computation.matrices]
         subs, mats = computation.submatrices, computation.matrices
+        num = len(mats)
+        cindexes: list = [None] * num
+        is_deriv = [False] * num
         for info in self.steps:
             if info.value == 0:
                 continue
@@ -948,16 +950,16 @@ class Compiler:
             if sm.row_offset or sm.col_offset or sm.num_rows != mi.num_rows \
                     or sm.num_cols != mi.num_cols:
                 continue
-            if dbg[vm].cindexes:
+            if cindexes[vm]:
                 continue  # an alias made by a dim-range node covering all columns
-            dbg[vm].is_deriv = False
             # plain (node, Index) tuples: Cindex objects for 100k rows cost real time
-            dbg[vm].cindexes = list(zip(repeat(info.node_index), self._indexes_of(info.ids)))
+            cindexes[vm] = rows = list(zip(repeat(info.node_index), self._indexes_of(info.ids)))
             if info.deriv != 0 and computation.is_whole_matrix(info.deriv):
                 dm = subs[info.deriv].matrix_index
-                dbg[dm].is_deriv = True
-                dbg[dm].cindexes = dbg[vm].cindexes
-        computation.matrix_debug_info = dbg
+                is_deriv[dm] = True
+                cindexes[dm] = rows
+        computation.matrix_debug_info = [MatrixDebugInfo(d, [] if c is None else c)
+                                         for d, c in zip(is_deriv, cindexes)]
 
 
 def consolidate_io_operations(computation: NnetComputation) -> None:
@@ -967,18 +969,27 @@ def consolidate_io_operations(computation: NnetComputation) -> None:
     accept, provide, marker = CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT, CT.NO_OPERATION_MARKER
     kinds = [c.command_type for c in cmds]
     markers = [i for i, k in enumerate(kinds) if k == marker] + [len(cmds)]
+    io = [i for i, k in enumerate(kinds) if k == accept or k == provide]
     out: list[Command] = []
     segments = []
     start = 0
+    at = 0
     for end in markers:
-        seg = cmds[start:end]
         first = len(out)
-        if accept in kinds[start:end] or provide in kinds[start:end]:
-            out.extend(c for c in seg if c.command_type == accept)
-            out.extend(c for c in seg if c.command_type != accept and c.command_type != provide)
-            out.extend(c for c in seg if c.command_type == provide)
+        mine = []
+        while at < len(io) and io[at] < end:
+            mine.append(io[at])
+            at += 1
+        if mine:
+            out.extend(cmds[i] for i in mine if kinds[i] == accept)
+            prev = start
+            for i in mine:
+                out.extend(cmds[prev:i])
+                prev = i + 1
+            out.extend(cmds[prev:end])
+            out.extend(cmds[i] for i in mine if kinds[i] == provide)
         else:
-            out.extend(seg)
+            out.extend(cmds[start:end])
         segments.append((first, len(out)))
         if end < len(cmds):
             out.append(cmds[end])
