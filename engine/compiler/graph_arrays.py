@@ -148,12 +148,7 @@ class ArrayGraphBuild:
         self.not_c = np.zeros(num, dtype=np.int64)
         self.producers = [np.array(p, dtype=np.int64) for p in nodes.producers]
         # the margins the table keeps around every cindex (largest constant shifts)
-        margin = [0, 0, 0]
-        for sh in nodes.shifts:
-            for _, dn, dt, dx in sh or ():
-                margin = [max(margin[0], abs(dn)), max(margin[1], abs(dt)),
-                          max(margin[2], abs(dx))]
-        self.margin = margin
+        self.margin = list(nodes.margin)
 
     # -- keys and the table -----------------------------------------------------------------------
     def _init_rows(self, base_coords: np.ndarray, specs: list) -> None:

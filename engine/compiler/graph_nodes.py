@@ -634,6 +634,13 @@ class NodeTable:
             else:
                 prods = {self.src[i]}
             self.producers.append(sorted(prods))
+        # the largest constant shifts (n, t, x): lookup tables keep this margin
+        margin = [0, 0, 0]
+        for sh in self.shifts:
+            for _, dn, dt, dx in sh or ():
+                margin = [max(margin[0], abs(dn)), max(margin[1], abs(dt)),
+                          max(margin[2], abs(dx))]
+        self.margin: tuple[int, int, int] = tuple(margin)
         # Nodes whose computable, usable cindexes keep their dependency lists
         # through pruning (all inputs required): inputs, dim-range nodes, simple
         # components and descriptors without IfDefined/Failover/Const.

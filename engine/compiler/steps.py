@@ -252,6 +252,7 @@ class ComputationStepsComputer:
             table = NodeTable(nnet)
         self._component = table.component
         self._dim_range_src = table.dim_range_src
+        self._margin = table.margin
         roles, simple, reorders = [], [], []
         for i, kind in enumerate(table.kind):
             props, comp = table.props[i], table.component[i]
@@ -384,7 +385,7 @@ class ComputationStepsComputer:
         """For rows of simple components the id of the same Index on the component's
         input node, for rows of dim-range nodes that on the source node (-1 if absent,
         or for other rows); None where the lookup table cannot do it."""
-        table = self.graph.table(num_nodes=len(self._roles))
+        table = self.graph.table(len(self._roles), self._margin)
         keys = table.key_of[ids]
         if table.mode == "dict" or (len(keys) and keys.min() < 0):
             return None
