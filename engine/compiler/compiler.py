@@ -846,7 +846,7 @@ class Compiler:
                                             info.precomputed_indexes_index, in_value,
                                             out_value, info.deriv, in_info.deriv, memo))
 
-    # -- commands -------------------------------------------------------------------------------------
+    # -- commands ------------------------------------------------------------------------------
     def _add_commands(self, deriv_needed, computation) -> None:
         computation.need_model_derivative = self.requests[0].need_model_derivative
         whole = computation.whole_submatrices()

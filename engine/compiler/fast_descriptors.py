@@ -19,13 +19,15 @@ turned, once per network, into:
   tree at all.
 - ``deps_arrays(n, t, x)``: the same for whole arrays of Indexes (NumPy), for
   the array graph builder (engine.compiler.graph_arrays) and the compiler.
+- ``linear_positions()``: per dependency position, the node and constant
+  (n, t, x) shift when every input is the Index shifted (Offset chains).
 - ``computable(present)`` / ``evaluate(present)``: the general answer given, for
   each dependency position (same order as ``deps``), whether that input is in
   the cindex set; ``computable_arrays`` / ``used_arrays`` the same for many
-  Indexes at once (a boolean matrix, one row per Index).  They follow the semantics of engine.nnet.descriptors
-  (IfDefined always computable but reports the inputs its source used;
-  Failover takes the first computable side; Sum needs both; Append needs all
-  parts and reports nothing when a part fails).
+  Indexes at once (a boolean matrix, one row per Index).  They follow the
+  semantics of engine.nnet.descriptors (IfDefined always computable but reports
+  the inputs its source used; Failover takes the first computable side; Sum
+  needs both; Append needs all parts and reports nothing when a part fails).
 """
 
 from __future__ import annotations

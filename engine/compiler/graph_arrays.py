@@ -48,8 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL,
-                                         DEPS_IDENTITY, DEPS_NONE, DEPS_OFFSETS, INPUT)
+from engine.compiler.graph_nodes import COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, INPUT
 from engine.core.index import Index
 
 # Kaldi's ComputableInfo values (as in engine.compiler.graph).
