@@ -48,11 +48,13 @@ from engine.compiler.compile_utils import (convert_to_indexes,  # noqa: F401 (re
 from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_COLS, Command,
                                          CommandType as CT, MatrixDebugInfo, NnetComputation,
                                          PrecomputedIndexesInfo)
+from engine.compiler.fast_descriptors import compile_descriptor
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT, make_indexes
 from engine.core.errors import NnetcError, RequestError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty as P
+from engine.nnet.descriptors import Descriptor
 
 _tuple_new = tuple.__new__
 # component property flags as plain ints (NodeTable.props holds ints; IntFlag
@@ -97,8 +99,6 @@ class _StepInfo:
 def _compile_part(part):
     """The compiled form (engine.compiler.fast_descriptors) of one SumDescriptor
     part, or None when it has no compiled form."""
-    from engine.compiler.fast_descriptors import compile_descriptor  # noqa: PLC0415
-    from engine.nnet.descriptors import Descriptor  # noqa: PLC0415
     return compile_descriptor(Descriptor([part]))
 
 
