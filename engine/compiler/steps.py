@@ -245,7 +245,7 @@ class ComputationStepsComputer:
         self._dim_range_done: set[tuple[int, int]] = set()
         self._names = node_names(nnet)
         self._link_src: np.ndarray | None = None
-        self._arange = np.arange(1024)
+        self._located = 0        # steps whose cindexes have their (step, row) filled in
         self._steps_view: StepList | None = None
         table = graph.node_table
         if table is None or table.nnet is not nnet:
@@ -277,6 +277,12 @@ class ComputationStepsComputer:
             else:
                 roles.append(-1)
         self._roles, self._simple, self._reorders = roles, simple, reorders
+        # nodes whose steps' locations are read while steps are still being made
+        # (the sources of dim-range nodes)
+        self._read_early = [False] * len(roles)
+        for src in self._dim_range_src:
+            if src >= 0:
+                self._read_early[src] = True
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -292,6 +298,7 @@ class ComputationStepsComputer:
 
     @property
     def locations(self) -> list[tuple[int, int]]:
+        self._flush_locations()
         n = len(self.graph)
         return list(zip(self.loc_step[:n].tolist(), self.loc_row[:n].tolist()))
 
@@ -300,11 +307,23 @@ class ComputationStepsComputer:
         s = len(self.step_ids)
         self.step_ids.append(ids)
         self.step_nodes.append(node)
-        self.loc_step[ids] = s
-        if len(ids) > len(self._arange):
-            self._arange = np.arange(2 * len(ids))
-        self.loc_row[ids] = self._arange[:len(ids)]
+        if self._read_early[node]:
+            # dim-range steps look up where their source cindexes are
+            self.loc_step[ids] = s
         return s
+
+    def _flush_locations(self) -> None:
+        """(step, row) of the cindexes of the steps added since the last call, all at
+        once (a cindex in several steps, a blank padding row, keeps its last place)."""
+        done, n = self._located, len(self.step_ids)
+        if done == n:
+            return
+        lens = np.array([len(a) for a in self.step_ids[done:]], dtype=np.int64)
+        ids = np.concatenate(self.step_ids[done:])
+        starts = np.cumsum(lens) - lens
+        self.loc_step[ids] = np.repeat(np.arange(done, n), lens)
+        self.loc_row[ids] = np.arange(len(ids)) - np.repeat(starts, lens)
+        self._located = n
 
     def _fit_locations(self) -> None:
         n = len(self.graph)
@@ -378,6 +397,7 @@ class ComputationStepsComputer:
                 a, b = bounds[k], bounds[k + 1]
                 self._process_sub_phase(request, v, ids[a:b],
                                         None if linked is None else linked[a:b])
+        self._flush_locations()
         self.step_to_segment.extend([segment] * (len(self.step_ids) - len(self.step_to_segment)))
         self.num_segments_done += 1
 
@@ -504,6 +524,7 @@ class ComputationStepsComputer:
 
     def check(self) -> None:
         """Every cindex has a location that points back at it (blank padding excepted)."""
+        self._flush_locations()
         n = len(self.graph)
         s, r = self.loc_step[:n], self.loc_row[:n]
         steps = self.steps
