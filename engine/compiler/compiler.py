@@ -25,9 +25,12 @@ constant is one lookup in the graph's key table; others go through the
 compiled descriptor's NumPy form, or, for a descriptor class without a compiled
 form, the object tree row by row), as a (rows, width) matrix of input cindex
 ids sorted like Kaldi's; the splitting helpers of engine.compiler.compile_utils
-work on such matrices; Index objects exist only where the computation keeps
-them (component precomputed indexes, matrix debug info), shared between equal
-Indexes.
+work on such matrices.  The common forward cases (each scale piece of a part
+reads at most one input per row at a constant shift, or sums inputs that each
+come from one step) are decided for every step at once by _batch_forward; the
+other parts, and all backward commands, are split step by step.  Index objects
+exist only where the computation keeps them (component precomputed indexes,
+matrix debug info), shared between equal Indexes.
 """
 
 from __future__ import annotations
