@@ -47,12 +47,14 @@ _IO = (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
 
 def _signature(computation: NnetComputation) -> tuple:
     """What must be unchanged for cached plans and programs to stay valid: the
-    command objects (by identity) and the sizes of every table.  Optimizer passes
-    that rewrite a computation in place replace, insert or drop commands and
-    tables, which this catches; a pass that edited a command's fields in place
-    and changed nothing else would not be -- call ``forget_computation`` then."""
+    command objects (by identity), the matrix and submatrix shapes (immutable
+    tuples, compared by value: extend_matrices grows a matrix in place) and the
+    sizes of the index tables.  Optimizer passes that rewrite a computation in
+    place replace, insert or drop commands and table entries, which this
+    catches; a pass that edited a command's fields in place and changed nothing
+    else would not be -- call ``forget_computation`` then."""
     c = computation
-    return (tuple(c.commands), len(c.submatrices), len(c.matrices), len(c.indexes),
+    return (tuple(c.commands), tuple(c.submatrices), tuple(c.matrices), len(c.indexes),
             len(c.indexes_multi), len(c.indexes_ranges), len(c.component_precomputed_indexes))
 
 
