@@ -278,6 +278,20 @@ class ComputationGraphBuilder:
             return s == K_COMPUTABLE or (treat_unknown and s == K_UNKNOWN)
         return contains
 
+    def _all_inputs_status(self, c: int) -> int:
+        """Status of a cindex that needs every one of its dependencies: computable
+        iff every input is, not computable as soon as one input is not (all inputs
+        are in the graph by now), unknown otherwise."""
+        computable = self.computable
+        status = K_COMPUTABLE
+        for d in self.graph.dependencies[c]:
+            s = computable[d]
+            if s == K_NOT_COMPUTABLE:
+                return K_NOT_COMPUTABLE
+            if s == K_UNKNOWN:
+                status = K_UNKNOWN
+        return status
+
     def _compute_computable_info(self, c: int) -> int:
         node, idx = self.graph.cindexes[c]
         nodes = self.nodes
@@ -287,16 +301,7 @@ class ComputationGraphBuilder:
             fast = nodes.fast[node]
             if fast is not None:
                 if fast.all_required:
-                    # Computable iff every input is; not computable as soon as one
-                    # input is not (all inputs are in the graph by now).
-                    status = K_COMPUTABLE
-                    for d in self.graph.dependencies[c]:
-                        s = computable[d]
-                        if s == K_NOT_COMPUTABLE:
-                            return K_NOT_COMPUTABLE
-                        if s == K_UNKNOWN:
-                            status = K_UNKNOWN
-                    return status
+                    return self._all_inputs_status(c)
                 get = self.graph._ids.get
                 states = []
                 for ci in fast.deps(idx):
@@ -319,14 +324,7 @@ class ComputationGraphBuilder:
                 d = self.graph._ids.get((node - 1, idx))
                 return K_NOT_COMPUTABLE if d is None else computable[d]
             if nodes.comp_all_required[node]:
-                status = K_COMPUTABLE
-                for d in self.graph.dependencies[c]:
-                    s = computable[d]
-                    if s == K_NOT_COMPUTABLE:
-                        return K_NOT_COMPUTABLE
-                    if s == K_UNKNOWN:
-                        status = K_UNKNOWN
-                return status
+                return self._all_inputs_status(c)
             comp, misc = nodes.component[node], self.request.misc_info
             if comp.is_computable(misc, idx, self._index_set(node - 1, False), None):
                 return K_COMPUTABLE
