@@ -363,7 +363,7 @@ def test_recurrent_output_without_any_input_is_not_computable():
 
 @pytest.mark.parametrize("kind", GENERATOR_NAMES)
 def test_optimized_run_matches_unoptimized(kind):
-    opt = pytest.importorskip("engine.optimizer", reason="engine.optimizer is not available")
+    import engine.optimizer as opt   # noqa: PLC0415  (a broken optimizer import fails here, never skips)
     rng, net, nnet = _make(5, kind)
     req = _full_deriv_request(random_request(nnet, rng))
     x = random_inputs(nnet, req, rng)
