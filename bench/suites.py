@@ -42,11 +42,14 @@ class Runner:
     forward measurements (measured once per case)."""
 
     def __init__(self, repeat: int = 7, compile_repeat: int = 3, models: list[str] | None = None,
-                 backend: str = "numpy", blas_threads: int | None = None):
+                 backend: str = "numpy", blas_threads=(1, None)):
         self.repeat = repeat
         self.compile_repeat = compile_repeat
         self.backend = backend
-        self.blas_threads = blas_threads
+        # BLAS thread settings the forward suites run under (None: the library default, as
+        # Kaldi's figures); every forward/roofline/torch/executor row names its setting
+        self.thread_settings = list(blas_threads) if isinstance(blas_threads, (list, tuple)) \
+            else [blas_threads]
         self.wanted = set(models or [])
         t = time.perf_counter()
         # Each workload two or three times, keeping the fastest: a normaliser inflated by another
@@ -55,11 +58,13 @@ class Runner:
         self.python_runs = [common.python_s(), common.python_s()]
         self.gemm_s = min(self.gemm_runs)
         self.python_s = min(self.python_runs)
-        # the same GEMM workload on the BLAS threads the forward runs use: the roofline
+        # the same GEMM workload on the BLAS threads of each forward setting: the roofline
         # of what those runs can reach (a 2-thread gemm_s on a shared 2-core machine
         # swings between two modes, 0.12 s and 0.4-0.6 s, with the other processes)
-        with common.blas_threads(blas_threads):
-            self.gemm_same_threads_s = common.gemm_s()
+        self.gemm_same_threads_s = {}
+        for n in self.thread_settings:
+            with common.blas_threads(n):
+                self.gemm_same_threads_s[n] = min(common.gemm_s(), common.gemm_s())
         self.workload_seconds = time.perf_counter() - t
         self._nnets: dict = {}
         self._forward: dict = {}
@@ -81,10 +86,14 @@ class Runner:
             self._nnets[name] = common.load_for_inference(path)
         return self._nnets[name]
 
-    def forward(self, name, path, chunk, batch) -> dict:
-        key = (name, chunk, batch)
+    @staticmethod
+    def threads_label(n) -> str:
+        return "default" if n is None else str(n)
+
+    def forward(self, name, path, chunk, batch, threads=None) -> dict:
+        key = (name, chunk, batch, threads)
         if key not in self._forward:
-            with common.blas_threads(self.blas_threads):
+            with common.blas_threads(threads):
                 self._forward[key] = measure_forward(self.nnet(name, path), chunk, batch,
                                                      repeat=self.repeat, backend=self.backend,
                                                      compile_repeat=1, workloads=self.workloads)
@@ -133,12 +142,13 @@ def suite_forward(r: Runner) -> list[dict]:
     rows = []
     for name, path in r.models(with_vosk=True):
         figs = common.kaldi_figures(name)
-        for chunk, batch in FORWARD_CASES:
-            f = r.forward(name, path, chunk, batch)
+        for (chunk, batch), n in _cases_by_threads(r):
+            f = r.forward(name, path, chunk, batch, n)
             k = figs[0].get((chunk, batch)) if figs else None
             k_ms = k["exec_ms"] if k else None
             kg = figs[1]["gemm_s"] if figs else None
             rows.append({"model": name, "chunk": chunk, "batch": batch,
+                         "threads": r.threads_label(n),
                          "exec_ms": f["exec_ms"], "min_ms": f["exec_min_ms"],
                          "per_gemm_s": f["exec_ms"] / 1e3 / r.gemm_s,
                          "frames_per_s": f["frames_per_s"], "kaldi_ms": k_ms,
@@ -149,15 +159,21 @@ def suite_forward(r: Runner) -> list[dict]:
     return rows
 
 
+def _cases_by_threads(r: Runner):
+    """Each forward case under each thread setting, the settings of a case together."""
+    return [(case, n) for case in FORWARD_CASES for n in r.thread_settings]
+
+
 def suite_roofline(r: Runner) -> list[dict]:
     peak = common.GEMM_FLOPS / r.gemm_s / 1e9
-    peak_same = common.GEMM_FLOPS / r.gemm_same_threads_s / 1e9
     rows = []
     for name, path in r.models(with_vosk=True):
-        for chunk, batch in FORWARD_CASES:
-            f = r.forward(name, path, chunk, batch)
+        for (chunk, batch), n in _cases_by_threads(r):
+            f = r.forward(name, path, chunk, batch, n)
+            peak_same = common.GEMM_FLOPS / r.gemm_same_threads_s[n] / 1e9
             best = f["gemm_flops"] / (f["exec_min_ms"] / 1e3) / 1e9
             rows.append({"model": name, "chunk": chunk, "batch": batch,
+                         "threads": r.threads_label(n),
                          "gemm_gflop": f["gemm_flops"] / 1e9, "gflops": f["gflops"],
                          "gflops_min": best, "gemm_peak_gflops": peak,
                          "roofline": f["gflops"] / peak, "roofline_min": best / peak,
@@ -171,7 +187,7 @@ def suite_memory(r: Runner) -> list[dict]:
     for name, path in r.models(with_vosk=True):
         figs = common.kaldi_figures(name)
         for chunk, batch in FORWARD_CASES:
-            f = r.forward(name, path, chunk, batch)
+            f = r.forward(name, path, chunk, batch, r.thread_settings[0])
             k = figs[0].get((chunk, batch)) if figs else None
             kb = k["peak_bytes"] if k else None
             rows.append({"model": name, "chunk": chunk, "batch": batch,
@@ -218,7 +234,7 @@ def suite_executor(r: Runner) -> list[dict]:
                 forwards[label] = forward
             out = {label: fn() for label, fn in forwards.items()}
             times: dict = {label: [] for label in forwards}
-            with common.blas_threads(r.blas_threads):
+            with common.blas_threads(r.thread_settings[0]):
                 for _ in range(r.repeat):      # interleaved: a burst of load hits both
                     for label, fn in forwards.items():
                         t = time.perf_counter()
@@ -227,7 +243,8 @@ def suite_executor(r: Runner) -> list[dict]:
             for label in forwards:
                 out[label + "_ms"] = statistics.median(times[label]) * 1e3
             n = comp.stats()["commands"]
-            rows.append({"model": name, "chunk": chunk, "batch": batch, "commands": n,
+            rows.append({"model": name, "chunk": chunk, "batch": batch,
+                         "threads": r.threads_label(r.thread_settings[0]), "commands": n,
                          "interpreted_ms": out["interpreted_ms"], "compiled_ms": out["compiled_ms"],
                          "speedup": out["interpreted_ms"] / out["compiled_ms"],
                          "saved_us_per_command": (out["interpreted_ms"] - out["compiled_ms"])

@@ -191,7 +191,9 @@ def _engine_output(nnet, request, inputs):
     return outs["output"]
 
 
-def compare_and_time(r, name, path, chunk, batch) -> dict:
+def compare_and_time(r, name, path, chunk, batch, threads=None) -> dict:
+    """PyTorch against our forward of the same case, both on ``threads`` BLAS/intra-op
+    threads (None: each library's default)."""
     torch = _torch()
     nnet = r.nnet(name, path)
     model = MODELS[name](nnet)
@@ -216,19 +218,20 @@ def compare_and_time(r, name, path, chunk, batch) -> dict:
         raise AssertionError(f"{name} {chunk}x{batch}: PyTorch output differs from nnetc's by "
                              f"{err:g} (tolerance {tol:g}); not timing it")
     saved_threads = torch.get_num_threads()
-    if r.blas_threads is not None:
-        torch.set_num_threads(r.blas_threads)   # the same thread budget as our BLAS
+    if threads is not None:
+        torch.set_num_threads(threads)   # the same thread budget as our BLAS
     try:
         runs = common.timings(run_torch, r.repeat, warmup=2)
-        threads = torch.get_num_threads()
+        torch_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(saved_threads)
-    f = r.forward(name, path, chunk, batch)
+    f = r.forward(name, path, chunk, batch, threads)
     torch_ms, torch_min = statistics.median(runs) * 1e3, min(runs) * 1e3
     return {"model": name, "chunk": chunk, "batch": batch, "max_abs_diff": err,
             "torch_ms": torch_ms, "torch_min_ms": torch_min, "ours_ms": f["exec_ms"],
             "ours_min_ms": f["exec_min_ms"], "ours_over_torch": f["exec_ms"] / torch_ms,
-            "ours_over_torch_min": f["exec_min_ms"] / torch_min, "threads": threads}
+            "ours_over_torch_min": f["exec_min_ms"] / torch_min,
+            "threads": r.threads_label(threads), "torch_threads": torch_threads}
 
 
 def run_suite(r) -> list[dict]:
@@ -238,7 +241,8 @@ def run_suite(r) -> list[dict]:
         if name not in MODELS:
             continue
         for chunk, batch in [(21, 1), (150, 1), (150, 8)]:
-            rows.append(compare_and_time(r, name, path, chunk, batch))
+            for threads in r.thread_settings:
+                rows.append(compare_and_time(r, name, path, chunk, batch, threads))
     return rows
 
 

@@ -1,0 +1,70 @@
+"""``python -m bench``: the suites' rows on a tiny reference model with made-up Kaldi
+figures (structure and internal consistency only -- wall-clock times are never
+asserted), and its argument checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bench.__main__ as bench_main
+from bench import common
+
+from test_bench_cli import CONFIG
+
+KALDI = {"reference_workload": {"gemm_s": 0.1, "python_s": 0.2},
+         "cases": [{"chunk": c, "batch": b, "commands": 10, "matrices": 5, "peak_bytes": 4000,
+                    "compile_ms": 2.0, "exec_ms": 1.0}
+                   for c, b in [(21, 1), (21, 8), (150, 1), (150, 8)]]}
+
+
+@pytest.fixture
+def tiny_models(tmp_path, monkeypatch):
+    d = tmp_path / "models" / "tiny"
+    d.mkdir(parents=True)
+    (d / "model.raw").write_text(CONFIG)
+    (d / "kaldi_stats.json").write_text(json.dumps(KALDI))
+    monkeypatch.setattr(common, "MODELS", tmp_path / "models")
+    # fast stand-ins for the reference workloads (their values only scale the ratios)
+    monkeypatch.setattr(common, "gemm_s", lambda: 0.05)
+    monkeypatch.setattr(common, "python_s", lambda: 0.1)
+    return tmp_path
+
+
+def test_forward_suites_run_under_each_thread_setting(tiny_models, capsys):
+    out = tiny_models / "r.json"
+    assert bench_main.main(["forward", "roofline", "memory", "--repeat", "1", "--models", "tiny",
+                            "--blas-threads", "1,default,1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["machine"]["blas_threads"] in (["1", "default"],
+                                                 "default (threadpoolctl not installed)")
+    assert set(result["machine"]["gemm_s_same_threads"]) == {"1", "default"}
+    fwd = result["suites"]["forward"]["rows"]
+    # each case once per distinct setting (the repeated "1" is dropped)
+    assert [(r["chunk"], r["batch"], r["threads"]) for r in fwd] == [
+        (21, 1, "1"), (21, 1, "default"), (150, 1, "1"), (150, 1, "default"),
+        (150, 8, "1"), (150, 8, "default")]
+    for r in fwd:
+        assert r["kaldi_ms"] == 1.0 and r["exec_ms"] > 0 and r["min_ms"] <= r["exec_ms"]
+        # (ours / gemm_s) / (Kaldi's / Kaldi's gemm_s)
+        assert r["ratio_vs_kaldi"] == pytest.approx((r["exec_ms"] / 0.05) / (1.0 / 0.1))
+        assert r["ratio_raw"] == pytest.approx(r["exec_ms"] / 1.0)
+    roof = result["suites"]["roofline"]["rows"]
+    assert [r["threads"] for r in roof] == [r["threads"] for r in fwd]
+    for r in roof:
+        assert 0 < r["gflops_min"] and r["roofline"] == pytest.approx(
+            r["gflops"] / r["gemm_peak_gflops"])
+    mem = result["suites"]["memory"]["rows"]
+    assert [(r["chunk"], r["batch"]) for r in mem] == [(21, 1), (150, 1), (150, 8)]
+    assert all(r["kaldi_peak_bytes"] == 4000 and r["peak_bytes"] > 0 for r in mem)
+
+
+def test_bad_arguments_are_reported(tiny_models, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_main.main(["forward", "--blas-threads", "1,zero"])
+    assert e.value.code == 2
+    assert "'zero' is neither a positive number nor 'default'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main.main(["nosuchsuite"])
+    assert "unknown suite(s) nosuchsuite" in capsys.readouterr().err
