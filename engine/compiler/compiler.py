@@ -189,6 +189,13 @@ class Compiler:
         self.component_index = table.component_index
         self.props = table.props
         self._index_objs = None
+        # Facts that depend only on the network (node dims and strides, compiled
+        # descriptor parts, scales, batch plans) live with the network's NodeTable,
+        # which is remade when the network is edited (graph_nodes.node_table_for).
+        shared = table.extra
+        self._facts = shared.setdefault("compiler_facts", {})
+        self._part_cache = shared.setdefault("compiler_parts", {})
+        self._node_margin = shared.setdefault("compiler_margins", {})
 
     def _indexes_of(self, ids: np.ndarray) -> list:
         """Index objects of cindex ids (equal Indexes share one object)."""
@@ -305,7 +312,6 @@ class Compiler:
         step_ids, step_nodes = self.step_ids, self.step_nodes
         num_steps = len(step_ids)
         self.steps = steps = []
-        self._facts: dict = {}
         sources = self._dim_range_sources()
         segs = self.step_to_segment
         new_matrix, new_submatrix = computation.new_matrix, computation.new_submatrix
@@ -361,18 +367,21 @@ class Compiler:
             if len(info.ids) and self.kind_descriptor[info.node_index]:
                 by_node.setdefault(info.node_index, []).append(step)
         self._node_steps = by_node
-        self._part_cache: dict = {}
+        margins = self._node_margin
         margin = [0, 0, 0]
         for node in by_node:
-            desc = self.nnet.nodes[node].descriptor
-            for p in range(desc.num_parts()):
-                # compiled once per (node, part) for this compilation (descriptors
-                # are not assumed immutable between compilations)
-                fast = self._part_cache[(node, p)] = _compile_part(desc.part(p))
-                shifts = fast.linear_positions() if fast is not None else None
-                for _, dn, dt, dx in shifts or ():
-                    margin = [max(margin[0], abs(dn)), max(margin[1], abs(dt)),
-                              max(margin[2], abs(dx))]
+            m = margins.get(node)
+            if m is None:
+                # compiled once per (node, part) and network (see _setup)
+                desc = self.nnet.nodes[node].descriptor
+                m = [0, 0, 0]
+                for p in range(desc.num_parts()):
+                    fast = self._part_cache[(node, p)] = _compile_part(desc.part(p))
+                    shifts = fast.linear_positions() if fast is not None else None
+                    for _, dn, dt, dx in shifts or ():
+                        m = [max(m[0], abs(dn)), max(m[1], abs(dt)), max(m[2], abs(dx))]
+                margins[node] = m
+            margin = [max(margin[0], m[0]), max(margin[1], m[1]), max(margin[2], m[2])]
         self._table = self.graph.table(self.nnet.num_nodes(), tuple(margin))
 
     def _inputs(self, step: int, part: int) -> np.ndarray:
@@ -405,8 +414,6 @@ class Compiler:
         cindexes ``ids`` (of segments ``seg``), each row's inputs in Kaldi's order
         (left-aligned, -1 padded)."""
         desc = self.nnet.nodes[node].descriptor.part(part)
-        # compiled once per (node, part) for this compilation (descriptors are not
-        # assumed immutable between compilations)
         fast = self._part_cache[(node, part)]
         graph, coords = self.graph, self.coords
         table = self._table

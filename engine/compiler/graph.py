@@ -37,7 +37,7 @@ canonically there, whichever way it was built.
 from __future__ import annotations
 
 from engine.compiler.graph_arrays import build_arrays
-from engine.compiler.graph_nodes import (ComputationGraph, NodeTable,  # noqa: F401
+from engine.compiler.graph_nodes import (ComputationGraph, NodeTable, node_table_for,  # noqa: F401
                                          node_names, print_indexes)
 from engine.core.errors import NotComputableError, RequestError
 from engine.core.index import Cindex, Index
@@ -65,7 +65,7 @@ class ComputationGraphBuilder:
         self.nnet = nnet
         self.graph = graph
         table = graph.node_table
-        self.nodes = table if table is not None and table.nnet is nnet else NodeTable(nnet)
+        self.nodes = table if table is not None and table.nnet is nnet else node_table_for(nnet)
         graph.node_table = self.nodes
         self.request = None
         # Per-cindex state of the general algorithm (sized by _sync_state).

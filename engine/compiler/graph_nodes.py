@@ -26,6 +26,7 @@ producers come before their consumers except along recurrences.
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -556,7 +557,10 @@ class NodeTable:
 
     def __init__(self, nnet) -> None:
         num = nnet.num_nodes() if callable(getattr(nnet, "num_nodes", None)) else len(nnet.nodes)
-        self.nnet = nnet
+        # a weak reference: the table is cached for the network (node_table_for)
+        self._nnet = weakref.ref(nnet)
+        # per-network facts of later stages (the compiler's), kept with the table
+        self.extra: dict = {}
         self.kind: list[int] = []
         self.props: list[int] = []        # component properties (0 for other nodes)
         self.component_index: list[int] = []
@@ -659,6 +663,10 @@ class NodeTable:
         self._order: list[int] | None = None
 
     @property
+    def nnet(self):
+        return self._nnet()
+
+    @property
     def order(self) -> list[int]:
         """The nodes, producers before consumers except along recurrences: Kaldi's
         computation epochs (strongly connected components in topological order);
@@ -718,6 +726,49 @@ class NodeTable:
         return set()
 
 
+def _network_signature(nnet) -> tuple[tuple, tuple]:
+    """(signature, objects) of what a NodeTable and the compiler's per-network facts
+    are computed from: per node its object, type, descriptor object, component
+    index, source node, dim offset and dim; per component its object, properties,
+    dims and input offsets.  Objects enter by identity (``objects`` holds them, so
+    an identity cannot be taken over by a new object while the signature is kept):
+    a network is edited by assigning nodes, descriptors or components, as the
+    config reader, collapsing and renumbering do; descriptor trees are not edited
+    in place.  Properties and dims are asked every time, as a component can change
+    them in place (test mode, for one)."""
+    nodes = nnet.nodes
+    comps = nnet.components
+    sig: list = [len(nodes), len(comps)]
+    for n in nodes:
+        sig += (id(n), n.type, id(n.descriptor), n.component_index, n.node_index,
+                n.dim_offset, n.dim)
+    for c in comps:
+        offsets = getattr(c, "input_offsets", None)
+        sig += (id(c), type(c), int(c.properties()), c.input_dim(), c.output_dim(),
+                tuple(offsets()) if callable(offsets) else None)
+    return tuple(sig), (tuple(nodes), tuple(n.descriptor for n in nodes), tuple(comps))
+
+
+# NodeTables by network (weak keys: a table does not keep its network alive).
+_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def node_table_for(nnet) -> NodeTable:
+    """The NodeTable of ``nnet``, made once and reused while the network's
+    signature (_network_signature) stays the same; an edited network gets a new
+    table (and with it new per-network facts in ``NodeTable.extra``)."""
+    try:
+        hit = _TABLES.get(nnet)
+    except TypeError:                      # not weakly referenceable: no cache
+        return NodeTable(nnet)
+    sig, objs = _network_signature(nnet)
+    if hit is not None and hit[0] == sig:
+        return hit[2]
+    table = NodeTable(nnet)
+    _TABLES[nnet] = (sig, objs, table)
+    return table
+
+
 def _same_time_node(fd):
     """The node a forwarding descriptor reads with t unchanged, or None."""
     from engine.nnet.descriptors import (OffsetForwardingDescriptor,  # noqa: PLC0415
@@ -755,6 +806,6 @@ def print_indexes(indexes: Sequence) -> str:
     return text
 
 
-__all__ = ["ComputationGraph", "CindexTable", "NodeTable", "node_names", "make_cindex",
+__all__ = ["ComputationGraph", "CindexTable", "NodeTable", "node_table_for", "node_names", "make_cindex",
            "make_cindexes", "make_indexes", "print_indexes", "INPUT", "DESCRIPTOR",
            "COMPONENT", "DIM_RANGE"]

@@ -44,7 +44,7 @@ import numpy as np
 
 from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
-from engine.compiler.graph_nodes import COMPONENT, DIM_RANGE, INPUT, NodeTable
+from engine.compiler.graph_nodes import COMPONENT, DIM_RANGE, INPUT, node_table_for
 from engine.core.errors import NotComputableError, RequestError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty
@@ -249,7 +249,7 @@ class ComputationStepsComputer:
         self._steps_view: StepList | None = None
         table = graph.node_table
         if table is None or table.nnet is not nnet:
-            table = NodeTable(nnet)
+            table = node_table_for(nnet)
         self._component = table.component
         self._dim_range_src = table.dim_range_src
         self._margin = table.margin
