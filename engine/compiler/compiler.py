@@ -49,8 +49,8 @@ from engine.compiler.compile_utils import (convert_to_indexes,  # noqa: F401 (re
                                            split_locations, split_locations_backward,
                                            split_pair_list)
 from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_COLS, Command,
-                                         CommandType as CT, MatrixDebugInfo, NnetComputation,
-                                         PrecomputedIndexesInfo)
+                                         CommandType as CT, MatrixDebugInfo, MatrixInfo,
+                                         NnetComputation, PrecomputedIndexesInfo, SubMatrixInfo)
 from engine.compiler.fast_descriptors import compile_descriptor
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT, make_indexes
@@ -69,6 +69,11 @@ _USES_MEMO = int(P.USES_MEMO)
 _STORES_STATS = int(P.STORES_STATS)
 _BACKPROP_NEEDS_INPUT = int(P.BACKPROP_NEEDS_INPUT)
 _BACKPROP_NEEDS_OUTPUT = int(P.BACKPROP_NEEDS_OUTPUT)
+# command types read in per-step loops (an enum class attribute costs more than a global)
+_PROPAGATE, _SET_CONST, _MATRIX_ADD, _ADD_ROWS = (CT.PROPAGATE, CT.SET_CONST, CT.MATRIX_ADD,
+                                                  CT.ADD_ROWS)
+_PROVIDE_OUTPUT, _ALLOC_MATRIX, _DEALLOC_MATRIX = (CT.PROVIDE_OUTPUT, CT.ALLOC_MATRIX,
+                                                   CT.DEALLOC_MATRIX)
 
 
 class CompilerError(NnetcError):
@@ -314,24 +319,42 @@ class Compiler:
         self.steps = steps = []
         sources = self._dim_range_sources()
         segs = self.step_to_segment
-        new_matrix, new_submatrix = computation.new_matrix, computation.new_submatrix
+        new_submatrix = computation.new_submatrix
+        # matrices and their whole submatrices appended directly (as new_matrix
+        # does, without its per-call checks: rows and columns are checked here)
+        mats, subs = computation.matrices, computation.submatrices
+        # (a new computation: no debug info entries to keep in step with the matrices)
+        if not mats:
+            mats.append(MatrixInfo(0, 0, K_DEFAULT_STRIDE))
+            subs.append(SubMatrixInfo(0, 0, 0, 0, 0))
+        mat_append, sub_append = mats.append, subs.append
+        facts_of = self._node_facts
+        kind_descriptor = self.kind_descriptor
         for step in range(num_steps):
             ids = step_ids[step]
-            info = _StepInfo(step_nodes[step], ids, segs[step])
+            node = step_nodes[step]
+            info = _StepInfo(node, ids, segs[step])
             steps.append(info)
-            if not len(ids):
+            num_rows = len(ids)
+            if not num_rows:
                 # the (empty) input step of a component that needs no input
                 if step + 1 >= num_steps or not len(step_ids[step + 1]):
                     raise CompilerError(f"empty step {step} not followed by a component step")
                 info.node_index = step_nodes[step + 1] - 1
                 continue
-            dim, stride, dim_range, parts = self._node_facts(info.node_index)
-            num_rows = len(ids)
+            dim, stride, dim_range, parts = facts_of(node)
             need = deriv_needed[step]
             if dim_range is None:
-                info.value = new_matrix(num_rows, dim, stride)
+                if dim <= 0:
+                    raise ValueError(f"new_matrix: bad dimensions {num_rows} x {dim}")
+                m = len(mats)
+                mat_append(_tuple_new(MatrixInfo, (num_rows, dim, stride)))
+                sub_append(_tuple_new(SubMatrixInfo, (m, 0, num_rows, 0, dim)))
+                info.value = value = m_sub = len(subs) - 1
                 if need:
-                    info.deriv = new_matrix(num_rows, dim, stride)
+                    mat_append(_tuple_new(MatrixInfo, (num_rows, dim, stride)))
+                    sub_append(_tuple_new(SubMatrixInfo, (m + 1, 0, num_rows, 0, dim)))
+                    info.deriv = len(subs) - 1
             else:
                 in_step = sources[step]
                 if in_step == -1:
@@ -339,22 +362,24 @@ class Compiler:
                 if not (0 <= in_step < step) or len(steps[in_step].ids) != num_rows:
                     raise CompilerError(f"dim-range node {dim_range.name!r}: its rows do not "
                                         f"match the rows of its source step")
-                info.value = new_submatrix(steps[in_step].value, 0, -1, dim_range.dim_offset,
-                                           dim_range.dim)
+                info.value = value = m_sub = new_submatrix(steps[in_step].value, 0, -1,
+                                                           dim_range.dim_offset, dim_range.dim)
                 if need:
                     info.deriv = new_submatrix(steps[in_step].deriv, 0, -1,
                                                dim_range.dim_offset, dim_range.dim)
-            if self.kind_descriptor[info.node_index]:
+            if kind_descriptor[node]:
                 if parts is None:
-                    info.value_parts = [info.value]
+                    info.value_parts = [value]
                     if need:
                         info.deriv_parts = [info.deriv]
                 else:
                     off = 0
+                    vp, dp = info.value_parts, info.deriv_parts
+                    deriv = info.deriv
                     for d in parts:
-                        info.value_parts.append(new_submatrix(info.value, 0, -1, off, d))
+                        vp.append(new_submatrix(m_sub, 0, -1, off, d))
                         if need:
-                            info.deriv_parts.append(new_submatrix(info.deriv, 0, -1, off, d))
+                            dp.append(new_submatrix(deriv, 0, -1, off, d))
                         off += d
         self._prepare_descriptors()
 
@@ -868,11 +893,55 @@ class Compiler:
         self._forward_batch = self._batch_forward(computation)
         seg = self.step_to_segment
         n = len(steps)
+        # the forward commands, with the common cases (component steps, batched
+        # descriptor parts) inline
+        cmds = computation.commands
+        cmd_append = cmds.append
+        kind_component, kind_descriptor = self.kind_component, self.kind_descriptor
+        kind_output = self.kind_output
+        comp_index, props = self.component_index, self.props
+        stats = self.requests[0].store_component_stats
+        batch = self._forward_batch
+        scales = self._scales
         for step in range(n):
-            self._compile_forward(step, computation)
+            info = steps[step]
+            node = info.node_index
+            if kind_component[node]:
+                p = props[node]
+                memo = step if info.deriv > 0 and p & _USES_MEMO else 0
+                cmd_append(Command(_PROPAGATE, 1.0, comp_index[node],
+                                   info.precomputed_indexes_index, steps[step - 1].value,
+                                   info.value, memo, 1 if stats and p & _STORES_STATS else 0))
+            elif kind_descriptor[node]:
+                for part, value in enumerate(info.value_parts):
+                    batched = batch.get((step, part))
+                    if batched is None:
+                        self._compile_forward_sum_descriptor(step, part, computation)
+                        continue
+                    offset = scales(node, part)[2]
+                    if offset != 0.0:
+                        cmd_append(Command(_SET_CONST, float(offset), value))
+                    for cmd in batched:
+                        if cmd is None:
+                            continue
+                        alpha, ct, src, data = cmd
+                        if ct == _MATRIX_ADD:
+                            cmd_append(Command(ct, float(alpha), value, src))
+                        elif ct == _ADD_ROWS:
+                            computation.indexes.append(data)
+                            cmd_append(Command(ct, float(alpha), value, src,
+                                               len(computation.indexes) - 1))
+                        else:
+                            computation.indexes_multi.append(data)
+                            cmd_append(Command(ct, float(alpha), value,
+                                               len(computation.indexes_multi) - 1))
+                if kind_output[node]:
+                    cmd_append(Command(_PROVIDE_OUTPUT, 1.0, info.value, node))
+            else:
+                self._compile_forward(step, computation)
             if step + 1 < n and seg[step + 1] != seg[step]:
-                computation.commands.append(Command(CT.NO_OPERATION_MARKER))
-        computation.commands.append(Command(CT.NO_OPERATION_MARKER))
+                cmd_append(Command(CT.NO_OPERATION_MARKER))
+        cmd_append(Command(CT.NO_OPERATION_MARKER))
         for step in range(n - 1, -1, -1):
             if deriv_needed[step]:
                 self._compile_backward(step, computation)

@@ -247,3 +247,32 @@ def test_backprop_truncation_zeroing_pattern_and_backprop():
     # n=0,t=0 ... row 1 is (n=1, t=0): not a zeroing row, clipped to norm 5
     assert not zeroed[1]
     np.testing.assert_allclose(dx[1], [5.0, 0.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("interval,recurrence", [(3, 1), (20, 3), (4, 7)])
+def test_backprop_truncation_index_arrays_equal_index_lists(interval, recurrence):
+    """precompute_index_arrays (what the compiler calls) gives what precompute_indexes
+    gives: the same zeroing pattern and sum, for the few-row form (one step of a
+    recurrence) and the array form, with negative times and n, and nothing zeroed
+    (-0.0, as the negated float32 sum)."""
+    comp = component_from_config("BackpropTruncationComponent",
+                                 f"dim=2 zeroing-interval={interval} "
+                                 f"recurrence-interval={recurrence}")
+    rng = np.random.default_rng(7)
+    cases = [[(0, 5, 0)], [(1, 4, 0)], [(n, t, 0) for n in range(-2, 3) for t in (-7, 0, 9)]]
+    cases += [[tuple(r) for r in rng.integers(-40, 40, size=(k, 3)).tolist()]
+              for k in (1, 2, 16, 17, 64)]
+    for rows in cases:
+        idx = [Index(*r) for r in rows]
+        want = comp.precompute_indexes(None, idx, idx, True)
+        got = comp.precompute_index_arrays(None, np.array(rows, dtype=np.int64).reshape(-1, 3),
+                                           np.array(rows, dtype=np.int64).reshape(-1, 3), True)
+        assert got.zeroing.dtype == want.zeroing.dtype == np.float32
+        np.testing.assert_array_equal(got.zeroing, want.zeroing)
+        assert repr(got.zeroing_sum) == repr(want.zeroing_sum)
+    quiet = component_from_config("BackpropTruncationComponent",
+                                  "dim=2 zeroing-interval=100 recurrence-interval=1")
+    one = np.array([[0, 5, 0]], dtype=np.int64)
+    assert repr(quiet.precompute_index_arrays(None, one, one, True).zeroing_sum) == "-0.0"
+    with pytest.raises(Exception, match="must be equal"):
+        comp.precompute_index_arrays(None, one, np.zeros((0, 3), dtype=np.int64), True)

@@ -384,12 +384,32 @@ class BackpropTruncationComponent(Component):
         if len(input_indexes) != len(output_indexes):
             raise ComponentError(f"{len(input_indexes)} input vs {len(output_indexes)} "
                                  "output indexes (must be equal)", component=self.label())
-        arr = indexes_to_array(output_indexes).astype(np.int64)
-        n, t = arr[:, 0], arr[:, 1]
+        return self._zeroing(indexes_to_array(output_indexes).astype(np.int64))
+
+    def precompute_index_arrays(self, misc_info: MiscComputationInfo | None,
+                                input_rows: np.ndarray, output_rows: np.ndarray,
+                                need_backprop: bool
+                                ) -> BackpropTruncationComponentPrecomputedIndexes:
+        """precompute_indexes on (k, 3) n, t, x int64 arrays."""
+        if len(input_rows) != len(output_rows):
+            raise ComponentError(f"{len(input_rows)} input vs {len(output_rows)} "
+                                 "output indexes (must be equal)", component=self.label())
+        return self._zeroing(output_rows)
+
+    def _zeroing(self, arr: np.ndarray) -> BackpropTruncationComponentPrecomputedIndexes:
         zi, ri = self.zeroing_interval, self.recurrence_interval
         # the row's frame t and the frame it recurs from (t - recurrence-interval) lie in
         # different zeroing-interval blocks; the block grid is shifted by n so that
         # sequences do not all zero at the same frame
+        if zi != 0 and len(arr) <= 16:
+            # a few rows (recurrent steps hold one frame per sequence): plain Python,
+            # the same values (// is floor division for ints, as np.floor_divide)
+            z = [-1.0 if (t - n) // zi != (t - ri - n) // zi else 0.0
+                 for n, t, _ in arr.tolist()]
+            # (-0.0 when nothing is zeroed, as the negated float32 sum)
+            return BackpropTruncationComponentPrecomputedIndexes(
+                np.array(z, dtype=np.float32), -sum(z, 0.0))
+        n, t = arr[:, 0], arr[:, 1]
         crosses = np.floor_divide(t - n, zi) != np.floor_divide(t - ri - n, zi)
         zeroing = np.where(crosses, -1.0, 0.0).astype(np.float32)
         return BackpropTruncationComponentPrecomputedIndexes(zeroing, float(-zeroing.sum()))
