@@ -1020,23 +1020,34 @@ class Compiler:
         num = len(mats)
         cindexes: list = [None] * num
         is_deriv = [False] * num
+        # the steps whose value is a whole matrix, first for each matrix (a dim-range
+        # node covering all columns makes an alias of its source's matrix)
+        chosen = []
         for info in self.steps:
             if info.value == 0:
                 continue
             sm = subs[info.value]
-            vm = sm.matrix_index
+            vm = sm[0]
             mi = mats[vm]
-            if sm.row_offset or sm.col_offset or sm.num_rows != mi.num_rows \
-                    or sm.num_cols != mi.num_cols:
+            if sm[1] or sm[3] or sm[2] != mi[0] or sm[4] != mi[1] or cindexes[vm]:
                 continue
-            if cindexes[vm]:
-                continue  # an alias made by a dim-range node covering all columns
+            cindexes[vm] = True
+            chosen.append((info, vm))
+        # the Index objects of their rows, made in one go
+        objs = (self._indexes_of(np.concatenate([info.ids for info, _ in chosen]))
+                if chosen else [])
+        end = 0
+        for info, vm in chosen:
+            start = end
+            end += len(info.ids)
             # plain (node, Index) tuples: Cindex objects for 100k rows cost real time
-            cindexes[vm] = rows = list(zip(repeat(info.node_index), self._indexes_of(info.ids)))
-            if info.deriv != 0 and computation.is_whole_matrix(info.deriv):
-                dm = subs[info.deriv].matrix_index
-                is_deriv[dm] = True
-                cindexes[dm] = rows
+            cindexes[vm] = rows = list(zip(repeat(info.node_index), objs[start:end]))
+            if info.deriv != 0:
+                sd = subs[info.deriv]
+                md = mats[sd[0]]
+                if not (sd[1] or sd[3]) and sd[2] == md[0] and sd[4] == md[1]:
+                    is_deriv[sd[0]] = True
+                    cindexes[sd[0]] = rows
         computation.matrix_debug_info = [MatrixDebugInfo(d, [] if c is None else c)
                                          for d, c in zip(is_deriv, cindexes)]
 
