@@ -52,6 +52,10 @@ def unordered_map_order(keys) -> list[int]:
     bucket is empty goes to the front of the node list, otherwise in front of its
     bucket's first node; a rehash re-inserts the nodes in list order by the same
     rule."""
+    if len(keys) <= 2:
+        # the first insert makes 13 buckets; a second key goes to the front of the
+        # list whether or not it shares the first key's bucket
+        return list(keys)[::-1]
     order: list[int] = []
     n_bkt, next_resize = 1, 0
 

@@ -624,11 +624,17 @@ class Compiler:
         table = self._table
         if table.mode == "dict":
             return {}
-        # columns: (step, part, alpha, key delta, optional, group); a "sum" part is
-        # a group of columns, one per input position
-        cols = []
+        # columns, as parallel lists: step, part, alpha, key delta, optional, group
+        # (a "sum" part is a group of columns, one per input position); step-major
+        # within each node part
+        col_step: list = []
+        col_part: list = []
+        col_alpha: list = []
+        col_delta: list = []
+        col_opt: list = []
+        col_group: list = []
         groups = 0
-        for node, steps in self._node_steps.items():
+        for node, nsteps in self._node_steps.items():
             for p in range(self.nnet.nodes[node].descriptor.num_parts()):
                 plan = self._batch_plan(node, p)
                 if plan is None:
@@ -639,22 +645,35 @@ class Compiler:
                     items = [(plan[1], sh, False) for sh in plan[2]]
                 deltas = [(w - node) * table.stride_node + dn * table.stride_n
                           + dt * table.stride_t + dx for _, (w, dn, dt, dx), _ in items]
-                for st in steps:
-                    group = -1
-                    if plan[0] == "sum":
-                        group, groups = groups, groups + 1
-                    for j, (alpha, _, optional) in enumerate(items):
-                        cols.append((st, p, alpha, deltas[j], optional, group))
-        if not cols:
+                k, ns = len(items), len(nsteps)
+                col_step += nsteps if k == 1 else [st for st in nsteps for _ in range(k)]
+                col_part += [p] * (ns * k)
+                col_alpha += [it[0] for it in items] * ns
+                col_delta += deltas * ns
+                col_opt += [it[2] for it in items] * ns
+                if plan[0] == "sum":
+                    col_group += [g for g in range(groups, groups + ns) for _ in range(k)]
+                    groups += ns
+                else:
+                    col_group += [-1] * (ns * k)
+        if not col_step:
             return {}
         steps = self.steps
-        lens = np.array([len(steps[u[0]].ids) for u in cols], dtype=np.int64)
-        rows = np.concatenate([steps[u[0]].ids for u in cols])
-        starts = np.zeros(len(cols), dtype=np.int64)
+        step_len = np.array([len(s.ids) for s in steps] + [0], dtype=np.int64)
+        cs = np.array(col_step, dtype=np.int64)
+        lens = step_len[cs]
+        num_cols = len(col_step)
+        starts = np.zeros(num_cols, dtype=np.int64)
         np.cumsum(lens[:-1], out=starts[1:])
+        total = int(starts[-1] + lens[-1])
+        # the rows of each column's step, gathered from all steps' ids
+        step_start = np.zeros(len(steps) + 1, dtype=np.int64)
+        np.cumsum(step_len[:-1], out=step_start[1:])
+        all_ids = np.concatenate([s.ids for s in steps])
+        rows = all_ids[np.repeat(step_start[cs] - starts, lens) + np.arange(total)]
         keys = table.key_of[rows]
         blank = keys < 0
-        keys = keys + np.repeat(np.array([u[3] for u in cols], dtype=np.int64), lens)
+        keys = keys + np.repeat(np.array(col_delta, dtype=np.int64), lens)
         if blank.any():
             keys[blank] = 0
         src = table._lookup(keys)
@@ -666,7 +685,8 @@ class Compiler:
         if len(self.requests) > 1:
             # inputs computed by steps of later segments do not count (see _part_inputs)
             seg_of = np.array(self.step_to_segment, dtype=np.int64)
-            row_seg = np.repeat(np.array([steps[u[0]].segment for u in cols], np.int64), lens)
+            row_seg = np.repeat(np.array([steps[st].segment for st in col_step], np.int64),
+                                lens)
             present &= ~((src_step >= 0) & (seg_of[np.maximum(src_step, 0)] > row_seg))
         src_row = self.loc_row[safe]
         local = np.arange(len(rows)) - np.repeat(starts, lens)
@@ -676,14 +696,14 @@ class Compiler:
         missing = np.logical_or.reduceat(~present & ~blank, starts)
         full = np.logical_and.reduceat(present, starts)
         ident = np.logical_and.reduceat(present & (src_row == local), starts)
-        step_len = np.array([len(s.ids) for s in steps] + [0], dtype=np.int64)
         ident &= (low == high) & (step_len[np.minimum(low, big - 1)] == lens)
-        rows_out = np.where(present, src_row, -1)
-        subs_out = np.where(present, self._value_subs[np.maximum(src_step, 0)], -1)
+        rows_out = np.where(present, src_row, -1).tolist()
+        subs_out = np.where(present, self._value_subs[np.maximum(src_step, 0)], -1).tolist()
         vsub = self._value_subs.tolist()
         low, high = low.tolist(), high.tolist()
         missing, full, ident = missing.tolist(), full.tolist(), ident.tolist()
         b = starts.tolist() + [len(rows)]
+        matrix_add, add_rows, add_rows_multi = _MATRIX_ADD, _ADD_ROWS, CT.ADD_ROWS_MULTI
 
         def column(k: int, alpha):
             hi = high[k]
@@ -691,29 +711,34 @@ class Compiler:
                 return None
             if low[k] == hi:
                 if ident[k]:
-                    return (alpha, CT.MATRIX_ADD, vsub[hi], None)
-                return (alpha, CT.ADD_ROWS, vsub[hi], rows_out[b[k]:b[k + 1]].tolist())
-            return (alpha, CT.ADD_ROWS_MULTI, -1,
-                    list(zip(subs_out[b[k]:b[k + 1]].tolist(), rows_out[b[k]:b[k + 1]].tolist())))
+                    return (alpha, matrix_add, vsub[hi], None)
+                return (alpha, add_rows, vsub[hi], rows_out[b[k]:b[k + 1]])
+            return (alpha, add_rows_multi, -1,
+                    list(zip(subs_out[b[k]:b[k + 1]], rows_out[b[k]:b[k + 1]])))
 
         out: dict = {}
         failed = set()
         k = 0
-        num = len(cols)
+        num = num_cols
         while k < num:
-            st, p, alpha, _, optional, group = cols[k]
+            st, p, alpha, group = col_step[k], col_part[k], col_alpha[k], col_group[k]
             if group < 0:
-                if missing[k] and not optional:
+                if missing[k] and not col_opt[k]:
                     failed.add((st, p))
                 else:
-                    out.setdefault((st, p), []).append(column(k, alpha))
+                    key = (st, p)
+                    hit = out.get(key)
+                    if hit is None:
+                        out[key] = [column(k, alpha)]
+                    else:
+                        hit.append(column(k, alpha))
                 k += 1
                 continue
             # a sum of several inputs: Kaldi's SplitLocations gives one column per
             # source when each input position reads a whole single step (each
             # source is then used by every row), in unordered_map order
             end = k
-            while end < num and cols[end][5] == group:
+            while end < num and col_group[end] == group:
                 end += 1
             ks = range(k, end)
             subs = [vsub[low[j]] if low[j] < big else -1 for j in ks]
@@ -949,20 +974,24 @@ class Compiler:
 
     def _allocate_matrices(self, whole, computation) -> None:
         supplied = set()
-        is_input = self.graph.is_input_array
         subs = computation.submatrices
-        for info in self.steps:
-            if not len(info.ids):
-                continue
-            if is_input[info.ids[0]]:
-                supplied.add(subs[info.value].matrix_index)
-            if self.kind_output[info.node_index] and info.deriv != 0:
+        steps = self.steps
+        # steps whose first cindex is a supplied input: the (step, row 0) of inputs
+        inputs = np.flatnonzero(self.graph.is_input_array)
+        for s in np.unique(self.loc_step[inputs][self.loc_row[inputs] == 0]).tolist():
+            if s >= 0:
+                supplied.add(subs[steps[s].value].matrix_index)
+        kind_output = self.kind_output
+        for info in steps:
+            if info.deriv != 0 and kind_output[info.node_index] and len(info.ids):
                 supplied.add(subs[info.deriv].matrix_index)
+        alloc, zero = _ALLOC_MATRIX, CT.SET_CONST
         cmds = computation.commands
         for m in range(1, len(computation.matrices)):
             if m not in supplied:
-                cmds.append(Command(CT.ALLOC_MATRIX, 1.0, whole[m]))
-                cmds.append(Command(CT.SET_CONST, 0.0, whole[m]))
+                w = whole[m]
+                cmds.append(Command(alloc, 1.0, w))
+                cmds.append(Command(zero, 0.0, w))
 
     def _set_up_precomputed_indexes(self, computation) -> None:
         nnet = self.nnet
@@ -999,21 +1028,21 @@ class Compiler:
     def _deallocate_matrices(self, whole, computation) -> None:
         keep = set()
         subs = computation.submatrices
+        kind_output, kind_input = self.kind_output, self.kind_input
         for info in self.steps:
             node = info.node_index
-            if self.kind_output[node]:
+            if kind_output[node]:
                 keep.add(subs[info.value].matrix_index)
-            elif self.kind_input[node]:
+            elif kind_input[node]:
                 req = self.requests[info.segment]
                 i = req.index_of_input(self._node_name(node))
                 if i == -1:
                     raise CompilerError(f"input node {self._node_name(node)!r} not in request")
                 if req.inputs[i].has_deriv:
                     keep.add(subs[info.deriv].matrix_index)
-        cmds = computation.commands
-        for m in range(1, len(computation.matrices)):
-            if m not in keep:
-                cmds.append(Command(CT.DEALLOC_MATRIX, 1.0, whole[m]))
+        dealloc = _DEALLOC_MATRIX
+        computation.commands += [Command(dealloc, 1.0, whole[m])
+                                 for m in range(1, len(computation.matrices)) if m not in keep]
 
     def _output_debug_info(self, computation) -> None:
         subs, mats = computation.submatrices, computation.matrices
