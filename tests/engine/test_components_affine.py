@@ -541,3 +541,74 @@ def test_published_model_components_binary_roundtrip():
             start = end
     assert seen.get("TdnnComponent", 0) >= 1 and seen.get("LinearComponent", 0) >= 1
     assert seen.get("FixedAffineComponent", 0) == 1
+
+
+def test_tdnn_order_check_equals_recomputing_the_reorder():
+    """precompute_index_arrays accepts exactly the rows reorder_index_arrays gives:
+    its cell-by-cell check agrees with comparing against a recomputed reorder, on
+    reordered rows and on rows with one entry moved, blanked, unblanked, shifted in
+    t, n or x, dropped or duplicated."""
+    from engine.nnet.components.tdnn import (_grid_cells, _matches_grid, _nx_pairs,
+                                             tdnn_index_rows_for_grid, tdnn_time_grid)
+    rng = np.random.default_rng(3)
+    c = _tdnn("input-dim=2 output-dim=3 time-offsets=-1,0,2")
+    checked = 0
+    for trial in range(200):
+        step_out = int(rng.integers(1, 4))
+        ns = rng.choice(4, size=int(rng.integers(1, 4)), replace=False)
+        xs = rng.choice(3, size=int(rng.integers(1, 3)), replace=False)
+        t0 = int(rng.integers(-5, 5))
+        touts = [t0 + step_out * k for k in range(int(rng.integers(1, 6)))]
+        outs = [(int(n), t, int(x)) for n in ns for x in xs for t in touts
+                if rng.random() < 0.85] or [(int(ns[0]), touts[0], int(xs[0]))]
+        ins = sorted({(n, t + o, x) for n, t, x in outs for o in (-1, 0, 2)})
+        ins_a = np.array(ins, dtype=np.int64)
+        outs_a = np.array(outs, dtype=np.int64)
+        new_in, new_out = c.reorder_index_arrays(ins_a, outs_a)
+        variants = [(new_in, new_out)]
+        for arr, which in ((new_in, 0), (new_out, 1)):
+            i = int(rng.integers(0, len(arr)))
+            for mutate in ("blank", "unblank", "t", "n", "x", "drop", "dup", "swap"):
+                bad = arr.copy()
+                if mutate == "blank":
+                    bad[i, 1] = K_NO_TIME
+                elif mutate == "unblank":
+                    blanks = np.flatnonzero(bad[:, 1] == K_NO_TIME)
+                    if not len(blanks):
+                        continue
+                    bad[blanks[0], 1] = 0
+                elif mutate in ("t", "n", "x"):
+                    if mutate == "t" and bad[i, 1] == K_NO_TIME:
+                        continue
+                    bad[i, "ntx".index(mutate)] += 1
+                elif mutate == "drop":
+                    bad = np.delete(bad, i, axis=0)
+                elif mutate == "dup":
+                    bad = np.insert(bad, i, bad[i], axis=0)
+                else:
+                    j = (i + 1) % len(bad)
+                    bad[[i, j]] = bad[[j, i]]
+                variants.append((bad, new_out) if which == 0 else (new_in, bad))
+        for vin, vout in variants:
+            try:
+                g = tdnn_time_grid(vin, vout)
+            except ComponentError:
+                continue
+            want_in, want_out = tdnn_index_rows_for_grid(g, vin, vout)
+            expected = (want_in.shape == vin.shape and want_out.shape == vout.shape
+                        and (want_in == vin).all() and (want_out == vout).all())
+            pairs = _nx_pairs(vin)
+            got = (_matches_grid(vin, _grid_cells(pairs, g.start_t_in, g.t_step_in,
+                                                  g.num_t_in, g.reorder_t_in))
+                   and _matches_grid(vout, _grid_cells(pairs, g.start_t_out, g.t_step_out,
+                                                       g.num_t_out, 1)))
+            assert got == expected, (trial, vin.tolist(), vout.tolist())
+            checked += 1
+            try:
+                c.precompute_index_arrays(None, vin, vout, True)
+                accepted = True
+            except ComponentError as e:
+                accepted = "order" not in str(e) and None
+            if accepted is not None:
+                assert accepted == expected
+    assert checked > 1000

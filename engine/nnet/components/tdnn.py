@@ -113,17 +113,31 @@ def tdnn_time_grid(input_indexes, output_indexes) -> TimeGrid:
     return g
 
 
-def _grid_rows(pairs: np.ndarray, t_start: int, t_step: int, num_t: int, reorder_t: int,
-               present: np.ndarray) -> np.ndarray:
-    """Kaldi's CreateIndexes + SetSomeIndexesBlank as (k, 3) rows: blocks of
-    ``reorder_t`` t values, within a block each (n, x) pair (``pairs``, sorted) with
-    its t values consecutive; rows not among ``present`` get t = kNoTime."""
+def _grid_cells(pairs: np.ndarray, t_start: int, t_step: int, num_t: int, reorder_t: int
+                ) -> np.ndarray:
+    """Kaldi's CreateIndexes as (k, 3) rows: blocks of ``reorder_t`` t values, within a
+    block each (n, x) pair (``pairs``, sorted) with its t values consecutive."""
     if t_step == 0:
         t_step = 1
     outer = t_step * reorder_t
     blocks = np.arange(t_start, t_start + num_t * t_step, outer, dtype=np.int64)
     within = np.arange(0, outer, t_step, dtype=np.int64)
-    nb, npairs, r = len(blocks), len(pairs), len(within)
+    out = np.empty((len(blocks), len(pairs), len(within), 3), dtype=np.int64)
+    out[..., 0] = pairs[None, :, 0, None]
+    out[..., 1] = blocks[:, None, None] + within[None, None, :]
+    out[..., 2] = pairs[None, :, 1, None]
+    return out.reshape(-1, 3)
+
+
+def _grid_rows(pairs: np.ndarray, t_start: int, t_step: int, num_t: int, reorder_t: int,
+               present: np.ndarray) -> np.ndarray:
+    """Kaldi's CreateIndexes + SetSomeIndexesBlank as (k, 3) rows (_grid_cells); rows
+    not among ``present`` get t = kNoTime."""
+    out = _grid_cells(pairs, t_start, t_step, num_t, reorder_t)
+    if t_step == 0:
+        t_step = 1
+    nb = len(range(t_start, t_start + num_t * t_step, t_step * reorder_t))
+    npairs, r = len(pairs), reorder_t
     # which grid cells (pair, t position) the present rows fill
     filled = np.zeros((npairs, nb * r), dtype=bool)
     if len(present) and npairs:
@@ -139,14 +153,21 @@ def _grid_rows(pairs: np.ndarray, t_start: int, t_step: int, num_t: int, reorder
         at = np.minimum(np.searchsorted(pair_keys, key), npairs - 1)
         ok &= pair_keys[at] == key
         filled[at[ok], k[ok]] = True
-    out = np.empty((nb, npairs, r, 3), dtype=np.int64)
-    out[..., 0] = pairs[None, :, 0, None]
-    out[..., 1] = blocks[:, None, None] + within[None, None, :]
-    out[..., 2] = pairs[None, :, 1, None]
-    out = out.reshape(-1, 3)
     hole = ~filled.reshape(npairs, nb, r).transpose(1, 0, 2).reshape(-1)
     out[hole, 1] = K_NO_TIME
     return out
+
+
+def _matches_grid(rows: np.ndarray, cells: np.ndarray) -> bool:
+    """Whether ``rows`` is what _grid_rows gives for these grid cells with ``rows``
+    as the present Indexes: each row is its cell, or its cell blanked (t = kNoTime).
+    (A blank row's cell cannot be filled by another row: that row would be its
+    own, different, cell.)"""
+    if rows.shape != cells.shape:
+        return False
+    t = rows[:, 1]
+    return bool(((rows[:, 0] == cells[:, 0]) & (rows[:, 2] == cells[:, 2])
+                 & ((t == cells[:, 1]) | (t == K_NO_TIME))).all())
 
 
 def tdnn_index_rows_for_grid(g: TimeGrid, input_rows: np.ndarray, output_rows: np.ndarray
@@ -403,9 +424,11 @@ class TdnnComponent(UpdatableComponent):
             raise ComponentError(e.reason, component=self.label()) from None
         # The indexes must already be in the order reorder_indexes produces (Kaldi
         # spot-checks this at random; the check is cheap enough to do always).
-        want_in, want_out = tdnn_index_rows_for_grid(g, input_rows, output_rows)
-        if (want_in.shape != input_rows.shape or want_out.shape != output_rows.shape
-                or (want_in != input_rows).any() or (want_out != output_rows).any()):
+        pairs = _nx_pairs(input_rows)
+        if not (_matches_grid(input_rows, _grid_cells(pairs, g.start_t_in, g.t_step_in,
+                                                      g.num_t_in, g.reorder_t_in))
+                and _matches_grid(output_rows, _grid_cells(pairs, g.start_t_out,
+                                                           g.t_step_out, g.num_t_out, 1))):
             raise ComponentError("precompute_indexes: the Indexes are not in the order "
                                  "reorder_indexes produces", component=self.label())
         n = g.reorder_t_in
