@@ -66,6 +66,12 @@ class GiveUp(Exception):
     """The array build does not apply; use the per-cindex algorithm."""
 
 
+# reductions straight to the ufuncs (ndarray.any/all go through Python wrappers);
+# _all/_any on 1-D arrays, _all_rows/_any_rows with an axis
+_all = _all_rows = np.logical_and.reduce
+_any = _any_rows = np.logical_or.reduce
+
+
 def _cat(parts: list) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -75,16 +81,16 @@ def _distinct(a: np.ndarray) -> np.ndarray:
     a = np.sort(a)
     if len(a) > 1:
         step = a[1:] != a[:-1]
-        if not step.all():
+        if not _all(step):
             a = a[np.concatenate(([True], step))]
     return a
 
 
 def _counts(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct values, how often each occurs) of ``a``."""
-    a = np.sort(a)
     if len(a) < 2:
         return a, np.ones(len(a), dtype=np.int64)
+    a = np.sort(a)
     starts = np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1])))
     return a[starts], np.diff(np.append(starts, len(a)))
 
@@ -145,7 +151,13 @@ class ArrayGraphBuild:
         self.track_usable = nodes.recurrent
         # how many cindexes of each node are not (yet) known to be computable
         self.not_c = np.zeros(num, dtype=np.int64)
-        self.producers = [np.array(p, dtype=np.int64) for p in nodes.producers]
+        self.producers = [tuple(p) for p in nodes.producers]
+        # per node: the settling rule (all inputs required) and its compiled descriptor
+        self.settle_fast = [nodes.fast[v] if nodes.deps_mode[v] == DEPS_DESCRIPTOR else None
+                            for v in range(num)]
+        self.all_required = [nodes.deps_mode[v] != DEPS_GENERAL
+                             and (f is None or f.all_required)
+                             for v, f in enumerate(self.settle_fast)]
         # the margins the table keeps around every cindex (largest constant shifts)
         self.margin = list(nodes.margin)
 
@@ -232,14 +244,14 @@ class ArrayGraphBuild:
         table = self.table
         got = table[keys]
         miss = got < 0
-        if not miss.any():
+        if not _any(miss):
             return got
         mk = keys[miss]
         start = self.size
         new = np.arange(start, start + len(mk))
         table[mk] = new
         back = table[mk]
-        if (back == new).all():
+        if _all(back == new):
             uk = mk
         else:
             # a key asked for more than once: the last write won; renumber the winners
@@ -300,23 +312,32 @@ class ArrayGraphBuild:
         at = np.repeat(self.estart[rows] - first, cnt) + np.arange(total)
         return self.edges[at]
 
-    def _add_usable(self, targets: np.ndarray) -> None:
+    def _add_usable(self, targets: np.ndarray, distinct: bool = False,
+                    queued: bool = False) -> None:
         """One more usable dependent for each entry of ``targets`` (Kaldi's
         IncrementUsableCount): a cindex that becomes usable gives its inputs one
-        too, or, not expanded yet, is queued for expansion."""
+        too, or, not expanded yet, is queued for expansion.  ``distinct``: no
+        target repeats; ``queued``: every target is already queued on its node
+        (the expansion that found them queued them all)."""
         usable, status, expanded = self.usable, self.status, self.expanded
         while len(targets):
             before = usable[targets]
-            np.add.at(usable, targets, 1)
+            if distinct:
+                usable[targets] = before + 1
+                distinct = False
+            else:
+                np.add.at(usable, targets, 1)
             woke = targets[before == 0]
             if not len(woke):
                 return
             woke = woke[status[woke] != NC]
             ex = expanded[woke]
-            if not ex.all():
+            if queued:
+                queued = False
+            elif not _all(ex):
                 self._queue(woke[~ex])          # repeats are dropped when expanding
             # an expanded cindex that becomes usable again: its inputs, once each
-            targets = self._inputs_of(_distinct(woke[ex])) if ex.any() else _EMPTY
+            targets = self._inputs_of(_distinct(woke[ex])) if _any(ex) else _EMPTY
 
     def _drop_usable(self, targets: np.ndarray) -> None:
         """Kaldi's DecrementUsableCount: a cindex left with no usable dependent (and
@@ -332,7 +353,7 @@ class ArrayGraphBuild:
         """Queue ids (possibly repeated) on their nodes."""
         nd = self.keys[rows] // self.stride_node
         first = int(nd[0])
-        if (nd == first).all():
+        if _all(nd == first):
             self.pending[first].append(rows)
             self.pending_dup[first] = True
             return
@@ -395,14 +416,18 @@ class ArrayGraphBuild:
             self.pending_dup[s[0]] = True
 
     def _record(self, v: int, g: np.ndarray, deps: np.ndarray) -> None:
-        """Store the (m, K) inputs of cindexes g of node v."""
+        """Store the (m, K) inputs of cindexes g of node v (all of them queued on
+        their nodes already)."""
         self.node_deps[v].add(g, deps)
-        if self.track_usable and deps.shape[1]:
+        k = deps.shape[1]
+        if self.track_usable and k:
             flat = deps.ravel()
-            self._store_edges(g, flat, np.full(len(g), deps.shape[1], dtype=np.int64))
-            self._add_usable(flat)
+            self._store_edges(g, flat, k)
+            # one input per row: distinct, as the rows are
+            self._add_usable(flat, distinct=k == 1, queued=True)
 
     def _store_edges(self, g, flat, counts) -> None:
+        """Edges of rows g: ``counts`` inputs each (an int: as many for every row)."""
         e0 = self.num_edges
         e1 = e0 + len(flat)
         if e1 > len(self.edges):
@@ -410,7 +435,10 @@ class ArrayGraphBuild:
             grown[:e0] = self.edges[:e0]
             self.edges = grown
         self.edges[e0:e1] = flat
-        self.estart[g] = e0 + np.cumsum(counts) - counts
+        if type(counts) is int:
+            self.estart[g] = np.arange(e0, e1, counts)
+        else:
+            self.estart[g] = e0 + np.cumsum(counts) - counts
         self.ecount[g] = counts
         self.num_edges = e1
 
@@ -435,7 +463,7 @@ class ArrayGraphBuild:
             nd.lists.extend(np.split(flat, bounds[:-1]))
             if self.track_usable:
                 self._store_edges(g, flat, counts)
-                self._add_usable(flat)
+                self._add_usable(flat, queued=True)
         else:
             nd.lists.extend(_EMPTY for _ in range(len(g)))
         nd.add(g, None)
@@ -456,23 +484,27 @@ class ArrayGraphBuild:
         raise GiveUp("statuses settle too slowly (a long recurrence without IfDefined)")
 
     def _settle_node(self, v: int, nd: _NodeDeps) -> bool:
-        rows, deps = nd.merged()
+        rows, deps = nd.rows, nd.deps
+        if rows is None:
+            rows, deps = nd.merged()
         status = self.status
-        nodes = self.nodes
-        mode = nodes.deps_mode[v]
-        fast = nodes.fast[v] if mode == DEPS_DESCRIPTOR else None
-        all_required = mode != DEPS_GENERAL and (fast is None or fast.all_required)
-        if all_required and not self.not_c[self.producers[v]].any():
-            # every cindex of every node read is computable: so are these
-            status[rows] = C
-            self.not_c[v] -= nd.num_unsettled
-            nd.num_unsettled = 0
-            return True
+        all_required = self.all_required[v]
+        not_c = self.not_c
+        if all_required:
+            for p in self.producers[v]:
+                if not_c[p]:
+                    break
+            else:
+                # every cindex of every node read is computable: so are these
+                status[rows] = C
+                not_c[v] -= nd.num_unsettled
+                nd.num_unsettled = 0
+                return True
         sel = np.flatnonzero(status[rows] == U)
         if not len(sel):
             nd.num_unsettled = 0
             return False
-        if mode == DEPS_GENERAL:
+        if deps is None:
             new = self._settle_general(v, rows, sel)
         else:
             st = status[deps[sel]]
@@ -480,9 +512,10 @@ class ArrayGraphBuild:
                 if st.shape[1] == 0:
                     new = np.full(len(sel), C, dtype=np.int8)
                 else:
-                    new = np.where((st == C).all(axis=1), C,
-                                   np.where((st == NC).any(axis=1), NC, U)).astype(np.int8)
+                    new = np.where(_all_rows(st == C, axis=1), C,
+                                   np.where(_any_rows(st == NC, axis=1), NC, U)).astype(np.int8)
             else:
+                fast = self.settle_fast[v]
                 ok_lo = fast.computable_arrays(st == C)
                 ok_hi = fast.computable_arrays(st != NC)
                 new = np.where(ok_lo, C, np.where(ok_hi, U, NC)).astype(np.int8)
@@ -491,12 +524,14 @@ class ArrayGraphBuild:
         nd.num_unsettled = len(sel) - k
         if not k:
             return False
+        newd = new[done]
         changed_rows = rows[sel[done]]
-        status[changed_rows] = new[done]
-        self.not_c[v] -= int(np.count_nonzero(new == C))
+        status[changed_rows] = newd
+        not_c[v] -= int(np.count_nonzero(newd == C))
         if self.track_usable:
-            bad = changed_rows[new[done] == NC]
-            bad = bad[self.usable[bad] != 0]
+            bad = changed_rows[newd == NC]
+            if len(bad):
+                bad = bad[self.usable[bad] != 0]
             if len(bad):
                 # Kaldi: a cindex found not computable while usable withdraws
                 # from its inputs.
@@ -602,7 +637,7 @@ class ArrayGraphBuild:
             self._settle()
         else:
             raise GiveUp("too many sweeps")
-        if (self.status[outs] != C).any():
+        if _any(self.status[outs] != C):
             raise GiveUp("some outputs are not computable")
         return self._prune(base, inputs, outs)
 
@@ -618,7 +653,7 @@ class ArrayGraphBuild:
         ok = self.status[rows] == C
         if self.nodes.deps_mode[v] == DEPS_GENERAL:
             return self._used_general(v, rows, ok)
-        if not ok.all():
+        if not _all(ok):
             sel = np.flatnonzero(ok)
             rows, deps = rows[sel], deps[sel]
         fast = self.nodes.fast[v]
@@ -648,7 +683,7 @@ class ArrayGraphBuild:
         """Whether every cindex of the segment is computable and every dependency
         used: then every cindex added was added as an input of one reachable from
         the outputs, so all are required (no usable counts: all were expanded)."""
-        if self.track_usable or not (self.status[base:self.size] == C).all():
+        if self.track_usable or not _all(self.status[base:self.size] == C):
             return False
         nodes = self.nodes
         for v in range(self.num_nodes):
@@ -682,7 +717,7 @@ class ArrayGraphBuild:
         if edges_src:
             src = new_id[np.concatenate(edges_src)] - base
             dst = new_id[np.concatenate(edges_dst)]
-            if (dst < 0).any() or (src < 0).any():
+            if _any(dst < 0) or _any(src < 0):
                 raise GiveUp("inconsistent pruned dependencies")
             pair = _distinct(src * (base + m) + dst)
             src, dst = np.divmod(pair, base + m)
@@ -732,7 +767,7 @@ class ArrayGraphBuild:
                     continue
                 g = g[g >= base]
                 p = rowpos[g]
-                if (p < 0).any():
+                if _any(p < 0):
                     raise GiveUp("a required cindex was not expanded")
                 rows, deps, mask = u
                 if isinstance(deps, list):
@@ -757,7 +792,7 @@ class ArrayGraphBuild:
                 edges_dst.append(dst)
                 dn = self.keys[dst] // snode
                 first = int(dn[0])
-                groups = ([(first, dst)] if (dn == first).all()
+                groups = ([(first, dst)] if _all(dn == first)
                           else [(w, dst[dn == w]) for w in np.unique(dn).tolist()])
                 for w, ids in groups:
                     if pos[w] < pos[v]:
