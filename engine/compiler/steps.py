@@ -393,8 +393,34 @@ class ComputationStepsComputer:
             # the cindexes of each row on the node a simple component or a
             # dim-range node reads, looked up for all rows at once
             linked = self._linked_ids(ids, node)
+            # the common case inline: a simple component whose rows all have their
+            # input on the node before (two steps: the input's, the component's)
+            starts = bounds[:-1]
+            plain = self.graph.is_input_array[ids[starts]]
+            if linked is not None:
+                plain = ~(plain | np.logical_or.reduceat(linked < 0, starts))
+                plain = plain.tolist()
+            else:
+                plain = [False] * len(nodes)
+            roles, simple, early = self._roles, self._simple, self._read_early
+            step_ids, step_nodes = self.step_ids, self.step_nodes
             for k, v in enumerate(nodes):
+                role = roles[v]
+                if role == _R_COMPONENT_INPUT:
+                    continue        # done together with the component's own step
                 a, b = bounds[k], bounds[k + 1]
+                if plain[k] and simple[v] and role == _R_COMPONENT:
+                    if early[v - 1]:
+                        self._add_step_ids(linked[a:b], v - 1)
+                    else:
+                        step_ids.append(linked[a:b])
+                        step_nodes.append(v - 1)
+                    if early[v]:
+                        self._add_step_ids(ids[a:b], v)
+                    else:
+                        step_ids.append(ids[a:b])
+                        step_nodes.append(v)
+                    continue
                 self._process_sub_phase(request, v, ids[a:b],
                                         None if linked is None else linked[a:b])
         self._flush_locations()
