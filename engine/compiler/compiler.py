@@ -328,7 +328,7 @@ class Compiler:
             mats.append(MatrixInfo(0, 0, K_DEFAULT_STRIDE))
             subs.append(SubMatrixInfo(0, 0, 0, 0, 0))
         mat_append, sub_append = mats.append, subs.append
-        facts_of = self._node_facts
+        facts_of, facts = self._node_facts, self._facts
         kind_descriptor = self.kind_descriptor
         for step in range(num_steps):
             ids = step_ids[step]
@@ -342,7 +342,7 @@ class Compiler:
                     raise CompilerError(f"empty step {step} not followed by a component step")
                 info.node_index = step_nodes[step + 1] - 1
                 continue
-            dim, stride, dim_range, parts = facts_of(node)
+            dim, stride, dim_range, parts = facts.get(node) or facts_of(node)
             need = deriv_needed[step]
             if dim_range is None:
                 if dim <= 0:
@@ -373,9 +373,21 @@ class Compiler:
                     if need:
                         info.deriv_parts = [info.deriv]
                 else:
+                    # column ranges of the parts: submatrices of the whole value (and
+                    # derivative) matrix appended directly, as new_submatrix would
                     off = 0
                     vp, dp = info.value_parts, info.deriv_parts
                     deriv = info.deriv
+                    if dim_range is None and off + sum(parts) <= dim and min(parts) > 0:
+                        for d in parts:
+                            sub_append(_tuple_new(SubMatrixInfo, (m, 0, num_rows, off, d)))
+                            vp.append(len(subs) - 1)
+                            if need:
+                                sub_append(_tuple_new(SubMatrixInfo,
+                                                      (m + 1, 0, num_rows, off, d)))
+                                dp.append(len(subs) - 1)
+                            off += d
+                        continue
                     for d in parts:
                         vp.append(new_submatrix(m_sub, 0, -1, off, d))
                         if need:
