@@ -70,6 +70,7 @@ class GiveUp(Exception):
 # _all/_any on 1-D arrays, _all_rows/_any_rows with an axis
 _all = _all_rows = np.logical_and.reduce
 _any = _any_rows = np.logical_or.reduce
+_sum = np.add.reduce
 
 
 def _cat(parts: list) -> np.ndarray:
@@ -91,7 +92,10 @@ def _counts(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if len(a) < 2:
         return a, np.ones(len(a), dtype=np.int64)
     a = np.sort(a)
-    starts = np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1])))
+    step = a[1:] != a[:-1]
+    if _all(step):
+        return a, np.ones(len(a), dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], step)))
     return a[starts], np.diff(np.append(starts, len(a)))
 
 
@@ -305,7 +309,7 @@ class ArrayGraphBuild:
     def _inputs_of(self, rows: np.ndarray) -> np.ndarray:
         """The input ids of expanded cindexes ``rows``, concatenated."""
         cnt = self.ecount[rows]
-        total = int(cnt.sum())
+        total = int(_sum(cnt))
         if not total:
             return _EMPTY
         first = np.cumsum(cnt) - cnt

@@ -95,7 +95,11 @@ def tdnn_time_grid(input_indexes, output_indexes) -> TimeGrid:
     """GetComputationIo followed by TdnnComponent::ModifyComputationIo (Indexes as
     lists or (k, 3) n, t, x arrays)."""
     ins, outs = _as_rows(input_indexes), _as_rows(output_indexes)
-    pairs = _nx_pairs(ins)
+    return _time_grid(ins, outs, _nx_pairs(ins))
+
+
+def _time_grid(ins: np.ndarray, outs: np.ndarray, pairs: np.ndarray) -> TimeGrid:
+    """tdnn_time_grid given the (n, x) pairs of the input rows."""
     if not len(pairs):
         raise ComponentError("TdnnComponent: the computation has no input Indexes")
     g = TimeGrid(len(pairs), *_regular_t(ins, "input"), *_regular_t(outs, "output"))
@@ -170,10 +174,13 @@ def _matches_grid(rows: np.ndarray, cells: np.ndarray) -> bool:
                  & ((t == cells[:, 1]) | (t == K_NO_TIME))).all())
 
 
-def tdnn_index_rows_for_grid(g: TimeGrid, input_rows: np.ndarray, output_rows: np.ndarray
+def tdnn_index_rows_for_grid(g: TimeGrid, input_rows: np.ndarray, output_rows: np.ndarray,
+                             pairs: np.ndarray | None = None
                              ) -> tuple[np.ndarray, np.ndarray]:
-    """Kaldi's GetIndexesForComputation on (k, 3) n, t, x arrays."""
-    pairs = _nx_pairs(input_rows)
+    """Kaldi's GetIndexesForComputation on (k, 3) n, t, x arrays (``pairs``: the
+    (n, x) pairs of the input rows, when known)."""
+    if pairs is None:
+        pairs = _nx_pairs(input_rows)
     new_in = _grid_rows(pairs, g.start_t_in, g.t_step_in, g.num_t_in, g.reorder_t_in,
                         input_rows)
     new_out = _grid_rows(pairs, g.start_t_out, g.t_step_out, g.num_t_out, 1, output_rows)
@@ -403,11 +410,13 @@ class TdnnComponent(UpdatableComponent):
     def reorder_index_arrays(self, input_rows: np.ndarray, output_rows: np.ndarray
                              ) -> tuple[np.ndarray, np.ndarray]:
         """reorder_indexes on (k, 3) n, t, x int64 arrays (blank rows t = kNoTime)."""
+        input_rows, output_rows = _as_rows(input_rows), _as_rows(output_rows)
+        pairs = _nx_pairs(input_rows)
         try:
-            grid = tdnn_time_grid(input_rows, output_rows)
+            grid = _time_grid(input_rows, output_rows, pairs)
         except ComponentError as e:
             raise ComponentError(e.reason, component=self.label()) from None
-        return tdnn_index_rows_for_grid(grid, input_rows, output_rows)
+        return tdnn_index_rows_for_grid(grid, input_rows, output_rows, pairs)
 
     def reorder_indexes(self, input_indexes, output_indexes):
         new_in, new_out = self.reorder_index_arrays(_as_rows(input_indexes),
@@ -418,13 +427,14 @@ class TdnnComponent(UpdatableComponent):
                                 output_rows: np.ndarray, need_backprop: bool
                                 ) -> TdnnPrecomputedIndexes:
         """precompute_indexes on (k, 3) n, t, x int64 arrays."""
+        input_rows, output_rows = _as_rows(input_rows), _as_rows(output_rows)
+        pairs = _nx_pairs(input_rows)
         try:
-            g = tdnn_time_grid(input_rows, output_rows)
+            g = _time_grid(input_rows, output_rows, pairs)
         except ComponentError as e:
             raise ComponentError(e.reason, component=self.label()) from None
         # The indexes must already be in the order reorder_indexes produces (Kaldi
         # spot-checks this at random; the check is cheap enough to do always).
-        pairs = _nx_pairs(input_rows)
         if not (_matches_grid(input_rows, _grid_cells(pairs, g.start_t_in, g.t_step_in,
                                                       g.num_t_in, g.reorder_t_in))
                 and _matches_grid(output_rows, _grid_cells(pairs, g.start_t_out,
