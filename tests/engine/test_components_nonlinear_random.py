@@ -276,3 +276,28 @@ def test_backprop_truncation_index_arrays_equal_index_lists(interval, recurrence
     assert repr(quiet.precompute_index_arrays(None, one, one, True).zeroing_sum) == "-0.0"
     with pytest.raises(Exception, match="must be equal"):
         comp.precompute_index_arrays(None, one, np.zeros((0, 3), dtype=np.int64), True)
+
+
+@pytest.mark.parametrize("cfg", ["dim=8 block-dim=2 time-period=5", "dim=6 block-dim=3",
+                                 "dim=4 time-period=1"])
+def test_general_dropout_index_arrays_equal_index_lists(cfg):
+    """GeneralDropoutComponent.precompute_index_arrays (what the compiler calls) gives
+    the mask rows precompute_indexes gives (rows numbered by first appearance of each
+    (n, t-block) pair), for repeated and unordered pairs and very wide ranges."""
+    comp = component_from_config("GeneralDropoutComponent", cfg)
+    rng = np.random.default_rng(11)
+    cases = [[(0, 3, 0)], [(1, t, 0) for t in range(-7, 9)] + [(0, t, 0) for t in range(4)]]
+    cases += [[tuple(r) for r in rng.integers(-30, 30, size=(k, 3)).tolist()]
+              for k in (2, 9, 40)]
+    cases += [[(0, -2 ** 31, 0), (5, 2 ** 31 - 1, 0), (0, -2 ** 31, 0), (2 ** 31 - 1, 0, 1)]]
+    for rows in cases:
+        idx = [Index(*r) for r in rows]
+        arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
+        want = comp.precompute_indexes(None, idx, idx, True)
+        got = comp.precompute_index_arrays(None, arr, arr.copy(), True)
+        assert got.to_data() == want.to_data()
+    one = np.array([[0, 1, 0]], dtype=np.int64)
+    with pytest.raises(Exception, match="identical"):
+        comp.precompute_index_arrays(None, one, one + 1, True)
+    with pytest.raises(Exception, match="identical"):
+        comp.precompute_index_arrays(None, one, np.zeros((0, 3), dtype=np.int64), True)

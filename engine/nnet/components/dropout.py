@@ -372,13 +372,36 @@ class GeneralDropoutComponent(RandomComponent):
         if list(input_indexes) != list(output_indexes):
             raise ComponentError("input and output indexes must be identical",
                                  component=self.label())
-        arr = indexes_to_array(input_indexes).astype(np.int64)
+        return self._mask_rows(indexes_to_array(input_indexes).astype(np.int64))
+
+    def precompute_index_arrays(self, misc_info: MiscComputationInfo | None,
+                                input_rows: np.ndarray, output_rows: np.ndarray,
+                                need_backprop: bool) -> GeneralDropoutComponentPrecomputedIndexes:
+        """precompute_indexes on (k, 3) n, t, x int64 arrays."""
+        if input_rows.shape != output_rows.shape or not np.array_equal(input_rows, output_rows):
+            raise ComponentError("input and output indexes must be identical",
+                                 component=self.label())
+        return self._mask_rows(input_rows)
+
+    def _mask_rows(self, arr: np.ndarray) -> GeneralDropoutComponentPrecomputedIndexes:
         n = arr[:, 0]
         t = (np.floor_divide(arr[:, 1], self.time_period) if self.time_period > 0
              else np.zeros_like(n))
-        # mask rows numbered by first appearance of each (n, t-block) pair
-        keys = np.stack([n, t], axis=1)
-        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        # mask rows numbered by first appearance of each (n, t-block) pair (the
+        # numbering does not depend on how np.unique orders the pairs: one int key
+        # per pair where the ranges allow it, else the pairs as rows)
+        if len(n):
+            n0, t0 = int(n.min()), int(t.min())
+            span_t = int(t.max()) - t0 + 1
+            flat = (int(n.max()) - n0 + 1) * span_t < 2 ** 62
+        else:
+            flat = False
+        if flat:
+            _, first, inverse = np.unique((n - n0) * span_t + (t - t0), return_index=True,
+                                          return_inverse=True)
+        else:
+            _, first, inverse = np.unique(np.stack([n, t], axis=1), axis=0, return_index=True,
+                                          return_inverse=True)
         inverse = inverse.reshape(-1)
         order = np.argsort(first, kind="stable")
         rank = np.empty_like(order)
