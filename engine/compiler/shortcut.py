@@ -36,6 +36,7 @@ possible, else Compiler + optimizer.
 from __future__ import annotations
 
 import logging
+from itertools import chain
 from typing import Callable
 
 import numpy as np
@@ -45,7 +46,7 @@ from engine.compiler.computation import (CommandType as CT, MatrixDebugInfo, Nne
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import make_indexes
 from engine.compiler.request import ComputationRequest, IoSpecification
-from engine.core.index import Index
+from engine.core.index import Index, index_rows
 
 log = logging.getLogger("engine.compiler.shortcut")
 
@@ -125,15 +126,15 @@ def convert_num_n_values(rows: np.ndarray, stride: int, old_n: int, new_n: int) 
 
 
 def _index_rows(indexes) -> np.ndarray:
-    return np.array(indexes, dtype=np.int64).reshape(-1, 3)
+    return index_rows(indexes)
 
 
 def _cindex_rows(cindexes) -> np.ndarray:
     """(rows, 4) array [n, node, t, x] of a list of (node, Index)."""
     if not cindexes:
         return np.zeros((0, 4), dtype=np.int64)
-    return np.array([(ix[0], nd, ix[1], ix[2]) for nd, ix in cindexes],
-                    dtype=np.int64).reshape(-1, 4)
+    return np.fromiter(chain.from_iterable((ix[0], nd, ix[1], ix[2]) for nd, ix in cindexes),
+                       dtype=np.int64).reshape(-1, 4)
 
 
 def request_is_decomposable(request: ComputationRequest

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index
+from engine.core.index import Index, index_rows
 from engine.core.xp import array_module
 from engine.nnet.components._nonsimple_utils import add_row_ranges, config_errors_name_type
 from engine.nnet.components.base import (
@@ -43,8 +43,8 @@ def _range_lookup(input_indexes, output_indexes, lo_t: np.ndarray, hi_t: np.ndar
     Kaldi looks each grid time up separately and asserts the hits are contiguous;
     here the sort order makes the hits a searchsorted range, and off-grid inputs
     inside a range (which Kaldi's assertion would reject) are reported."""
-    inp = np.asarray([tuple(i) for i in input_indexes], dtype=np.int64).reshape(-1, 3)
-    out = np.asarray([tuple(i) for i in output_indexes], dtype=np.int64).reshape(-1, 3)
+    inp = index_rows(input_indexes)
+    out = index_rows(output_indexes)
     if inp.shape[0] > 1:
         prev, nxt = inp[:-1], inp[1:]
         ok = (prev[:, 0] < nxt[:, 0]) | ((prev[:, 0] == nxt[:, 0]) & (
