@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from engine.core.errors import RequestError
-from engine.core.index import Index
+from engine.core.index import Index, index_rows
 from engine.nnet.components.base import MiscComputationInfo
 
 _INT32_MIN = -(2 ** 31)
@@ -39,7 +39,7 @@ def _to_index_list(indexes: Any, where: str) -> list[Index]:
         if arr.ndim != 2 or arr.shape[1] != 3 or (arr.size and arr.dtype.kind not in "iu"):
             raise RequestError(f"{where}: indexes must be an (N, 3) integer array of [n, t, x] "
                                f"rows, got shape {arr.shape} dtype {arr.dtype}")
-        return [Index(int(a), int(b), int(c)) for a, b, c in arr.tolist()]
+        return list(map(Index._make, arr.tolist()))     # tolist() gives Python ints
     out: list[Index] = []
     for k, row in enumerate(indexes):
         if isinstance(row, Index):
@@ -72,7 +72,7 @@ class IoSpecification:
 
     def indexes_array(self) -> np.ndarray:
         """The Indexes as an (N, 3) int32 array of [n, t, x] rows."""
-        return np.array(self.indexes, dtype=np.int32).reshape(-1, 3)
+        return index_rows(self.indexes, np.int32)
 
     def to_json(self) -> dict:
         return {"name": self.name, "has_deriv": self.has_deriv,
@@ -222,6 +222,14 @@ class ComputationRequest:
 def _check_indexes(kind: str, name: str, indexes: list[Index]) -> None:
     if not indexes:
         raise RequestError(f"{kind} {name!r} has an empty list of indexes")
+    # the common case on whole arrays and one set; a failure is located row by row
+    try:
+        rows = index_rows(indexes)
+        in_range = bool(((rows > _INT32_MIN) & (rows <= _INT32_MAX)).all())
+    except OverflowError:
+        in_range = False
+    if in_range and len(set(indexes)) == len(indexes):
+        return
     seen: dict[Index, int] = {}
     for k, idx in enumerate(indexes):
         for v in idx:

@@ -92,6 +92,8 @@ def test_lookups(nnet):
      "input 'input' is listed more than once"),
     (lambda r: setattr(r, "need_model_derivative", True), "no output has has_deriv"),
     (lambda r: r.inputs[1].indexes.append(Index(1, -2 ** 31, 0)), "outside the 32-bit range"),
+    (lambda r: r.inputs[1].indexes.append(Index(1, 0, 2 ** 31)), "'ivector': index 1 (1, 0, 2147483648)"),
+    (lambda r: r.inputs[1].indexes.append(Index(2 ** 70, 0, 0)), "outside the 32-bit range"),
 ])
 def test_validate_names_the_fault(nnet, mutate, message):
     req = make_request()
