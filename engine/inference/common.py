@@ -27,9 +27,9 @@ def lcm(a: int, b: int) -> int:
 
 
 def prepare_nnet(nnet, collapse: bool = True):
-    """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode
-    and, when the optimizer provides ``collapse_model``, collapsed.  The caller's
-    network is never modified."""
+    """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode,
+    when the optimizer provides ``collapse_model`` collapsed, and its parameters
+    read-only (``Nnet.freeze_parameters``).  The caller's network is never modified."""
     nnet = nnet.copy()
     nnet.set_test_mode(True)
     if collapse:
@@ -38,7 +38,8 @@ def prepare_nnet(nnet, collapse: bool = True):
             result = fn(nnet)
             if result is not None and not isinstance(result, bool):
                 nnet = result
-    return nnet
+    # read-only weights: the executor may use its contiguous transposed copies
+    return nnet.freeze_parameters()
 
 
 def _optimizer_attr(name: str):

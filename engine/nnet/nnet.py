@@ -13,6 +13,8 @@ from __future__ import annotations
 from enum import Enum, IntEnum
 from typing import Iterable
 
+import numpy as np
+
 from engine.core.errors import ComponentError, ConfigError
 from engine.nnet.descriptors import Descriptor
 
@@ -208,6 +210,20 @@ class Nnet:
     def set_test_mode(self, test_mode: bool = True) -> None:
         for c in self.components:
             c.set_test_mode(test_mode)
+
+    def freeze_parameters(self) -> "Nnet":
+        """Make every component's parameter and fixed arrays read-only (NumPy arrays
+        only), in place; returns the network.  For decoding copies: the executor may
+        then keep derived copies of the weights (a contiguous transpose, see
+        engine/runtime/gemm.py), which stay valid because the arrays cannot change.
+        To change a frozen network's weights, assign new arrays (never make a frozen
+        array writeable again); copies (``copy``) are writeable."""
+        for c in self.components:
+            for name in tuple(c.PARAMS) + tuple(c.ARRAYS):
+                v = getattr(c, name, None)
+                if isinstance(v, np.ndarray):
+                    v.flags.writeable = False
+        return self
 
     def component_type_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -64,7 +64,7 @@ from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
                                                  PerElementScaleComponent)
 from engine.nnet.components.tdnn import TdnnComponent
-from engine.runtime.gemm import DIRECT, DOT, EXCHANGED, nt_form
+from engine.runtime.gemm import DIRECT, DOT, EXCHANGED, TCOPY, frozen, nt_form, transposed_copy
 
 _matmul, _dot, _add, _multiply, _copyto = np.matmul, np.dot, np.add, np.multiply, np.copyto
 _exp, _divide, _maximum = np.exp, np.divide, np.maximum
@@ -121,7 +121,7 @@ def _logistic(a, out, e, d, h, positive_strict: bool, ai=None, ei=None) -> None:
 # --------------------------------------------------------------------------------------
 # affine-type components: out[...] = x @ W^T (+ b).  The product is the components'
 # ``x @ W.T`` or, where gemm.nt_form has found it faster and equal bit for bit,
-# ``(W @ x.T).T`` (see gemm.py).
+# ``(W @ x.T).T``, ``np.dot`` or, for frozen weights, ``x @ (copy of W.T)`` (gemm.py).
 
 
 def _product_nt(x, w, direct_out):
@@ -134,6 +134,8 @@ def _product_nt(x, w, direct_out):
         return t.T
     if form == DOT:
         _dot(x, w.T, direct_out)
+    elif form == TCOPY:
+        _matmul(x, transposed_copy(w), out=direct_out)
     else:
         _matmul(x, w.T, out=direct_out)
     return direct_out
@@ -151,19 +153,20 @@ class _BoundNT:
         self.t = self.tT = None
 
     def __call__(self, w, direct_out):
-        if w is not self.w:
+        # a weight made writeable again after its copy was taken: decide anew
+        if w is not self.w or (self.form == TCOPY and not frozen(w)):
             self.form = nt_form(self.x, w, direct_out)
             if self.form == EXCHANGED and self.t is None:
                 self.t = self.scratch.get((self.shape[1], self.shape[0]), self.slot,
                                           direct_out.dtype)
                 self.tT = self.t.T
-            self.w, self.wT = w, w.T
+            self.w, self.wT = w, (transposed_copy(w) if self.form == TCOPY else w.T)
         if self.form == EXCHANGED:
             _matmul(w, self.xT, self.t)
             return self.tT
         if self.form == DOT:
             _dot(self.x, self.wT, direct_out)
-        else:
+        else:       # DIRECT (wT is w.T) or TCOPY (wT is the contiguous copy)
             _matmul(self.x, self.wT, direct_out)
         return direct_out
 
@@ -191,21 +194,22 @@ def _bind_affine(x, out, scratch):
     def f(comp, pre):
         nonlocal cur_w, wT, t, tT, form
         w = comp.linear_params
-        if w is not cur_w or w.shape != wshape:
+        if (w is not cur_w or w.shape != wshape
+                or (form == TCOPY and not frozen(w))):
             if w.ndim != 2 or w.shape != wshape:
                 return comp.propagate(pre, x, out)
             form = nt_form(x, w, out)
             if form == EXCHANGED and t is None:
                 t = scratch.get((wshape[0], x.shape[0]), 20)
                 tT = t.T
-            cur_w, wT = w, w.T
+            cur_w, wT = w, (transposed_copy(w) if form == TCOPY else w.T)
         if form == EXCHANGED:
             _matmul(w, xT, t)
             _add(tT, comp.bias_params, out)
         else:
             if form == DOT:
                 _dot(x, wT, out)
-            else:
+            else:       # DIRECT (wT is w.T) or TCOPY (wT is the contiguous copy)
                 _matmul(x, wT, out)
             _add(out, comp.bias_params, out)
         return None

@@ -413,6 +413,122 @@ def test_product_forms_agree_with_the_components_product():
     assert seen <= {gemm.DIRECT, gemm.DOT, gemm.EXCHANGED}
 
 
+def _frozen(a):
+    a = np.array(a)
+    a.flags.writeable = False
+    return a
+
+
+def test_product_forms_on_frozen_weights_agree_and_use_the_transposed_copy():
+    from engine.runtime import gemm  # noqa: PLC0415
+    from engine.runtime.fastpaths import _product_nt  # noqa: PLC0415
+    rng = np.random.default_rng(6)
+    gemm.forget_choices()
+    seen = set()
+    for rows, n, k in [(1, 128, 232), (3, 1024, 320), (8, 256, 768), (21, 384, 64),
+                       (21, 64, 384), (35, 384, 64), (2, 64, 128), (150, 300, 128)]:
+        big = rng.standard_normal((rows + 2, k + 7)).astype(np.float32)
+        w = _frozen(rng.standard_normal((n, k)).astype(np.float32))
+        assert gemm.frozen(w) and gemm.frozen(w[:, 1:])
+        for x in (big[1:rows + 1, 3:3 + k], np.ascontiguousarray(big[1:rows + 1, 3:3 + k])):
+            out = np.empty((rows, n), np.float32)
+            got = _product_nt(x, w, out)
+            seen.add(gemm.nt_form(x, w, out))
+            assert np.array_equal(got, x @ w.T), (rows, n, k)
+    # 21-row TDNN-F products: the copy is 2x faster on OpenBLAS; where a BLAS rounds
+    # it differently the check keeps another form (the products above still agree)
+    assert seen <= {gemm.DIRECT, gemm.DOT, gemm.EXCHANGED, gemm.TCOPY}
+    # the TCOPY form itself, whatever this machine's timings chose
+    x = rng.standard_normal((21, 64)).astype(np.float32)
+    w = _frozen(rng.standard_normal((384, 64)).astype(np.float32))
+    out = np.empty((21, 384), np.float32)
+    gemm.nt_form(x, w, out)
+    for key in gemm._choice:
+        gemm._choice[key] = gemm.TCOPY
+    got = _product_nt(x, w, out)
+    assert got is out and np.array_equal(out, x @ np.ascontiguousarray(w.T))
+    gemm.forget_choices()
+
+
+def test_frozen_means_nothing_writeable_underneath():
+    from engine.runtime import gemm  # noqa: PLC0415
+    base = np.zeros((4, 6), np.float32)
+    view = base[:, 2:]
+    view.flags.writeable = False
+    assert not gemm.frozen(view)            # the base can still change it
+    assert not gemm.frozen(base)
+    base.flags.writeable = False
+    assert gemm.frozen(view) and gemm.frozen(base)
+    assert gemm.frozen(np.frombuffer(b"\0" * 64, np.float32))   # immutable bytes
+    assert not gemm.frozen(np.frombuffer(bytearray(64), np.float32))
+
+
+def test_transposed_copies_follow_their_weights():
+    import gc  # noqa: PLC0415
+    from engine.runtime import gemm  # noqa: PLC0415
+    gemm.forget_choices()
+    w = _frozen(np.arange(24, dtype=np.float32).reshape(4, 6))
+    c = gemm.transposed_copy(w)
+    assert c.flags.c_contiguous and not c.flags.writeable and np.array_equal(c, w.T)
+    assert gemm.transposed_copy(w) is c                      # made once
+    block = w[:, 2:4]                                        # a TDNN column block
+    cb = gemm.transposed_copy(block)
+    assert np.array_equal(cb, block.T) and cb is not c
+    assert gemm.transposed_copy(w[:, 2:4]) is cb             # same block, new view object
+    assert len(gemm._copies) == 1
+    del w, block, c, cb
+    gc.collect()
+    assert gemm._copies == {}                                # dropped with the weight
+
+
+def test_bound_products_notice_a_weight_made_writeable_again():
+    """A frozen weight whose copy was taken, then made writeable and changed in place
+    (which freeze_parameters asks never to do): the bound affine decides anew and
+    uses the new values instead of the stale copy."""
+    from engine.nnet.components.affine import AffineComponent  # noqa: PLC0415
+    from engine.runtime import gemm  # noqa: PLC0415
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import bind_propagate  # noqa: PLC0415
+    rng = np.random.default_rng(7)
+    gemm.forget_choices()
+    comp = AffineComponent()
+    comp.linear_params = _frozen(rng.standard_normal((384, 64)).astype(np.float32))
+    comp.bias_params = _frozen(rng.standard_normal(384).astype(np.float32))
+    x = rng.standard_normal((21, 64)).astype(np.float32)
+    out = np.empty((21, 384), np.float32)
+    f = bind_propagate(AffineComponent, x, out, Scratch(np))
+    f(comp, None)
+    want = np.empty_like(out)
+    comp.propagate(None, x, want)
+    assert np.array_equal(out, want)
+    comp.linear_params.flags.writeable = True
+    comp.linear_params *= 2
+    f(comp, None)
+    comp.propagate(None, x, want)
+    assert np.array_equal(out, want)
+
+
+def test_decoding_networks_are_frozen_and_give_the_same_bits():
+    from engine.inference.common import prepare_nnet  # noqa: PLC0415
+    for seed in range(6):
+        nnet, req, rng = _random_case(900 + seed)
+        prepared = prepare_nnet(nnet)
+        arrays = [getattr(c, p) for c in prepared.components for p in c.PARAMS]
+        assert arrays and all(not a.flags.writeable for a in arrays
+                              if isinstance(a, np.ndarray))
+        assert all(a.flags.writeable for c in nnet.components for p in c.PARAMS
+                   if isinstance(a := getattr(c, p), np.ndarray))   # caller's untouched
+        plain = prepared.copy()
+        x = random_inputs(prepared, req, rng)
+        comp = compile_request(prepared, req, True)
+        a = run_network(prepared, req, x, None, computation=comp)
+        b = run_network(plain, req, x, None, computation=comp)
+        for name in a.outputs:
+            assert _same_bits(a.outputs[name], b.outputs[name])
+        with pytest.raises(ValueError):
+            next(p for p in arrays if isinstance(p, np.ndarray) and p.size)[...] = 0
+
+
 def _special(shape, rng):
     a = rng.standard_normal(shape).astype(np.float32) * 30
     flat = a.reshape(-1)
