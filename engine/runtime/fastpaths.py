@@ -255,23 +255,22 @@ def _tdnn_ok(comp, x, out) -> bool:
                 or x.shape[1] != w.shape[1] // k or out.shape[1] != w.shape[0])
 
 
-def _tdnn_bias(comp, out) -> None:
-    if comp.bias_params.shape[0] != 0:
-        out[...] = comp.bias_params
-
-
 def _tdnn(comp, pre, x, out):
     if not _tdnn_ok(comp, x, out):
         return comp.propagate(pre, x, out)
     w = comp.linear_params
     d, rows = x.shape[1], out.shape[0]
     stride, offsets = comp._layout(pre, x.shape[0], rows)   # raises as propagate would
-    _tdnn_bias(comp, out)
+    bias = comp.bias_params
     tmp = np.empty(out.shape, dtype=out.dtype)
     for i, off in enumerate(offsets):
-        # out += part @ W_i^T, the product in a temporary as the component makes it
-        _add(out, _product_nt(comp._part(x, off, stride, rows), w[:, i * d:(i + 1) * d], tmp),
-             out=out)
+        part, block = comp._part(x, off, stride, rows), w[:, i * d:(i + 1) * d]
+        if i == 0 and bias.shape[0] != 0:
+            # bias + first product, as the component sums them (addition commutes exactly)
+            _add(_product_nt(part, block, out), bias, out=out)
+        else:
+            # out += part @ W_i^T, the product in a temporary as the component makes it
+            _add(out, _product_nt(part, block, tmp), out=out)
     return None
 
 
@@ -293,14 +292,19 @@ def _bind_tdnn(x, out, scratch):
         if blocks[0] is not w:
             blocks[0] = w
             blocks[1] = tuple(w[:, i * d:(i + 1) * d] for i in range(len(offsets)))
-        _tdnn_bias(comp, out)
         wb = blocks[1]
+        bias = comp.bias_params
         for i, off in enumerate(offsets):
             prod = parts.get((off, stride, i))
             if prod is None:
                 prod = parts[(off, stride, i)] = _BoundNT(comp._part(x, off, stride, rows),
                                                           out.shape, scratch, 20)
-            _add(out, prod(wb[i], tmp), out=out)
+            if i == 0 and bias.shape[0] != 0:
+                # the component writes the bias, then adds the first product: the same
+                # sum (addition commutes exactly) without the pass that copies the bias
+                _add(prod(wb[i], out), bias, out=out)
+            else:
+                _add(out, prod(wb[i], tmp), out=out)
         return None
     return f
 
