@@ -62,7 +62,8 @@ class LoopedModel:
         self.has_ivectors = prepared.get_node_index("ivector") >= 0
         self.ivector_dim = prepared.input_dim("ivector") if self.has_ivectors else 0
         if self.has_ivectors:
-            prepared = modify_nnet_ivector_period(prepared, self.chunk_size)
+            # a copy (writeable again): frozen like prepare_nnet's (engine/runtime/gemm.py)
+            prepared = modify_nnet_ivector_period(prepared, self.chunk_size).freeze_parameters()
         self.nnet = prepared
         self.input_dim = prepared.input_dim("input")
         self.output_dim = prepared.output_dim("output")

@@ -239,3 +239,16 @@ def test_stream_batch_equals_single_streams():
         assert_close(np.concatenate(got[j]), ref, f"stream {j}")
     with pytest.raises(StreamError):
         sb.push(0, feats(2))
+
+
+@pytest.mark.parametrize("config_text", [TDNN_PLAIN, TDNN_IVECTOR, RECURRENT])
+def test_looped_models_decode_with_frozen_weights(config_text):
+    """The streaming network (prepared, i-vector period rewritten) has read-only
+    parameters, so the executor may use its transposed weight copies; the
+    caller's network stays writeable."""
+    nnet = make_nnet(config_text)
+    model = LoopedModel(nnet, LoopedConfig(6, 0, 1))
+    params = [getattr(c, p) for c in model.nnet.components for p in c.PARAMS]
+    assert params and not any(a.flags.writeable for a in params if isinstance(a, np.ndarray))
+    assert all(a.flags.writeable for c in nnet.components for p in c.PARAMS
+               if isinstance(a := getattr(c, p), np.ndarray))
