@@ -113,6 +113,10 @@ class Executor:
         self._mode: str | None = None       # None (undecided), "static", "dynamic"
         self._program = None
         self._bound = None
+        # dynamic programs: per command, its bound fast propagates on the matrices
+        # it last ran on (program._bound_for) and their temporaries
+        self._dyn_bound: dict = {}
+        self._dyn_scratch = None
         if computation.need_model_derivative:
             self._make_gradient_nnet()
 
@@ -229,6 +233,7 @@ class Executor:
                 self.pool.release(self.xp, a)
             self._matrices[m] = None
         self._memos.clear()
+        self._dyn_bound.clear()
         self._release_arena()
 
     # -- the static plan ---------------------------------------------------------------------

@@ -66,16 +66,6 @@ def _like(a, rng) -> np.ndarray:
     return base[:rows, :cols]
 
 
-def _time(fn, reps: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def frozen(w) -> bool:
     """True when ``w`` cannot change under a copy made of it: a read-only NumPy
     array whose whole chain of bases is read-only NumPy arrays or ``bytes``."""
@@ -155,11 +145,14 @@ def _decide(x, w, out, is_frozen: bool = False) -> int:
             calls[TCOPY] = lambda: np.matmul(xs, wt, out=o4)
     if len(calls) == 1:
         return DIRECT
-    # the forms in turn, several rounds, each form's fastest run (robust to load)
+    # the forms in turn (each already ran once above), several rounds, each form's
+    # fastest run: robust to load, and about six calls per form in all
     times = dict.fromkeys(calls, float("inf"))
-    for _ in range(9):
+    for _ in range(5):
         for form, fn in calls.items():
-            times[form] = min(times[form], _time(fn, reps=1))
+            t = time.perf_counter()
+            fn()
+            times[form] = min(times[form], time.perf_counter() - t)
     best = min(times, key=times.get)
     # another form only when clearly faster (timings on a shared machine are noisy)
     return best if times[best] < 0.9 * times[DIRECT] else DIRECT

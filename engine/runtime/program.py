@@ -41,7 +41,7 @@ import numpy as np
 
 from engine.compiler.computation import CommandType as CT
 from engine.runtime import kernels as K
-from engine.runtime.arena import BoundProgram, StaticLayout
+from engine.runtime.arena import BoundProgram, Scratch, StaticLayout
 from engine.runtime.fastpaths import bind_propagate, fast_propagate
 
 
@@ -190,6 +190,20 @@ class ProgramBuilder:
             def op(ex, mats):
                 ex._memos[memo_index] = ex._components[ci].propagate(
                     ex._precomputed[pi], get_in(mats), get_out(mats))
+        elif fast is not None and self.xp is np and c.arg3 > 0 and c.arg4 > 0:
+            m_in, key_in = self.views[c.arg3]
+            k = self.k
+
+            def op(ex, mats):
+                comp = ex._components[ci]
+                if type(comp) is not ctype:
+                    comp.propagate(ex._precomputed[pi], get_in(mats), get_out(mats))
+                    return
+                f = _bound_for(ex, k, ctype, mats[m_in], key_in, mats[m_out], key_out)
+                if f is None:
+                    fast(comp, ex._precomputed[pi], get_in(mats), get_out(mats))
+                else:
+                    f(comp, ex._precomputed[pi])
         elif fast is not None:
             def op(ex, mats):
                 comp = ex._components[ci]
@@ -317,6 +331,31 @@ class ProgramBuilder:
         def op(ex, mats):
             return target      # the loop then steps past the label
         return op
+
+
+def _bound_for(ex, k, ctype, a, key_a, b, key_b):
+    """The bound fast propagate (fastpaths.bind_propagate) of command ``k`` on the
+    matrices ``a`` (input) and ``b`` (output) as this executor holds them now, or
+    None when there is none.  Dynamic programs (looped computations) run the same
+    command on the same few pool buffers chunk after chunk (two, when a swap
+    alternates them), so each command keeps its last two bindings, per executor
+    (a program is shared between threads; an executor is not).  An entry holds
+    the matrices themselves, so an identity match is always the same memory."""
+    if a is None or b is None:
+        return None
+    cache = ex._dyn_bound
+    entries = cache.get(k)
+    if entries is not None:
+        for e in entries:
+            if e[0] is a and e[1] is b:
+                return e[2]
+    if ex._dyn_scratch is None:
+        ex._dyn_scratch = Scratch(np)
+    f = bind_propagate(ctype, a if key_a is None else a[key_a],
+                       b if key_b is None else b[key_b], ex._dyn_scratch)
+    e = (a, b, f)
+    cache[k] = [e] if entries is None else [e, entries[0]]
+    return f
 
 
 def _nop(ex, mats):

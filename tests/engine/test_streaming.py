@@ -252,3 +252,30 @@ def test_looped_models_decode_with_frozen_weights(config_text):
     assert params and not any(a.flags.writeable for a in params if isinstance(a, np.ndarray))
     assert all(a.flags.writeable for c in nnet.components for p in c.PARAMS
                if isinstance(a := getattr(c, p), np.ndarray))
+
+
+def test_concurrent_streams_of_one_model_equal_sequential_ones():
+    """Streams of one LoopedModel share its dynamic program; the bound propagates
+    each executor keeps (runtime/program._bound_for) are its own, so streams run
+    at the same time in threads give exactly what they give one after another."""
+    import threading  # noqa: PLC0415
+    for config in (RECURRENT, TDNN_PLAIN):
+        model = LoopedModel(make_nnet(config), LoopedConfig(5, 0, 1))
+        xs = [feats(40 + 7 * j, seed=j) for j in range(4)]
+        want = [run_stream(model, x, [3, 11, 2, 9]) for x in xs]
+        got: list = [None] * len(xs)
+
+        def work(j):
+            for _ in range(3):
+                got[j] = run_stream(model, xs[j], [3, 11, 2, 9])
+        threads = [threading.Thread(target=work, args=(j,)) for j in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w)
+        s = model.stream()
+        s.push(xs[0])
+        bound = s.executor._dyn_bound
+        assert bound and all(len(v) <= 2 for v in bound.values())
