@@ -372,7 +372,11 @@ class StreamBatch:
         self.ivectors = [Stream._check_ivector(checker, v) for v in ivectors]
         self.executor = Executor(model.computation, model.nnet, backend=model.backend,
                                  pool=model.pool)
+        # per stream: the frames still needed (from frame ``start[j]`` on) and how
+        # many were pushed in all; frames no later chunk reads are dropped
         self.frames = [np.zeros((0, model.input_dim), np.float32) for _ in range(b)]
+        self.start = [0] * b
+        self.received = [0] * b
         self.finished = [False] * b
         self.emitted = [0] * b
         self.chunks_computed = 0
@@ -383,11 +387,12 @@ class StreamBatch:
             raise StreamError(f"stream {j}: push after finish")
         f = as_features(frames, self.model.input_dim, f"stream {j} frames")
         self.frames[j] = np.concatenate([self.frames[j], f], axis=0)
+        self.received[j] += f.shape[0]
 
     def finish(self, j: int) -> None:
         if self.finished[j]:
             raise StreamError(f"stream {j}: finish() called twice")
-        if self.frames[j].shape[0] == 0:
+        if self.received[j] == 0:
             raise StreamError(f"stream {j}: finished without any frames")
         self.finished[j] = True
 
@@ -401,14 +406,16 @@ class StreamBatch:
         while True:
             k = self.chunks_computed
             begin, end = m.input_range(k)
-            totals = [(f.shape[0] + m.fsf - 1) // m.fsf for f in self.frames]
-            ready = all((fin and f.shape[0] > 0) or f.shape[0] >= end
-                        for f, fin in zip(self.frames, self.finished))
+            totals = [(n + m.fsf - 1) // m.fsf for n in self.received]
+            ready = all((fin and n > 0) or n >= end
+                        for n, fin in zip(self.received, self.finished))
             if not ready or all(fin and k * per_chunk >= tot
                                 for fin, tot in zip(self.finished, totals)):
                 break
-            feats = np.concatenate([f[np.clip(np.arange(begin, end), 0, f.shape[0] - 1)]
-                                    for f in self.frames], axis=0)
+            # frames before 0 repeat frame 0, frames past the end repeat the last one
+            feats = np.concatenate([f[np.clip(np.arange(begin, end), 0, n - 1) - s0]
+                                    for f, n, s0 in zip(self.frames, self.received,
+                                                        self.start)], axis=0)
             self.executor.accept_input("input", feats)
             if m.has_ivectors:
                 count = m.num_ivectors[0 if k == 0 else 1]
@@ -419,6 +426,7 @@ class StreamBatch:
             if m.log_priors is not None:
                 out -= m.log_priors
             self.chunks_computed += 1
+            self._drop_frames_before(m.input_range(k + 1)[0])
             for j in range(b):
                 rows = out[j * per_chunk:(j + 1) * per_chunk]
                 if self.finished[j]:
@@ -427,3 +435,12 @@ class StreamBatch:
                 outs[j].append(rows)
         return [np.concatenate(o, axis=0) if o else np.zeros((0, m.output_dim), np.float32)
                 for o in outs]
+
+    def _drop_frames_before(self, first: int) -> None:
+        """Forget frames before ``first`` (the first frame a later chunk reads),
+        keeping at least the last frame pushed (a finished stream repeats it)."""
+        for j, f in enumerate(self.frames):
+            keep = min(max(first, 0), self.received[j] - 1)
+            if keep > self.start[j]:
+                self.frames[j] = f[keep - self.start[j]:].copy()
+                self.start[j] = keep

@@ -279,3 +279,31 @@ def test_concurrent_streams_of_one_model_equal_sequential_ones():
         s.push(xs[0])
         bound = s.executor._dyn_bound
         assert bound and all(len(v) <= 2 for v in bound.values())
+
+
+def test_stream_batch_keeps_only_the_frames_later_chunks_read():
+    """A long StreamBatch holds a bounded window of frames (not the whole history)
+    and still equals single streams."""
+    from engine.inference.stream import StreamBatch
+    model = LoopedModel(make_nnet(RECURRENT), LoopedConfig(5, 0, 1), num_sequences=2)
+    single = looped(RECURRENT, chunk=5)
+    xs = [feats(400, seed=3), feats(377, seed=4)]
+    sb = StreamBatch(model)
+    got = [[], []]
+    bound = model.chunk_size + model.frames_left_context + model.frames_right_context + 7
+    for start in range(0, 400, 7):
+        for j, x in enumerate(xs):
+            if start < len(x):
+                sb.push(j, x[start:start + 7])
+            elif not sb.finished[j]:
+                sb.finish(j)
+        for j, o in enumerate(sb.advance()):
+            got[j].append(o)
+        assert max(f.shape[0] for f in sb.frames) <= bound
+    for j in range(2):
+        if not sb.finished[j]:
+            sb.finish(j)
+    for j, o in enumerate(sb.advance()):
+        got[j].append(o)
+    for j, x in enumerate(xs):
+        assert_close(np.concatenate(got[j]), run_stream(single, x, []), f"stream {j}")
