@@ -1,6 +1,6 @@
 """``python -m bench [SUITE...] [--repeat N] [--compile-repeat N] [--models a,b]
 [--json PATH] [--markdown PATH]``: run benchmark suites (all by default: compile,
-forward, roofline, memory, torch), print a table per suite and, at the end, the
+forward, roofline, memory, executor, torch, stream), print a table per suite and, at the end, the
 whole result as JSON (also written to --json PATH)."""
 
 from __future__ import annotations

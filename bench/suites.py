@@ -22,7 +22,9 @@ below 1.0 meaning faster than Kaldi once machine speed is factored out.
 - ``executor``: the compiled command list against the interpreted handlers (the
   executor as it was before), bit-identity checked;
 - ``torch``: PyTorch (CPU) running the same TDNN-F and TDNN-LSTM from the same
-  weights (bench/torch_models.py), outputs checked equal first.
+  weights (bench/torch_models.py), outputs checked equal first;
+- ``stream``: online inference (bench/stream.py): one stream, a batch of streams
+  and whole-utterance inference of the same 30 s utterance, outputs checked first.
 """
 
 from __future__ import annotations
@@ -259,8 +261,14 @@ def suite_torch(r: Runner) -> list[dict]:
     return torch_models.run_suite(r)
 
 
+def suite_stream(r: Runner) -> list[dict]:
+    from bench.stream import suite_stream as run  # noqa: PLC0415
+    return run(r)
+
+
 SUITES = {"compile": suite_compile, "forward": suite_forward, "roofline": suite_roofline,
-          "memory": suite_memory, "executor": suite_executor, "torch": suite_torch}
+          "memory": suite_memory, "executor": suite_executor, "torch": suite_torch,
+          "stream": suite_stream}
 
 
 def format_table(rows: list[dict]) -> str:

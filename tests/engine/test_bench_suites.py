@@ -68,3 +68,23 @@ def test_bad_arguments_are_reported(tiny_models, capsys):
     with pytest.raises(SystemExit):
         bench_main.main(["nosuchsuite"])
     assert "unknown suite(s) nosuchsuite" in capsys.readouterr().err
+
+
+def test_stream_suite_rows(tiny_models, monkeypatch):
+    from bench import stream  # noqa: PLC0415
+    monkeypatch.setattr(stream, "FRAMES", 230)
+    out = tiny_models / "s.json"
+    assert bench_main.main(["stream", "--repeat", "1", "--models", "tiny",
+                            "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["suites"]["stream"]["rows"]
+    assert [r["model"] for r in rows] == ["tiny"]
+    r = rows[0]
+    # no looped.json: 21 frames per chunk, no subsampling; the stream equals the
+    # whole-utterance result within Kaldi's tolerance
+    assert (r["frames_per_chunk"], r["fsf"], r["batch"]) == (21, 1, stream.BATCH)
+    assert r["max_abs_diff"] <= r["tolerance"]
+    assert r["frames_per_s"] == pytest.approx(230 / (r["stream_ms"] / 1e3))
+    assert r["rtf"] == pytest.approx((r["stream_ms"] / 1e3) / 2.3)
+    assert r["batch_speedup"] == pytest.approx(r["batch_frames_per_s"] / r["frames_per_s"])
+    assert r["stream_over_offline"] == pytest.approx(r["stream_ms"] / r["offline_ms"])
+    assert 0 < r["chunk_ms"] <= r["stream_ms"]
