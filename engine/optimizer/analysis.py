@@ -31,13 +31,16 @@ accessed) next to Kaldi's ``MatrixAccesses``; matrices are accessed a few times
 each, so these scans are short.  The variables themselves and the access list
 of every variable (what the checker walks) are built only when asked for.
 ``Analyzer.reanalyze`` redoes just the matrices that a round of variable
-merging changed.
+merging changed; ``Analyzer.renumbered`` and ``Analyzer.remove_commands`` follow
+a renumbering and the deletion of commands, so that a pass can hand its
+analysis on instead of the next pass analysing again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
+from itertools import accumulate, compress
+from operator import attrgetter, itemgetter
 from types import SimpleNamespace
 
 from engine.compiler.computation import (COMMAND_SPECS, Access, ArgKind, CommandType,
@@ -54,6 +57,7 @@ READ, WRITE, READWRITE = Access.READ, Access.WRITE, Access.READWRITE
 # stored as Access members in the Kaldi-shaped lists; _ACCESS maps one to the other
 _R, _W, _RW = 1, 2, 3
 _ACCESS = (Access.NONE, READ, WRITE, READWRITE)
+_FIRST = itemgetter(0)
 
 
 class ComponentProperties(dict):
@@ -365,7 +369,8 @@ class Analyzer:
             whole[s] = ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
             rect[s] = (ro, ro + nr, co, co + nc)
         self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect = s2m, whole, rect
-        self.command_accesses = command_accesses(computation, self.props)
+        self._command_accesses: list | None = command_accesses(computation, self.props)
+        self._num_commands = len(computation.commands)   # the commands described
         self.matrix_accesses = out = [MatrixAccesses() for _ in range(nm)]
         self.entries: list[list[tuple]] = [[] for _ in range(nm)]
         self._submatrices_of: list[list[int]] | None = None
@@ -428,6 +433,18 @@ class Analyzer:
             acc[m].accesses.append((ci, _ACCESS[a]))
 
     # -- built when first asked for --------------------------------------------------------
+    @property
+    def command_accesses(self) -> list:
+        """Per command, its (submatrix, access bits) pairs (``command_accesses()``);
+        computed again from the computation when a renumbering dropped them."""
+        if self._command_accesses is None:
+            self._command_accesses = command_accesses(self.computation, self.props)
+        return self._command_accesses
+
+    @command_accesses.setter
+    def command_accesses(self, value: list) -> None:
+        self._command_accesses = value
+
     @property
     def submatrices_of(self) -> list[list[int]]:
         """matrix -> its submatrices (Kaldi's ComputeMatrixToSubmatrix)."""
@@ -554,28 +571,58 @@ class Analyzer:
     # -- incremental update ------------------------------------------------------------------
     def remove_commands(self, gone: set[int]) -> None:
         """Bring the analysis up to date after the commands ``gone`` (kNoOperation
-        now) were deleted from the list, the later ones moving up."""
-        n = len(self.command_accesses)
-        new_index = []
-        k = 0
-        for i in range(n):
-            new_index.append(k)
-            if i not in gone:
-                k += 1
-        self.command_accesses = [x for i, x in enumerate(self.command_accesses)
-                                 if i not in gone]
+        now) are deleted from the list, the later ones moving up (indexes in
+        ``gone`` are those before the deletion)."""
+        n = self._num_commands
+        kept = [True] * n
+        for i in gone:
+            kept[i] = False
+        new_index = list(accumulate(kept, initial=0))   # kept commands before each
+        self._num_commands = new_index[n]
+        if self._command_accesses is not None:
+            self._command_accesses = list(compress(self._command_accesses, kept))
         self._variables = self._variable_accesses = self._command_attributes = None
         for ma, ents in zip(self.matrix_accesses, self.entries):
             if ma.accesses:
-                ma.accesses = [(new_index[c], a) for c, a in ma.accesses if c not in gone]
+                ma.accesses = [(new_index[c], a) for c, a in ma.accesses if kept[c]]
             if ents:
-                ents[:] = [(new_index[c], a, r) for c, a, r in ents if c not in gone]
+                ents[:] = [(new_index[c], a, r) for c, a, r in ents if kept[c]]
             if ma.allocate_command >= 0:
                 ma.allocate_command = (-1 if ma.allocate_command in gone
                                        else new_index[ma.allocate_command])
             if ma.deallocate_command >= 0:
                 ma.deallocate_command = (-1 if ma.deallocate_command in gone
                                          else new_index[ma.deallocate_command])
+
+    def renumbered(self, matrix_used: list[bool]) -> None:
+        """Bring the analysis up to date after a renumbering of the computation
+        (``renumber_with_maps``) that kept the matrices in ``matrix_used`` (in
+        order) and renumbered the submatrices.  Command indexes and the rectangles
+        accessed do not change; the per-submatrix lists are made again from the
+        new submatrices and the command accesses when next asked for."""
+        c = self.computation
+        subs, mats = c.submatrices, c.matrices
+        ns = len(subs)
+        s2m = [0] * ns
+        whole = [False] * ns
+        rect: list = [None] * ns
+        for s in range(1, ns):
+            m, ro, nr, co, nc = subs[s]
+            s2m[s] = m
+            mi = mats[m]
+            whole[s] = ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
+            rect[s] = (ro, ro + nr, co, co + nc)
+        self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect = s2m, whole, rect
+        if not all(matrix_used):
+            for ma, ents, u in zip(self.matrix_accesses, self.entries, matrix_used):
+                if not u and (ents or ma.accesses or ma.allocate_command != -1
+                              or ma.deallocate_command != -1):
+                    raise ValueError("Analyzer.renumbered: a dropped matrix is still in use")
+            self.matrix_accesses = [x for x, u in zip(self.matrix_accesses, matrix_used) if u]
+            self.entries = [x for x, u in zip(self.entries, matrix_used) if u]
+        self._command_accesses = None
+        self._submatrices_of = None
+        self._variables = self._variable_accesses = self._command_attributes = None
 
     def reanalyze(self, groups: dict[int, list[int]]) -> set[int]:
         """Bring the analysis up to date after edits that moved every submatrix of
@@ -597,7 +644,7 @@ class Analyzer:
             moved: list[int] = []
             for m in group:
                 ma = macc[m]
-                touched.update([ci for ci, _ in ma.accesses])
+                touched.update(map(_FIRST, ma.accesses))
                 life.add(ma.allocate_command)
                 life.add(ma.deallocate_command)
                 if m != keep:
@@ -632,6 +679,23 @@ class Analyzer:
                 if ct in io:
                     life.add(ci)
                 continue
+            if len(lst) == 2:
+                (s, a), (t, b) = lst
+                m, n = s2m[s], s2m[t]
+                if m != n:   # the usual two-matrix command, one or both receiving
+                    if m in groups:
+                        used.add(s)
+                        entries[m].append((ci, a, rect[s]))
+                        macc[m].accesses.append(
+                            (ci, _ACCESS[_RW if a == _W and not whole[s] else a]))
+                    if n in groups:
+                        used.add(t)
+                        entries[n].append((ci, b, rect[t]))
+                        macc[n].accesses.append(
+                            (ci, _ACCESS[_RW if b == _W and not whole[t] else b]))
+                    if ct in io:
+                        life.add(ci)
+                    continue
             bits: dict[int, int] = {}
             for s, a in lst:
                 m = s2m[s]
@@ -647,13 +711,31 @@ class Analyzer:
                 life.add(ci)
         life.discard(-1)
         life_c = _Life(c, macc, whole, s2m)
+        alloc, dealloc, swap = CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, CT.SWAP_MATRIX
+        ns = len(s2m)
         for ci in sorted(life):
             cmd = cmds[ci]
-            if cmd.command_type == noop:
+            ct = cmd.command_type
+            if ct == noop:
                 cacc[ci] = ()
                 continue
+            s = cmd.arg1
+            # the usual cases inline; anything else (and every error) in _Life
+            if (ct == alloc or ct == dealloc) and 0 < s < ns and whole[s]:
+                m = s2m[s]
+                if m not in groups:
+                    continue
+                used.add(s)
+                ma = macc[m]
+                if ct == alloc:
+                    if ma.allocate_command == -1:
+                        ma.allocate_command = ci
+                        continue
+                elif ma.deallocate_command == -1:
+                    ma.deallocate_command = ci
+                    continue
             life_c.apply(ci, only=groups)
-            for s in (cmd.arg1, cmd.arg2) if cmd.command_type == CT.SWAP_MATRIX else (cmd.arg1,):
+            for s in (cmd.arg1, cmd.arg2) if ct == swap else (cmd.arg1,):
                 if s2m[s] in groups:
                     used.add(s)
         return used

@@ -33,7 +33,8 @@ from engine.optimizer.pipeline import (PASSES, PassContext, PassSpec, format_pas
 from engine.optimizer.passes.allocate_from_other import remove_unnecessary_allocation
 from engine.optimizer.passes.consolidate_io import consolidate_io_operations
 from engine.optimizer.passes.consolidate_model_update import consolidate_model_update
-from engine.optimizer.passes.initialize_undefined import remove_unnecessary_zeroing
+from engine.optimizer.passes.initialize_undefined import (_decided_by_sweep, _decided_on_grid,
+                                                          remove_unnecessary_zeroing)
 from engine.optimizer.passes.move_sizing_commands import move_sizing_commands
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
 from engine.optimizer.passes.renumber import renumber_computation
@@ -504,6 +505,103 @@ def test_per_matrix_variable_accesses_agree_with_the_variables():
                 assert ours == ref
                 checked += 1
     assert checked > 100
+
+
+def _zeroing_needed_by_variables(a: Analyzer, m: int) -> bool:
+    """Kaldi's test for one matrix: a variable whose second access is not a plain
+    write, or an output variable that only the zeroing touches."""
+    is_output = a.matrix_accesses[m].is_output
+    return any((len(acc) > 1 and acc[1][1] != 2) or (len(acc) == 1 and is_output)
+               for acc in a.variable_access_bits_of(m))
+
+
+def test_zeroing_sweep_agrees_with_the_variables():
+    """remove_unnecessary_zeroing decides most matrices by a walk over the
+    commands after the zeroing (on intervals, or on the grid of the accesses);
+    where a walk answers, it is what the variables say."""
+    decided = on_grid = 0
+    names = [p.name for p in PASSES]
+    for nnet, req, comp in _pipeline_cases():
+        c = run_passes(comp, nnet, OptimizeOptions(), req,
+                       passes=PASSES[:names.index("remove_unnecessary_zeroing")])[0]
+        a = Analyzer(nnet, c)
+        for m in range(1, len(c.matrices)):
+            ma = a.matrix_accesses[m]
+            if not ma.accesses:
+                continue
+            first = c.commands[ma.accesses[0][0]]
+            if not (first.command_type == CommandType.SET_CONST and first.alpha == 0.0):
+                continue
+            mi = c.matrices[m]
+            ents = a.entries[m]
+            quick = _decided_by_sweep(ents, mi.num_rows, mi.num_cols, ma.is_output)
+            if quick is not None:
+                assert quick == _zeroing_needed_by_variables(a, m)
+                decided += 1
+            if len(ents) > 1:
+                grid = _decided_on_grid(ents, mi.num_rows, mi.num_cols, ma.is_output)
+                if grid is not None:
+                    assert grid == _zeroing_needed_by_variables(a, m)
+                    on_grid += 1
+    assert decided > 100 and on_grid > 100
+    # made-up accesses of a 4 x 6 matrix zeroed by c0 (bits: 1 read, 2 write)
+    whole = (0, 4, 0, 6)
+    cases = [
+        ([(0, 2, whole)], False, False),
+        ([(0, 2, whole)], True, True),
+        ([(0, 2, whole), (1, 2, whole), (2, 1, (0, 4, 0, 3))], False, False),
+        # one command writing everything and reading part: reads the zeros
+        ([(0, 2, whole), (1, 2, whole), (1, 1, (0, 4, 0, 3))], False, True),
+        ([(0, 2, whole), (1, 2, (0, 4, 0, 3)), (2, 2, (0, 4, 3, 6)), (3, 1, whole)],
+         False, False),
+        ([(0, 2, whole), (1, 2, (0, 4, 0, 3)), (2, 1, whole)], False, True),
+        ([(0, 2, whole), (1, 2, (0, 4, 0, 3)), (2, 1, (0, 4, 1, 2))], False, False),
+        ([(0, 2, whole), (1, 2, (0, 4, 0, 3))], True, True),
+        ([(0, 2, whole), (1, 2, (0, 2, 0, 6)), (2, 2, (2, 4, 0, 6)), (3, 3, whole)],
+         True, False),
+        ([(0, 2, whole), (1, 2, (0, 2, 0, 3))], False, None),   # neither rows nor columns
+        ([(0, 2, (0, 2, 0, 6)), (1, 2, whole)], False, None),   # the zeroing is partial
+    ]
+    for ents, is_output, expected in cases:
+        got = _decided_by_sweep(ents, 4, 6, is_output)
+        if expected is None:
+            assert got is None or got == _needed_on_grid(ents, is_output)
+        else:
+            assert got == expected, ents
+    # accesses in two dimensions: only the grid walk answers
+    cases = [
+        ([(0, 2, whole), (1, 2, (0, 2, 0, 3)), (2, 2, (2, 4, 0, 3)), (3, 2, (0, 4, 3, 6)),
+          (4, 1, whole)], False, False),
+        ([(0, 2, whole), (1, 2, (0, 2, 0, 3)), (2, 1, (1, 3, 0, 3))], False, True),
+        ([(0, 2, whole), (1, 2, (0, 2, 0, 3)), (2, 1, (0, 2, 1, 2))], False, False),
+        ([(0, 2, whole), (1, 2, (0, 2, 0, 3)), (2, 1, (0, 2, 1, 2))], True, True),
+        # one command writing a block and reading part of it: reads the zeros
+        ([(0, 2, whole), (1, 2, (0, 3, 0, 3)), (1, 1, (2, 3, 1, 2))], False, True),
+        ([(0, 2, (0, 2, 0, 6)), (1, 2, whole)], False, None),
+    ]
+    for ents, is_output, expected in cases:
+        assert _decided_by_sweep(ents, 4, 6, is_output) is None
+        assert _decided_on_grid(ents, 4, 6, is_output) == expected, ents
+        if expected is not None:
+            assert _needed_on_grid(ents, is_output) == expected, ents
+
+
+def _needed_on_grid(ents, is_output) -> bool:
+    """The variables' test on the made-up accesses, cell by cell."""
+    rows = sorted({r for _, _, rc in ents for r in rc[:2]})
+    cols = sorted({c for _, _, rc in ents for c in rc[2:]})
+    for r in rows[:-1]:
+        for k in cols[:-1]:
+            acc: list = []
+            for c, a, (r0, r1, c0, c1) in ents:
+                if r0 <= r < r1 and c0 <= k < c1:
+                    if acc and acc[-1][0] == c:
+                        acc[-1] = (c, acc[-1][1] | a)
+                    else:
+                        acc.append((c, a))
+            if (len(acc) > 1 and acc[1][1] != 2) or (len(acc) == 1 and is_output):
+                return True
+    return False
 
 
 def _merge_by_rounds(c: NnetComputation, nnet, options: OptimizeOptions) -> bool:

@@ -34,12 +34,15 @@ def _pairs(deallocs: list[int], allocs: list[int]) -> list[tuple[int, int]]:
 def remove_unnecessary_allocation(computation: NnetComputation, ctx) -> bool:
     c = computation
     lists: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    alloc_t, dealloc_t = CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX
+    mats, subs = c.matrices, c.submatrices
     for i, cmd in enumerate(c.commands):
-        if cmd.command_type in (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX):
-            mi = c.matrices[c.submatrices[cmd.arg1].matrix_index]
+        ct = cmd.command_type
+        if ct == alloc_t or ct == dealloc_t:
+            mi = mats[subs[cmd.arg1][0]]
             cols = mi.num_cols if mi.stride_type == K_DEFAULT_STRIDE else -mi.num_cols
             d, a = lists.setdefault((mi.num_rows, cols), ([], []))
-            (d if cmd.command_type == CT.DEALLOC_MATRIX else a).append(i)
+            (d if ct == dealloc_t else a).append(i)
     pairs = [p for d, a in lists.values() for p in _pairs(d, a)]
     if not pairs:
         return False

@@ -19,7 +19,7 @@ freshly zeroed rows held.
 from __future__ import annotations
 
 from engine.compiler.computation import NnetComputation
-from engine.optimizer.analysis import CT, Analyzer, ComputationAnalysis
+from engine.optimizer.analysis import CT, ComponentProperties, command_accesses
 
 _TO_COPY = {
     CT.MATRIX_ADD: CT.MATRIX_COPY,
@@ -30,29 +30,69 @@ _TO_COPY = {
 
 
 def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
-    """Kaldi's ConvertAdditionToAssignment; returns True if a command was converted."""
-    analyzer = ctx.analyzer(computation) if hasattr(ctx, "analyzer") else Analyzer(ctx.nnet,
-                                                                                    computation)
-    analysis = None
-    accesses = analyzer.command_accesses
+    """Kaldi's ConvertAdditionToAssignment; returns True if a command was converted.
+
+    An addition converts when no earlier command other than a zeroing touches
+    any part of what it writes (Kaldi asks ComputationAnalysis for the first
+    non-zeroing access of each written submatrix).  Converting changes no
+    command into or out of a zeroing, so the answers do not depend on earlier
+    conversions and one walk over the commands gives them all: it keeps, for
+    each matrix an addition writes, the rectangles that non-zeroing commands
+    have touched so far, and tests each addition's written submatrices against
+    them before recording its own accesses."""
+    cmds = computation.commands
+    add_to_rows_multi = CT.ADD_TO_ROWS_MULTI
+    todo = [False] * len(cmds)
+    any_todo = False
+    for i, c in enumerate(cmds):
+        if c.command_type in _TO_COPY and (c.command_type != add_to_rows_multi
+                                           or c.alpha == 1.0):
+            todo[i] = any_todo = True
+    if not any_todo:
+        return False
+    props = getattr(ctx, "props", None)   # (an empty one is falsy: test for None)
+    if props is None:
+        props = ComponentProperties(ctx.nnet)
+    accesses = command_accesses(computation, props)
+    subs = computation.submatrices
+    # per matrix that an addition writes: rectangles touched so far (None: not tracked)
+    seen: list = [None] * len(computation.matrices)
+    for i, t in enumerate(todo):
+        if t:
+            for s, a in accesses[i]:
+                if a & 2:
+                    seen[subs[s].matrix_index] = []
+    set_const = CT.SET_CONST
     changed = False
-    for i, c in enumerate(computation.commands):
-        new_type = _TO_COPY.get(c.command_type)
-        if new_type is None:
+    for i, lst in enumerate(accesses):
+        if not lst:
             continue
-        if c.command_type == CT.ADD_TO_ROWS_MULTI and c.alpha != 1.0:
-            continue
-        written = {s for s, a in accesses[i] if a & 2}
-        if not written:
-            continue
-        if analysis is None:
-            analysis = ComputationAnalysis(computation, analyzer)
-        # the first non-zeroing access of each written submatrix must be this
-        # command; an earlier one means there is something to add to
-        if any(analysis.first_nontrivial_access(s) != i for s in written):
-            continue
-        c.command_type = new_type
-        changed = True
+        if todo[i]:
+            first = False
+            for s, a in lst:
+                if a & 2:
+                    first = True
+                    m, ro, nr, co, nc = subs[s]
+                    R1, C1 = ro + nr, co + nc
+                    for r0, r1, c0, c1 in seen[m]:
+                        if r0 < R1 and ro < r1 and c0 < C1 and co < c1:
+                            first = False
+                            break
+                    if not first:
+                        break
+            if first:
+                c = cmds[i]
+                c.command_type = _TO_COPY[c.command_type]
+                changed = True
+        else:
+            c = cmds[i]
+            if c.command_type == set_const and c.alpha == 0.0:
+                continue   # zeroing does not count as an access here
+        for s, a in lst:
+            m, ro, nr, co, nc = subs[s]
+            t = seen[m]
+            if t is not None:
+                t.append((ro, ro + nr, co, co + nc))
     if changed and hasattr(ctx, "invalidate"):
         ctx.invalidate()
     return changed

@@ -33,11 +33,17 @@ class _MatrixExtender:
         self.c = computation
         self.orig_num_rows = [m.num_rows for m in computation.matrices]
         self.is_io = [False] * len(computation.matrices)
+        self.copies = []   # the kMatrixCopy commands with alpha 1, in order
+        swap, io, copy = CT.SWAP_MATRIX, (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT), CT.MATRIX_COPY
         for cmd in computation.commands:
-            if cmd.command_type == CT.SWAP_MATRIX:
+            ct = cmd.command_type
+            if ct == copy:
+                if cmd.alpha == 1.0:
+                    self.copies.append(cmd)
+            elif ct == swap:
                 raise CheckError("extend_matrices: the computation already has kSwapMatrix "
                                  "commands (it must run before the allocation passes)")
-            if cmd.command_type in (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT):
+            if ct in io:
                 self.is_io[computation.submatrices[cmd.arg1].matrix_index] = True
 
     def can_be_extended(self, dest_s: int, src_s: int) -> bool:
@@ -70,9 +76,8 @@ class _MatrixExtender:
 
     def run(self) -> bool:
         changed = False
-        for cmd in self.c.commands:
-            if (cmd.command_type == CT.MATRIX_COPY and cmd.alpha == 1.0
-                    and self.can_be_extended(cmd.arg1, cmd.arg2)):
+        for cmd in self.copies:
+            if self.can_be_extended(cmd.arg1, cmd.arg2):
                 self.extend(cmd)
                 changed = True
         if changed:
@@ -82,17 +87,16 @@ class _MatrixExtender:
     def fix_computation(self) -> None:
         c = self.c
         whole = c.whole_submatrices()
+        subs, mats, orig_num_rows = c.submatrices, c.matrices, self.orig_num_rows
+        sizing, set_const = (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX), CT.SET_CONST
         for cmd in c.commands:
             ct = cmd.command_type
-            if ct in (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX):
-                cmd.arg1 = whole[c.submatrices[cmd.arg1].matrix_index]
-            elif ct == CT.SET_CONST and cmd.alpha == 0.0:
-                info = c.submatrices[cmd.arg1]
-                m = info.matrix_index
+            if ct in sizing:
+                cmd.arg1 = whole[subs[cmd.arg1][0]]
+            elif ct == set_const and cmd.alpha == 0.0:
+                m, ro, nr, co, nc = subs[cmd.arg1]
                 # only a zeroing of the whole (original) matrix grows with it
-                if (info.row_offset == 0 and info.col_offset == 0
-                        and info.num_cols == c.matrices[m].num_cols
-                        and info.num_rows == self.orig_num_rows[m]):
+                if ro == 0 and co == 0 and nc == mats[m].num_cols and nr == orig_num_rows[m]:
                     cmd.arg1 = whole[m]
         if c.matrix_debug_info:
             self.fix_debug_info()

@@ -21,17 +21,19 @@ def move_sizing_commands(computation: NnetComputation, ctx) -> bool:
     a = ctx.analyzer(computation)
     # (alloc, zero) pairs move together
     is_pair = [False] * n
+    alloc_t, set_const, dealloc_t = CT.ALLOC_MATRIX, CT.SET_CONST, CT.DEALLOC_MATRIX
     for i in range(n - 1):
-        x, y = cmds[i], cmds[i + 1]
-        if (x.command_type == CT.ALLOC_MATRIX and y.command_type == CT.SET_CONST
-                and x.arg1 == y.arg1 and y.alpha == 0.0):
-            is_pair[i] = True
+        x = cmds[i]
+        if x.command_type == alloc_t:
+            y = cmds[i + 1]
+            if y.command_type == set_const and x.arg1 == y.arg1 and y.alpha == 0.0:
+                is_pair[i] = True
     # sort keys are 3 * index, minus 1 for "just before", plus 1 for "just after"
     key = [3 * i for i in range(n)]
     for m in range(1, len(computation.matrices)):
         ma = a.matrix_accesses[m]
         alloc = ma.allocate_command
-        if alloc != -1 and cmds[alloc].command_type == CT.ALLOC_MATRIX:
+        if alloc != -1 and cmds[alloc].command_type == alloc_t:
             first = -1
             if ma.accesses:
                 first = ma.accesses[0][0]
@@ -44,12 +46,13 @@ def move_sizing_commands(computation: NnetComputation, ctx) -> bool:
                 key[alloc] = 3 * first - 1
         dealloc = ma.deallocate_command
         if (dealloc != -1 and ma.accesses
-                and cmds[dealloc].command_type == CT.DEALLOC_MATRIX):
+                and cmds[dealloc].command_type == dealloc_t):
             key[dealloc] = 3 * ma.accesses[-1][0] + 1
     order = sorted(range(n), key=key.__getitem__)   # stable: ties keep command order
     new = []
+    goto = CT.GOTO_LABEL
     for old in order:
-        if cmds[old].command_type == CT.GOTO_LABEL:
+        if cmds[old].command_type == goto:
             raise ValueError("move_sizing_commands must run before the looped optimization")
         if old > 0 and is_pair[old - 1]:
             continue  # the zeroing travels with its allocation

@@ -59,8 +59,9 @@ def _special_structure(indexes) -> tuple[int, int, int] | None:
 def replace_row_with_matrix_ops(computation: NnetComputation, ctx=None) -> bool:
     """Kaldi's ReplaceRowWithMatrixOps."""
     changed = False
+    row_ops = (CT.COPY_ROWS, CT.ADD_ROWS)
     for c in computation.commands:
-        if c.command_type not in (CT.COPY_ROWS, CT.ADD_ROWS):
+        if c.command_type not in row_ops:
             continue
         found = _special_structure(computation.indexes[c.arg3])
         if found is None:
@@ -105,21 +106,23 @@ def _snip(computation: NnetComputation, c: Command, table: list, empty: list[boo
 def snip_row_ops(computation: NnetComputation, ctx=None) -> bool:
     """Kaldi's SnipRowOps."""
     changed = False
+    add_rows, add_row_ranges = CT.ADD_ROWS, CT.ADD_ROW_RANGES
+    multi = (CT.ADD_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI)
     for c in computation.commands:
         ct = c.command_type
-        if ct == CT.ADD_ROWS:
+        if ct == add_rows:
             table = computation.indexes[c.arg3]
             if table and table[0] >= 0 and table[-1] >= 0:
                 continue   # nothing to cut
             changed |= _snip(computation, c, table, [i < 0 for i in table], 2,
                              computation.indexes)
-        elif ct in (CT.ADD_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI):
+        elif ct in multi:
             table = computation.indexes_multi[c.arg2]
             if table and table[0][0] >= 0 and table[-1][0] >= 0:
                 continue
             changed |= _snip(computation, c, table, [p[0] < 0 for p in table], 1,
                              computation.indexes_multi)
-        elif ct == CT.ADD_ROW_RANGES:
+        elif ct == add_row_ranges:
             table = computation.indexes_ranges[c.arg3]
             changed |= _snip(computation, c, table, [p[0] == p[1] for p in table], 2,
                              computation.indexes_ranges)
@@ -216,9 +219,9 @@ def split_row_ops(computation: NnetComputation, ctx=None) -> bool:
         return False
     changed = False
     extra: list[tuple[int, Command]] = []
+    multi = (CT.ADD_ROWS_MULTI, CT.COPY_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI)
     for i, c in enumerate(computation.commands):
-        if c.command_type not in (CT.ADD_ROWS_MULTI, CT.COPY_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI,
-                                  CT.COPY_TO_ROWS_MULTI):
+        if c.command_type not in multi:
             continue
         splits = split_info[c.arg2]
         if not splits:

@@ -35,8 +35,8 @@ def fix_goto_label(computation: NnetComputation, ctx=None) -> bool:
 
 def remove_no_ops(computation: NnetComputation, ctx=None) -> bool:
     before = len(computation.commands)
-    computation.commands = [c for c in computation.commands
-                            if c.command_type != CT.NO_OPERATION]
+    noop = CT.NO_OPERATION
+    computation.commands = [c for c in computation.commands if c.command_type != noop]
     if len(computation.commands) == before:
         return False
     fix_goto_label(computation)

@@ -13,7 +13,8 @@ submatrices are also referred to from inside ``indexes_multi``.
 
 from __future__ import annotations
 
-from operator import attrgetter
+from functools import partial
+from operator import attrgetter, itemgetter
 
 from engine.compiler.computation import (COMMAND_SPECS, ArgKind, CommandType, NnetComputation,
                                          SubMatrixInfo)
@@ -27,6 +28,8 @@ for _ct, _spec in COMMAND_SPECS.items():
     for _i, _slot in enumerate(_spec.slots):
         _KIND_POSITIONS[_ct].setdefault(_slot.kind, []).append(_ARG[_i])
 _GET = {a: attrgetter(a) for a in _ARG}
+# SubMatrixInfo from a tuple without the Python-level __new__ of the named tuple
+submatrix_info = partial(tuple.__new__, SubMatrixInfo)
 
 
 class _Refs:
@@ -127,64 +130,77 @@ def renumber_computation(computation: NnetComputation, ctx=None,
     """Kaldi's RenumberComputation.  ``submatrix_order``: a sort key per submatrix
     for the new numbering (default: the current numbers); of equal submatrices
     the first in that order stands for all."""
+    return renumber_with_maps(computation, submatrix_order)[0]
+
+
+def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] | None = None
+                       ) -> tuple[bool, list[int], list[bool]]:
+    """``renumber_computation``, returning also what became of the submatrices and
+    matrices: (changed, old_to_new_sub, matrix_used), where old_to_new_sub[s] is
+    the new number of submatrix s (-1 if dropped) and matrix_used[m] tells
+    whether matrix m was kept (kept matrices keep their order)."""
     c = computation
     refs = _Refs(c)
     multi_refs = refs.of(ArgKind.INDEXES_MULTI)
     changed = _renumber_table(c, "indexes_multi", multi_refs, key=_multi_key)
-    # which submatrices are referred to, from commands and from indexes_multi
+    # which submatrices are referred to, from commands and from indexes_multi,
+    # and the matrices they are on
     sub_refs = refs.of(ArgKind.SUBMATRIX)
-    nsub = len(c.submatrices)
+    subs = c.submatrices
+    nsub = len(subs)
+    refd = refs.values(sub_refs)
+    for lst in c.indexes_multi:
+        refd.update(map(itemgetter(0), lst))
     used = [False] * nsub
+    matrix_used = [False] * len(c.matrices)
     if nsub:
         used[0] = True
-    for v in refs.values(sub_refs):
-        if v > 0:
-            used[v] = True
-    for lst in c.indexes_multi:
-        for s, _ in lst:
-            if s > 0:
-                used[s] = True
-    subs = c.submatrices
-    matrix_used = [False] * len(c.matrices)
     if matrix_used:
         matrix_used[0] = True
-    for s in range(1, nsub):
-        if used[s]:
-            matrix_used[subs[s].matrix_index] = True
+    for s in refd:
+        if s > 0:
+            used[s] = True
+            matrix_used[subs[s][0]] = True
     old_to_new_matrix = []
     n = 0
     for u in matrix_used:
         old_to_new_matrix.append(n if u else -1)
         n += u
-    # submatrices: drop unused ones and merge duplicates (same matrix and extent)
-    old_to_new_sub = [-1] * nsub
-    old_to_new_sub[0] = 0 if nsub else -1
+    # submatrices: drop unused ones and merge duplicates (same matrix and extent);
+    # one extra entry at the end maps a reference of -1 to itself
+    old_to_new_sub = [-1] * (nsub + 1)
+    if nsub:
+        old_to_new_sub[0] = 0
     new_subs = subs[:1]
     by_info: dict = {}
     order = range(1, nsub)
     if submatrix_order is not None:
         order = sorted(order, key=submatrix_order.__getitem__)
+    moved = False
     for s in order:
         if not used[s]:
             continue
         info = subs[s]
         k = by_info.get(info)
-        if k is not None:
-            old_to_new_sub[s] = k
-        else:
-            by_info[info] = old_to_new_sub[s] = len(new_subs)
+        if k is None:
+            k = by_info[info] = len(new_subs)
             new_subs.append(info)
-    sub_changed = len(new_subs) != nsub or any(
-        old_to_new_sub[s] != s for s in range(nsub) if used[s])
+        old_to_new_sub[s] = k
+        if k != s:
+            moved = True
+    sub_changed = len(new_subs) != nsub or moved
     mat_changed = n != len(c.matrices)
     if sub_changed:
-        _Refs.remap(sub_refs, old_to_new_sub, positive_only=True)
+        if refd and min(refd) < -1:
+            _Refs.remap(sub_refs, old_to_new_sub, positive_only=True)
+        else:
+            _Refs.remap(sub_refs, old_to_new_sub)
         c.indexes_multi = [[(old_to_new_sub[s], r) if s > 0 else (s, r) for s, r in lst]
                            for lst in c.indexes_multi]
     if mat_changed:
         new_subs[1:] = [info if old_to_new_matrix[info[0]] == info[0] else
-                        SubMatrixInfo(old_to_new_matrix[info[0]], info[1], info[2], info[3],
-                                      info[4])
+                        submatrix_info((old_to_new_matrix[info[0]], info[1], info[2], info[3],
+                                        info[4]))
                         for info in new_subs[1:]]
     if sub_changed or mat_changed:
         c.submatrices = new_subs
@@ -199,4 +215,4 @@ def renumber_computation(computation: NnetComputation, ctx=None,
     changed |= _renumber_table(c, "indexes_ranges", refs.of(ArgKind.INDEXES_RANGES),
                                key=_multi_key)
     changed |= _renumber_memos(refs)
-    return changed
+    return changed, old_to_new_sub[:nsub], matrix_used

@@ -29,7 +29,8 @@ Rounds are Kaldi's, computed with less work and the same result:
 - the next round looks only at candidates that touch one of those matrices:
   every other candidate depends on nothing that changed and was turned down
   last time (anything turned down because of the round's dirty variables
-  touches a merged matrix), so it would be turned down again;
+  touches a merged matrix), so it would be turned down again; nor at those
+  turned down for good (see ``merge_variables``);
 - the renumbering and removal of no-ops that Kaldi does after every round that
   merged something is done once at the end.  In between only the order of
   commands and the identity of submatrices matter: no-ops touch nothing, and
@@ -44,12 +45,13 @@ Rounds are Kaldi's, computed with less work and the same result:
 
 from __future__ import annotations
 
-from engine.compiler.computation import (K_STRIDE_EQUAL_NUM_COLS, NnetComputation,
-                                         SubMatrixInfo)
+from collections import Counter
+
+from engine.compiler.computation import K_STRIDE_EQUAL_NUM_COLS, NnetComputation
 from engine.nnet.components.base import ComponentProperty as P
 from engine.optimizer.analysis import CT, Analyzer, ComponentProperties, ComputationAnalysis
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
-from engine.optimizer.passes.renumber import renumber_computation
+from engine.optimizer.passes.renumber import renumber_with_maps, submatrix_info
 
 _PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE = int(P.PROPAGATE_IN_PLACE), int(P.BACKPROP_IN_PLACE)
 
@@ -73,6 +75,8 @@ class VariableMergingOptimizer:
         self.moved: set[int] = set()
         self.first_round = first_round
         self.groups: dict[int, list[int]] = {}   # kept matrix -> itself and the discarded
+        # candidates turned down for a reason no later round can undo
+        self.hopeless: list[int] = []
 
     def _same(self, s: int, t: int) -> bool:
         """s and t are the same submatrix (as numbered after a renumbering)."""
@@ -101,9 +105,17 @@ class VariableMergingOptimizer:
         return -1, -1
 
     def merge_variables(self, commands) -> bool:
-        """Try the candidates among ``commands`` (indexes, increasing)."""
+        """Try the candidates among ``commands`` (indexes, increasing).  Those
+        that cannot merge in this round or any later one (``hopeless``): neither
+        the source nor the destination is a whole matrix where a merge direction
+        needs it (merging never makes a part of a matrix whole), or both are
+        already on one matrix."""
         merged = False
         cmds = self.c.commands
+        subs = self.c.submatrices
+        whole = self.a.submatrix_whole
+        left_ok, right_ok = self.o.allow_left_merge, self.o.allow_right_merge
+        hopeless = self.hopeless
         candidate = self._candidate
         copy = CT.MATRIX_COPY if self.o.remove_assignments else None
         for ci in commands:
@@ -113,6 +125,10 @@ class VariableMergingOptimizer:
             else:
                 s1, s2 = candidate(cmd)
             if s1 <= 0 or s2 <= 0:
+                continue
+            if not ((left_ok and whole[s2]) or (right_ok and whole[s1])) \
+                    or subs[s1][0] == subs[s2][0]:
+                hopeless.append(ci)
                 continue
             left, right = self.may_be_merged(ci, s1, s2)
             if left:
@@ -124,40 +140,45 @@ class VariableMergingOptimizer:
         return merged
 
     def may_be_merged(self, ci: int, s1: int, s2: int) -> tuple[bool, bool]:
-        """(left merge possible, right merge possible)."""
-        o, c = self.o, self.c
+        """(left merge possible, right merge possible).  The conditions are
+        independent tests; the ones that turn most candidates down and cost
+        least come first."""
         no = (False, False)
-        if not o.allow_left_merge and not o.allow_right_merge:
+        o, c, a = self.o, self.c, self.a
+        whole = a.submatrix_whole   # s1, s2 have not moved: as at the round's start
+        whole1, whole2 = whole[s1], whole[s2]
+        left = o.allow_left_merge and whole2
+        right = o.allow_right_merge and whole1
+        if not left and not right:
             return no
-        m1, m2 = c.submatrices[s1].matrix_index, c.submatrices[s2].matrix_index
+        subs = c.submatrices
+        m1, m2 = subs[s1][0], subs[s2][0]
         if m1 == m2:
             return no
         if self.dirty and (self._is_dirty(s1) or self._is_dirty(s2)):
             return no
-        a1, a2 = self.a.matrix_accesses[m1], self.a.matrix_accesses[m2]
+        macc = a.matrix_accesses
+        a1, a2 = macc[m1], macc[m2]
         if (a1.is_input and a2.is_input) or (a1.is_output and a2.is_output):
             return no
-        whole = self.a.submatrix_whole   # s1, s2 have not moved: as at the round's start
-        whole1, whole2 = whole[s1], whole[s2]
         if (a1.is_input or a1.is_output or a2.is_input or a2.is_output) and not (whole1
                                                                                  and whole2):
             return no
-        left = o.allow_left_merge and whole2
-        right = o.allow_right_merge and whole1
         # a matrix that must be contiguous may only become a whole matrix
-        if c.matrices[m2].stride_type == K_STRIDE_EQUAL_NUM_COLS and not whole1:
+        mats = c.matrices
+        if not whole1 and mats[m2].stride_type == K_STRIDE_EQUAL_NUM_COLS:
             left = False
-        if c.matrices[m1].stride_type == K_STRIDE_EQUAL_NUM_COLS and not whole2:
+        if not whole2 and mats[m1].stride_type == K_STRIDE_EQUAL_NUM_COLS:
             right = False
         # the kept matrix must exist before the discarded one is first used (Kaldi
         # asserts this; it can fail when one of the merge directions is switched off)
-        an = self.analysis
         if left and not self._alloc_precedes(m1, m2):
             left = False
         if right and not self._alloc_precedes(m2, m1):
             right = False
         if not left and not right:
             return no
+        an = self.analysis
         cmd = c.commands[ci]
         if cmd.command_type == CT.MATRIX_COPY and cmd.alpha == 1.0:
             ok = (an.first_nontrivial_access(s2) == ci and an.last_write_access(s1) < ci
@@ -171,14 +192,30 @@ class VariableMergingOptimizer:
         if s in self.moved:
             return True
         m, ro, nr, co, nc = self.c.submatrices[s]
-        return any(r0 < ro + nr and ro < r1 and c0 < co + nc and co < c1
-                   for r0, r1, c0, c1 in self.dirty.get(m, ()))
+        rects = self.dirty.get(m)
+        if rects:
+            R1, C1 = ro + nr, co + nc
+            for r0, r1, c0, c1 in rects:
+                if r0 < R1 and ro < r1 and c0 < C1 and co < c1:
+                    return True
+        return False
 
     def _alloc_precedes(self, m_keep: int, m_discard: int) -> bool:
+        """The kept matrix is allocated before the discarded one's first access
+        other than a zeroing (Kaldi's first_nontrivial_matrix_access)."""
         ma = self.a.matrix_accesses
-        if self.c.commands[ma[m_discard].allocate_command].command_type == CT.ACCEPT_INPUT:
+        cmds = self.c.commands
+        md = ma[m_discard]
+        if cmds[md.allocate_command].command_type == CT.ACCEPT_INPUT:
             return True   # the input's own matrix is used, allocated by kAcceptInput
-        return self.analysis.first_nontrivial_matrix_access(m_discard) > ma[m_keep].allocate_command
+        first = len(cmds)
+        set_const = CT.SET_CONST
+        for ci, _ in md.accesses:
+            cmd = cmds[ci]
+            if cmd.command_type != set_const or cmd.alpha != 0.0:
+                first = ci
+                break
+        return first > ma[m_keep].allocate_command
 
     def do_merge(self, ci: int, s_keep: int, s_discard: int) -> None:
         c = self.c
@@ -188,13 +225,11 @@ class VariableMergingOptimizer:
         self.moved.update(self.matrix_to_submatrix[m_discard])
         assert m_keep != m_discard and m_keep > 0 and m_discard > 0
         self.groups.setdefault(m_keep, [m_keep]).append(m_discard)
-        keep = c.submatrices[s_keep]
         # every submatrix of the discarded matrix becomes the same region of s_keep
+        subs = c.submatrices
         for s in self.matrix_to_submatrix[m_discard]:
-            a = c.submatrices[s]
-            c.submatrices[s] = SubMatrixInfo(keep.matrix_index, a.row_offset + keep.row_offset,
-                                             a.num_rows, a.col_offset + keep.col_offset,
-                                             a.num_cols)
+            _, a_ro, a_nr, a_co, a_nc = subs[s]
+            subs[s] = submatrix_info((m_keep, a_ro + ro, a_nr, a_co + co, a_nc))
         cmd = c.commands[ci]
         if cmd.command_type == CT.MATRIX_COPY and cmd.alpha == 1.0:
             cmd.command_type = CT.NO_OPERATION
@@ -263,13 +298,8 @@ class _SubmatrixOrder:
         of = self.a.submatrices_of
         matrices = set(matrices)
         if first:
-            others: set = set()
-            seen: set = set()
-            for s in range(1, len(subs)):
-                info = subs[s]
-                if info in seen and info.matrix_index not in matrices:
-                    others.add(info.matrix_index)
-                seen.add(info)
+            # the matrices of submatrices that have an equal one, the changed aside
+            others = {info[0] for info, k in Counter(subs[1:]).items() if k > 1} - matrices
             if others:
                 used = used | self._in_use(others)
                 matrices |= others
@@ -289,17 +319,21 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
     o = ctx.options
     if not o.allow_left_merge and not o.allow_right_merge:
         return False   # nothing can merge
-    props = getattr(ctx, "props", None) or ComponentProperties(ctx.nnet)
+    props = getattr(ctx, "props", None)   # (an empty one is falsy: test for None)
+    if props is None:
+        props = ComponentProperties(ctx.nnet)
     analyzer = (ctx.analyzer(computation) if hasattr(ctx, "analyzer")
                 else Analyzer(ctx.nnet, computation, props))
     kinds = {CT.MATRIX_COPY, CT.PROPAGATE, CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE}
     commands = [i for i, c in enumerate(computation.commands) if c.command_type in kinds]
     order = None
+    hopeless: set[int] = set()
     while True:
         opt = VariableMergingOptimizer(o, computation, analyzer, props,
                                        first_round=order is None)
         if not opt.merge_variables(commands):
             break
+        hopeless.update(opt.hopeless)
         used = analyzer.reanalyze(opt.groups)
         first = order is None
         if first:
@@ -308,11 +342,17 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
         cmds = computation.commands
         commands = sorted({ci for m in opt.groups for ci, _ in
                            analyzer.matrix_accesses[m].accesses
-                           if cmds[ci].command_type in kinds})
+                           if cmds[ci].command_type in kinds} - hopeless)
     if order is None:
         return False
-    if hasattr(ctx, "invalidate"):
-        ctx.invalidate()
-    renumber_computation(computation, submatrix_order=order.key)
+    _, _, matrix_used = renumber_with_maps(computation, submatrix_order=order.key)
+    # the analysis follows the renumbering and the deletion of the no-ops (the
+    # next passes need it): cheaper than analysing the result again
+    analyzer.renumbered(matrix_used)
+    noop = CT.NO_OPERATION
+    analyzer.remove_commands({i for i, c in enumerate(computation.commands)
+                              if c.command_type == noop})
     remove_no_ops(computation)
+    if hasattr(ctx, "analysis_updated"):
+        ctx.analysis_updated(analyzer, computation)
     return True
