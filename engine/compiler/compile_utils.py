@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.compiler.array_ops import rows_count
+
 # The prime bucket counts of libstdc++'s _Prime_rehash_policy, as far as any
 # computation here can need them (a hash map of submatrix indexes).
 _LIBSTDCXX_PRIMES = (
@@ -110,7 +112,7 @@ def left_align(S: np.ndarray, R: np.ndarray, keep: np.ndarray | None = None
         order = np.argsort(~keep, axis=1, kind="stable")
         S = np.take_along_axis(S, order, axis=1)
         R = np.take_along_axis(R, order, axis=1)
-    width = int(keep.sum(axis=1).max()) if len(keep) else 0
+    width = int(rows_count(keep).max()) if len(keep) else 0
     return S[:, :width], R[:, :width]
 
 

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 
+from engine.compiler.array_ops import rows_all, rows_count
 from engine.compiler.compile_utils import (column_source, left_align, row_ranges,
                                            split_columns, split_columns_backward,
                                            unordered_map_order)
@@ -220,7 +220,16 @@ class Compiler:
         wants = any(r.need_model_derivative or any(s.has_deriv for s in r.inputs)
                     or any(s.has_deriv for s in r.outputs) for r in requests)
         is_input = graph.is_input_array
-        dep_steps = self._step_dependencies() if wants else None
+        if not wants:
+            # no derivative anywhere: only check that every input used is supplied
+            for step, ids in enumerate(self.step_ids):
+                if len(ids) and is_input[ids[0]]:
+                    name = self._node_name(self.step_nodes[step])
+                    if requests[self.step_to_segment[step]].index_of_input(name) == -1:
+                        raise CompilerError(f"input node {name!r} is used but not in the "
+                                            f"request")
+            return need
+        dep_steps = self._step_dependencies()
         for step in range(num_steps):
             ids = self.step_ids[step]
             if not len(ids):
@@ -328,6 +337,16 @@ class Compiler:
             mats.append(MatrixInfo(0, 0, K_DEFAULT_STRIDE))
             subs.append(SubMatrixInfo(0, 0, 0, 0, 0))
         mat_append, sub_append = mats.append, subs.append
+
+        def column_range(base: int, off: int, width: int) -> int:
+            """new_submatrix(base, 0, -1, off, width), appended directly when in range
+            (new_submatrix reports the error otherwise)."""
+            b = subs[base]
+            if base <= 0 or not (0 <= off and off + width <= b[4] and width > 0 and b[2] > 0):
+                return new_submatrix(base, 0, -1, off, width)
+            sub_append(_tuple_new(SubMatrixInfo, (b[0], b[1], b[2], b[3] + off, width)))
+            return len(subs) - 1
+
         facts_of, facts = self._node_facts, self._facts
         kind_descriptor = self.kind_descriptor
         for step in range(num_steps):
@@ -362,11 +381,10 @@ class Compiler:
                 if not (0 <= in_step < step) or len(steps[in_step].ids) != num_rows:
                     raise CompilerError(f"dim-range node {dim_range.name!r}: its rows do not "
                                         f"match the rows of its source step")
-                info.value = value = m_sub = new_submatrix(steps[in_step].value, 0, -1,
-                                                           dim_range.dim_offset, dim_range.dim)
+                off, width = dim_range.dim_offset, dim_range.dim
+                info.value = value = m_sub = column_range(steps[in_step].value, off, width)
                 if need:
-                    info.deriv = new_submatrix(steps[in_step].deriv, 0, -1,
-                                               dim_range.dim_offset, dim_range.dim)
+                    info.deriv = column_range(steps[in_step].deriv, off, width)
             if kind_descriptor[node]:
                 if parts is None:
                     info.value_parts = [value]
@@ -486,7 +504,7 @@ class Compiler:
         if blank.any():
             present[blank] = False
         if fast.all_required:
-            ok = present.all(axis=1) | blank
+            ok = rows_all(present) | blank
             used = present
         else:
             ok = fast.computable_arrays(present) | blank
@@ -568,7 +586,7 @@ class Compiler:
         valid = D >= 0
         if D.shape[1] and not valid[:, -1].any():
             # the node's widest row is in another step
-            width = int(valid.sum(axis=1).max()) if len(D) else 0
+            width = int(rows_count(valid).max()) if len(D) else 0
             D, valid = D[:, :width], valid[:, :width]
         safe = np.maximum(D, 0)
         S = np.where(valid, subs[self.loc_step[safe]], -1)
@@ -709,8 +727,14 @@ class Compiler:
         full = np.logical_and.reduceat(present, starts)
         ident = np.logical_and.reduceat(present & (src_row == local), starts)
         ident &= (low == high) & (step_len[np.minimum(low, big - 1)] == lens)
-        rows_out = np.where(present, src_row, -1).tolist()
-        subs_out = np.where(present, self._value_subs[np.maximum(src_step, 0)], -1).tolist()
+        # rows and submatrices read, as lists only where a column needs them (most
+        # columns copy a whole matrix)
+        rows_arr = np.where(present, src_row, -1)
+        need = np.repeat(~ident, lens)
+        rows_out = np.where(need, rows_arr, -1).tolist() if need.any() else []
+        multi = np.repeat(low != high, lens)
+        subs_out = (np.where(present & multi, self._value_subs[np.maximum(src_step, 0)],
+                             -1).tolist() if multi.any() else [])
         vsub = self._value_subs.tolist()
         low, high = low.tolist(), high.tolist()
         missing, full, ident = missing.tolist(), full.tolist(), ident.tolist()
@@ -1018,9 +1042,10 @@ class Compiler:
             in_info = self.steps[step - 1]
             req = self.requests[info.segment]
             by_arrays = getattr(comp, "precompute_index_arrays", None)
+            in_rows = out_rows = None
             if by_arrays is not None:
-                data = by_arrays(req.misc_info, self.coords[in_info.ids, 1:],
-                                 self.coords[info.ids, 1:], req.need_derivatives())
+                in_rows, out_rows = self.coords[in_info.ids, 1:], self.coords[info.ids, 1:]
+                data = by_arrays(req.misc_info, in_rows, out_rows, req.need_derivatives())
             else:
                 data = comp.precompute_indexes(req.misc_info, self._indexes_of(in_info.ids),
                                                self._indexes_of(info.ids),
@@ -1035,6 +1060,8 @@ class Compiler:
                 # kept for shortcut compilation (ExpandComputation), as Kaldi does
                 entry.input_indexes = self._indexes_of(ins)
                 entry.output_indexes = self._indexes_of(outs)
+                if in_rows is not None:
+                    entry.remember_index_rows(in_rows, out_rows)
             computation.component_precomputed_indexes.append(entry)
 
     def _deallocate_matrices(self, whole, computation) -> None:
@@ -1074,15 +1101,19 @@ class Compiler:
                 continue
             cindexes[vm] = True
             chosen.append((info, vm))
-        # the Index objects of their rows, made in one go
-        objs = (self._indexes_of(np.concatenate([info.ids for info, _ in chosen]))
-                if chosen else [])
+        # the (node, Index) pairs of their rows, made in one go (plain tuples: Cindex
+        # objects for 100k rows cost real time; Index objects shared)
+        if chosen:
+            lens = [len(info.ids) for info, _ in chosen]
+            objs = self._indexes_of(np.concatenate([info.ids for info, _ in chosen]))
+            nodes = np.repeat(np.array([info.node_index for info, _ in chosen], dtype=np.int64),
+                              lens).tolist()
+            pairs = list(zip(nodes, objs))
         end = 0
         for info, vm in chosen:
             start = end
             end += len(info.ids)
-            # plain (node, Index) tuples: Cindex objects for 100k rows cost real time
-            cindexes[vm] = rows = list(zip(repeat(info.node_index), objs[start:end]))
+            cindexes[vm] = rows = pairs[start:end]
             if info.deriv != 0:
                 sd = subs[info.deriv]
                 md = mats[sd[0]]

@@ -36,7 +36,7 @@ import numpy as np
 
 from engine.compiler.ir_format import (_elide, _fmt_float, format_cindexes,  # noqa: F401
                                        format_indexes, format_int_vector)
-from engine.core.index import K_NO_TIME
+from engine.core.index import K_NO_TIME, index_rows
 
 # Kaldi's MatrixStrideType
 K_DEFAULT_STRIDE = 0
@@ -183,6 +183,24 @@ class PrecomputedIndexesInfo:
     data: Any = None
     input_indexes: list = field(default_factory=list)
     output_indexes: list = field(default_factory=list)
+
+    def remember_index_rows(self, input_rows: np.ndarray, output_rows: np.ndarray) -> None:
+        """Keep (k, 3) int64 n, t, x arrays equal to ``input_indexes`` and
+        ``output_indexes`` (the compiler has them at hand), so that ``index_rows``
+        need not convert the lists back; they count only while the lists are the
+        same objects, of the same lengths."""
+        self._rows = (self.input_indexes, len(self.input_indexes), input_rows,
+                      self.output_indexes, len(self.output_indexes), output_rows)
+
+    def index_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """``input_indexes`` and ``output_indexes`` as (k, 3) int64 arrays (not to be
+        written to)."""
+        kept = getattr(self, "_rows", None)
+        if (kept is not None and kept[0] is self.input_indexes
+                and kept[1] == len(self.input_indexes) and kept[3] is self.output_indexes
+                and kept[4] == len(self.output_indexes)):
+            return kept[2], kept[5]
+        return index_rows(self.input_indexes), index_rows(self.output_indexes)
 
 
 # --------------------------------------------------------------------------------------

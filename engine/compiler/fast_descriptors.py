@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine.compiler.array_ops import rows_all
 from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor, Descriptor,
                                      ForwardingDescriptor, OffsetForwardingDescriptor,
                                      OptionalSumDescriptor, ReplaceIndexForwardingDescriptor,
@@ -296,7 +297,7 @@ class FastDescriptor:
     def computable_arrays(self, present: np.ndarray) -> np.ndarray:
         """``computable`` for each row of the (m, num_deps) boolean matrix ``present``."""
         if self.all_required:
-            return present.all(axis=1)
+            return rows_all(present)
         ok = np.ones(present.shape[0], dtype=bool)
         i = 0
         for part in self._array_parts:
@@ -308,7 +309,7 @@ class FastDescriptor:
         """The positions ``evaluate`` reports as used, for each row of ``present``
         ((m, num_deps) booleans; a row that is not computable uses nothing)."""
         if self.all_required:
-            return present & present.all(axis=1)[:, None]
+            return present & rows_all(present)[:, None]
         ok = np.ones(present.shape[0], dtype=bool)
         used: list = []
         i = 0

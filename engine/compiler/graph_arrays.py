@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.compiler.array_ops import column_bounds, rows_all, rows_any, rows_count
 from engine.compiler.graph_nodes import COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, INPUT
 from engine.core.index import Index
 
@@ -77,9 +78,11 @@ def _cat(parts: list) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _distinct(a: np.ndarray) -> np.ndarray:
-    """The distinct values of ``a``, sorted (np.unique without its overhead)."""
-    a = np.sort(a)
+def _distinct(a: np.ndarray, kind: str | None = None) -> np.ndarray:
+    """The distinct values of ``a``, sorted (np.unique without its overhead);
+    ``kind="stable"`` for long arrays made of sorted runs (NumPy's stable sort
+    merges runs, many times faster there than its default sort)."""
+    a = np.sort(a, kind=kind)
     if len(a) > 1:
         step = a[1:] != a[:-1]
         if not _all(step):
@@ -156,6 +159,8 @@ class ArrayGraphBuild:
         # how many cindexes of each node are not (yet) known to be computable
         self.not_c = np.zeros(num, dtype=np.int64)
         self.producers = [tuple(p) for p in nodes.producers]
+        # per node: the one node all its inputs are on, or -1
+        self.one_producer = [p[0] if len(p) == 1 else -1 for p in self.producers]
         # per node: the settling rule (all inputs required) and its compiled descriptor
         self.settle_fast = [nodes.fast[v] if nodes.deps_mode[v] == DEPS_DESCRIPTOR else None
                             for v in range(num)]
@@ -164,6 +169,10 @@ class ArrayGraphBuild:
                              for v, f in enumerate(self.settle_fast)]
         # the margins the table keeps around every cindex (largest constant shifts)
         self.margin = list(nodes.margin)
+        # per node: its shifts as key deltas for the current table (_shift_plan)
+        self._plans: dict = {}
+        # per node: the chain of nodes expanded with it (_chains)
+        self.chains = _chains(nodes, self.pos)
 
     # -- keys and the table -----------------------------------------------------------------------
     def _init_rows(self, base_coords: np.ndarray, specs: list) -> None:
@@ -179,7 +188,7 @@ class ArrayGraphBuild:
         self.scratch = np.zeros(cap, dtype=np.int64)
         self.edges = np.empty(4 * cap, dtype=np.int64)
         self.num_edges = 0
-        self._make_table(r.min(axis=0), r.max(axis=0), base_coords)
+        self._make_table(*column_bounds(r), base_coords)
 
     def _make_table(self, lo, hi, coords: np.ndarray) -> None:
         """A table covering n, t, x in [lo, hi] plus margins (room to grow in t);
@@ -211,13 +220,25 @@ class ArrayGraphBuild:
 
     def _decode(self, keys: np.ndarray) -> np.ndarray:
         """(k, 4) rows node, n, t, x of keys."""
+        node, n, t, x = self._split(keys)
         lo = self.lo
         out = np.empty((len(keys), 4), dtype=np.int64)
-        out[:, 0], rem = np.divmod(keys, self.stride_node)
-        out[:, 1], rem = np.divmod(rem, self.stride_n)
-        out[:, 2], out[:, 3] = np.divmod(rem, self.stride_t)
-        out[:, 1:] += lo
+        out[:, 0] = node
+        out[:, 1] = n + lo[0]
+        out[:, 2] = t + lo[1]
+        out[:, 3] = x + lo[2]
         return out
+
+    def _split(self, keys: np.ndarray):
+        """node and the n, t, x offsets from the table's low corner of keys, as four
+        arrays (floor divisions and products: np.divmod is many times slower)."""
+        sn, st, snode = self.stride_n, self.stride_t, self.stride_node
+        node = keys // snode
+        rem = keys - node * snode
+        n = rem // sn
+        rem -= n * sn
+        t = rem // st
+        return node, n, t, rem - t * st
 
     def coords_of(self, ids: np.ndarray) -> np.ndarray:
         return self._decode(self.keys[ids])
@@ -239,30 +260,41 @@ class ArrayGraphBuild:
         hi = [max(self.hi[k] - mg[k], hi_need[k]) for k in range(3)]
         self._make_table(lo, hi, coords)
 
-    def _lookup(self, keys: np.ndarray, node: int = -1, shifted: bool = True) -> np.ndarray:
+    def _lookup(self, keys: np.ndarray, node: int = -1, shifted: bool = True,
+                distinct: bool = False) -> np.ndarray:
         """Ids of the cindexes with these (in-table) keys, adding the missing ones
         (unsettled, not expanded; on input nodes not computable, nothing to expand).
         ``node``: the one node of all keys, if known; ``shifted``: whether the keys
         may lie outside the Index ranges of the cindexes so far (else no table
-        margin can be crossed)."""
+        margin can be crossed); ``distinct``: no key repeats."""
         table = self.table
         got = table[keys]
         miss = got < 0
-        if not _any(miss):
+        num_miss = int(np.count_nonzero(miss))
+        if not num_miss:
             return got
-        mk = keys[miss]
+        every = num_miss == len(keys)
+        mk = keys if every else keys[miss]
         start = self.size
-        new = np.arange(start, start + len(mk))
+        new = np.arange(start, start + num_miss)
         table[mk] = new
-        back = table[mk]
-        if _all(back == new):
+        if distinct:
             uk = mk
+            back = new
         else:
-            # a key asked for more than once: the last write won; renumber the winners
-            uk = mk[back == new]
-            table[uk] = np.arange(start, start + len(uk))
             back = table[mk]
-        got[miss] = back
+            if _all(back == new):
+                uk = mk
+            else:
+                # a key asked for more than once: the last write won; renumber the
+                # winners
+                uk = mk[back == new]
+                table[uk] = np.arange(start, start + len(uk))
+                back = table[mk]
+        if every:
+            got = back
+        else:
+            got[miss] = back
         end = start + len(uk)
         if end > len(self.keys):
             self._grow_rows(end)
@@ -291,7 +323,7 @@ class ArrayGraphBuild:
             grow = t_lo - mg[1] < lo[1] or t_hi + mg[1] > hi[1]
             if grow or mg[0] or mg[2]:
                 rows = self._decode(uk)
-                ext = rows[:, 1:].min(axis=0).tolist(), rows[:, 1:].max(axis=0).tolist()
+                ext = column_bounds(rows[:, 1:])
                 if any(ext[0][k] - mg[k] < lo[k] or ext[1][k] + mg[k] > hi[k]
                        for k in range(3)):
                     self._regrow(ext[0], ext[1])
@@ -353,8 +385,13 @@ class ArrayGraphBuild:
             usable[u] = after
             targets = self._inputs_of(u[(after == 0) & (status[u] != NC)])
 
-    def _queue(self, rows: np.ndarray) -> None:
-        """Queue ids (possibly repeated) on their nodes."""
+    def _queue(self, rows: np.ndarray, node: int = -1) -> None:
+        """Queue ids (possibly repeated) on their nodes (``node``: the one node of
+        them all, when known)."""
+        if node >= 0:
+            self.pending[node].append(rows)
+            self.pending_dup[node] = True
+            return
         nd = self.keys[rows] // self.stride_node
         first = int(nd[0])
         if _all(nd == first):
@@ -375,17 +412,15 @@ class ArrayGraphBuild:
             if k == 0:
                 self._record(v, g, np.zeros((m, 0), dtype=np.int64))
                 return
-            sn, st, snode = self.stride_n, self.stride_t, self.stride_node
             kg = self.keys[g]
-            deltas = [(p - v) * snode + dn * sn + dt * st + dx for p, dn, dt, dx in shifts]
-            one = shifts[0][0]
-            node = one if all(sh[0] == one for sh in shifts) else -1
-            shifted = any(sh[1] or sh[2] or sh[3] for sh in shifts)
+            if k == 1 and self.chains[v] and self._expand_chain(v, g, kg):
+                return
+            deltas, node, shifted = self._shift_plan(v, shifts)
             if k == 1:
-                flat = self._lookup(kg + deltas[0], node, shifted)
+                # distinct rows, one input each: distinct keys
+                flat = self._lookup(kg + deltas[0, 0], node, shifted, distinct=True)
             else:
-                flat = self._lookup((np.array(deltas, dtype=np.int64)[:, None]
-                                     + kg[None, :]).ravel(), node, shifted)
+                flat = self._lookup((deltas + kg[None, :]).ravel(), node, shifted)
             self._route(v, shifts, flat, m)
             self._record(v, g, flat.reshape(k, m).T if k > 1 else flat[:, None])
             return
@@ -404,8 +439,72 @@ class ArrayGraphBuild:
         flat = self._lookup(self._key_checked(node_col, np.concatenate([s[1] for s in slots]),
                                               np.concatenate([s[2] for s in slots]),
                                               np.concatenate([s[3] for s in slots])))
-        self._queue(flat)
+        self._queue(flat, self.one_producer[v])
         self._record(v, g, flat.reshape(k, m).T)
+
+    def _expand_chain(self, v: int, g: np.ndarray, kg: np.ndarray) -> bool:
+        """Expand ``g`` on node v and, at once, their inputs along v's chain
+        (_chains): each node of the chain reads the same Index on the next and has
+        no other reader, so its cindexes are those its reader asks for, and they are
+        expanded here as visiting the chain node by node would; the last node's
+        cindexes are looked up and queued as usual.  False (nothing done) when some
+        chain cindex exists already."""
+        chain = self.chains[v]
+        snode = self.stride_node
+        m = len(g)
+        # keys of the chain's cindexes, level by level (the same Index on each node)
+        mid = chain[:-1]
+        keys_mid = ((np.array(mid, dtype=np.int64) - v) * snode)[:, None] + kg[None, :]
+        flat_mid = keys_mid.ravel()
+        table = self.table
+        if _any(table[flat_mid] >= 0):
+            return False
+        start = self.size
+        end = start + len(flat_mid)
+        if end > len(self.keys):
+            self._grow_rows(end)
+        ids = np.arange(start, end)
+        table[flat_mid] = ids
+        self.keys[start:end] = flat_mid
+        self.status[start:end] = U
+        self.expanded[start:end] = True
+        self.size = end
+        not_c = self.not_c
+        for c in mid:
+            not_c[c] += m
+        last = chain[-1]
+        tail = self._lookup(kg + (last - v) * snode, last, False, distinct=True)
+        levels = list(ids.reshape(len(mid), m))
+        node_deps = self.node_deps
+        # v reads level 0, each chain node the next level, the last one the tail
+        for owner, rows, deps in zip([v] + mid, [g] + levels, levels + [tail]):
+            node_deps[owner].add(rows, deps[:, None])
+            if self.track_usable:
+                self._store_edges(rows, deps, 1)
+        self.pending[last].append(tail)
+        if self.track_usable:
+            # each chain cindex has one usable reader (as _record would count it),
+            # the tail one more each
+            self.usable[start:end] = 1
+            self._add_usable(tail, distinct=True, queued=True)
+        return True
+
+    def _shift_plan(self, v: int, shifts: list):
+        """((k, 1) key deltas of node v's constant shifts in the current table, the
+        one node all inputs are on or -1, whether any shift moves n, t or x);
+        remade when the table is."""
+        strides = (self.stride_n, self.stride_t, self.stride_node)
+        hit = self._plans.get(v)
+        if hit is not None and hit[0] == strides:
+            return hit[1]
+        sn, st, snode = strides
+        deltas = np.array([[(p - v) * snode + dn * sn + dt * st + dx]
+                           for p, dn, dt, dx in shifts], dtype=np.int64)
+        one = shifts[0][0]
+        plan = (deltas, one if all(sh[0] == one for sh in shifts) else -1,
+                any(sh[1] or sh[2] or sh[3] for sh in shifts))
+        self._plans[v] = (strides, plan)
+        return plan
 
     def _route(self, v: int, shifts: list, flat: np.ndarray, m: int) -> None:
         pending = self.pending
@@ -505,19 +604,24 @@ class ArrayGraphBuild:
                 nd.num_unsettled = 0
                 return True
         sel = np.flatnonzero(status[rows] == U)
-        if not len(sel):
+        num_sel = len(sel)
+        if not num_sel:
             nd.num_unsettled = 0
             return False
+        whole = num_sel == len(rows)
         if deps is None:
             new = self._settle_general(v, rows, sel)
         else:
-            st = status[deps[sel]]
+            st = status[deps if whole else deps[sel]]
             if all_required:
-                if st.shape[1] == 0:
-                    new = np.full(len(sel), C, dtype=np.int8)
+                width = st.shape[1]
+                if width == 0:
+                    new = np.full(num_sel, C, dtype=np.int8)
+                elif width == 1:
+                    new = st[:, 0]          # the status of the one input
                 else:
-                    new = np.where(_all_rows(st == C, axis=1), C,
-                                   np.where(_any_rows(st == NC, axis=1), NC, U)).astype(np.int8)
+                    new = np.where(rows_all(st == C), C,
+                                   np.where(rows_any(st == NC), NC, U)).astype(np.int8)
             else:
                 fast = self.settle_fast[v]
                 ok_lo = fast.computable_arrays(st == C)
@@ -525,17 +629,22 @@ class ArrayGraphBuild:
                 new = np.where(ok_lo, C, np.where(ok_hi, U, NC)).astype(np.int8)
         done = new != U
         k = int(np.count_nonzero(done))
-        nd.num_unsettled = len(sel) - k
+        nd.num_unsettled = num_sel - k
         if not k:
             return False
-        newd = new[done]
-        changed_rows = rows[sel[done]]
+        if k == num_sel:
+            newd = new
+            changed_rows = rows if whole else rows[sel]
+        else:
+            newd = new[done]
+            changed_rows = rows[sel[done]]
         status[changed_rows] = newd
-        not_c[v] -= int(np.count_nonzero(newd == C))
-        if self.track_usable:
-            bad = changed_rows[newd == NC]
-            if len(bad):
-                bad = bad[self.usable[bad] != 0]
+        bad_mask = newd == NC
+        num_bad = int(np.count_nonzero(bad_mask))
+        not_c[v] -= k - num_bad
+        if self.track_usable and num_bad:
+            bad = changed_rows[bad_mask]
+            bad = bad[self.usable[bad] != 0]
             if len(bad):
                 # Kaldi: a cindex found not computable while usable withdraws
                 # from its inputs.
@@ -711,8 +820,13 @@ class ArrayGraphBuild:
         keep = required[base:size].copy()
         keep[input_ids - base] = False
         rest = np.flatnonzero(keep) + base
-        r = self.coords_of(rest)
-        rest = rest[np.lexsort((r[:, 1], r[:, 3], r[:, 2], r[:, 0]))]
+        # sorted by (node, t, x, n): one composite key (unique per cindex), whose
+        # stable sort is fast on the runs discovery leaves
+        node, n, t, x = self._split(self.keys[rest])
+        span_n = self.stride_node // self.stride_n
+        span_t = self.stride_n // self.stride_t
+        perm = np.argsort(((node * span_t + t) * self.stride_t + x) * span_n + n, kind="stable")
+        rest = rest[perm]
         order = np.concatenate((input_ids, rest))
         m = len(order)
         new_id = np.arange(size, dtype=np.int64)
@@ -723,8 +837,9 @@ class ArrayGraphBuild:
             dst = new_id[np.concatenate(edges_dst)]
             if _any(dst < 0) or _any(src < 0):
                 raise GiveUp("inconsistent pruned dependencies")
-            pair = _distinct(src * (base + m) + dst)
-            src, dst = np.divmod(pair, base + m)
+            pair = _distinct(src * (base + m) + dst, "stable")
+            src = pair // (base + m)
+            dst = pair - src * (base + m)
             ptr = np.zeros(m + 1, dtype=np.int64)
             np.cumsum(np.bincount(src, minlength=m), out=ptr[1:])
         else:
@@ -788,16 +903,20 @@ class ArrayGraphBuild:
                         dst = d.ravel()
                     else:
                         mk = mask[p]
-                        src = np.repeat(g, mk.sum(axis=1))
+                        src = np.repeat(g, rows_count(mk))
                         dst = d[mk]
                 if not len(dst):
                     continue
                 edges_src.append(src)
                 edges_dst.append(dst)
-                dn = self.keys[dst] // snode
-                first = int(dn[0])
-                groups = ([(first, dst)] if _all(dn == first)
-                          else [(w, dst[dn == w]) for w in np.unique(dn).tolist()])
+                one = self.one_producer[v]
+                if one >= 0:
+                    groups = [(one, dst)]
+                else:
+                    dn = self.keys[dst] // snode
+                    first = int(dn[0])
+                    groups = ([(first, dst)] if _all(dn == first)
+                              else [(w, dst[dn == w]) for w in np.unique(dn).tolist()])
                 for w, ids in groups:
                     if pos[w] < pos[v]:
                         pending[w].append(ids)
@@ -810,6 +929,44 @@ class ArrayGraphBuild:
         else:
             raise GiveUp("too many sweeps")
         return required, edges_src, edges_dst
+
+
+def _chains(nodes, pos: list) -> list:
+    """Per node v whose one input is the same Index on another node: the nodes
+    c1, ..., cL its expansion can run through at once (ArrayGraphBuild._expand_chain):
+    c1 is v's input node, each ci before the last reads the same Index on c(i+1),
+    is read by no node but c(i-1) (v for c1), is no input node and comes earlier
+    in the node order; cL is where the chain stops.  An empty list where there
+    is no such chain (fewer than two nodes).  Kept with the network's NodeTable."""
+    hit = nodes.extra.get("graph_chains")
+    if hit is not None:
+        return hit
+    num = len(nodes.kind)
+    readers = [[] for _ in range(num)]
+    for v in range(num):
+        for p in nodes.producers[v]:
+            readers[p].append(v)
+
+    def same_index_input(v: int) -> int:
+        sh = nodes.shifts[v]
+        if sh is not None and len(sh) == 1 and sh[0][1:] == (0, 0, 0):
+            return sh[0][0]
+        return -1
+
+    out = []
+    for v in range(num):
+        chain = []
+        prev, c = v, same_index_input(v)
+        while c >= 0 and readers[c] == [prev] and nodes.kind[c] != INPUT \
+                and pos[c] < pos[prev] and c not in chain and c != v:
+            nxt = same_index_input(c)
+            if nxt < 0:
+                break
+            chain.append(c)
+            prev, c = c, nxt
+        out.append(chain + [c] if chain else [])
+    nodes.extra["graph_chains"] = out
+    return out
 
 
 def build_arrays(builder, request, max_sweeps: int):

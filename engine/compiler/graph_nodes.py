@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from engine.compiler.array_ops import column_bounds
 from engine.compiler.fast_descriptors import compile_descriptor
 from engine.core.index import K_NO_TIME, Cindex, Index
 from engine.nnet.components.base import Component, ComponentProperty
@@ -86,8 +87,7 @@ class CindexTable:
         else:
             real, rids = coords, ids
         if len(real):
-            lo = real.min(axis=0).tolist()
-            hi = real.max(axis=0).tolist()
+            lo, hi = column_bounds(real)
         else:
             lo, hi = [0, 0, 0, 0], [0, 0, 0, 0]
         lo[0] = min(lo[0], 0)
@@ -134,7 +134,7 @@ class CindexTable:
         if real.any():
             c = coords[real]
             lo, hi, mg = self.lo, self.hi, self.margin
-            ext_lo, ext_hi = c.min(axis=0).tolist(), c.max(axis=0).tolist()
+            ext_lo, ext_hi = column_bounds(c)
             if ext_lo[0] < lo[0] or ext_hi[0] > hi[0] or any(
                     ext_lo[k + 1] - mg[k] < lo[k + 1] or ext_hi[k + 1] + mg[k] > hi[k + 1]
                     for k in range(3)):
@@ -503,24 +503,27 @@ def make_indexes(nxt: np.ndarray) -> list[Index]:
         return []
     if len(nxt) < 64:
         return [_tuple_new(Index, r) for r in nxt.tolist()]
-    blank = nxt[:, 1] == K_NO_TIME
+    n, t, x = nxt[:, 0], nxt[:, 1], nxt[:, 2]
+    blank = t == K_NO_TIME
     if blank.any():
-        out = np.empty(len(nxt), dtype=object)
-        real = np.flatnonzero(~blank)
-        out[real] = np.fromiter(make_indexes(nxt[real]), dtype=object, count=len(real))
-        out[np.flatnonzero(blank)] = np.fromiter(
-            (_tuple_new(Index, r) for r in nxt[blank].tolist()), dtype=object,
-            count=int(blank.sum()))
-        return out.tolist()
-    lo = nxt.min(axis=0)
-    span = nxt.max(axis=0) - lo + 1
-    if int(span[0]) * int(span[1]) * int(span[2]) > 4 * len(nxt) + 4096:
+        # blank Indexes (t = kNoTime) are keyed with t one below every real t
+        real_t = t[~blank]
+        t = np.where(blank, int(real_t.min()) - 1 if len(real_t) else 0, t)
+    n0, t0, x0 = int(n.min()), int(t.min()), int(x.min())
+    s0, s1, s2 = int(n.max()) - n0 + 1, int(t.max()) - t0 + 1, int(x.max()) - x0 + 1
+    if s0 * s1 * s2 > 4 * len(nxt) + 4096:
         return [_tuple_new(Index, r) for r in nxt.tolist()]
-    key = ((nxt[:, 0] - lo[0]) * span[1] + (nxt[:, 1] - lo[1])) * span[2] + (nxt[:, 2] - lo[2])
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    objs = np.fromiter((_tuple_new(Index, r) for r in nxt[first].tolist()), dtype=object,
-                       count=len(first))
-    return objs[inverse].tolist()
+    # one representative row per distinct Index through a dense table (the last
+    # row written wins), no sorting
+    key = ((n - n0) * s1 + (t - t0)) * s2 + (x - x0)
+    table = np.full(s0 * s1 * s2, -1, dtype=np.int64)
+    table[key] = np.arange(len(nxt))
+    rep = table[key]
+    reps = table[table >= 0]
+    objs = np.empty(len(nxt), dtype=object)
+    objs[reps] = np.fromiter((_tuple_new(Index, r) for r in nxt[reps].tolist()),
+                             dtype=object, count=len(reps))
+    return objs[rep].tolist()
 
 
 def make_cindexes(rows: np.ndarray) -> list[Cindex]:
@@ -538,9 +541,10 @@ def node_names(nnet) -> list[str]:
 
 # Non-simple components whose IsComputable is "every Index GetInputIndexes
 # lists is present" and which then use all of them: the base class's default,
-# and Kaldi's TdnnComponent (time offsets, all required).  For these the graph
-# builders settle computability from the dependency states alone.
-_ALL_INPUTS_COMPONENTS = ("TdnnComponent",)
+# Kaldi's TdnnComponent (time offsets, all required) and DropoutMaskComponent
+# (no inputs, always computable).  For these the graph builders settle
+# computability from the dependency states alone.
+_ALL_INPUTS_COMPONENTS = ("TdnnComponent", "DropoutMaskComponent")
 
 
 def _needs_all_inputs(comp) -> bool:

@@ -37,19 +37,23 @@ from __future__ import annotations
 
 import logging
 from itertools import chain
+from operator import itemgetter
 from typing import Callable
 
 import numpy as np
 
+from engine.compiler.array_ops import rows_equal
 from engine.compiler.computation import (CommandType as CT, MatrixDebugInfo, NnetComputation,
                                          PrecomputedIndexesInfo, SubMatrixInfo)
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import make_indexes
 from engine.compiler.request import ComputationRequest, IoSpecification
-from engine.core.index import Index, index_rows
+from engine.core.index import K_NO_TIME, Index, index_rows
 
 log = logging.getLogger("engine.compiler.shortcut")
 
+_first, _second = itemgetter(0), itemgetter(1)
+_tuple_new = tuple.__new__
 _ROWS_CMDS = (CT.COPY_ROWS, CT.ADD_ROWS)
 _MULTI_CMDS = (CT.COPY_ROWS_MULTI, CT.ADD_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI,
                CT.ADD_TO_ROWS_MULTI)
@@ -83,7 +87,7 @@ def find_n_stride(rows: np.ndarray) -> int:
     per_n = size // big_n
     # candidate strides: positions of the n = 1 twin of row 0, tried in Kaldi's order
     # (1, then size / N, then the smallest divisor of size below size / N)
-    twin = np.flatnonzero((n == 1) & (rest == rest[0]).all(axis=1))
+    twin = np.flatnonzero((n == 1) & rows_equal(rest, rest[0]))
     twin_set = set(twin.tolist())
     if 1 in twin_set:
         stride = 1
@@ -97,7 +101,7 @@ def find_n_stride(rows: np.ndarray) -> int:
     if stride >= size:
         return 0
     # same[i] says row i + stride is row i with n one larger
-    same = (rest[stride:] == rest[:-stride]).all(axis=1) & (n[stride:] == n[:-stride] + 1)
+    same = rows_equal(rest[stride:], rest[:-stride]) & (n[stride:] == n[:-stride] + 1)
     need_next = n < big_n - 1
     if need_next[size - stride:].any() or not same[need_next[:size - stride]].all():
         return 0
@@ -130,11 +134,15 @@ def _index_rows(indexes) -> np.ndarray:
 
 
 def _cindex_rows(cindexes) -> np.ndarray:
-    """(rows, 4) array [n, node, t, x] of a list of (node, Index)."""
-    if not cindexes:
-        return np.zeros((0, 4), dtype=np.int64)
-    return np.fromiter(chain.from_iterable((ix[0], nd, ix[1], ix[2]) for nd, ix in cindexes),
-                       dtype=np.int64).reshape(-1, 4)
+    """(rows, 4) array [n, node, t, x] of a list of (node, Index) (the nodes and
+    the Indexes each read as one flat stream)."""
+    k = len(cindexes)
+    out = np.empty((k, 4), dtype=np.int64)
+    if k:
+        out[:, 1] = np.fromiter(map(_first, cindexes), np.int64, k)
+        out[:, [0, 2, 3]] = np.fromiter(chain.from_iterable(map(_second, cindexes)), np.int64,
+                                        3 * k).reshape(k, 3)
+    return out
 
 
 def request_is_decomposable(request: ComputationRequest
@@ -181,6 +189,8 @@ class _Expander:
         self.out = NnetComputation()
         self._expanded_indexes: dict[bytes, list[Index]] = {}
         self._expanded_rows: dict[bytes, np.ndarray] = {}
+        # expansions of rows with t relative to their first row's t (_expand_shifted)
+        self._expanded_rel: dict[bytes, np.ndarray] = {}
 
     # -- strides -------------------------------------------------------------------------
     def init_strides(self) -> None:
@@ -213,7 +223,7 @@ class _Expander:
             raise ShortcutNotApplicable("a matrix of the mini computation does not hold "
                                         "n = 0 and n = 1 rows in equal numbers")
         # candidate strides, in Kaldi's order: 1, size / 2, the smallest other divisor
-        twin = (n == 1) & (rest == rest[self.base[mat]]).all(axis=1)
+        twin = (n == 1) & rows_equal(rest, rest[self.base[mat]])
         half = sizes // 2
         other = np.full(nm, np.iinfo(np.int64).max)
         cand = twin & (local >= 2) & (local < half[mat])
@@ -231,7 +241,7 @@ class _Expander:
         ok = (stride > 0).all() and bool(((j >= 0) & (j < sizes[mat])).all())
         if ok:
             g = self.base[mat] + j
-            ok = bool(((rest[g] == rest).all(axis=1) & (n[g] == 1 - n)).all())
+            ok = bool((rows_equal(rest[g], rest) & (n[g] == 1 - n)).all())
             blk = 2 * s[zero]
             ok = ok and bool((local[zero] // blk == (local[zero] + s[zero]) // blk).all())
         if not ok:
@@ -269,9 +279,10 @@ class _Expander:
         out[pos.ravel(), 0] = np.tile(np.arange(big_n), i0.size)
         pairs = list(zip(out[:, 1].tolist(), make_indexes(out[:, [0, 2, 3]])))
         src = self.c.matrix_debug_info
+        bounds = (new_base + new_sizes).tolist()
+        starts = new_base.tolist()
         self.out.matrix_debug_info = [MatrixDebugInfo()] + [
-            MatrixDebugInfo(src[k].is_deriv, pairs[new_base[k]:new_base[k] + new_sizes[k]])
-            for k in range(1, nm)]
+            MatrixDebugInfo(src[k].is_deriv, pairs[starts[k]:bounds[k]]) for k in range(1, nm)]
 
     def compute_submatrices(self) -> None:
         c = self.c
@@ -279,7 +290,7 @@ class _Expander:
         if not subs:
             self.out.submatrices = list(c.submatrices)
             return
-        arr = np.array(subs, dtype=np.int64).reshape(-1, 5)
+        arr = np.fromiter(chain.from_iterable(subs), np.int64, 5 * len(subs)).reshape(-1, 5)
         m, first = arr[:, 0], arr[:, 1]
         last = first + arr[:, 2] - 1
         bad = (self.row_n[self.base[m] + first] != 0) | (self.row_n[self.base[m] + last] != 1)
@@ -294,7 +305,7 @@ class _Expander:
         self.sub_new_off = np.concatenate([[0], new_first])
         self.sub_new_rows = np.concatenate([[0], new_last + 1 - new_first])
         self.out.submatrices = [c.submatrices[0]] + [
-            SubMatrixInfo(int(a), int(b), int(r), int(co), int(nc)) for a, b, r, co, nc in
+            _tuple_new(SubMatrixInfo, row) for row in
             zip(m.tolist(), new_first.tolist(), (new_last + 1 - new_first).tolist(),
                 arr[:, 3].tolist(), arr[:, 4].tolist())]
 
@@ -378,7 +389,8 @@ class _Expander:
         # shared an index vector in the mini computation share it here too
         memo: dict[tuple, int] = {}
         for cmd in c.commands:
-            new = cmd.__class__(cmd.command_type, cmd.alpha, *cmd.args)
+            new = cmd.__class__(cmd.command_type, cmd.alpha, cmd.arg1, cmd.arg2, cmd.arg3,
+                                cmd.arg4, cmd.arg5, cmd.arg6, cmd.arg7)
             ct = cmd.command_type
             if ct in _ROWS_CMDS:
                 key = ("rows", cmd.arg3, cmd.arg1, cmd.arg2)
@@ -403,18 +415,39 @@ class _Expander:
             out.commands.append(new)
 
     def expand_index_rows(self, indexes) -> tuple[bytes, np.ndarray]:
-        """(key, expanded (k, 3) n, t, x rows) of a two-sequence Index list."""
-        rows = _index_rows(indexes)
+        """(key, expanded (k, 3) n, t, x rows) of a two-sequence Index list (or of its
+        (k, 3) int64 rows)."""
+        rows = indexes if isinstance(indexes, np.ndarray) else _index_rows(indexes)
         # layers with the same time pattern share one expansion (components only
         # read what they are given)
         key = rows.tobytes()
         hit = self._expanded_rows.get(key)
         if hit is None:
-            s = find_n_stride(rows)
-            if s == 0 or rows[-1, 0] != 1:
-                raise ShortcutNotApplicable("precomputed indexes lack the regular n structure")
-            hit = self._expanded_rows[key] = convert_num_n_values(rows, s, 2, self.num_n)
+            hit = self._expanded_rows[key] = self._expand_shifted(rows)
         return key, hit
+
+    def _expand_shifted(self, rows: np.ndarray) -> np.ndarray:
+        """The rows with n running over 0..N-1; rows that differ only by one shift of
+        every t (the per-frame steps of a recurrence) share the work: the structure
+        along n does not depend on t."""
+        if len(rows) and int(rows[:, 1].min()) != K_NO_TIME:
+            t0 = int(rows[0, 1])
+            rel = rows.copy()
+            rel[:, 1] -= t0
+            rel_key = rel.tobytes()
+            base = self._expanded_rel.get(rel_key)
+            if base is None:
+                base = self._expanded_rel[rel_key] = self._expand_plain(rel)
+            out = base.copy()
+            out[:, 1] += t0
+            return out
+        return self._expand_plain(rows)
+
+    def _expand_plain(self, rows: np.ndarray) -> np.ndarray:
+        s = find_n_stride(rows)
+        if s == 0 or rows[-1, 0] != 1:
+            raise ShortcutNotApplicable("precomputed indexes lack the regular n structure")
+        return convert_num_n_values(rows, s, 2, self.num_n)
 
     def expand_indexes(self, indexes) -> list[Index]:
         key, rows = self.expand_index_rows(indexes)
@@ -440,9 +473,9 @@ class _Expander:
             comp = self.nnet.components[component[p]]
             by_arrays = getattr(comp, "precompute_index_arrays", None)
             if by_arrays is not None:
-                data = by_arrays(self.misc_info, self.expand_index_rows(info.input_indexes)[1],
-                                 self.expand_index_rows(info.output_indexes)[1],
-                                 need_backprop[p])
+                in_rows, out_rows = info.index_rows()
+                data = by_arrays(self.misc_info, self.expand_index_rows(in_rows)[1],
+                                 self.expand_index_rows(out_rows)[1], need_backprop[p])
             else:
                 data = comp.precompute_indexes(self.misc_info,
                                                self.expand_indexes(info.input_indexes),

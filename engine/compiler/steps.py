@@ -107,15 +107,17 @@ def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
     A round holds the members all of whose inputs were computed in earlier
     rounds; Kaldi finds them among the users of the previous round."""
     k = len(members)
+    if not len(deps_owner):
+        return np.zeros(k, dtype=np.int64)      # nothing inside depends on anything inside
     remaining = np.bincount(deps_owner, minlength=k).tolist()
     order = np.argsort(deps_local, kind="stable")
+    # the users of member c: flat[b[c]:b[c + 1]]
     flat = deps_owner[order].tolist()
     bounds = np.zeros(k + 1, dtype=np.int64)
     np.cumsum(np.bincount(deps_local, minlength=k), out=bounds[1:])
     b = bounds.tolist()
-    users = [flat[b[i]:b[i + 1]] for i in range(k)]
     level = [0] * k
-    frontier = [i for i in range(k) if remaining[i] == 0]
+    frontier = [i for i, r in enumerate(remaining) if not r]
     if not frontier:
         raise NotComputableError(
             "the computation has a cycle at the cindex level (e.g. "
@@ -123,15 +125,16 @@ def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
     lev = 0
     while frontier:
         nxt = []
+        push = nxt.append
         for c in frontier:
             level[c] = lev
-            for u in users[c]:
+            for u in flat[b[c]:b[c + 1]]:
                 r = remaining[u] - 1
                 remaining[u] = r
                 if not r:
-                    nxt.append(u)
+                    push(u)
         if not nxt:
-            stuck = [u for c in frontier for u in users[c]]
+            stuck = [u for c in frontier for u in flat[b[c]:b[c + 1]]]
             if stuck:
                 raise NotComputableError(
                     "the model has a type of recurrence that cannot be computed (e.g. x[t] "
@@ -506,7 +509,13 @@ class ComputationStepsComputer:
             orig = len(in_rows) + len(out_rows)
             by_arrays = getattr(comp, "reorder_index_arrays", None)
             if by_arrays is not None:
-                in_rows, out_rows = by_arrays(in_rows, out_rows)
+                new_in, new_out = by_arrays(in_rows, out_rows)
+                if new_in is in_rows and new_out is out_rows:
+                    # nothing moved (the component says so by giving the arrays back)
+                    self._add_step_ids(input_step, in_node)
+                    self._add_step_ids(step, node)
+                    return
+                in_rows, out_rows = new_in, new_out
             else:
                 in_idx, out_idx = comp.reorder_indexes(
                     [_tuple_new(Index, r) for r in in_rows.tolist()],
@@ -526,16 +535,28 @@ class ComputationStepsComputer:
         if src_ids is None:
             src_ids = self.graph.find_like(sub, node, src)
         s = self.loc_step[src_ids]
-        if (src_ids < 0).any() or (s < 0).any():
-            raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
-                                 f"not yet in a step")
-        first = int(s[0])
-        if (s == first).all():
+        if 0 < len(s) <= 32:
+            # small sub-phases (one time step of a recurrence): Python scalars beat
+            # NumPy calls
+            sl = s.tolist()
+            if min(src_ids.tolist()) < 0 or min(sl) < 0:
+                raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
+                                     f"not yet in a step")
+            first = sl[0]
+            single = sl.count(first) == len(sl)
+        else:
+            if (src_ids < 0).any() or (s < 0).any():
+                raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
+                                     f"not yet in a step")
+            first = int(s[0])
+            single = bool((s == first).all())
+        if single:
             if (first, node) in self._dim_range_done:
                 return
             self._dim_range_done.add((first, node))
             source = self.step_ids[first]
-            if len(source) == len(sub) and (source == src_ids).all():
+            if len(source) == len(sub) and (source.tolist() == src_ids.tolist()
+                                            if len(sub) <= 32 else (source == src_ids).all()):
                 # the sub-phase is the whole source step, in its order
                 self._add_step_ids(sub, node)
             else:

@@ -148,3 +148,45 @@ def test_random_networks_recompiled_after_edits_match_fresh():
         assert _data(nnet, req) == first == _fresh(nnet, req)
         nnet.set_test_mode(True)
         assert _data(nnet, req) == _fresh(nnet, req)
+
+
+CHAIN_NET = """
+input-node name=input dim=4
+component name=a type=AffineComponent input-dim=12 output-dim=6
+component-node name=a component=a input=Append(Offset(input, -1), input, Offset(input, 1))
+component name=r type=RectifiedLinearComponent dim=6
+component-node name=r component=r input=a
+component name=bn type=BatchNormComponent dim=6
+component-node name=bn component=bn input=r
+component name=o type=AffineComponent input-dim=6 output-dim=3
+component-node name=o component=o input=bn
+output-node name=output input=o
+"""
+
+
+def test_graph_chains_kept_with_the_table_and_remade_on_edit():
+    """The array graph builder's chains (graph_arrays._chains: nodes read by one
+    node only, expanded with their reader) live with the NodeTable: an edit that
+    gives a chain node a second reader makes a new table whose chains stop there,
+    and the computation is what a fresh network gives."""
+    from engine.compiler.graph_arrays import _chains
+    nnet = Nnet.from_config(CHAIN_NET)
+    req = _request(deriv=False)
+    before = _data(nnet, req)
+    t1 = node_table_for(nnet)
+    chains1 = t1.extra["graph_chains"]
+    assert _chains(t1, list(range(len(t1.kind)))) is chains1       # kept, not remade
+    r_node = nnet.get_node_index("r")
+    assert any(r_node in ch[:-1] for ch in chains1)                 # r is inside a chain
+    nnet.read_config("output-node name=output2 input=r")
+    req2 = ComputationRequest(req.inputs, req.outputs + [IoSpecification(
+        "output2", [Index(0, t, 0) for t in range(0, 8)], False)])
+    t2 = node_table_for(nnet)
+    assert t2 is not t1
+    assert "graph_chains" not in t2.extra
+    after = _data(nnet, req2)
+    chains2 = t2.extra["graph_chains"]
+    assert not any(r_node in ch[:-1] for ch in chains2)             # r has two readers now
+    assert after == _fresh(nnet, req2)
+    assert _data(nnet, req) == _fresh(nnet, req)
+    assert before["commands"] == _data(nnet, req)["commands"]

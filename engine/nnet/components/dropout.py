@@ -209,6 +209,11 @@ class DropoutMaskComponent(RandomComponent):
     def get_input_indexes(self, misc_info, output_index: Index) -> list[Index]:
         return []
 
+    def input_offsets(self) -> list[tuple[int, int, int]]:
+        """get_input_indexes as fixed shifts of the output Index: none (the compiler's
+        graph builders then treat every output Index as computable at once)."""
+        return []
+
     def is_computable(self, misc_info, output_index, input_index_set, used_inputs) -> bool:
         if used_inputs is not None:
             used_inputs.clear()
@@ -259,6 +264,13 @@ class GeneralDropoutComponentPrecomputedIndexes(ComponentPrecomputedIndexes):
         self.indexes = indexes
 
 
+# GeneralDropoutComponent's properties (made once: flag arithmetic is slow and the
+# compiler asks for them on every compilation); with block-dim < dim the rows are
+# reshaped, so input and output must be contiguous
+_GENERAL_PROPS = P.RANDOM_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE | P.USES_MEMO
+_GENERAL_PROPS_BLOCKS = _GENERAL_PROPS | P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOUS
+
+
 @register_component
 class GeneralDropoutComponent(RandomComponent):
     """Dropout with one mask per sequence (n), or per block of time-period frames;
@@ -277,10 +289,7 @@ class GeneralDropoutComponent(RandomComponent):
         self.continuous = False
 
     def properties(self) -> P:
-        p = P.RANDOM_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE | P.USES_MEMO
-        if self.block_dim != self.dim:
-            p |= P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOUS
-        return p
+        return _GENERAL_PROPS if self.block_dim == self.dim else _GENERAL_PROPS_BLOCKS
 
     def input_dim(self) -> int:
         return self.dim
@@ -388,27 +397,41 @@ class GeneralDropoutComponent(RandomComponent):
         t = (np.floor_divide(arr[:, 1], self.time_period) if self.time_period > 0
              else np.zeros_like(n))
         # mask rows numbered by first appearance of each (n, t-block) pair (the
-        # numbering does not depend on how np.unique orders the pairs: one int key
-        # per pair where the ranges allow it, else the pairs as rows)
+        # numbering does not depend on how the pairs are found: one int key per pair
+        # where the ranges allow it, else the pairs as rows)
         if len(n):
             n0, t0 = int(n.min()), int(t.min())
             span_t = int(t.max()) - t0 + 1
-            flat = (int(n.max()) - n0 + 1) * span_t < 2 ** 62
+            cells = (int(n.max()) - n0 + 1) * span_t
+            flat = cells < 2 ** 62
         else:
             flat = False
-        if flat:
-            _, first, inverse = np.unique((n - n0) * span_t + (t - t0), return_index=True,
-                                          return_inverse=True)
+        if flat and cells <= 4 * len(n) + 4096:
+            # few (n, t-block) cells: each row's first occurrence through a table
+            # indexed by cell (no sorting), then first occurrences numbered in order
+            key = (n - n0) * span_t + (t - t0)
+            at = np.arange(len(n))
+            first = np.full(cells, len(n), dtype=np.int64)
+            np.minimum.at(first, key, at)
+            first_row = first[key]
+            rank = np.cumsum(first_row == at) - 1
+            rows = rank[first_row]
+            num_pairs = int(rank[-1]) + 1
         else:
-            _, first, inverse = np.unique(np.stack([n, t], axis=1), axis=0, return_index=True,
-                                          return_inverse=True)
-        inverse = inverse.reshape(-1)
-        order = np.argsort(first, kind="stable")
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        rows = rank[inverse].astype(np.int64)
+            if flat:
+                _, first, inverse = np.unique((n - n0) * span_t + (t - t0), return_index=True,
+                                              return_inverse=True)
+            else:
+                _, first, inverse = np.unique(np.stack([n, t], axis=1), axis=0,
+                                              return_index=True, return_inverse=True)
+            inverse = inverse.reshape(-1)
+            order = np.argsort(first, kind="stable")
+            rank = np.empty_like(order)
+            rank[order] = np.arange(order.size)
+            rows = rank[inverse].astype(np.int64)
+            num_pairs = int(order.size)
         multiple = self.dim // self.block_dim
-        num_mask_rows = int(order.size) * multiple
+        num_mask_rows = num_pairs * multiple
         # every block of a row uses the row's mask (Kaldi draws 'multiple' times more
         # mask rows than it uses; we keep its sizes)
         return GeneralDropoutComponentPrecomputedIndexes(num_mask_rows,

@@ -55,7 +55,11 @@ class TimeGrid:
 
 
 def _as_rows(indexes) -> np.ndarray:
-    """(k, 3) int64 n, t, x rows of a list of Indexes or an array."""
+    """(k, 3) int64 n, t, x rows of a list of Indexes or an array (a (k, 3) int64
+    array is returned as it is)."""
+    if type(indexes) is np.ndarray and indexes.dtype == np.int64 and indexes.ndim == 2 \
+            and indexes.shape[1] == 3:
+        return indexes
     return np.asarray(indexes, dtype=np.int64).reshape(-1, 3)
 
 
@@ -174,6 +178,73 @@ def _matches_grid(rows: np.ndarray, cells: np.ndarray) -> bool:
                  & ((t == cells[:, 1]) | (t == K_NO_TIME))).all())
 
 
+# the row-to-row difference of a grid with t step s (< 8): (0, s, 0)
+_STEP_T = [np.array((0, s, 0), dtype=np.int64) for s in range(8)]
+
+
+def _full_grid(rows: np.ndarray) -> tuple[int, int, int] | None:
+    """(first t, t step, number of t values) when ``rows`` is a complete grid with
+    one t value per block (Kaldi's CreateIndexes with reorder_t = 1 and no blank
+    cell): blocks of equal t, each listing the same (n, x) pairs in increasing
+    order, t rising by one step (> 0) from block to block.  None otherwise (also
+    for an empty array).  The (n, x) pairs are ``rows[:count_per_block]``."""
+    k = len(rows)
+    if not k:
+        return None
+    t = rows[:, 1]
+    t0 = int(t[0])
+    if t0 == K_NO_TIME:
+        return None
+    other = np.flatnonzero(t != t0)
+    if not len(other):
+        return t0, 0, 1
+    per = int(other[0])
+    if k % per:
+        return None
+    num_t = k // per
+    step = int(t[per]) - t0
+    if step <= 0:
+        return None
+    g = rows.reshape(num_t, per, 3)
+    if not (g[1:] - g[:-1] == _STEP_T[step] if step < 8 else (0, step, 0)).all():
+        return None
+    if per > 64:
+        dn = np.diff(rows[:per, 0])
+        if not ((dn > 0) | ((dn == 0) & (np.diff(rows[:per, 2]) > 0))).all():
+            return None
+    elif per > 1:
+        # few pairs: [n, x] lists compare in (n, x) order
+        pairs = rows[:per, ::2].tolist()
+        if not all(a < b for a, b in zip(pairs, pairs[1:])):
+            return None
+    return t0, step, num_t
+
+
+def _grid_unchanged(ins: np.ndarray, outs: np.ndarray) -> TimeGrid | None:
+    """The TimeGrid of a computation whose input and output rows are already the
+    grid reorder_indexes makes (both complete grids, one t value per block, with
+    the same (n, x) pairs and a t step the output's grid shares), else None (then
+    the general path decides).  Most TDNN layers meet their rows this way."""
+    gi = _full_grid(ins)
+    if gi is None:
+        return None
+    go = _full_grid(outs)
+    if go is None:
+        return None
+    per = len(ins) // gi[2]
+    if len(outs) // go[2] != per or not np.array_equal(ins[:per, ::2], outs[:per, ::2]):
+        return None
+    step_in, step_out = gi[1], go[1]
+    if go[2] == 1:
+        # one output t: the output step is a don't-care (as in _time_grid)
+        if step_in == 0:
+            step_in = 1
+        step_out = step_in
+    elif step_out != step_in:
+        return None
+    return TimeGrid(per, gi[0], step_in, gi[2], go[0], step_out, go[2], 1)
+
+
 def tdnn_index_rows_for_grid(g: TimeGrid, input_rows: np.ndarray, output_rows: np.ndarray,
                              pairs: np.ndarray | None = None
                              ) -> tuple[np.ndarray, np.ndarray]:
@@ -231,6 +302,11 @@ class TdnnPrecomputedIndexes(ComponentPrecomputedIndexes):
 # --------------------------------------------------------------------------------------
 # the component
 
+# the properties, with and without a bias (made once: flag arithmetic is slow and the
+# compiler asks for them on every compilation)
+_PROPS = P.UPDATABLE_COMPONENT | P.REORDERS_INDEXES | P.BACKPROP_ADDS | P.BACKPROP_NEEDS_INPUT
+_PROPS_NO_BIAS = _PROPS | P.PROPAGATE_ADDS
+
 
 @register_component
 class TdnnComponent(UpdatableComponent):
@@ -256,11 +332,7 @@ class TdnnComponent(UpdatableComponent):
         self.num_samples_history = 2000.0
 
     def properties(self) -> P:
-        p = (P.UPDATABLE_COMPONENT | P.REORDERS_INDEXES | P.BACKPROP_ADDS
-             | P.BACKPROP_NEEDS_INPUT)
-        if self.bias_params.shape[0] == 0:
-            p |= P.PROPAGATE_ADDS
-        return p
+        return _PROPS if self.bias_params.shape[0] != 0 else _PROPS_NO_BIAS
 
     def input_dim(self) -> int:
         k = len(self.time_offsets)
@@ -409,8 +481,13 @@ class TdnnComponent(UpdatableComponent):
 
     def reorder_index_arrays(self, input_rows: np.ndarray, output_rows: np.ndarray
                              ) -> tuple[np.ndarray, np.ndarray]:
-        """reorder_indexes on (k, 3) n, t, x int64 arrays (blank rows t = kNoTime)."""
+        """reorder_indexes on (k, 3) n, t, x int64 arrays (blank rows t = kNoTime).
+        Rows already in the order reorder_indexes gives (the common case) are
+        returned as they are, the same array objects when given as (k, 3) int64
+        arrays (the caller may test identity to know nothing moved)."""
         input_rows, output_rows = _as_rows(input_rows), _as_rows(output_rows)
+        if _grid_unchanged(input_rows, output_rows) is not None:
+            return input_rows, output_rows
         pairs = _nx_pairs(input_rows)
         try:
             grid = _time_grid(input_rows, output_rows, pairs)
@@ -428,19 +505,30 @@ class TdnnComponent(UpdatableComponent):
                                 ) -> TdnnPrecomputedIndexes:
         """precompute_indexes on (k, 3) n, t, x int64 arrays."""
         input_rows, output_rows = _as_rows(input_rows), _as_rows(output_rows)
+        g = _grid_unchanged(input_rows, output_rows)
+        if g is None:
+            g = self._checked_grid(input_rows, output_rows)
+        return self._precomputed_for_grid(g)
+
+    def _checked_grid(self, input_rows: np.ndarray, output_rows: np.ndarray) -> TimeGrid:
+        """The TimeGrid of rows that must already be in the order reorder_indexes
+        produces (Kaldi spot-checks this at random; the check is cheap enough to do
+        always)."""
         pairs = _nx_pairs(input_rows)
         try:
             g = _time_grid(input_rows, output_rows, pairs)
         except ComponentError as e:
             raise ComponentError(e.reason, component=self.label()) from None
-        # The indexes must already be in the order reorder_indexes produces (Kaldi
-        # spot-checks this at random; the check is cheap enough to do always).
         if not (_matches_grid(input_rows, _grid_cells(pairs, g.start_t_in, g.t_step_in,
                                                       g.num_t_in, g.reorder_t_in))
                 and _matches_grid(output_rows, _grid_cells(pairs, g.start_t_out,
                                                            g.t_step_out, g.num_t_out, 1))):
             raise ComponentError("precompute_indexes: the Indexes are not in the order "
                                  "reorder_indexes produces", component=self.label())
+        return g
+
+    def _precomputed_for_grid(self, g: TimeGrid) -> TdnnPrecomputedIndexes:
+        """The row stride and the start row of every time offset on grid ``g``."""
         n = g.reorder_t_in
         offsets = []
         for o in self.time_offsets:
