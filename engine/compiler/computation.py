@@ -530,9 +530,23 @@ class NnetComputation:
         new.indexes = [list(v) for v in self.indexes]
         new.indexes_multi = [list(v) for v in self.indexes_multi]
         new.indexes_ranges = [list(v) for v in self.indexes_ranges]
-        # the constructor is ~10x faster than copy.copy on a slotted dataclass
-        new.commands = [Command(c.command_type, c.alpha, c.arg1, c.arg2, c.arg3, c.arg4, c.arg5,
-                                c.arg6, c.arg7) for c in self.commands]
+
+        # slot by slot on an instance made without __init__: ~10x faster than
+        # copy.copy on a slotted dataclass and ~20% faster than the constructor
+        def copy_command(c, make=object.__new__, cls=Command):
+            d = make(cls)
+            d.command_type = c.command_type
+            d.alpha = c.alpha
+            d.arg1 = c.arg1
+            d.arg2 = c.arg2
+            d.arg3 = c.arg3
+            d.arg4 = c.arg4
+            d.arg5 = c.arg5
+            d.arg6 = c.arg6
+            d.arg7 = c.arg7
+            return d
+
+        new.commands = list(map(copy_command, self.commands))
         new.segments = list(self.segments)
         return new
 

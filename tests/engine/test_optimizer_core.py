@@ -488,6 +488,21 @@ def test_analysis_kept_up_to_date_by_passes_equals_a_fresh_one():
     assert kept > 10
 
 
+def test_computation_copy_copies_every_command_field():
+    """NnetComputation.copy (which optimize() starts from) copies each command
+    slot by slot without the constructor: every dataclass field, new objects."""
+    import dataclasses
+    names = [f.name for f in dataclasses.fields(Command)]
+    for _, _, comp in _pipeline_cases()[:3]:
+        c = comp.copy()
+        assert len(c.commands) == len(comp.commands)
+        for a, b in zip(c.commands, comp.commands):
+            assert a is not b and type(a) is Command
+            assert [getattr(a, n) for n in names] == [getattr(b, n) for n in names]
+        c.commands[0].arg1 += 1
+        assert c.commands[0] != comp.commands[0]
+
+
 def test_per_matrix_variable_accesses_agree_with_the_variables():
     """Analyzer.variable_accesses_of (the grid of a matrix's own accesses) gives the
     same access lists as Kaldi's variables of that matrix."""

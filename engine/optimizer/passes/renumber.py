@@ -172,23 +172,18 @@ def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] 
     if nsub:
         old_to_new_sub[0] = 0
     new_subs = subs[:1]
-    by_info: dict = {}
     order = range(1, nsub)
     if submatrix_order is not None:
         order = sorted(order, key=submatrix_order.__getitem__)
-    moved = False
-    for s in order:
-        if not used[s]:
-            continue
-        info = subs[s]
-        k = by_info.get(info)
-        if k is None:
-            k = by_info[info] = len(new_subs)
-            new_subs.append(info)
+    kept = [s for s in order if used[s]]
+    infos = list(map(subs.__getitem__, kept))
+    distinct = dict.fromkeys(infos)   # in order of first occurrence
+    number = {info: k for k, info in enumerate(distinct, len(new_subs))}
+    new_subs.extend(distinct)
+    new_numbers = list(map(number.__getitem__, infos))
+    for s, k in zip(kept, new_numbers):
         old_to_new_sub[s] = k
-        if k != s:
-            moved = True
-    sub_changed = len(new_subs) != nsub or moved
+    sub_changed = len(new_subs) != nsub or new_numbers != kept
     mat_changed = n != len(c.matrices)
     if sub_changed:
         if refd and min(refd) < -1:
