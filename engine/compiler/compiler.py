@@ -100,8 +100,9 @@ class _StepInfo:
         self.value_parts: list[int] = []
         self.deriv_parts: list[int] = []
         # per descriptor part: (rows, width) input cindex ids in Kaldi's order, -1
-        # padded (filled in when first needed, for all steps of the node at once)
-        self.inputs: list[np.ndarray] | None = None
+        # padded (filled in part by part when first needed, for all steps of the
+        # node at once; None for a part not asked for yet)
+        self.inputs: list | None = None
 
 
 def _compile_part(part):
@@ -442,26 +443,30 @@ class Compiler:
     def _inputs(self, step: int, part: int) -> np.ndarray:
         """Kaldi's ComputeInputLocationsList for one descriptor part of a step: the
         input cindexes summed into each row, sorted; computed for all steps of the
-        node at once."""
+        node at once, part by part as asked (the parts _batch_forward did are
+        never asked for in forward-only computations)."""
         info = self.steps[step]
-        if info.inputs is None:
+        inputs = info.inputs
+        if inputs is None or inputs[part] is None:
             node = info.node_index
             steps = self._node_steps[node]
-            desc = self.nnet.nodes[node].descriptor
-            ids = np.concatenate([self.steps[s].ids for s in steps])
-            lens = [len(self.steps[s].ids) for s in steps]
+            all_steps = self.steps
+            ids = np.concatenate([all_steps[s].ids for s in steps])
+            lens = [len(all_steps[s].ids) for s in steps]
             bounds = np.zeros(len(lens) + 1, dtype=np.int64)
             np.cumsum(lens, out=bounds[1:])
-            seg = np.repeat(np.array([self.steps[s].segment for s in steps], dtype=np.int64),
+            seg = np.repeat(np.array([all_steps[s].segment for s in steps], dtype=np.int64),
                             lens)
             b = bounds.tolist()
-            for s in steps:
-                self.steps[s].inputs = []
-            for p in range(desc.num_parts()):
-                D = self._part_inputs(node, p, ids, seg)
-                for k, s in enumerate(steps):
-                    self.steps[s].inputs.append(D[b[k]:b[k + 1]])
-        return info.inputs[part]
+            if inputs is None:
+                num_parts = self.nnet.nodes[node].descriptor.num_parts()
+                for s in steps:
+                    all_steps[s].inputs = [None] * num_parts
+            D = self._part_inputs(node, part, ids, seg)
+            for k, s in enumerate(steps):
+                all_steps[s].inputs[part] = D[b[k]:b[k + 1]]
+            inputs = info.inputs
+        return inputs[part]
 
     def _part_inputs(self, node: int, part: int, ids: np.ndarray, seg: np.ndarray
                      ) -> np.ndarray:
@@ -603,35 +608,20 @@ class Compiler:
 
     def _batch_plan(self, node: int, part: int):
         """How the forward commands of a descriptor part can be decided for all its
-        steps at once, when every input is the Index shifted by a constant:
-        ("pieces", [(alpha, shift, optional)]) when each SplitByScale piece reads at
-        most one input per row (required, or optional as in IfDefined), ("sum",
-        alpha, [shift]) for several required inputs of one scale (in the order
-        each row sorts them); None otherwise."""
+        steps at once, when every input is the Index shifted by a constant: its
+        SplitByScale pieces in order, as [(alpha, shifts, optional)], where a piece
+        reads one input per row (required, or optional as in IfDefined) or sums
+        several required inputs (``shifts`` in the order each row sorts them);
+        None otherwise."""
         key = ("plan", node, part)
         if key in self._part_cache:
             return self._part_cache[key]
         out = None
         fast = self._part_cache[(node, part)]
         shifts = fast.linear_positions() if fast is not None else None
-        if shifts is not None:
+        if shifts is not None and fast.num_deps:
             k = fast.num_deps
             shared, split, _ = self._scales(node, part)
-            pieces = None
-            if split is None:
-                if k == 1:
-                    pieces = [(shared, 0)]
-                elif k > 1 and fast.all_required:
-                    out = ("sum", shared, sorted(shifts, key=lambda sh: (sh[0], sh[2], sh[3],
-                                                                         sh[1])))
-            else:
-                pieces = []
-                for alpha, nodes in split:
-                    at = [j for j, sh in enumerate(shifts) if sh[0] in nodes.tolist()]
-                    if len(at) != 1:
-                        pieces = None
-                        break
-                    pieces.append((alpha, at[0]))
             optional = None
             if fast.all_required:
                 optional = False
@@ -640,8 +630,18 @@ class Compiler:
                 if (fast.computable_arrays(no)[0] and fast.computable_arrays(yes)[0]
                         and fast.used_arrays(yes)[0, 0]):
                     optional = True
-            if pieces is not None and optional is not None:
-                out = ("pieces", [(alpha, shifts[j], optional) for alpha, j in pieces])
+            groups = ([(shared, list(range(k)))] if split is None else
+                      [(alpha, [j for j, sh in enumerate(shifts) if sh[0] in nodes.tolist()])
+                       for alpha, nodes in split])
+            pieces = []
+            for alpha, at in groups:
+                if not at or optional is None or (len(at) > 1 and optional):
+                    pieces = None
+                    break
+                pieces.append((alpha, sorted((shifts[j] for j in at),
+                                             key=lambda sh: (sh[0], sh[2], sh[3], sh[1])),
+                               optional))
+            out = pieces
         self._part_cache[key] = out
         return out
 
@@ -655,8 +655,8 @@ class Compiler:
         if table.mode == "dict":
             return {}
         # columns, as parallel lists: step, part, alpha, key delta, optional, group
-        # (a "sum" part is a group of columns, one per input position); step-major
-        # within each node part
+        # (a piece summing several inputs is a group of columns, one per input
+        # position); step-major within each node part
         col_step: list = []
         col_part: list = []
         col_alpha: list = []
@@ -669,21 +669,25 @@ class Compiler:
                 plan = self._batch_plan(node, p)
                 if plan is None:
                     continue
-                if plan[0] == "pieces":
-                    items = [(alpha, sh, optional) for alpha, sh, optional in plan[1]]
-                else:
-                    items = [(plan[1], sh, False) for sh in plan[2]]
+                # one column per input of each piece; a piece of several inputs is
+                # one group per step
+                items = [(alpha, sh, optional, j) for j, (alpha, shs, optional)
+                         in enumerate(plan) for sh in shs]
+                multi = [len(plan[it[3]][1]) > 1 for it in items]
                 deltas = [(w - node) * table.stride_node + dn * table.stride_n
-                          + dt * table.stride_t + dx for _, (w, dn, dt, dx), _ in items]
+                          + dt * table.stride_t + dx for _, (w, dn, dt, dx), _, _ in items]
                 k, ns = len(items), len(nsteps)
                 col_step += nsteps if k == 1 else [st for st in nsteps for _ in range(k)]
                 col_part += [p] * (ns * k)
                 col_alpha += [it[0] for it in items] * ns
                 col_delta += deltas * ns
                 col_opt += [it[2] for it in items] * ns
-                if plan[0] == "sum":
-                    col_group += [g for g in range(groups, groups + ns) for _ in range(k)]
-                    groups += ns
+                if any(multi):
+                    num_pieces = len(plan)
+                    for i in range(ns):
+                        col_group += [groups + i * num_pieces + it[3] if m else -1
+                                      for it, m in zip(items, multi)]
+                    groups += ns * num_pieces
                 else:
                     col_group += [-1] * (ns * k)
         if not col_step:
@@ -770,19 +774,35 @@ class Compiler:
                         hit.append(column(k, alpha))
                 k += 1
                 continue
-            # a sum of several inputs: Kaldi's SplitLocations gives one column per
-            # source when each input position reads a whole single step (each
-            # source is then used by every row), in unordered_map order
+            # a sum of several inputs: when each input position reads a whole single
+            # step (each source is then used by every row), Kaldi's SplitLocations
+            # gives one column per source, in unordered_map order, if the sources
+            # differ, and one column per position, in order, if they are all one
             end = k
             while end < num and col_group[end] == group:
                 end += 1
             ks = range(k, end)
             subs = [vsub[low[j]] if low[j] < big else -1 for j in ks]
-            if all(full[j] and low[j] == high[j] for j in ks) and len(set(subs)) == len(subs):
-                at = dict(zip(subs, ks))
-                out[(st, p)] = [column(at[sub], alpha) for sub in unordered_map_order(subs)]
+            if all(full[j] and low[j] == high[j] for j in ks):
+                num_distinct = len(set(subs))
+                if num_distinct == len(subs):
+                    at = dict(zip(subs, ks))
+                    cols = [column(at[sub], alpha) for sub in unordered_map_order(subs)]
+                elif num_distinct == 1:
+                    cols = [column(j, alpha) for j in ks]
+                else:
+                    cols = None
             else:
+                cols = None
+            if cols is None:
                 failed.add((st, p))
+            else:
+                key = (st, p)
+                hit = out.get(key)
+                if hit is None:
+                    out[key] = cols
+                else:
+                    hit.extend(cols)
             k = end
         for key in failed:
             out.pop(key, None)

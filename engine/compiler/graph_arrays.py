@@ -61,6 +61,12 @@ MAX_TABLE_CELLS = 1 << 23
 MAX_SETTLE_PASSES = 64
 _tuple_new = tuple.__new__
 _EMPTY = np.zeros(0, dtype=np.int64)
+# Usable-count updates of at most this many ids go one id at a time in plain Python
+# (NumPy's per-call cost dominates there).
+_SMALL = 16
+# ... and go back to NumPy when the ids still to visit grow beyond this many (a wide
+# cascade of counts).
+_FEW_MAX = 256
 
 
 class GiveUp(Exception):
@@ -178,7 +184,10 @@ class ArrayGraphBuild:
     def _init_rows(self, base_coords: np.ndarray, specs: list) -> None:
         r = np.concatenate([base_coords[:, 1:]] + specs)
         self.size = len(base_coords)
-        cap = max(1024, 4 * (self.size + len(r)))
+        # room for what a segment usually grows to (about half the nodes times the
+        # requested Indexes) so that the arrays are seldom regrown
+        cap = max(1024, 4 * (self.size + len(r)),
+                  self.size + self.num_nodes * sum(len(a) for a in specs) * 3 // 4)
         self.keys = np.empty(cap, dtype=np.int64)
         self.status = np.full(cap, C, dtype=np.int8)
         self.expanded = np.ones(cap, dtype=bool)
@@ -349,14 +358,18 @@ class ArrayGraphBuild:
         return self.edges[at]
 
     def _add_usable(self, targets: np.ndarray, distinct: bool = False,
-                    queued: bool = False) -> None:
+                    queued: bool = False, few: bool = True) -> None:
         """One more usable dependent for each entry of ``targets`` (Kaldi's
         IncrementUsableCount): a cindex that becomes usable gives its inputs one
         too, or, not expanded yet, is queued for expansion.  ``distinct``: no
         target repeats; ``queued``: every target is already queued on its node
-        (the expansion that found them queued them all)."""
+        (the expansion that found them queued them all); ``few``: whether a few
+        targets may go to _add_usable_few."""
         usable, status, expanded = self.usable, self.status, self.expanded
         while len(targets):
+            if few and len(targets) <= _SMALL:
+                self._add_usable_few(targets.tolist(), queued)
+                return
             before = usable[targets]
             if distinct:
                 usable[targets] = before + 1
@@ -375,15 +388,82 @@ class ArrayGraphBuild:
             # an expanded cindex that becomes usable again: its inputs, once each
             targets = self._inputs_of(_distinct(woke[ex])) if _any(ex) else _EMPTY
 
-    def _drop_usable(self, targets: np.ndarray) -> None:
+    def _add_usable_few(self, targets: list, queued: bool) -> None:
+        """_add_usable for a few targets (a list of ids) in plain Python, one id at a
+        time (with NumPy again for what is left if that grows wide); the ids to
+        queue are queued together at the end.  The same counts and
+        the same ids queued as level by level: a cindex becomes usable once, at its
+        first increment, whatever the order."""
+        usable, status, expanded = self.usable, self.status, self.expanded
+        estart, ecount, edges = self.estart, self.ecount, self.edges
+        to_queue: list = []
+        # the targets themselves: queued already when ``queued``
+        todo = []
+        for c in targets:
+            before = int(usable[c])
+            usable[c] = before + 1
+            if not before and status[c] != NC:
+                if expanded[c]:
+                    k = int(ecount[c])
+                    if k:
+                        e = int(estart[c])
+                        todo += edges[e:e + k].tolist()
+                elif not queued:
+                    to_queue.append(c)
+        while todo:
+            if len(todo) > _FEW_MAX:
+                if to_queue:
+                    self._queue(np.array(to_queue, dtype=np.int64))
+                self._add_usable(np.array(todo, dtype=np.int64), few=False)
+                return
+            c = todo.pop()
+            before = int(usable[c])
+            usable[c] = before + 1
+            if not before and status[c] != NC:
+                if expanded[c]:
+                    k = int(ecount[c])
+                    if k:
+                        e = int(estart[c])
+                        todo += edges[e:e + k].tolist()
+                else:
+                    to_queue.append(c)
+        if to_queue:
+            self._queue(np.array(to_queue, dtype=np.int64))
+
+    def _drop_usable(self, targets: np.ndarray, few: bool = True) -> None:
         """Kaldi's DecrementUsableCount: a cindex left with no usable dependent (and
-        not known to be not computable) withdraws from its inputs in turn."""
+        not known to be not computable) withdraws from its inputs in turn
+        (``few``: whether a few targets may go to _drop_usable_few)."""
         usable, status = self.usable, self.status
         while len(targets):
+            if few and len(targets) <= _SMALL:
+                self._drop_usable_few(targets.tolist())
+                return
             u, cnt = _counts(targets)
             after = usable[u] - cnt
             usable[u] = after
             targets = self._inputs_of(u[(after == 0) & (status[u] != NC)])
+
+    def _drop_usable_few(self, todo: list) -> None:
+        """_drop_usable for a few targets (a list of ids), one at a time in plain
+        Python (NumPy's per-call cost dominates there; NumPy again for what is left
+        if that grows wide).  The order does not matter:
+        decrements commute, and a count reaches zero once whatever the order, as
+        counts never drop below zero."""
+        usable, status, estart, ecount, edges = (self.usable, self.status, self.estart,
+                                                 self.ecount, self.edges)
+        while todo:
+            if len(todo) > _FEW_MAX:
+                self._drop_usable(np.array(todo, dtype=np.int64), few=False)
+                return
+            c = todo.pop()
+            left = int(usable[c]) - 1
+            usable[c] = left
+            if not left and status[c] != NC:
+                k = int(ecount[c])
+                if k:
+                    e = int(estart[c])
+                    todo += edges[e:e + k].tolist()
 
     def _queue(self, rows: np.ndarray, node: int = -1) -> None:
         """Queue ids (possibly repeated) on their nodes (``node``: the one node of
@@ -644,11 +724,23 @@ class ArrayGraphBuild:
         not_c[v] -= k - num_bad
         if self.track_usable and num_bad:
             bad = changed_rows[bad_mask]
-            bad = bad[self.usable[bad] != 0]
-            if len(bad):
-                # Kaldi: a cindex found not computable while usable withdraws
-                # from its inputs.
-                self._drop_usable(self._inputs_of(bad))
+            # Kaldi: a cindex found not computable while usable withdraws from its
+            # inputs.
+            if num_bad > _SMALL:
+                bad = bad[self.usable[bad] != 0]
+                if len(bad):
+                    self._drop_usable(self._inputs_of(bad))
+            else:
+                # (a few: their inputs gathered in plain Python too)
+                usable, estart, ecount, edges = self.usable, self.estart, self.ecount, self.edges
+                todo: list = []
+                for c in bad.tolist():
+                    k = int(ecount[c])
+                    if k and usable[c]:
+                        e = int(estart[c])
+                        todo += edges[e:e + k].tolist()
+                if todo:
+                    self._drop_usable_few(todo)
         return True
 
     def _index_set(self, node: int, treat_unknown: bool):
@@ -756,19 +848,16 @@ class ArrayGraphBuild:
 
     # -- pruning ---------------------------------------------------------------------------------
     def _used(self, v: int):
-        """(rows, deps, used) of node v's computable expanded cindexes: deps (m, K)
-        and used a (m, K) mask (None: all); for components asked Index by Index,
-        deps is a list of used-id arrays and used is None."""
+        """(rows, deps, used) of node v's expanded cindexes: deps (m, K) and used a
+        (m, K) mask (None: all), meaningful for the computable rows (only those can
+        be required: _required checks); for components asked Index by Index, the
+        computable rows only, deps a list of used-id arrays and used None."""
         nd = self.node_deps[v]
         rows, deps = nd.merged()
         if rows is None:
             return None
-        ok = self.status[rows] == C
         if self.nodes.deps_mode[v] == DEPS_GENERAL:
-            return self._used_general(v, rows, ok)
-        if not _all(ok):
-            sel = np.flatnonzero(ok)
-            rows, deps = rows[sel], deps[sel]
+            return self._used_general(v, rows, self.status[rows] == C)
         fast = self.nodes.fast[v]
         if fast is None or fast.all_required:
             return rows, deps, None
@@ -850,7 +939,9 @@ class ArrayGraphBuild:
 
     def _required(self, base: int, outs: np.ndarray):
         """Cindexes reachable from the outputs by used dependencies, and those
-        dependencies (as parallel id arrays)."""
+        dependencies (as parallel id arrays).  All of them are computable (the
+        outputs are, and a computable cindex uses only computable inputs); that is
+        checked once at the end rather than row by row."""
         num = self.num_nodes
         used = [self._used(v) for v in range(num)]
         size = self.size
@@ -928,6 +1019,8 @@ class ArrayGraphBuild:
             pending = later
         else:
             raise GiveUp("too many sweeps")
+        if _any(required & (self.status[:size] != C)):
+            raise GiveUp("a required cindex is not computable")
         return required, edges_src, edges_dst
 
 

@@ -104,23 +104,135 @@ def test_shortcut_expansion_of_t_shifted_rows():
 
 
 def test_general_dropout_mask_rows_number_pairs_by_first_appearance():
-    """GeneralDropoutComponent's mask rows (the table path for compact ranges and the
-    sorting path for wide ones) against a plain Python numbering of (n, t-block)
-    pairs by first appearance."""
+    """GeneralDropoutComponent's mask rows (the table path for compact ranges, the
+    sorting path for wide ones, the one-pair path for one sequence without time
+    blocks) against a plain Python numbering of (n, t-block) pairs by first
+    appearance."""
     from component_harness import component_from_config
     rng = np.random.default_rng(5)
     for cfg, period in (("dim=8 block-dim=2 time-period=5", 5), ("dim=6 block-dim=3", 0),
                         ("dim=4 time-period=1", 1)):
         comp = component_from_config("GeneralDropoutComponent", cfg)
         multiple = comp.dim // comp.block_dim
-        for k in (1, 2, 9, 40, 300, 2000):
+        for k, one_seq in ((1, False), (2, False), (9, False), (40, False), (300, False),
+                           (2000, False), (1, True), (21, True), (300, True)):
             wide = k == 9
             hi = 2 ** 40 if wide else 30
-            arr = np.stack([rng.integers(0, 4, k), rng.integers(-hi, hi, k),
-                            np.zeros(k, np.int64)], axis=1).astype(np.int64)
+            arr = np.stack([np.zeros(k, np.int64) if one_seq else rng.integers(0, 4, k),
+                            rng.integers(-hi, hi, k), np.zeros(k, np.int64)],
+                           axis=1).astype(np.int64)
             seen: dict = {}
             want = [seen.setdefault((n, t // period if period else 0), len(seen))
                     for n, t, _ in arr.tolist()]
             got = comp.precompute_index_arrays(None, arr, arr.copy(), True)
             assert got.num_mask_rows == len(seen) * multiple
             assert np.asarray(got.indexes).tolist() == np.repeat(want, multiple).tolist()
+
+
+# Descriptors whose forward commands _batch_forward decides for all steps at once:
+# SplitByScale pieces of one input, pieces summing several inputs of one step
+# (idct-style deltas) or of distinct steps, plain sums, IfDefined, and a
+# ReplaceIndex input (left to the general path).
+_SUM_PIECES = """
+input-node name=input dim=4
+input-node name=ivector dim=2
+component name=a type=AffineComponent input-dim=4 output-dim=4
+component-node name=a component=a input=input
+component name=b type=AffineComponent input-dim=4 output-dim=4
+component-node name=b component=b input=input
+component name=c type=AffineComponent input-dim=26 output-dim=4
+component-node name=c component=c input=Append(Sum(Scale(-2.0, a), Sum(Offset(b, -2), Offset(b, 2))), Sum(Scale(0.5, Sum(Offset(a, 1), Offset(a, -1))), b), Sum(Scale(2.0, input), Sum(a, Offset(b, 1))), Sum(Offset(a, -1), b), IfDefined(Offset(a, -3)), Offset(input, 1), ReplaceIndex(ivector, t, 0))
+component name=d type=AffineComponent input-dim=8 output-dim=3
+component-node name=d component=d input=Append(Sum(Scale(3.0, b), Sum(Offset(c, -1), Offset(c, 1))), Sum(Scale(-1.0, Offset(c, 2)), a))
+output-node name=output input=d
+"""
+
+
+def test_batched_forward_commands_equal_general_path(monkeypatch):
+    from engine.compiler.compiler import Compiler, compile_computation
+    from engine.compiler.request import ComputationRequest, IoSpecification
+    from engine.compiler.serialize import computation_to_data
+    from engine.nnet.nnet import Nnet
+
+    nnet = Nnet.from_config(_SUM_PIECES, rng=np.random.default_rng(0))
+
+    def request(num_n: int, chunk: int, deriv: bool) -> ComputationRequest:
+        ins = [IoSpecification("input", [Index(n, t, 0) for t in range(-6, chunk + 6)
+                                         for n in range(num_n)], deriv),
+               IoSpecification("ivector", [Index(n, 0, 0) for n in range(num_n)])]
+        outs = [IoSpecification("output", [Index(n, t, 0) for t in range(chunk)
+                                           for n in range(num_n)], deriv)]
+        return ComputationRequest(ins, outs, need_model_derivative=deriv)
+
+    reqs = [request(n, chunk, deriv) for n in (1, 2, 3) for chunk in (1, 7)
+            for deriv in (False, True)]
+    batched = [computation_to_data(compile_computation(nnet, [r])) for r in reqs]
+    used = []
+    real = Compiler._batch_forward
+
+    def spy(self, computation):
+        out = real(self, computation)
+        used.append(len(out))
+        return out
+    monkeypatch.setattr(Compiler, "_batch_forward", spy)
+    again = [computation_to_data(compile_computation(nnet, [r])) for r in reqs]
+    assert again == batched and all(used), "the batched parts are in use"
+    monkeypatch.setattr(Compiler, "_batch_forward", lambda self, computation: {})
+    general = [computation_to_data(compile_computation(nnet, [r])) for r in reqs]
+    assert general == batched
+
+
+def test_usable_counts_few_ids_path_equals_array_path(monkeypatch):
+    """graph_arrays updates usable counts of a few ids in plain Python
+    (_add_usable_few, _drop_usable_few, which hand a wide remainder back to NumPy)
+    and of more with NumPy: with either path forced throughout, or the hand-back
+    forced, recurrent networks get the graph of Kaldi's per-cindex algorithm (the
+    statuses and pruning depend on those counts)."""
+    import engine.compiler.graph_arrays as ga
+    from engine.compiler.graph import ComputationGraph, ComputationGraphBuilder
+    from engine.compiler.request import ComputationRequest, IoSpecification
+    from engine.nnet.random_config import (GENERATOR_NAMES, GenerationOptions,
+                                           generate_config_sequence, random_request)
+
+    def build(nnet, req, arrays: bool):
+        graph = ComputationGraph()
+        builder = ComputationGraphBuilder(nnet, graph)
+        builder.use_arrays = arrays
+        builder.compute(req)
+        assert builder.all_outputs_are_computable()
+        status = builder.array_status
+        builder.prune()
+        return graph, status
+
+    from inference_nets import RECURRENT, make_nnet
+    cases = []
+    nnet = make_nnet(RECURRENT)
+    for chunk, left in ((5, 0), (21, 9), (60, 30)):
+        ins = [IoSpecification("input", [Index(0, t, 0) for t in range(-left - 2, chunk + 2)])]
+        outs = [IoSpecification("output", [Index(0, t, 0) for t in range(chunk)])]
+        cases.append((nnet, ComputationRequest(ins, outs)))
+    opts = GenerationOptions(dim_scale=0.3)
+    recurrent = [g for g in GENERATOR_NAMES if "lstm" in g or "gru" in g or "rnn" in g]
+    for seed, kind in enumerate(recurrent * 3):
+        rng = np.random.default_rng(100 + seed)
+        net = generate_config_sequence(rng, opts, kind=kind).build(rng)
+        cases.append((net, random_request(net, rng)))
+    used = 0
+    default_small, default_few_max = ga._SMALL, ga._FEW_MAX
+    for nnet, req in cases:
+        try:
+            want, _ = build(nnet, req, False)
+            _, default = build(nnet, req, True)
+        except Exception:                                   # noqa: BLE001
+            continue            # not computable: the array build is not asked
+        for small, few_max in ((0, 0), (1 << 30, 1 << 30), (1 << 30, 2)):
+            monkeypatch.setattr(ga, "_SMALL", small)
+            monkeypatch.setattr(ga, "_FEW_MAX", few_max)
+            got, status = build(nnet, req, True)
+            monkeypatch.setattr(ga, "_SMALL", default_small)
+            monkeypatch.setattr(ga, "_FEW_MAX", default_few_max)
+            # the same graph, and by the array build wherever it applies by default
+            assert status == default
+            assert got.cindexes == want.cindexes and got.dependencies == want.dependencies
+        used += default == "used"
+    assert used >= 4, "the array build ran on recurrent networks"

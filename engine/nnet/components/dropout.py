@@ -406,7 +406,11 @@ class GeneralDropoutComponent(RandomComponent):
             flat = cells < 2 ** 62
         else:
             flat = False
-        if flat and cells <= 4 * len(n) + 4096:
+        if flat and cells == 1:
+            # one (n, t-block) pair (one sequence, no time blocks): one mask row
+            rows = np.zeros(len(n), dtype=np.int64)
+            num_pairs = 1
+        elif flat and cells <= 4 * len(n) + 4096:
             # few (n, t-block) cells: each row's first occurrence through a table
             # indexed by cell (no sorting), then first occurrences numbered in order
             key = (n - n0) * span_t + (t - t0)
