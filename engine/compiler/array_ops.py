@@ -25,30 +25,29 @@ def column_bounds(a: np.ndarray) -> tuple[list[int], list[int]]:
     return [int(c.min()) for c in cols], [int(c.max()) for c in cols]
 
 
-def rows_all(b: np.ndarray) -> np.ndarray:
-    """``b.all(axis=1)`` of a 2-D boolean array."""
+def _rows_reduce(b: np.ndarray, op, empty: bool) -> np.ndarray:
+    """``op.reduce(b, axis=1)`` of a 2-D boolean array for ``op`` logical_and or
+    logical_or (``empty``: the result for zero columns), a column at a time when
+    there are few."""
     k = b.shape[1]
     if k > NARROW:
-        return np.logical_and.reduce(b, axis=1)
+        return op.reduce(b, axis=1)
     if k == 0:
-        return np.ones(b.shape[0], dtype=bool)
+        return np.full(b.shape[0], empty, dtype=bool)
     out = b[:, 0].copy()
     for j in range(1, k):
-        out &= b[:, j]
+        op(out, b[:, j], out)
     return out
+
+
+def rows_all(b: np.ndarray) -> np.ndarray:
+    """``b.all(axis=1)`` of a 2-D boolean array."""
+    return _rows_reduce(b, np.logical_and, True)
 
 
 def rows_any(b: np.ndarray) -> np.ndarray:
     """``b.any(axis=1)`` of a 2-D boolean array."""
-    k = b.shape[1]
-    if k > NARROW:
-        return np.logical_or.reduce(b, axis=1)
-    if k == 0:
-        return np.zeros(b.shape[0], dtype=bool)
-    out = b[:, 0].copy()
-    for j in range(1, k):
-        out |= b[:, j]
-    return out
+    return _rows_reduce(b, np.logical_or, False)
 
 
 def rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
