@@ -397,9 +397,11 @@ class ArrayGraphBuild:
         usable, status, expanded = self.usable, self.status, self.expanded
         estart, ecount, edges = self.estart, self.ecount, self.edges
         to_queue: list = []
-        # the targets themselves: queued already when ``queued``
-        todo = []
-        for c in targets:
+        todo: list = []
+
+        def bump(c, may_queue: bool) -> None:
+            # one increment: a cindex that becomes usable passes it on to its inputs
+            # (expanded) or is queued for expansion
             before = int(usable[c])
             usable[c] = before + 1
             if not before and status[c] != NC:
@@ -407,26 +409,21 @@ class ArrayGraphBuild:
                     k = int(ecount[c])
                     if k:
                         e = int(estart[c])
-                        todo += edges[e:e + k].tolist()
-                elif not queued:
+                        todo.extend(edges[e:e + k].tolist())
+                elif may_queue:
                     to_queue.append(c)
+
+        # the targets themselves first (queued already when ``queued``), then what
+        # they pass on
+        for c in targets:
+            bump(c, not queued)
         while todo:
             if len(todo) > _FEW_MAX:
                 if to_queue:
                     self._queue(np.array(to_queue, dtype=np.int64))
                 self._add_usable(np.array(todo, dtype=np.int64), few=False)
                 return
-            c = todo.pop()
-            before = int(usable[c])
-            usable[c] = before + 1
-            if not before and status[c] != NC:
-                if expanded[c]:
-                    k = int(ecount[c])
-                    if k:
-                        e = int(estart[c])
-                        todo += edges[e:e + k].tolist()
-                else:
-                    to_queue.append(c)
+            bump(todo.pop(), True)
         if to_queue:
             self._queue(np.array(to_queue, dtype=np.int64))
 
