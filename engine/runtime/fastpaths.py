@@ -64,7 +64,9 @@ from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
                                                  PerElementScaleComponent)
 from engine.nnet.components.tdnn import TdnnComponent
-from engine.runtime.gemm import DIRECT, DOT, EXCHANGED, TCOPY, frozen, nt_form, transposed_copy
+from engine.runtime.gemm import (DIRECT, DOT, EXCHANGED, PANELS, TCOPY, frozen, nt_form,
+                                 panel_product, panel_width, transposed_copy,
+                                 transposed_panels)
 
 _matmul, _dot, _add, _multiply, _copyto = np.matmul, np.dot, np.add, np.multiply, np.copyto
 _exp, _divide, _maximum = np.exp, np.divide, np.maximum
@@ -136,9 +138,21 @@ def _product_nt(x, w, direct_out):
         _dot(x, w.T, direct_out)
     elif form == TCOPY:
         _matmul(x, transposed_copy(w), out=direct_out)
+    elif form >= PANELS:
+        panel_product(x, transposed_panels(w, panel_width(form)), direct_out)
     else:
         _matmul(x, w.T, out=direct_out)
     return direct_out
+
+
+def _weight_operand(w, form: int):
+    """What a bound product multiplies by: the transposed copy (TCOPY), its panels
+    (panel forms) or the view ``w.T``."""
+    if form == TCOPY:
+        return transposed_copy(w)
+    if form >= PANELS:
+        return transposed_panels(w, panel_width(form))
+    return w.T
 
 
 class _BoundNT:
@@ -154,18 +168,20 @@ class _BoundNT:
 
     def __call__(self, w, direct_out):
         # a weight made writeable again after its copy was taken: decide anew
-        if w is not self.w or (self.form == TCOPY and not frozen(w)):
+        if w is not self.w or (self.form >= TCOPY and not frozen(w)):
             self.form = nt_form(self.x, w, direct_out)
             if self.form == EXCHANGED and self.t is None:
                 self.t = self.scratch.get((self.shape[1], self.shape[0]), self.slot,
                                           direct_out.dtype)
                 self.tT = self.t.T
-            self.w, self.wT = w, (transposed_copy(w) if self.form == TCOPY else w.T)
+            self.w, self.wT = w, _weight_operand(w, self.form)
         if self.form == EXCHANGED:
             _matmul(w, self.xT, self.t)
             return self.tT
         if self.form == DOT:
             _dot(self.x, self.wT, direct_out)
+        elif self.form >= PANELS:
+            panel_product(self.x, self.wT, direct_out)
         else:       # DIRECT (wT is w.T) or TCOPY (wT is the contiguous copy)
             _matmul(self.x, self.wT, direct_out)
         return direct_out
@@ -195,20 +211,22 @@ def _bind_affine(x, out, scratch):
         nonlocal cur_w, wT, t, tT, form
         w = comp.linear_params
         if (w is not cur_w or w.shape != wshape
-                or (form == TCOPY and not frozen(w))):
+                or (form >= TCOPY and not frozen(w))):
             if w.ndim != 2 or w.shape != wshape:
                 return comp.propagate(pre, x, out)
             form = nt_form(x, w, out)
             if form == EXCHANGED and t is None:
                 t = scratch.get((wshape[0], x.shape[0]), 20)
                 tT = t.T
-            cur_w, wT = w, (transposed_copy(w) if form == TCOPY else w.T)
+            cur_w, wT = w, _weight_operand(w, form)
         if form == EXCHANGED:
             _matmul(w, xT, t)
             _add(tT, comp.bias_params, out)
         else:
             if form == DOT:
                 _dot(x, wT, out)
+            elif form >= PANELS:
+                panel_product(x, wT, out)
             else:       # DIRECT (wT is w.T) or TCOPY (wT is the contiguous copy)
                 _matmul(x, wT, out)
             _add(out, comp.bias_params, out)

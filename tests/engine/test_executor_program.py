@@ -437,7 +437,8 @@ def test_product_forms_on_frozen_weights_agree_and_use_the_transposed_copy():
             assert np.array_equal(got, x @ w.T), (rows, n, k)
     # 21-row TDNN-F products: the copy is 2x faster on OpenBLAS; where a BLAS rounds
     # it differently the check keeps another form (the products above still agree)
-    assert seen <= {gemm.DIRECT, gemm.DOT, gemm.EXCHANGED, gemm.TCOPY}
+    panel_forms = {gemm.PANELS + i for i in range(len(gemm.PANEL_WIDTHS))}
+    assert seen <= {gemm.DIRECT, gemm.DOT, gemm.EXCHANGED, gemm.TCOPY} | panel_forms
     # the TCOPY form itself, whatever this machine's timings chose
     x = rng.standard_normal((21, 64)).astype(np.float32)
     w = _frozen(rng.standard_normal((384, 64)).astype(np.float32))
@@ -447,6 +448,38 @@ def test_product_forms_on_frozen_weights_agree_and_use_the_transposed_copy():
         gemm._choice[key] = gemm.TCOPY
     got = _product_nt(x, w, out)
     assert got is out and np.array_equal(out, x @ np.ascontiguousarray(w.T))
+    gemm.forget_choices()
+
+
+def test_panel_forms_compute_the_product_panel_by_panel():
+    """Each panel form, forced whatever this machine's timings chose: the product
+    comes out panel by panel into the caller's output (ragged last panel included),
+    from copies made once per panel, through the unbound and the bound paths."""
+    from engine.runtime import gemm  # noqa: PLC0415
+    from engine.runtime.fastpaths import _BoundNT, _product_nt  # noqa: PLC0415
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    rng = np.random.default_rng(8)
+    for i, width in enumerate(gemm.PANEL_WIDTHS):
+        gemm.forget_choices()
+        n = 2 * width + 40
+        x = rng.standard_normal((24, 96)).astype(np.float32)
+        w = _frozen(rng.standard_normal((n, 96)).astype(np.float32))
+        panels = gemm.transposed_panels(w, width)
+        assert [p.shape for p in panels] == [(96, width), (96, width), (96, 40)]
+        assert all(p.flags.c_contiguous and not p.flags.writeable for p in panels)
+        assert all(a is b for a, b in zip(panels, gemm.transposed_panels(w, width)))
+        want = np.concatenate([x @ p for p in panels], axis=1)
+        out = np.empty((24, n), np.float32)
+        gemm.nt_form(x, w, out)
+        for key in gemm._choice:
+            gemm._choice[key] = gemm.PANELS + i
+        assert gemm.panel_width(gemm.nt_form(x, w, out)) == width
+        got = _product_nt(x, w, out)
+        assert got is out and np.array_equal(out, want)
+        bound = _BoundNT(x, out.shape, Scratch(np), 0)
+        out2 = np.empty_like(out)
+        assert bound(w, out2) is out2 and np.array_equal(out2, want)
+        assert np.allclose(out, x @ w.T, rtol=1e-5, atol=1e-4)
     gemm.forget_choices()
 
 
