@@ -345,7 +345,7 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
                            if cmds[ci].command_type in kinds} - hopeless)
     if order is None:
         return False
-    _, _, matrix_used = renumber_with_maps(computation, submatrix_order=order.key)
+    _, matrix_used = renumber_with_maps(computation, submatrix_order=order.key)
     # the analysis follows the renumbering and the deletion of the no-ops (the
     # next passes need it): cheaper than analysing the result again
     analyzer.renumbered(matrix_used)
