@@ -33,7 +33,7 @@ from engine.optimizer.pipeline import (PASSES, PassContext, PassSpec, format_pas
 from engine.optimizer.passes.allocate_from_other import remove_unnecessary_allocation
 from engine.optimizer.passes.consolidate_io import consolidate_io_operations
 from engine.optimizer.passes.consolidate_model_update import consolidate_model_update
-from engine.optimizer.passes.initialize_undefined import (_decided_by_sweep, _decided_on_grid,
+from engine.optimizer.passes.initialize_undefined import (_decided_by_sweep, _decided_by_rectangles,
                                                           remove_unnecessary_zeroing)
 from engine.optimizer.passes.move_sizing_commands import move_sizing_commands
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
@@ -532,7 +532,7 @@ def _zeroing_needed_by_variables(a: Analyzer, m: int) -> bool:
 
 def test_zeroing_sweep_agrees_with_the_variables():
     """remove_unnecessary_zeroing decides most matrices by a walk over the
-    commands after the zeroing (on intervals, or on the grid of the accesses);
+    commands after the zeroing (on intervals, or on the rectangles accessed);
     where a walk answers, it is what the variables say."""
     decided = on_grid = 0
     names = [p.name for p in PASSES]
@@ -554,7 +554,7 @@ def test_zeroing_sweep_agrees_with_the_variables():
                 assert quick == _zeroing_needed_by_variables(a, m)
                 decided += 1
             if len(ents) > 1:
-                grid = _decided_on_grid(ents, mi.num_rows, mi.num_cols, ma.is_output)
+                grid = _decided_by_rectangles(ents, mi.num_rows, mi.num_cols, ma.is_output)
                 if grid is not None:
                     assert grid == _zeroing_needed_by_variables(a, m)
                     on_grid += 1
@@ -583,7 +583,7 @@ def test_zeroing_sweep_agrees_with_the_variables():
             assert got is None or got == _needed_on_grid(ents, is_output)
         else:
             assert got == expected, ents
-    # accesses in two dimensions: only the grid walk answers
+    # accesses in two dimensions: only the walk over the rectangles answers
     cases = [
         ([(0, 2, whole), (1, 2, (0, 2, 0, 3)), (2, 2, (2, 4, 0, 3)), (3, 2, (0, 4, 3, 6)),
           (4, 1, whole)], False, False),
@@ -596,7 +596,7 @@ def test_zeroing_sweep_agrees_with_the_variables():
     ]
     for ents, is_output, expected in cases:
         assert _decided_by_sweep(ents, 4, 6, is_output) is None
-        assert _decided_on_grid(ents, 4, 6, is_output) == expected, ents
+        assert _decided_by_rectangles(ents, 4, 6, is_output) == expected, ents
         if expected is not None:
             assert _needed_on_grid(ents, is_output) == expected, ents
 
