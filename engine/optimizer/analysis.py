@@ -102,8 +102,27 @@ def _make_plan(ct) -> tuple:
     return tuple(items)
 
 
+def _make_short(ct, plan: tuple) -> tuple | None:
+    """For the usual commands, whose plan is one or two submatrix slots with no
+    refinement but for the second slot's PROPAGATE_ADDS / BACKPROP_ADDS: (number
+    of slots, one getter of the slots, their accesses, the second's rule); for
+    commands that access nothing (0, None, (), 0); None for the others."""
+    if not plan:
+        return (0, None, (), _PLAIN)
+    if len(plan) > 2 or not all(is_sub for _, is_sub, _, _ in plan):
+        return None
+    if plan[0][3] != _PLAIN or (len(plan) == 2 and plan[1][3] not in (
+            _PLAIN, _ADDS_PROP, _ADDS_BACK)):
+        return None
+    names = [f"arg{i + 1}" for i, slot in enumerate(COMMAND_SPECS[ct].slots)
+             if slot.kind == ArgKind.SUBMATRIX and slot.access in (READ, WRITE, READWRITE)]
+    return (len(plan), attrgetter(*names), tuple(acc for _, _, acc, _ in plan),
+            plan[-1][3])
+
+
 # indexed by command type
 _PLANS = [_make_plan(CommandType(t)) for t in range(len(CommandType))]
+_SHORT = [_make_short(CommandType(t), plan) for t, plan in enumerate(_PLANS)]
 
 
 def accesses_submatrices(command_type) -> bool:
@@ -119,15 +138,29 @@ def command_accesses(computation: NnetComputation, props) -> list[list[tuple[int
     increasing order.  ``props``: component index -> properties as an int."""
     out: list[list[tuple[int, int]]] = []
     append = out.append
-    plans = _PLANS
+    plans, shorts = _PLANS, _SHORT
     indexes, indexes_multi = computation.indexes, computation.indexes_multi
     for cmd in computation.commands:
-        plan = plans[cmd.command_type]
-        if not plan:
-            append(())
-            continue
+        short = shorts[cmd.command_type]
+        if short is not None:
+            n, get, accs, rule = short
+            if n == 1:
+                a = get(cmd)
+                append([(a, accs[0])] if a > 0 else [])
+                continue
+            if not n:
+                append(())
+                continue
+            a, b = get(cmd)
+            if a > 0 and b > 0:
+                acc = accs[1]
+                if rule and props[cmd.arg1] & (_PROPAGATE_ADDS if rule == _ADDS_PROP
+                                               else _BACKPROP_ADDS):
+                    acc = _RW
+                append([(a, accs[0]), (b, acc)])
+                continue
         lst = []
-        for get, is_sub, acc, rule in plan:
+        for get, is_sub, acc, rule in plans[cmd.command_type]:
             a = get(cmd)
             if is_sub:
                 if a <= 0:
