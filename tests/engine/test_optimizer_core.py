@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from engine.compiler.compiler import compile_computation
-from engine.compiler.computation import Command, CommandType, NnetComputation
+from engine.compiler.computation import Access, Command, CommandType, NnetComputation
 from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.core.errors import CheckError, ConfigError
 from engine.nnet.model_io import load_nnet
@@ -33,7 +33,8 @@ from engine.optimizer.pipeline import (PASSES, PassContext, PassSpec, format_pas
 from engine.optimizer.passes.allocate_from_other import remove_unnecessary_allocation
 from engine.optimizer.passes.consolidate_io import consolidate_io_operations
 from engine.optimizer.passes.consolidate_model_update import consolidate_model_update
-from engine.optimizer.passes.initialize_undefined import (_decided_by_sweep, _decided_by_rectangles,
+from engine.optimizer.passes.initialize_undefined import (_decided_by_rectangles,
+                                                          _decided_by_sweep,
                                                           remove_unnecessary_zeroing)
 from engine.optimizer.passes.move_sizing_commands import move_sizing_commands
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
@@ -486,6 +487,25 @@ def test_analysis_kept_up_to_date_by_passes_equals_a_fresh_one():
             elif changed:
                 ctx.invalidate()
     assert kept > 10
+
+
+def test_matrix_accesses_are_made_right_from_the_entries():
+    """MatrixAccesses.accesses, made from the matrix's entries when first read, is
+    Kaldi's list: each command that touches the matrix once, in order, with all
+    it does there (a write to part of the matrix counting as read-write)."""
+    for nnet, _, comp in _pipeline_cases():
+        a = Analyzer(nnet, comp)
+        expected: list[list] = [[] for _ in comp.matrices]
+        for ci, lst in enumerate(a.command_accesses):
+            bits: dict[int, int] = {}
+            for s, acc in lst:
+                m = comp.submatrices[s].matrix_index
+                if acc == 2 and not comp.is_whole_matrix(s):
+                    acc = 3
+                bits[m] = bits.get(m, 0) | acc
+            for m, b in bits.items():
+                expected[m].append((ci, Access(b)))
+        assert [ma.accesses for ma in a.matrix_accesses] == expected
 
 
 def test_computation_copy_copies_every_command_field():

@@ -138,14 +138,14 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
     set_const = CT.SET_CONST
     changed = False
     for m in range(1, len(mats)):
-        ma = a.matrix_accesses[m]
-        if not ma.accesses:
+        ents = a.entries[m]
+        if not ents:
             continue
-        cmd = cmds[ma.accesses[0][0]]
+        cmd = cmds[ents[0][0]]
         if not (cmd.command_type == set_const and cmd.alpha == 0.0):
             continue
+        ma = a.matrix_accesses[m]
         mi = mats[m]
-        ents = a.entries[m]
         needed = _decided_by_sweep(ents, mi.num_rows, mi.num_cols, ma.is_output)
         if needed is None:
             needed = _decided_by_rectangles(ents, mi.num_rows, mi.num_cols, ma.is_output)

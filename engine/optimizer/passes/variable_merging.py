@@ -205,12 +205,11 @@ class VariableMergingOptimizer:
         other than a zeroing (Kaldi's first_nontrivial_matrix_access)."""
         ma = self.a.matrix_accesses
         cmds = self.c.commands
-        md = ma[m_discard]
-        if cmds[md.allocate_command].command_type == CT.ACCEPT_INPUT:
+        if cmds[ma[m_discard].allocate_command].command_type == CT.ACCEPT_INPUT:
             return True   # the input's own matrix is used, allocated by kAcceptInput
         first = len(cmds)
         set_const = CT.SET_CONST
-        for ci, _ in md.accesses:
+        for ci, _, _ in self.a.entries[m_discard]:
             cmd = cmds[ci]
             if cmd.command_type != set_const or cmd.alpha != 0.0:
                 first = ci
@@ -251,7 +250,8 @@ class VariableMergingOptimizer:
         else:
             c.commands[alloc_discard].command_type = CT.NO_OPERATION
             zero_of = m_discard
-        first = ma[zero_of].accesses[0][0] if ma[zero_of].accesses else -1
+        ents = self.a.entries[zero_of]
+        first = ents[0][0] if ents else -1
         if first >= 0:
             z = c.commands[first]
             if z.command_type == CT.SET_CONST and z.alpha == 0.0:
@@ -278,7 +278,7 @@ class _SubmatrixOrder:
         used: set[int] = set()
         for m in matrices:
             ma = self.a.matrix_accesses[m]
-            for ci, _ in ma.accesses:
+            for ci, _, _ in self.a.entries[m]:
                 used.update(s for s, _ in cacc[ci])
             for ci in (ma.allocate_command, ma.deallocate_command):
                 if ci >= 0:
@@ -340,8 +340,7 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
             order = _SubmatrixOrder(computation, analyzer)
         order.renumbered(opt.groups, used, first)
         cmds = computation.commands
-        commands = sorted({ci for m in opt.groups for ci, _ in
-                           analyzer.matrix_accesses[m].accesses
+        commands = sorted({ci for m in opt.groups for ci, _, _ in analyzer.entries[m]
                            if cmds[ci].command_type in kinds} - hopeless)
     if order is None:
         return False
