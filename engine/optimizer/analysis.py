@@ -630,25 +630,17 @@ class Analyzer:
                 ma.deallocate_command = (-1 if ma.deallocate_command in gone
                                          else new_index[ma.deallocate_command])
 
-    def renumbered(self, matrix_used: list[bool]) -> None:
+    def renumbered(self, matrix_used: list[bool], sub_source: list[int]) -> None:
         """Bring the analysis up to date after a renumbering of the computation
         (``renumber_with_maps``) that kept the matrices in ``matrix_used`` (in
-        order) and renumbered the submatrices.  Command indexes and the rectangles
-        accessed do not change; the per-submatrix lists are made again from the
-        new submatrices and the command accesses when next asked for."""
-        c = self.computation
-        subs, mats = c.submatrices, c.matrices
-        ns = len(subs)
-        s2m = [0] * ns
-        whole = [False] * ns
-        rect: list = [None] * ns
-        for s in range(1, ns):
-            m, ro, nr, co, nc = subs[s]
-            s2m[s] = m
-            mi = mats[m]
-            whole[s] = ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
-            rect[s] = (ro, ro + nr, co, co + nc)
-        self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect = s2m, whole, rect
+        order) and made new submatrix k the same as old submatrix
+        ``sub_source[k]``.  Command indexes and the rectangles accessed do not
+        change; the command accesses are made again when next asked for."""
+        new_matrix = list(accumulate(matrix_used, initial=0))   # for the kept ones
+        s2m = self.submatrix_matrix
+        self.submatrix_matrix = [new_matrix[s2m[s]] for s in sub_source]
+        self.submatrix_whole = list(map(self.submatrix_whole.__getitem__, sub_source))
+        self.submatrix_rect = list(map(self.submatrix_rect.__getitem__, sub_source))
         if not all(matrix_used):
             for ma, ents, u in zip(self.matrix_accesses, self.entries, matrix_used):
                 if not u and (ents or ma.allocate_command != -1

@@ -163,10 +163,12 @@ def renumber_computation(computation: NnetComputation, ctx=None,
 
 
 def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] | None = None
-                       ) -> tuple[bool, list[bool]]:
-    """``renumber_computation``, returning also which matrices were kept:
-    (changed, matrix_used), matrix_used[m] telling whether matrix m was kept
-    (kept matrices keep their order)."""
+                       ) -> tuple[bool, list[bool], list[int]]:
+    """``renumber_computation``, returning also what became of the matrices and
+    submatrices: (changed, matrix_used, sub_source), matrix_used[m] telling
+    whether matrix m was kept (kept matrices keep their order), and new
+    submatrix k standing for old submatrix sub_source[k] (the first of its
+    extent in the new order; sub_source[0] is 0)."""
     c = computation
     refs = _Refs(c)
     multi_refs = refs.of(ArgKind.INDEXES_MULTI)
@@ -229,4 +231,5 @@ def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] 
     changed |= _renumber_table(c, "indexes_ranges", refs.of(ArgKind.INDEXES_RANGES),
                                key=_multi_key)
     changed |= _renumber_memos(refs)
-    return changed, matrix_used
+    first = dict(zip(reversed(infos), reversed(kept)))   # the first kept one of each
+    return changed, matrix_used, [0, *map(first.__getitem__, distinct)]

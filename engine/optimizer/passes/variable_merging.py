@@ -344,10 +344,10 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
                            if cmds[ci].command_type in kinds} - hopeless)
     if order is None:
         return False
-    _, matrix_used = renumber_with_maps(computation, submatrix_order=order.key)
+    _, matrix_used, sub_source = renumber_with_maps(computation, submatrix_order=order.key)
     # the analysis follows the renumbering and the deletion of the no-ops (the
     # next passes need it): cheaper than analysing the result again
-    analyzer.renumbered(matrix_used)
+    analyzer.renumbered(matrix_used, sub_source)
     noop = CT.NO_OPERATION
     analyzer.remove_commands({i for i, c in enumerate(computation.commands)
                               if c.command_type == noop})
