@@ -523,6 +523,21 @@ def test_computation_copy_copies_every_command_field():
         assert c.commands[0] != comp.commands[0]
 
 
+def test_optimize_leaves_the_input_debug_info_alone():
+    """NnetComputation.copy shares the debug-info entries; the passes that change
+    them (extend_matrices, limit_derivative_times) replace them instead, so the
+    computation given to optimize() keeps its own."""
+    changed = {"extend_matrices": 0, "limit_derivative_times": 0}
+    for nnet, req, comp in _pipeline_cases():
+        before = [(d.is_deriv, list(d.cindexes)) for d in comp.matrix_debug_info]
+        for options in (OptimizeOptions(), OptimizeOptions(min_deriv_time=0, max_deriv_time=2)):
+            for r in run_passes(comp, nnet, options, req)[1]:
+                if r.name in changed:
+                    changed[r.name] += r.changed
+        assert [(d.is_deriv, list(d.cindexes)) for d in comp.matrix_debug_info] == before
+    assert all(changed.values()), changed
+
+
 def test_per_matrix_variable_accesses_agree_with_the_variables():
     """Analyzer.variable_accesses_of (the grid of a matrix's own accesses) gives the
     same access lists as Kaldi's variables of that matrix."""
