@@ -410,16 +410,6 @@ def _all_node_names(nnet) -> list[str]:
 # the computation
 
 
-def _copy_debug_info(d):
-    if d is None:
-        return None
-    if type(d) is MatrixDebugInfo:
-        return MatrixDebugInfo(d.is_deriv, list(d.cindexes))
-    new = _copy.copy(d)
-    new.cindexes = list(d.cindexes)
-    return new
-
-
 class NnetComputation:
     def __init__(self) -> None:
         self.matrices: list[MatrixInfo] = []
@@ -520,11 +510,13 @@ class NnetComputation:
                 "peak_bytes": self.peak_bytes()}
 
     def copy(self) -> "NnetComputation":
+        """A copy whose lists and commands can be changed without changing this
+        computation.  The debug-info entries are shared: to change one in a
+        copy, replace it (``matrix_debug_info[m] = MatrixDebugInfo(...)``) rather
+        than changing it in place, as the optimizer's passes do."""
         new = _copy.copy(self)
         new.matrices = list(self.matrices)
-        # Cindexes are immutable tuples: copying each list is enough (a deep copy of
-        # every entry dominated optimisation time on large requests).
-        new.matrix_debug_info = [_copy_debug_info(d) for d in self.matrix_debug_info]
+        new.matrix_debug_info = list(self.matrix_debug_info)
         new.submatrices = list(self.submatrices)
         new.component_precomputed_indexes = list(self.component_precomputed_indexes)
         new.indexes = [list(v) for v in self.indexes]

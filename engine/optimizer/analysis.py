@@ -27,9 +27,10 @@ variables), so every question Kaldi asks about the variables of s -- first and
 last access, last write, next write -- is answered from the accesses of s's
 matrix with a rectangle test.  ``Analyzer`` therefore keeps, per matrix, its
 accesses in command order (``entries``: command, access bits, the rectangle
-accessed) next to Kaldi's ``MatrixAccesses``; matrices are accessed a few times
-each, so these scans are short.  The variables themselves and the access list
-of every variable (what the checker walks) are built only when asked for.
+accessed) in Kaldi's ``MatrixAccesses``; matrices are accessed a few times
+each, so these scans are short.  Kaldi's per-matrix access list, the
+variables themselves and the access list of every variable (what the checker
+walks) are made only when asked for; the optimizer's passes use the entries.
 ``Analyzer.reanalyze`` redoes just the matrices that a round of variable
 merging changed; ``Analyzer.renumbered`` and ``Analyzer.remove_commands`` follow
 a renumbering and the deletion of commands, so that a pass can hand its
@@ -102,8 +103,27 @@ def _make_plan(ct) -> tuple:
     return tuple(items)
 
 
+def _make_short(ct, plan: tuple) -> tuple | None:
+    """For the usual commands, whose plan is one or two submatrix slots with no
+    refinement but for the second slot's PROPAGATE_ADDS / BACKPROP_ADDS: (number
+    of slots, one getter of the slots, their accesses, the second's rule); for
+    commands that access nothing (0, None, (), 0); None for the others."""
+    if not plan:
+        return (0, None, (), _PLAIN)
+    if len(plan) > 2 or not all(is_sub for _, is_sub, _, _ in plan):
+        return None
+    if plan[0][3] != _PLAIN or (len(plan) == 2 and plan[1][3] not in (
+            _PLAIN, _ADDS_PROP, _ADDS_BACK)):
+        return None
+    names = [f"arg{i + 1}" for i, slot in enumerate(COMMAND_SPECS[ct].slots)
+             if slot.kind == ArgKind.SUBMATRIX and slot.access in (READ, WRITE, READWRITE)]
+    return (len(plan), attrgetter(*names), tuple(acc for _, _, acc, _ in plan),
+            plan[-1][3])
+
+
 # indexed by command type
 _PLANS = [_make_plan(CommandType(t)) for t in range(len(CommandType))]
+_SHORT = [_make_short(CommandType(t), plan) for t, plan in enumerate(_PLANS)]
 
 
 def accesses_submatrices(command_type) -> bool:
@@ -119,15 +139,29 @@ def command_accesses(computation: NnetComputation, props) -> list[list[tuple[int
     increasing order.  ``props``: component index -> properties as an int."""
     out: list[list[tuple[int, int]]] = []
     append = out.append
-    plans = _PLANS
+    plans, shorts = _PLANS, _SHORT
     indexes, indexes_multi = computation.indexes, computation.indexes_multi
     for cmd in computation.commands:
-        plan = plans[cmd.command_type]
-        if not plan:
-            append(())
-            continue
+        short = shorts[cmd.command_type]
+        if short is not None:
+            n, get, accs, rule = short
+            if n == 1:
+                a = get(cmd)
+                append([(a, accs[0])] if a > 0 else [])
+                continue
+            if not n:
+                append(())
+                continue
+            a, b = get(cmd)
+            if a > 0 and b > 0:
+                acc = accs[1]
+                if rule and props[cmd.arg1] & (_PROPAGATE_ADDS if rule == _ADDS_PROP
+                                               else _BACKPROP_ADDS):
+                    acc = _RW
+                append([(a, accs[0]), (b, acc)])
+                continue
         lst = []
-        for get, is_sub, acc, rule in plan:
+        for get, is_sub, acc, rule in plans[cmd.command_type]:
             a = get(cmd)
             if is_sub:
                 if a <= 0:
@@ -260,13 +294,47 @@ class CommandAttributes:
     has_side_effects: bool = False
 
 
-@dataclass
 class MatrixAccesses:
-    allocate_command: int = -1      # kAllocMatrix, kSwapMatrix (as destination) or kAcceptInput
-    deallocate_command: int = -1    # kDeallocMatrix or kSwapMatrix (as source)
-    accesses: list[tuple[int, Access]] = field(default_factory=list)  # (command, access)
-    is_input: bool = False
-    is_output: bool = False
+    """Kaldi's MatrixAccesses of one matrix.  ``accesses``: (command, Access) in
+    command order, one per command, a write to part of the matrix counted as
+    read-write; it is made from the matrix's entries (``Analyzer.entries``, the
+    list given here, and ``full``: the matrix's whole rectangle) when first
+    read, and made again after ``entries_changed()``: the optimizer's own passes
+    need only the entries."""
+
+    __slots__ = ("allocate_command", "deallocate_command", "is_input", "is_output",
+                 "_entries", "_full", "_accesses")
+
+    def __init__(self, entries: list | tuple = (), full: tuple | None = None):
+        self.allocate_command = -1    # kAllocMatrix, kSwapMatrix (as destination), kAcceptInput
+        self.deallocate_command = -1  # kDeallocMatrix or kSwapMatrix (as source)
+        self.is_input = False
+        self.is_output = False
+        self._entries, self._full = entries, full
+        self._accesses: list[tuple[int, Access]] | None = None
+
+    @property
+    def accesses(self) -> list[tuple[int, Access]]:
+        if self._accesses is None:
+            full = self._full
+            out: list = []
+            for c, a, r in self._entries:
+                if a == _W and r != full:
+                    a = _RW
+                if out and out[-1][0] == c:
+                    out[-1] = (c, out[-1][1] | a)
+                else:
+                    out.append((c, a))
+            self._accesses = [(c, _ACCESS[a]) for c, a in out]
+        return self._accesses
+
+    def entries_changed(self) -> None:
+        self._accesses = None
+
+    def __repr__(self) -> str:
+        return (f"MatrixAccesses(allocate_command={self.allocate_command}, "
+                f"deallocate_command={self.deallocate_command}, accesses={self.accesses}, "
+                f"is_input={self.is_input}, is_output={self.is_output})")
 
 
 _MATRIX_LIFE = frozenset((CT.ALLOC_MATRIX, CT.SWAP_MATRIX, CT.DEALLOC_MATRIX, CT.ACCEPT_INPUT,
@@ -338,9 +406,10 @@ class _Life:
 
 
 class Analyzer:
-    """Kaldi's Analyzer: matrix accesses (with the per-matrix ``entries`` the
-    queries use) at once, variables, variable accesses and command attributes
-    when first asked for.
+    """Kaldi's Analyzer: the per-matrix ``entries`` the queries use, allocation,
+    deallocation, input and output of each matrix at once; the access lists of
+    ``MatrixAccesses``, variables, variable accesses and command attributes when
+    first asked for.
 
     ``command_accesses[c]``: the (submatrix, access bits) pairs of command c.
     ``submatrix_matrix``, ``submatrix_whole``, ``submatrix_rect``: per submatrix,
@@ -371,8 +440,9 @@ class Analyzer:
         self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect = s2m, whole, rect
         self._command_accesses: list | None = command_accesses(computation, self.props)
         self._num_commands = len(computation.commands)   # the commands described
-        self.matrix_accesses = out = [MatrixAccesses() for _ in range(nm)]
         self.entries: list[list[tuple]] = [[] for _ in range(nm)]
+        self.matrix_accesses = out = [MatrixAccesses(e, (0, mi.num_rows, 0, mi.num_cols))
+                                      for e, mi in zip(self.entries, mats)]
         self._submatrices_of: list[list[int]] | None = None
         self._variables: ComputationVariables | None = None
         self._variable_accesses: list[list[tuple[int, Access]]] | None = None
@@ -380,18 +450,9 @@ class Analyzer:
         life = _Life(computation, out, whole, s2m)
         alloc, dealloc, life_types = CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, _MATRIX_LIFE
         entries = self.entries
-        acc_lists = [ma.accesses for ma in out]
-        add = self._add
         for ci, (cmd, lst) in enumerate(zip(computation.commands, self.command_accesses)):
-            if lst:
-                if len(lst) == 1:
-                    # _add for the usual one-submatrix command, inline
-                    s, a = lst[0]
-                    m = s2m[s]
-                    entries[m].append((ci, a, rect[s]))
-                    acc_lists[m].append((ci, _ACCESS[_RW if a == _W and not whole[s] else a]))
-                else:
-                    add(ci, lst)
+            for s, a in lst:
+                entries[s2m[s]].append((ci, a, rect[s]))
             ct = cmd.command_type
             if ct in life_types:
                 s = cmd.arg1
@@ -407,30 +468,6 @@ class Analyzer:
                         ma.deallocate_command = ci
                         continue
                 life.apply(ci)
-
-    def _add(self, ci: int, lst) -> None:
-        """Record the accesses of command ci (more than one submatrix)."""
-        s2m, whole, rect = self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect
-        entries = self.entries
-        acc = self.matrix_accesses
-        if len(lst) == 2:
-            (s, a), (t, b) = lst
-            m, n = s2m[s], s2m[t]
-            if m != n:   # the usual two-matrix command (copy, propagate)
-                entries[m].append((ci, a, rect[s]))
-                entries[n].append((ci, b, rect[t]))
-                acc[m].accesses.append((ci, _ACCESS[_RW if a == _W and not whole[s] else a]))
-                acc[n].accesses.append((ci, _ACCESS[_RW if b == _W and not whole[t] else b]))
-                return
-        bits: dict[int, int] = {}
-        for s, a in lst:
-            m = s2m[s]
-            entries[m].append((ci, a, rect[s]))
-            if a == _W and not whole[s]:
-                a = _RW
-            bits[m] = bits.get(m, 0) | a
-        for m, a in bits.items():
-            acc[m].accesses.append((ci, _ACCESS[a]))
 
     # -- built when first asked for --------------------------------------------------------
     @property
@@ -583,10 +620,9 @@ class Analyzer:
             self._command_accesses = list(compress(self._command_accesses, kept))
         self._variables = self._variable_accesses = self._command_attributes = None
         for ma, ents in zip(self.matrix_accesses, self.entries):
-            if ma.accesses:
-                ma.accesses = [(new_index[c], a) for c, a in ma.accesses if kept[c]]
             if ents:
                 ents[:] = [(new_index[c], a, r) for c, a, r in ents if kept[c]]
+                ma.entries_changed()
             if ma.allocate_command >= 0:
                 ma.allocate_command = (-1 if ma.allocate_command in gone
                                        else new_index[ma.allocate_command])
@@ -594,28 +630,20 @@ class Analyzer:
                 ma.deallocate_command = (-1 if ma.deallocate_command in gone
                                          else new_index[ma.deallocate_command])
 
-    def renumbered(self, matrix_used: list[bool]) -> None:
+    def renumbered(self, matrix_used: list[bool], sub_source: list[int]) -> None:
         """Bring the analysis up to date after a renumbering of the computation
         (``renumber_with_maps``) that kept the matrices in ``matrix_used`` (in
-        order) and renumbered the submatrices.  Command indexes and the rectangles
-        accessed do not change; the per-submatrix lists are made again from the
-        new submatrices and the command accesses when next asked for."""
-        c = self.computation
-        subs, mats = c.submatrices, c.matrices
-        ns = len(subs)
-        s2m = [0] * ns
-        whole = [False] * ns
-        rect: list = [None] * ns
-        for s in range(1, ns):
-            m, ro, nr, co, nc = subs[s]
-            s2m[s] = m
-            mi = mats[m]
-            whole[s] = ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
-            rect[s] = (ro, ro + nr, co, co + nc)
-        self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect = s2m, whole, rect
+        order) and made new submatrix k the same as old submatrix
+        ``sub_source[k]``.  Command indexes and the rectangles accessed do not
+        change; the command accesses are made again when next asked for."""
+        new_matrix = list(accumulate(matrix_used, initial=0))   # for the kept ones
+        s2m = self.submatrix_matrix
+        self.submatrix_matrix = [new_matrix[s2m[s]] for s in sub_source]
+        self.submatrix_whole = list(map(self.submatrix_whole.__getitem__, sub_source))
+        self.submatrix_rect = list(map(self.submatrix_rect.__getitem__, sub_source))
         if not all(matrix_used):
             for ma, ents, u in zip(self.matrix_accesses, self.entries, matrix_used):
-                if not u and (ents or ma.accesses or ma.allocate_command != -1
+                if not u and (ents or ma.allocate_command != -1
                               or ma.deallocate_command != -1):
                     raise ValueError("Analyzer.renumbered: a dropped matrix is still in use")
             self.matrix_accesses = [x for x, u in zip(self.matrix_accesses, matrix_used) if u]
@@ -644,14 +672,15 @@ class Analyzer:
             moved: list[int] = []
             for m in group:
                 ma = macc[m]
-                touched.update(map(_FIRST, ma.accesses))
+                touched.update(map(_FIRST, entries[m]))
                 life.add(ma.allocate_command)
                 life.add(ma.deallocate_command)
                 if m != keep:
                     moved.extend(of[m])
                     of[m] = []
-                    macc[m] = MatrixAccesses()
+                    mi = mats[m]
                     entries[m] = []
+                    macc[m] = MatrixAccesses(entries[m], (0, mi.num_rows, 0, mi.num_cols))
             mi = mats[keep]
             for s in moved:
                 m, ro, nr, co, nc = subs[s]
@@ -659,8 +688,8 @@ class Analyzer:
                 whole[s] = ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
                 rect[s] = (ro, ro + nr, co, co + nc)
             of[keep] = sorted(of[keep] + moved)
-            macc[keep] = MatrixAccesses()
             entries[keep] = []
+            macc[keep] = MatrixAccesses(entries[keep], (0, mi.num_rows, 0, mi.num_cols))
         noop, io = CT.NO_OPERATION, (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
         cacc = self.command_accesses
         used: set[int] = set()
@@ -669,44 +698,11 @@ class Analyzer:
             if ct == noop:
                 cacc[ci] = ()
                 continue
-            lst = cacc[ci]
-            if len(lst) == 1:   # its one submatrix is on a receiving matrix
-                s, a = lst[0]
-                used.add(s)
-                m = s2m[s]
-                entries[m].append((ci, a, rect[s]))
-                macc[m].accesses.append((ci, _ACCESS[_RW if a == _W and not whole[s] else a]))
-                if ct in io:
-                    life.add(ci)
-                continue
-            if len(lst) == 2:
-                (s, a), (t, b) = lst
-                m, n = s2m[s], s2m[t]
-                if m != n:   # the usual two-matrix command, one or both receiving
-                    if m in groups:
-                        used.add(s)
-                        entries[m].append((ci, a, rect[s]))
-                        macc[m].accesses.append(
-                            (ci, _ACCESS[_RW if a == _W and not whole[s] else a]))
-                    if n in groups:
-                        used.add(t)
-                        entries[n].append((ci, b, rect[t]))
-                        macc[n].accesses.append(
-                            (ci, _ACCESS[_RW if b == _W and not whole[t] else b]))
-                    if ct in io:
-                        life.add(ci)
-                    continue
-            bits: dict[int, int] = {}
-            for s, a in lst:
+            for s, a in cacc[ci]:
                 m = s2m[s]
                 if m in groups:
                     used.add(s)
                     entries[m].append((ci, a, rect[s]))
-                    if a == _W and not whole[s]:
-                        a = _RW
-                    bits[m] = bits.get(m, 0) | a
-            for m, a in bits.items():
-                macc[m].accesses.append((ci, _ACCESS[a]))
             if ct in io:
                 life.add(ci)
         life.discard(-1)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from engine.compiler.compiler import compile_computation
-from engine.compiler.computation import Command, CommandType, NnetComputation
+from engine.compiler.computation import Access, Command, CommandType, NnetComputation
 from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.core.errors import CheckError, ConfigError
 from engine.nnet.model_io import load_nnet
@@ -33,7 +33,8 @@ from engine.optimizer.pipeline import (PASSES, PassContext, PassSpec, format_pas
 from engine.optimizer.passes.allocate_from_other import remove_unnecessary_allocation
 from engine.optimizer.passes.consolidate_io import consolidate_io_operations
 from engine.optimizer.passes.consolidate_model_update import consolidate_model_update
-from engine.optimizer.passes.initialize_undefined import (_decided_by_sweep, _decided_on_grid,
+from engine.optimizer.passes.initialize_undefined import (_decided_by_rectangles,
+                                                          _decided_by_sweep,
                                                           remove_unnecessary_zeroing)
 from engine.optimizer.passes.move_sizing_commands import move_sizing_commands
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
@@ -488,6 +489,25 @@ def test_analysis_kept_up_to_date_by_passes_equals_a_fresh_one():
     assert kept > 10
 
 
+def test_matrix_accesses_are_made_right_from_the_entries():
+    """MatrixAccesses.accesses, made from the matrix's entries when first read, is
+    Kaldi's list: each command that touches the matrix once, in order, with all
+    it does there (a write to part of the matrix counting as read-write)."""
+    for nnet, _, comp in _pipeline_cases():
+        a = Analyzer(nnet, comp)
+        expected: list[list] = [[] for _ in comp.matrices]
+        for ci, lst in enumerate(a.command_accesses):
+            bits: dict[int, int] = {}
+            for s, acc in lst:
+                m = comp.submatrices[s].matrix_index
+                if acc == 2 and not comp.is_whole_matrix(s):
+                    acc = 3
+                bits[m] = bits.get(m, 0) | acc
+            for m, b in bits.items():
+                expected[m].append((ci, Access(b)))
+        assert [ma.accesses for ma in a.matrix_accesses] == expected
+
+
 def test_computation_copy_copies_every_command_field():
     """NnetComputation.copy (which optimize() starts from) copies each command
     slot by slot without the constructor: every dataclass field, new objects."""
@@ -501,6 +521,21 @@ def test_computation_copy_copies_every_command_field():
             assert [getattr(a, n) for n in names] == [getattr(b, n) for n in names]
         c.commands[0].arg1 += 1
         assert c.commands[0] != comp.commands[0]
+
+
+def test_optimize_leaves_the_input_debug_info_alone():
+    """NnetComputation.copy shares the debug-info entries; the passes that change
+    them (extend_matrices, limit_derivative_times) replace them instead, so the
+    computation given to optimize() keeps its own."""
+    changed = {"extend_matrices": 0, "limit_derivative_times": 0}
+    for nnet, req, comp in _pipeline_cases():
+        before = [(d.is_deriv, list(d.cindexes)) for d in comp.matrix_debug_info]
+        for options in (OptimizeOptions(), OptimizeOptions(min_deriv_time=0, max_deriv_time=2)):
+            for r in run_passes(comp, nnet, options, req)[1]:
+                if r.name in changed:
+                    changed[r.name] += r.changed
+        assert [(d.is_deriv, list(d.cindexes)) for d in comp.matrix_debug_info] == before
+    assert all(changed.values()), changed
 
 
 def test_per_matrix_variable_accesses_agree_with_the_variables():
@@ -532,7 +567,7 @@ def _zeroing_needed_by_variables(a: Analyzer, m: int) -> bool:
 
 def test_zeroing_sweep_agrees_with_the_variables():
     """remove_unnecessary_zeroing decides most matrices by a walk over the
-    commands after the zeroing (on intervals, or on the grid of the accesses);
+    commands after the zeroing (on intervals, or on the rectangles accessed);
     where a walk answers, it is what the variables say."""
     decided = on_grid = 0
     names = [p.name for p in PASSES]
@@ -554,7 +589,7 @@ def test_zeroing_sweep_agrees_with_the_variables():
                 assert quick == _zeroing_needed_by_variables(a, m)
                 decided += 1
             if len(ents) > 1:
-                grid = _decided_on_grid(ents, mi.num_rows, mi.num_cols, ma.is_output)
+                grid = _decided_by_rectangles(ents, mi.num_rows, mi.num_cols, ma.is_output)
                 if grid is not None:
                     assert grid == _zeroing_needed_by_variables(a, m)
                     on_grid += 1
@@ -583,7 +618,7 @@ def test_zeroing_sweep_agrees_with_the_variables():
             assert got is None or got == _needed_on_grid(ents, is_output)
         else:
             assert got == expected, ents
-    # accesses in two dimensions: only the grid walk answers
+    # accesses in two dimensions: only the walk over the rectangles answers
     cases = [
         ([(0, 2, whole), (1, 2, (0, 2, 0, 3)), (2, 2, (2, 4, 0, 3)), (3, 2, (0, 4, 3, 6)),
           (4, 1, whole)], False, False),
@@ -596,7 +631,7 @@ def test_zeroing_sweep_agrees_with_the_variables():
     ]
     for ents, is_output, expected in cases:
         assert _decided_by_sweep(ents, 4, 6, is_output) is None
-        assert _decided_on_grid(ents, 4, 6, is_output) == expected, ents
+        assert _decided_by_rectangles(ents, 4, 6, is_output) == expected, ents
         if expected is not None:
             assert _needed_on_grid(ents, is_output) == expected, ents
 

@@ -37,41 +37,25 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
     non-zeroing access of each written submatrix).  Converting changes no
     command into or out of a zeroing, so the answers do not depend on earlier
     conversions and one walk over the commands gives them all: it keeps, for
-    each matrix an addition writes, the rectangles that non-zeroing commands
-    have touched so far, and tests each addition's written submatrices against
-    them before recording its own accesses."""
+    each matrix, the rectangles that non-zeroing commands have touched so far,
+    and tests each addition's written submatrices against them before
+    recording its own accesses."""
     cmds = computation.commands
-    add_to_rows_multi = CT.ADD_TO_ROWS_MULTI
-    todo = [False] * len(cmds)
-    any_todo = False
-    for i, c in enumerate(cmds):
-        if c.command_type in _TO_COPY and (c.command_type != add_to_rows_multi
-                                           or c.alpha == 1.0):
-            todo[i] = any_todo = True
-    if not any_todo:
-        return False
+    to_copy, add_to_rows_multi, set_const = _TO_COPY, CT.ADD_TO_ROWS_MULTI, CT.SET_CONST
     props = getattr(ctx, "props", None)   # (an empty one is falsy: test for None)
     if props is None:
         props = ComponentProperties(ctx.nnet)
-    accesses = command_accesses(computation, props)
     subs = computation.submatrices
-    # per matrix that an addition writes: rectangles touched so far (None: not tracked)
-    seen: list = [None] * len(computation.matrices)
-    for i, t in enumerate(todo):
-        if t:
-            for s, a in accesses[i]:
-                if a & 2:
-                    seen[subs[s].matrix_index] = []
-    set_const = CT.SET_CONST
+    seen: list[list] = [[] for _ in computation.matrices]   # rectangles touched so far
     changed = False
-    for i, lst in enumerate(accesses):
+    for c, lst in zip(cmds, command_accesses(computation, props)):
         if not lst:
             continue
-        if todo[i]:
-            first = False
+        ct = c.command_type
+        if ct in to_copy and (ct != add_to_rows_multi or c.alpha == 1.0):
+            first = True
             for s, a in lst:
                 if a & 2:
-                    first = True
                     m, ro, nr, co, nc = subs[s]
                     R1, C1 = ro + nr, co + nc
                     for r0, r1, c0, c1 in seen[m]:
@@ -81,18 +65,13 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
                     if not first:
                         break
             if first:
-                c = cmds[i]
-                c.command_type = _TO_COPY[c.command_type]
+                c.command_type = to_copy[ct]
                 changed = True
-        else:
-            c = cmds[i]
-            if c.command_type == set_const and c.alpha == 0.0:
-                continue   # zeroing does not count as an access here
+        elif ct == set_const and c.alpha == 0.0:
+            continue   # zeroing does not count as an access here
         for s, a in lst:
             m, ro, nr, co, nc = subs[s]
-            t = seen[m]
-            if t is not None:
-                t.append((ro, ro + nr, co, co + nc))
+            seen[m].append((ro, ro + nr, co, co + nc))
     if changed and hasattr(ctx, "invalidate"):
         ctx.invalidate()
     return changed

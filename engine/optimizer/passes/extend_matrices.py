@@ -18,7 +18,7 @@ new size, and the computation is renumbered.
 
 from __future__ import annotations
 
-from engine.compiler.computation import NnetComputation, SubMatrixInfo
+from engine.compiler.computation import MatrixDebugInfo, NnetComputation, SubMatrixInfo
 from engine.core.errors import CheckError
 from engine.core.index import K_NO_TIME, Cindex, Index
 from engine.optimizer.analysis import CT
@@ -115,7 +115,8 @@ class _MatrixExtender:
             # the added rows copy the cindexes just before them, without a time
             tail = [Cindex(node, Index(idx.n, K_NO_TIME, idx.x))
                     for node, idx in dbg.cindexes[old - extra:old]]
-            dbg.cindexes = list(dbg.cindexes) + tail
+            # a new entry: copies of the computation share the old one
+            c.matrix_debug_info[m] = MatrixDebugInfo(dbg.is_deriv, list(dbg.cindexes) + tail)
 
 
 def extend_matrices(computation: NnetComputation, ctx=None) -> bool:

@@ -9,7 +9,7 @@ when deriv-time limits cut a derivative) keeps its zeroing: the user reads it.
 
 Kaldi asks this of each variable's access list.  When the zeroing covers the
 matrix (the usual case) the answer comes from one walk over the commands after
-it (``_decided_by_sweep``, ``_decided_on_grid``), without building the lists;
+it (``_decided_by_sweep``, ``_decided_by_rectangles``), without building the lists;
 the lists decide only what the walks leave open.
 """
 
@@ -82,42 +82,53 @@ def _decided_by_sweep(ents: list, nr: int, nc: int, is_output: bool) -> bool | N
     return is_output
 
 
-def _decided_on_grid(ents: list, nr: int, nc: int, is_output: bool) -> bool | None:
+def _inside(rect: tuple[int, int, int, int], rects: list) -> bool:
+    """``rect`` lies within the union of ``rects``: nothing is left of it after
+    taking each of them away in turn (the pieces left are rectangles)."""
+    pieces = [rect]
+    for q0, q1, d0, d1 in rects:
+        rest = []
+        for p in pieces:
+            r0, r1, c0, c1 = p
+            if q0 >= r1 or r0 >= q1 or d0 >= c1 or c0 >= d1:
+                rest.append(p)
+                continue
+            if r0 < q0:
+                rest.append((r0, q0, c0, c1))
+            if q1 < r1:
+                rest.append((q1, r1, c0, c1))
+            lo, hi = max(r0, q0), min(r1, q1)
+            if c0 < d0:
+                rest.append((lo, hi, c0, d0))
+            if d1 < c1:
+                rest.append((lo, hi, d1, c1))
+        if not rest:
+            return True
+        pieces = rest
+    return False
+
+
+def _decided_by_rectangles(ents: list, nr: int, nc: int, is_output: bool) -> bool | None:
     """``_decided_by_sweep`` for accesses of any shape, or None when the zeroing
     does not cover the matrix: the same walk, with the region covered so far
-    kept as cells of the grid that the accesses cut the matrix into."""
+    kept as the list of rectangles the earlier commands accessed.  The zeros are
+    needed when a command reads outside that region, or, for an output, when
+    the region never becomes the whole matrix."""
     z, _, zr = ents[0]
     if zr != (0, nr, 0, nc) or len(ents) < 2 or ents[1][0] == z:
         return None
-    rows = sorted({r for _, _, rc in ents for r in rc[:2]})
-    cols = sorted({k for _, _, rc in ents for k in rc[2:]})
-    ri = {p: i for i, p in enumerate(rows)}
-    ki = {p: i for i, p in enumerate(cols)}
-    ncv = len(cols) - 1
-    left = (len(rows) - 1) * ncv   # cells no command after the zeroing reached yet
-    reached = bytearray(left)
+    reached: list = []
     i, n = 1, len(ents)
     while i < n:
         c = ents[i][0]
-        new = []
+        start = i
         while i < n and ents[i][0] == c:
-            _, a, (r0, r1, c0, c1) = ents[i]
+            _, a, r = ents[i]
             i += 1
-            k0, k1 = ki[c0], ki[c1]
-            for r in range(ri[r0], ri[r1]):
-                base = r * ncv
-                for k in range(base + k0, base + k1):
-                    if not reached[k]:
-                        if a & _R:
-                            return True
-                        new.append(k)
-        for k in new:
-            if not reached[k]:
-                reached[k] = 1
-                left -= 1
-        if not left:
-            return False
-    return is_output
+            if a & _R and not _inside(r, reached):
+                return True
+        reached.extend(e[2] for e in ents[start:i])
+    return is_output and not _inside(zr, reached)
 
 
 def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
@@ -127,17 +138,17 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
     set_const = CT.SET_CONST
     changed = False
     for m in range(1, len(mats)):
-        ma = a.matrix_accesses[m]
-        if not ma.accesses:
+        ents = a.entries[m]
+        if not ents:
             continue
-        cmd = cmds[ma.accesses[0][0]]
+        cmd = cmds[ents[0][0]]
         if not (cmd.command_type == set_const and cmd.alpha == 0.0):
             continue
+        ma = a.matrix_accesses[m]
         mi = mats[m]
-        ents = a.entries[m]
         needed = _decided_by_sweep(ents, mi.num_rows, mi.num_cols, ma.is_output)
         if needed is None:
-            needed = _decided_on_grid(ents, mi.num_rows, mi.num_cols, ma.is_output)
+            needed = _decided_by_rectangles(ents, mi.num_rows, mi.num_cols, ma.is_output)
         if needed is None:
             needed = False
             for acc in a.variable_access_bits_of(m):

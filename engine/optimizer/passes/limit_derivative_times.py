@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.compiler.computation import NnetComputation
+from engine.compiler.computation import MatrixDebugInfo, NnetComputation
 from engine.core.errors import CheckError
 from engine.nnet.components.base import ComponentProperty as P
 from engine.optimizer.analysis import CT, Analyzer
@@ -330,8 +330,10 @@ class DerivativeTimeLimiter:
         for m in range(1, len(c.matrices)):
             if will_limit[m]:
                 info = self.prune[m]
+                # a new entry: copies of the computation share the old one
                 dbg = c.matrix_debug_info[m]
-                dbg.cindexes = list(dbg.cindexes[info.row_begin:info.row_end])
+                c.matrix_debug_info[m] = MatrixDebugInfo(
+                    dbg.is_deriv, list(dbg.cindexes[info.row_begin:info.row_end]))
                 c.matrices[m] = c.matrices[m]._replace(num_rows=info.row_end - info.row_begin)
 
     def _remove_unused_memos(self) -> None:

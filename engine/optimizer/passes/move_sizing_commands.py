@@ -32,22 +32,23 @@ def move_sizing_commands(computation: NnetComputation, ctx) -> bool:
     key = [3 * i for i in range(n)]
     for m in range(1, len(computation.matrices)):
         ma = a.matrix_accesses[m]
+        ents = a.entries[m]   # the commands that access m, in order (Analyzer.entries)
         alloc = ma.allocate_command
         if alloc != -1 and cmds[alloc].command_type == alloc_t:
             first = -1
-            if ma.accesses:
-                first = ma.accesses[0][0]
+            if ents:
+                first = ents[0][0]
                 if first == alloc + 1 and is_pair[alloc]:
-                    first = ma.accesses[1][0] if len(ma.accesses) > 1 else -1
+                    # the next command to access m
+                    first = next((c for c, _, _ in ents if c != first), -1)
             if first != -1:
                 if first <= alloc:
                     raise ValueError(f"move_sizing_commands: m{m} used (c{first}) before its "
                                      f"allocation (c{alloc})")
                 key[alloc] = 3 * first - 1
         dealloc = ma.deallocate_command
-        if (dealloc != -1 and ma.accesses
-                and cmds[dealloc].command_type == dealloc_t):
-            key[dealloc] = 3 * ma.accesses[-1][0] + 1
+        if dealloc != -1 and ents and cmds[dealloc].command_type == dealloc_t:
+            key[dealloc] = 3 * ents[-1][0] + 1
     order = sorted(range(n), key=key.__getitem__)   # stable: ties keep command order
     new = []
     goto = CT.GOTO_LABEL

@@ -25,8 +25,7 @@ change what a computation computes:
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from itertools import dropwhile
 
 from engine.compiler.computation import Command, NnetComputation
 from engine.optimizer.analysis import CT
@@ -140,22 +139,29 @@ class _Split:
     submatrix: int         # the one source/destination submatrix of this run
     min_row: int           # smallest row used in that submatrix
     row_range: int         # max row + 1 - min_row
-    row_offsets: np.ndarray | None   # row - min_row per position; None if consecutive
+    row_offsets: list[int] | None   # row - min_row per position; None if consecutive
 
 
-def _split_info(pairs: np.ndarray, offset: int) -> _Split | None:
-    """Kaldi's GetSplitInfo on pairs[offset:...] (already cut to one run)."""
-    subs, rows = pairs[:, 0], pairs[:, 1]
-    first = int(subs[0])
-    if first < 0 or (subs != first).any() or (rows < 0).any():
+# The lists are short (a chunk's rows), so they are handled as tuples with the
+# C-level built-ins rather than as NumPy arrays (each NumPy call on a few dozen
+# entries costs more than the whole job).
+
+def _split_info(subs: tuple, rows: tuple, offset: int) -> _Split | None:
+    """Kaldi's GetSplitInfo on one run: ``subs``, ``rows`` the submatrices and
+    rows from position ``offset`` on."""
+    first = subs[0]
+    size = len(subs)
+    if first < 0 or subs.count(first) != size:
         return None
-    size = len(pairs)
-    lo, hi = int(rows.min()), int(rows.max())
+    lo, hi = min(rows), max(rows)
+    if lo < 0:
+        return None
     row_range = hi + 1 - lo
     if row_range > size * _MAX_SIZE_RATIO:
         return None
-    consecutive = bool(np.array_equal(rows, rows[0] + np.arange(size)))
-    return _Split(offset, size, first, lo, row_range, None if consecutive else rows - lo)
+    consecutive = rows == tuple(range(rows[0], rows[0] + size))
+    return _Split(offset, size, first, lo, row_range,
+                  None if consecutive else list(map(lo.__rsub__, rows)))
 
 
 def _split_indexes(computation: NnetComputation) -> list[list[_Split]]:
@@ -163,18 +169,20 @@ def _split_indexes(computation: NnetComputation) -> list[list[_Split]]:
     submatrix, or [] when it cannot be split."""
     out = []
     for pairs_list in computation.indexes_multi:
-        pairs = np.asarray(pairs_list, dtype=np.int64).reshape(-1, 2)
-        if len(pairs) == 0:
+        if not pairs_list:
             out.append([])
             continue
-        change = np.nonzero(pairs[1:, 0] != pairs[0, 0])[0]
-        if change.size == 0:
-            s = _split_info(pairs, 0)
-            out.append([s] if s is not None else [])
-        else:
-            p = int(change[0]) + 1
-            a, b = _split_info(pairs[:p], 0), _split_info(pairs[p:], p)
-            out.append([a, b] if a is not None and b is not None else [])
+        subs, rows = zip(*pairs_list)
+        p = subs.count(subs[0])
+        if p == len(subs):
+            sp = _split_info(subs, rows, 0)
+            out.append([sp] if sp is not None else [])
+            continue
+        # where the first run ends
+        p = len(subs) - sum(1 for _ in dropwhile(subs[0].__eq__, subs))
+        a = _split_info(subs[:p], rows[:p], 0)
+        b = _split_info(subs[p:], rows[p:], p)
+        out.append([a, b] if a is not None and b is not None else [])
     return out
 
 
@@ -197,15 +205,16 @@ def _split_command(computation: NnetComputation, c: Command,
             # name, where CopyToRowsMulti leaves them alone
             return None
         if ct == CT.ADD_TO_ROWS_MULTI:
-            inverse = np.full(sp.row_range, -1, dtype=np.int64)
-            if np.unique(sp.row_offsets).size != sp.size:
+            if len(set(sp.row_offsets)) != sp.size:
                 return None   # a destination row named twice: not expressible as AddRows
-            inverse[sp.row_offsets] = np.arange(sp.size)
-            computation.indexes.append(inverse.tolist())
+            inverse = [-1] * sp.row_range
+            for k, r in enumerate(sp.row_offsets):
+                inverse[r] = k
+            computation.indexes.append(inverse)
             pieces.append(Command.make(CT.ADD_ROWS, other, own, len(computation.indexes) - 1,
                                        alpha=c.alpha))
         else:
-            computation.indexes.append(sp.row_offsets.tolist())
+            computation.indexes.append(list(sp.row_offsets))   # its own list per command
             new_type = CT.ADD_ROWS if ct == CT.ADD_ROWS_MULTI else CT.COPY_ROWS
             pieces.append(Command.make(new_type, own, other, len(computation.indexes) - 1,
                                        alpha=c.alpha))

@@ -126,44 +126,40 @@ class VariableMergingOptimizer:
                 s1, s2 = candidate(cmd)
             if s1 <= 0 or s2 <= 0:
                 continue
-            if not ((left_ok and whole[s2]) or (right_ok and whole[s1])) \
-                    or subs[s1][0] == subs[s2][0]:
+            left, right = left_ok and whole[s2], right_ok and whole[s1]
+            if not (left or right) or subs[s1][0] == subs[s2][0]:
                 hopeless.append(ci)
                 continue
-            left, right = self.may_be_merged(ci, s1, s2)
-            if left:
+            keep = self.kept_side(ci, s1, s2, left, right)
+            if keep == s1:
                 self.do_merge(ci, s1, s2)
                 merged = True
-            elif right:
+            elif keep:
                 self.do_merge(ci, s2, s1)
                 merged = True
         return merged
 
-    def may_be_merged(self, ci: int, s1: int, s2: int) -> tuple[bool, bool]:
-        """(left merge possible, right merge possible).  The conditions are
+    def kept_side(self, ci: int, s1: int, s2: int, left: bool, right: bool) -> int:
+        """How s1 and s2 (on two matrices) merge at command ci in this round: s1
+        when they can by a left merge (which keeps s1's matrix), else s2 when
+        they can by a right merge, else 0.  ``left``, ``right``: whether the
+        options and the wholeness of s2, s1 allow each.  The conditions are
         independent tests; the ones that turn most candidates down and cost
         least come first."""
-        no = (False, False)
-        o, c, a = self.o, self.c, self.a
-        whole = a.submatrix_whole   # s1, s2 have not moved: as at the round's start
-        whole1, whole2 = whole[s1], whole[s2]
-        left = o.allow_left_merge and whole2
-        right = o.allow_right_merge and whole1
-        if not left and not right:
-            return no
+        c, a = self.c, self.a
         subs = c.submatrices
         m1, m2 = subs[s1][0], subs[s2][0]
-        if m1 == m2:
-            return no
         if self.dirty and (self._is_dirty(s1) or self._is_dirty(s2)):
-            return no
+            return 0
+        whole = a.submatrix_whole   # s1, s2 have not moved: as at the round's start
+        whole1, whole2 = whole[s1], whole[s2]
         macc = a.matrix_accesses
         a1, a2 = macc[m1], macc[m2]
         if (a1.is_input and a2.is_input) or (a1.is_output and a2.is_output):
-            return no
+            return 0
         if (a1.is_input or a1.is_output or a2.is_input or a2.is_output) and not (whole1
                                                                                  and whole2):
-            return no
+            return 0
         # a matrix that must be contiguous may only become a whole matrix
         mats = c.matrices
         if not whole1 and mats[m2].stride_type == K_STRIDE_EQUAL_NUM_COLS:
@@ -174,10 +170,8 @@ class VariableMergingOptimizer:
         # asserts this; it can fail when one of the merge directions is switched off)
         if left and not self._alloc_precedes(m1, m2):
             left = False
-        if right and not self._alloc_precedes(m2, m1):
-            right = False
-        if not left and not right:
-            return no
+        if not left and (not right or not self._alloc_precedes(m2, m1)):
+            return 0
         an = self.analysis
         cmd = c.commands[ci]
         if cmd.command_type == CT.MATRIX_COPY and cmd.alpha == 1.0:
@@ -185,7 +179,7 @@ class VariableMergingOptimizer:
                   and an.last_access(s1) < an.data_invalidated_command(ci, s2))
         else:
             ok = an.first_nontrivial_access(s2) == ci and an.last_access(s1) == ci
-        return (left, right) if ok else no
+        return (s1 if left else s2) if ok else 0
 
     def _is_dirty(self, s: int) -> bool:
         """A variable of s was touched by a merge in this round."""
@@ -205,12 +199,11 @@ class VariableMergingOptimizer:
         other than a zeroing (Kaldi's first_nontrivial_matrix_access)."""
         ma = self.a.matrix_accesses
         cmds = self.c.commands
-        md = ma[m_discard]
-        if cmds[md.allocate_command].command_type == CT.ACCEPT_INPUT:
+        if cmds[ma[m_discard].allocate_command].command_type == CT.ACCEPT_INPUT:
             return True   # the input's own matrix is used, allocated by kAcceptInput
         first = len(cmds)
         set_const = CT.SET_CONST
-        for ci, _ in md.accesses:
+        for ci, _, _ in self.a.entries[m_discard]:
             cmd = cmds[ci]
             if cmd.command_type != set_const or cmd.alpha != 0.0:
                 first = ci
@@ -251,7 +244,8 @@ class VariableMergingOptimizer:
         else:
             c.commands[alloc_discard].command_type = CT.NO_OPERATION
             zero_of = m_discard
-        first = ma[zero_of].accesses[0][0] if ma[zero_of].accesses else -1
+        ents = self.a.entries[zero_of]
+        first = ents[0][0] if ents else -1
         if first >= 0:
             z = c.commands[first]
             if z.command_type == CT.SET_CONST and z.alpha == 0.0:
@@ -278,7 +272,7 @@ class _SubmatrixOrder:
         used: set[int] = set()
         for m in matrices:
             ma = self.a.matrix_accesses[m]
-            for ci, _ in ma.accesses:
+            for ci, _, _ in self.a.entries[m]:
                 used.update(s for s, _ in cacc[ci])
             for ci in (ma.allocate_command, ma.deallocate_command):
                 if ci >= 0:
@@ -340,15 +334,14 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
             order = _SubmatrixOrder(computation, analyzer)
         order.renumbered(opt.groups, used, first)
         cmds = computation.commands
-        commands = sorted({ci for m in opt.groups for ci, _ in
-                           analyzer.matrix_accesses[m].accesses
+        commands = sorted({ci for m in opt.groups for ci, _, _ in analyzer.entries[m]
                            if cmds[ci].command_type in kinds} - hopeless)
     if order is None:
         return False
-    _, _, matrix_used = renumber_with_maps(computation, submatrix_order=order.key)
+    _, matrix_used, sub_source = renumber_with_maps(computation, submatrix_order=order.key)
     # the analysis follows the renumbering and the deletion of the no-ops (the
     # next passes need it): cheaper than analysing the result again
-    analyzer.renumbered(matrix_used)
+    analyzer.renumbered(matrix_used, sub_source)
     noop = CT.NO_OPERATION
     analyzer.remove_commands({i for i, c in enumerate(computation.commands)
                               if c.command_type == noop})
