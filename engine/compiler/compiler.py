@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter
 
 import numpy as np
 
@@ -196,20 +197,26 @@ class Compiler:
         np.cumsum(self._step_len[:-1], out=self._step_start[1:])
         self._all_ids = (np.concatenate(step_ids) if step_ids
                          else np.zeros(0, dtype=np.int64))
+        # the steps whose first cindex is an input
+        has = self._step_len[:-1] > 0
+        first = self._all_ids[self._step_start[:-1][has]]
+        self._input_steps = np.flatnonzero(has)[graph.is_input_array[first]].tolist()
         table = graph.node_table
-        kind = table.kind
-        self.kind_input = [k == INPUT for k in kind]
+        # Facts that depend only on the network (node kinds, dims and strides,
+        # compiled descriptor parts, scales, batch plans) live with the network's
+        # NodeTable, which is remade when the network is edited
+        # (graph_nodes.node_table_for).
+        self._shared = shared = table.extra
+        kinds = shared.get("compiler_kinds")
+        if kinds is None:
+            kinds = shared["compiler_kinds"] = tuple(
+                [k == want for k in table.kind] for want in (INPUT, COMPONENT, DIM_RANGE,
+                                                             DESCRIPTOR))
+        self.kind_input, self.kind_component, self.kind_dim_range, self.kind_descriptor = kinds
         self.kind_output = table.is_output
-        self.kind_component = [k == COMPONENT for k in kind]
-        self.kind_dim_range = [k == DIM_RANGE for k in kind]
-        self.kind_descriptor = [k == DESCRIPTOR for k in kind]
         self.kind_component_input = table.is_component_input
         self.component_index = table.component_index
         self.props = table.props
-        # Facts that depend only on the network (node dims and strides, compiled
-        # descriptor parts, scales, batch plans) live with the network's NodeTable,
-        # which is remade when the network is edited (graph_nodes.node_table_for).
-        shared = table.extra
         self._facts = shared.setdefault("compiler_facts", {})
         self._part_cache = shared.setdefault("compiler_parts", {})
         self._node_margin = shared.setdefault("compiler_margins", {})
@@ -231,12 +238,11 @@ class Compiler:
         is_input = graph.is_input_array
         if not wants:
             # no derivative anywhere: only check that every input used is supplied
-            for step, ids in enumerate(self.step_ids):
-                if len(ids) and is_input[ids[0]]:
-                    name = self._node_name(self.step_nodes[step])
-                    if requests[self.step_to_segment[step]].index_of_input(name) == -1:
-                        raise CompilerError(f"input node {name!r} is used but not in the "
-                                            f"request")
+            for step in self._input_steps:
+                name = self._node_name(self.step_nodes[step])
+                if requests[self.step_to_segment[step]].index_of_input(name) == -1:
+                    raise CompilerError(f"input node {name!r} is used but not in the "
+                                        f"request")
             return need
         dep_steps = self._step_dependencies()
         for step in range(num_steps):
@@ -344,6 +350,12 @@ class Compiler:
             mats.append(MatrixInfo(0, 0, K_DEFAULT_STRIDE))
             subs.append(SubMatrixInfo(0, 0, 0, 0, 0))
         mat_append, sub_append = mats.append, subs.append
+        # for each matrix, the last submatrix covering all of it (Kaldi's
+        # GetWholeSubmatrices, as NnetComputation.whole_submatrices finds it): the
+        # one made with the matrix, unless a dim-range node covering all its
+        # columns makes another later
+        self._whole = whole = [0] * len(mats)
+        whole_append = whole.append
 
         def column_range(base: int, off: int, width: int) -> int:
             """new_submatrix(base, 0, -1, off, width), appended directly when in range
@@ -352,36 +364,39 @@ class Compiler:
             if base <= 0 or not (0 <= off and off + width <= b[4] and width > 0 and b[2] > 0):
                 return new_submatrix(base, 0, -1, off, width)
             sub_append(_tuple_new(SubMatrixInfo, (b[0], b[1], b[2], b[3] + off, width)))
+            mi = mats[b[0]]
+            if b[1] == 0 and b[3] + off == 0 and b[2] == mi[0] and width == mi[1]:
+                whole[b[0]] = len(subs) - 1
             return len(subs) - 1
 
         facts_of, facts = self._node_facts, self._facts
         kind_descriptor = self.kind_descriptor
         # the steps of each descriptor node (see _prepare_descriptors)
         node_steps: dict[int, list[int]] = {}
-        for step in range(num_steps):
-            ids = step_ids[step]
-            node = step_nodes[step]
+        for step, ids, node, seg, need in zip(range(num_steps), step_ids, step_nodes, segs,
+                                              deriv_needed):
             num_rows = len(ids)
             if not num_rows:
                 # the (empty) input step of a component that needs no input
                 if step + 1 >= num_steps or not len(step_ids[step + 1]):
                     raise CompilerError(f"empty step {step} not followed by a component step")
-                steps.append(_StepInfo(step_nodes[step + 1] - 1, ids, segs[step], 0, 0, (), ()))
+                steps.append(_StepInfo(step_nodes[step + 1] - 1, ids, seg, 0, 0, (), ()))
                 continue
             dim, stride, dim_range, parts = facts.get(node) or facts_of(node)
-            need = deriv_needed[step]
             deriv = 0
             if dim_range is None:
                 if dim <= 0:
                     raise ValueError(f"new_matrix: bad dimensions {num_rows} x {dim}")
                 m = len(mats)
                 mat_append(_tuple_new(MatrixInfo, (num_rows, dim, stride)))
+                value = len(subs)
                 sub_append(_tuple_new(SubMatrixInfo, (m, 0, num_rows, 0, dim)))
-                value = len(subs) - 1
+                whole_append(value)
                 if need:
                     mat_append(_tuple_new(MatrixInfo, (num_rows, dim, stride)))
+                    deriv = value + 1
                     sub_append(_tuple_new(SubMatrixInfo, (m + 1, 0, num_rows, 0, dim)))
-                    deriv = len(subs) - 1
+                    whole_append(deriv)
             else:
                 in_step = sources[step]
                 if in_step == -1:
@@ -394,7 +409,7 @@ class Compiler:
                 if need:
                     deriv = column_range(steps[in_step].deriv, off, width)
             if not kind_descriptor[node]:
-                steps.append(_StepInfo(node, ids, segs[step], value, deriv, (), ()))
+                steps.append(_StepInfo(node, ids, seg, value, deriv, (), ()))
                 continue
             if step_list := node_steps.get(node):
                 step_list.append(step)
@@ -421,7 +436,7 @@ class Compiler:
                         if need:
                             dp.append(new_submatrix(deriv, 0, -1, off, d))
                         off += d
-            steps.append(_StepInfo(node, ids, segs[step], value, deriv, vp, dp))
+            steps.append(_StepInfo(node, ids, seg, value, deriv, vp, dp))
         self._prepare_descriptors(node_steps)
 
     # -- input locations ---------------------------------------------------------------------------
@@ -923,7 +938,7 @@ class Compiler:
     # -- commands ------------------------------------------------------------------------------
     def _add_commands(self, deriv_needed, computation) -> None:
         computation.need_model_derivative = self.requests[0].need_model_derivative
-        whole = computation.whole_submatrices()
+        whole = self._whole
         self._allocate_matrices(whole, computation)
         self._set_up_precomputed_indexes(computation)
         steps = self.steps
@@ -983,14 +998,10 @@ class Compiler:
         self._deallocate_matrices(whole, computation)
 
     def _allocate_matrices(self, whole, computation) -> None:
-        supplied = set()
         subs = computation.submatrices
         steps = self.steps
-        # steps whose first cindex is a supplied input: the (step, row 0) of inputs
-        inputs = np.flatnonzero(self.graph.is_input_array)
-        for s in np.unique(self.loc_step[inputs][self.loc_row[inputs] == 0]).tolist():
-            if s >= 0:
-                supplied.add(subs[steps[s].value].matrix_index)
+        # the matrices of steps whose first cindex is a supplied input
+        supplied = {subs[steps[s].value][0] for s in self._input_steps}
         kind_output = self.kind_output
         for info in steps:
             if info.deriv != 0 and kind_output[info.node_index] and len(info.ids):
@@ -1000,30 +1011,45 @@ class Compiler:
         for m in range(1, len(computation.matrices)):
             if m not in supplied:
                 w = whole[m]
-                cmds.append(Command(alloc, 1.0, w))
-                cmds.append(Command(zero, 0.0, w))
+                cmds += (Command(alloc, 1.0, w), Command(zero, 0.0, w))
+
+    def _precomputes(self) -> list:
+        """Per node: None, or for a component node whose component has precomputed
+        indexes, (component, its precompute_index_arrays or None)."""
+        out = self._shared.get("compiler_precomputes")
+        if out is None:
+            nnet = self.nnet
+            out = self._shared["compiler_precomputes"] = [None] * len(self.kind_component)
+            for node, is_component in enumerate(self.kind_component):
+                if not is_component:
+                    continue
+                comp = nnet.components[self.component_index[node]]
+                if type(comp).precompute_indexes is not Component.precompute_indexes:
+                    out[node] = (comp, getattr(comp, "precompute_index_arrays", None))
+        return out
 
     def _set_up_precomputed_indexes(self, computation) -> None:
-        nnet = self.nnet
         computation.component_precomputed_indexes = [PrecomputedIndexesInfo()]
-        for step, info in enumerate(self.steps):
-            node = info.node_index
-            if not self.kind_component[node]:
-                continue
-            comp = nnet.components[self.component_index[node]]
-            if type(comp).precompute_indexes is Component.precompute_indexes:
-                continue          # the default: no precomputed indexes
-            in_info = self.steps[step - 1]
+        precomputes = self._precomputes()
+        steps = self.steps
+        need_derivatives: dict[int, bool] = {}
+        for step, info in enumerate(steps):
+            pre = precomputes[info.node_index]
+            if pre is None:
+                continue          # not a component, or the default: no precomputed indexes
+            comp, by_arrays = pre
+            in_info = steps[step - 1]
             req = self.requests[info.segment]
-            by_arrays = getattr(comp, "precompute_index_arrays", None)
+            need = need_derivatives.get(info.segment)
+            if need is None:
+                need = need_derivatives[info.segment] = req.need_derivatives()
             in_rows = out_rows = None
             if by_arrays is not None:
                 in_rows, out_rows = self.coords[in_info.ids, 1:], self.coords[info.ids, 1:]
-                data = by_arrays(req.misc_info, in_rows, out_rows, req.need_derivatives())
+                data = by_arrays(req.misc_info, in_rows, out_rows, need)
             else:
                 data = comp.precompute_indexes(req.misc_info, self._indexes_of(in_info.ids),
-                                               self._indexes_of(info.ids),
-                                               req.need_derivatives())
+                                               self._indexes_of(info.ids), need)
             if data is None:
                 continue
             info.precomputed_indexes_index = len(computation.component_precomputed_indexes)
@@ -1092,14 +1118,30 @@ class Compiler:
                                          for d, c in zip(is_deriv, cindexes)]
 
 
+_command_type = attrgetter("command_type")
+
+
+def _positions(items: list, value) -> list[int]:
+    """The positions of ``value`` in ``items``, in order (list.index: few hits in a
+    long list)."""
+    out = []
+    at = -1
+    try:
+        while True:
+            at = items.index(value, at + 1)
+            out.append(at)
+    except ValueError:
+        return out
+
+
 def consolidate_io_operations(computation: NnetComputation) -> None:
     """Kaldi's ConsolidateIoOperations: within each marker-separated segment, put
     kAcceptInput first and kProvideOutput last, keeping relative order."""
     cmds = computation.commands
     accept, provide, marker = CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT, CT.NO_OPERATION_MARKER
-    kinds = [c.command_type for c in cmds]
-    markers = [i for i, k in enumerate(kinds) if k == marker] + [len(cmds)]
-    io = [i for i, k in enumerate(kinds) if k == accept or k == provide]
+    kinds = list(map(_command_type, cmds))
+    markers = _positions(kinds, marker) + [len(cmds)]
+    io = sorted(_positions(kinds, accept) + _positions(kinds, provide))
     out: list[Command] = []
     segments = []
     start = 0
