@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from engine.core.errors import RequestError
-from engine.core.index import Index, index_rows
+from engine.core.index import Index, array_to_indexes, index_rows
 from engine.nnet.components.base import MiscComputationInfo
 
 _INT32_MIN = -(2 ** 31)
@@ -39,7 +39,7 @@ def _to_index_list(indexes: Any, where: str) -> list[Index]:
         if arr.ndim != 2 or arr.shape[1] != 3 or (arr.size and arr.dtype.kind not in "iu"):
             raise RequestError(f"{where}: indexes must be an (N, 3) integer array of [n, t, x] "
                                f"rows, got shape {arr.shape} dtype {arr.dtype}")
-        return list(map(Index._make, arr.tolist()))     # tolist() gives Python ints
+        return array_to_indexes(arr)
     out: list[Index] = []
     for k, row in enumerate(indexes):
         if isinstance(row, Index):

@@ -48,7 +48,7 @@ from engine.compiler.computation import (CommandType as CT, MatrixDebugInfo, Nne
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import make_indexes
 from engine.compiler.request import ComputationRequest, IoSpecification
-from engine.core.index import K_NO_TIME, Index, index_rows
+from engine.core.index import K_NO_TIME, Index, array_to_indexes, index_rows
 
 log = logging.getLogger("engine.compiler.shortcut")
 
@@ -265,24 +265,42 @@ class _Expander:
 
     def compute_debug_info(self) -> None:
         """Every matrix's cindexes with n running over 0..N-1 (all matrices in one
-        vectorised pass; only the final (node, Index) objects are built per row)."""
+        vectorised pass; only the final (node, Index) pairs are built per row, the
+        Index objects once per distinct (n, t, x))."""
         nm, big_n = len(self.c.matrices), self.num_n
         new_sizes = (self.sizes // 2) * big_n
         new_base = np.concatenate([[0], np.cumsum(new_sizes)[:-1]])
         i0 = np.flatnonzero(self.row_n == 0)
         m, loc = self.row_matrix[i0], self.row_local[i0]
         s = self.stride[m]
-        pos = (new_base[m] + (loc // (2 * s)) * (big_n * s) + loc % (2 * s))[:, None] \
-            + s[:, None] * np.arange(big_n)
-        out = np.empty((int(new_sizes.sum()), 4), dtype=np.int64)
-        out[pos.ravel()] = np.repeat(self.rows[i0], big_n, axis=0)
-        out[pos.ravel(), 0] = np.tile(np.arange(big_n), i0.size)
-        pairs = list(zip(out[:, 1].tolist(), make_indexes(out[:, [0, 2, 3]])))
-        src = self.c.matrix_debug_info
+        pos = ((new_base[m] + (loc // (2 * s)) * (big_n * s) + loc % (2 * s))[:, None]
+               + s[:, None] * np.arange(big_n)).ravel()
+        # each new row is copy n of an n = 0 row: which one (its position in i0) and n
+        total = int(new_sizes.sum())
+        src = np.empty(total, dtype=np.int64)
+        src[pos] = np.repeat(np.arange(i0.size), big_n)
+        new_n = np.empty(total, dtype=np.int64)
+        new_n[pos] = np.tile(np.arange(big_n), i0.size)
+        # the distinct (t, x) of the n = 0 rows, and an Index per (t, x) and n
+        t, x = self.rows[i0, 2], self.rows[i0, 3]
+        if i0.size:
+            x_lo = int(x.min())
+            key = (t - int(t.min())) * (int(x.max()) - x_lo + 1) + (x - x_lo)
+            _, first, code = np.unique(key, return_index=True, return_inverse=True)
+        else:
+            first = code = np.zeros(0, dtype=np.int64)
+        tx = np.repeat(np.stack([t[first], x[first]], axis=1), big_n, axis=0)
+        table = np.fromiter(array_to_indexes(np.concatenate(
+            [np.tile(np.arange(big_n), len(first))[:, None], tx], axis=1)), dtype=object,
+            count=len(tx))
+        objs = table[code.reshape(-1)[src] * big_n + new_n].tolist()
+        pairs = list(zip(self.rows[i0, 1][src].tolist(), objs))
+        src_info = self.c.matrix_debug_info
         bounds = (new_base + new_sizes).tolist()
         starts = new_base.tolist()
         self.out.matrix_debug_info = [MatrixDebugInfo()] + [
-            MatrixDebugInfo(src[k].is_deriv, pairs[starts[k]:bounds[k]]) for k in range(1, nm)]
+            MatrixDebugInfo(src_info[k].is_deriv, pairs[starts[k]:bounds[k]])
+            for k in range(1, nm)]
 
     def compute_submatrices(self) -> None:
         c = self.c
