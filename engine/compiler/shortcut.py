@@ -223,7 +223,8 @@ class _Expander:
             raise ShortcutNotApplicable("a matrix of the mini computation does not hold "
                                         "n = 0 and n = 1 rows in equal numbers")
         # candidate strides, in Kaldi's order: 1, size / 2, the smallest other divisor
-        twin = (n == 1) & rows_equal(rest, rest[self.base[mat]])
+        # (np.take gathers rows several times faster than fancy indexing)
+        twin = (n == 1) & rows_equal(rest, np.take(rows, self.base[mat], axis=0)[:, 1:])
         half = sizes // 2
         other = np.full(nm, np.iinfo(np.int64).max)
         cand = twin & (local >= 2) & (local < half[mat])
@@ -241,7 +242,8 @@ class _Expander:
         ok = (stride > 0).all() and bool(((j >= 0) & (j < sizes[mat])).all())
         if ok:
             g = self.base[mat] + j
-            ok = bool((rows_equal(rest[g], rest) & (n[g] == 1 - n)).all())
+            ok = bool((rows_equal(np.take(rows, g, axis=0)[:, 1:], rest)
+                       & (n[g] == 1 - n)).all())
             blk = 2 * s[zero]
             ok = ok and bool((local[zero] // blk == (local[zero] + s[zero]) // blk).all())
         if not ok:
