@@ -373,8 +373,10 @@ class Compiler:
 
         facts_of, facts = self._node_facts, self._facts
         kind_descriptor = self.kind_descriptor
-        # the steps of each descriptor node (see _prepare_descriptors)
+        # the steps of each descriptor node (see _prepare_descriptors), and the steps
+        # that make matrices (for the debug info)
         node_steps: dict[int, list[int]] = {}
+        self._matrix_steps = made = []
         for step, ids, node, seg, need in zip(range(num_steps), step_ids, step_nodes, segs,
                                               deriv_needed):
             num_rows = len(ids)
@@ -390,6 +392,7 @@ class Compiler:
                 if dim <= 0:
                     raise ValueError(f"new_matrix: bad dimensions {num_rows} x {dim}")
                 m = len(mats)
+                made.append(step)
                 mat_append(_tuple_new(MatrixInfo, (num_rows, dim, stride)))
                 value = len(subs)
                 sub_append(_tuple_new(SubMatrixInfo, (m, 0, num_rows, 0, dim)))
@@ -1087,36 +1090,27 @@ class Compiler:
                                  for m in range(1, len(computation.matrices)) if m not in keep]
 
     def _output_debug_info(self, computation) -> None:
-        subs, mats = computation.submatrices, computation.matrices
-        num = len(mats)
+        subs = computation.submatrices
+        num = len(computation.matrices)
         cindexes: list = [None] * num
         is_deriv = [False] * num
-        # the steps whose value is a whole matrix, first for each matrix (a dim-range
-        # node covering all columns makes an alias of its source's matrix)
-        chosen = []
-        for info in self.steps:
-            if info.value == 0:
-                continue
-            sm = subs[info.value]
-            vm = sm[0]
-            mi = mats[vm]
-            if sm[1] or sm[3] or sm[2] != mi[0] or sm[4] != mi[1] or cindexes[vm]:
-                continue
-            cindexes[vm] = True
-            chosen.append((info, vm))
-        # the (node, Index) pairs of their rows: plain tuples (Cindex objects for 100k
-        # rows cost real time), Index objects made in one go and shared; each
-        # matrix's pairs take the next len(ids) of them
-        if chosen:
-            objs = iter(self._indexes_of(np.concatenate([info.ids for info, _ in chosen])))
-        for info, vm in chosen:
-            cindexes[vm] = rows = list(zip(repeat(info.node_index, len(info.ids)), objs))
+        # the (node, Index) pairs of the rows of each step that made a matrix (its
+        # value's, and its derivative's if it has one; the other steps' submatrices
+        # are parts of those: a dim-range node covering all columns aliases its
+        # source's matrix): plain tuples (Cindex objects for 100k rows cost real
+        # time), Index objects made in one go and shared; each matrix's pairs take
+        # the next len(ids) of them
+        steps = self.steps
+        made = [steps[s] for s in self._matrix_steps]
+        if made:
+            objs = iter(self._indexes_of(np.concatenate([info.ids for info in made])))
+        for info in made:
+            cindexes[subs[info.value][0]] = rows = list(
+                zip(repeat(info.node_index, len(info.ids)), objs))
             if info.deriv != 0:
-                sd = subs[info.deriv]
-                md = mats[sd[0]]
-                if not (sd[1] or sd[3]) and sd[2] == md[0] and sd[4] == md[1]:
-                    is_deriv[sd[0]] = True
-                    cindexes[sd[0]] = rows
+                m = subs[info.deriv][0]
+                is_deriv[m] = True
+                cindexes[m] = rows
         computation.matrix_debug_info = [MatrixDebugInfo(d, [] if c is None else c)
                                          for d, c in zip(is_deriv, cindexes)]
 

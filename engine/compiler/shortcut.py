@@ -98,19 +98,16 @@ def find_n_stride(rows: np.ndarray) -> int:
         if not ok:
             return 0
         stride = ok[0]
-    if stride >= size:
-        return 0
-    # same[i] says row i + stride is row i with n one larger
-    same = rows_equal(rest[stride:], rest[:-stride]) & (n[stride:] == n[:-stride] + 1)
-    need_next = n < big_n - 1
-    if need_next[size - stride:].any() or not same[need_next[:size - stride]].all():
-        return 0
-    need_prev = n > 0
-    if need_prev[:stride].any() or not same[need_prev[stride:]].all():
-        return 0
+    # Every row's twins one stride either side (as its n asks), never straddling a
+    # block of stride * N rows, is the same as: the rows are whole blocks, each N
+    # groups of ``stride`` rows where group j holds n = j and the rest of group 0.
     block = stride * big_n
-    first = np.flatnonzero(n == 0)
-    if (first // block != (first + stride * (big_n - 1)) // block).any():
+    if stride >= size or size % block:
+        return 0
+    r = rows.reshape(size // block, big_n, stride, rows.shape[1])
+    if not (r[:, :, :, 0] == np.arange(big_n)[:, None]).all():
+        return 0
+    if not (r[:, 1:, :, 1:] == r[:, :1, :, 1:]).all():
         return 0
     return stride
 
