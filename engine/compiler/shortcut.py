@@ -142,19 +142,26 @@ def _cindex_rows(cindexes) -> np.ndarray:
     return out
 
 
-def request_is_decomposable(request: ComputationRequest
+def request_is_decomposable(request: ComputationRequest,
+                            io_rows: list[np.ndarray] | None = None
                             ) -> tuple[ComputationRequest, int] | None:
     """Kaldi's RequestIsDecomposable: (two-sequence mini request, N) when every
-    input and output has the regular n structure with the same N > 2, else None."""
+    input and output has the regular n structure with the same N > 2, else None.
+    ``io_rows``: the Indexes of the inputs, then the outputs, as (N, 3) int64
+    arrays, when the caller has them (ComputationRequest.validate returns them)."""
     if not request.inputs or not request.outputs:
         return None
     big_n = None
     minis: list[list[IoSpecification]] = [[], []]
+    at = 0
     for k, specs in enumerate((request.inputs, request.outputs)):
         for spec in specs:
             if not spec.indexes:
                 return None
-            rows = _index_rows(spec.indexes)
+            if io_rows is None:
+                rows = _index_rows(spec.indexes)
+            else:
+                rows, at = io_rows[at], at + 1
             this_n = int(rows[-1, 0]) + 1
             # with N <= 2 there would be nothing to gain
             if this_n <= 2 or (big_n is not None and this_n != big_n):
@@ -550,7 +557,8 @@ def _compile_normal(nnet, request, optimize_options, optimize: bool) -> NnetComp
 def compile_via_shortcut(nnet, request: ComputationRequest, optimize_options=None, *,
                          optimize: bool = True, need_debug_info: bool = True,
                          mini_compiler: Callable[[ComputationRequest], NnetComputation]
-                         | None = None) -> NnetComputation | None:
+                         | None = None, io_rows: list[np.ndarray] | None = None
+                         ) -> NnetComputation | None:
     """The computation for ``request`` built from its two-sequence version, or None
     when the request is not decomposable (or the mini computation turns out not
     to have the regular structure; see the module docstring).
@@ -558,11 +566,12 @@ def compile_via_shortcut(nnet, request: ComputationRequest, optimize_options=Non
     ``mini_compiler(mini_request)`` may be given so that the mini request goes
     through a caller's cache, as Kaldi sends it through CompileInternal; by
     default it is compiled and (unless ``optimize`` is False) optimized here.
+    ``io_rows``: as for request_is_decomposable.
     """
     options = _default_options(optimize_options) if optimize else optimize_options
     if options is not None and getattr(options, "optimize_looped_computation", False):
         return None   # a looped computation is not a function of N copies
-    found = request_is_decomposable(request)
+    found = request_is_decomposable(request, io_rows)
     if found is None:
         return None
     mini, num_n = found
@@ -587,10 +596,10 @@ def compile_request(nnet, request: ComputationRequest, optimize_options=None,
     expansion and the request checks allocate as the compiler does, and
     collections during them cost 5-10% of a batch-8 compile."""
     with gc_paused():
-        request.validate(nnet)
+        io_rows = request.validate(nnet)
         if use_shortcut:
             computation = compile_via_shortcut(nnet, request, optimize_options,
-                                               optimize=optimize)
+                                               optimize=optimize, io_rows=io_rows)
             if computation is not None:
                 return computation
         return _compile_normal(nnet, request, optimize_options, optimize)

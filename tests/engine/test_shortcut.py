@@ -28,7 +28,7 @@ from engine.compiler.shortcut import (ShortcutNotApplicable, compile_request,
                                       expand_computation, find_n_stride,
                                       request_is_decomposable)
 from engine.core.errors import NotComputableError
-from engine.core.index import Index
+from engine.core.index import Index, index_rows
 from engine.nnet.model_io import load_nnet
 from engine.nnet.random_config import (GENERATOR_NAMES, GenerationOptions,
                                        generate_config_sequence, random_request)
@@ -177,6 +177,10 @@ def test_request_is_decomposable():
     irregular = ComputationRequest([IoSpecification("input", ragged)],
                                    [_spec("output", "n-major", 3, range(0, 5))])
     assert request_is_decomposable(irregular) is None
+    # the rows as validation returns them (compile_request passes them on) give the same
+    for r in (req, two, mixed, irregular):
+        rows = [index_rows(s.indexes) for s in r.inputs + r.outputs]
+        assert request_is_decomposable(r, rows) == request_is_decomposable(r)
 
 
 # -- equivalence with normal compilation ------------------------------------------------------
