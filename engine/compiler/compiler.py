@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -1038,6 +1038,8 @@ class Compiler:
         precomputes = self._precomputes()
         steps = self.steps
         need_derivatives: dict[int, bool] = {}
+        # entries that keep their input and output Indexes (made in one go below)
+        kept = []
         for step, info in enumerate(steps):
             pre = precomputes[info.node_index]
             if pre is None:
@@ -1064,11 +1066,16 @@ class Compiler:
             if (len(ins) and self.coords[ins[-1], 1] == 1 and len(outs)
                     and self.coords[outs[-1], 1] == 1):
                 # kept for shortcut compilation (ExpandComputation), as Kaldi does
-                entry.input_indexes = self._indexes_of(ins)
-                entry.output_indexes = self._indexes_of(outs)
+                kept.append((entry, ins, outs, in_rows, out_rows))
+            computation.component_precomputed_indexes.append(entry)
+        if kept:
+            objs = iter(self._indexes_of(np.concatenate([ids for _, ins, outs, _, _ in kept
+                                                         for ids in (ins, outs)])))
+            for entry, ins, outs, in_rows, out_rows in kept:
+                entry.input_indexes = list(islice(objs, len(ins)))
+                entry.output_indexes = list(islice(objs, len(outs)))
                 if in_rows is not None:
                     entry.remember_index_rows(in_rows, out_rows)
-            computation.component_precomputed_indexes.append(entry)
 
     def _deallocate_matrices(self, whole, computation) -> None:
         keep = set()
