@@ -321,12 +321,16 @@ class Compiler:
         """For each dim-range step, the step holding the source of its first cindex
         that has one (Kaldi's CreateStepInfo), -1 where none has."""
         graph = self.graph
-        steps = [s for s, (node, ids) in enumerate(zip(self.step_nodes, self.step_ids))
-                 if self.kind_dim_range[node] and len(ids)]
+        if True not in self.kind_dim_range:
+            return {}
+        step_len = self._step_len[:-1]
+        chosen = (np.array(self.kind_dim_range)[np.array(self.step_nodes, dtype=np.int64)]
+                  & (step_len > 0))
+        steps = np.flatnonzero(chosen).tolist()
         if not steps:
             return {}
-        ids = np.concatenate([self.step_ids[s] for s in steps])
-        lens = np.array([len(self.step_ids[s]) for s in steps], dtype=np.int64)
+        ids = self._all_ids[np.repeat(chosen, step_len)]
+        lens = step_len[chosen]
         starts = np.zeros(len(steps), dtype=np.int64)
         np.cumsum(lens[:-1], out=starts[1:])
         ptr, idx = graph.dep_ptr, graph.dep_idx
@@ -373,10 +377,12 @@ class Compiler:
 
         facts_of, facts = self._node_facts, self._facts
         kind_descriptor = self.kind_descriptor
-        # the steps of each descriptor node (see _prepare_descriptors), and the steps
-        # that make matrices (for the debug info)
+        # the steps of each descriptor node (see _prepare_descriptors), the steps
+        # that make matrices (for the debug info) and the steps of output nodes
         node_steps: dict[int, list[int]] = {}
         self._matrix_steps = made = []
+        self._output_steps = outputs = []
+        kind_output = self.kind_output
         for step, ids, node, seg, need in zip(range(num_steps), step_ids, step_nodes, segs,
                                               deriv_needed):
             num_rows = len(ids)
@@ -420,6 +426,8 @@ class Compiler:
                 step_list.append(step)
             else:
                 node_steps[node] = [step]
+            if kind_output[node]:
+                outputs.append(step)
             if parts is None:
                 vp, dp = [value], [deriv] if need else []
             else:
@@ -1007,10 +1015,9 @@ class Compiler:
         steps = self.steps
         # the matrices of steps whose first cindex is a supplied input
         supplied = {subs[steps[s].value][0] for s in self._input_steps}
-        kind_output = self.kind_output
-        for info in steps:
-            if info.deriv != 0 and kind_output[info.node_index] and len(info.ids):
-                supplied.add(subs[info.deriv].matrix_index)
+        for s in self._output_steps:
+            if steps[s].deriv != 0:
+                supplied.add(subs[steps[s].deriv].matrix_index)
         alloc, zero = _ALLOC_MATRIX, CT.SET_CONST
         cmds = computation.commands
         for m in range(1, len(computation.matrices)):
@@ -1078,14 +1085,15 @@ class Compiler:
                     entry.remember_index_rows(in_rows, out_rows)
 
     def _deallocate_matrices(self, whole, computation) -> None:
-        keep = set()
         subs = computation.submatrices
-        kind_output, kind_input = self.kind_output, self.kind_input
-        for info in self.steps:
+        steps = self.steps
+        keep = {subs[steps[s].value].matrix_index for s in self._output_steps}
+        kind_input = self.kind_input
+        # (the steps of input nodes are among those whose first cindex is an input)
+        for s in self._input_steps:
+            info = steps[s]
             node = info.node_index
-            if kind_output[node]:
-                keep.add(subs[info.value].matrix_index)
-            elif kind_input[node]:
+            if kind_input[node]:
                 req = self.requests[info.segment]
                 i = req.index_of_input(self._node_name(node))
                 if i == -1:
