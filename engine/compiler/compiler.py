@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import islice, repeat
+from operator import attrgetter
 
 import numpy as np
 
@@ -90,15 +92,18 @@ class _StepInfo:
     __slots__ = ("node_index", "value", "deriv", "segment", "precomputed_indexes_index",
                  "ids", "value_parts", "deriv_parts", "inputs")
 
-    def __init__(self, node_index: int, ids: np.ndarray, segment: int) -> None:
+    def __init__(self, node_index: int, ids: np.ndarray, segment: int, value: int, deriv: int,
+                 value_parts, deriv_parts) -> None:
         self.node_index = node_index
         self.ids = ids
         self.segment = segment
-        self.value = 0
-        self.deriv = 0
+        # submatrices of the values and derivatives (0: none), and of the column
+        # ranges of the descriptor parts (empty for other nodes)
+        self.value = value
+        self.deriv = deriv
+        self.value_parts: list[int] | tuple = value_parts
+        self.deriv_parts: list[int] | tuple = deriv_parts
         self.precomputed_indexes_index = 0
-        self.value_parts: list[int] = []
-        self.deriv_parts: list[int] = []
         # per descriptor part: (rows, width) input cindex ids in Kaldi's order, -1
         # padded (filled in part by part when first needed, for all steps of the
         # node at once; None for a part not asked for yet)
@@ -118,7 +123,7 @@ def _sort_rows(D: np.ndarray, coords: np.ndarray) -> np.ndarray:
     if k < 2:
         return D
     valid = D >= 0
-    c = coords[np.maximum(D, 0)]
+    c = np.take(coords, np.maximum(D, 0), axis=0)
     row = np.repeat(np.arange(m), k).reshape(m, k)
     big = np.where(valid, 0, 1)
     order = np.lexsort((c[..., 1].ravel(), c[..., 3].ravel(), c[..., 2].ravel(),
@@ -182,33 +187,45 @@ class Compiler:
         self.loc_step = computer.loc_step[:n]
         self.loc_row = computer.loc_row[:n]
         self.step_to_segment = list(computer.step_to_segment)
-        self.step_ids = computer.step_ids
+        self.step_ids = step_ids = computer.step_ids
         self.step_nodes = computer.step_nodes
+        # the steps' ids end to end: step s is _all_ids[_step_start[s]:][:_step_len[s]]
+        # (both with one more entry, 0, for "no step")
+        lens = [len(a) for a in step_ids] + [0]
+        self._step_len = np.array(lens, dtype=np.int64)
+        self._step_start = np.zeros(len(lens), dtype=np.int64)
+        np.cumsum(self._step_len[:-1], out=self._step_start[1:])
+        self._all_ids = (np.concatenate(step_ids) if step_ids
+                         else np.zeros(0, dtype=np.int64))
+        # the steps whose first cindex is an input
+        has = self._step_len[:-1] > 0
+        first = self._all_ids[self._step_start[:-1][has]]
+        self._input_steps = np.flatnonzero(has)[graph.is_input_array[first]].tolist()
         table = graph.node_table
-        kind = table.kind
-        self.kind_input = [k == INPUT for k in kind]
+        # Facts that depend only on the network (node kinds, dims and strides,
+        # compiled descriptor parts, scales, batch plans) live with the network's
+        # NodeTable, which is remade when the network is edited
+        # (graph_nodes.node_table_for).
+        self._shared = shared = table.extra
+        kinds = shared.get("compiler_kinds")
+        if kinds is None:
+            kinds = shared["compiler_kinds"] = tuple(
+                [k == want for k in table.kind] for want in (INPUT, COMPONENT, DIM_RANGE,
+                                                             DESCRIPTOR))
+        self.kind_input, self.kind_component, self.kind_dim_range, self.kind_descriptor = kinds
         self.kind_output = table.is_output
-        self.kind_component = [k == COMPONENT for k in kind]
-        self.kind_dim_range = [k == DIM_RANGE for k in kind]
-        self.kind_descriptor = [k == DESCRIPTOR for k in kind]
         self.kind_component_input = table.is_component_input
         self.component_index = table.component_index
         self.props = table.props
-        self._index_objs = None
-        # Facts that depend only on the network (node dims and strides, compiled
-        # descriptor parts, scales, batch plans) live with the network's NodeTable,
-        # which is remade when the network is edited (graph_nodes.node_table_for).
-        shared = table.extra
         self._facts = shared.setdefault("compiler_facts", {})
         self._part_cache = shared.setdefault("compiler_parts", {})
         self._node_margin = shared.setdefault("compiler_margins", {})
 
     def _indexes_of(self, ids: np.ndarray) -> list:
         """Index objects of cindex ids (equal Indexes share one object)."""
-        if self._index_objs is None:
-            self._index_objs = np.fromiter(make_indexes(self.coords[:, 1:]), dtype=object,
-                                           count=len(self.coords))
-        return self._index_objs[ids].tolist()
+        # (np.take gathers rows of the coordinate array several times faster than
+        # fancy indexing does; so throughout)
+        return make_indexes(np.take(self.coords, ids, axis=0)[:, 1:])
 
     def _node_name(self, node: int) -> str:
         return self.nnet.nodes[node].name
@@ -223,12 +240,11 @@ class Compiler:
         is_input = graph.is_input_array
         if not wants:
             # no derivative anywhere: only check that every input used is supplied
-            for step, ids in enumerate(self.step_ids):
-                if len(ids) and is_input[ids[0]]:
-                    name = self._node_name(self.step_nodes[step])
-                    if requests[self.step_to_segment[step]].index_of_input(name) == -1:
-                        raise CompilerError(f"input node {name!r} is used but not in the "
-                                            f"request")
+            for step in self._input_steps:
+                name = self._node_name(self.step_nodes[step])
+                if requests[self.step_to_segment[step]].index_of_input(name) == -1:
+                    raise CompilerError(f"input node {name!r} is used but not in the "
+                                        f"request")
             return need
         dep_steps = self._step_dependencies()
         for step in range(num_steps):
@@ -266,11 +282,9 @@ class Compiler:
         """For each step, the steps holding the dependencies of its cindexes."""
         from engine.compiler.steps import _csr_rows  # noqa: PLC0415
         graph = self.graph
-        lens = [len(a) for a in self.step_ids]
-        num_steps = len(lens)
-        flat = np.concatenate(self.step_ids) if num_steps else np.zeros(0, np.int64)
-        owner_step = np.repeat(np.arange(num_steps), lens)
-        owner, dep = _csr_rows(graph.dep_ptr, graph.dep_idx, flat)
+        num_steps = len(self.step_ids)
+        owner_step = np.repeat(np.arange(num_steps), self._step_len[:-1])
+        owner, dep = _csr_rows(graph.dep_ptr, graph.dep_idx, self._all_ids)
         pairs = np.unique(owner_step[owner] * (num_steps + 1) + self.loc_step[dep])
         src, dst = np.divmod(pairs, num_steps + 1)
         bounds = np.searchsorted(src, np.arange(num_steps + 1)).tolist()
@@ -307,12 +321,16 @@ class Compiler:
         """For each dim-range step, the step holding the source of its first cindex
         that has one (Kaldi's CreateStepInfo), -1 where none has."""
         graph = self.graph
-        steps = [s for s, (node, ids) in enumerate(zip(self.step_nodes, self.step_ids))
-                 if self.kind_dim_range[node] and len(ids)]
+        if True not in self.kind_dim_range:
+            return {}
+        step_len = self._step_len[:-1]
+        chosen = (np.array(self.kind_dim_range)[np.array(self.step_nodes, dtype=np.int64)]
+                  & (step_len > 0))
+        steps = np.flatnonzero(chosen).tolist()
         if not steps:
             return {}
-        ids = np.concatenate([self.step_ids[s] for s in steps])
-        lens = np.array([len(self.step_ids[s]) for s in steps], dtype=np.int64)
+        ids = self._all_ids[np.repeat(chosen, step_len)]
+        lens = step_len[chosen]
         starts = np.zeros(len(steps), dtype=np.int64)
         np.cumsum(lens[:-1], out=starts[1:])
         ptr, idx = graph.dep_ptr, graph.dep_idx
@@ -338,6 +356,12 @@ class Compiler:
             mats.append(MatrixInfo(0, 0, K_DEFAULT_STRIDE))
             subs.append(SubMatrixInfo(0, 0, 0, 0, 0))
         mat_append, sub_append = mats.append, subs.append
+        # for each matrix, the last submatrix covering all of it (Kaldi's
+        # GetWholeSubmatrices, as NnetComputation.whole_submatrices finds it): the
+        # one made with the matrix, unless a dim-range node covering all its
+        # columns makes another later
+        self._whole = whole = [0] * len(mats)
+        whole_append = whole.append
 
         def column_range(base: int, off: int, width: int) -> int:
             """new_submatrix(base, 0, -1, off, width), appended directly when in range
@@ -346,35 +370,44 @@ class Compiler:
             if base <= 0 or not (0 <= off and off + width <= b[4] and width > 0 and b[2] > 0):
                 return new_submatrix(base, 0, -1, off, width)
             sub_append(_tuple_new(SubMatrixInfo, (b[0], b[1], b[2], b[3] + off, width)))
+            mi = mats[b[0]]
+            if b[1] == 0 and b[3] + off == 0 and b[2] == mi[0] and width == mi[1]:
+                whole[b[0]] = len(subs) - 1
             return len(subs) - 1
 
         facts_of, facts = self._node_facts, self._facts
         kind_descriptor = self.kind_descriptor
-        for step in range(num_steps):
-            ids = step_ids[step]
-            node = step_nodes[step]
-            info = _StepInfo(node, ids, segs[step])
-            steps.append(info)
+        # the steps of each descriptor node (see _prepare_descriptors), the steps
+        # that make matrices (for the debug info) and the steps of output nodes
+        node_steps: dict[int, list[int]] = {}
+        self._matrix_steps = made = []
+        self._output_steps = outputs = []
+        kind_output = self.kind_output
+        for step, ids, node, seg, need in zip(range(num_steps), step_ids, step_nodes, segs,
+                                              deriv_needed):
             num_rows = len(ids)
             if not num_rows:
                 # the (empty) input step of a component that needs no input
                 if step + 1 >= num_steps or not len(step_ids[step + 1]):
                     raise CompilerError(f"empty step {step} not followed by a component step")
-                info.node_index = step_nodes[step + 1] - 1
+                steps.append(_StepInfo(step_nodes[step + 1] - 1, ids, seg, 0, 0, (), ()))
                 continue
             dim, stride, dim_range, parts = facts.get(node) or facts_of(node)
-            need = deriv_needed[step]
+            deriv = 0
             if dim_range is None:
                 if dim <= 0:
                     raise ValueError(f"new_matrix: bad dimensions {num_rows} x {dim}")
                 m = len(mats)
+                made.append(step)
                 mat_append(_tuple_new(MatrixInfo, (num_rows, dim, stride)))
+                value = len(subs)
                 sub_append(_tuple_new(SubMatrixInfo, (m, 0, num_rows, 0, dim)))
-                info.value = value = m_sub = len(subs) - 1
+                whole_append(value)
                 if need:
                     mat_append(_tuple_new(MatrixInfo, (num_rows, dim, stride)))
+                    deriv = value + 1
                     sub_append(_tuple_new(SubMatrixInfo, (m + 1, 0, num_rows, 0, dim)))
-                    info.deriv = len(subs) - 1
+                    whole_append(deriv)
             else:
                 in_step = sources[step]
                 if in_step == -1:
@@ -383,51 +416,51 @@ class Compiler:
                     raise CompilerError(f"dim-range node {dim_range.name!r}: its rows do not "
                                         f"match the rows of its source step")
                 off, width = dim_range.dim_offset, dim_range.dim
-                info.value = value = m_sub = column_range(steps[in_step].value, off, width)
+                value = column_range(steps[in_step].value, off, width)
                 if need:
-                    info.deriv = column_range(steps[in_step].deriv, off, width)
-            if kind_descriptor[node]:
-                if parts is None:
-                    info.value_parts = [value]
-                    if need:
-                        info.deriv_parts = [info.deriv]
-                else:
-                    # column ranges of the parts: submatrices of the whole value (and
-                    # derivative) matrix appended directly, as new_submatrix would
-                    off = 0
-                    vp, dp = info.value_parts, info.deriv_parts
-                    deriv = info.deriv
-                    if dim_range is None and off + sum(parts) <= dim and min(parts) > 0:
-                        for d in parts:
-                            sub_append(_tuple_new(SubMatrixInfo, (m, 0, num_rows, off, d)))
-                            vp.append(len(subs) - 1)
-                            if need:
-                                sub_append(_tuple_new(SubMatrixInfo,
-                                                      (m + 1, 0, num_rows, off, d)))
-                                dp.append(len(subs) - 1)
-                            off += d
-                        continue
+                    deriv = column_range(steps[in_step].deriv, off, width)
+            if not kind_descriptor[node]:
+                steps.append(_StepInfo(node, ids, seg, value, deriv, (), ()))
+                continue
+            if step_list := node_steps.get(node):
+                step_list.append(step)
+            else:
+                node_steps[node] = [step]
+            if kind_output[node]:
+                outputs.append(step)
+            if parts is None:
+                vp, dp = [value], [deriv] if need else []
+            else:
+                # column ranges of the parts: submatrices of the whole value (and
+                # derivative) matrix appended directly, as new_submatrix would
+                off = 0
+                vp, dp = [], []
+                if dim_range is None and sum(parts) <= dim and min(parts) > 0:
                     for d in parts:
-                        vp.append(new_submatrix(m_sub, 0, -1, off, d))
+                        sub_append(_tuple_new(SubMatrixInfo, (m, 0, num_rows, off, d)))
+                        vp.append(len(subs) - 1)
+                        if need:
+                            sub_append(_tuple_new(SubMatrixInfo, (m + 1, 0, num_rows, off, d)))
+                            dp.append(len(subs) - 1)
+                        off += d
+                else:
+                    for d in parts:
+                        vp.append(new_submatrix(value, 0, -1, off, d))
                         if need:
                             dp.append(new_submatrix(deriv, 0, -1, off, d))
                         off += d
-        self._prepare_descriptors()
+            steps.append(_StepInfo(node, ids, seg, value, deriv, vp, dp))
+        self._prepare_descriptors(node_steps)
 
     # -- input locations ---------------------------------------------------------------------------
-    def _prepare_descriptors(self) -> None:
-        """Per descriptor node: its steps, its parts compiled, and one lookup table with
-        room for every constant shift of the descriptors."""
-        by_node: dict[int, list[int]] = {}
-        for step, info in enumerate(self.steps):
-            if len(info.ids) and self.kind_descriptor[info.node_index]:
-                by_node.setdefault(info.node_index, []).append(step)
-        self._node_steps = by_node
+    def _prepare_descriptors(self, node_steps: dict[int, list[int]]) -> None:
+        """Keep the steps of each descriptor node (``node_steps``, non-empty steps in
+        order); compile the nodes' parts, and make one lookup table with room for
+        every constant shift of the descriptors."""
+        self._node_steps = node_steps
         margins = self._node_margin
-        margin = [0, 0, 0]
-        for node in by_node:
-            m = margins.get(node)
-            if m is None:
+        for node in node_steps:
+            if node not in margins:
                 # compiled once per (node, part) and network (see _setup)
                 desc = self.nnet.nodes[node].descriptor
                 m = [0, 0, 0]
@@ -437,8 +470,8 @@ class Compiler:
                     for _, dn, dt, dx in shifts or ():
                         m = [max(m[0], abs(dn)), max(m[1], abs(dt)), max(m[2], abs(dx))]
                 margins[node] = m
-            margin = [max(margin[0], m[0]), max(margin[1], m[1]), max(margin[2], m[2])]
-        self._table = self.graph.table(self.nnet.num_nodes(), tuple(margin))
+        margin = tuple(map(max, zip((0, 0, 0), *map(margins.__getitem__, node_steps))))
+        self._table = self.graph.table(self.nnet.num_nodes(), margin)
 
     def _inputs(self, step: int, part: int) -> np.ndarray:
         """Kaldi's ComputeInputLocationsList for one descriptor part of a step: the
@@ -477,7 +510,7 @@ class Compiler:
         fast = self._part_cache[(node, part)]
         graph, coords = self.graph, self.coords
         table = self._table
-        c = coords[ids]
+        c = np.take(coords, ids, axis=0)
         blank = c[:, 2] == K_NO_TIME
         m = len(ids)
         if fast is None:
@@ -645,55 +678,54 @@ class Compiler:
         self._part_cache[key] = out
         return out
 
-    def _batch_forward(self, computation) -> dict:
-        """The forward commands of the descriptor parts _batch_plan can do, for all
-        steps at once: {(step, part): [(alpha, command type, source submatrix, rows
-        or pairs) or None]}.  A part whose required input is missing, or whose
-        summed inputs do not each come from one step, is left to the general path
-        (which reports the former)."""
-        table = self._table
-        if table.mode == "dict":
-            return {}
-        # columns, as parallel lists: step, part, alpha, key delta, optional, group
-        # (a piece summing several inputs is a group of columns, one per input
-        # position); step-major within each node part
-        col_step: list = []
-        col_part: list = []
-        col_alpha: list = []
-        col_delta: list = []
-        col_opt: list = []
-        col_group: list = []
-        groups = 0
-        for node, nsteps in self._node_steps.items():
+    def _node_batch_plans(self, node: int) -> list:
+        """The parts of descriptor node ``node`` that _batch_plan can do, as [(part,
+        offset, pieces, shifts)]: the part's constant offset, its pieces as
+        [(alpha, optional, number of inputs)], and the (node - ``node``, n, t, x)
+        shift of every input of the pieces in order, flattened."""
+        key = ("plans", node)
+        out = self._part_cache.get(key)
+        if out is None:
+            out = []
             for p in range(self.nnet.nodes[node].descriptor.num_parts()):
                 plan = self._batch_plan(node, p)
                 if plan is None:
                     continue
-                # one column per input of each piece; a piece of several inputs is
-                # one group per step
-                items = [(alpha, sh, optional, j) for j, (alpha, shs, optional)
-                         in enumerate(plan) for sh in shs]
-                multi = [len(plan[it[3]][1]) > 1 for it in items]
-                deltas = [(w - node) * table.stride_node + dn * table.stride_n
-                          + dt * table.stride_t + dx for _, (w, dn, dt, dx), _, _ in items]
-                k, ns = len(items), len(nsteps)
+                pieces = [(float(alpha), optional, len(shs)) for alpha, shs, optional in plan]
+                shifts = [v for _, shs, _ in plan for w, dn, dt, dx in shs
+                          for v in (w - node, dn, dt, dx)]
+                out.append((p, float(self._scales(node, p)[2]), pieces, shifts))
+            self._part_cache[key] = out
+        return out
+
+    def _batch_forward(self) -> dict:
+        """The forward commands of the descriptor parts _batch_plan can do, for all
+        steps at once: {(step, part): (offset, [(alpha, command type, source
+        submatrix, rows or pairs) or None])}.  A part whose required input is
+        missing, or whose summed inputs do not each come from one step, is left
+        to the general path (which reports the former)."""
+        table = self._table
+        if table.mode == "dict":
+            return {}
+        # one column per input of each piece and step, step-major within each node
+        # part: its step and shift
+        col_step: list = []
+        col_shift: list = []
+        work = []
+        for node, nsteps in self._node_steps.items():
+            plans = self._node_batch_plans(node)
+            if not plans:
+                continue
+            work.append((nsteps, plans))
+            ns = len(nsteps)
+            for _, _, pieces, shifts in plans:
+                k = len(shifts) >> 2
                 col_step += nsteps if k == 1 else [st for st in nsteps for _ in range(k)]
-                col_part += [p] * (ns * k)
-                col_alpha += [it[0] for it in items] * ns
-                col_delta += deltas * ns
-                col_opt += [it[2] for it in items] * ns
-                if any(multi):
-                    num_pieces = len(plan)
-                    for i in range(ns):
-                        col_group += [groups + i * num_pieces + it[3] if m else -1
-                                      for it, m in zip(items, multi)]
-                    groups += ns * num_pieces
-                else:
-                    col_group += [-1] * (ns * k)
+                col_shift += shifts * ns
         if not col_step:
             return {}
         steps = self.steps
-        step_len = np.array([len(s.ids) for s in steps] + [0], dtype=np.int64)
+        step_len = self._step_len
         cs = np.array(col_step, dtype=np.int64)
         lens = step_len[cs]
         num_cols = len(col_step)
@@ -701,17 +733,18 @@ class Compiler:
         np.cumsum(lens[:-1], out=starts[1:])
         total = int(starts[-1] + lens[-1])
         # the rows of each column's step, gathered from all steps' ids
-        step_start = np.zeros(len(steps) + 1, dtype=np.int64)
-        np.cumsum(step_len[:-1], out=step_start[1:])
-        all_ids = np.concatenate([s.ids for s in steps])
-        rows = all_ids[np.repeat(step_start[cs] - starts, lens) + np.arange(total)]
+        rows = self._all_ids[np.repeat(self._step_start[cs] - starts, lens) + np.arange(total)]
         keys = table.key_of[rows]
         blank = keys < 0
-        keys = keys + np.repeat(np.array(col_delta, dtype=np.int64), lens)
-        if blank.any():
+        sh = np.array(col_shift, dtype=np.int64)
+        delta = (sh[0::4] * table.stride_node + sh[1::4] * table.stride_n
+                 + sh[2::4] * table.stride_t + sh[3::4])
+        keys = keys + np.repeat(delta, lens)
+        any_blank = blank.any()
+        if any_blank:
             keys[blank] = 0
         src = table._lookup(keys)
-        if blank.any():
+        if any_blank:
             src[blank] = -1
         present = src >= 0
         safe = np.maximum(src, 0)
@@ -719,8 +752,7 @@ class Compiler:
         if len(self.requests) > 1:
             # inputs computed by steps of later segments do not count (see _part_inputs)
             seg_of = np.array(self.step_to_segment, dtype=np.int64)
-            row_seg = np.repeat(np.array([steps[st].segment for st in col_step], np.int64),
-                                lens)
+            row_seg = np.repeat(seg_of[cs], lens)
             present &= ~((src_step >= 0) & (seg_of[np.maximum(src_step, 0)] > row_seg))
         src_row = self.loc_row[safe]
         local = np.arange(len(rows)) - np.repeat(starts, lens)
@@ -756,82 +788,55 @@ class Compiler:
             return (alpha, add_rows_multi, -1,
                     list(zip(subs_out[b[k]:b[k + 1]], rows_out[b[k]:b[k + 1]])))
 
-        out: dict = {}
-        failed = set()
-        k = 0
-        num = num_cols
-        while k < num:
-            st, p, alpha, group = col_step[k], col_part[k], col_alpha[k], col_group[k]
-            if group < 0:
-                if missing[k] and not col_opt[k]:
-                    failed.add((st, p))
-                else:
-                    key = (st, p)
-                    hit = out.get(key)
-                    if hit is None:
-                        out[key] = [column(k, alpha)]
-                    else:
-                        hit.append(column(k, alpha))
-                k += 1
-                continue
-            # a sum of several inputs: when each input position reads a whole single
-            # step (each source is then used by every row), Kaldi's SplitLocations
-            # gives one column per source, in unordered_map order, if the sources
-            # differ, and one column per position, in order, if they are all one
-            end = k
-            while end < num and col_group[end] == group:
-                end += 1
-            ks = range(k, end)
+        def summed(k: int, n: int, alpha):
+            # a sum of n inputs (columns k .. k + n - 1): when each input position
+            # reads a whole single step (each source is then used by every row),
+            # Kaldi's SplitLocations gives one column per source, in unordered_map
+            # order, if the sources differ, and one column per position, in order,
+            # if they are all one; None otherwise
+            ks = range(k, k + n)
+            if not all(full[j] and low[j] == high[j] for j in ks):
+                return None
             subs = [vsub[low[j]] if low[j] < big else -1 for j in ks]
-            if all(full[j] and low[j] == high[j] for j in ks):
-                num_distinct = len(set(subs))
-                if num_distinct == len(subs):
-                    at = dict(zip(subs, ks))
-                    cols = [column(at[sub], alpha) for sub in unordered_map_order(subs)]
-                elif num_distinct == 1:
-                    cols = [column(j, alpha) for j in ks]
-                else:
-                    cols = None
-            else:
-                cols = None
-            if cols is None:
-                failed.add((st, p))
-            else:
-                key = (st, p)
-                hit = out.get(key)
-                if hit is None:
-                    out[key] = cols
-                else:
-                    hit.extend(cols)
-            k = end
-        for key in failed:
-            out.pop(key, None)
+            num_distinct = len(set(subs))
+            if num_distinct == n:
+                at = dict(zip(subs, ks))
+                return [column(at[sub], alpha) for sub in unordered_map_order(subs)]
+            if num_distinct == 1:
+                return [column(j, alpha) for j in ks]
+            return None
+
+        out: dict = {}
+        k = 0
+        for nsteps, plans in work:
+            for p, offset, pieces, _ in plans:
+                for st in nsteps:
+                    cols: list | None = []
+                    for alpha, optional, n in pieces:
+                        if cols is None:
+                            pass
+                        elif n > 1:
+                            more = summed(k, n, alpha)
+                            if more is None:
+                                cols = None
+                            else:
+                                cols += more
+                        elif missing[k] and not optional:
+                            cols = None
+                        else:
+                            cols.append(column(k, alpha))
+                        k += n
+                    if cols is not None:
+                        out[(st, p)] = (offset, cols)
         return out
 
     def _compile_forward_sum_descriptor(self, step: int, part: int, computation) -> None:
+        """The forward commands of a descriptor part that _batch_forward did not do."""
         info = self.steps[step]
         value = info.value_parts[part]
         _, _, offset = self._scales(info.node_index, part)
         if offset != 0.0:
             computation.commands.append(Command(CT.SET_CONST, float(offset), value))
-        batched = self._forward_batch.get((step, part))
-        if batched is not None:
-            cmds = computation.commands
-            for cmd in batched:
-                if cmd is None:
-                    continue
-                alpha, ct, src, data = cmd
-                if ct == CT.MATRIX_ADD:
-                    cmds.append(Command(ct, float(alpha), value, src))
-                elif ct == CT.ADD_ROWS:
-                    computation.indexes.append(data)
-                    cmds.append(Command(ct, float(alpha), value, src,
-                                        len(computation.indexes) - 1))
-                else:
-                    computation.indexes_multi.append(data)
-                    cmds.append(Command(ct, float(alpha), value,
-                                        len(computation.indexes_multi) - 1))
-            return
         for alpha, S, R in self._pieces(step, part, self._value_subs):
             if S.shape[1] == 1:
                 self._forward_column(value, alpha, S[:, 0], R[:, 0], computation)
@@ -903,32 +908,13 @@ class Compiler:
     def _is_input_step(self, step: int) -> bool:
         return step < len(self.steps) and self.kind_input[self.steps[step].node_index]
 
-    def _compile_forward(self, step: int, computation) -> None:
+    def _compile_forward_input(self, step: int, computation) -> None:
+        """The forward commands of an input step (component and descriptor steps are
+        done in _add_commands; dim-range steps have none)."""
         info = self.steps[step]
-        node = info.node_index
-        if self.kind_input[node]:
-            computation.commands.append(Command(CT.ACCEPT_INPUT, 1.0, info.value, node))
-            if not self._is_input_step(step + 1):
-                computation.commands.append(Command(CT.NO_OPERATION_PERMANENT))
-        elif self.kind_dim_range[node]:
-            pass
-        elif self.kind_component[node]:
-            self._forward_component(step, computation)
-        else:
-            for part in range(len(info.value_parts)):
-                self._compile_forward_sum_descriptor(step, part, computation)
-            if self.kind_output[node]:
-                computation.commands.append(Command(CT.PROVIDE_OUTPUT, 1.0, info.value, node))
-
-    def _forward_component(self, step: int, computation) -> None:
-        info, in_info = self.steps[step], self.steps[step - 1]
-        node = info.node_index
-        props = self.props[node]
-        memo = step if info.deriv > 0 and props & _USES_MEMO else 0
-        stats = 1 if self.requests[0].store_component_stats and props & _STORES_STATS else 0
-        computation.commands.append(Command(CT.PROPAGATE, 1.0, self.component_index[node],
-                                            info.precomputed_indexes_index, in_info.value,
-                                            info.value, memo, stats))
+        computation.commands.append(Command(CT.ACCEPT_INPUT, 1.0, info.value, info.node_index))
+        if not self._is_input_step(step + 1):
+            computation.commands.append(Command(CT.NO_OPERATION_PERMANENT))
 
     def _compile_backward(self, step: int, computation) -> None:
         info = self.steps[step]
@@ -965,25 +951,23 @@ class Compiler:
     # -- commands ------------------------------------------------------------------------------
     def _add_commands(self, deriv_needed, computation) -> None:
         computation.need_model_derivative = self.requests[0].need_model_derivative
-        whole = computation.whole_submatrices()
+        whole = self._whole
         self._allocate_matrices(whole, computation)
         self._set_up_precomputed_indexes(computation)
         steps = self.steps
         self._value_subs = np.array([s.value for s in steps] + [0], dtype=np.int64)
         self._deriv_subs = np.array([s.deriv for s in steps] + [0], dtype=np.int64)
-        self._forward_batch = self._batch_forward(computation)
+        batch = self._batch_forward()
         seg = self.step_to_segment
         n = len(steps)
-        # the forward commands, with the common cases (component steps, batched
-        # descriptor parts) inline
+        # the forward commands: component steps and batched descriptor parts inline
         cmds = computation.commands
         cmd_append = cmds.append
         kind_component, kind_descriptor = self.kind_component, self.kind_descriptor
-        kind_output = self.kind_output
+        kind_output, kind_input = self.kind_output, self.kind_input
         comp_index, props = self.component_index, self.props
         stats = self.requests[0].store_component_stats
-        batch = self._forward_batch
-        scales = self._scales
+        indexes, indexes_multi = computation.indexes, computation.indexes_multi
         for step in range(n):
             info = steps[step]
             node = info.node_index
@@ -999,27 +983,25 @@ class Compiler:
                     if batched is None:
                         self._compile_forward_sum_descriptor(step, part, computation)
                         continue
-                    offset = scales(node, part)[2]
+                    offset, cols = batched
                     if offset != 0.0:
-                        cmd_append(Command(_SET_CONST, float(offset), value))
-                    for cmd in batched:
+                        cmd_append(Command(_SET_CONST, offset, value))
+                    for cmd in cols:
                         if cmd is None:
                             continue
                         alpha, ct, src, data = cmd
                         if ct == _MATRIX_ADD:
-                            cmd_append(Command(ct, float(alpha), value, src))
+                            cmd_append(Command(ct, alpha, value, src))
                         elif ct == _ADD_ROWS:
-                            computation.indexes.append(data)
-                            cmd_append(Command(ct, float(alpha), value, src,
-                                               len(computation.indexes) - 1))
+                            indexes.append(data)
+                            cmd_append(Command(ct, alpha, value, src, len(indexes) - 1))
                         else:
-                            computation.indexes_multi.append(data)
-                            cmd_append(Command(ct, float(alpha), value,
-                                               len(computation.indexes_multi) - 1))
+                            indexes_multi.append(data)
+                            cmd_append(Command(ct, alpha, value, len(indexes_multi) - 1))
                 if kind_output[node]:
                     cmd_append(Command(_PROVIDE_OUTPUT, 1.0, info.value, node))
-            else:
-                self._compile_forward(step, computation)
+            elif kind_input[node]:
+                self._compile_forward_input(step, computation)
             if step + 1 < n and seg[step + 1] != seg[step]:
                 cmd_append(Command(CT.NO_OPERATION_MARKER))
         cmd_append(Command(CT.NO_OPERATION_MARKER))
@@ -1029,47 +1011,60 @@ class Compiler:
         self._deallocate_matrices(whole, computation)
 
     def _allocate_matrices(self, whole, computation) -> None:
-        supplied = set()
         subs = computation.submatrices
         steps = self.steps
-        # steps whose first cindex is a supplied input: the (step, row 0) of inputs
-        inputs = np.flatnonzero(self.graph.is_input_array)
-        for s in np.unique(self.loc_step[inputs][self.loc_row[inputs] == 0]).tolist():
-            if s >= 0:
-                supplied.add(subs[steps[s].value].matrix_index)
-        kind_output = self.kind_output
-        for info in steps:
-            if info.deriv != 0 and kind_output[info.node_index] and len(info.ids):
-                supplied.add(subs[info.deriv].matrix_index)
+        # the matrices of steps whose first cindex is a supplied input
+        supplied = {subs[steps[s].value][0] for s in self._input_steps}
+        for s in self._output_steps:
+            if steps[s].deriv != 0:
+                supplied.add(subs[steps[s].deriv].matrix_index)
         alloc, zero = _ALLOC_MATRIX, CT.SET_CONST
         cmds = computation.commands
         for m in range(1, len(computation.matrices)):
             if m not in supplied:
                 w = whole[m]
-                cmds.append(Command(alloc, 1.0, w))
-                cmds.append(Command(zero, 0.0, w))
+                cmds += (Command(alloc, 1.0, w), Command(zero, 0.0, w))
+
+    def _precomputes(self) -> list:
+        """Per node: None, or for a component node whose component has precomputed
+        indexes, (component, its precompute_index_arrays or None)."""
+        out = self._shared.get("compiler_precomputes")
+        if out is None:
+            nnet = self.nnet
+            out = self._shared["compiler_precomputes"] = [None] * len(self.kind_component)
+            for node, is_component in enumerate(self.kind_component):
+                if not is_component:
+                    continue
+                comp = nnet.components[self.component_index[node]]
+                if type(comp).precompute_indexes is not Component.precompute_indexes:
+                    out[node] = (comp, getattr(comp, "precompute_index_arrays", None))
+        return out
 
     def _set_up_precomputed_indexes(self, computation) -> None:
-        nnet = self.nnet
         computation.component_precomputed_indexes = [PrecomputedIndexesInfo()]
-        for step, info in enumerate(self.steps):
-            node = info.node_index
-            if not self.kind_component[node]:
-                continue
-            comp = nnet.components[self.component_index[node]]
-            if type(comp).precompute_indexes is Component.precompute_indexes:
-                continue          # the default: no precomputed indexes
-            in_info = self.steps[step - 1]
+        precomputes = self._precomputes()
+        steps = self.steps
+        need_derivatives: dict[int, bool] = {}
+        # entries that keep their input and output Indexes (made in one go below)
+        kept = []
+        for step, info in enumerate(steps):
+            pre = precomputes[info.node_index]
+            if pre is None:
+                continue          # not a component, or the default: no precomputed indexes
+            comp, by_arrays = pre
+            in_info = steps[step - 1]
             req = self.requests[info.segment]
-            by_arrays = getattr(comp, "precompute_index_arrays", None)
+            need = need_derivatives.get(info.segment)
+            if need is None:
+                need = need_derivatives[info.segment] = req.need_derivatives()
             in_rows = out_rows = None
             if by_arrays is not None:
-                in_rows, out_rows = self.coords[in_info.ids, 1:], self.coords[info.ids, 1:]
-                data = by_arrays(req.misc_info, in_rows, out_rows, req.need_derivatives())
+                in_rows = np.take(self.coords, in_info.ids, axis=0)[:, 1:]
+                out_rows = np.take(self.coords, info.ids, axis=0)[:, 1:]
+                data = by_arrays(req.misc_info, in_rows, out_rows, need)
             else:
                 data = comp.precompute_indexes(req.misc_info, self._indexes_of(in_info.ids),
-                                               self._indexes_of(info.ids),
-                                               req.need_derivatives())
+                                               self._indexes_of(info.ids), need)
             if data is None:
                 continue
             info.precomputed_indexes_index = len(computation.component_precomputed_indexes)
@@ -1078,21 +1073,27 @@ class Compiler:
             if (len(ins) and self.coords[ins[-1], 1] == 1 and len(outs)
                     and self.coords[outs[-1], 1] == 1):
                 # kept for shortcut compilation (ExpandComputation), as Kaldi does
-                entry.input_indexes = self._indexes_of(ins)
-                entry.output_indexes = self._indexes_of(outs)
+                kept.append((entry, ins, outs, in_rows, out_rows))
+            computation.component_precomputed_indexes.append(entry)
+        if kept:
+            objs = iter(self._indexes_of(np.concatenate([ids for _, ins, outs, _, _ in kept
+                                                         for ids in (ins, outs)])))
+            for entry, ins, outs, in_rows, out_rows in kept:
+                entry.input_indexes = list(islice(objs, len(ins)))
+                entry.output_indexes = list(islice(objs, len(outs)))
                 if in_rows is not None:
                     entry.remember_index_rows(in_rows, out_rows)
-            computation.component_precomputed_indexes.append(entry)
 
     def _deallocate_matrices(self, whole, computation) -> None:
-        keep = set()
         subs = computation.submatrices
-        kind_output, kind_input = self.kind_output, self.kind_input
-        for info in self.steps:
+        steps = self.steps
+        keep = {subs[steps[s].value].matrix_index for s in self._output_steps}
+        kind_input = self.kind_input
+        # (the steps of input nodes are among those whose first cindex is an input)
+        for s in self._input_steps:
+            info = steps[s]
             node = info.node_index
-            if kind_output[node]:
-                keep.add(subs[info.value].matrix_index)
-            elif kind_input[node]:
+            if kind_input[node]:
                 req = self.requests[info.segment]
                 i = req.index_of_input(self._node_name(node))
                 if i == -1:
@@ -1104,44 +1105,45 @@ class Compiler:
                                  for m in range(1, len(computation.matrices)) if m not in keep]
 
     def _output_debug_info(self, computation) -> None:
-        subs, mats = computation.submatrices, computation.matrices
-        num = len(mats)
+        subs = computation.submatrices
+        num = len(computation.matrices)
         cindexes: list = [None] * num
         is_deriv = [False] * num
-        # the steps whose value is a whole matrix, first for each matrix (a dim-range
-        # node covering all columns makes an alias of its source's matrix)
-        chosen = []
-        for info in self.steps:
-            if info.value == 0:
-                continue
-            sm = subs[info.value]
-            vm = sm[0]
-            mi = mats[vm]
-            if sm[1] or sm[3] or sm[2] != mi[0] or sm[4] != mi[1] or cindexes[vm]:
-                continue
-            cindexes[vm] = True
-            chosen.append((info, vm))
-        # the (node, Index) pairs of their rows, made in one go (plain tuples: Cindex
-        # objects for 100k rows cost real time; Index objects shared)
-        if chosen:
-            lens = [len(info.ids) for info, _ in chosen]
-            objs = self._indexes_of(np.concatenate([info.ids for info, _ in chosen]))
-            nodes = np.repeat(np.array([info.node_index for info, _ in chosen], dtype=np.int64),
-                              lens).tolist()
-            pairs = list(zip(nodes, objs))
-        end = 0
-        for info, vm in chosen:
-            start = end
-            end += len(info.ids)
-            cindexes[vm] = rows = pairs[start:end]
+        # the (node, Index) pairs of the rows of each step that made a matrix (its
+        # value's, and its derivative's if it has one; the other steps' submatrices
+        # are parts of those: a dim-range node covering all columns aliases its
+        # source's matrix): plain tuples (Cindex objects for 100k rows cost real
+        # time), Index objects made in one go and shared; each matrix's pairs take
+        # the next len(ids) of them
+        steps = self.steps
+        made = [steps[s] for s in self._matrix_steps]
+        if made:
+            objs = iter(self._indexes_of(np.concatenate([info.ids for info in made])))
+        for info in made:
+            cindexes[subs[info.value][0]] = rows = list(
+                zip(repeat(info.node_index, len(info.ids)), objs))
             if info.deriv != 0:
-                sd = subs[info.deriv]
-                md = mats[sd[0]]
-                if not (sd[1] or sd[3]) and sd[2] == md[0] and sd[4] == md[1]:
-                    is_deriv[sd[0]] = True
-                    cindexes[sd[0]] = rows
+                m = subs[info.deriv][0]
+                is_deriv[m] = True
+                cindexes[m] = rows
         computation.matrix_debug_info = [MatrixDebugInfo(d, [] if c is None else c)
                                          for d, c in zip(is_deriv, cindexes)]
+
+
+_command_type = attrgetter("command_type")
+
+
+def _positions(items: list, value) -> list[int]:
+    """The positions of ``value`` in ``items``, in order (list.index: few hits in a
+    long list)."""
+    out = []
+    at = -1
+    try:
+        while True:
+            at = items.index(value, at + 1)
+            out.append(at)
+    except ValueError:
+        return out
 
 
 def consolidate_io_operations(computation: NnetComputation) -> None:
@@ -1149,9 +1151,9 @@ def consolidate_io_operations(computation: NnetComputation) -> None:
     kAcceptInput first and kProvideOutput last, keeping relative order."""
     cmds = computation.commands
     accept, provide, marker = CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT, CT.NO_OPERATION_MARKER
-    kinds = [c.command_type for c in cmds]
-    markers = [i for i, k in enumerate(kinds) if k == marker] + [len(cmds)]
-    io = [i for i, k in enumerate(kinds) if k == accept or k == provide]
+    kinds = list(map(_command_type, cmds))
+    markers = _positions(kinds, marker) + [len(cmds)]
+    io = sorted(_positions(kinds, accept) + _positions(kinds, provide))
     out: list[Command] = []
     segments = []
     start = 0

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from engine.core.errors import RequestError
-from engine.core.index import Index, index_rows
+from engine.core.index import Index, array_to_indexes, index_rows
 from engine.nnet.components.base import MiscComputationInfo
 
 _INT32_MIN = -(2 ** 31)
@@ -39,7 +39,7 @@ def _to_index_list(indexes: Any, where: str) -> list[Index]:
         if arr.ndim != 2 or arr.shape[1] != 3 or (arr.size and arr.dtype.kind not in "iu"):
             raise RequestError(f"{where}: indexes must be an (N, 3) integer array of [n, t, x] "
                                f"rows, got shape {arr.shape} dtype {arr.dtype}")
-        return list(map(Index._make, arr.tolist()))     # tolist() gives Python ints
+        return array_to_indexes(arr)
     out: list[Index] = []
     for k, row in enumerate(indexes):
         if isinstance(row, Index):
@@ -193,12 +193,15 @@ class ComputationRequest:
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
 
     # -- validation ---------------------------------------------------------------------
-    def validate(self, nnet) -> None:
-        """Check the request against ``nnet``; raise RequestError naming what is wrong."""
+    def validate(self, nnet) -> list[np.ndarray]:
+        """Check the request against ``nnet``; raise RequestError naming what is wrong.
+        Returns the Indexes of the inputs, then the outputs, as (N, 3) int64 arrays of
+        [n, t, x] rows (read for the checks; shortcut compilation reuses them)."""
         if not self.outputs:
             raise RequestError("request has no outputs")
         if not self.inputs:
             raise RequestError("request has no inputs")
+        rows = []
         for kind, specs in (("input", self.inputs), ("output", self.outputs)):
             seen_names: set[str] = set()
             for spec in specs:
@@ -215,11 +218,14 @@ class ComputationRequest:
                                        f"component node")
                 if kind == "output" and not nnet.is_output_node(node):
                     raise RequestError(f"output {spec.name!r} is not an output node")
-                _check_indexes(kind, spec.name, spec.indexes)
+                rows.append(_check_indexes(kind, spec.name, spec.indexes))
         self.need_derivatives()
+        return rows
 
 
-def _check_indexes(kind: str, name: str, indexes: list[Index]) -> None:
+def _check_indexes(kind: str, name: str, indexes: list[Index]) -> np.ndarray:
+    """The Indexes as an (N, 3) int64 array, once checked (non-empty, within 32 bits
+    and t not kNoTime, no repeats)."""
     if not indexes:
         raise RequestError(f"{kind} {name!r} has an empty list of indexes")
     # the common case on whole arrays and one set; a failure is located row by row
@@ -229,7 +235,7 @@ def _check_indexes(kind: str, name: str, indexes: list[Index]) -> None:
     except OverflowError:
         in_range = False
     if in_range and len(set(indexes)) == len(indexes):
-        return
+        return rows
     seen: dict[Index, int] = {}
     for k, idx in enumerate(indexes):
         for v in idx:
@@ -240,6 +246,7 @@ def _check_indexes(kind: str, name: str, indexes: list[Index]) -> None:
         if prev != k:
             raise RequestError(f"{kind} {name!r}: index (n={idx.n}, t={idx.t}, x={idx.x}) is "
                                f"listed twice (rows {prev} and {k})")
+    raise AssertionError("_check_indexes: a failed check went unreported")
 
 
 def io_spec(name: str, indexes: Iterable[Index] | np.ndarray, has_deriv: bool = False

@@ -12,6 +12,7 @@ NumPy representation: an ``(N, 3)`` int32 array of ``[n, t, x]`` rows, with
 
 from __future__ import annotations
 
+from functools import partial
 from itertools import chain
 from typing import Iterable, NamedTuple
 
@@ -109,8 +110,13 @@ def indexes_to_array(indexes: Iterable[Index]) -> np.ndarray:
     return index_rows(indexes, np.int32)
 
 
+_index_from_row = partial(tuple.__new__, Index)
+
+
 def array_to_indexes(arr: np.ndarray) -> list[Index]:
-    return [Index(int(r[0]), int(r[1]), int(r[2])) for r in np.asarray(arr).reshape(-1, 3)]
+    """One Index per [n, t, x] row of an integer array (made in C: no Python call
+    per row)."""
+    return list(map(_index_from_row, np.asarray(arr).reshape(-1, 3).tolist()))
 
 
 def sort_order(arr: np.ndarray) -> np.ndarray:

@@ -170,14 +170,14 @@ def test_batched_forward_commands_equal_general_path(monkeypatch):
     used = []
     real = Compiler._batch_forward
 
-    def spy(self, computation):
-        out = real(self, computation)
+    def spy(self):
+        out = real(self)
         used.append(len(out))
         return out
     monkeypatch.setattr(Compiler, "_batch_forward", spy)
     again = [computation_to_data(compile_computation(nnet, [r])) for r in reqs]
     assert again == batched and all(used), "the batched parts are in use"
-    monkeypatch.setattr(Compiler, "_batch_forward", lambda self, computation: {})
+    monkeypatch.setattr(Compiler, "_batch_forward", lambda self: {})
     general = [computation_to_data(compile_computation(nnet, [r])) for r in reqs]
     assert general == batched
 
@@ -236,3 +236,40 @@ def test_usable_counts_few_ids_path_equals_array_path(monkeypatch):
             assert got.cindexes == want.cindexes and got.dependencies == want.dependencies
         used += default == "used"
     assert used >= 4, "the array build ran on recurrent networks"
+
+
+_DIM_RANGES = """
+input-node name=input dim=6
+component name=a type=AffineComponent input-dim=6 output-dim=6
+component-node name=a component=a input=input
+dim-range-node name=all input-node=a dim-offset=0 dim=6
+dim-range-node name=tail input-node=a dim-offset=2 dim=4
+dim-range-node name=head input-node=a dim-offset=0 dim=3
+component name=b type=AffineComponent input-dim=13 output-dim=3
+component-node name=b component=b input=Append(all, tail, head)
+output-node name=output input=b
+"""
+
+
+def test_compiler_whole_submatrices_equal_computation_scan():
+    """The compiler notes each matrix's whole submatrix as it makes submatrices (a
+    dim-range node covering all columns makes a later one); the computation's
+    scan of all submatrices (Kaldi's GetWholeSubmatrices) gives the same."""
+    from engine.compiler.compiler import Compiler
+    from engine.compiler.request import ComputationRequest, IoSpecification
+    from engine.nnet.nnet import Nnet
+
+    nnet = Nnet.from_config(_DIM_RANGES, rng=np.random.default_rng(0))
+    for deriv in (False, True):
+        req = ComputationRequest(
+            [IoSpecification("input", [Index(n, t, 0) for t in range(3) for n in range(2)],
+                             deriv)],
+            [IoSpecification("output", [Index(n, t, 0) for t in range(3) for n in range(2)],
+                             deriv)], need_model_derivative=deriv)
+        compiler = Compiler(nnet, [req])
+        computation = compiler.create_computation()
+        assert compiler._whole == computation.whole_submatrices()
+        subs = computation.submatrices
+        # the full-width dim-range nodes did make later whole submatrices
+        assert any(w != min(s for s in range(1, len(subs)) if subs[s].matrix_index == m)
+                   for m, w in enumerate(compiler._whole) if m)

@@ -77,7 +77,9 @@ def test_lookups(nnet):
     assert req.index_of_input("ivector") == 1
     assert req.index_of_input("output") == -1
     assert req.index_of_output("output") == 0
-    req.validate(nnet)
+    rows = req.validate(nnet)
+    assert [r.tolist() for r in rows] == [[list(i) for i in s.indexes]
+                                          for s in req.inputs + req.outputs]
 
 
 @pytest.mark.parametrize("mutate, message", [

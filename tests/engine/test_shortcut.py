@@ -28,7 +28,7 @@ from engine.compiler.shortcut import (ShortcutNotApplicable, compile_request,
                                       expand_computation, find_n_stride,
                                       request_is_decomposable)
 from engine.core.errors import NotComputableError
-from engine.core.index import Index
+from engine.core.index import Index, index_rows
 from engine.nnet.model_io import load_nnet
 from engine.nnet.random_config import (GENERATOR_NAMES, GenerationOptions,
                                        generate_config_sequence, random_request)
@@ -90,6 +90,65 @@ def test_find_n_stride_rejects_irregular_indexes():
     assert find_n_stride(crossing) == 0
 
 
+def _n_stride_by_twins(rows: np.ndarray) -> int:
+    """find_n_stride with Kaldi's per-row checks (FindNStride, full_check): the
+    reference for find_n_stride's block-reshape check."""
+    size = rows.shape[0]
+    if size < 2:
+        return 0
+    n, rest = rows[:, 0], rows[:, 1:]
+    big_n = int(n[-1]) + 1
+    if big_n <= 1 or n[0] != 0 or size % big_n != 0 or n.min() < 0 or n.max() >= big_n:
+        return 0
+    twin = [i for i in range(size) if n[i] == 1 and (rest[i] == rest[0]).all()]
+    per_n = size // big_n
+    if 1 in twin:
+        stride = 1
+    elif per_n in twin:
+        stride = per_n
+    else:
+        ok = [i for i in twin if 2 <= i < per_n and size % i == 0]
+        if not ok:
+            return 0
+        stride = ok[0]
+    if stride >= size:
+        return 0
+    for i in range(size):
+        if n[i] < big_n - 1 and not (i + stride < size and n[i + stride] == n[i] + 1
+                                     and (rest[i + stride] == rest[i]).all()):
+            return 0
+        if n[i] > 0 and not (i - stride >= 0 and n[i - stride] == n[i] - 1
+                             and (rest[i - stride] == rest[i]).all()):
+            return 0
+        if n[i] == 0 and i // (stride * big_n) != (i + stride * (big_n - 1)) // (stride * big_n):
+            return 0
+    return stride
+
+
+def test_find_n_stride_equals_per_row_twin_checks():
+    rng = np.random.default_rng(5)
+    found = 0
+    for trial in range(3000):
+        layout = ["n-major", "interleaved", "x-inner"][trial % 3]
+        num_n = int(rng.integers(1, 5))
+        rows = _rows(layout, num_n, xs=(0, 1) if trial % 4 == 0 else (0,),
+                     ts=range(int(rng.integers(1, 5))))
+        for _ in range(int(rng.integers(0, 3))):
+            # disturb: swap two rows, change a value, or drop rows at the end
+            k = int(rng.integers(0, 3))
+            i, j = rng.integers(0, len(rows), 2)
+            if k == 0:
+                rows[[i, j]] = rows[[j, i]]
+            elif k == 1:
+                rows[i, int(rng.integers(0, 3))] += int(rng.integers(-1, 2))
+            elif len(rows) > 2:
+                rows = rows[:len(rows) - int(rng.integers(1, 3))]
+        want = _n_stride_by_twins(rows)
+        assert find_n_stride(rows) == want, rows.tolist()
+        found += want > 0
+    assert 500 < found < 2900
+
+
 def _spec(name, layout, num_n, ts, has_deriv=False):
     return IoSpecification(name, _rows(layout, num_n, ts=ts).astype(np.int32), has_deriv)
 
@@ -118,6 +177,10 @@ def test_request_is_decomposable():
     irregular = ComputationRequest([IoSpecification("input", ragged)],
                                    [_spec("output", "n-major", 3, range(0, 5))])
     assert request_is_decomposable(irregular) is None
+    # the rows as validation returns them (compile_request passes them on) give the same
+    for r in (req, two, mixed, irregular):
+        rows = [index_rows(s.indexes) for s in r.inputs + r.outputs]
+        assert request_is_decomposable(r, rows) == request_is_decomposable(r)
 
 
 # -- equivalence with normal compilation ------------------------------------------------------
