@@ -226,6 +226,50 @@ class StepList(_IdLists):
     """The steps (lists of cindex ids) of a ComputationStepsComputer."""
 
 
+def _step_roles(table) -> tuple:
+    """Per node of a NodeTable: its role for the steps computer, whether its input
+    step is the same Indexes as its own (simple), whether its component reorders
+    Indexes, whether its steps' locations are read while steps are still being made
+    (the sources of dim-range nodes), and the node whose same Index a row reads
+    (the input of a simple component, the source of a dim-range node; -1 for
+    others) as an array.  Kept with the table (it depends only on the network)."""
+    hit = table.extra.get("step_roles")
+    if hit is not None:
+        return hit
+    roles, simple, reorders = [], [], []
+    for i, kind in enumerate(table.kind):
+        props, comp = table.props[i], table.component[i]
+        # A non-simple component that reads exactly its own Index (Kaldi's
+        # default GetInputIndexes and IsComputable) and keeps the order: its
+        # input step, the sorted union of its inputs, is the same Indexes.
+        simple.append(bool(props & _SIMPLE) or (
+            comp is not None and not props & _REORDERS
+            and type(comp).get_input_indexes is Component.get_input_indexes
+            and type(comp).is_computable is Component.is_computable))
+        reorders.append(bool(props & _REORDERS))
+        if kind == COMPONENT:
+            roles.append(_R_COMPONENT)
+        elif kind == INPUT:
+            roles.append(_R_INPUT)
+        elif table.is_output[i]:
+            roles.append(_R_OUTPUT)
+        elif kind == DIM_RANGE:
+            roles.append(_R_DIM_RANGE)
+        elif table.is_component_input[i]:
+            roles.append(_R_COMPONENT_INPUT)
+        else:
+            roles.append(-1)
+    read_early = [False] * len(roles)
+    for src in table.dim_range_src:
+        if src >= 0:
+            read_early[src] = True
+    link_src = np.array([i - 1 if simple[i] else table.dim_range_src[i]
+                         for i in range(len(roles))], dtype=np.int64)
+    out = (roles, simple, reorders, read_early, link_src)
+    table.extra["step_roles"] = out
+    return out
+
+
 class ComputationStepsComputer:
     """Kaldi's ComputationStepsComputer: turns phases into steps, segment by segment.
 
@@ -246,8 +290,8 @@ class ComputationStepsComputer:
         self.step_to_segment: list[int] = []
         self.num_segments_done = 0
         self._dim_range_done: set[tuple[int, int]] = set()
+        self._segment_range = (0, 0)
         self._names = node_names(nnet)
-        self._link_src: np.ndarray | None = None
         self._located = 0        # steps whose cindexes have their (step, row) filled in
         self._steps_view: StepList | None = None
         table = graph.node_table
@@ -256,36 +300,8 @@ class ComputationStepsComputer:
         self._component = table.component
         self._dim_range_src = table.dim_range_src
         self._margin = table.margin
-        roles, simple, reorders = [], [], []
-        for i, kind in enumerate(table.kind):
-            props, comp = table.props[i], table.component[i]
-            # A non-simple component that reads exactly its own Index (Kaldi's
-            # default GetInputIndexes and IsComputable) and keeps the order: its
-            # input step, the sorted union of its inputs, is the same Indexes.
-            simple.append(bool(props & _SIMPLE) or (
-                comp is not None and not props & _REORDERS
-                and type(comp).get_input_indexes is Component.get_input_indexes
-                and type(comp).is_computable is Component.is_computable))
-            reorders.append(bool(props & _REORDERS))
-            if kind == COMPONENT:
-                roles.append(_R_COMPONENT)
-            elif kind == INPUT:
-                roles.append(_R_INPUT)
-            elif table.is_output[i]:
-                roles.append(_R_OUTPUT)
-            elif kind == DIM_RANGE:
-                roles.append(_R_DIM_RANGE)
-            elif table.is_component_input[i]:
-                roles.append(_R_COMPONENT_INPUT)
-            else:
-                roles.append(-1)
-        self._roles, self._simple, self._reorders = roles, simple, reorders
-        # nodes whose steps' locations are read while steps are still being made
-        # (the sources of dim-range nodes)
-        self._read_early = [False] * len(roles)
-        for src in self._dim_range_src:
-            if src >= 0:
-                self._read_early[src] = True
+        (self._roles, self._simple, self._reorders, self._read_early,
+         self._link_src) = _step_roles(table)
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -381,6 +397,9 @@ class ComputationStepsComputer:
             np.cumsum(sizes, out=bounds[1:])
             phases = PhaseList(np.array([c for p in lists for c in p], dtype=np.int64), bounds)
         segment = self.num_segments_done
+        ends = self.graph.segment_ends
+        # the ids the graph builder gave this segment
+        self._segment_range = (ends[segment - 1] if segment else 0, ends[segment])
         ids = phases.ids
         if len(ids):
             # sub-phases: each phase split by node, in Kaldi's Cindex order (ids
@@ -438,12 +457,7 @@ class ComputationStepsComputer:
         keys = table.key_of[ids]
         if table.mode == "dict" or (len(keys) and keys.min() < 0):
             return None
-        src = self._link_src
-        if src is None:
-            src = np.array([i - 1 if self._simple[i] else self._dim_range_src[i]
-                            for i in range(len(self._roles))], dtype=np.int64)
-            self._link_src = src
-        to = src[node]
+        to = self._link_src[node]
         out = np.full(len(ids), -1, dtype=np.int64)
         sel = np.flatnonzero(to >= 0)
         if len(sel):
@@ -501,9 +515,7 @@ class ComputationStepsComputer:
         graph = self.graph
         coords = graph.coords
         _, deps = _csr_rows(graph.dep_ptr, graph.dep_idx, step)
-        deps = np.unique(deps)
-        c = coords[deps]
-        input_step = deps[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
+        input_step = self._in_cindex_order(np.unique(deps))
         if self._reorders[node]:
             in_rows, out_rows = coords[input_step, 1:], coords[step, 1:]
             orig = len(in_rows) + len(out_rows)
@@ -528,6 +540,16 @@ class ComputationStepsComputer:
         else:
             self._add_step_ids(input_step, in_node)
             self._add_step_ids(step, node)
+
+    def _in_cindex_order(self, ids: np.ndarray) -> np.ndarray:
+        """Distinct ids of cindexes of one non-input node, ascending, sorted by Cindex
+        (node, t, x, n).  The ids the graph builder gave the current segment are in
+        that order already (only supplied inputs come first, out of it)."""
+        lo, hi = self._segment_range
+        if len(ids) and lo <= ids[0] and ids[-1] < hi:
+            return ids
+        c = self.graph.coords[ids]
+        return ids[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
 
     def _process_dim_range_sub_phase(self, node: int, sub: np.ndarray,
                                      src_ids: np.ndarray | None) -> None:

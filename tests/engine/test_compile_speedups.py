@@ -236,3 +236,57 @@ def test_usable_counts_few_ids_path_equals_array_path(monkeypatch):
             assert got.cindexes == want.cindexes and got.dependencies == want.dependencies
         used += default == "used"
     assert used >= 4, "the array build ran on recurrent networks"
+
+
+def test_component_input_steps_in_segment_order_equal_sorted(monkeypatch):
+    """A non-simple component's input step is taken in id order when its ids are
+    the segment's own (canonical, so already in Cindex order); sorting them by
+    Cindex every time gives the same computations."""
+    from engine.compiler.compiler import compile_computation
+    from engine.compiler.serialize import computation_to_data
+    from engine.compiler.steps import ComputationStepsComputer
+    from engine.nnet.random_config import (GENERATOR_NAMES, GenerationOptions,
+                                           generate_config_sequence, random_request)
+    from inference_nets import TDNN_IVECTOR, make_nnet
+
+    cases = []
+    opts = GenerationOptions(dim_scale=0.3)
+    for seed, kind in enumerate(GENERATOR_NAMES * 2):
+        rng = np.random.default_rng(200 + seed)
+        net = generate_config_sequence(rng, opts, kind=kind).build(rng)
+        cases.append((net, random_request(net, rng)))
+    from engine.compiler.request import ComputationRequest, IoSpecification
+    tdnn = make_nnet(TDNN_IVECTOR)
+    for chunk in (1, 8, 21):
+        ins = [IoSpecification("input", [Index(n, t, 0) for t in range(-10, chunk + 10)
+                                         for n in range(2)]),
+               IoSpecification("ivector", [Index(n, 0, 0) for n in range(2)])]
+        outs = [IoSpecification("output", [Index(n, t, 0) for t in range(chunk)
+                                           for n in range(2)])]
+        cases.append((tdnn, ComputationRequest(ins, outs)))
+
+    def compile_all() -> list:
+        out = []
+        for nnet, req in cases:
+            try:
+                out.append(computation_to_data(compile_computation(nnet, [req])))
+            except Exception as e:                             # noqa: BLE001
+                out.append(type(e).__name__)
+        return out
+
+    calls = []
+    real = ComputationStepsComputer._in_cindex_order
+
+    def spy(self, ids):
+        out = real(self, ids)
+        calls.append(out is ids)
+        return out
+    monkeypatch.setattr(ComputationStepsComputer, "_in_cindex_order", spy)
+    fast = compile_all()
+    assert any(calls), "the id order is taken as it is"
+
+    def always_sort(self, ids):
+        c = self.graph.coords[ids]
+        return ids[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
+    monkeypatch.setattr(ComputationStepsComputer, "_in_cindex_order", always_sort)
+    assert compile_all() == fast
