@@ -111,20 +111,24 @@ def _counts(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class _NodeDeps:
     """Expanded cindexes of one node and their inputs: ``rows`` (ids) and ``deps``
     ((len(rows), K) input ids, K fixed per node), or per-row id arrays
-    (``lists``) for components asked Index by Index."""
+    (``lists``) for components asked Index by Index.  ``open`` holds the
+    (rows, deps) parts whose statuses are not settled yet (all unknown), in the
+    order they were added."""
 
-    __slots__ = ("parts", "rows", "deps", "lists", "num_unsettled")
+    __slots__ = ("parts", "rows", "deps", "lists", "open", "num_unsettled")
 
     def __init__(self) -> None:
         self.parts: list = []
         self.rows = None
         self.deps = None
         self.lists: list | None = None
+        self.open: list = []
         self.num_unsettled = 0
 
     def add(self, rows: np.ndarray, deps) -> None:
         self.parts.append((rows, deps))
         self.rows = None
+        self.open.append((rows, deps))
         self.num_unsettled += len(rows)
 
     def merged(self):
@@ -136,6 +140,20 @@ class _NodeDeps:
             self.parts = [(rows, deps)]
             self.rows, self.deps = rows, deps
         return self.rows, self.deps
+
+    def unsettled(self):
+        """(rows, deps) of the cindexes not settled yet (deps None for ``lists``)."""
+        op = self.open
+        if len(op) > 1:
+            rows = _cat([p[0] for p in op])
+            deps = _cat([p[1] for p in op]) if self.lists is None else None
+            self.open = op = [(rows, deps)]
+        return op[0]
+
+    def keep_unsettled(self, rows: np.ndarray, deps) -> None:
+        """After settling: only these (rows, deps) are still unknown."""
+        self.open = [(rows, deps)] if len(rows) else []
+        self.num_unsettled = len(rows)
 
 
 class ArrayGraphBuild:
@@ -175,8 +193,9 @@ class ArrayGraphBuild:
                              for v, f in enumerate(self.settle_fast)]
         # the margins the table keeps around every cindex (largest constant shifts)
         self.margin = list(nodes.margin)
-        # per node: its shifts as key deltas for the current table (_shift_plan)
-        self._plans: dict = {}
+        # per node: its shifts as key deltas for a table's strides (_shift_plan); kept
+        # with the network's NodeTable, as requests of one kind give the same strides
+        self._plans: dict = nodes.extra.setdefault("graph_shift_plans", {})
         # per node: the chain of nodes expanded with it (_chains)
         self.chains = _chains(nodes, self.pos)
 
@@ -569,7 +588,7 @@ class ArrayGraphBuild:
     def _shift_plan(self, v: int, shifts: list):
         """((k, 1) key deltas of node v's constant shifts in the current table, the
         one node all inputs are on or -1, whether any shift moves n, t or x);
-        remade when the table is."""
+        remade when the table's strides differ from those it was made for."""
         strides = (self.stride_n, self.stride_t, self.stride_node)
         hit = self._plans.get(v)
         if hit is not None and hit[0] == strides:
@@ -664,9 +683,8 @@ class ArrayGraphBuild:
         raise GiveUp("statuses settle too slowly (a long recurrence without IfDefined)")
 
     def _settle_node(self, v: int, nd: _NodeDeps) -> bool:
-        rows, deps = nd.rows, nd.deps
-        if rows is None:
-            rows, deps = nd.merged()
+        rows, deps = nd.unsettled()
+        num_sel = len(rows)
         status = self.status
         all_required = self.all_required[v]
         not_c = self.not_c
@@ -677,19 +695,13 @@ class ArrayGraphBuild:
             else:
                 # every cindex of every node read is computable: so are these
                 status[rows] = C
-                not_c[v] -= nd.num_unsettled
-                nd.num_unsettled = 0
+                not_c[v] -= num_sel
+                nd.keep_unsettled(_EMPTY, None)
                 return True
-        sel = np.flatnonzero(status[rows] == U)
-        num_sel = len(sel)
-        if not num_sel:
-            nd.num_unsettled = 0
-            return False
-        whole = num_sel == len(rows)
         if deps is None:
-            new = self._settle_general(v, rows, sel)
+            new = self._settle_general(v, rows)
         else:
-            st = status[deps if whole else deps[sel]]
+            st = status[deps]
             if all_required:
                 width = st.shape[1]
                 if width == 0:
@@ -706,15 +718,17 @@ class ArrayGraphBuild:
                 new = np.where(ok_lo, C, np.where(ok_hi, U, NC)).astype(np.int8)
         done = new != U
         k = int(np.count_nonzero(done))
-        nd.num_unsettled = num_sel - k
         if not k:
             return False
         if k == num_sel:
             newd = new
-            changed_rows = rows if whole else rows[sel]
+            changed_rows = rows
+            nd.keep_unsettled(_EMPTY, None)
         else:
             newd = new[done]
-            changed_rows = rows[sel[done]]
+            changed_rows = rows[done]
+            left = ~done
+            nd.keep_unsettled(rows[left], None if deps is None else deps[left])
         status[changed_rows] = newd
         bad_mask = newd == NC
         num_bad = int(np.count_nonzero(bad_mask))
@@ -756,11 +770,11 @@ class ArrayGraphBuild:
             return s == C or (treat_unknown and s == U)
         return contains
 
-    def _settle_general(self, v: int, rows, sel) -> np.ndarray:
+    def _settle_general(self, v: int, rows) -> np.ndarray:
         comp, src, misc = self.nodes.component[v], self.nodes.src[v], self.misc
         have, maybe = self._index_set(src, False), self._index_set(src, True)
-        out = np.empty(len(sel), dtype=np.int8)
-        for j, r in enumerate(self.coords_of(rows[sel])[:, 1:].tolist()):
+        out = np.empty(len(rows), dtype=np.int8)
+        for j, r in enumerate(self.coords_of(rows)[:, 1:].tolist()):
             idx = _tuple_new(Index, r)
             if comp.is_computable(misc, idx, have, None):
                 out[j] = C
@@ -795,7 +809,8 @@ class ArrayGraphBuild:
                 if not len(a):
                     continue
                 before = self.size
-                ids = self._lookup(self._encode(node, a[:, 0], a[:, 1], a[:, 2]))
+                # (the table was made around these Indexes: no margin to check)
+                ids = self._lookup(self._encode(node, a[:, 0], a[:, 1], a[:, 2]), node, False)
                 if ids.min() < before or self.size - before != len(a):
                     raise GiveUp("an Index repeated or already in the graph")
                 ids_out.append(ids)
@@ -942,21 +957,30 @@ class ArrayGraphBuild:
         num = self.num_nodes
         used = [self._used(v) for v in range(num)]
         size = self.size
+        # each expanded row's position among its node's rows
         rowpos = np.full(size, -1, dtype=np.int64)
-        for u in used:
-            if u is not None:
-                rowpos[u[0]] = np.arange(len(u[0]))
+        rows_of = [u[0] for u in used if u is not None]
+        if rows_of:
+            lens = np.array([len(r) for r in rows_of], dtype=np.int64)
+            total = int(_sum(lens))
+            rowpos[_cat(rows_of)] = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
         required = np.zeros(size, dtype=bool)
         pending: list[list] = [[] for _ in range(num)]
+        # whether a node's pending ids may repeat beyond what several parts bring
+        # (the inputs of distinct rows repeat unless a node reads one constant
+        # shift of its Index)
+        pending_dup = [False] * num
         snode = self.stride_node
         out_nodes = self.keys[outs] // snode
         for v in np.unique(out_nodes).tolist():
             pending[v].append(outs[out_nodes == v])
         rev = self.nodes.order[::-1]
         pos = self.pos
+        shifts = self.nodes.shifts
         edges_src, edges_dst = [], []
         for _ in range(self.max_sweeps):
             later: list[list] = [[] for _ in range(num)]
+            later_dup = [False] * num
             any_later = False
             for v in rev:
                 parts = pending[v]
@@ -967,12 +991,14 @@ class ArrayGraphBuild:
                 g = g[~required[g]]
                 if not len(g):
                     continue
-                g = _distinct(g)
+                if len(parts) > 1 or pending_dup[v]:
+                    g = _distinct(g)
                 required[g] = True
                 u = used[v]
                 if u is None:
                     continue
-                g = g[g >= base]
+                if base:
+                    g = g[g >= base]
                 p = rowpos[g]
                 if _any(p < 0):
                     raise GiveUp("a required cindex was not expanded")
@@ -987,7 +1013,7 @@ class ArrayGraphBuild:
                 else:
                     d = deps[p]
                     if mask is None:
-                        src = np.repeat(g, d.shape[1])
+                        src = g if d.shape[1] == 1 else np.repeat(g, d.shape[1])
                         dst = d.ravel()
                     else:
                         mk = mask[p]
@@ -1005,15 +1031,19 @@ class ArrayGraphBuild:
                     first = int(dn[0])
                     groups = ([(first, dst)] if _all(dn == first)
                               else [(w, dst[dn == w]) for w in np.unique(dn).tolist()])
+                sh = shifts[v]
+                dup = sh is None or len(sh) != 1
                 for w, ids in groups:
                     if pos[w] < pos[v]:
                         pending[w].append(ids)
+                        pending_dup[w] |= dup
                     else:
                         later[w].append(ids)
+                        later_dup[w] |= dup
                         any_later = True
             if not any_later:
                 break
-            pending = later
+            pending, pending_dup = later, later_dup
         else:
             raise GiveUp("too many sweeps")
         if _any(required & (self.status[:size] != C)):
