@@ -422,6 +422,7 @@ class ComputationStepsComputer:
             if linked is not None:
                 plain = ~(plain | np.logical_or.reduceat(linked < 0, starts))
                 plain = plain.tolist()
+                linked_list = linked.tolist()
             else:
                 plain = [False] * len(nodes)
             roles, simple, early = self._roles, self._simple, self._read_early
@@ -431,6 +432,9 @@ class ComputationStepsComputer:
                 if role == _R_COMPONENT_INPUT:
                     continue        # done together with the component's own step
                 a, b = bounds[k], bounds[k + 1]
+                if (role == _R_DIM_RANGE and b - a <= 32 and linked is not None
+                        and self._dim_range_small(v, ids[a:b], linked_list[a:b])):
+                    continue
                 if plain[k] and simple[v] and role == _R_COMPONENT:
                     if early[v - 1]:
                         self._add_step_ids(linked[a:b], v - 1)
@@ -551,34 +555,48 @@ class ComputationStepsComputer:
         c = self.graph.coords[ids]
         return ids[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
 
+    def _dim_range_small(self, node: int, sub: np.ndarray, src_ids: list) -> bool:
+        """_process_dim_range_sub_phase for a small sub-phase (a time step of a
+        recurrence) whose source cindexes ``src_ids`` (a list) are all in one step,
+        with Python scalars; False (nothing done) otherwise."""
+        loc = self.loc_step
+        first = -1
+        for c in src_ids:
+            if c < 0:
+                return False
+            s = int(loc[c])
+            if s != first:
+                if first >= 0 or s < 0:
+                    return False
+                first = s
+        key = (first, node)
+        if key not in self._dim_range_done:
+            self._dim_range_done.add(key)
+            source = self.step_ids[first]
+            if len(source) == len(src_ids) and source.tolist() == src_ids:
+                # the sub-phase is the whole source step, in its order
+                self._add_step_ids(sub, node)
+            else:
+                self._add_step_like(node, source, self._dim_range_src[node],
+                                    add_if_absent=True)
+        return True
+
     def _process_dim_range_sub_phase(self, node: int, sub: np.ndarray,
                                      src_ids: np.ndarray | None) -> None:
         src = self._dim_range_src[node]
         if src_ids is None:
             src_ids = self.graph.find_like(sub, node, src)
         s = self.loc_step[src_ids]
-        if 0 < len(s) <= 32:
-            # small sub-phases (one time step of a recurrence): Python scalars beat
-            # NumPy calls
-            sl = s.tolist()
-            if min(src_ids.tolist()) < 0 or min(sl) < 0:
-                raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
-                                     f"not yet in a step")
-            first = sl[0]
-            single = sl.count(first) == len(sl)
-        else:
-            if (src_ids < 0).any() or (s < 0).any():
-                raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
-                                     f"not yet in a step")
-            first = int(s[0])
-            single = bool((s == first).all())
-        if single:
+        if (src_ids < 0).any() or (s < 0).any():
+            raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
+                                 f"not yet in a step")
+        first = int(s[0])
+        if bool((s == first).all()):
             if (first, node) in self._dim_range_done:
                 return
             self._dim_range_done.add((first, node))
             source = self.step_ids[first]
-            if len(source) == len(sub) and (source.tolist() == src_ids.tolist()
-                                            if len(sub) <= 32 else (source == src_ids).all()):
+            if len(source) == len(sub) and (source == src_ids).all():
                 # the sub-phase is the whole source step, in its order
                 self._add_step_ids(sub, node)
             else:

@@ -238,16 +238,13 @@ def test_usable_counts_few_ids_path_equals_array_path(monkeypatch):
     assert used >= 4, "the array build ran on recurrent networks"
 
 
-def test_component_input_steps_in_segment_order_equal_sorted(monkeypatch):
-    """A non-simple component's input step is taken in id order when its ids are
-    the segment's own (canonical, so already in Cindex order); sorting them by
-    Cindex every time gives the same computations."""
-    from engine.compiler.compiler import compile_computation
-    from engine.compiler.serialize import computation_to_data
-    from engine.compiler.steps import ComputationStepsComputer
+def _compile_cases() -> list:
+    """(network, request) pairs: every random architecture twice, and a TDNN with an
+    i-vector at a few chunk sizes and two sequences."""
+    from engine.compiler.request import ComputationRequest, IoSpecification
     from engine.nnet.random_config import (GENERATOR_NAMES, GenerationOptions,
                                            generate_config_sequence, random_request)
-    from inference_nets import TDNN_IVECTOR, make_nnet
+    from inference_nets import RECURRENT, TDNN_IVECTOR, make_nnet
 
     cases = []
     opts = GenerationOptions(dim_scale=0.3)
@@ -255,8 +252,7 @@ def test_component_input_steps_in_segment_order_equal_sorted(monkeypatch):
         rng = np.random.default_rng(200 + seed)
         net = generate_config_sequence(rng, opts, kind=kind).build(rng)
         cases.append((net, random_request(net, rng)))
-    from engine.compiler.request import ComputationRequest, IoSpecification
-    tdnn = make_nnet(TDNN_IVECTOR)
+    tdnn, rnn = make_nnet(TDNN_IVECTOR), make_nnet(RECURRENT)
     for chunk in (1, 8, 21):
         ins = [IoSpecification("input", [Index(n, t, 0) for t in range(-10, chunk + 10)
                                          for n in range(2)]),
@@ -264,16 +260,31 @@ def test_component_input_steps_in_segment_order_equal_sorted(monkeypatch):
         outs = [IoSpecification("output", [Index(n, t, 0) for t in range(chunk)
                                            for n in range(2)])]
         cases.append((tdnn, ComputationRequest(ins, outs)))
+        ins = [IoSpecification("input", [Index(0, t, 0) for t in range(-12, chunk + 2)])]
+        outs = [IoSpecification("output", [Index(0, t, 0) for t in range(chunk)])]
+        cases.append((rnn, ComputationRequest(ins, outs)))
+    return cases
 
-    def compile_all() -> list:
-        out = []
-        for nnet, req in cases:
-            try:
-                out.append(computation_to_data(compile_computation(nnet, [req])))
-            except Exception as e:                             # noqa: BLE001
-                out.append(type(e).__name__)
-        return out
 
+def _compile_all(cases) -> list:
+    from engine.compiler.compiler import compile_computation
+    from engine.compiler.serialize import computation_to_data
+    out = []
+    for nnet, req in cases:
+        try:
+            out.append(computation_to_data(compile_computation(nnet, [req])))
+        except Exception as e:                             # noqa: BLE001
+            out.append(type(e).__name__)
+    return out
+
+
+def test_component_input_steps_in_segment_order_equal_sorted(monkeypatch):
+    """A non-simple component's input step is taken in id order when its ids are
+    the segment's own (canonical, so already in Cindex order); sorting them by
+    Cindex every time gives the same computations."""
+    from engine.compiler.steps import ComputationStepsComputer
+
+    cases = _compile_cases()
     calls = []
     real = ComputationStepsComputer._in_cindex_order
 
@@ -282,11 +293,33 @@ def test_component_input_steps_in_segment_order_equal_sorted(monkeypatch):
         calls.append(out is ids)
         return out
     monkeypatch.setattr(ComputationStepsComputer, "_in_cindex_order", spy)
-    fast = compile_all()
+    fast = _compile_all(cases)
     assert any(calls), "the id order is taken as it is"
 
     def always_sort(self, ids):
         c = self.graph.coords[ids]
         return ids[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
     monkeypatch.setattr(ComputationStepsComputer, "_in_cindex_order", always_sort)
-    assert compile_all() == fast
+    assert _compile_all(cases) == fast
+
+
+def test_small_dim_range_sub_phases_equal_general_path(monkeypatch):
+    """Small dim-range sub-phases (time steps of recurrences) go through
+    _dim_range_small in plain Python; the general NumPy path gives the same
+    computations."""
+    from engine.compiler.steps import ComputationStepsComputer
+
+    cases = _compile_cases()
+    taken = []
+    real = ComputationStepsComputer._dim_range_small
+
+    def spy(self, node, sub, src_ids):
+        out = real(self, node, sub, src_ids)
+        taken.append(out)
+        return out
+    monkeypatch.setattr(ComputationStepsComputer, "_dim_range_small", spy)
+    fast = _compile_all(cases)
+    assert sum(taken) > 20, "the small path is in use"
+    monkeypatch.setattr(ComputationStepsComputer, "_dim_range_small",
+                        lambda self, node, sub, src_ids: False)
+    assert _compile_all(cases) == fast
