@@ -911,9 +911,13 @@ class ArrayGraphBuild:
     def _prune(self, base: int, input_ids: np.ndarray, outs: np.ndarray):
         size = self.size
         if self._everything_used(base):
-            parts = [nd.merged() for nd in self.node_deps if nd.parts]
-            edges_src = [np.repeat(rows, deps.shape[1]) for rows, deps in parts]
-            edges_dst = [deps.ravel() for _, deps in parts]
+            edges_src, edges_dst = [], []
+            for nd in self.node_deps:
+                for rows, deps in nd.parts:
+                    k = deps.shape[1]
+                    if k:
+                        edges_src.append(rows if k == 1 else rows.repeat(k))
+                        edges_dst.append(deps.ravel())
             required = np.ones(size, dtype=bool)
         else:
             required, edges_src, edges_dst = self._required(base, outs)

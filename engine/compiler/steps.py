@@ -99,6 +99,16 @@ def _csr_rows(ptr: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> tuple[np.nd
     return owner, idx[at]
 
 
+def _deps_of_ascending(ptr: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The dependency ids of the cindexes ``rows`` (distinct, ascending, at least
+    one), concatenated in row order: ``_csr_rows(ptr, idx, rows)[1]``, one slice of
+    the CSR when the ids are consecutive (the usual sub-phase of a node)."""
+    first, end = int(rows[0]), int(rows[-1]) + 1
+    if end - first == len(rows):
+        return idx[ptr[first]:ptr[end]]
+    return _csr_rows(ptr, idx, rows)[1]
+
+
 def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.ndarray,
                   graph: ComputationGraph, names) -> np.ndarray:
     """Kaldi's ComputeComputationPhasesForEpoch on an epoch of several nodes:
@@ -518,7 +528,7 @@ class ComputationStepsComputer:
         comp = self._component[node]
         graph = self.graph
         coords = graph.coords
-        _, deps = _csr_rows(graph.dep_ptr, graph.dep_idx, step)
+        deps = _deps_of_ascending(graph.dep_ptr, graph.dep_idx, step)
         input_step = self._in_cindex_order(np.unique(deps))
         if self._reorders[node]:
             in_rows, out_rows = coords[input_step, 1:], coords[step, 1:]

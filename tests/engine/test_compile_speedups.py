@@ -323,3 +323,22 @@ def test_small_dim_range_sub_phases_equal_general_path(monkeypatch):
     monkeypatch.setattr(ComputationStepsComputer, "_dim_range_small",
                         lambda self, node, sub, src_ids: False)
     assert _compile_all(cases) == fast
+
+
+def test_deps_of_ascending_rows_equal_csr_gather():
+    """The dependencies of ascending rows, one CSR slice when the rows are
+    consecutive, equal the general gather."""
+    from engine.compiler.steps import _csr_rows, _deps_of_ascending
+
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 4, size=40)
+    ptr = np.zeros(41, dtype=np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    idx = rng.integers(0, 40, size=int(ptr[-1])).astype(np.int64)
+    for _ in range(200):
+        a = int(rng.integers(0, 40))
+        b = int(rng.integers(a + 1, 41))
+        rows = np.arange(a, b)
+        if rng.random() < 0.5 and len(rows) > 2:
+            rows = np.sort(rng.choice(rows, size=len(rows) - 1, replace=False))
+        assert np.array_equal(_deps_of_ascending(ptr, idx, rows), _csr_rows(ptr, idx, rows)[1])
