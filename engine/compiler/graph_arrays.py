@@ -1028,15 +1028,20 @@ class ArrayGraphBuild:
                 edges_src.append(src)
                 edges_dst.append(dst)
                 one = self.one_producer[v]
+                sh = shifts[v]
                 if one >= 0:
                     groups = [(one, dst)]
+                    dup = sh is None or len(sh) != 1
+                elif sh is not None:
+                    # one constant shift per column: each column's ids are on one
+                    # node, and distinct
+                    groups = [(s[0], d[:, j] if mask is None else d[mk[:, j], j])
+                              for j, s in enumerate(sh)]
+                    dup = False
                 else:
                     dn = self.keys[dst] // snode
-                    first = int(dn[0])
-                    groups = ([(first, dst)] if _all(dn == first)
-                              else [(w, dst[dn == w]) for w in np.unique(dn).tolist()])
-                sh = shifts[v]
-                dup = sh is None or len(sh) != 1
+                    groups = [(w, dst[dn == w]) for w in np.unique(dn).tolist()]
+                    dup = True
                 for w, ids in groups:
                     if pos[w] < pos[v]:
                         pending[w].append(ids)
