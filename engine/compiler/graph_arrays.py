@@ -170,10 +170,8 @@ class ArrayGraphBuild:
         self.max_sweeps = max_sweeps
         num = len(nodes.kind)
         self.num_nodes = num
-        self.pos = [0] * num
-        for p, v in enumerate(nodes.order):
-            self.pos[v] = p
-        self.is_input_node = np.array([k == INPUT for k in nodes.kind], dtype=bool)
+        (self.pos, self.is_input_node, self.producers, self.one_producer, self.settle_fast,
+         self.all_required, self.chains) = _node_facts(nodes)
         self.node_deps = [_NodeDeps() for _ in range(num)]
         self.pending: list[list] = [[] for _ in range(num)]
         # whether a node's pending ids may repeat (beyond one list from one consumer)
@@ -182,22 +180,11 @@ class ArrayGraphBuild:
         self.track_usable = nodes.recurrent
         # how many cindexes of each node are not (yet) known to be computable
         self.not_c = np.zeros(num, dtype=np.int64)
-        self.producers = [tuple(p) for p in nodes.producers]
-        # per node: the one node all its inputs are on, or -1
-        self.one_producer = [p[0] if len(p) == 1 else -1 for p in self.producers]
-        # per node: the settling rule (all inputs required) and its compiled descriptor
-        self.settle_fast = [nodes.fast[v] if nodes.deps_mode[v] == DEPS_DESCRIPTOR else None
-                            for v in range(num)]
-        self.all_required = [nodes.deps_mode[v] != DEPS_GENERAL
-                             and (f is None or f.all_required)
-                             for v, f in enumerate(self.settle_fast)]
         # the margins the table keeps around every cindex (largest constant shifts)
         self.margin = list(nodes.margin)
         # per node: its shifts as key deltas for a table's strides (_shift_plan); kept
         # with the network's NodeTable, as requests of one kind give the same strides
         self._plans: dict = nodes.extra.setdefault("graph_shift_plans", {})
-        # per node: the chain of nodes expanded with it (_chains)
-        self.chains = _chains(nodes, self.pos)
 
     # -- keys and the table -----------------------------------------------------------------------
     def _init_rows(self, base_coords: np.ndarray, specs: list) -> None:
@@ -1058,6 +1045,32 @@ class ArrayGraphBuild:
         if _any(required & (self.status[:size] != C)):
             raise GiveUp("a required cindex is not computable")
         return required, edges_src, edges_dst
+
+
+def _node_facts(nodes) -> tuple:
+    """Per node of a NodeTable, what the array build reads (kept with the table): its
+    position in the node order, whether it is an input node (a boolean array), its
+    producers (a tuple), the one node all its inputs are on or -1, its compiled
+    descriptor where that decides its statuses, whether it needs all its inputs,
+    and its chain (_chains)."""
+    hit = nodes.extra.get("graph_node_facts")
+    if hit is not None:
+        return hit
+    num = len(nodes.kind)
+    pos = [0] * num
+    for p, v in enumerate(nodes.order):
+        pos[v] = p
+    is_input_node = np.array([k == INPUT for k in nodes.kind], dtype=bool)
+    producers = [tuple(p) for p in nodes.producers]
+    one_producer = [p[0] if len(p) == 1 else -1 for p in producers]
+    settle_fast = [nodes.fast[v] if nodes.deps_mode[v] == DEPS_DESCRIPTOR else None
+                   for v in range(num)]
+    all_required = [nodes.deps_mode[v] != DEPS_GENERAL and (f is None or f.all_required)
+                    for v, f in enumerate(settle_fast)]
+    out = (pos, is_input_node, producers, one_producer, settle_fast, all_required,
+           _chains(nodes, pos))
+    nodes.extra["graph_node_facts"] = out
+    return out
 
 
 def _chains(nodes, pos: list) -> list:
