@@ -846,23 +846,39 @@ class ArrayGraphBuild:
         return self._prune(base, inputs, outs)
 
     # -- pruning ---------------------------------------------------------------------------------
-    def _used(self, v: int):
-        """(rows, deps, used) of node v's expanded cindexes: deps (m, K) and used a
-        (m, K) mask (None: all), meaningful for the computable rows (only those can
-        be required: _required checks); for components asked Index by Index, the
-        computable rows only, deps a list of used-id arrays and used None."""
-        nd = self.node_deps[v]
-        rows, deps = nd.merged()
-        if rows is None:
-            return None
-        if self.nodes.deps_mode[v] == DEPS_GENERAL:
-            return self._used_general(v, rows, self.status[rows] == C)
-        fast = self.nodes.fast[v]
-        if fast is None or fast.all_required:
-            return rows, deps, None
-        return rows, deps, fast.used_arrays(self.status[deps] == C)
+    def _inputs_by_width(self):
+        """The expanded cindexes' inputs for _required, without merging node by node:
+        (rowpos, deps, lists): ``deps[K]`` the (m, K) inputs of the rows of every node
+        with K inputs per row (components asked Index by Index excepted), stacked,
+        ``rowpos`` each expanded row's position in its node's block (its width's
+        stack, or, for those components, its node's ``lists[v]``, which hold the
+        used input ids of the computable rows only)."""
+        status, nodes = self.status, self.nodes
+        rowpos = np.full(self.size, -1, dtype=np.int64)
+        rows_by: dict = {}
+        deps_by: dict = {}
+        lists: dict = {}
+        for v, nd in enumerate(self.node_deps):
+            if not nd.parts:
+                continue
+            if nd.lists is not None:
+                rows, _ = nd.merged()
+                rows, lists[v] = self._used_general(v, rows, status[rows] == C)
+                rowpos[rows] = np.arange(len(rows))
+                continue
+            for rows, deps in nd.parts:
+                k = deps.shape[1]
+                rows_by.setdefault(k, []).append(rows)
+                deps_by.setdefault(k, []).append(deps)
+        for k, parts in rows_by.items():
+            rows = _cat(parts)
+            rowpos[rows] = np.arange(len(rows))
+            deps_by[k] = _cat(deps_by[k])
+        return rowpos, deps_by, lists
 
     def _used_general(self, v: int, rows, ok):
+        """(computable rows, per such row the ids of the inputs it uses) of node v, a
+        component asked Index by Index (``ok``: which of ``rows`` are computable)."""
         nodes = self.nodes
         comp, src, misc = nodes.component[v], nodes.src[v], self.misc
         have = self._index_set(src, False)
@@ -878,7 +894,7 @@ class ArrayGraphBuild:
                 lists.append(self.table[self._encode(src, a[:, 0], a[:, 1], a[:, 2])])
             else:
                 lists.append(_EMPTY)
-        return np.array(out_rows, dtype=np.int64), lists, None
+        return np.array(out_rows, dtype=np.int64), lists
 
     def _everything_used(self, base: int) -> bool:
         """Whether every cindex of the segment is computable and every dependency
@@ -946,15 +962,9 @@ class ArrayGraphBuild:
         outputs are, and a computable cindex uses only computable inputs); that is
         checked once at the end rather than row by row."""
         num = self.num_nodes
-        used = [self._used(v) for v in range(num)]
         size = self.size
-        # each expanded row's position among its node's rows
-        rowpos = np.full(size, -1, dtype=np.int64)
-        rows_of = [u[0] for u in used if u is not None]
-        if rows_of:
-            lens = np.array([len(r) for r in rows_of], dtype=np.int64)
-            total = int(_sum(lens))
-            rowpos[_cat(rows_of)] = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        rowpos, deps_by, lists_of = self._inputs_by_width()
+        node_deps, fast_of, status = self.node_deps, self.nodes.fast, self.status
         required = np.zeros(size, dtype=bool)
         pending: list[list] = [[] for _ in range(num)]
         # whether a node's pending ids may repeat beyond what several parts bring
@@ -985,29 +995,34 @@ class ArrayGraphBuild:
                 if len(parts) > 1 or pending_dup[v]:
                     g = _distinct(g)
                 required[g] = True
-                u = used[v]
-                if u is None:
+                nd = node_deps[v]
+                if not nd.parts:
                     continue
                 if base:
                     g = g[g >= base]
                 p = rowpos[g]
                 if _any(p < 0):
                     raise GiveUp("a required cindex was not expanded")
-                rows, deps, mask = u
-                if isinstance(deps, list):
-                    lists = [deps[i] for i in p.tolist()]
+                mask = None
+                if nd.lists is not None:
+                    used_lists = lists_of[v]
+                    lists = [used_lists[i] for i in p.tolist()]
                     counts = [len(lst) for lst in lists]
                     if not sum(counts):
                         continue
                     dst = np.concatenate(lists)
                     src = np.repeat(g, counts)
                 else:
-                    d = deps[p]
-                    if mask is None:
-                        src = g if d.shape[1] == 1 else np.repeat(g, d.shape[1])
+                    k = nd.parts[0][1].shape[1]
+                    d = deps_by[k][p]
+                    fast = fast_of[v]
+                    if fast is None or fast.all_required:
+                        src = g if k == 1 else np.repeat(g, k)
                         dst = d.ravel()
                     else:
-                        mk = mask[p]
+                        # the inputs used (meaningful for computable rows, the only
+                        # ones that can be required: checked at the end)
+                        mk = mask = fast.used_arrays(status[d] == C)
                         src = np.repeat(g, rows_count(mk))
                         dst = d[mk]
                 if not len(dst):
