@@ -504,7 +504,7 @@ class ArrayGraphBuild:
                 flat = self._lookup(kg + deltas[0, 0], node, shifted, distinct=True)
             else:
                 flat = self._lookup((deltas + kg[None, :]).ravel(), node, shifted)
-            self._route(v, shifts, flat, m)
+            self._route([sh[0] for sh in shifts], flat, m, True)
             self._record(v, g, flat.reshape(k, m).T if k > 1 else flat[:, None])
             return
         mode = nodes.deps_mode[v]
@@ -517,12 +517,22 @@ class ArrayGraphBuild:
             raise GiveUp("a node without inputs was asked for its inputs")
         slots = nodes.fast[v].deps_arrays(n, t, x)
         k = len(slots)
-        node_col = np.concatenate([np.broadcast_to(np.asarray(s[0], np.int64), (m,))
-                                   for s in slots])
-        flat = self._lookup(self._key_checked(node_col, np.concatenate([s[1] for s in slots]),
-                                              np.concatenate([s[2] for s in slots]),
-                                              np.concatenate([s[3] for s in slots])))
-        self._queue(flat, self.one_producer[v])
+        block_nodes = [sl[0] for sl in slots]
+        fixed = all(type(b) is int for b in block_nodes)     # no Switch: one node a slot
+        if fixed:
+            node_col = np.repeat(np.array(block_nodes, dtype=np.int64), m)
+            one = block_nodes[0] if block_nodes.count(block_nodes[0]) == k else -1
+        else:
+            node_col = np.concatenate([np.broadcast_to(np.asarray(b, np.int64), (m,))
+                                       for b in block_nodes])
+            one = -1
+        flat = self._lookup(self._key_checked(node_col, np.concatenate([sl[1] for sl in slots]),
+                                              np.concatenate([sl[2] for sl in slots]),
+                                              np.concatenate([sl[3] for sl in slots])), one)
+        if fixed:
+            self._route(block_nodes, flat, m, False)
+        else:
+            self._queue(flat, self.one_producer[v])
         self._record(v, g, flat.reshape(k, m).T)
 
     def _expand_chain(self, v: int, g: np.ndarray, kg: np.ndarray) -> bool:
@@ -589,17 +599,21 @@ class ArrayGraphBuild:
         self._plans[v] = (strides, plan)
         return plan
 
-    def _route(self, v: int, shifts: list, flat: np.ndarray, m: int) -> None:
-        pending = self.pending
-        first = shifts[0][0]
-        if all(s[0] == first for s in shifts):
+    def _route(self, block_nodes: list, flat: np.ndarray, m: int, distinct_blocks: bool) -> None:
+        """Queue ``flat``, blocks of ``m`` ids on the nodes ``block_nodes``
+        (``distinct_blocks``: no id repeats within a block, as for the inputs of
+        distinct rows through one constant shift)."""
+        pending, pending_dup = self.pending, self.pending_dup
+        first = block_nodes[0]
+        if block_nodes.count(first) == len(block_nodes):
             pending[first].append(flat)
-            if len(shifts) > 1:
-                self.pending_dup[first] = True
+            if len(block_nodes) > 1 or not distinct_blocks:
+                pending_dup[first] = True
             return
-        for k, s in enumerate(shifts):
-            pending[s[0]].append(flat[k * m:(k + 1) * m])
-            self.pending_dup[s[0]] = True
+        for k, b in enumerate(block_nodes):
+            pending[b].append(flat[k * m:(k + 1) * m])
+            if not distinct_blocks:
+                pending_dup[b] = True
 
     def _record(self, v: int, g: np.ndarray, deps: np.ndarray) -> None:
         """Store the (m, K) inputs of cindexes g of node v (all of them queued on
