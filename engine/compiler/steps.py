@@ -520,7 +520,18 @@ class ComputationStepsComputer:
         if len(spec.indexes) != len(sub):
             raise AssertionError(f"node {name!r}: {len(sub)} cindexes in the phase but "
                                  f"{len(spec.indexes)} in the request")
+        if not is_output and self._supplied_in_request_order(sub):
+            self._add_step_ids(sub, node)
+            return
         self._add_step(node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3))
+
+    @staticmethod
+    def _supplied_in_request_order(sub: np.ndarray) -> bool:
+        """Whether the ids ``sub`` of an input node's supplied cindexes (ascending) are
+        its step as they are: the graph numbers a segment's supplied inputs first,
+        in request order, so consecutive ids are the Indexes of one input in that
+        order."""
+        return int(sub[-1]) - int(sub[0]) == len(sub) - 1
 
     def _process_component_step(self, node: int, step: np.ndarray) -> None:
         """A non-simple component's input step and its own step."""

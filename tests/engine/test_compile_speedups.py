@@ -342,3 +342,25 @@ def test_deps_of_ascending_rows_equal_csr_gather():
         if rng.random() < 0.5 and len(rows) > 2:
             rows = np.sort(rng.choice(rows, size=len(rows) - 1, replace=False))
         assert np.array_equal(_deps_of_ascending(ptr, idx, rows), _csr_rows(ptr, idx, rows)[1])
+
+
+def test_input_steps_from_ids_equal_lookup(monkeypatch):
+    """An input node's step is taken from its consecutive supplied ids (numbered in
+    request order); looking the request's Indexes up gives the same computations."""
+    from engine.compiler.steps import ComputationStepsComputer
+
+    cases = _compile_cases()
+    taken = []
+    real = ComputationStepsComputer._supplied_in_request_order
+
+    def spy(sub):
+        out = real(sub)
+        taken.append(out)
+        return out
+    monkeypatch.setattr(ComputationStepsComputer, "_supplied_in_request_order",
+                        staticmethod(spy))
+    fast = _compile_all(cases)
+    assert sum(taken) > 20, "the ids are taken as they are"
+    monkeypatch.setattr(ComputationStepsComputer, "_supplied_in_request_order",
+                        staticmethod(lambda sub: False))
+    assert _compile_all(cases) == fast
