@@ -523,7 +523,11 @@ class ComputationStepsComputer:
         if not is_output and self._supplied_in_request_order(sub):
             self._add_step_ids(sub, node)
             return
-        self._add_step(node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3))
+        rows = np.array(spec.indexes, dtype=np.int64).reshape(-1, 3)
+        if self._listed_in_id_order(sub, rows):
+            self._add_step_ids(sub, node)
+            return
+        self._add_step(node, rows)
 
     @staticmethod
     def _supplied_in_request_order(sub: np.ndarray) -> bool:
@@ -532,6 +536,12 @@ class ComputationStepsComputer:
         in request order, so consecutive ids are the Indexes of one input in that
         order."""
         return int(sub[-1]) - int(sub[0]) == len(sub) - 1
+
+    def _listed_in_id_order(self, sub: np.ndarray, rows: np.ndarray) -> bool:
+        """Whether the request lists Indexes ``rows`` of a node in the order of their
+        cindexes' ids ``sub`` (then ``sub`` is the step; compared as bytes, cheaper
+        than looking the Indexes up)."""
+        return rows.tobytes() == self.graph.coords[sub, 1:].tobytes()
 
     def _process_component_step(self, node: int, step: np.ndarray) -> None:
         """A non-simple component's input step and its own step."""

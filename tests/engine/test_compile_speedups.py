@@ -344,23 +344,35 @@ def test_deps_of_ascending_rows_equal_csr_gather():
         assert np.array_equal(_deps_of_ascending(ptr, idx, rows), _csr_rows(ptr, idx, rows)[1])
 
 
-def test_input_steps_from_ids_equal_lookup(monkeypatch):
+def test_io_steps_from_ids_equal_lookup(monkeypatch):
     """An input node's step is taken from its consecutive supplied ids (numbered in
-    request order); looking the request's Indexes up gives the same computations."""
+    request order), an output node's from its ids when the request lists them in
+    id order; looking the request's Indexes up gives the same computations."""
     from engine.compiler.steps import ComputationStepsComputer
 
     cases = _compile_cases()
     taken = []
-    real = ComputationStepsComputer._supplied_in_request_order
+    real_in = ComputationStepsComputer._supplied_in_request_order
+    real_out = ComputationStepsComputer._listed_in_id_order
 
-    def spy(sub):
-        out = real(sub)
-        taken.append(out)
+    def spy_in(sub):
+        out = real_in(sub)
+        taken.append(("in", out))
+        return out
+
+    def spy_out(self, sub, rows):
+        out = real_out(self, sub, rows)
+        taken.append(("out", out))
         return out
     monkeypatch.setattr(ComputationStepsComputer, "_supplied_in_request_order",
-                        staticmethod(spy))
+                        staticmethod(spy_in))
+    monkeypatch.setattr(ComputationStepsComputer, "_listed_in_id_order", spy_out)
     fast = _compile_all(cases)
-    assert sum(taken) > 20, "the ids are taken as they are"
+    assert sum(ok for kind, ok in taken if kind == "in") > 20, "input ids taken as they are"
+    assert sum(ok for kind, ok in taken if kind == "out") > 10, "output ids taken as they are"
+    assert not all(ok for kind, ok in taken if kind == "out"), "some outputs are looked up"
     monkeypatch.setattr(ComputationStepsComputer, "_supplied_in_request_order",
                         staticmethod(lambda sub: False))
+    monkeypatch.setattr(ComputationStepsComputer, "_listed_in_id_order",
+                        lambda self, sub, rows: False)
     assert _compile_all(cases) == fast
