@@ -717,8 +717,9 @@ class ArrayGraphBuild:
                 ok_lo = fast.computable_arrays(st == C)
                 ok_hi = fast.computable_arrays(st != NC)
                 new = np.where(ok_lo, C, np.where(ok_hi, U, NC)).astype(np.int8)
-        done = new != U
-        k = int(np.count_nonzero(done))
+        # how many rows settle, and how many of them as not computable
+        counts = np.bincount(new, minlength=3).tolist()
+        k = num_sel - counts[U]
         if not k:
             return False
         if k == num_sel:
@@ -726,16 +727,16 @@ class ArrayGraphBuild:
             changed_rows = rows
             nd.keep_unsettled(_EMPTY, None)
         else:
+            done = new != U
             newd = new[done]
             changed_rows = rows[done]
             left = ~done
             nd.keep_unsettled(rows[left], None if deps is None else deps[left])
         status[changed_rows] = newd
-        bad_mask = newd == NC
-        num_bad = int(np.count_nonzero(bad_mask))
+        num_bad = counts[NC]
         not_c[v] -= k - num_bad
         if self.track_usable and num_bad:
-            bad = changed_rows[bad_mask]
+            bad = changed_rows[newd == NC]
             # Kaldi: a cindex found not computable while usable withdraws from its
             # inputs.
             if num_bad > _SMALL:
