@@ -171,7 +171,7 @@ class ArrayGraphBuild:
         num = len(nodes.kind)
         self.num_nodes = num
         (self.pos, self.is_input_node, self.producers, self.one_producer, self.settle_fast,
-         self.all_required, self.chains) = _node_facts(nodes)
+         self.all_required, self.partial_nodes, self.chains) = _node_facts(nodes)
         self.node_deps = [_NodeDeps() for _ in range(num)]
         self.pending: list[list] = [[] for _ in range(num)]
         # whether a node's pending ids may repeat (beyond one list from one consumer)
@@ -917,14 +917,8 @@ class ArrayGraphBuild:
         the outputs, so all are required (no usable counts: all were expanded)."""
         if self.track_usable or not _all(self.status[base:self.size] == C):
             return False
-        nodes = self.nodes
-        for v in range(self.num_nodes):
-            if self.node_deps[v].parts:
-                mode = nodes.deps_mode[v]
-                if mode == DEPS_GENERAL or (mode == DEPS_DESCRIPTOR
-                                            and not nodes.fast[v].all_required):
-                    return False
-        return True
+        node_deps = self.node_deps
+        return not any(node_deps[v].parts for v in self.partial_nodes)
 
     def _prune(self, base: int, input_ids: np.ndarray, outs: np.ndarray):
         size = self.size
@@ -1081,8 +1075,8 @@ def _node_facts(nodes) -> tuple:
     """Per node of a NodeTable, what the array build reads (kept with the table): its
     position in the node order, whether it is an input node (a boolean array), its
     producers (a tuple), the one node all its inputs are on or -1, its compiled
-    descriptor where that decides its statuses, whether it needs all its inputs,
-    and its chain (_chains)."""
+    descriptor where that decides its statuses, whether it needs all its inputs
+    (and the list of the nodes that do not), and its chain (_chains)."""
     hit = nodes.extra.get("graph_node_facts")
     if hit is not None:
         return hit
@@ -1097,8 +1091,9 @@ def _node_facts(nodes) -> tuple:
                    for v in range(num)]
     all_required = [nodes.deps_mode[v] != DEPS_GENERAL and (f is None or f.all_required)
                     for v, f in enumerate(settle_fast)]
+    partial_nodes = [v for v in range(num) if not all_required[v]]
     out = (pos, is_input_node, producers, one_producer, settle_fast, all_required,
-           _chains(nodes, pos))
+           partial_nodes, _chains(nodes, pos))
     nodes.extra["graph_node_facts"] = out
     return out
 
