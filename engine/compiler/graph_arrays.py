@@ -111,20 +111,24 @@ def _counts(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class _NodeDeps:
     """Expanded cindexes of one node and their inputs: ``rows`` (ids) and ``deps``
     ((len(rows), K) input ids, K fixed per node), or per-row id arrays
-    (``lists``) for components asked Index by Index."""
+    (``lists``) for components asked Index by Index.  ``open`` holds the
+    (rows, deps) parts whose statuses are not settled yet (all unknown), in the
+    order they were added."""
 
-    __slots__ = ("parts", "rows", "deps", "lists", "num_unsettled")
+    __slots__ = ("parts", "rows", "deps", "lists", "open", "num_unsettled")
 
     def __init__(self) -> None:
         self.parts: list = []
         self.rows = None
         self.deps = None
         self.lists: list | None = None
+        self.open: list = []
         self.num_unsettled = 0
 
     def add(self, rows: np.ndarray, deps) -> None:
         self.parts.append((rows, deps))
         self.rows = None
+        self.open.append((rows, deps))
         self.num_unsettled += len(rows)
 
     def merged(self):
@@ -136,6 +140,20 @@ class _NodeDeps:
             self.parts = [(rows, deps)]
             self.rows, self.deps = rows, deps
         return self.rows, self.deps
+
+    def unsettled(self):
+        """(rows, deps) of the cindexes not settled yet (deps None for ``lists``)."""
+        op = self.open
+        if len(op) > 1:
+            rows = _cat([p[0] for p in op])
+            deps = _cat([p[1] for p in op]) if self.lists is None else None
+            self.open = op = [(rows, deps)]
+        return op[0]
+
+    def keep_unsettled(self, rows: np.ndarray, deps) -> None:
+        """After settling: only these (rows, deps) are still unknown."""
+        self.open = [(rows, deps)] if len(rows) else []
+        self.num_unsettled = len(rows)
 
 
 class ArrayGraphBuild:
@@ -152,10 +170,8 @@ class ArrayGraphBuild:
         self.max_sweeps = max_sweeps
         num = len(nodes.kind)
         self.num_nodes = num
-        self.pos = [0] * num
-        for p, v in enumerate(nodes.order):
-            self.pos[v] = p
-        self.is_input_node = np.array([k == INPUT for k in nodes.kind], dtype=bool)
+        (self.pos, self.is_input_node, self.producers, self.one_producer, self.settle_fast,
+         self.all_required, self.partial_nodes, self.chains) = _node_facts(nodes)
         self.node_deps = [_NodeDeps() for _ in range(num)]
         self.pending: list[list] = [[] for _ in range(num)]
         # whether a node's pending ids may repeat (beyond one list from one consumer)
@@ -164,21 +180,11 @@ class ArrayGraphBuild:
         self.track_usable = nodes.recurrent
         # how many cindexes of each node are not (yet) known to be computable
         self.not_c = np.zeros(num, dtype=np.int64)
-        self.producers = [tuple(p) for p in nodes.producers]
-        # per node: the one node all its inputs are on, or -1
-        self.one_producer = [p[0] if len(p) == 1 else -1 for p in self.producers]
-        # per node: the settling rule (all inputs required) and its compiled descriptor
-        self.settle_fast = [nodes.fast[v] if nodes.deps_mode[v] == DEPS_DESCRIPTOR else None
-                            for v in range(num)]
-        self.all_required = [nodes.deps_mode[v] != DEPS_GENERAL
-                             and (f is None or f.all_required)
-                             for v, f in enumerate(self.settle_fast)]
         # the margins the table keeps around every cindex (largest constant shifts)
         self.margin = list(nodes.margin)
-        # per node: its shifts as key deltas for the current table (_shift_plan)
-        self._plans: dict = {}
-        # per node: the chain of nodes expanded with it (_chains)
-        self.chains = _chains(nodes, self.pos)
+        # per node: its shifts as key deltas for a table's strides (_shift_plan); kept
+        # with the network's NodeTable, as requests of one kind give the same strides
+        self._plans: dict = nodes.extra.setdefault("graph_shift_plans", {})
 
     # -- keys and the table -----------------------------------------------------------------------
     def _init_rows(self, base_coords: np.ndarray, specs: list) -> None:
@@ -498,7 +504,7 @@ class ArrayGraphBuild:
                 flat = self._lookup(kg + deltas[0, 0], node, shifted, distinct=True)
             else:
                 flat = self._lookup((deltas + kg[None, :]).ravel(), node, shifted)
-            self._route(v, shifts, flat, m)
+            self._route([sh[0] for sh in shifts], flat, m, True)
             self._record(v, g, flat.reshape(k, m).T if k > 1 else flat[:, None])
             return
         mode = nodes.deps_mode[v]
@@ -511,12 +517,22 @@ class ArrayGraphBuild:
             raise GiveUp("a node without inputs was asked for its inputs")
         slots = nodes.fast[v].deps_arrays(n, t, x)
         k = len(slots)
-        node_col = np.concatenate([np.broadcast_to(np.asarray(s[0], np.int64), (m,))
-                                   for s in slots])
-        flat = self._lookup(self._key_checked(node_col, np.concatenate([s[1] for s in slots]),
-                                              np.concatenate([s[2] for s in slots]),
-                                              np.concatenate([s[3] for s in slots])))
-        self._queue(flat, self.one_producer[v])
+        block_nodes = [sl[0] for sl in slots]
+        fixed = all(type(b) is int for b in block_nodes)     # no Switch: one node a slot
+        if fixed:
+            node_col = np.repeat(np.array(block_nodes, dtype=np.int64), m)
+            one = block_nodes[0] if block_nodes.count(block_nodes[0]) == k else -1
+        else:
+            node_col = np.concatenate([np.broadcast_to(np.asarray(b, np.int64), (m,))
+                                       for b in block_nodes])
+            one = -1
+        flat = self._lookup(self._key_checked(node_col, np.concatenate([sl[1] for sl in slots]),
+                                              np.concatenate([sl[2] for sl in slots]),
+                                              np.concatenate([sl[3] for sl in slots])), one)
+        if fixed:
+            self._route(block_nodes, flat, m, False)
+        else:
+            self._queue(flat, self.one_producer[v])
         self._record(v, g, flat.reshape(k, m).T)
 
     def _expand_chain(self, v: int, g: np.ndarray, kg: np.ndarray) -> bool:
@@ -569,7 +585,7 @@ class ArrayGraphBuild:
     def _shift_plan(self, v: int, shifts: list):
         """((k, 1) key deltas of node v's constant shifts in the current table, the
         one node all inputs are on or -1, whether any shift moves n, t or x);
-        remade when the table is."""
+        remade when the table's strides differ from those it was made for."""
         strides = (self.stride_n, self.stride_t, self.stride_node)
         hit = self._plans.get(v)
         if hit is not None and hit[0] == strides:
@@ -583,17 +599,21 @@ class ArrayGraphBuild:
         self._plans[v] = (strides, plan)
         return plan
 
-    def _route(self, v: int, shifts: list, flat: np.ndarray, m: int) -> None:
-        pending = self.pending
-        first = shifts[0][0]
-        if all(s[0] == first for s in shifts):
+    def _route(self, block_nodes: list, flat: np.ndarray, m: int, distinct_blocks: bool) -> None:
+        """Queue ``flat``, blocks of ``m`` ids on the nodes ``block_nodes``
+        (``distinct_blocks``: no id repeats within a block, as for the inputs of
+        distinct rows through one constant shift)."""
+        pending, pending_dup = self.pending, self.pending_dup
+        first = block_nodes[0]
+        if block_nodes.count(first) == len(block_nodes):
             pending[first].append(flat)
-            if len(shifts) > 1:
-                self.pending_dup[first] = True
+            if len(block_nodes) > 1 or not distinct_blocks:
+                pending_dup[first] = True
             return
-        for k, s in enumerate(shifts):
-            pending[s[0]].append(flat[k * m:(k + 1) * m])
-            self.pending_dup[s[0]] = True
+        for k, b in enumerate(block_nodes):
+            pending[b].append(flat[k * m:(k + 1) * m])
+            if not distinct_blocks:
+                pending_dup[b] = True
 
     def _record(self, v: int, g: np.ndarray, deps: np.ndarray) -> None:
         """Store the (m, K) inputs of cindexes g of node v (all of them queued on
@@ -664,9 +684,8 @@ class ArrayGraphBuild:
         raise GiveUp("statuses settle too slowly (a long recurrence without IfDefined)")
 
     def _settle_node(self, v: int, nd: _NodeDeps) -> bool:
-        rows, deps = nd.rows, nd.deps
-        if rows is None:
-            rows, deps = nd.merged()
+        rows, deps = nd.unsettled()
+        num_sel = len(rows)
         status = self.status
         all_required = self.all_required[v]
         not_c = self.not_c
@@ -677,19 +696,13 @@ class ArrayGraphBuild:
             else:
                 # every cindex of every node read is computable: so are these
                 status[rows] = C
-                not_c[v] -= nd.num_unsettled
-                nd.num_unsettled = 0
+                not_c[v] -= num_sel
+                nd.keep_unsettled(_EMPTY, None)
                 return True
-        sel = np.flatnonzero(status[rows] == U)
-        num_sel = len(sel)
-        if not num_sel:
-            nd.num_unsettled = 0
-            return False
-        whole = num_sel == len(rows)
         if deps is None:
-            new = self._settle_general(v, rows, sel)
+            new = self._settle_general(v, rows)
         else:
-            st = status[deps if whole else deps[sel]]
+            st = status[deps]
             if all_required:
                 width = st.shape[1]
                 if width == 0:
@@ -704,23 +717,26 @@ class ArrayGraphBuild:
                 ok_lo = fast.computable_arrays(st == C)
                 ok_hi = fast.computable_arrays(st != NC)
                 new = np.where(ok_lo, C, np.where(ok_hi, U, NC)).astype(np.int8)
-        done = new != U
-        k = int(np.count_nonzero(done))
-        nd.num_unsettled = num_sel - k
+        # how many rows settle, and how many of them as not computable
+        counts = np.bincount(new, minlength=3).tolist()
+        k = num_sel - counts[U]
         if not k:
             return False
         if k == num_sel:
             newd = new
-            changed_rows = rows if whole else rows[sel]
+            changed_rows = rows
+            nd.keep_unsettled(_EMPTY, None)
         else:
+            done = new != U
             newd = new[done]
-            changed_rows = rows[sel[done]]
+            changed_rows = rows[done]
+            left = ~done
+            nd.keep_unsettled(rows[left], None if deps is None else deps[left])
         status[changed_rows] = newd
-        bad_mask = newd == NC
-        num_bad = int(np.count_nonzero(bad_mask))
+        num_bad = counts[NC]
         not_c[v] -= k - num_bad
         if self.track_usable and num_bad:
-            bad = changed_rows[bad_mask]
+            bad = changed_rows[newd == NC]
             # Kaldi: a cindex found not computable while usable withdraws from its
             # inputs.
             if num_bad > _SMALL:
@@ -756,11 +772,11 @@ class ArrayGraphBuild:
             return s == C or (treat_unknown and s == U)
         return contains
 
-    def _settle_general(self, v: int, rows, sel) -> np.ndarray:
+    def _settle_general(self, v: int, rows) -> np.ndarray:
         comp, src, misc = self.nodes.component[v], self.nodes.src[v], self.misc
         have, maybe = self._index_set(src, False), self._index_set(src, True)
-        out = np.empty(len(sel), dtype=np.int8)
-        for j, r in enumerate(self.coords_of(rows[sel])[:, 1:].tolist()):
+        out = np.empty(len(rows), dtype=np.int8)
+        for j, r in enumerate(self.coords_of(rows)[:, 1:].tolist()):
             idx = _tuple_new(Index, r)
             if comp.is_computable(misc, idx, have, None):
                 out[j] = C
@@ -795,7 +811,8 @@ class ArrayGraphBuild:
                 if not len(a):
                     continue
                 before = self.size
-                ids = self._lookup(self._encode(node, a[:, 0], a[:, 1], a[:, 2]))
+                # (the table was made around these Indexes: no margin to check)
+                ids = self._lookup(self._encode(node, a[:, 0], a[:, 1], a[:, 2]), node, False)
                 if ids.min() < before or self.size - before != len(a):
                     raise GiveUp("an Index repeated or already in the graph")
                 ids_out.append(ids)
@@ -844,23 +861,39 @@ class ArrayGraphBuild:
         return self._prune(base, inputs, outs)
 
     # -- pruning ---------------------------------------------------------------------------------
-    def _used(self, v: int):
-        """(rows, deps, used) of node v's expanded cindexes: deps (m, K) and used a
-        (m, K) mask (None: all), meaningful for the computable rows (only those can
-        be required: _required checks); for components asked Index by Index, the
-        computable rows only, deps a list of used-id arrays and used None."""
-        nd = self.node_deps[v]
-        rows, deps = nd.merged()
-        if rows is None:
-            return None
-        if self.nodes.deps_mode[v] == DEPS_GENERAL:
-            return self._used_general(v, rows, self.status[rows] == C)
-        fast = self.nodes.fast[v]
-        if fast is None or fast.all_required:
-            return rows, deps, None
-        return rows, deps, fast.used_arrays(self.status[deps] == C)
+    def _inputs_by_width(self):
+        """The expanded cindexes' inputs for _required, without merging node by node:
+        (rowpos, deps, lists): ``deps[K]`` the (m, K) inputs of the rows of every node
+        with K inputs per row (components asked Index by Index excepted), stacked,
+        ``rowpos`` each expanded row's position in its node's block (its width's
+        stack, or, for those components, its node's ``lists[v]``, which hold the
+        used input ids of the computable rows only)."""
+        status, nodes = self.status, self.nodes
+        rowpos = np.full(self.size, -1, dtype=np.int64)
+        rows_by: dict = {}
+        deps_by: dict = {}
+        lists: dict = {}
+        for v, nd in enumerate(self.node_deps):
+            if not nd.parts:
+                continue
+            if nd.lists is not None:
+                rows, _ = nd.merged()
+                rows, lists[v] = self._used_general(v, rows, status[rows] == C)
+                rowpos[rows] = np.arange(len(rows))
+                continue
+            for rows, deps in nd.parts:
+                k = deps.shape[1]
+                rows_by.setdefault(k, []).append(rows)
+                deps_by.setdefault(k, []).append(deps)
+        for k, parts in rows_by.items():
+            rows = _cat(parts)
+            rowpos[rows] = np.arange(len(rows))
+            deps_by[k] = _cat(deps_by[k])
+        return rowpos, deps_by, lists
 
     def _used_general(self, v: int, rows, ok):
+        """(computable rows, per such row the ids of the inputs it uses) of node v, a
+        component asked Index by Index (``ok``: which of ``rows`` are computable)."""
         nodes = self.nodes
         comp, src, misc = nodes.component[v], nodes.src[v], self.misc
         have = self._index_set(src, False)
@@ -876,7 +909,7 @@ class ArrayGraphBuild:
                 lists.append(self.table[self._encode(src, a[:, 0], a[:, 1], a[:, 2])])
             else:
                 lists.append(_EMPTY)
-        return np.array(out_rows, dtype=np.int64), lists, None
+        return np.array(out_rows, dtype=np.int64), lists
 
     def _everything_used(self, base: int) -> bool:
         """Whether every cindex of the segment is computable and every dependency
@@ -884,21 +917,19 @@ class ArrayGraphBuild:
         the outputs, so all are required (no usable counts: all were expanded)."""
         if self.track_usable or not _all(self.status[base:self.size] == C):
             return False
-        nodes = self.nodes
-        for v in range(self.num_nodes):
-            if self.node_deps[v].parts:
-                mode = nodes.deps_mode[v]
-                if mode == DEPS_GENERAL or (mode == DEPS_DESCRIPTOR
-                                            and not nodes.fast[v].all_required):
-                    return False
-        return True
+        node_deps = self.node_deps
+        return not any(node_deps[v].parts for v in self.partial_nodes)
 
     def _prune(self, base: int, input_ids: np.ndarray, outs: np.ndarray):
         size = self.size
         if self._everything_used(base):
-            parts = [nd.merged() for nd in self.node_deps if nd.parts]
-            edges_src = [np.repeat(rows, deps.shape[1]) for rows, deps in parts]
-            edges_dst = [deps.ravel() for _, deps in parts]
+            edges_src, edges_dst = [], []
+            for nd in self.node_deps:
+                for rows, deps in nd.parts:
+                    k = deps.shape[1]
+                    if k:
+                        edges_src.append(rows if k == 1 else rows.repeat(k))
+                        edges_dst.append(deps.ravel())
             required = np.ones(size, dtype=bool)
         else:
             required, edges_src, edges_dst = self._required(base, outs)
@@ -940,23 +971,26 @@ class ArrayGraphBuild:
         outputs are, and a computable cindex uses only computable inputs); that is
         checked once at the end rather than row by row."""
         num = self.num_nodes
-        used = [self._used(v) for v in range(num)]
         size = self.size
-        rowpos = np.full(size, -1, dtype=np.int64)
-        for u in used:
-            if u is not None:
-                rowpos[u[0]] = np.arange(len(u[0]))
+        rowpos, deps_by, lists_of = self._inputs_by_width()
+        node_deps, fast_of, status = self.node_deps, self.nodes.fast, self.status
         required = np.zeros(size, dtype=bool)
         pending: list[list] = [[] for _ in range(num)]
+        # whether a node's pending ids may repeat beyond what several parts bring
+        # (the inputs of distinct rows repeat unless a node reads one constant
+        # shift of its Index)
+        pending_dup = [False] * num
         snode = self.stride_node
         out_nodes = self.keys[outs] // snode
         for v in np.unique(out_nodes).tolist():
             pending[v].append(outs[out_nodes == v])
         rev = self.nodes.order[::-1]
         pos = self.pos
+        shifts = self.nodes.shifts
         edges_src, edges_dst = [], []
         for _ in range(self.max_sweeps):
             later: list[list] = [[] for _ in range(num)]
+            later_dup = [False] * num
             any_later = False
             for v in rev:
                 parts = pending[v]
@@ -967,30 +1001,37 @@ class ArrayGraphBuild:
                 g = g[~required[g]]
                 if not len(g):
                     continue
-                g = _distinct(g)
+                if len(parts) > 1 or pending_dup[v]:
+                    g = _distinct(g)
                 required[g] = True
-                u = used[v]
-                if u is None:
+                nd = node_deps[v]
+                if not nd.parts:
                     continue
-                g = g[g >= base]
+                if base:
+                    g = g[g >= base]
                 p = rowpos[g]
                 if _any(p < 0):
                     raise GiveUp("a required cindex was not expanded")
-                rows, deps, mask = u
-                if isinstance(deps, list):
-                    lists = [deps[i] for i in p.tolist()]
+                mask = None
+                if nd.lists is not None:
+                    used_lists = lists_of[v]
+                    lists = [used_lists[i] for i in p.tolist()]
                     counts = [len(lst) for lst in lists]
                     if not sum(counts):
                         continue
                     dst = np.concatenate(lists)
                     src = np.repeat(g, counts)
                 else:
-                    d = deps[p]
-                    if mask is None:
-                        src = np.repeat(g, d.shape[1])
+                    k = nd.parts[0][1].shape[1]
+                    d = deps_by[k][p]
+                    fast = fast_of[v]
+                    if fast is None or fast.all_required:
+                        src = g if k == 1 else np.repeat(g, k)
                         dst = d.ravel()
                     else:
-                        mk = mask[p]
+                        # the inputs used (meaningful for computable rows, the only
+                        # ones that can be required: checked at the end)
+                        mk = mask = fast.used_arrays(status[d] == C)
                         src = np.repeat(g, rows_count(mk))
                         dst = d[mk]
                 if not len(dst):
@@ -998,27 +1039,63 @@ class ArrayGraphBuild:
                 edges_src.append(src)
                 edges_dst.append(dst)
                 one = self.one_producer[v]
+                sh = shifts[v]
                 if one >= 0:
                     groups = [(one, dst)]
+                    dup = sh is None or len(sh) != 1
+                elif sh is not None:
+                    # one constant shift per column: each column's ids are on one
+                    # node, and distinct
+                    groups = [(s[0], d[:, j] if mask is None else d[mk[:, j], j])
+                              for j, s in enumerate(sh)]
+                    dup = False
                 else:
                     dn = self.keys[dst] // snode
-                    first = int(dn[0])
-                    groups = ([(first, dst)] if _all(dn == first)
-                              else [(w, dst[dn == w]) for w in np.unique(dn).tolist()])
+                    groups = [(w, dst[dn == w]) for w in np.unique(dn).tolist()]
+                    dup = True
                 for w, ids in groups:
                     if pos[w] < pos[v]:
                         pending[w].append(ids)
+                        pending_dup[w] |= dup
                     else:
                         later[w].append(ids)
+                        later_dup[w] |= dup
                         any_later = True
             if not any_later:
                 break
-            pending = later
+            pending, pending_dup = later, later_dup
         else:
             raise GiveUp("too many sweeps")
         if _any(required & (self.status[:size] != C)):
             raise GiveUp("a required cindex is not computable")
         return required, edges_src, edges_dst
+
+
+def _node_facts(nodes) -> tuple:
+    """Per node of a NodeTable, what the array build reads (kept with the table): its
+    position in the node order, whether it is an input node (a boolean array), its
+    producers (a tuple), the one node all its inputs are on or -1, its compiled
+    descriptor where that decides its statuses, whether it needs all its inputs
+    (and the list of the nodes that do not), and its chain (_chains)."""
+    hit = nodes.extra.get("graph_node_facts")
+    if hit is not None:
+        return hit
+    num = len(nodes.kind)
+    pos = [0] * num
+    for p, v in enumerate(nodes.order):
+        pos[v] = p
+    is_input_node = np.array([k == INPUT for k in nodes.kind], dtype=bool)
+    producers = [tuple(p) for p in nodes.producers]
+    one_producer = [p[0] if len(p) == 1 else -1 for p in producers]
+    settle_fast = [nodes.fast[v] if nodes.deps_mode[v] == DEPS_DESCRIPTOR else None
+                   for v in range(num)]
+    all_required = [nodes.deps_mode[v] != DEPS_GENERAL and (f is None or f.all_required)
+                    for v, f in enumerate(settle_fast)]
+    partial_nodes = [v for v in range(num) if not all_required[v]]
+    out = (pos, is_input_node, producers, one_producer, settle_fast, all_required,
+           partial_nodes, _chains(nodes, pos))
+    nodes.extra["graph_node_facts"] = out
+    return out
 
 
 def _chains(nodes, pos: list) -> list:

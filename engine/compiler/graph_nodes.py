@@ -731,26 +731,30 @@ class NodeTable:
 
 
 def _network_signature(nnet) -> tuple[tuple, tuple]:
-    """(signature, objects) of what a NodeTable and the compiler's per-network facts
-    are computed from: per node its object, type, descriptor object, component
-    index, source node, dim offset and dim; per component its object, properties,
-    dims and input offsets.  Objects enter by identity (``objects`` holds them, so
+    """What a NodeTable and the compiler's per-network facts are computed from: per
+    node its object, type, descriptor object, component index, source node, dim
+    offset and dim; per component its object, type, properties, dims and input
+    offsets.  Objects enter by identity (the cache keeps them, _network_objects, so
     an identity cannot be taken over by a new object while the signature is kept):
     a network is edited by assigning nodes, descriptors or components, as the
     config reader, collapsing and renumbering do; descriptor trees are not edited
     in place.  Properties and dims are asked every time, as a component can change
     them in place (test mode, for one)."""
+    return (tuple([(id(n), n.type, id(n.descriptor), n.component_index, n.node_index,
+                    n.dim_offset, n.dim) for n in nnet.nodes]),
+            tuple([(id(c), type(c), int(c.properties()), c.input_dim(), c.output_dim(),
+                    _input_offsets(c)) for c in nnet.components]))
+
+
+def _input_offsets(comp) -> tuple | None:
+    offsets = getattr(comp, "input_offsets", None)
+    return tuple(offsets()) if callable(offsets) else None
+
+
+def _network_objects(nnet) -> tuple:
+    """The objects whose identities enter _network_signature."""
     nodes = nnet.nodes
-    comps = nnet.components
-    sig: list = [len(nodes), len(comps)]
-    for n in nodes:
-        sig += (id(n), n.type, id(n.descriptor), n.component_index, n.node_index,
-                n.dim_offset, n.dim)
-    for c in comps:
-        offsets = getattr(c, "input_offsets", None)
-        sig += (id(c), type(c), int(c.properties()), c.input_dim(), c.output_dim(),
-                tuple(offsets()) if callable(offsets) else None)
-    return tuple(sig), (tuple(nodes), tuple(n.descriptor for n in nodes), tuple(comps))
+    return tuple(nodes), tuple(n.descriptor for n in nodes), tuple(nnet.components)
 
 
 # NodeTables by network (weak keys: a table does not keep its network alive).
@@ -765,11 +769,11 @@ def node_table_for(nnet) -> NodeTable:
         hit = _TABLES.get(nnet)
     except TypeError:                      # not weakly referenceable: no cache
         return NodeTable(nnet)
-    sig, objs = _network_signature(nnet)
+    sig = _network_signature(nnet)
     if hit is not None and hit[0] == sig:
         return hit[2]
     table = NodeTable(nnet)
-    _TABLES[nnet] = (sig, objs, table)
+    _TABLES[nnet] = (sig, _network_objects(nnet), table)
     return table
 
 

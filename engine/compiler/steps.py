@@ -99,6 +99,16 @@ def _csr_rows(ptr: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> tuple[np.nd
     return owner, idx[at]
 
 
+def _deps_of_ascending(ptr: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The dependency ids of the cindexes ``rows`` (distinct, ascending, at least
+    one), concatenated in row order: ``_csr_rows(ptr, idx, rows)[1]``, one slice of
+    the CSR when the ids are consecutive (the usual sub-phase of a node)."""
+    first, end = int(rows[0]), int(rows[-1]) + 1
+    if end - first == len(rows):
+        return idx[ptr[first]:ptr[end]]
+    return _csr_rows(ptr, idx, rows)[1]
+
+
 def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.ndarray,
                   graph: ComputationGraph, names) -> np.ndarray:
     """Kaldi's ComputeComputationPhasesForEpoch on an epoch of several nodes:
@@ -226,6 +236,50 @@ class StepList(_IdLists):
     """The steps (lists of cindex ids) of a ComputationStepsComputer."""
 
 
+def _step_roles(table) -> tuple:
+    """Per node of a NodeTable: its role for the steps computer, whether its input
+    step is the same Indexes as its own (simple), whether its component reorders
+    Indexes, whether its steps' locations are read while steps are still being made
+    (the sources of dim-range nodes), and the node whose same Index a row reads
+    (the input of a simple component, the source of a dim-range node; -1 for
+    others) as an array.  Kept with the table (it depends only on the network)."""
+    hit = table.extra.get("step_roles")
+    if hit is not None:
+        return hit
+    roles, simple, reorders = [], [], []
+    for i, kind in enumerate(table.kind):
+        props, comp = table.props[i], table.component[i]
+        # A non-simple component that reads exactly its own Index (Kaldi's
+        # default GetInputIndexes and IsComputable) and keeps the order: its
+        # input step, the sorted union of its inputs, is the same Indexes.
+        simple.append(bool(props & _SIMPLE) or (
+            comp is not None and not props & _REORDERS
+            and type(comp).get_input_indexes is Component.get_input_indexes
+            and type(comp).is_computable is Component.is_computable))
+        reorders.append(bool(props & _REORDERS))
+        if kind == COMPONENT:
+            roles.append(_R_COMPONENT)
+        elif kind == INPUT:
+            roles.append(_R_INPUT)
+        elif table.is_output[i]:
+            roles.append(_R_OUTPUT)
+        elif kind == DIM_RANGE:
+            roles.append(_R_DIM_RANGE)
+        elif table.is_component_input[i]:
+            roles.append(_R_COMPONENT_INPUT)
+        else:
+            roles.append(-1)
+    read_early = [False] * len(roles)
+    for src in table.dim_range_src:
+        if src >= 0:
+            read_early[src] = True
+    link_src = np.array([i - 1 if simple[i] else table.dim_range_src[i]
+                         for i in range(len(roles))], dtype=np.int64)
+    out = (roles, simple, reorders, read_early, link_src)
+    table.extra["step_roles"] = out
+    return out
+
+
 class ComputationStepsComputer:
     """Kaldi's ComputationStepsComputer: turns phases into steps, segment by segment.
 
@@ -246,8 +300,8 @@ class ComputationStepsComputer:
         self.step_to_segment: list[int] = []
         self.num_segments_done = 0
         self._dim_range_done: set[tuple[int, int]] = set()
+        self._segment_range = (0, 0)
         self._names = node_names(nnet)
-        self._link_src: np.ndarray | None = None
         self._located = 0        # steps whose cindexes have their (step, row) filled in
         self._steps_view: StepList | None = None
         table = graph.node_table
@@ -256,36 +310,8 @@ class ComputationStepsComputer:
         self._component = table.component
         self._dim_range_src = table.dim_range_src
         self._margin = table.margin
-        roles, simple, reorders = [], [], []
-        for i, kind in enumerate(table.kind):
-            props, comp = table.props[i], table.component[i]
-            # A non-simple component that reads exactly its own Index (Kaldi's
-            # default GetInputIndexes and IsComputable) and keeps the order: its
-            # input step, the sorted union of its inputs, is the same Indexes.
-            simple.append(bool(props & _SIMPLE) or (
-                comp is not None and not props & _REORDERS
-                and type(comp).get_input_indexes is Component.get_input_indexes
-                and type(comp).is_computable is Component.is_computable))
-            reorders.append(bool(props & _REORDERS))
-            if kind == COMPONENT:
-                roles.append(_R_COMPONENT)
-            elif kind == INPUT:
-                roles.append(_R_INPUT)
-            elif table.is_output[i]:
-                roles.append(_R_OUTPUT)
-            elif kind == DIM_RANGE:
-                roles.append(_R_DIM_RANGE)
-            elif table.is_component_input[i]:
-                roles.append(_R_COMPONENT_INPUT)
-            else:
-                roles.append(-1)
-        self._roles, self._simple, self._reorders = roles, simple, reorders
-        # nodes whose steps' locations are read while steps are still being made
-        # (the sources of dim-range nodes)
-        self._read_early = [False] * len(roles)
-        for src in self._dim_range_src:
-            if src >= 0:
-                self._read_early[src] = True
+        (self._roles, self._simple, self._reorders, self._read_early,
+         self._link_src) = _step_roles(table)
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -381,6 +407,9 @@ class ComputationStepsComputer:
             np.cumsum(sizes, out=bounds[1:])
             phases = PhaseList(np.array([c for p in lists for c in p], dtype=np.int64), bounds)
         segment = self.num_segments_done
+        ends = self.graph.segment_ends
+        # the ids the graph builder gave this segment
+        self._segment_range = (ends[segment - 1] if segment else 0, ends[segment])
         ids = phases.ids
         if len(ids):
             # sub-phases: each phase split by node, in Kaldi's Cindex order (ids
@@ -403,6 +432,7 @@ class ComputationStepsComputer:
             if linked is not None:
                 plain = ~(plain | np.logical_or.reduceat(linked < 0, starts))
                 plain = plain.tolist()
+                linked_list = linked.tolist()
             else:
                 plain = [False] * len(nodes)
             roles, simple, early = self._roles, self._simple, self._read_early
@@ -412,6 +442,9 @@ class ComputationStepsComputer:
                 if role == _R_COMPONENT_INPUT:
                     continue        # done together with the component's own step
                 a, b = bounds[k], bounds[k + 1]
+                if (role == _R_DIM_RANGE and b - a <= 32 and linked is not None
+                        and self._dim_range_small(v, ids[a:b], linked_list[a:b])):
+                    continue
                 if plain[k] and simple[v] and role == _R_COMPONENT:
                     if early[v - 1]:
                         self._add_step_ids(linked[a:b], v - 1)
@@ -438,12 +471,7 @@ class ComputationStepsComputer:
         keys = table.key_of[ids]
         if table.mode == "dict" or (len(keys) and keys.min() < 0):
             return None
-        src = self._link_src
-        if src is None:
-            src = np.array([i - 1 if self._simple[i] else self._dim_range_src[i]
-                            for i in range(len(self._roles))], dtype=np.int64)
-            self._link_src = src
-        to = src[node]
+        to = self._link_src[node]
         out = np.full(len(ids), -1, dtype=np.int64)
         sel = np.flatnonzero(to >= 0)
         if len(sel):
@@ -492,7 +520,28 @@ class ComputationStepsComputer:
         if len(spec.indexes) != len(sub):
             raise AssertionError(f"node {name!r}: {len(sub)} cindexes in the phase but "
                                  f"{len(spec.indexes)} in the request")
-        self._add_step(node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3))
+        if not is_output and self._supplied_in_request_order(sub):
+            self._add_step_ids(sub, node)
+            return
+        rows = np.array(spec.indexes, dtype=np.int64).reshape(-1, 3)
+        if self._listed_in_id_order(sub, rows):
+            self._add_step_ids(sub, node)
+            return
+        self._add_step(node, rows)
+
+    @staticmethod
+    def _supplied_in_request_order(sub: np.ndarray) -> bool:
+        """Whether the ids ``sub`` of an input node's supplied cindexes (ascending) are
+        its step as they are: the graph numbers a segment's supplied inputs first,
+        in request order, so consecutive ids are the Indexes of one input in that
+        order."""
+        return int(sub[-1]) - int(sub[0]) == len(sub) - 1
+
+    def _listed_in_id_order(self, sub: np.ndarray, rows: np.ndarray) -> bool:
+        """Whether the request lists Indexes ``rows`` of a node in the order of their
+        cindexes' ids ``sub`` (then ``sub`` is the step; compared as bytes, cheaper
+        than looking the Indexes up)."""
+        return rows.tobytes() == self.graph.coords[sub, 1:].tobytes()
 
     def _process_component_step(self, node: int, step: np.ndarray) -> None:
         """A non-simple component's input step and its own step."""
@@ -500,10 +549,8 @@ class ComputationStepsComputer:
         comp = self._component[node]
         graph = self.graph
         coords = graph.coords
-        _, deps = _csr_rows(graph.dep_ptr, graph.dep_idx, step)
-        deps = np.unique(deps)
-        c = coords[deps]
-        input_step = deps[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
+        deps = _deps_of_ascending(graph.dep_ptr, graph.dep_idx, step)
+        input_step = self._in_cindex_order(np.unique(deps))
         if self._reorders[node]:
             in_rows, out_rows = coords[input_step, 1:], coords[step, 1:]
             orig = len(in_rows) + len(out_rows)
@@ -529,34 +576,58 @@ class ComputationStepsComputer:
             self._add_step_ids(input_step, in_node)
             self._add_step_ids(step, node)
 
+    def _in_cindex_order(self, ids: np.ndarray) -> np.ndarray:
+        """Distinct ids of cindexes of one non-input node, ascending, sorted by Cindex
+        (node, t, x, n).  The ids the graph builder gave the current segment are in
+        that order already (only supplied inputs come first, out of it)."""
+        lo, hi = self._segment_range
+        if len(ids) and lo <= ids[0] and ids[-1] < hi:
+            return ids
+        c = self.graph.coords[ids]
+        return ids[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
+
+    def _dim_range_small(self, node: int, sub: np.ndarray, src_ids: list) -> bool:
+        """_process_dim_range_sub_phase for a small sub-phase (a time step of a
+        recurrence) whose source cindexes ``src_ids`` (a list) are all in one step,
+        with Python scalars; False (nothing done) otherwise."""
+        loc = self.loc_step
+        first = -1
+        for c in src_ids:
+            if c < 0:
+                return False
+            s = int(loc[c])
+            if s != first:
+                if first >= 0 or s < 0:
+                    return False
+                first = s
+        key = (first, node)
+        if key not in self._dim_range_done:
+            self._dim_range_done.add(key)
+            source = self.step_ids[first]
+            if len(source) == len(src_ids) and source.tolist() == src_ids:
+                # the sub-phase is the whole source step, in its order
+                self._add_step_ids(sub, node)
+            else:
+                self._add_step_like(node, source, self._dim_range_src[node],
+                                    add_if_absent=True)
+        return True
+
     def _process_dim_range_sub_phase(self, node: int, sub: np.ndarray,
                                      src_ids: np.ndarray | None) -> None:
         src = self._dim_range_src[node]
         if src_ids is None:
             src_ids = self.graph.find_like(sub, node, src)
         s = self.loc_step[src_ids]
-        if 0 < len(s) <= 32:
-            # small sub-phases (one time step of a recurrence): Python scalars beat
-            # NumPy calls
-            sl = s.tolist()
-            if min(src_ids.tolist()) < 0 or min(sl) < 0:
-                raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
-                                     f"not yet in a step")
-            first = sl[0]
-            single = sl.count(first) == len(sl)
-        else:
-            if (src_ids < 0).any() or (s < 0).any():
-                raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
-                                     f"not yet in a step")
-            first = int(s[0])
-            single = bool((s == first).all())
-        if single:
+        if (src_ids < 0).any() or (s < 0).any():
+            raise AssertionError(f"dim-range node {self._names[node]!r}: source cindex "
+                                 f"not yet in a step")
+        first = int(s[0])
+        if bool((s == first).all()):
             if (first, node) in self._dim_range_done:
                 return
             self._dim_range_done.add((first, node))
             source = self.step_ids[first]
-            if len(source) == len(sub) and (source.tolist() == src_ids.tolist()
-                                            if len(sub) <= 32 else (source == src_ids).all()):
+            if len(source) == len(sub) and (source == src_ids).all():
                 # the sub-phase is the whole source step, in its order
                 self._add_step_ids(sub, node)
             else:

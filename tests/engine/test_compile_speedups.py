@@ -273,3 +273,143 @@ def test_compiler_whole_submatrices_equal_computation_scan():
         # the full-width dim-range nodes did make later whole submatrices
         assert any(w != min(s for s in range(1, len(subs)) if subs[s].matrix_index == m)
                    for m, w in enumerate(compiler._whole) if m)
+
+
+def _compile_cases() -> list:
+    """(network, request) pairs: every random architecture twice, and a TDNN with an
+    i-vector at a few chunk sizes and two sequences."""
+    from engine.compiler.request import ComputationRequest, IoSpecification
+    from engine.nnet.random_config import (GENERATOR_NAMES, GenerationOptions,
+                                           generate_config_sequence, random_request)
+    from inference_nets import RECURRENT, TDNN_IVECTOR, make_nnet
+
+    cases = []
+    opts = GenerationOptions(dim_scale=0.3)
+    for seed, kind in enumerate(GENERATOR_NAMES * 2):
+        rng = np.random.default_rng(200 + seed)
+        net = generate_config_sequence(rng, opts, kind=kind).build(rng)
+        cases.append((net, random_request(net, rng)))
+    tdnn, rnn = make_nnet(TDNN_IVECTOR), make_nnet(RECURRENT)
+    for chunk in (1, 8, 21):
+        ins = [IoSpecification("input", [Index(n, t, 0) for t in range(-10, chunk + 10)
+                                         for n in range(2)]),
+               IoSpecification("ivector", [Index(n, 0, 0) for n in range(2)])]
+        outs = [IoSpecification("output", [Index(n, t, 0) for t in range(chunk)
+                                           for n in range(2)])]
+        cases.append((tdnn, ComputationRequest(ins, outs)))
+        ins = [IoSpecification("input", [Index(0, t, 0) for t in range(-12, chunk + 2)])]
+        outs = [IoSpecification("output", [Index(0, t, 0) for t in range(chunk)])]
+        cases.append((rnn, ComputationRequest(ins, outs)))
+    return cases
+
+
+def _compile_all(cases) -> list:
+    from engine.compiler.compiler import compile_computation
+    from engine.compiler.serialize import computation_to_data
+    out = []
+    for nnet, req in cases:
+        try:
+            out.append(computation_to_data(compile_computation(nnet, [req])))
+        except Exception as e:                             # noqa: BLE001
+            out.append(type(e).__name__)
+    return out
+
+
+def test_component_input_steps_in_segment_order_equal_sorted(monkeypatch):
+    """A non-simple component's input step is taken in id order when its ids are
+    the segment's own (canonical, so already in Cindex order); sorting them by
+    Cindex every time gives the same computations."""
+    from engine.compiler.steps import ComputationStepsComputer
+
+    cases = _compile_cases()
+    calls = []
+    real = ComputationStepsComputer._in_cindex_order
+
+    def spy(self, ids):
+        out = real(self, ids)
+        calls.append(out is ids)
+        return out
+    monkeypatch.setattr(ComputationStepsComputer, "_in_cindex_order", spy)
+    fast = _compile_all(cases)
+    assert any(calls), "the id order is taken as it is"
+
+    def always_sort(self, ids):
+        c = self.graph.coords[ids]
+        return ids[np.lexsort((c[:, 1], c[:, 3], c[:, 2], c[:, 0]))]
+    monkeypatch.setattr(ComputationStepsComputer, "_in_cindex_order", always_sort)
+    assert _compile_all(cases) == fast
+
+
+def test_small_dim_range_sub_phases_equal_general_path(monkeypatch):
+    """Small dim-range sub-phases (time steps of recurrences) go through
+    _dim_range_small in plain Python; the general NumPy path gives the same
+    computations."""
+    from engine.compiler.steps import ComputationStepsComputer
+
+    cases = _compile_cases()
+    taken = []
+    real = ComputationStepsComputer._dim_range_small
+
+    def spy(self, node, sub, src_ids):
+        out = real(self, node, sub, src_ids)
+        taken.append(out)
+        return out
+    monkeypatch.setattr(ComputationStepsComputer, "_dim_range_small", spy)
+    fast = _compile_all(cases)
+    assert sum(taken) > 20, "the small path is in use"
+    monkeypatch.setattr(ComputationStepsComputer, "_dim_range_small",
+                        lambda self, node, sub, src_ids: False)
+    assert _compile_all(cases) == fast
+
+
+def test_deps_of_ascending_rows_equal_csr_gather():
+    """The dependencies of ascending rows, one CSR slice when the rows are
+    consecutive, equal the general gather."""
+    from engine.compiler.steps import _csr_rows, _deps_of_ascending
+
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 4, size=40)
+    ptr = np.zeros(41, dtype=np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    idx = rng.integers(0, 40, size=int(ptr[-1])).astype(np.int64)
+    for _ in range(200):
+        a = int(rng.integers(0, 40))
+        b = int(rng.integers(a + 1, 41))
+        rows = np.arange(a, b)
+        if rng.random() < 0.5 and len(rows) > 2:
+            rows = np.sort(rng.choice(rows, size=len(rows) - 1, replace=False))
+        assert np.array_equal(_deps_of_ascending(ptr, idx, rows), _csr_rows(ptr, idx, rows)[1])
+
+
+def test_io_steps_from_ids_equal_lookup(monkeypatch):
+    """An input node's step is taken from its consecutive supplied ids (numbered in
+    request order), an output node's from its ids when the request lists them in
+    id order; looking the request's Indexes up gives the same computations."""
+    from engine.compiler.steps import ComputationStepsComputer
+
+    cases = _compile_cases()
+    taken = []
+    real_in = ComputationStepsComputer._supplied_in_request_order
+    real_out = ComputationStepsComputer._listed_in_id_order
+
+    def spy_in(sub):
+        out = real_in(sub)
+        taken.append(("in", out))
+        return out
+
+    def spy_out(self, sub, rows):
+        out = real_out(self, sub, rows)
+        taken.append(("out", out))
+        return out
+    monkeypatch.setattr(ComputationStepsComputer, "_supplied_in_request_order",
+                        staticmethod(spy_in))
+    monkeypatch.setattr(ComputationStepsComputer, "_listed_in_id_order", spy_out)
+    fast = _compile_all(cases)
+    assert sum(ok for kind, ok in taken if kind == "in") > 20, "input ids taken as they are"
+    assert sum(ok for kind, ok in taken if kind == "out") > 10, "output ids taken as they are"
+    assert not all(ok for kind, ok in taken if kind == "out"), "some outputs are looked up"
+    monkeypatch.setattr(ComputationStepsComputer, "_supplied_in_request_order",
+                        staticmethod(lambda sub: False))
+    monkeypatch.setattr(ComputationStepsComputer, "_listed_in_id_order",
+                        lambda self, sub, rows: False)
+    assert _compile_all(cases) == fast

@@ -111,3 +111,9 @@ def test_full_grid_rejects_what_is_not_a_complete_grid():
     assert _full_grid(_grid([0], [0], [4])) == (4, 0, 1)
     assert _full_grid(np.zeros((0, 3), dtype=np.int64)) is None
     assert _full_grid(_grid([0], [0], [1, 4, 7])) == (1, 3, 3)
+    assert _full_grid(_grid([0, 2], [0, 1], [1, 10, 19])) == (1, 9, 3)   # a step of 8 or more
+    uneven = _grid([0], [0], [1, 10, 20])
+    assert _full_grid(uneven) is None                    # steps differ
+    shifted_x = _grid([0, 1], [0], range(3, 8))
+    shifted_x[-1, 2] = 1
+    assert _full_grid(shifted_x) is None                 # a pair changes from block to block

@@ -45,6 +45,10 @@ def _rank_default(rank: int, dim: int, cap: int) -> int:
     return rank if rank >= 0 else min(cap, (dim + 1) // 2)
 
 
+_AFFINE_PROPS = (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
+                 | P.BACKPROP_ADDS)
+
+
 @register_component
 class AffineComponent(UpdatableComponent):
     """y = x W^T + b; options input-dim, output-dim, param-stddev, bias-stddev,
@@ -60,8 +64,7 @@ class AffineComponent(UpdatableComponent):
         self.orthonormal_constraint = 0.0
 
     def properties(self) -> P:
-        return (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
-                | P.BACKPROP_ADDS)
+        return _AFFINE_PROPS
 
     def input_dim(self) -> int:
         return int(self.linear_params.shape[1])
@@ -260,6 +263,10 @@ class NaturalGradientAffineComponent(AffineComponent):
 # LinearComponent
 
 
+_LINEAR_PROPS = (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
+                 | P.PROPAGATE_ADDS | P.BACKPROP_ADDS)
+
+
 @register_component
 class LinearComponent(UpdatableComponent):
     """y += x W^T (no bias; PROPAGATE_ADDS); natural-gradient options as
@@ -280,8 +287,7 @@ class LinearComponent(UpdatableComponent):
         self.alpha = 4.0
 
     def properties(self) -> P:
-        return (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
-                | P.PROPAGATE_ADDS | P.BACKPROP_ADDS)
+        return _LINEAR_PROPS
 
     def input_dim(self) -> int:
         return int(self.params.shape[1])
@@ -392,6 +398,9 @@ class LinearComponent(UpdatableComponent):
 # FixedAffineComponent
 
 
+_FIXED_AFFINE_PROPS = P.SIMPLE_COMPONENT | P.BACKPROP_ADDS
+
+
 @register_component
 class FixedAffineComponent(Component):
     """A non-trainable affine transform: matrix=FILE (Kaldi matrix whose last column is
@@ -406,7 +415,7 @@ class FixedAffineComponent(Component):
         self.bias_params = np.zeros(0, np.float32)
 
     def properties(self) -> P:
-        return P.SIMPLE_COMPONENT | P.BACKPROP_ADDS
+        return _FIXED_AFFINE_PROPS
 
     def input_dim(self) -> int:
         return int(self.linear_params.shape[1])

@@ -251,6 +251,9 @@ class BackpropTruncationComponentPrecomputedIndexes(ComponentPrecomputedIndexes)
         self.zeroing_sum = zeroing_sum
 
 
+_BACKPROP_TRUNCATION_PROPS = P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
+
+
 @register_component
 class BackpropTruncationComponent(Component):
     type_name = "BackpropTruncationComponent"
@@ -269,7 +272,7 @@ class BackpropTruncationComponent(Component):
         self.count_zeroing_boundaries = 0.0
 
     def properties(self) -> P:
-        return P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
+        return _BACKPROP_TRUNCATION_PROPS
 
     def input_dim(self) -> int:
         return self.dim

@@ -87,6 +87,9 @@ class PnormComponent(_InOutDims):
         in_deriv[...] = d.reshape(rows, self.in_dim)
 
 
+_ELEMENTWISE_PRODUCT_PROPS = P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
+
+
 @register_component
 class ElementwiseProductComponent(_InOutDims):
     """Product of the input-dim/output-dim consecutive blocks of output-dim columns."""
@@ -94,7 +97,7 @@ class ElementwiseProductComponent(_InOutDims):
     type_name = "ElementwiseProductComponent"
 
     def properties(self) -> P:
-        return P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
+        return _ELEMENTWISE_PRODUCT_PROPS
 
     def init_from_config(self, cfg: ConfigLine, rng) -> None:
         self.out_dim = cfg.get_int("output-dim", required=True)
@@ -350,6 +353,9 @@ class PermuteComponent(Component):
         in_deriv[...] = out_deriv[:, xp.asarray(self.reverse_column_map)]
 
 
+_NO_OP_PROPS = P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
+
+
 @register_component
 class NoOpComponent(Component):
     """Identity forward; backprop scaled by backprop-scale."""
@@ -362,7 +368,7 @@ class NoOpComponent(Component):
         self.backprop_scale = 1.0
 
     def properties(self) -> P:
-        return P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
+        return _NO_OP_PROPS
 
     def input_dim(self) -> int:
         return self.dim

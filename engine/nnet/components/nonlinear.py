@@ -297,12 +297,17 @@ def _sigmoid(xp, x):
     return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype, copy=False)
 
 
+# the properties of the elementwise activations
+_ACTIVATION_PROPS = (P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.PROPAGATE_IN_PLACE
+                     | P.STORES_STATS)
+
+
 @register_component
 class SigmoidComponent(NonlinearComponent):
     type_name = "SigmoidComponent"
 
     def properties(self) -> P:
-        return P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.PROPAGATE_IN_PLACE | P.STORES_STATS
+        return _ACTIVATION_PROPS
 
     def propagate(self, indexes, in_value, out):
         self.check_shape("input", in_value, None, self.dim)
@@ -355,7 +360,7 @@ class TanhComponent(NonlinearComponent):
     type_name = "TanhComponent"
 
     def properties(self) -> P:
-        return P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.PROPAGATE_IN_PLACE | P.STORES_STATS
+        return _ACTIVATION_PROPS
 
     def propagate(self, indexes, in_value, out):
         self.check_shape("input", in_value, None, self.dim)
@@ -400,15 +405,15 @@ class TanhComponent(NonlinearComponent):
         self._store_stats_internal(out_value, 1.0 - out_value * out_value)
 
 
+_RELU_BLOCKS_PROPS = _ACTIVATION_PROPS | P.INPUT_CONTIGUOUS
+
+
 @register_component
 class RectifiedLinearComponent(NonlinearComponent):
     type_name = "RectifiedLinearComponent"
 
     def properties(self) -> P:
-        p = P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.PROPAGATE_IN_PLACE | P.STORES_STATS
-        if self.block_dim != self.dim:
-            p |= P.INPUT_CONTIGUOUS
-        return p
+        return _ACTIVATION_PROPS if self.block_dim == self.dim else _RELU_BLOCKS_PROPS
 
     def propagate(self, indexes, in_value, out):
         self.check_shape("input", in_value, None, self.dim)
@@ -497,12 +502,15 @@ class SoftmaxComponent(NonlinearComponent):
         self._store_stats_internal(out_value, None)
 
 
+_LOG_SOFTMAX_PROPS = P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.STORES_STATS
+
+
 @register_component
 class LogSoftmaxComponent(NonlinearComponent):
     type_name = "LogSoftmaxComponent"
 
     def properties(self) -> P:
-        return P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.STORES_STATS
+        return _LOG_SOFTMAX_PROPS
 
     def propagate(self, indexes, in_value, out):
         self.check_shape("input", in_value, None, self.dim)

@@ -190,6 +190,14 @@ class BatchNormMemo:
     scale: Any
 
 
+_BATCHNORM_BASE = (P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.PROPAGATE_IN_PLACE
+                   | P.BACKPROP_IN_PLACE)
+# [in blocks][training]: blocks add the contiguity flags, training memo and stats
+_BATCHNORM_PROPS = [[p, p | P.USES_MEMO | P.STORES_STATS]
+                    for p in (_BATCHNORM_BASE,
+                              _BATCHNORM_BASE | P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOUS)]
+
+
 @register_component
 class BatchNormComponent(Component):
     type_name = "BatchNormComponent"
@@ -211,13 +219,7 @@ class BatchNormComponent(Component):
         self.rng: np.random.Generator | None = None
 
     def properties(self) -> P:
-        p = (P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.PROPAGATE_IN_PLACE
-             | P.BACKPROP_IN_PLACE)
-        if self.block_dim < self.dim:
-            p |= P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOUS
-        if not self.test_mode:
-            p |= P.USES_MEMO | P.STORES_STATS
-        return p
+        return _BATCHNORM_PROPS[self.block_dim < self.dim][not self.test_mode]
 
     def input_dim(self) -> int:
         return self.dim

@@ -72,6 +72,9 @@ def option_error(cfg: ConfigLine, comp, option: str, message: str) -> ConfigErro
 # LSTM
 
 
+_LSTM_NONLINEARITY_PROPS = P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
+
+
 @register_component
 class LstmNonlinearityComponent(UpdatableComponent):
     """Input ``[i_part f_part c_part o_part c_prev]`` (5C, plus 3 dropout-mask
@@ -97,7 +100,7 @@ class LstmNonlinearityComponent(UpdatableComponent):
         return int(self.params.shape[1])
 
     def properties(self):
-        return P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
+        return _LSTM_NONLINEARITY_PROPS
 
     def input_dim(self) -> int:
         return 5 * self.cell_dim + (3 if self.use_dropout else 0)

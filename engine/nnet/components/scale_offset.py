@@ -53,6 +53,10 @@ def _block_rows(mat, block: int):
 # PerElementScaleComponent / NaturalGradientPerElementScaleComponent
 
 
+_PER_ELEMENT_SCALE_PROPS = (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
+                            | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE)
+
+
 @register_component
 class PerElementScaleComponent(UpdatableComponent):
     """y = x * scales (column-wise); dim with param-mean (1.0) / param-stddev (0.0), or
@@ -66,8 +70,7 @@ class PerElementScaleComponent(UpdatableComponent):
         self.scales = np.zeros(0, np.float32)
 
     def properties(self) -> P:
-        return (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
-                | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE)
+        return _PER_ELEMENT_SCALE_PROPS
 
     def input_dim(self) -> int:
         return int(self.scales.shape[0])

@@ -178,8 +178,13 @@ def _matches_grid(rows: np.ndarray, cells: np.ndarray) -> bool:
                  & ((t == cells[:, 1]) | (t == K_NO_TIME))).all())
 
 
-# the row-to-row difference of a grid with t step s (< 8): (0, s, 0)
-_STEP_T = [np.array((0, s, 0), dtype=np.int64) for s in range(8)]
+def _step_bytes(step: int) -> bytes:
+    """The bytes of the int64 row (0, step, 0): the row-to-row difference of a grid
+    with that t step."""
+    return np.array((0, step, 0), dtype=np.int64).tobytes()
+
+
+_STEP_T_BYTES = [_step_bytes(s) for s in range(8)]
 
 
 def _full_grid(rows: np.ndarray) -> tuple[int, int, int] | None:
@@ -208,8 +213,10 @@ def _full_grid(rows: np.ndarray) -> tuple[int, int, int] | None:
     step = int(t[per]) - t0
     if step <= 0:
         return None
-    # each row is the row one block before it shifted by the step in t
-    if not (rows[per:] - rows[:-per] == (_STEP_T[step] if step < 8 else (0, step, 0))).all():
+    # each row is the row one block before it shifted by the step in t (compared as
+    # bytes: NumPy's broadcast comparison and reduction cost more on short arrays)
+    step_row = _STEP_T_BYTES[step] if step < 8 else _step_bytes(step)
+    if (rows[per:] - rows[:-per]).tobytes() != step_row * (k - per):
         return None
     if per > 64:
         dn = np.diff(rows[:per, 0])
