@@ -95,16 +95,18 @@ def compress_matrix(xp, mat, compression_type: int, range_: float,
         return CompressedMatrix((x > 0).astype(np.uint8), np.float32(0.0), int(compression_type))
     # 1.0 / scale_ is a double division in Kaldi, then narrowed to float
     inv_scale = np.float32(1.0 / float(scale))
-    with np.errstate(over="ignore", invalid="ignore"):   # garbage in undefined rows
-        q = xp.rint(x * inv_scale)                # float32, round half to even
     info = np.iinfo(dtype)
-    if truncate:
-        q = xp.clip(q, info.min, info.max)
-        data = q.astype(dtype)
-    else:
-        # __float2int_rn saturates at the int32 range; the narrowing cast wraps
-        q = xp.clip(q, np.iinfo(np.int32).min, np.iinfo(np.int32).max)
-        data = q.astype(np.int64).astype(dtype)
+    # undefined rows (never written, dropped before they are read) may hold garbage,
+    # NaN included: its rounding and its cast are allowed to be invalid
+    with np.errstate(over="ignore", invalid="ignore"):
+        q = xp.rint(x * inv_scale)                # float32, round half to even
+        if truncate:
+            q = xp.clip(q, info.min, info.max)
+            data = q.astype(dtype)
+        else:
+            # __float2int_rn saturates at the int32 range; the narrowing cast wraps
+            q = xp.clip(q, np.iinfo(np.int32).min, np.iinfo(np.int32).max)
+            data = q.astype(np.int64).astype(dtype)
     return CompressedMatrix(data, scale, int(compression_type))
 
 
