@@ -132,7 +132,12 @@ class blas_threads:
     """Limit the BLAS thread pool inside a ``with`` block (threadpoolctl, when it is
     installed; ``None`` leaves the library default).  On a shared 2-core machine a
     2-thread OpenBLAS stalls whenever one of its threads loses its core, turning a
-    20 ms forward into 200 ms; one thread is slower on large products but stable."""
+    20 ms forward into 200 ms; one thread is slower on large products but stable.
+
+    The executor's product forms (engine.runtime.gemm) are timed once per shape and
+    process, under the thread count then in force; a change of thread count makes
+    them forget those decisions (on entry and on exit), so each setting is measured
+    with the forms that are fastest under it."""
 
     def __init__(self, n: int | None):
         self.n = n
@@ -147,11 +152,18 @@ class blas_threads:
             from threadpoolctl import threadpool_limits  # noqa: PLC0415
             self._ctx = threadpool_limits(limits=self.n, user_api="blas")
             self._ctx.__enter__()
+            _forget_product_forms()
         return self
 
     def __exit__(self, *exc):
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
+            _forget_product_forms()
+
+
+def _forget_product_forms() -> None:
+    from engine.runtime.gemm import forget_choices  # noqa: PLC0415
+    forget_choices()
 
 
 class CountingPool:

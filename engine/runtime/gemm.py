@@ -40,7 +40,10 @@ where the sample gives the same bits.
 the calls on random operands of the same shape and strides and picks another
 form than the components' only where it is faster *and* gives exactly the same
 result on that sample, so a BLAS library whose forms round differently simply
-keeps the components' form.  Large products (where the forms run at the same
+keeps the components' form.  The timings hold for the BLAS thread count in force
+when they were taken (at two OpenBLAS threads a 24x320x1024 product is fastest in
+256-column panels, at one thread in 128-column ones); a process that changes the
+count calls ``forget_choices``.  Large products (where the forms run at the same
 speed) are not tried.
 """
 
@@ -219,7 +222,8 @@ def nt_form(x, w, out) -> int:
 
 
 def forget_choices() -> None:
-    """Forget the measured choices and the transposed copies (tests)."""
+    """Forget the measured choices and the transposed copies (tests, and a process
+    that changes its BLAS thread count: the choices were timed under the old one)."""
     with _lock:
         _choice.clear()
         for rid in list(_finalizers):
