@@ -2,8 +2,9 @@
 (Kaldi's nnet-analyze, nnet-optimize, nnet-optimize-utils).
 
 ``optimize(computation, nnet, options=OptimizeOptions(), request=None)`` returns an
-optimized copy; ``check_computation(nnet, computation)`` raises CheckError on a
-malformed computation.
+optimized copy (``in_place=True``: the computation itself, optimized);
+``check_computation(nnet, computation)`` raises CheckError on a malformed
+computation.
 """
 
 from engine.optimizer.checker import ComputationChecker, check_computation

@@ -538,6 +538,23 @@ def test_optimize_leaves_the_input_debug_info_alone():
     assert all(changed.values()), changed
 
 
+def test_optimize_in_place_equals_the_copy():
+    """optimize(..., in_place=True) edits and returns the computation it is given,
+    which ends up as the copy optimize() returns would (same serialized form,
+    same alphas), under the default options and with deriv-time limits."""
+    from engine.compiler.serialize import computation_to_data
+
+    def data(c):
+        return computation_to_data(c), [cmd.alpha for cmd in c.commands]
+
+    for nnet, req, comp in _pipeline_cases():
+        for options in (OptimizeOptions(), OptimizeOptions(min_deriv_time=0, max_deriv_time=2)):
+            expected = data(optimize(comp, nnet, options, request=req))
+            mine = comp.copy()
+            assert optimize(mine, nnet, options, request=req, in_place=True) is mine
+            assert data(mine) == expected
+
+
 def test_per_matrix_variable_accesses_agree_with_the_variables():
     """Analyzer.variable_accesses_of (the grid of a matrix's own accesses) gives the
     same access lists as Kaldi's variables of that matrix."""

@@ -37,8 +37,8 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
     non-zeroing access of each written submatrix).  Converting changes no
     command into or out of a zeroing, so the answers do not depend on earlier
     conversions and one walk over the commands gives them all: it keeps, for
-    each matrix, the rectangles that non-zeroing commands have touched so far,
-    and tests each addition's written submatrices against them before
+    each matrix, the submatrices that non-zeroing commands have touched so
+    far, and tests each addition's written submatrices against them before
     recording its own accesses."""
     cmds = computation.commands
     to_copy, add_to_rows_multi, set_const = _TO_COPY, CT.ADD_TO_ROWS_MULTI, CT.SET_CONST
@@ -46,7 +46,7 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
     if props is None:
         props = ComponentProperties(ctx.nnet)
     subs = computation.submatrices
-    seen: list[list] = [[] for _ in computation.matrices]   # rectangles touched so far
+    seen: list[list[int]] = [[] for _ in computation.matrices]   # submatrices touched so far
     changed = False
     for c, lst in zip(cmds, command_accesses(computation, props)):
         if not lst:
@@ -58,8 +58,9 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
                 if a & 2:
                     m, ro, nr, co, nc = subs[s]
                     R1, C1 = ro + nr, co + nc
-                    for r0, r1, c0, c1 in seen[m]:
-                        if r0 < R1 and ro < r1 and c0 < C1 and co < c1:
+                    for t in seen[m]:
+                        _, r0, n0, c0, k0 = subs[t]
+                        if r0 < R1 and ro < r0 + n0 and c0 < C1 and co < c0 + k0:
                             first = False
                             break
                     if not first:
@@ -69,9 +70,8 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
                 changed = True
         elif ct == set_const and c.alpha == 0.0:
             continue   # zeroing does not count as an access here
-        for s, a in lst:
-            m, ro, nr, co, nc = subs[s]
-            seen[m].append((ro, ro + nr, co, co + nc))
+        for s, _ in lst:
+            seen[subs[s][0]].append(s)
     if changed and hasattr(ctx, "invalidate"):
         ctx.invalidate()
     return changed

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from functools import partial
-from itertools import accumulate, count
+from itertools import accumulate
 from operator import attrgetter, itemgetter
 
 from engine.compiler.computation import (COMMAND_SPECS, ArgKind, CommandType, NnetComputation,
@@ -187,16 +187,18 @@ def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] 
     if submatrix_order is not None:
         kept.sort(key=submatrix_order.__getitem__)   # stable: ties by number
     infos = list(map(subs.__getitem__, kept))
-    matrix_used = [False] * len(c.matrices)
+    used_matrices = set(map(_FIRST, infos))
+    matrix_used = list(map(used_matrices.__contains__, range(len(c.matrices))))
     if matrix_used:
         matrix_used[0] = True
-    for m in set(map(_FIRST, infos)):
-        matrix_used[m] = True
     new_subs = subs[:1]
-    distinct = dict.fromkeys(infos)   # in order of first occurrence
-    number = dict(zip(distinct, count(len(new_subs))))
-    new_subs.extend(distinct)
-    new_numbers = list(map(number.__getitem__, infos))
+    base = len(new_subs)
+    # the extents numbered in order of first occurrence, each submatrix hashed
+    # once (hashing the 5-tuples is most of this step's work)
+    number: dict = {}
+    setdefault = number.setdefault
+    new_numbers = [setdefault(info, base + len(number)) for info in infos]
+    new_subs.extend(number)
     # a reference of -1 (and of 0) stays as it is
     old_to_new_sub = dict(zip(kept, new_numbers))
     old_to_new_sub[-1] = -1
@@ -231,5 +233,6 @@ def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] 
     changed |= _renumber_table(c, "indexes_ranges", refs.of(ArgKind.INDEXES_RANGES),
                                key=_multi_key)
     changed |= _renumber_memos(refs)
-    first = dict(zip(reversed(infos), reversed(kept)))   # the first kept one of each
-    return changed, matrix_used, [0, *map(first.__getitem__, distinct)]
+    # the first kept submatrix of each new number
+    first = dict(zip(reversed(new_numbers), reversed(kept)))
+    return changed, matrix_used, [0, *map(first.__getitem__, range(base, len(new_subs)))]

@@ -297,15 +297,17 @@ class _SubmatrixOrder:
             if others:
                 used = used | self._in_use(others)
                 matrices |= others
-        stand_in: dict = {}
         members = [s for m in matrices for s in of[m] if s in used]
-        for s in members:
-            info = subs[s]
-            k = stand_in.get(info)
-            if k is None or key[s] < k:
-                stand_in[info] = key[s]
-        for s in members:
-            key[s] = stand_in[subs[s]]
+        # each member whose extent an earlier member has, with that first one
+        # (each extent hashed once); the group's smallest key goes to all of it
+        first: dict = {}
+        setdefault = first.setdefault
+        dups = [(t, s) for s in members if (t := setdefault(subs[s], s)) != s]
+        for t, s in dups:
+            if key[s] < key[t]:
+                key[t] = key[s]
+        for t, s in dups:
+            key[s] = key[t]
 
 
 def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
