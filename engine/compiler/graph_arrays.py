@@ -50,7 +50,7 @@ import numpy as np
 
 from engine.compiler.array_ops import column_bounds, rows_all, rows_any, rows_count
 from engine.compiler.graph_nodes import COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, INPUT
-from engine.core.index import Index
+from engine.core.index import Index, index_rows
 
 # Kaldi's ComputableInfo values (as in engine.compiler.graph).
 U, C, NC = 0, 1, 2
@@ -795,14 +795,14 @@ class ArrayGraphBuild:
             node = nnet.get_node_index(spec.name)
             if node == -1 or nodes.kind[node] != INPUT:
                 raise GiveUp("input at a component node (or not an input node)")
-            in_specs.append((node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3)))
+            in_specs.append((node, index_rows(spec.indexes)))
         if not any(spec.indexes for spec in req.outputs):
             raise GiveUp("no outputs")
         for spec in req.outputs:
             node = nnet.get_node_index(spec.name)
             if node == -1 or nodes.kind[node] == INPUT:
                 raise GiveUp("no such output node, or an output at an input node")
-            out_specs.append((node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3)))
+            out_specs.append((node, index_rows(spec.indexes)))
         self._init_rows(graph.coords, [a for _, a in in_specs] + [a for _, a in out_specs])
         # supplied inputs (computable), then the outputs; all new and distinct
         input_ids, output_ids = [], []
