@@ -87,6 +87,9 @@ class CompilerError(NnetcError):
 @dataclass(frozen=True)
 class CompilerOptions:
     output_debug_info: bool = True
+    # with the debug info, keep its cindexes as arrays too (NnetComputation.debug_rows),
+    # for the shortcut's expansion of a mini computation
+    debug_rows: bool = False
 
 
 class _StepInfo:
@@ -186,7 +189,7 @@ class Compiler:
         self._add_commands(deriv_needed, computation)
         consolidate_io_operations(computation)
         if options.output_debug_info:
-            self._output_debug_info(computation)
+            self._output_debug_info(computation, options.debug_rows)
         else:
             computation.matrix_debug_info = []
         return computation
@@ -1138,7 +1141,9 @@ class Compiler:
         computation.commands += [Command(dealloc, 1.0, whole[m])
                                  for m in range(1, len(computation.matrices)) if m not in keep]
 
-    def _output_debug_info(self, computation) -> None:
+    def _output_debug_info(self, computation, keep_rows: bool) -> None:
+        """The matrices' debug info, and with ``keep_rows`` its cindexes as arrays
+        (NnetComputation.debug_rows)."""
         subs = computation.submatrices
         num = len(computation.matrices)
         cindexes: list = [None] * num
@@ -1151,17 +1156,25 @@ class Compiler:
         # the next len(ids) of them
         steps = self.steps
         made = [steps[s] for s in self._matrix_steps]
+        kept = {}
         if made:
-            objs = iter(self._indexes_of(np.concatenate([info.ids for info in made])))
+            coords = np.take(self.coords, np.concatenate([info.ids for info in made]), axis=0)
+            objs = iter(make_indexes(coords[:, 1:]))
+            at = 0
         for info in made:
             cindexes[subs[info.value][0]] = rows = list(
                 zip(repeat(info.node_index, len(info.ids)), objs))
+            if keep_rows:
+                kept[id(rows)] = (rows, coords[at:at + len(rows)])
+                at += len(rows)
             if info.deriv != 0:
                 m = subs[info.deriv][0]
                 is_deriv[m] = True
                 cindexes[m] = rows
         computation.matrix_debug_info = [MatrixDebugInfo(d, [] if c is None else c)
                                          for d, c in zip(is_deriv, cindexes)]
+        if keep_rows:
+            computation.debug_rows = kept
 
 
 _command_type = attrgetter("command_type")
