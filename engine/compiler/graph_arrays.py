@@ -178,8 +178,9 @@ class ArrayGraphBuild:
         self.pending_dup = [False] * num
         # Kaldi's usable counts matter only where a recurrence could go on forever.
         self.track_usable = nodes.recurrent
-        # how many cindexes of each node are not (yet) known to be computable
-        self.not_c = np.zeros(num, dtype=np.int64)
+        # how many cindexes of each node are not (yet) known to be computable (a list:
+        # read and updated one node at a time)
+        self.not_c = [0] * num
         # the margins the table keeps around every cindex (largest constant shifts)
         self.margin = list(nodes.margin)
         # per node: its shifts as key deltas for a table's strides (_shift_plan); kept
@@ -328,7 +329,10 @@ class ArrayGraphBuild:
             on_input = self.is_input_node[nd]
             self.status[start:end] = np.where(on_input, NC, U)
             self.expanded[start:end] = on_input
-            self.not_c += np.bincount(nd, minlength=self.num_nodes)
+            counts = np.bincount(nd)
+            not_c = self.not_c
+            for node, k in zip(np.flatnonzero(counts).tolist(), counts[counts > 0].tolist()):
+                not_c[node] += k
         self.size = end
         if shifted:
             # keep the margins: a new cindex near the edge of the table grows it
