@@ -59,7 +59,8 @@ from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT,
 from engine.core.errors import NnetcError, RequestError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty as P
-from engine.nnet.descriptors import Descriptor
+from engine.nnet.descriptors import (Descriptor, ReplaceIndexForwardingDescriptor,
+                                     SimpleForwardingDescriptor)
 
 _tuple_new = tuple.__new__
 # component property flags as plain ints (NodeTable.props holds ints; IntFlag
@@ -86,6 +87,9 @@ class CompilerError(NnetcError):
 @dataclass(frozen=True)
 class CompilerOptions:
     output_debug_info: bool = True
+    # with the debug info, keep its cindexes as arrays too (NnetComputation.debug_rows),
+    # for the shortcut's expansion of a mini computation
+    debug_rows: bool = False
 
 
 class _StepInfo:
@@ -114,6 +118,16 @@ def _compile_part(part):
     """The compiled form (engine.compiler.fast_descriptors) of one SumDescriptor
     part, or None when it has no compiled form."""
     return compile_descriptor(Descriptor([part]))
+
+
+def _fixed_time_input(fd) -> tuple[int, int] | None:
+    """(node, t) when the forwarding descriptor ``fd`` reads Index (n, t, x) of
+    ``node`` for every Index (n, any t, x) (ReplaceIndex(node, t, value), as an
+    i-vector input is read), else None."""
+    if (type(fd) is ReplaceIndexForwardingDescriptor and fd.variable == "t"
+            and type(fd.src) is SimpleForwardingDescriptor):
+        return fd.src.node_index, fd.value
+    return None
 
 
 def _sort_rows(D: np.ndarray, coords: np.ndarray) -> np.ndarray:
@@ -175,7 +189,7 @@ class Compiler:
         self._add_commands(deriv_needed, computation)
         consolidate_io_operations(computation)
         if options.output_debug_info:
-            self._output_debug_info(computation)
+            self._output_debug_info(computation, options.debug_rows)
         else:
             computation.matrix_debug_info = []
         return computation
@@ -641,17 +655,23 @@ class Compiler:
 
     def _batch_plan(self, node: int, part: int):
         """How the forward commands of a descriptor part can be decided for all its
-        steps at once, when every input is the Index shifted by a constant: its
+        steps at once, when every input is the Index shifted by a constant, or the
+        part's one input is the Index with t replaced by a constant: (its
         SplitByScale pieces in order, as [(alpha, shifts, optional)], where a piece
         reads one input per row (required, or optional as in IfDefined) or sums
-        several required inputs (``shifts`` in the order each row sorts them);
-        None otherwise."""
+        several required inputs (``shifts`` in the order each row sorts them); the
+        t read, or None for shifts); None otherwise."""
         key = ("plan", node, part)
         if key in self._part_cache:
             return self._part_cache[key]
         out = None
         fast = self._part_cache[(node, part)]
         shifts = fast.linear_positions() if fast is not None else None
+        fixed_t = None
+        if shifts is None and fast is not None and fast.num_deps == 1:
+            fixed = _fixed_time_input(fast.forwarding[0])
+            if fixed is not None:
+                shifts, fixed_t = [(fixed[0], 0, 0, 0)], fixed[1]
         if shifts is not None and fast.num_deps:
             k = fast.num_deps
             shared, split, _ = self._scales(node, part)
@@ -674,15 +694,16 @@ class Compiler:
                 pieces.append((alpha, sorted((shifts[j] for j in at),
                                              key=lambda sh: (sh[0], sh[2], sh[3], sh[1])),
                                optional))
-            out = pieces
+            out = None if pieces is None else (pieces, fixed_t)
         self._part_cache[key] = out
         return out
 
     def _node_batch_plans(self, node: int) -> list:
         """The parts of descriptor node ``node`` that _batch_plan can do, as [(part,
-        offset, pieces, shifts)]: the part's constant offset, its pieces as
-        [(alpha, optional, number of inputs)], and the (node - ``node``, n, t, x)
-        shift of every input of the pieces in order, flattened."""
+        offset, pieces, shifts, fixed t)]: the part's constant offset, its pieces as
+        [(alpha, optional, number of inputs)], the (node - ``node``, n, t, x) shift
+        of every input of the pieces in order, flattened, and the t every input
+        reads (None: the shifts' t)."""
         key = ("plans", node)
         out = self._part_cache.get(key)
         if out is None:
@@ -691,10 +712,11 @@ class Compiler:
                 plan = self._batch_plan(node, p)
                 if plan is None:
                     continue
+                plan, fixed_t = plan
                 pieces = [(float(alpha), optional, len(shs)) for alpha, shs, optional in plan]
                 shifts = [v for _, shs, _ in plan for w, dn, dt, dx in shs
                           for v in (w - node, dn, dt, dx)]
-                out.append((p, float(self._scales(node, p)[2]), pieces, shifts))
+                out.append((p, float(self._scales(node, p)[2]), pieces, shifts, fixed_t))
             self._part_cache[key] = out
         return out
 
@@ -708,9 +730,11 @@ class Compiler:
         if table.mode == "dict":
             return {}
         # one column per input of each piece and step, step-major within each node
-        # part: its step and shift
+        # part: its step and shift; the (first, end) columns of the parts reading
+        # a fixed t, and that t
         col_step: list = []
         col_shift: list = []
+        fixed_spans: list = []
         work = []
         for node, nsteps in self._node_steps.items():
             plans = self._node_batch_plans(node)
@@ -718,10 +742,12 @@ class Compiler:
                 continue
             work.append((nsteps, plans))
             ns = len(nsteps)
-            for _, _, pieces, shifts in plans:
+            for _, _, pieces, shifts, fixed_t in plans:
                 k = len(shifts) >> 2
                 col_step += nsteps if k == 1 else [st for st in nsteps for _ in range(k)]
                 col_shift += shifts * ns
+                if fixed_t is not None:
+                    fixed_spans.append((len(col_step) - k * ns, len(col_step), fixed_t))
         if not col_step:
             return {}
         steps = self.steps
@@ -740,12 +766,24 @@ class Compiler:
         delta = (sh[0::4] * table.stride_node + sh[1::4] * table.stride_n
                  + sh[2::4] * table.stride_t + sh[3::4])
         keys = keys + np.repeat(delta, lens)
-        any_blank = blank.any()
-        if any_blank:
-            keys[blank] = 0
+        b = starts.tolist() + [len(rows)]
+        absent = blank
+        if fixed_spans:
+            # the rows of columns reading a fixed t: keys moved from their own t to
+            # that one (a t outside the table is in no cindex)
+            absent = blank.copy()
+            for first, end, t in fixed_spans:
+                lo, hi = b[first], b[end]
+                if table.lo[2] <= t <= table.hi[2]:
+                    keys[lo:hi] += (t - self.coords[rows[lo:hi], 2]) * table.stride_t
+                else:
+                    absent[lo:hi] = True
+        any_absent = absent.any()
+        if any_absent:
+            keys[absent] = 0
         src = table._lookup(keys)
-        if any_blank:
-            src[blank] = -1
+        if any_absent:
+            src[absent] = -1
         present = src >= 0
         safe = np.maximum(src, 0)
         src_step = self.loc_step[safe]
@@ -774,7 +812,6 @@ class Compiler:
         vsub = self._value_subs.tolist()
         low, high = low.tolist(), high.tolist()
         missing, full, ident = missing.tolist(), full.tolist(), ident.tolist()
-        b = starts.tolist() + [len(rows)]
         matrix_add, add_rows, add_rows_multi = _MATRIX_ADD, _ADD_ROWS, CT.ADD_ROWS_MULTI
 
         def column(k: int, alpha):
@@ -809,7 +846,7 @@ class Compiler:
         out: dict = {}
         k = 0
         for nsteps, plans in work:
-            for p, offset, pieces, _ in plans:
+            for p, offset, pieces, _, _ in plans:
                 for st in nsteps:
                     cols: list | None = []
                     for alpha, optional, n in pieces:
@@ -1104,7 +1141,9 @@ class Compiler:
         computation.commands += [Command(dealloc, 1.0, whole[m])
                                  for m in range(1, len(computation.matrices)) if m not in keep]
 
-    def _output_debug_info(self, computation) -> None:
+    def _output_debug_info(self, computation, keep_rows: bool) -> None:
+        """The matrices' debug info, and with ``keep_rows`` its cindexes as arrays
+        (NnetComputation.debug_rows)."""
         subs = computation.submatrices
         num = len(computation.matrices)
         cindexes: list = [None] * num
@@ -1117,17 +1156,25 @@ class Compiler:
         # the next len(ids) of them
         steps = self.steps
         made = [steps[s] for s in self._matrix_steps]
+        kept = {}
         if made:
-            objs = iter(self._indexes_of(np.concatenate([info.ids for info in made])))
+            coords = np.take(self.coords, np.concatenate([info.ids for info in made]), axis=0)
+            objs = iter(make_indexes(coords[:, 1:]))
+            at = 0
         for info in made:
             cindexes[subs[info.value][0]] = rows = list(
                 zip(repeat(info.node_index, len(info.ids)), objs))
+            if keep_rows:
+                kept[id(rows)] = (rows, coords[at:at + len(rows)])
+                at += len(rows)
             if info.deriv != 0:
                 m = subs[info.deriv][0]
                 is_deriv[m] = True
                 cindexes[m] = rows
         computation.matrix_debug_info = [MatrixDebugInfo(d, [] if c is None else c)
                                          for d, c in zip(is_deriv, cindexes)]
+        if keep_rows:
+            computation.debug_rows = kept
 
 
 _command_type = attrgetter("command_type")

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import copy as _copy
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from enum import IntEnum
 from typing import Any, Callable, NamedTuple
 
@@ -423,6 +425,11 @@ class NnetComputation:
         self.need_model_derivative = False
         # segment boundaries (command indexes of the markers), filled by the compiler
         self.segments: list[tuple[int, int]] = []
+        # where the compiler was asked to (CompilerOptions.debug_rows): the debug-info
+        # cindex lists it made, by id, each as (the list, a (k, 4) int64 array of its
+        # node, n, t, x rows); an entry's array counts only while the entry's list is
+        # that object, of that length (see debug_cindex_rows)
+        self.debug_rows: dict[int, tuple[list, np.ndarray]] | None = None
 
     # -- building ----------------------------------------------------------------------
     def new_matrix(self, num_rows: int, num_cols: int, stride_type: int = K_DEFAULT_STRIDE) -> int:
@@ -541,6 +548,36 @@ class NnetComputation:
         new.commands = list(map(copy_command, self.commands))
         new.segments = list(self.segments)
         return new
+
+    def debug_cindex_rows(self) -> np.ndarray:
+        """The debug-info cindexes of matrices 1.. in order as a (k, 4) int64 array of
+        node, n, t, x rows (not to be written to): the compiler's arrays
+        (``debug_rows``) where they still hold, the other entries' lists read in one
+        go."""
+        kept = self.debug_rows or {}
+        entries = self.matrix_debug_info[1:]
+        parts: list = [None] * len(entries)
+        missing = []
+        for i, d in enumerate(entries):
+            hit = kept.get(id(d.cindexes))
+            if hit is not None and hit[0] is d.cindexes and len(hit[1]) == len(d.cindexes):
+                parts[i] = hit[1]
+            else:
+                missing.append(i)
+        if missing:
+            lists = [entries[i].cindexes for i in missing]
+            k = sum(map(len, lists))
+            read = np.empty((k, 4), dtype=np.int64)
+            if k:
+                flat = [ci for lst in lists for ci in lst]
+                read[:, 0] = np.fromiter(map(itemgetter(0), flat), np.int64, k)
+                read[:, 1:] = np.fromiter(chain.from_iterable(map(itemgetter(1), flat)),
+                                          np.int64, 3 * k).reshape(k, 3)
+            at = 0
+            for i, lst in zip(missing, lists):
+                parts[i] = read[at:at + len(lst)]
+                at += len(lst)
+        return np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
 
     # -- printing ------------------------------------------------------------------------
     def submatrix_strings(self) -> list[str]:

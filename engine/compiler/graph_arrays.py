@@ -50,7 +50,7 @@ import numpy as np
 
 from engine.compiler.array_ops import column_bounds, rows_all, rows_any, rows_count
 from engine.compiler.graph_nodes import COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, INPUT
-from engine.core.index import Index
+from engine.core.index import Index, index_rows
 
 # Kaldi's ComputableInfo values (as in engine.compiler.graph).
 U, C, NC = 0, 1, 2
@@ -178,8 +178,9 @@ class ArrayGraphBuild:
         self.pending_dup = [False] * num
         # Kaldi's usable counts matter only where a recurrence could go on forever.
         self.track_usable = nodes.recurrent
-        # how many cindexes of each node are not (yet) known to be computable
-        self.not_c = np.zeros(num, dtype=np.int64)
+        # how many cindexes of each node are not (yet) known to be computable (a list:
+        # read and updated one node at a time)
+        self.not_c = [0] * num
         # the margins the table keeps around every cindex (largest constant shifts)
         self.margin = list(nodes.margin)
         # per node: its shifts as key deltas for a table's strides (_shift_plan); kept
@@ -328,7 +329,10 @@ class ArrayGraphBuild:
             on_input = self.is_input_node[nd]
             self.status[start:end] = np.where(on_input, NC, U)
             self.expanded[start:end] = on_input
-            self.not_c += np.bincount(nd, minlength=self.num_nodes)
+            counts = np.bincount(nd)
+            not_c = self.not_c
+            for node, k in zip(np.flatnonzero(counts).tolist(), counts[counts > 0].tolist()):
+                not_c[node] += k
         self.size = end
         if shifted:
             # keep the margins: a new cindex near the edge of the table grows it
@@ -795,14 +799,14 @@ class ArrayGraphBuild:
             node = nnet.get_node_index(spec.name)
             if node == -1 or nodes.kind[node] != INPUT:
                 raise GiveUp("input at a component node (or not an input node)")
-            in_specs.append((node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3)))
+            in_specs.append((node, index_rows(spec.indexes)))
         if not any(spec.indexes for spec in req.outputs):
             raise GiveUp("no outputs")
         for spec in req.outputs:
             node = nnet.get_node_index(spec.name)
             if node == -1 or nodes.kind[node] == INPUT:
                 raise GiveUp("no such output node, or an output at an input node")
-            out_specs.append((node, np.array(spec.indexes, dtype=np.int64).reshape(-1, 3)))
+            out_specs.append((node, index_rows(spec.indexes)))
         self._init_rows(graph.coords, [a for _, a in in_specs] + [a for _, a in out_specs])
         # supplied inputs (computable), then the outputs; all new and distinct
         input_ids, output_ids = [], []

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 from itertools import chain
-from operator import itemgetter
 from typing import Callable
 
 import numpy as np
@@ -52,7 +51,6 @@ from engine.core.index import K_NO_TIME, Index, array_to_indexes, index_rows
 
 log = logging.getLogger("engine.compiler.shortcut")
 
-_first, _second = itemgetter(0), itemgetter(1)
 _tuple_new = tuple.__new__
 _ROWS_CMDS = (CT.COPY_ROWS, CT.ADD_ROWS)
 _MULTI_CMDS = (CT.COPY_ROWS_MULTI, CT.ADD_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI,
@@ -130,18 +128,6 @@ def _index_rows(indexes) -> np.ndarray:
     return index_rows(indexes)
 
 
-def _cindex_rows(cindexes) -> np.ndarray:
-    """(rows, 4) array [n, node, t, x] of a list of (node, Index) (the nodes and
-    the Indexes each read as one flat stream)."""
-    k = len(cindexes)
-    out = np.empty((k, 4), dtype=np.int64)
-    if k:
-        out[:, 1] = np.fromiter(map(_first, cindexes), np.int64, k)
-        out[:, [0, 2, 3]] = np.fromiter(chain.from_iterable(map(_second, cindexes)), np.int64,
-                                        3 * k).reshape(k, 3)
-    return out
-
-
 def request_is_decomposable(request: ComputationRequest,
                             io_rows: list[np.ndarray] | None = None
                             ) -> tuple[ComputationRequest, int] | None:
@@ -210,7 +196,7 @@ class _Expander:
         self.sizes = sizes
         self.base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         # all rows of all matrices as [n, node, t, x]
-        rows = _cindex_rows([ci for m in range(1, nm) for ci in c.matrix_debug_info[m].cindexes])
+        rows = np.take(c.debug_cindex_rows(), [1, 0, 2, 3], axis=1)
         self.rows = rows
         self.row_n = rows[:, 0]
         mat = np.repeat(np.arange(nm), sizes)
@@ -545,9 +531,12 @@ def _default_options(optimize_options):
     return OptimizeOptions()
 
 
-def _compile_normal(nnet, request, optimize_options, optimize: bool) -> NnetComputation:
-    from engine.compiler.compiler import compile_computation  # noqa: PLC0415
-    computation = compile_computation(nnet, [request])
+def _compile_normal(nnet, request, optimize_options, optimize: bool,
+                    mini: bool = False) -> NnetComputation:
+    """Compile (and optimize) ``request``; ``mini``: a mini request, whose debug
+    cindexes are also kept as arrays for its expansion."""
+    from engine.compiler.compiler import CompilerOptions, compile_computation  # noqa: PLC0415
+    computation = compile_computation(nnet, [request], CompilerOptions(debug_rows=mini))
     if not optimize:
         return computation
     from engine.optimizer.pipeline import optimize as run_optimizer  # noqa: PLC0415
@@ -578,7 +567,7 @@ def compile_via_shortcut(nnet, request: ComputationRequest, optimize_options=Non
     if mini_compiler is not None:
         mini_computation = mini_compiler(mini)
     else:
-        mini_computation = _compile_normal(nnet, mini, options, optimize)
+        mini_computation = _compile_normal(nnet, mini, options, optimize, mini=True)
     try:
         return expand_computation(nnet, request.misc_info, mini_computation, num_n,
                                   need_debug_info)

@@ -46,7 +46,7 @@ from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
 from engine.compiler.graph_nodes import COMPONENT, DIM_RANGE, INPUT, node_table_for
 from engine.core.errors import NotComputableError, RequestError
-from engine.core.index import K_NO_TIME, Index
+from engine.core.index import K_NO_TIME, Index, index_rows
 from engine.nnet.components.base import Component, ComponentProperty
 from engine.nnet.graph import compute_nnet_computation_epochs
 
@@ -523,7 +523,7 @@ class ComputationStepsComputer:
         if not is_output and self._supplied_in_request_order(sub):
             self._add_step_ids(sub, node)
             return
-        rows = np.array(spec.indexes, dtype=np.int64).reshape(-1, 3)
+        rows = index_rows(spec.indexes)
         if self._listed_in_id_order(sub, rows):
             self._add_step_ids(sub, node)
             return

@@ -131,8 +131,9 @@ def test_general_dropout_mask_rows_number_pairs_by_first_appearance():
 
 # Descriptors whose forward commands _batch_forward decides for all steps at once:
 # SplitByScale pieces of one input, pieces summing several inputs of one step
-# (idct-style deltas) or of distinct steps, plain sums, IfDefined, and a
-# ReplaceIndex input (left to the general path).
+# (idct-style deltas) or of distinct steps, plain sums, IfDefined, and inputs
+# read at a fixed t (ReplaceIndex: present, absent inside the lookup table's
+# range, and outside it).
 _SUM_PIECES = """
 input-node name=input dim=4
 input-node name=ivector dim=2
@@ -140,8 +141,8 @@ component name=a type=AffineComponent input-dim=4 output-dim=4
 component-node name=a component=a input=input
 component name=b type=AffineComponent input-dim=4 output-dim=4
 component-node name=b component=b input=input
-component name=c type=AffineComponent input-dim=26 output-dim=4
-component-node name=c component=c input=Append(Sum(Scale(-2.0, a), Sum(Offset(b, -2), Offset(b, 2))), Sum(Scale(0.5, Sum(Offset(a, 1), Offset(a, -1))), b), Sum(Scale(2.0, input), Sum(a, Offset(b, 1))), Sum(Offset(a, -1), b), IfDefined(Offset(a, -3)), Offset(input, 1), ReplaceIndex(ivector, t, 0))
+component name=c type=AffineComponent input-dim=30 output-dim=4
+component-node name=c component=c input=Append(Sum(Scale(-2.0, a), Sum(Offset(b, -2), Offset(b, 2))), Sum(Scale(0.5, Sum(Offset(a, 1), Offset(a, -1))), b), Sum(Scale(2.0, input), Sum(a, Offset(b, 1))), Sum(Offset(a, -1), b), IfDefined(Offset(a, -3)), Offset(input, 1), ReplaceIndex(ivector, t, 0), IfDefined(ReplaceIndex(ivector, t, 3)), IfDefined(ReplaceIndex(ivector, t, 100)))
 component name=d type=AffineComponent input-dim=8 output-dim=3
 component-node name=d component=d input=Append(Sum(Scale(3.0, b), Sum(Offset(c, -1), Offset(c, 1))), Sum(Scale(-1.0, Offset(c, 2)), a))
 output-node name=output input=d

@@ -463,3 +463,31 @@ def test_cli_compile_uses_the_shortcut(tmp_path):
     assert {k: runs[()][k] for k in expected} == expected
     assert runs[()]["optimized"] and runs[("--no-shortcut",)]["optimized"]
     assert runs[()]["commands"] == runs[("--no-shortcut",)]["commands"]
+
+
+def test_kept_debug_rows_equal_the_debug_info():
+    """The mini computation's debug cindexes as arrays (kept by the compiler,
+    CompilerOptions.debug_rows) are those of its debug info, after optimization
+    too (entries the optimizer replaced are read from their lists)."""
+    from engine.compiler.compiler import CompilerOptions
+    from engine.optimizer.pipeline import optimize
+
+    def from_lists(c):
+        return np.array([[node, *idx] for d in c.matrix_debug_info[1:]
+                         for node, idx in d.cindexes], dtype=np.int64).reshape(-1, 4)
+
+    replaced = 0
+    for case in LOCAL_CASES:
+        nnet, req = _load_case(case)
+        found = request_is_decomposable(widen(req, 3, "interleaved"))
+        if found is None:
+            continue
+        mini = found[0]
+        comp = compile_computation(nnet, [mini], CompilerOptions(debug_rows=True))
+        assert comp.debug_rows
+        assert comp.debug_cindex_rows().tolist() == from_lists(comp).tolist()
+        opt = optimize(comp, nnet, OptimizeOptions(), request=mini)
+        assert opt.debug_cindex_rows().tolist() == from_lists(opt).tolist()
+        replaced += sum(id(d.cindexes) not in opt.debug_rows for d in opt.matrix_debug_info[1:])
+    assert compile_computation(nnet, [mini]).debug_rows is None
+    assert replaced, "some entries were replaced by the optimizer"
