@@ -540,7 +540,9 @@ def _compile_normal(nnet, request, optimize_options, optimize: bool,
     if not optimize:
         return computation
     from engine.optimizer.pipeline import optimize as run_optimizer  # noqa: PLC0415
-    return run_optimizer(computation, nnet, _default_options(optimize_options), request=request)
+    # the unoptimized computation is ours alone: optimized in place, not copied
+    return run_optimizer(computation, nnet, _default_options(optimize_options), request=request,
+                         in_place=True)
 
 
 def compile_via_shortcut(nnet, request: ComputationRequest, optimize_options=None, *,
