@@ -872,7 +872,7 @@ class ArrayGraphBuild:
         ``rowpos`` each expanded row's position in its node's block (its width's
         stack, or, for those components, its node's ``lists[v]``, which hold the
         used input ids of the computable rows only)."""
-        status, nodes = self.status, self.nodes
+        status = self.status
         rowpos = np.full(self.size, -1, dtype=np.int64)
         rows_by: dict = {}
         deps_by: dict = {}

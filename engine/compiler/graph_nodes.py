@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.compiler.array_ops import column_bounds
 from engine.compiler.fast_descriptors import compile_descriptor
-from engine.core.index import K_NO_TIME, Cindex, Index
+from engine.core.index import K_NO_TIME, Cindex, Index, array_to_indexes
 from engine.nnet.components.base import Component, ComponentProperty
 
 # Node kinds, from the nnet's NodeType (kept as small ints for speed).
@@ -502,7 +502,7 @@ def make_indexes(nxt: np.ndarray) -> list[Index]:
     if not len(nxt):
         return []
     if len(nxt) < 64:
-        return [_tuple_new(Index, r) for r in nxt.tolist()]
+        return array_to_indexes(nxt)
     n, t, x = nxt[:, 0], nxt[:, 1], nxt[:, 2]
     blank = t == K_NO_TIME
     if blank.any():
@@ -512,7 +512,7 @@ def make_indexes(nxt: np.ndarray) -> list[Index]:
     n0, t0, x0 = int(n.min()), int(t.min()), int(x.min())
     s0, s1, s2 = int(n.max()) - n0 + 1, int(t.max()) - t0 + 1, int(x.max()) - x0 + 1
     if s0 * s1 * s2 > 4 * len(nxt) + 4096:
-        return [_tuple_new(Index, r) for r in nxt.tolist()]
+        return array_to_indexes(nxt)
     # one representative row per distinct Index through a dense table (the last
     # row written wins), no sorting
     key = ((n - n0) * s1 + (t - t0)) * s2 + (x - x0)
@@ -521,7 +521,7 @@ def make_indexes(nxt: np.ndarray) -> list[Index]:
     rep = table[key]
     reps = table[table >= 0]
     objs = np.empty(len(nxt), dtype=object)
-    objs[reps] = np.fromiter((_tuple_new(Index, r) for r in nxt[reps].tolist()),
+    objs[reps] = np.fromiter(array_to_indexes(nxt[reps]),
                              dtype=object, count=len(reps))
     return objs[rep].tolist()
 

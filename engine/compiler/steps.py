@@ -46,11 +46,10 @@ from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
 from engine.compiler.graph_nodes import COMPONENT, DIM_RANGE, INPUT, node_table_for
 from engine.core.errors import NotComputableError, RequestError
-from engine.core.index import K_NO_TIME, Index, index_rows
+from engine.core.index import K_NO_TIME, array_to_indexes, index_rows
 from engine.nnet.components.base import Component, ComponentProperty
 from engine.nnet.graph import compute_nnet_computation_epochs
 
-_tuple_new = tuple.__new__
 _SIMPLE = int(ComponentProperty.SIMPLE_COMPONENT)
 _REORDERS = int(ComponentProperty.REORDERS_INDEXES)
 
@@ -564,9 +563,8 @@ class ComputationStepsComputer:
                     return
                 in_rows, out_rows = new_in, new_out
             else:
-                in_idx, out_idx = comp.reorder_indexes(
-                    [_tuple_new(Index, r) for r in in_rows.tolist()],
-                    [_tuple_new(Index, r) for r in out_rows.tolist()])
+                in_idx, out_idx = comp.reorder_indexes(array_to_indexes(in_rows),
+                                                       array_to_indexes(out_rows))
                 in_rows = np.array(in_idx, dtype=np.int64).reshape(-1, 3)
                 out_rows = np.array(out_idx, dtype=np.int64).reshape(-1, 3)
             padded = len(in_rows) + len(out_rows) != orig
