@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
 
+from bench.common import python_s_on  # noqa: E402
 from engine.compiler.compiler import compile_computation  # noqa: E402
 from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: E402
 from engine.core.index import Index  # noqa: E402
@@ -44,21 +45,6 @@ CASES = [(21, 1), (21, 8), (150, 1), (150, 8)]
 # CPU time of this process by default: the machine this runs on is shared, and
 # wall time swings with the other load (use --wall for perf_counter).
 CLOCK = time.process_time
-
-
-def python_s() -> float:
-    """The interpreter reference workload of shared/bench/refwork.py (same work:
-    a dict of 300k tuple keys, sorted; median of 5), timed with this script's
-    clock so that both sides of the ratio are measured alike."""
-    runs = []
-    for _ in range(5):
-        t = CLOCK()
-        d = {}
-        for i in range(300000):
-            d[(i % 7, i, i % 13)] = i
-        sorted(d.items(), key=lambda kv: (kv[0][1], kv[0][0]))
-        runs.append(CLOCK() - t)
-    return statistics.median(runs)
 
 
 def model_dirs() -> list[Path]:
@@ -154,7 +140,7 @@ def main() -> None:
     global CLOCK
     if args.wall:
         CLOCK = time.perf_counter
-    ours_py = python_s()
+    ours_py = python_s_on(CLOCK)
     print(f"our python_s = {ours_py:.4f} ({'wall' if args.wall else 'CPU'} time)")
     wanted = set(filter(None, args.models.split(",")))
     header = (f"{'model':10} {'chunk':>5} {'batch':>5} {'ours_ms':>9} {'kaldi_ms':>9} "

@@ -113,8 +113,8 @@ def suite_compile(r: Runner) -> list[dict]:
     (compiling is single-threaded; CPU time leaves out what a shared machine gives to
     other processes) normalised by the python_s workload on the same clock."""
     rows = []
-    py_cpu = common.python_cpu_s()
     clock = time.process_time
+    py_cpu = common.python_s_on(clock)
     for name, path in r.models(with_vosk=True):
         nnet = r.nnet(name, path)
         figs = common.kaldi_figures(name)
