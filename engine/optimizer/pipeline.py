@@ -3,8 +3,8 @@
 ``optimize(computation, nnet, options, request)`` returns an optimized copy of
 the computation (the argument is left as it was); with ``in_place=True`` it
 optimizes and returns the computation itself, for a caller that has no further
-use for the unoptimized one (the copy costs 0.05-0.2 ms on a chunk request).  The passes run in Kaldi's
-order, each gated by its option, each in its own module of
+use for the unoptimized one (the copy costs 0.05-0.2 ms on a chunk request).
+The passes run in Kaldi's order, each gated by its option, each in its own module of
 ``engine.optimizer.passes`` with one function ``pass_name(computation, ctx) ->
 bool`` (True when it changed something) that edits the computation in place.
 
@@ -193,8 +193,7 @@ def run_passes(computation: NnetComputation, nnet, options: OptimizeOptions | No
                request=None, passes: tuple[PassSpec, ...] = PASSES, in_place: bool = False
                ) -> tuple[NnetComputation, list[PassRecord]]:
     """Optimize a copy of ``computation`` (with ``in_place``, ``computation``
-    itself); returns (optimized, pass table).  The
-    cyclic garbage collector is paused meanwhile (see engine.compiler.gc_pause:
+    itself); returns (optimized, pass table).  The cyclic garbage collector is paused meanwhile (see engine.compiler.gc_pause:
     the analyses allocate millions of small lists, and full collections over
     the computation's objects found nothing and cost ~40% of the time)."""
     with gc_paused():

@@ -134,20 +134,19 @@ def _product_nt(x, w, direct_out):
         t = np.empty((w.shape[0], x.shape[0]), dtype=direct_out.dtype)
         _matmul(w, x.T, out=t)
         return t.T
+    wT = _weight_operand(w, form)
     if form == DOT:
-        _dot(x, w.T, direct_out)
-    elif form == TCOPY:
-        _matmul(x, transposed_copy(w), out=direct_out)
+        _dot(x, wT, direct_out)
     elif form >= PANELS:
-        panel_product(x, transposed_panels(w, panel_width(form)), direct_out)
-    else:
-        _matmul(x, w.T, out=direct_out)
+        panel_product(x, wT, direct_out)
+    else:       # DIRECT (wT is w.T) or TCOPY (wT is the contiguous copy)
+        _matmul(x, wT, out=direct_out)
     return direct_out
 
 
 def _weight_operand(w, form: int):
-    """What a bound product multiplies by: the transposed copy (TCOPY), its panels
-    (panel forms) or the view ``w.T``."""
+    """What the product in ``form`` multiplies x by: the transposed copy (TCOPY),
+    its panels (panel forms) or the view ``w.T`` (DIRECT, DOT; unused by EXCHANGED)."""
     if form == TCOPY:
         return transposed_copy(w)
     if form >= PANELS:

@@ -206,7 +206,8 @@ def nt_form(x, w, out) -> int:
     EXCHANGED (``w @ x.T`` into a transposed temporary) or, for a frozen ``w``,
     TCOPY (``x @ transposed_copy(w)`` into ``out``) or a panel form
     (``panel_product`` of ``transposed_panels(w, panel_width(form))``, form >=
-    PANELS) for these operand shapes and layouts (see the module docstring).  Only float32 operands are considered."""
+    PANELS) for these operand shapes and layouts (see the module docstring).  Only
+    float32 operands are considered."""
     if (x.dtype != np.float32 or w.dtype != np.float32 or out.dtype != np.float32
             or x.ndim != 2 or w.ndim != 2):
         return DIRECT
