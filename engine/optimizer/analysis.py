@@ -610,12 +610,16 @@ class Analyzer:
         """Bring the analysis up to date after the commands ``gone`` (kNoOperation
         now) are deleted from the list, the later ones moving up (indexes in
         ``gone`` are those before the deletion)."""
-        n = self._num_commands
-        kept = [True] * n
+        kept = [True] * self._num_commands
         for i in gone:
             kept[i] = False
+        self.keep_commands(kept)
+
+    def keep_commands(self, kept: list[bool]) -> None:
+        """``remove_commands`` given what stays: ``kept[c]`` is False for each
+        command c deleted (one flag per command before the deletion)."""
         new_index = list(accumulate(kept, initial=0))   # kept commands before each
-        self._num_commands = new_index[n]
+        self._num_commands = new_index[-1]
         if self._command_accesses is not None:
             self._command_accesses = list(compress(self._command_accesses, kept))
         self._variables = self._variable_accesses = self._command_attributes = None
@@ -623,12 +627,12 @@ class Analyzer:
             if ents:
                 ents[:] = [(new_index[c], a, r) for c, a, r in ents if kept[c]]
                 ma.entries_changed()
-            if ma.allocate_command >= 0:
-                ma.allocate_command = (-1 if ma.allocate_command in gone
-                                       else new_index[ma.allocate_command])
-            if ma.deallocate_command >= 0:
-                ma.deallocate_command = (-1 if ma.deallocate_command in gone
-                                         else new_index[ma.deallocate_command])
+            c = ma.allocate_command
+            if c >= 0:
+                ma.allocate_command = new_index[c] if kept[c] else -1
+            c = ma.deallocate_command
+            if c >= 0:
+                ma.deallocate_command = new_index[c] if kept[c] else -1
 
     def renumbered(self, matrix_used: list[bool], sub_source: list[int]) -> None:
         """Bring the analysis up to date after a renumbering of the computation

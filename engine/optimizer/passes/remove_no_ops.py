@@ -8,9 +8,10 @@ meaning (Kaldi keeps them too).
 
 from __future__ import annotations
 
+from itertools import compress
+
 from engine.compiler.computation import NnetComputation
 from engine.optimizer.analysis import CT
-
 
 
 def fix_goto_label(computation: NnetComputation, ctx=None) -> bool:
@@ -39,5 +40,19 @@ def remove_no_ops(computation: NnetComputation, ctx=None) -> bool:
     computation.commands = [c for c in computation.commands if c.command_type != noop]
     if len(computation.commands) == before:
         return False
+    fix_goto_label(computation)
+    return True
+
+
+def remove_no_ops_from(computation: NnetComputation, analyzer) -> bool:
+    """``remove_no_ops`` that also brings ``analyzer`` (an Analyzer of the
+    computation) up to date (``Analyzer.keep_commands``)."""
+    noop = CT.NO_OPERATION
+    cmds = computation.commands
+    kept = [c.command_type != noop for c in cmds]
+    computation.commands = list(compress(cmds, kept))
+    if len(computation.commands) == len(cmds):
+        return False
+    analyzer.keep_commands(kept)
     fix_goto_label(computation)
     return True

@@ -24,6 +24,7 @@ from engine.optimizer.analysis import CT
 
 
 _ARG = tuple(f"arg{i + 1}" for i in range(7))
+_TYPES = tuple(CommandType)   # in order of their values
 # per command type: ArgKind -> attribute names of the slots of that kind
 _KIND_POSITIONS = {ct: {} for ct in CommandType}
 for _ct, _spec in COMMAND_SPECS.items():
@@ -41,14 +42,10 @@ class _Refs:
     every table (renumbering changes arguments, never command types)."""
 
     def __init__(self, computation: NnetComputation):
-        by_type: dict = {}
+        lists: list[list] = [[] for _ in _TYPES]   # indexed by command type
         for cmd in computation.commands:
-            lst = by_type.get(cmd.command_type)
-            if lst is None:
-                by_type[cmd.command_type] = [cmd]
-            else:
-                lst.append(cmd)
-        self.by_type = by_type
+            lists[cmd.command_type].append(cmd)
+        self.by_type = {ct: lst for ct, lst in zip(_TYPES, lists) if lst}
 
     def of(self, kind) -> list[tuple[str, list]]:
         return [(a, group) for ct, group in self.by_type.items()

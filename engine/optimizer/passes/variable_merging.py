@@ -50,7 +50,7 @@ from collections import Counter
 from engine.compiler.computation import K_STRIDE_EQUAL_NUM_COLS, NnetComputation
 from engine.nnet.components.base import ComponentProperty as P
 from engine.optimizer.analysis import CT, Analyzer, ComponentProperties, ComputationAnalysis
-from engine.optimizer.passes.remove_no_ops import remove_no_ops
+from engine.optimizer.passes.remove_no_ops import remove_no_ops_from
 from engine.optimizer.passes.renumber import renumber_with_maps, submatrix_info
 
 _PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE = int(P.PROPAGATE_IN_PLACE), int(P.BACKPROP_IN_PLACE)
@@ -340,14 +340,13 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
                            if cmds[ci].command_type in kinds} - hopeless)
     if order is None:
         return False
+    # the analysis follows the deletion of the no-ops and the renumbering (the
+    # next passes need it): cheaper than analysing the result again.  No-ops
+    # refer to nothing, so deleting them first leaves the renumbering as it was
+    # and gives it fewer commands to walk.
+    remove_no_ops_from(computation, analyzer)
     _, matrix_used, sub_source = renumber_with_maps(computation, submatrix_order=order.key)
-    # the analysis follows the renumbering and the deletion of the no-ops (the
-    # next passes need it): cheaper than analysing the result again
     analyzer.renumbered(matrix_used, sub_source)
-    noop = CT.NO_OPERATION
-    analyzer.remove_commands({i for i, c in enumerate(computation.commands)
-                              if c.command_type == noop})
-    remove_no_ops(computation)
     if hasattr(ctx, "analysis_updated"):
         ctx.analysis_updated(analyzer, computation)
     return True
