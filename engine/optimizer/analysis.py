@@ -139,8 +139,7 @@ def command_accesses(computation: NnetComputation, props) -> list[list[tuple[int
     increasing order.  ``props``: component index -> properties as an int."""
     out: list[list[tuple[int, int]]] = []
     append = out.append
-    plans, shorts = _PLANS, _SHORT
-    indexes, indexes_multi = computation.indexes, computation.indexes_multi
+    shorts = _SHORT
     for cmd in computation.commands:
         short = shorts[cmd.command_type]
         if short is not None:
@@ -160,27 +159,34 @@ def command_accesses(computation: NnetComputation, props) -> list[list[tuple[int
                     acc = _RW
                 append([(a, accs[0]), (b, acc)])
                 continue
-        lst = []
-        for get, is_sub, acc, rule in plans[cmd.command_type]:
-            a = get(cmd)
-            if is_sub:
-                if a <= 0:
-                    continue
-                if rule:
-                    if rule == _ROWS_DEST:
-                        acc = _RW if -1 in indexes[cmd.arg3] else _W
-                    elif rule == _MULTI_DEST:
-                        acc = _W
-                    elif rule == _ADDS_PROP:
-                        if props[cmd.arg1] & _PROPAGATE_ADDS:
-                            acc = _RW
-                    elif props[cmd.arg1] & _BACKPROP_ADDS:
-                        acc = _RW
-                lst.append((a, acc))
-            else:
-                lst.extend((s, acc) for s in sorted({s for s, _ in indexes_multi[a] if s > 0}))
-        append(lst)
+        append(_accesses_of(cmd, computation, props))
     return out
+
+
+def _accesses_of(cmd, computation: NnetComputation, props) -> list[tuple[int, int]]:
+    """The (submatrix, access) pairs of one command (``command_accesses``), slot
+    by slot."""
+    lst = []
+    for get, is_sub, acc, rule in _PLANS[cmd.command_type]:
+        a = get(cmd)
+        if is_sub:
+            if a <= 0:
+                continue
+            if rule:
+                if rule == _ROWS_DEST:
+                    acc = _RW if -1 in computation.indexes[cmd.arg3] else _W
+                elif rule == _MULTI_DEST:
+                    acc = _W
+                elif rule == _ADDS_PROP:
+                    if props[cmd.arg1] & _PROPAGATE_ADDS:
+                        acc = _RW
+                elif props[cmd.arg1] & _BACKPROP_ADDS:
+                    acc = _RW
+            lst.append((a, acc))
+        else:
+            lst.extend((s, acc) for s in sorted({s for s, _ in computation.indexes_multi[a]
+                                                 if s > 0}))
+    return lst
 
 
 # -- variables ------------------------------------------------------------------------------
@@ -438,7 +444,6 @@ class Analyzer:
             whole[s] = ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
             rect[s] = (ro, ro + nr, co, co + nc)
         self.submatrix_matrix, self.submatrix_whole, self.submatrix_rect = s2m, whole, rect
-        self._command_accesses: list | None = command_accesses(computation, self.props)
         self._num_commands = len(computation.commands)   # the commands described
         self.entries: list[list[tuple]] = [[] for _ in range(nm)]
         self.matrix_accesses = out = [MatrixAccesses(e, (0, mi.num_rows, 0, mi.num_cols))
@@ -450,10 +455,44 @@ class Analyzer:
         life = _Life(computation, out, whole, s2m)
         alloc, dealloc, life_types = CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, _MATRIX_LIFE
         entries = self.entries
-        for ci, (cmd, lst) in enumerate(zip(computation.commands, self.command_accesses)):
-            for s, a in lst:
-                entries[s2m[s]].append((ci, a, rect[s]))
+        # the command accesses (as command_accesses() makes them), entered as they are
+        # made: the usual one- and two-slot commands inline, the others by _accesses_of
+        cacc: list = []
+        self._command_accesses = cacc
+        keep, shorts, props = cacc.append, _SHORT, self.props
+        for ci, cmd in enumerate(computation.commands):
             ct = cmd.command_type
+            short = shorts[ct]
+            if short is not None and short[0] != 2:
+                n, get, accs, _ = short
+                if n:
+                    s = get(cmd)
+                    if s > 0:
+                        a = accs[0]
+                        keep([(s, a)])
+                        entries[s2m[s]].append((ci, a, rect[s]))
+                    else:
+                        keep([])
+                else:
+                    keep(())
+            else:
+                lst = None
+                if short is not None:
+                    _, get, accs, rule = short
+                    s, t = get(cmd)
+                    if s > 0 and t > 0:
+                        a = accs[1]
+                        if rule and props[cmd.arg1] & (_PROPAGATE_ADDS if rule == _ADDS_PROP
+                                                       else _BACKPROP_ADDS):
+                            a = _RW
+                        lst = [(s, accs[0]), (t, a)]
+                        entries[s2m[s]].append((ci, accs[0], rect[s]))
+                        entries[s2m[t]].append((ci, a, rect[t]))
+                if lst is None:
+                    lst = _accesses_of(cmd, computation, props)
+                    for s, a in lst:
+                        entries[s2m[s]].append((ci, a, rect[s]))
+                keep(lst)
             if ct in life_types:
                 s = cmd.arg1
                 # the usual cases inline; anything else (and every error) in _Life
