@@ -29,8 +29,9 @@ work on such matrices.  The common forward cases (each scale piece of a part
 reads at most one input per row at a constant shift, or sums inputs that each
 come from one step) are decided for every step at once by _batch_forward; the
 other parts, and all backward commands, are split step by step.  Index objects
-exist only where the computation keeps them (component precomputed indexes,
-matrix debug info), shared between equal Indexes.
+exist only where the computation keeps them (the Indexes of component
+precomputed indexes kept for the shortcut), shared between equal Indexes; the
+matrix debug info holds node, n, t, x arrays (DebugCindexes).
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ from engine.compiler.compile_utils import (convert_to_indexes,  # noqa: F401 (re
                                            split_locations, split_locations_backward,
                                            split_pair_list)
 from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_COLS, Command,
-                                         CommandType as CT, DebugCindexes, MatrixDebugInfo, MatrixInfo,
-                                         NnetComputation, PrecomputedIndexesInfo, SubMatrixInfo)
+                                         CommandType as CT, DebugCindexes, MatrixDebugInfo,
+                                         MatrixInfo, NnetComputation, PrecomputedIndexesInfo,
+                                         SubMatrixInfo)
 from engine.compiler.fast_descriptors import compile_descriptor
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT, make_indexes
@@ -208,6 +210,7 @@ class Compiler:
         np.cumsum(self._step_len[:-1], out=self._step_start[1:])
         self._all_ids = (np.concatenate(step_ids) if step_ids
                          else np.zeros(0, dtype=np.int64))
+        self._coords_of_steps = None
         # the steps whose first cindex is an input
         has = self._step_len[:-1] > 0
         first = self._all_ids[self._step_start[:-1][has]]
@@ -231,6 +234,17 @@ class Compiler:
         self._facts = shared.setdefault("compiler_facts", {})
         self._part_cache = shared.setdefault("compiler_parts", {})
         self._node_margin = shared.setdefault("compiler_margins", {})
+
+    def _steps_coords(self) -> tuple[np.ndarray, list[int], list[int]]:
+        """The node, n, t, x rows of all steps end to end (not to be written to), and
+        where each step's rows start and how many there are (made when first
+        asked for)."""
+        if self._coords_of_steps is None:
+            coords = np.take(self.coords, self._all_ids, axis=0)
+            coords.flags.writeable = False
+            self._coords_of_steps = (coords, self._step_start.tolist(),
+                                     self._step_len.tolist())
+        return self._coords_of_steps
 
     def _indexes_of(self, ids: np.ndarray) -> list:
         """Index objects of cindex ids (equal Indexes share one object)."""
@@ -1095,8 +1109,11 @@ class Compiler:
                 need = need_derivatives[info.segment] = req.need_derivatives()
             in_rows = out_rows = None
             if by_arrays is not None:
-                in_rows = np.take(self.coords, in_info.ids, axis=0)[:, 1:]
-                out_rows = np.take(self.coords, info.ids, axis=0)[:, 1:]
+                coords, starts, lens = self._steps_coords()
+                at = starts[step - 1]
+                in_rows = coords[at:at + lens[step - 1], 1:]
+                at = starts[step]
+                out_rows = coords[at:at + lens[step], 1:]
                 data = by_arrays(req.misc_info, in_rows, out_rows, need)
             else:
                 data = comp.precompute_indexes(req.misc_info, self._indexes_of(in_info.ids),
@@ -1149,8 +1166,7 @@ class Compiler:
         made = np.array(self._matrix_steps, dtype=np.int64)
         if len(made) != len(computation.matrices) - 1:
             raise CompilerError("a matrix was made by no step")
-        coords = np.take(self.coords, self._all_ids, axis=0)
-        coords.flags.writeable = False
+        coords = self._steps_coords()[0]
         starts = self._step_start[made]
         ends = starts + self._step_len[made]
         # a step's derivative matrix comes right after its value matrix

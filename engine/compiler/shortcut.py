@@ -279,7 +279,7 @@ class _Expander:
         """Every matrix's cindexes with n running over 0..N-1: all matrices' node, n,
         t, x rows in one array (each n = 0 row copied to its N places, with n set),
         an entry per matrix holding its slice (DebugCindexes)."""
-        nm, big_n = len(self.c.matrices), self.num_n
+        big_n = self.num_n
         new_sizes = (self.sizes // 2) * big_n
         new_ends = np.cumsum(new_sizes)
         new_base = new_ends - new_sizes
@@ -295,10 +295,11 @@ class _Expander:
         rows = np.take(self.rows, src, axis=0)
         rows[:, 1][pos] = np.arange(big_n)
         rows.flags.writeable = False
-        src_info = self.c.matrix_debug_info
-        self.out.matrix_debug_info = [MatrixDebugInfo()] + [
-            MatrixDebugInfo(src_info[k].is_deriv, DebugCindexes(rows[a:b]))
-            for k, a, b in zip(range(1, nm), new_base[1:].tolist(), new_ends[1:].tolist())]
+        is_deriv = [d.is_deriv for d in self.c.matrix_debug_info[1:]]
+        self.out.matrix_debug_info = [MatrixDebugInfo(), *map(
+            MatrixDebugInfo, is_deriv,
+            map(DebugCindexes, map(rows.__getitem__, map(slice, new_base[1:].tolist(),
+                                                            new_ends[1:].tolist()))))]
 
     def compute_submatrices(self) -> None:
         c = self.c
