@@ -29,15 +29,16 @@ work on such matrices.  The common forward cases (each scale piece of a part
 reads at most one input per row at a constant shift, or sums inputs that each
 come from one step) are decided for every step at once by _batch_forward; the
 other parts, and all backward commands, are split step by step.  Index objects
-exist only where the computation keeps them (component precomputed indexes,
-matrix debug info), shared between equal Indexes.
+exist only where the computation keeps them (the Indexes of component
+precomputed indexes kept for the shortcut), shared between equal Indexes; the
+matrix debug info holds node, n, t, x arrays (DebugCindexes).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import islice, repeat
+from itertools import islice
 from operator import attrgetter
 
 import numpy as np
@@ -51,8 +52,9 @@ from engine.compiler.compile_utils import (convert_to_indexes,  # noqa: F401 (re
                                            split_locations, split_locations_backward,
                                            split_pair_list)
 from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_COLS, Command,
-                                         CommandType as CT, MatrixDebugInfo, MatrixInfo,
-                                         NnetComputation, PrecomputedIndexesInfo, SubMatrixInfo)
+                                         CommandType as CT, DebugCindexes, MatrixDebugInfo,
+                                         MatrixInfo, NnetComputation, PrecomputedIndexesInfo,
+                                         SubMatrixInfo)
 from engine.compiler.fast_descriptors import compile_descriptor
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT, make_indexes
@@ -87,9 +89,6 @@ class CompilerError(NnetcError):
 @dataclass(frozen=True)
 class CompilerOptions:
     output_debug_info: bool = True
-    # with the debug info, keep its cindexes as arrays too (NnetComputation.debug_rows),
-    # for the shortcut's expansion of a mini computation
-    debug_rows: bool = False
 
 
 class _StepInfo:
@@ -189,7 +188,7 @@ class Compiler:
         self._add_commands(deriv_needed, computation)
         consolidate_io_operations(computation)
         if options.output_debug_info:
-            self._output_debug_info(computation, options.debug_rows)
+            self._output_debug_info(computation)
         else:
             computation.matrix_debug_info = []
         return computation
@@ -211,6 +210,7 @@ class Compiler:
         np.cumsum(self._step_len[:-1], out=self._step_start[1:])
         self._all_ids = (np.concatenate(step_ids) if step_ids
                          else np.zeros(0, dtype=np.int64))
+        self._coords_of_steps = None
         # the steps whose first cindex is an input
         has = self._step_len[:-1] > 0
         first = self._all_ids[self._step_start[:-1][has]]
@@ -234,6 +234,17 @@ class Compiler:
         self._facts = shared.setdefault("compiler_facts", {})
         self._part_cache = shared.setdefault("compiler_parts", {})
         self._node_margin = shared.setdefault("compiler_margins", {})
+
+    def _steps_coords(self) -> tuple[np.ndarray, list[int], list[int]]:
+        """The node, n, t, x rows of all steps end to end (not to be written to), and
+        where each step's rows start and how many there are (made when first
+        asked for)."""
+        if self._coords_of_steps is None:
+            coords = np.take(self.coords, self._all_ids, axis=0)
+            coords.flags.writeable = False
+            self._coords_of_steps = (coords, self._step_start.tolist(),
+                                     self._step_len.tolist())
+        return self._coords_of_steps
 
     def _indexes_of(self, ids: np.ndarray) -> list:
         """Index objects of cindex ids (equal Indexes share one object)."""
@@ -391,8 +402,9 @@ class Compiler:
 
         facts_of, facts = self._node_facts, self._facts
         kind_descriptor = self.kind_descriptor
-        # the steps of each descriptor node (see _prepare_descriptors), the steps
-        # that make matrices (for the debug info) and the steps of output nodes
+        # the steps of each descriptor node (see _prepare_descriptors), the step
+        # that made each matrix 1.. (for the debug info; a step that made a value and
+        # a derivative matrix is there twice) and the steps of output nodes
         node_steps: dict[int, list[int]] = {}
         self._matrix_steps = made = []
         self._output_steps = outputs = []
@@ -418,6 +430,7 @@ class Compiler:
                 sub_append(_tuple_new(SubMatrixInfo, (m, 0, num_rows, 0, dim)))
                 whole_append(value)
                 if need:
+                    made.append(step)
                     mat_append(_tuple_new(MatrixInfo, (num_rows, dim, stride)))
                     deriv = value + 1
                     sub_append(_tuple_new(SubMatrixInfo, (m + 1, 0, num_rows, 0, dim)))
@@ -1096,8 +1109,11 @@ class Compiler:
                 need = need_derivatives[info.segment] = req.need_derivatives()
             in_rows = out_rows = None
             if by_arrays is not None:
-                in_rows = np.take(self.coords, in_info.ids, axis=0)[:, 1:]
-                out_rows = np.take(self.coords, info.ids, axis=0)[:, 1:]
+                coords, starts, lens = self._steps_coords()
+                at = starts[step - 1]
+                in_rows = coords[at:at + lens[step - 1], 1:]
+                at = starts[step]
+                out_rows = coords[at:at + lens[step], 1:]
                 data = by_arrays(req.misc_info, in_rows, out_rows, need)
             else:
                 data = comp.precompute_indexes(req.misc_info, self._indexes_of(in_info.ids),
@@ -1141,40 +1157,25 @@ class Compiler:
         computation.commands += [Command(dealloc, 1.0, whole[m])
                                  for m in range(1, len(computation.matrices)) if m not in keep]
 
-    def _output_debug_info(self, computation, keep_rows: bool) -> None:
-        """The matrices' debug info, and with ``keep_rows`` its cindexes as arrays
-        (NnetComputation.debug_rows)."""
-        subs = computation.submatrices
-        num = len(computation.matrices)
-        cindexes: list = [None] * num
-        is_deriv = [False] * num
-        # the (node, Index) pairs of the rows of each step that made a matrix (its
-        # value's, and its derivative's if it has one; the other steps' submatrices
-        # are parts of those: a dim-range node covering all columns aliases its
-        # source's matrix): plain tuples (Cindex objects for 100k rows cost real
-        # time), Index objects made in one go and shared; each matrix's pairs take
-        # the next len(ids) of them
-        steps = self.steps
-        made = [steps[s] for s in self._matrix_steps]
-        kept = {}
-        if made:
-            coords = np.take(self.coords, np.concatenate([info.ids for info in made]), axis=0)
-            objs = iter(make_indexes(coords[:, 1:]))
-            at = 0
-        for info in made:
-            cindexes[subs[info.value][0]] = rows = list(
-                zip(repeat(info.node_index, len(info.ids)), objs))
-            if keep_rows:
-                kept[id(rows)] = (rows, coords[at:at + len(rows)])
-                at += len(rows)
-            if info.deriv != 0:
-                m = subs[info.deriv][0]
-                is_deriv[m] = True
-                cindexes[m] = rows
-        computation.matrix_debug_info = [MatrixDebugInfo(d, [] if c is None else c)
-                                         for d, c in zip(is_deriv, cindexes)]
-        if keep_rows:
-            computation.debug_rows = kept
+    def _output_debug_info(self, computation) -> None:
+        """The matrices' debug info: each matrix holds the rows of the step that made
+        it (the other steps' submatrices are parts of those: a dim-range node
+        covering all columns aliases its source's matrix), as a slice of one array
+        of all steps' node, n, t, x rows (DebugCindexes: the (node, Index) pairs are
+        made only if read)."""
+        made = np.array(self._matrix_steps, dtype=np.int64)
+        if len(made) != len(computation.matrices) - 1:
+            raise CompilerError("a matrix was made by no step")
+        coords = self._steps_coords()[0]
+        starts = self._step_start[made]
+        ends = starts + self._step_len[made]
+        # a step's derivative matrix comes right after its value matrix
+        is_deriv = np.zeros(len(made), dtype=bool)
+        is_deriv[1:] = made[1:] == made[:-1]
+        computation.matrix_debug_info = [MatrixDebugInfo(), *map(
+            MatrixDebugInfo, is_deriv.tolist(),
+            map(DebugCindexes, map(coords.__getitem__, map(slice, starts.tolist(),
+                                                              ends.tolist()))))]
 
 
 _command_type = attrgetter("command_type")

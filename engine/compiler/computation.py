@@ -28,6 +28,7 @@ range compression of Indexes and integer lists, same 200-character elision).
 from __future__ import annotations
 
 import copy as _copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import itemgetter
@@ -160,6 +161,23 @@ class Command:
         return [int(self.command_type), float(self.alpha)] + self.args
 
 
+def copy_command(c: Command, make=object.__new__, cls=Command) -> Command:
+    """A copy of a command, slot by slot on an instance made without __init__ (~10x
+    faster than copy.copy on a slotted dataclass and ~20% faster than the
+    constructor)."""
+    d = make(cls)
+    d.command_type = c.command_type
+    d.alpha = c.alpha
+    d.arg1 = c.arg1
+    d.arg2 = c.arg2
+    d.arg3 = c.arg3
+    d.arg4 = c.arg4
+    d.arg5 = c.arg5
+    d.arg6 = c.arg6
+    d.arg7 = c.arg7
+    return d
+
+
 class MatrixInfo(NamedTuple):
     num_rows: int
     num_cols: int
@@ -174,10 +192,57 @@ class SubMatrixInfo(NamedTuple):
     num_cols: int
 
 
+class DebugCindexes(Sequence):
+    """The debug cindexes of one matrix held as a (k, 4) int64 array of node, n, t, x
+    rows (``rows``, not to be written to), read as the sequence of (node, Index)
+    pairs they stand for.  The pairs are made when first read (most computations
+    never read them: the optimizer asks only for their number), the array stays
+    valid throughout since the sequence cannot be changed; a slice is another
+    DebugCindexes over the rows sliced."""
+
+    __slots__ = ("rows", "_pairs")
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self._pairs: list | None = None
+
+    def _list(self) -> list:
+        if self._pairs is None:
+            from engine.compiler.graph_nodes import make_indexes  # noqa: PLC0415
+            rows = self.rows
+            self._pairs = list(zip(rows[:, 0].tolist(), make_indexes(rows[:, 1:])))
+        return self._pairs
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return DebugCindexes(self.rows[i])
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, DebugCindexes):
+            return self.rows.shape == other.rows.shape and bool((self.rows == other.rows).all())
+        if isinstance(other, (list, tuple)):
+            return self._list() == list(other)
+        return NotImplemented
+
+    __hash__ = None   # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"DebugCindexes({self._list()!r})"
+
+
 @dataclass
 class MatrixDebugInfo:
     is_deriv: bool = False
-    cindexes: list = field(default_factory=list)   # list of (node, Index)
+    # the (node, Index) pairs of the matrix's rows: a list, or the compiler's array
+    # form (DebugCindexes), which reads the same; replaced rather than changed
+    cindexes: list | DebugCindexes = field(default_factory=list)
 
 
 @dataclass
@@ -425,11 +490,6 @@ class NnetComputation:
         self.need_model_derivative = False
         # segment boundaries (command indexes of the markers), filled by the compiler
         self.segments: list[tuple[int, int]] = []
-        # where the compiler was asked to (CompilerOptions.debug_rows): the debug-info
-        # cindex lists it made, by id, each as (the list, a (k, 4) int64 array of its
-        # node, n, t, x rows); an entry's array counts only while the entry's list is
-        # that object, of that length (see debug_cindex_rows)
-        self.debug_rows: dict[int, tuple[list, np.ndarray]] | None = None
 
     # -- building ----------------------------------------------------------------------
     def new_matrix(self, num_rows: int, num_cols: int, stride_type: int = K_DEFAULT_STRIDE) -> int:
@@ -529,39 +589,20 @@ class NnetComputation:
         new.indexes = [list(v) for v in self.indexes]
         new.indexes_multi = [list(v) for v in self.indexes_multi]
         new.indexes_ranges = [list(v) for v in self.indexes_ranges]
-
-        # slot by slot on an instance made without __init__: ~10x faster than
-        # copy.copy on a slotted dataclass and ~20% faster than the constructor
-        def copy_command(c, make=object.__new__, cls=Command):
-            d = make(cls)
-            d.command_type = c.command_type
-            d.alpha = c.alpha
-            d.arg1 = c.arg1
-            d.arg2 = c.arg2
-            d.arg3 = c.arg3
-            d.arg4 = c.arg4
-            d.arg5 = c.arg5
-            d.arg6 = c.arg6
-            d.arg7 = c.arg7
-            return d
-
         new.commands = list(map(copy_command, self.commands))
         new.segments = list(self.segments)
         return new
 
     def debug_cindex_rows(self) -> np.ndarray:
         """The debug-info cindexes of matrices 1.. in order as a (k, 4) int64 array of
-        node, n, t, x rows (not to be written to): the compiler's arrays
-        (``debug_rows``) where they still hold, the other entries' lists read in one
-        go."""
-        kept = self.debug_rows or {}
+        node, n, t, x rows (not to be written to): the arrays of the entries held as
+        such (DebugCindexes), the other entries' lists read in one go."""
         entries = self.matrix_debug_info[1:]
         parts: list = [None] * len(entries)
         missing = []
         for i, d in enumerate(entries):
-            hit = kept.get(id(d.cindexes))
-            if hit is not None and hit[0] is d.cindexes and len(hit[1]) == len(d.cindexes):
-                parts[i] = hit[1]
+            if type(d.cindexes) is DebugCindexes:
+                parts[i] = d.cindexes.rows
             else:
                 missing.append(i)
         if missing:

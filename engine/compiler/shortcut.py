@@ -42,12 +42,13 @@ from typing import Callable
 import numpy as np
 
 from engine.compiler.array_ops import rows_equal
-from engine.compiler.computation import (CommandType as CT, MatrixDebugInfo, NnetComputation,
-                                         PrecomputedIndexesInfo, SubMatrixInfo)
+from engine.compiler.computation import (CommandType as CT, DebugCindexes, MatrixDebugInfo,
+                                         MatrixInfo, NnetComputation, PrecomputedIndexesInfo,
+                                         SubMatrixInfo, copy_command)
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import make_indexes
 from engine.compiler.request import ComputationRequest, IoSpecification
-from engine.core.index import K_NO_TIME, Index, array_to_indexes, index_rows
+from engine.core.index import K_NO_TIME, Index, index_rows
 
 log = logging.getLogger("engine.compiler.shortcut")
 
@@ -55,6 +56,26 @@ _tuple_new = tuple.__new__
 _ROWS_CMDS = (CT.COPY_ROWS, CT.ADD_ROWS)
 _MULTI_CMDS = (CT.COPY_ROWS_MULTI, CT.ADD_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI,
                CT.ADD_TO_ROWS_MULTI)
+
+
+def _rest_keys(rows: np.ndarray) -> np.ndarray:
+    """One int64 per (k, 4) node, n, t, x row, equal for rows equal but for n."""
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64)
+    node, t, x = rows[:, 0], rows[:, 2], rows[:, 3]
+    t0, x0 = int(t.min()), int(x.min())
+    t_span, x_span = int(t.max()) - t0 + 1, int(x.max()) - x0 + 1
+    if (int(node.max()) + 1) * t_span * x_span < 2 ** 62:
+        return (node * t_span + (t - t0)) * x_span + (x - x0)
+    return np.unique(rows[:, [0, 2, 3]], axis=0, return_inverse=True)[1].reshape(-1)
+
+
+def _first_not_none(entries: np.ndarray) -> np.ndarray:
+    return entries[:, 0] >= 0
+
+
+def _non_empty(ranges: np.ndarray) -> np.ndarray:
+    return ranges[:, 0] != ranges[:, 1]
 
 
 class ShortcutNotApplicable(Exception):
@@ -170,10 +191,11 @@ def request_is_decomposable(request: ComputationRequest,
 
 class _Expander:
     def __init__(self, nnet, misc_info, computation: NnetComputation, num_n: int,
-                 need_debug_info: bool):
+                 need_debug_info: bool, in_place: bool = False):
         self.nnet = nnet
         self.misc_info = misc_info
         self.c = computation
+        self.in_place = in_place
         self.num_n = num_n
         self.need_debug_info = need_debug_info
         self.out = NnetComputation()
@@ -194,18 +216,17 @@ class _Expander:
         if any(len(c.matrix_debug_info[m].cindexes) != sizes[m] for m in range(1, nm)):
             raise ShortcutNotApplicable("the debug info does not cover every matrix row")
         self.sizes = sizes
-        self.base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        # all rows of all matrices as [n, node, t, x]
-        rows = np.take(c.debug_cindex_rows(), [1, 0, 2, 3], axis=1)
-        self.rows = rows
-        self.row_n = rows[:, 0]
+        self.base = np.cumsum(sizes) - sizes
+        # all rows of all matrices as node, n, t, x
+        self.rows = rows = c.debug_cindex_rows()
+        self.row_n = n = rows[:, 1]
         mat = np.repeat(np.arange(nm), sizes)
         local = np.arange(rows.shape[0]) - self.base[mat]
         self.row_matrix, self.row_local = mat, local
         self.stride = np.zeros(nm, dtype=np.int64)
         if nm == 1:
             return
-        n, rest = rows[:, 0], rows[:, 1:]
+        rest = _rest_keys(rows)
         ms = np.arange(1, nm)
         first, last = self.base[ms], self.base[ms] + sizes[ms] - 1
         bad = (sizes[ms] % 2 != 0) | (n[first] != 0) | (n[last] != 1)
@@ -213,8 +234,7 @@ class _Expander:
             raise ShortcutNotApplicable("a matrix of the mini computation does not hold "
                                         "n = 0 and n = 1 rows in equal numbers")
         # candidate strides, in Kaldi's order: 1, size / 2, the smallest other divisor
-        # (np.take gathers rows several times faster than fancy indexing)
-        twin = (n == 1) & rows_equal(rest, np.take(rows, self.base[mat], axis=0)[:, 1:])
+        twin = (n == 1) & (rest == rest[self.base[mat]])
         half = sizes // 2
         other = np.full(nm, np.iinfo(np.int64).max)
         cand = twin & (local >= 2) & (local < half[mat])
@@ -232,8 +252,7 @@ class _Expander:
         ok = (stride > 0).all() and bool(((j >= 0) & (j < sizes[mat])).all())
         if ok:
             g = self.base[mat] + j
-            ok = bool((rows_equal(np.take(rows, g, axis=0)[:, 1:], rest)
-                       & (n[g] == 1 - n)).all())
+            ok = bool(((rest[g] == rest) & (n[g] == 1 - n)).all())
             blk = 2 * s[zero]
             ok = ok and bool((local[zero] // blk == (local[zero] + s[zero]) // blk).all())
         if not ok:
@@ -253,46 +272,34 @@ class _Expander:
     def compute_matrices(self) -> None:
         out, n = self.out, self.num_n
         out.matrices = [self.c.matrices[0]] + [
-            mi._replace(num_rows=(mi.num_rows // 2) * n) for mi in self.c.matrices[1:]]
+            _tuple_new(MatrixInfo, ((rows // 2) * n, cols, stride))
+            for rows, cols, stride in self.c.matrices[1:]]
 
     def compute_debug_info(self) -> None:
-        """Every matrix's cindexes with n running over 0..N-1 (all matrices in one
-        vectorised pass; only the final (node, Index) pairs are built per row, the
-        Index objects once per distinct (n, t, x))."""
-        nm, big_n = len(self.c.matrices), self.num_n
+        """Every matrix's cindexes with n running over 0..N-1: all matrices' node, n,
+        t, x rows in one array (each n = 0 row copied to its N places, with n set),
+        an entry per matrix holding its slice (DebugCindexes)."""
+        big_n = self.num_n
         new_sizes = (self.sizes // 2) * big_n
-        new_base = np.concatenate([[0], np.cumsum(new_sizes)[:-1]])
+        new_ends = np.cumsum(new_sizes)
+        new_base = new_ends - new_sizes
         i0 = np.flatnonzero(self.row_n == 0)
         m, loc = self.row_matrix[i0], self.row_local[i0]
         s = self.stride[m]
-        pos = ((new_base[m] + (loc // (2 * s)) * (big_n * s) + loc % (2 * s))[:, None]
-               + s[:, None] * np.arange(big_n)).ravel()
-        # each new row is copy n of an n = 0 row: which one (its position in i0) and n
-        total = int(new_sizes.sum())
-        src = np.empty(total, dtype=np.int64)
-        src[pos] = np.repeat(np.arange(i0.size), big_n)
-        new_n = np.empty(total, dtype=np.int64)
-        new_n[pos] = np.tile(np.arange(big_n), i0.size)
-        # the distinct (t, x) of the n = 0 rows, and an Index per (t, x) and n
-        t, x = self.rows[i0, 2], self.rows[i0, 3]
-        if i0.size:
-            x_lo = int(x.min())
-            key = (t - int(t.min())) * (int(x.max()) - x_lo + 1) + (x - x_lo)
-            _, first, code = np.unique(key, return_index=True, return_inverse=True)
-        else:
-            first = code = np.zeros(0, dtype=np.int64)
-        tx = np.repeat(np.stack([t[first], x[first]], axis=1), big_n, axis=0)
-        table = np.fromiter(array_to_indexes(np.concatenate(
-            [np.tile(np.arange(big_n), len(first))[:, None], tx], axis=1)), dtype=object,
-            count=len(tx))
-        objs = table[code.reshape(-1)[src] * big_n + new_n].tolist()
-        pairs = list(zip(self.rows[i0, 1][src].tolist(), objs))
-        src_info = self.c.matrix_debug_info
-        bounds = (new_base + new_sizes).tolist()
-        starts = new_base.tolist()
-        self.out.matrix_debug_info = [MatrixDebugInfo()] + [
-            MatrixDebugInfo(src_info[k].is_deriv, pairs[starts[k]:bounds[k]])
-            for k in range(1, nm)]
+        # the N places of each n = 0 row (row loc of a block of 2 * s rows goes to row
+        # loc of a block of N * s, then s, 2 * s, ... further)
+        pos = ((new_base[m] + (loc // (2 * s)) * (big_n * s) + loc % s)[:, None]
+               + s[:, None] * np.arange(big_n))
+        src = np.empty(int(new_ends[-1]), dtype=np.int64)
+        src[pos] = i0[:, None]
+        rows = np.take(self.rows, src, axis=0)
+        rows[:, 1][pos] = np.arange(big_n)
+        rows.flags.writeable = False
+        is_deriv = [d.is_deriv for d in self.c.matrix_debug_info[1:]]
+        self.out.matrix_debug_info = [MatrixDebugInfo(), *map(
+            MatrixDebugInfo, is_deriv,
+            map(DebugCindexes, map(rows.__getitem__, map(slice, new_base[1:].tolist(),
+                                                            new_ends[1:].tolist()))))]
 
     def compute_submatrices(self) -> None:
         c = self.c
@@ -312,6 +319,7 @@ class _Expander:
         new_last = self.new_matrix_row(m, last)
         self.sub_matrix = np.concatenate([[0], m])
         self.sub_old_off = np.concatenate([[0], first])
+        self.sub_old_rows = np.concatenate([[0], arr[:, 2]])
         self.sub_new_off = np.concatenate([[0], new_first])
         self.sub_new_rows = np.concatenate([[0], new_last + 1 - new_first])
         self.out.submatrices = [c.submatrices[0]] + [
@@ -329,100 +337,118 @@ class _Expander:
         m = self.sub_matrix[s]
         return self.new_matrix_row(m, self.sub_old_off[s] + i) - self.sub_new_off[s]
 
-    def _dest(self, s1: int, old_len: int):
-        """(kept old rows i1, their new n=0 rows, dest n-stride) for submatrix s1."""
-        if old_len != self.c.submatrices[s1].num_rows:
-            raise ShortcutNotApplicable(f"index vector length {old_len} does not match "
-                                        f"submatrix s{s1}")
-        i1 = np.arange(old_len)
-        return i1, self.sub_rows_n(s1, i1) == 0
-
     def _check_src_n0(self, s, i, what: str) -> None:
         if i.size and (self.sub_rows_n(s, i) != 0).any():
             raise ShortcutNotApplicable(f"{what}: an n=0 row reads a row with n != 0")
 
-    def expand_rows(self, s1: int, s2: int, old: list[int]) -> list[int]:
-        old_arr = np.asarray(old, dtype=np.int64)
-        i1, n0 = self._dest(s1, old_arr.size)
-        keep = n0 & (old_arr >= 0)
-        i1, i2 = i1[keep], old_arr[keep]
-        self._check_src_n0(np.full(i2.size, s2), i2, "copy/add rows")
-        new = np.full(int(self.sub_new_rows[s1]), -1, dtype=np.int64)
-        steps = np.arange(self.num_n)
-        dst = self.new_sub_row(s1, i1)[:, None] + self.stride[self.sub_matrix[s1]] * steps
-        src = self.new_sub_row(np.full(i2.size, s2), i2)[:, None] \
-            + self.stride[self.sub_matrix[s2]] * steps
-        new[dst.ravel()] = src.ravel()
-        return new.tolist()
+    def _expand_vectors(self, dests: list[int], old: list[list], width: int, present):
+        """The part common to all index vectors, for all vectors of one kind in one
+        pass (``old[k]`` a vector of rows, or of pairs with ``width`` 2, for the rows
+        of submatrix ``dests[k]``; ``present(entries)``: which entries are not
+        "none").  Returns the entries that are present and of n = 0 rows, as a
+        (kept, width) array, with the vector each belongs to and its N destination
+        positions (n = 0..N-1) in the new vectors end to end, as a (kept, N) array;
+        and the new vectors' (start, end) there."""
+        s1 = np.array(dests, dtype=np.int64)
+        lens = np.fromiter(map(len, old), np.int64, len(old))
+        bad = lens != self.sub_old_rows[s1]
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise ShortcutNotApplicable(f"index vector length {int(lens[k])} does not match "
+                                        f"submatrix s{dests[k]}")
+        total = int(lens.sum())
+        flat = chain.from_iterable(old)
+        if width > 1:
+            flat = chain.from_iterable(flat)
+        arr = np.fromiter(flat, np.int64, total * width).reshape(total, width)
+        job = np.repeat(np.arange(len(old)), lens)
+        i1 = np.arange(total) - (np.cumsum(lens) - lens)[job]
+        sj = s1[job]
+        keep = (self.sub_rows_n(sj, i1) == 0) & present(arr)
+        new_lens = self.sub_new_rows[s1]
+        new_ends = np.cumsum(new_lens)
+        new_starts = new_ends - new_lens
+        job, sj, i1 = job[keep], sj[keep], i1[keep]
+        dst = ((new_starts[job] + self.new_sub_row(sj, i1))[:, None]
+               + self.stride[self.sub_matrix[sj]][:, None] * np.arange(self.num_n))
+        return arr[keep], job, dst, list(zip(new_starts.tolist(), new_ends.tolist()))
 
-    def expand_multi(self, s1: int, old: list) -> list[tuple[int, int]]:
-        pairs = np.asarray(old, dtype=np.int64).reshape(-1, 2)
-        i1, n0 = self._dest(s1, pairs.shape[0])
-        keep = n0 & (pairs[:, 0] >= 0)
-        i1, s2, i2 = i1[keep], pairs[keep, 0], pairs[keep, 1]
+    def _sources(self, s2: np.ndarray, i2: np.ndarray) -> np.ndarray:
+        """(kept, N) new rows read for n = 0..N-1 from the n = 0 rows ``i2`` of
+        submatrices ``s2``."""
+        return (self.new_sub_row(s2, i2)[:, None]
+                + self.stride[self.sub_matrix[s2]][:, None] * np.arange(self.num_n))
+
+    def expand_rows(self, jobs: list[tuple[int, int, int]]) -> list[list[int]]:
+        """The expanded row vectors (copy/add rows) for (old vector, destination,
+        source submatrix) ``jobs``."""
+        old = [self.c.indexes[j[0]] for j in jobs]
+        arr, job, dst, bounds = self._expand_vectors([j[1] for j in jobs], old, 1,
+                                                     _first_not_none)
+        s2 = np.array([j[2] for j in jobs], dtype=np.int64)[job]
+        i2 = arr[:, 0]
+        self._check_src_n0(s2, i2, "copy/add rows")
+        new = np.full(bounds[-1][1], -1, dtype=np.int64)
+        new[dst.ravel()] = self._sources(s2, i2).ravel()
+        new = new.tolist()
+        return [new[a:b] for a, b in bounds]
+
+    def expand_multi(self, jobs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """The expanded (submatrix, row) vectors of the multi-row commands for (old
+        vector, destination submatrix) ``jobs``."""
+        old = [self.c.indexes_multi[j[0]] for j in jobs]
+        arr, _, dst, bounds = self._expand_vectors([j[1] for j in jobs], old, 2,
+                                                   _first_not_none)
+        s2, i2 = arr[:, 0], arr[:, 1]
         self._check_src_n0(s2, i2, "multi-row command")
-        nrows = int(self.sub_new_rows[s1])
-        new_s = np.full(nrows, -1, dtype=np.int64)
-        new_r = np.full(nrows, -1, dtype=np.int64)
-        steps = np.arange(self.num_n)
-        dst = (self.new_sub_row(s1, i1)[:, None]
-               + self.stride[self.sub_matrix[s1]] * steps).ravel()
-        src = (self.new_sub_row(s2, i2)[:, None]
-               + self.stride[self.sub_matrix[s2]][:, None] * steps).ravel()
+        total = bounds[-1][1]
+        new_s = np.full(total, -1, dtype=np.int64)
+        new_r = np.full(total, -1, dtype=np.int64)
+        dst = dst.ravel()
         new_s[dst] = np.repeat(s2, self.num_n)
-        new_r[dst] = src
-        return list(zip(new_s.tolist(), new_r.tolist()))
+        new_r[dst] = self._sources(s2, i2).ravel()
+        pairs = list(zip(new_s.tolist(), new_r.tolist()))
+        return [pairs[a:b] for a, b in bounds]
 
-    def expand_ranges(self, s1: int, s2: int, old: list) -> list[tuple[int, int]]:
-        pairs = np.asarray(old, dtype=np.int64).reshape(-1, 2)
-        i1, n0 = self._dest(s1, pairs.shape[0])
-        keep = n0 & (pairs[:, 0] != pairs[:, 1])
-        i1, begin, last = i1[keep], pairs[keep, 0], pairs[keep, 1] - 1
-        ss2 = np.full(i1.size, s2)
-        self._check_src_n0(ss2, begin, "row ranges")
-        self._check_src_n0(ss2, last, "row ranges")
-        nrows = int(self.sub_new_rows[s1])
-        new = np.full((nrows, 2), -1, dtype=np.int64)
-        steps = np.arange(self.num_n)
-        dst = (self.new_sub_row(s1, i1)[:, None]
-               + self.stride[self.sub_matrix[s1]] * steps).ravel()
-        st2 = self.stride[self.sub_matrix[s2]] * steps
-        new[dst, 0] = (self.new_sub_row(ss2, begin)[:, None] + st2).ravel()
-        new[dst, 1] = (self.new_sub_row(ss2, last)[:, None] + 1 + st2).ravel()
-        return [tuple(p) for p in new.tolist()]
+    def expand_ranges(self, jobs: list[tuple[int, int, int]]) -> list[list[tuple[int, int]]]:
+        """The expanded row ranges (add row ranges) for (old vector, destination,
+        source submatrix) ``jobs``; (-1, -1) and empty ranges stay (-1, -1)."""
+        old = [self.c.indexes_ranges[j[0]] for j in jobs]
+        arr, job, dst, bounds = self._expand_vectors([j[1] for j in jobs], old, 2,
+                                                     _non_empty)
+        s2 = np.array([j[2] for j in jobs], dtype=np.int64)[job]
+        begin, last = arr[:, 0], arr[:, 1] - 1
+        self._check_src_n0(s2, begin, "row ranges")
+        self._check_src_n0(s2, last, "row ranges")
+        new = np.full((bounds[-1][1], 2), -1, dtype=np.int64)
+        dst = dst.ravel()
+        new[dst, 0] = self._sources(s2, begin).ravel()
+        new[dst, 1] = self._sources(s2, last).ravel() + 1
+        pairs = list(zip(new[:, 0].tolist(), new[:, 1].tolist()))
+        return [pairs[a:b] for a, b in bounds]
 
     # -- commands, precomputed indexes -----------------------------------------------------
     def compute_commands(self) -> None:
+        """The commands with their index vectors expanded: one expanded vector per
+        (old vector, destination, source), in the order first used (commands that
+        shared a vector in the mini computation share it here too)."""
         c, out = self.c, self.out
-        out.commands = []
-        # one expanded vector per (old vector, destination, source): commands that
-        # shared an index vector in the mini computation share it here too
-        memo: dict[tuple, int] = {}
-        for cmd in c.commands:
-            new = cmd.__class__(cmd.command_type, cmd.alpha, cmd.arg1, cmd.arg2, cmd.arg3,
-                                cmd.arg4, cmd.arg5, cmd.arg6, cmd.arg7)
+        out.commands = cmds = (c.commands if self.in_place
+                               else list(map(copy_command, c.commands)))
+        rows: dict[tuple, int] = {}
+        multi: dict[tuple, int] = {}
+        ranges: dict[tuple, int] = {}
+        for cmd in cmds:
             ct = cmd.command_type
             if ct in _ROWS_CMDS:
-                key = ("rows", cmd.arg3, cmd.arg1, cmd.arg2)
-                if key not in memo:
-                    memo[key] = len(out.indexes)
-                    out.indexes.append(self.expand_rows(cmd.arg1, cmd.arg2, c.indexes[cmd.arg3]))
-                new.arg3 = memo[key]
+                cmd.arg3 = rows.setdefault((cmd.arg3, cmd.arg1, cmd.arg2), len(rows))
             elif ct in _MULTI_CMDS:
-                key = ("multi", cmd.arg2, cmd.arg1)
-                if key not in memo:
-                    memo[key] = len(out.indexes_multi)
-                    out.indexes_multi.append(self.expand_multi(cmd.arg1,
-                                                               c.indexes_multi[cmd.arg2]))
-                new.arg2 = memo[key]
+                cmd.arg2 = multi.setdefault((cmd.arg2, cmd.arg1), len(multi))
             elif ct == CT.ADD_ROW_RANGES:
-                key = ("ranges", cmd.arg3, cmd.arg1, cmd.arg2)
-                if key not in memo:
-                    memo[key] = len(out.indexes_ranges)
-                    out.indexes_ranges.append(self.expand_ranges(cmd.arg1, cmd.arg2,
-                                                                 c.indexes_ranges[cmd.arg3]))
-                new.arg3 = memo[key]
-            out.commands.append(new)
+                cmd.arg3 = ranges.setdefault((cmd.arg3, cmd.arg1, cmd.arg2), len(ranges))
+        out.indexes = self.expand_rows(list(rows)) if rows else []
+        out.indexes_multi = self.expand_multi(list(multi)) if multi else []
+        out.indexes_ranges = self.expand_ranges(list(ranges)) if ranges else []
 
     def expand_index_rows(self, indexes) -> tuple[bytes, np.ndarray]:
         """(key, expanded (k, 3) n, t, x rows) of a two-sequence Index list (or of its
@@ -511,13 +537,16 @@ class _Expander:
 
 
 def expand_computation(nnet, misc_info, computation: NnetComputation, num_n_values: int,
-                       need_debug_info: bool = True) -> NnetComputation:
+                       need_debug_info: bool = True, in_place: bool = False) -> NnetComputation:
     """Kaldi's ExpandComputation: the computation for N = ``num_n_values`` sequences
     from one compiled (and usually optimized) for n in {0, 1}.  Raises
-    ShortcutNotApplicable when ``computation`` lacks the structure required."""
+    ShortcutNotApplicable when ``computation`` lacks the structure required.
+    ``in_place``: ``computation`` is not used afterwards, so its commands are
+    taken over (and changed) rather than copied."""
     if num_n_values <= 2:
         raise ValueError(f"expand_computation: num_n_values must be > 2, got {num_n_values}")
-    return _Expander(nnet, misc_info, computation, num_n_values, need_debug_info).expand()
+    return _Expander(nnet, misc_info, computation, num_n_values, need_debug_info,
+                     in_place).expand()
 
 
 # -------------------------------------------------------------------------------------------
@@ -531,12 +560,10 @@ def _default_options(optimize_options):
     return OptimizeOptions()
 
 
-def _compile_normal(nnet, request, optimize_options, optimize: bool,
-                    mini: bool = False) -> NnetComputation:
-    """Compile (and optimize) ``request``; ``mini``: a mini request, whose debug
-    cindexes are also kept as arrays for its expansion."""
-    from engine.compiler.compiler import CompilerOptions, compile_computation  # noqa: PLC0415
-    computation = compile_computation(nnet, [request], CompilerOptions(debug_rows=mini))
+def _compile_normal(nnet, request, optimize_options, optimize: bool) -> NnetComputation:
+    """Compile (and, unless ``optimize`` is False, optimize) ``request``."""
+    from engine.compiler.compiler import compile_computation  # noqa: PLC0415
+    computation = compile_computation(nnet, [request])
     if not optimize:
         return computation
     from engine.optimizer.pipeline import optimize as run_optimizer  # noqa: PLC0415
@@ -569,10 +596,12 @@ def compile_via_shortcut(nnet, request: ComputationRequest, optimize_options=Non
     if mini_compiler is not None:
         mini_computation = mini_compiler(mini)
     else:
-        mini_computation = _compile_normal(nnet, mini, options, optimize, mini=True)
+        mini_computation = _compile_normal(nnet, mini, options, optimize)
     try:
+        # a mini computation made here is ours alone (one from mini_compiler may be
+        # kept in the caller's cache)
         return expand_computation(nnet, request.misc_info, mini_computation, num_n,
-                                  need_debug_info)
+                                  need_debug_info, in_place=mini_compiler is None)
     except ShortcutNotApplicable as e:
         log.info("shortcut compilation not applicable, compiling normally: %s", e)
         return None

@@ -228,3 +228,23 @@ def test_plain_data_round_trip_and_validation():
         computation_from_data(bad)
     with pytest.raises(CheckError):
         computation_from_data({"ir_version": 1})
+
+
+def test_debug_cindexes_read_as_pairs():
+    """DebugCindexes: node, n, t, x rows read as (node, Index) pairs, made only when
+    read; its length and slices need no pairs."""
+    import numpy as np
+
+    from engine.compiler.computation import DebugCindexes, MatrixDebugInfo
+    rows = np.array([[3, 0, 5, 0], [3, 1, 5, 0], [4, 0, K_NO_TIME, 2]], dtype=np.int64)
+    d = DebugCindexes(rows)
+    assert len(d) == 3 and d
+    part = d[1:]
+    assert type(part) is DebugCindexes and part.rows.tolist() == rows[1:].tolist()
+    assert d._pairs is None
+    pairs = [(3, Index(0, 5, 0)), (3, Index(1, 5, 0)), (4, Index(0, K_NO_TIME, 2))]
+    assert d == pairs and list(d) == pairs and d[2] == pairs[2] and part == pairs[1:]
+    assert d == DebugCindexes(rows.copy()) and d != DebugCindexes(rows[:2])
+    with pytest.raises(AttributeError):
+        d.append((0, Index(0, 0, 0)))
+    assert MatrixDebugInfo(False, d) == MatrixDebugInfo(False, pairs)

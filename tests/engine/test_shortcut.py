@@ -465,11 +465,12 @@ def test_cli_compile_uses_the_shortcut(tmp_path):
     assert runs[()]["commands"] == runs[("--no-shortcut",)]["commands"]
 
 
-def test_kept_debug_rows_equal_the_debug_info():
-    """The mini computation's debug cindexes as arrays (kept by the compiler,
-    CompilerOptions.debug_rows) are those of its debug info, after optimization
-    too (entries the optimizer replaced are read from their lists)."""
-    from engine.compiler.compiler import CompilerOptions
+def test_debug_cindex_rows_equal_the_debug_info():
+    """The debug cindexes as one array (NnetComputation.debug_cindex_rows: the
+    compiler's arrays, DebugCindexes) are those of the debug info read as (node,
+    Index) pairs, after optimization too (entries the optimizer replaced by lists
+    are read from their lists)."""
+    from engine.compiler.computation import DebugCindexes
     from engine.optimizer.pipeline import optimize
 
     def from_lists(c):
@@ -483,11 +484,10 @@ def test_kept_debug_rows_equal_the_debug_info():
         if found is None:
             continue
         mini = found[0]
-        comp = compile_computation(nnet, [mini], CompilerOptions(debug_rows=True))
-        assert comp.debug_rows
+        comp = compile_computation(nnet, [mini])
+        assert all(type(d.cindexes) is DebugCindexes for d in comp.matrix_debug_info[1:])
         assert comp.debug_cindex_rows().tolist() == from_lists(comp).tolist()
         opt = optimize(comp, nnet, OptimizeOptions(), request=mini)
         assert opt.debug_cindex_rows().tolist() == from_lists(opt).tolist()
-        replaced += sum(id(d.cindexes) not in opt.debug_rows for d in opt.matrix_debug_info[1:])
-    assert compile_computation(nnet, [mini]).debug_rows is None
+        replaced += sum(type(d.cindexes) is not DebugCindexes for d in opt.matrix_debug_info[1:])
     assert replaced, "some entries were replaced by the optimizer"
