@@ -10,56 +10,49 @@ so do swaps (this pass runs before the looped optimization adds any).
 
 from __future__ import annotations
 
+from operator import is_not
+
 from engine.compiler.computation import NnetComputation
 from engine.optimizer.analysis import CT
 
 
-
 def move_sizing_commands(computation: NnetComputation, ctx) -> bool:
+    """Kaldi's MoveSizingCommands: the commands are sorted by a key, 3 * their
+    index, except that an allocation gets 3 * (its matrix's first access) - 1
+    ("just before") and a deallocation 3 * (the last access) + 1 ("just
+    after"); the sort is stable, so ties keep command order.  A zeroing that
+    follows its allocation gets the allocation's key, which keeps the two
+    together (no other command has a position between them)."""
     cmds = computation.commands
     n = len(cmds)
+    if CT.GOTO_LABEL in [c.command_type for c in cmds]:
+        raise ValueError("move_sizing_commands must run before the looped optimization")
     a = ctx.analyzer(computation)
-    # (alloc, zero) pairs move together
-    is_pair = [False] * n
     alloc_t, set_const, dealloc_t = CT.ALLOC_MATRIX, CT.SET_CONST, CT.DEALLOC_MATRIX
-    for i in range(n - 1):
-        x = cmds[i]
-        if x.command_type == alloc_t:
-            y = cmds[i + 1]
-            if y.command_type == set_const and x.arg1 == y.arg1 and y.alpha == 0.0:
-                is_pair[i] = True
-    # sort keys are 3 * index, minus 1 for "just before", plus 1 for "just after"
-    key = [3 * i for i in range(n)]
-    for m in range(1, len(computation.matrices)):
-        ma = a.matrix_accesses[m]
-        ents = a.entries[m]   # the commands that access m, in order (Analyzer.entries)
+    key = list(range(0, 3 * n, 3))
+    for m, (ma, ents) in enumerate(zip(a.matrix_accesses, a.entries)):
+        if not ents:
+            continue   # (matrix 0, and matrices nothing reads or writes: not moved)
         alloc = ma.allocate_command
         if alloc != -1 and cmds[alloc].command_type == alloc_t:
-            first = -1
-            if ents:
-                first = ents[0][0]
-                if first == alloc + 1 and is_pair[alloc]:
-                    # the next command to access m
-                    first = next((c for c, _, _ in ents if c != first), -1)
+            first = ents[0][0]
+            zero = cmds[alloc + 1] if alloc + 1 < n else None
+            if (first == alloc + 1 and zero.command_type == set_const
+                    and zero.arg1 == cmds[alloc].arg1 and zero.alpha == 0.0):
+                # an (allocation, zeroing) pair: it moves to the next command
+                # to access m, and the zeroing with it
+                first = next((c for c, _, _ in ents if c != first), -1)
+                if first != -1:
+                    key[alloc + 1] = 3 * first - 1
             if first != -1:
                 if first <= alloc:
                     raise ValueError(f"move_sizing_commands: m{m} used (c{first}) before its "
                                      f"allocation (c{alloc})")
                 key[alloc] = 3 * first - 1
         dealloc = ma.deallocate_command
-        if dealloc != -1 and ents and cmds[dealloc].command_type == dealloc_t:
+        if dealloc != -1 and cmds[dealloc].command_type == dealloc_t:
             key[dealloc] = 3 * ents[-1][0] + 1
-    order = sorted(range(n), key=key.__getitem__)   # stable: ties keep command order
-    new = []
-    goto = CT.GOTO_LABEL
-    for old in order:
-        if cmds[old].command_type == goto:
-            raise ValueError("move_sizing_commands must run before the looped optimization")
-        if old > 0 and is_pair[old - 1]:
-            continue  # the zeroing travels with its allocation
-        new.append(cmds[old])
-        if is_pair[old]:
-            new.append(cmds[old + 1])
-    changed = any(x is not y for x, y in zip(new, cmds))
+    new = list(map(cmds.__getitem__, sorted(range(n), key=key.__getitem__)))
+    changed = any(map(is_not, new, cmds))
     computation.commands = new
     return changed
