@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from engine.compiler.computation import (COMMAND_SPECS, Access, ArgKind, CommandType,
-                                         NnetComputation)
+from engine.compiler.computation import CommandType, NnetComputation
 from engine.optimizer.analysis import CT
+from engine.optimizer.passes._edit import touched_slots
 
 _TO_COPY = {
     CT.MATRIX_ADD: CT.MATRIX_COPY,
@@ -30,33 +30,24 @@ _TO_COPY = {
     CT.ADD_ROWS_MULTI: CT.COPY_ROWS_MULTI,
     CT.ADD_TO_ROWS_MULTI: CT.COPY_TO_ROWS_MULTI,
 }
-_TOUCH = (Access.READ, Access.WRITE, Access.READWRITE)
 
 
 def _make_plan(ct: CommandType) -> tuple | None:
-    """What the walk needs of a command type, from COMMAND_SPECS (the submatrices
-    a command touches are those of the analysis, ``command_accesses``, which
-    only refines whether they are read or written): (getter of the one
-    submatrix slot, or None; getter of the submatrix slots as a tuple when
+    """What the walk needs of a command type (``touched_slots``): (getter of the
+    one submatrix slot, or None; getter of the submatrix slots as a tuple when
     there are several, or None; getter of the indexes_multi slot or None; the
     copy form when ``ct`` is an addition, else None; getter of its written
     submatrix slot or None; whether it writes the indexes_multi submatrices).
     None for a type that touches no submatrix."""
-    names, written, multi, multi_written = [], [], None, False
-    for i, slot in enumerate(COMMAND_SPECS[ct].slots):
-        if slot.kind == ArgKind.INDEXES_MULTI:
-            multi, multi_written = attrgetter(f"arg{i + 1}"), bool(slot.access & Access.WRITE)
-        elif slot.kind == ArgKind.SUBMATRIX and slot.access in _TOUCH:
-            names.append(f"arg{i + 1}")
-            if slot.access & Access.WRITE:
-                written.append(f"arg{i + 1}")
+    names, written, multi, multi_written = touched_slots(ct)
     if not names and multi is None:
         return None
     copy_form = _TO_COPY.get(ct)
     if copy_form is not None and len(written) > 1:
         raise AssertionError(f"{ct.name} writes more than one submatrix slot")
     return (attrgetter(names[0]) if len(names) == 1 else None,
-            attrgetter(*names) if len(names) > 1 else None, multi, copy_form,
+            attrgetter(*names) if len(names) > 1 else None,
+            attrgetter(multi) if multi is not None else None, copy_form,
             attrgetter(written[0]) if written else None, multi_written)
 
 

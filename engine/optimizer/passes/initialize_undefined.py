@@ -173,9 +173,7 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
             cmd.command_type = CT.NO_OPERATION
             changed = True
     if changed:
-        # the analysis follows the deletion (moving allocations needs it next)
-        noop = CT.NO_OPERATION
-        a.remove_commands({i for i, c in enumerate(cmds) if c.command_type == noop})
+        # (the analysis is not brought up to date: the next pass, moving the
+        # allocations, needs less of it than that costs and finds it itself)
         remove_no_ops(computation)
-        ctx.analysis_updated(a, computation)
     return changed
