@@ -469,9 +469,9 @@ def _analysis_view(a: Analyzer):
 
 
 def test_analysis_kept_up_to_date_by_passes_equals_a_fresh_one():
-    """Variable merging (reanalyze) and zeroing removal (remove_commands) hand the
-    next pass an analysis they updated instead of a new one: it must be what a
-    new analysis of their result says."""
+    """A pass that hands the next pass an analysis it updated instead of a new
+    one (variable merging: reanalyze, renumbered, remove_commands) must hand on
+    what a new analysis of its result says."""
     kept = 0
     for nnet, req, comp in _pipeline_cases():
         c = comp.copy()

@@ -1,6 +1,8 @@
 """Small command-list edits shared by several passes: Kaldi's ``InsertCommands``
 (nnet-optimize-utils.cc) and ``GetCommandsOfType``; ``FixGotoLabel`` lives with
-``remove_no_ops`` and is re-exported here.
+``remove_no_ops`` and is re-exported here.  Also ``touched_slots``: which
+argument slots of a command type name the submatrices it touches, for passes
+that need only that much of the analysis.
 
 Passes that add commands (SplitRowOps, OptimizeMemoryCompression) collect
 ``(position, command)`` pairs meaning "insert just before the command now at
@@ -12,12 +14,44 @@ fix-up after every edit.
 
 from __future__ import annotations
 
-from engine.compiler.computation import Command, NnetComputation
+from typing import NamedTuple
+
+from engine.compiler.computation import (COMMAND_SPECS, Access, ArgKind, Command, CommandType,
+                                         NnetComputation)
 from engine.core.errors import CheckError
 from engine.optimizer.analysis import CT
 from engine.optimizer.passes.remove_no_ops import fix_goto_label
 
-__all__ = ["commands_of_type", "fix_goto_label", "insert_commands"]
+__all__ = ["TouchedSlots", "commands_of_type", "fix_goto_label", "insert_commands",
+           "touched_slots"]
+
+
+class TouchedSlots(NamedTuple):
+    """The slots (attribute names) of a command type that name the submatrices
+    its commands read or write, those it writes among them, and its
+    indexes_multi slot (None if it has none) with whether the submatrices listed
+    there are written."""
+    submatrices: tuple[str, ...]
+    written: tuple[str, ...]
+    multi: str | None
+    multi_written: bool
+
+
+def touched_slots(ct: CommandType) -> TouchedSlots:
+    """From COMMAND_SPECS: the submatrices a command touches are those of the
+    analysis (``command_accesses``, which only refines whether they are read or
+    written); a slot holding 0 or less names none."""
+    names, written, multi, multi_written = [], [], None, False
+    for i, slot in enumerate(COMMAND_SPECS[ct].slots):
+        name = f"arg{i + 1}"
+        if slot.kind == ArgKind.INDEXES_MULTI:
+            multi, multi_written = name, bool(slot.access & Access.WRITE)
+        elif slot.kind == ArgKind.SUBMATRIX and slot.access in (Access.READ, Access.WRITE,
+                                                                Access.READWRITE):
+            names.append(name)
+            if slot.access & Access.WRITE:
+                written.append(name)
+    return TouchedSlots(tuple(names), tuple(written), multi, multi_written)
 
 
 def commands_of_type(computation: NnetComputation, command_type: CT) -> list[int]:

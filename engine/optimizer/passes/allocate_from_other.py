@@ -31,26 +31,30 @@ def _pairs(deallocs: list[int], allocs: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def remove_unnecessary_allocation(computation: NnetComputation, ctx) -> bool:
+def remove_unnecessary_allocation(computation: NnetComputation, ctx=None) -> bool:
     c = computation
-    lists: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    cmds, mats, subs = c.commands, c.matrices, c.submatrices
     alloc_t, dealloc_t = CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX
-    mats, subs = c.matrices, c.submatrices
-    for i, cmd in enumerate(c.commands):
+    # each matrix's size class: (rows, columns, negated for kStrideEqualNumCols)
+    size = [(mi.num_rows, mi.num_cols if mi.stride_type == K_DEFAULT_STRIDE else -mi.num_cols)
+            for mi in mats]
+    lists: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for i, cmd in enumerate(cmds):
         ct = cmd.command_type
         if ct == alloc_t or ct == dealloc_t:
-            mi = mats[subs[cmd.arg1][0]]
-            cols = mi.num_cols if mi.stride_type == K_DEFAULT_STRIDE else -mi.num_cols
-            d, a = lists.setdefault((mi.num_rows, cols), ([], []))
-            (d if ct == dealloc_t else a).append(i)
-    pairs = [p for d, a in lists.values() for p in _pairs(d, a)]
+            key = size[subs[cmd.arg1][0]]
+            pair = lists.get(key)
+            if pair is None:
+                pair = lists[key] = ([], [])
+            pair[ct == alloc_t].append(i)
+    pairs = [p for d, a in lists.values() if d and a for p in _pairs(d, a)]
     if not pairs:
         return False
+    noop, swap = CT.NO_OPERATION, CT.SWAP_MATRIX
     for d, a in pairs:
-        dealloc, alloc = c.commands[d], c.commands[a]
-        assert dealloc.command_type == CT.DEALLOC_MATRIX and alloc.command_type == CT.ALLOC_MATRIX
-        dealloc.command_type = CT.NO_OPERATION
-        alloc.command_type = CT.SWAP_MATRIX
+        dealloc, alloc = cmds[d], cmds[a]
+        dealloc.command_type = noop
+        alloc.command_type = swap
         alloc.arg2 = dealloc.arg1
     remove_no_ops(c)
     fix_goto_label(c)

@@ -10,6 +10,8 @@ end (the compiler's own consolidate_io_operations, which also refreshes
 
 from __future__ import annotations
 
+from operator import is_not
+
 from engine.compiler.compiler import consolidate_io_operations as _consolidate
 from engine.compiler.computation import NnetComputation
 from engine.optimizer.passes.remove_no_ops import fix_goto_label as _fix_goto_label
@@ -18,7 +20,7 @@ from engine.optimizer.passes.remove_no_ops import fix_goto_label as _fix_goto_la
 def consolidate_io_operations(computation: NnetComputation, ctx=None) -> bool:
     before = list(computation.commands)
     _consolidate(computation)
-    return any(x is not y for x, y in zip(before, computation.commands))
+    return any(map(is_not, before, computation.commands))
 
 
 def fix_goto_label(computation: NnetComputation, ctx=None) -> bool:

@@ -18,8 +18,11 @@ freshly zeroed rows held.
 
 from __future__ import annotations
 
-from engine.compiler.computation import NnetComputation
-from engine.optimizer.analysis import CT, ComponentProperties, command_accesses
+from operator import attrgetter
+
+from engine.compiler.computation import CommandType, NnetComputation
+from engine.optimizer.analysis import CT
+from engine.optimizer.passes._edit import touched_slots
 
 _TO_COPY = {
     CT.MATRIX_ADD: CT.MATRIX_COPY,
@@ -29,7 +32,30 @@ _TO_COPY = {
 }
 
 
-def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
+def _make_plan(ct: CommandType) -> tuple | None:
+    """What the walk needs of a command type (``touched_slots``): (getter of the
+    one submatrix slot, or None; getter of the submatrix slots as a tuple when
+    there are several, or None; getter of the indexes_multi slot or None; the
+    copy form when ``ct`` is an addition, else None; getter of its written
+    submatrix slot or None; whether it writes the indexes_multi submatrices).
+    None for a type that touches no submatrix."""
+    names, written, multi, multi_written = touched_slots(ct)
+    if not names and multi is None:
+        return None
+    copy_form = _TO_COPY.get(ct)
+    if copy_form is not None and len(written) > 1:
+        raise AssertionError(f"{ct.name} writes more than one submatrix slot")
+    return (attrgetter(names[0]) if len(names) == 1 else None,
+            attrgetter(*names) if len(names) > 1 else None,
+            attrgetter(multi) if multi is not None else None, copy_form,
+            attrgetter(written[0]) if written else None, multi_written)
+
+
+# indexed by command type
+_PLANS = [_make_plan(t) for t in CommandType]
+
+
+def convert_addition_to_assignment(computation: NnetComputation, ctx=None) -> bool:
     """Kaldi's ConvertAdditionToAssignment; returns True if a command was converted.
 
     An addition converts when no earlier command other than a zeroing touches
@@ -39,23 +65,31 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
     conversions and one walk over the commands gives them all: it keeps, for
     each matrix, the submatrices that non-zeroing commands have touched so
     far, and tests each addition's written submatrices against them before
-    recording its own accesses."""
-    cmds = computation.commands
-    to_copy, add_to_rows_multi, set_const = _TO_COPY, CT.ADD_TO_ROWS_MULTI, CT.SET_CONST
-    props = getattr(ctx, "props", None)   # (an empty one is falsy: test for None)
-    if props is None:
-        props = ComponentProperties(ctx.nnet)
-    subs = computation.submatrices
-    seen: list[list[int]] = [[] for _ in computation.matrices]   # submatrices touched so far
+    recording what it touches itself.  Which submatrices a command touches
+    does not depend on whether it reads or writes them, so the walk takes them
+    from the command's slots (COMMAND_SPECS) directly."""
+    plans, add_to_rows_multi, set_const = _PLANS, CT.ADD_TO_ROWS_MULTI, CT.SET_CONST
+    subs, indexes_multi = computation.submatrices, computation.indexes_multi
+    multi_subs: dict[int, list[int]] = {}   # indexes_multi entry -> its submatrices
+    seen: list[list[int]] = [[] for _ in computation.matrices]   # touched so far
     changed = False
-    for c, lst in zip(cmds, command_accesses(computation, props)):
-        if not lst:
-            continue
+    for c in computation.commands:
         ct = c.command_type
-        if ct in to_copy and (ct != add_to_rows_multi or c.alpha == 1.0):
+        plan = plans[ct]
+        if plan is None or (ct == set_const and c.alpha == 0.0):
+            continue   # touches nothing; or zeroing, which does not count here
+        get1, get, get_multi, copy_form, get_written, multi_written = plan
+        multi = ()
+        if get_multi is not None:
+            k = get_multi(c)
+            multi = multi_subs.get(k)
+            if multi is None:
+                multi = multi_subs[k] = sorted({s for s, _ in indexes_multi[k] if s > 0})
+        if copy_form is not None and (ct != add_to_rows_multi or c.alpha == 1.0):
             first = True
-            for s, a in lst:
-                if a & 2:
+            if get_written is not None:
+                s = get_written(c)
+                if s > 0:
                     m, ro, nr, co, nc = subs[s]
                     R1, C1 = ro + nr, co + nc
                     for t in seen[m]:
@@ -63,15 +97,32 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx) -> bool:
                         if r0 < R1 and ro < r0 + n0 and c0 < C1 and co < c0 + k0:
                             first = False
                             break
-                    if not first:
-                        break
+            if first and multi_written:
+                first = all(_untouched(s, subs, seen) for s in multi)
             if first:
-                c.command_type = to_copy[ct]
+                c.command_type = copy_form
                 changed = True
-        elif ct == set_const and c.alpha == 0.0:
-            continue   # zeroing does not count as an access here
-        for s, _ in lst:
+        if get1 is not None:
+            s = get1(c)
+            if s > 0:
+                seen[subs[s][0]].append(s)
+        else:
+            for s in get(c):
+                if s > 0:
+                    seen[subs[s][0]].append(s)
+        for s in multi:
             seen[subs[s][0]].append(s)
     if changed and hasattr(ctx, "invalidate"):
         ctx.invalidate()
     return changed
+
+
+def _untouched(s: int, subs: list, seen: list[list[int]]) -> bool:
+    """No submatrix in ``seen`` (per matrix) overlaps submatrix ``s``."""
+    m, ro, nr, co, nc = subs[s]
+    R1, C1 = ro + nr, co + nc
+    for t in seen[m]:
+        _, r0, n0, c0, k0 = subs[t]
+        if r0 < R1 and ro < r0 + n0 and c0 < C1 and co < c0 + k0:
+            return False
+    return True

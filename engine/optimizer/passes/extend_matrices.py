@@ -28,97 +28,98 @@ from engine.optimizer.passes.renumber import renumber_computation
 MIN_PROPORTION = 0.8
 
 
-class _MatrixExtender:
-    def __init__(self, computation: NnetComputation):
-        self.c = computation
-        self.orig_num_rows = [m.num_rows for m in computation.matrices]
-        self.is_io = [False] * len(computation.matrices)
-        self.copies = []   # the kMatrixCopy commands with alpha 1, in order
-        swap, io, copy = CT.SWAP_MATRIX, (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT), CT.MATRIX_COPY
-        for cmd in computation.commands:
-            ct = cmd.command_type
-            if ct == copy:
-                if cmd.alpha == 1.0:
-                    self.copies.append(cmd)
-            elif ct == swap:
-                raise CheckError("extend_matrices: the computation already has kSwapMatrix "
-                                 "commands (it must run before the allocation passes)")
-            if ct in io:
-                self.is_io[computation.submatrices[cmd.arg1].matrix_index] = True
-
-    def can_be_extended(self, dest_s: int, src_s: int) -> bool:
-        c = self.c
-        src, dest = c.submatrices[src_s], c.submatrices[dest_s]
-        if src.matrix_index == dest.matrix_index or self.is_io[dest.matrix_index]:
-            return False
-        src_mat = c.matrices[src.matrix_index]
-        if src.num_rows < MIN_PROPORTION * self.orig_num_rows[src.matrix_index]:
-            return False
-        return (src.col_offset == 0 and src.num_cols == src_mat.num_cols
-                and src.row_offset == 0 and src.num_rows < src_mat.num_rows
-                and dest.row_offset + dest.num_rows == self.orig_num_rows[dest.matrix_index])
-
-    def extend(self, cmd) -> None:
-        c = self.c
-        src, dest = c.submatrices[cmd.arg2], c.submatrices[cmd.arg1]
-        src_mat = c.matrices[src.matrix_index]
-        dest_mat = c.matrices[dest.matrix_index]
-        new_dest_rows = dest.row_offset + src_mat.num_rows
+def _extend(c: NnetComputation) -> tuple[bool, dict[int, int]]:
+    """Kaldi's MatrixExtender::ExtendMatrices without the fix-up: grows the
+    destination of each kMatrixCopy (alpha 1) that can be extended, in command
+    order, and points the copy at the new submatrices.  Returns whether a copy
+    was extended and, for the matrices that grew, matrix -> rows before."""
+    cmds, subs, mats = c.commands, c.submatrices, c.matrices
+    types = [cmd.command_type for cmd in cmds]
+    if CT.SWAP_MATRIX in types:
+        raise CheckError("extend_matrices: the computation already has kSwapMatrix "
+                         "commands (it must run before the allocation passes)")
+    copy_t = CT.MATRIX_COPY
+    changed = False
+    grown: dict[int, int] = {}    # matrix -> rows before it grew
+    io: set[int] | None = None    # the matrices of inputs and outputs, when needed
+    for cmd, ct in zip(cmds, types):
+        if ct != copy_t or cmd.alpha != 1.0:
+            continue
+        sm, sro, snr, sco, snc = subs[cmd.arg2]
+        dm, dro, dnr, _, _ = subs[cmd.arg1]
+        src_mat = mats[sm]
+        # Kaldi's CanBeExtended: the source is the first rows (at least 80% of
+        # the matrix as it was) of another matrix, the destination its last rows
+        if (sm == dm or sro != 0 or sco != 0 or snc != src_mat.num_cols
+                or snr >= src_mat.num_rows
+                or snr < MIN_PROPORTION * grown.get(sm, src_mat.num_rows)
+                or dro + dnr != grown.get(dm, mats[dm].num_rows)):
+            continue
+        if io is None:
+            io_types = (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
+            io = {subs[x.arg1][0] for x in cmds if x.command_type in io_types}
+        if dm in io:
+            continue
+        # Kaldi's Extend
+        dest_mat = mats[dm]
+        new_dest_rows = dro + src_mat.num_rows
         if new_dest_rows > dest_mat.num_rows:
-            c.matrices[dest.matrix_index] = dest_mat._replace(num_rows=new_dest_rows)
-            c.submatrices.append(SubMatrixInfo(dest.matrix_index, 0, new_dest_rows, 0,
-                                               dest_mat.num_cols))
-        c.submatrices.append(dest._replace(num_rows=src_mat.num_rows))
-        cmd.arg1 = len(c.submatrices) - 1
-        c.submatrices.append(SubMatrixInfo(src.matrix_index, 0, src_mat.num_rows, 0,
-                                           src_mat.num_cols))
-        cmd.arg2 = len(c.submatrices) - 1
+            grown.setdefault(dm, dest_mat.num_rows)
+            mats[dm] = dest_mat._replace(num_rows=new_dest_rows)
+            subs.append(SubMatrixInfo(dm, 0, new_dest_rows, 0, dest_mat.num_cols))
+        subs.append(subs[cmd.arg1]._replace(num_rows=src_mat.num_rows))
+        cmd.arg1 = len(subs) - 1
+        subs.append(SubMatrixInfo(sm, 0, src_mat.num_rows, 0, src_mat.num_cols))
+        cmd.arg2 = len(subs) - 1
+        changed = True
+    return changed, grown
 
-    def run(self) -> bool:
-        changed = False
-        for cmd in self.copies:
-            if self.can_be_extended(cmd.arg1, cmd.arg2):
-                self.extend(cmd)
-                changed = True
-        if changed:
-            self.fix_computation()
-        return changed
 
-    def fix_computation(self) -> None:
-        c = self.c
-        whole = c.whole_submatrices()
-        subs, mats, orig_num_rows = c.submatrices, c.matrices, self.orig_num_rows
-        sizing, set_const = (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX), CT.SET_CONST
-        for cmd in c.commands:
-            ct = cmd.command_type
-            if ct in sizing:
-                cmd.arg1 = whole[subs[cmd.arg1][0]]
-            elif ct == set_const and cmd.alpha == 0.0:
-                m, ro, nr, co, nc = subs[cmd.arg1]
-                # only a zeroing of the whole (original) matrix grows with it
-                if ro == 0 and co == 0 and nc == mats[m].num_cols and nr == orig_num_rows[m]:
-                    cmd.arg1 = whole[m]
-        if c.matrix_debug_info:
-            self.fix_debug_info()
-        renumber_computation(c)
+def _fix_computation(c: NnetComputation, grown: dict[int, int]) -> None:
+    """Kaldi's MatrixExtender::FixComputation: every allocation and deallocation,
+    and every zeroing of a whole matrix as it was, on the (last) submatrix
+    covering the matrix now; the debug info of the grown matrices; renumbering."""
+    subs, mats = c.submatrices, c.matrices
+    # the last submatrix of each whole-matrix extent (GetWholeSubmatrices)
+    last = dict(zip(subs, range(len(subs))))
+    whole = [last.get((m, 0, mi.num_rows, 0, mi.num_cols), 0) for m, mi in enumerate(mats)]
+    if not all(whole[1:]):
+        c.whole_submatrices()   # raises, naming the matrix
+    alloc, dealloc, set_const = CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, CT.SET_CONST
+    for cmd in c.commands:
+        ct = cmd.command_type
+        if ct == alloc or ct == dealloc:
+            cmd.arg1 = whole[subs[cmd.arg1][0]]
+        elif ct == set_const and cmd.alpha == 0.0:
+            m, ro, nr, co, nc = subs[cmd.arg1]
+            # only a zeroing of the whole (original) matrix grows with it
+            if ro == 0 and co == 0 and nc == mats[m].num_cols and nr == grown.get(
+                    m, mats[m].num_rows):
+                cmd.arg1 = whole[m]
+    if c.matrix_debug_info:
+        _fix_debug_info(c, grown)
+    renumber_computation(c)
 
-    def fix_debug_info(self) -> None:
-        c = self.c
-        for m in range(1, len(c.matrices)):
-            dbg = c.matrix_debug_info[m]
-            old, new = len(dbg.cindexes), c.matrices[m].num_rows
-            if new == old:
-                continue
-            extra = new - old
-            if extra > old:
-                raise CheckError(f"extend_matrices: m{m} grew from {old} to {new} rows")
-            # the added rows copy the cindexes just before them, without a time
-            tail = [Cindex(node, Index(idx.n, K_NO_TIME, idx.x))
-                    for node, idx in dbg.cindexes[old - extra:old]]
-            # a new entry: copies of the computation share the old one
-            c.matrix_debug_info[m] = MatrixDebugInfo(dbg.is_deriv, list(dbg.cindexes) + tail)
+
+def _fix_debug_info(c: NnetComputation, grown: dict[int, int]) -> None:
+    for m in grown:
+        dbg = c.matrix_debug_info[m]
+        old, new = len(dbg.cindexes), c.matrices[m].num_rows
+        if new == old:
+            continue
+        extra = new - old
+        if extra > old:
+            raise CheckError(f"extend_matrices: m{m} grew from {old} to {new} rows")
+        # the added rows copy the cindexes just before them, without a time
+        tail = [Cindex(node, Index(idx.n, K_NO_TIME, idx.x))
+                for node, idx in dbg.cindexes[old - extra:old]]
+        # a new entry: copies of the computation share the old one
+        c.matrix_debug_info[m] = MatrixDebugInfo(dbg.is_deriv, list(dbg.cindexes) + tail)
 
 
 def extend_matrices(computation: NnetComputation, ctx=None) -> bool:
     """Kaldi's ExtendMatrices; returns True if any matrix was extended."""
-    return _MatrixExtender(computation).run()
+    changed, grown = _extend(computation)
+    if changed:
+        _fix_computation(computation, grown)
+    return changed

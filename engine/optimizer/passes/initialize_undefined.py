@@ -137,15 +137,26 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
     mats = computation.matrices
     set_const = CT.SET_CONST
     changed = False
+    entries = a.entries
     for m in range(1, len(mats)):
-        ents = a.entries[m]
+        ents = entries[m]
         if not ents:
             continue
-        cmd = cmds[ents[0][0]]
+        z, _, zr = ents[0]
+        cmd = cmds[z]
         if not (cmd.command_type == set_const and cmd.alpha == 0.0):
             continue
-        ma = a.matrix_accesses[m]
         mi = mats[m]
+        if len(ents) > 1 and zr == (0, mi.num_rows, 0, mi.num_cols):
+            # the usual case, as _decided_by_sweep finds it: the next command to
+            # touch the matrix writes all of it and touches it nowhere else
+            c1, a1, r1 = ents[1]
+            if (r1 == zr and not a1 & _R and c1 != z
+                    and (len(ents) == 2 or ents[2][0] != c1)):
+                cmd.command_type = CT.NO_OPERATION
+                changed = True
+                continue
+        ma = a.matrix_accesses[m]
         needed = _decided_by_sweep(ents, mi.num_rows, mi.num_cols, ma.is_output)
         if needed is None:
             needed = _decided_by_rectangles(ents, mi.num_rows, mi.num_cols, ma.is_output)
@@ -162,9 +173,7 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
             cmd.command_type = CT.NO_OPERATION
             changed = True
     if changed:
-        # the analysis follows the deletion (moving allocations needs it next)
-        noop = CT.NO_OPERATION
-        a.remove_commands({i for i, c in enumerate(cmds) if c.command_type == noop})
+        # (the analysis is not brought up to date: the next pass, moving the
+        # allocations, needs less of it than that costs and finds it itself)
         remove_no_ops(computation)
-        ctx.analysis_updated(a, computation)
     return changed

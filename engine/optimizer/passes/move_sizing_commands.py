@@ -10,56 +10,99 @@ so do swaps (this pass runs before the looped optimization adds any).
 
 from __future__ import annotations
 
-from engine.compiler.computation import NnetComputation
+from operator import attrgetter, is_not
+
+from engine.compiler.computation import CommandType, NnetComputation
 from engine.optimizer.analysis import CT
+from engine.optimizer.passes._edit import touched_slots
 
 
+def _make_plan(ct: CommandType) -> tuple | None:
+    """(getter of the submatrix slots as a tuple, getter of the indexes_multi slot
+    or None) for a command type that touches submatrices, else None."""
+    names, _, multi, _ = touched_slots(ct)
+    if not names and multi is None:
+        return None
+    get = attrgetter(*names) if len(names) > 1 else (
+        (lambda c, g=attrgetter(names[0]): (g(c),)) if names else (lambda c: ()))
+    return get, attrgetter(multi) if multi is not None else None
 
-def move_sizing_commands(computation: NnetComputation, ctx) -> bool:
-    cmds = computation.commands
-    n = len(cmds)
-    a = ctx.analyzer(computation)
-    # (alloc, zero) pairs move together
-    is_pair = [False] * n
-    alloc_t, set_const, dealloc_t = CT.ALLOC_MATRIX, CT.SET_CONST, CT.DEALLOC_MATRIX
-    for i in range(n - 1):
-        x = cmds[i]
-        if x.command_type == alloc_t:
-            y = cmds[i + 1]
-            if y.command_type == set_const and x.arg1 == y.arg1 and y.alpha == 0.0:
-                is_pair[i] = True
-    # sort keys are 3 * index, minus 1 for "just before", plus 1 for "just after"
-    key = [3 * i for i in range(n)]
-    for m in range(1, len(computation.matrices)):
-        ma = a.matrix_accesses[m]
-        ents = a.entries[m]   # the commands that access m, in order (Analyzer.entries)
-        alloc = ma.allocate_command
-        if alloc != -1 and cmds[alloc].command_type == alloc_t:
-            first = -1
-            if ents:
-                first = ents[0][0]
-                if first == alloc + 1 and is_pair[alloc]:
-                    # the next command to access m
-                    first = next((c for c, _, _ in ents if c != first), -1)
-            if first != -1:
-                if first <= alloc:
-                    raise ValueError(f"move_sizing_commands: m{m} used (c{first}) before its "
+
+# indexed by command type
+_PLANS = [_make_plan(t) for t in CommandType]
+
+
+def move_sizing_commands(computation: NnetComputation, ctx=None) -> bool:
+    """Kaldi's MoveSizingCommands: the commands are sorted by a key, 3 * their
+    index, except that an allocation gets 3 * (the first command to access its
+    matrix) - 1 ("just before") and a deallocation 3 * (the last one) + 1
+    ("just after"); the sort is stable, so ties keep command order.  A zeroing
+    that follows its allocation gets the allocation's key, which keeps the two
+    together (no other command has a position between them).
+
+    What the keys need of the analysis -- each matrix's allocation,
+    deallocation and first, second and last accessing commands -- comes from
+    one walk over the commands."""
+    cmds, subs, indexes_multi = computation.commands, computation.submatrices, \
+        computation.indexes_multi
+    n, nm = len(cmds), len(computation.matrices)
+    alloc_t, set_const, dealloc_t, goto = (CT.ALLOC_MATRIX, CT.SET_CONST, CT.DEALLOC_MATRIX,
+                                           CT.GOTO_LABEL)
+    plans = _PLANS
+    alloc_at, dealloc_at = [-1] * nm, [-1] * nm
+    first, second, last = [-1] * nm, [-1] * nm, [-1] * nm   # accessing commands
+    for i, c in enumerate(cmds):
+        ct = c.command_type
+        if ct == alloc_t:
+            alloc_at[subs[c.arg1][0]] = i
+            continue
+        if ct == dealloc_t:
+            dealloc_at[subs[c.arg1][0]] = i
+            continue
+        plan = plans[ct]
+        if plan is None:
+            if ct == goto:
+                raise ValueError("move_sizing_commands must run before the looped "
+                                 "optimization")
+            continue
+        get, get_multi = plan
+        touched = get(c)
+        if get_multi is not None:
+            touched = [*touched, *(s for s, _ in indexes_multi[get_multi(c)])]
+        for s in touched:
+            if s <= 0:
+                continue
+            m = subs[s][0]
+            f = first[m]
+            if f == -1:
+                first[m] = i
+            elif f != i and second[m] == -1:
+                second[m] = i
+            last[m] = i
+    key = list(range(0, 3 * n, 3))
+    for m in range(1, nm):
+        f = first[m]
+        if f == -1:
+            continue   # nothing accesses m: it is not moved
+        alloc = alloc_at[m]
+        if alloc != -1:
+            if f == alloc + 1:
+                zero = cmds[f]
+                if (zero.command_type == set_const and zero.arg1 == cmds[alloc].arg1
+                        and zero.alpha == 0.0):
+                    # an (allocation, zeroing) pair: it moves to the next command
+                    # to access m, and the zeroing with it
+                    f = second[m]
+                    if f != -1:
+                        key[alloc + 1] = 3 * f - 1
+            if f != -1:
+                if f <= alloc:
+                    raise ValueError(f"move_sizing_commands: m{m} used (c{f}) before its "
                                      f"allocation (c{alloc})")
-                key[alloc] = 3 * first - 1
-        dealloc = ma.deallocate_command
-        if dealloc != -1 and ents and cmds[dealloc].command_type == dealloc_t:
-            key[dealloc] = 3 * ents[-1][0] + 1
-    order = sorted(range(n), key=key.__getitem__)   # stable: ties keep command order
-    new = []
-    goto = CT.GOTO_LABEL
-    for old in order:
-        if cmds[old].command_type == goto:
-            raise ValueError("move_sizing_commands must run before the looped optimization")
-        if old > 0 and is_pair[old - 1]:
-            continue  # the zeroing travels with its allocation
-        new.append(cmds[old])
-        if is_pair[old]:
-            new.append(cmds[old + 1])
-    changed = any(x is not y for x, y in zip(new, cmds))
+                key[alloc] = 3 * f - 1
+        if dealloc_at[m] != -1:
+            key[dealloc_at[m]] = 3 * last[m] + 1
+    new = list(map(cmds.__getitem__, sorted(range(n), key=key.__getitem__)))
+    changed = any(map(is_not, new, cmds))
     computation.commands = new
     return changed

@@ -25,15 +25,18 @@ change what a computation computes:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import dropwhile
 
-from engine.compiler.computation import Command, NnetComputation
+from engine.compiler.computation import Command, NnetComputation, SubMatrixInfo
 from engine.optimizer.analysis import CT
 from engine.optimizer.passes._edit import insert_commands
 
 # SplitRowOps does not create a single-source command whose source block is
 # more than this many times larger than the number of rows it moves.
 _MAX_SIZE_RATIO = 2
+# SubMatrixInfo from a tuple without the Python-level __new__ of the named tuple
+_submatrix_info = partial(tuple.__new__, SubMatrixInfo)
 
 
 def _special_structure(indexes) -> tuple[int, int, int] | None:
@@ -50,7 +53,8 @@ def _special_structure(indexes) -> tuple[int, int, int] | None:
         last -= 1
     value = int(indexes[first])
     count = last + 1 - first
-    if list(indexes[first:last + 1]) != list(range(value, value + count)):
+    run = indexes if count == n else indexes[first:last + 1]
+    if indexes[last] != value + count - 1 or list(run) != list(range(value, value + count)):
         return None
     return first, value, count
 
@@ -58,20 +62,38 @@ def _special_structure(indexes) -> tuple[int, int, int] | None:
 def replace_row_with_matrix_ops(computation: NnetComputation, ctx=None) -> bool:
     """Kaldi's ReplaceRowWithMatrixOps."""
     changed = False
-    row_ops = (CT.COPY_ROWS, CT.ADD_ROWS)
+    copy_rows, add_rows = CT.COPY_ROWS, CT.ADD_ROWS
+    subs, indexes = computation.submatrices, computation.indexes
+    found_of: dict[int, tuple | None] = {}   # index list -> _special_structure of it
     for c in computation.commands:
-        if c.command_type not in row_ops:
+        ct = c.command_type
+        if ct != copy_rows and ct != add_rows:
             continue
-        found = _special_structure(computation.indexes[c.arg3])
+        k = c.arg3
+        found = found_of.get(k, False)
+        if found is False:
+            found = found_of[k] = _special_structure(indexes[k])
         if found is None:
             continue
         pos, value, count = found
-        c.arg1 = computation.new_submatrix(c.arg1, pos, count, 0, -1)
-        c.arg2 = computation.new_submatrix(c.arg2, value, count, 0, -1)
+        c.arg1 = _rows_of(subs, c.arg1, pos, count)
+        c.arg2 = _rows_of(subs, c.arg2, value, count)
         c.arg3 = -1
-        c.command_type = CT.MATRIX_COPY if c.command_type == CT.COPY_ROWS else CT.MATRIX_ADD
+        c.command_type = CT.MATRIX_COPY if ct == copy_rows else CT.MATRIX_ADD
         changed = True
     return changed
+
+
+def _rows_of(subs: list, base: int, row_offset: int, num_rows: int) -> int:
+    """``NnetComputation.new_submatrix(base, row_offset, num_rows, 0, -1)``: a new
+    submatrix of rows of submatrix ``base``, all its columns."""
+    b = subs[base]
+    if not (0 <= row_offset and num_rows > 0 and row_offset + num_rows <= b.num_rows):
+        raise ValueError(f"new_submatrix: ({row_offset}, {num_rows}, 0, {b.num_cols}) out of "
+                         f"range of submatrix {base}")
+    subs.append(_submatrix_info((b.matrix_index, b.row_offset + row_offset, num_rows,
+                                 b.col_offset, b.num_cols)))
+    return len(subs) - 1
 
 
 def _leading_trailing(empty: list[bool]) -> tuple[int, int] | None:
@@ -102,29 +124,34 @@ def _snip(computation: NnetComputation, c: Command, table: list, empty: list[boo
     return True
 
 
+_SNIPPED = frozenset((CT.ADD_ROWS, CT.ADD_ROW_RANGES, CT.ADD_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI,
+                      CT.COPY_TO_ROWS_MULTI))
+
+
 def snip_row_ops(computation: NnetComputation, ctx=None) -> bool:
     """Kaldi's SnipRowOps."""
     changed = False
-    add_rows, add_row_ranges = CT.ADD_ROWS, CT.ADD_ROW_RANGES
-    multi = (CT.ADD_ROWS_MULTI, CT.ADD_TO_ROWS_MULTI, CT.COPY_TO_ROWS_MULTI)
+    add_rows, add_row_ranges, snipped = CT.ADD_ROWS, CT.ADD_ROW_RANGES, _SNIPPED
     for c in computation.commands:
         ct = c.command_type
+        if ct not in snipped:
+            continue
         if ct == add_rows:
             table = computation.indexes[c.arg3]
             if table and table[0] >= 0 and table[-1] >= 0:
                 continue   # nothing to cut
             changed |= _snip(computation, c, table, [i < 0 for i in table], 2,
                              computation.indexes)
-        elif ct in multi:
+        elif ct == add_row_ranges:
+            table = computation.indexes_ranges[c.arg3]
+            changed |= _snip(computation, c, table, [p[0] == p[1] for p in table], 2,
+                             computation.indexes_ranges)
+        else:   # the multi-row commands but kCopyRowsMulti
             table = computation.indexes_multi[c.arg2]
             if table and table[0][0] >= 0 and table[-1][0] >= 0:
                 continue
             changed |= _snip(computation, c, table, [p[0] < 0 for p in table], 1,
                              computation.indexes_multi)
-        elif ct == add_row_ranges:
-            table = computation.indexes_ranges[c.arg3]
-            changed |= _snip(computation, c, table, [p[0] == p[1] for p in table], 2,
-                             computation.indexes_ranges)
     return changed
 
 
