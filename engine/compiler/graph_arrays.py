@@ -49,7 +49,8 @@ from __future__ import annotations
 import numpy as np
 
 from engine.compiler.array_ops import column_bounds, rows_all, rows_any, rows_count
-from engine.compiler.graph_nodes import COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, INPUT
+from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, DEPS_IDENTITY,
+                                         DEPS_NONE, DEPS_OFFSETS, INPUT)
 from engine.core.index import Index, index_rows
 
 # Kaldi's ComputableInfo values (as in engine.compiler.graph).
@@ -171,7 +172,8 @@ class ArrayGraphBuild:
         num = len(nodes.kind)
         self.num_nodes = num
         (self.pos, self.is_input_node, self.producers, self.one_producer, self.settle_fast,
-         self.all_required, self.partial_nodes, self.chains) = _node_facts(nodes)
+         self.all_required, self.partial_nodes, self.chains,
+         self.uses_present) = _node_facts(nodes)
         self.node_deps = [_NodeDeps() for _ in range(num)]
         self.pending: list[list] = [[] for _ in range(num)]
         # whether a node's pending ids may repeat (beyond one list from one consumer)
@@ -935,6 +937,8 @@ class ArrayGraphBuild:
                         edges_src.append(rows if k == 1 else rows.repeat(k))
                         edges_dst.append(deps.ravel())
             required = np.ones(size, dtype=bool)
+        elif self.track_usable and self.uses_present:
+            required, edges_src, edges_dst = self._required_from_counts()
         else:
             required, edges_src, edges_dst = self._required(base, outs)
         # the kept cindexes of this segment, numbered canonically
@@ -968,6 +972,41 @@ class ArrayGraphBuild:
         is_input = np.zeros(m, dtype=bool)
         is_input[:len(input_ids)] = True
         return self.coords_of(order), is_input, ptr, dst
+
+    def _required_from_counts(self):
+        """_required where Kaldi's usable counts are kept and every node uses exactly
+        its computable inputs (_node_facts): then the required cindexes are the
+        usable computable ones, and their used dependencies their computable
+        inputs.  (A usable computable cindex has a usable computable reader, which
+        uses it, or is an output; the readers lead to an output as the graph has
+        no cycles.  A required cindex is read by a required one, which counts for
+        it.)  Every width's rows at once instead of node by node."""
+        size = self.size
+        status = self.status[:size]
+        computable = status == C
+        required = computable & (self.usable[:size] > 0)
+        rows_by: dict = {}
+        deps_by: dict = {}
+        for nd in self.node_deps:
+            for rows, deps in nd.parts:
+                k = deps.shape[1]
+                if k:
+                    rows_by.setdefault(k, []).append(rows)
+                    deps_by.setdefault(k, []).append(deps)
+        edges_src, edges_dst = [], []
+        for k, parts in rows_by.items():
+            rows, deps = _cat(parts), _cat(deps_by[k])
+            sel = required[rows]
+            if not _all(sel):
+                rows, deps = rows[sel], deps[sel]
+            used = computable[deps]
+            if _all(used.ravel()):
+                edges_src.append(rows if k == 1 else rows.repeat(k))
+                edges_dst.append(deps.ravel())
+            else:
+                edges_src.append(np.repeat(rows, rows_count(used)))
+                edges_dst.append(deps[used])
+        return required, edges_src, edges_dst
 
     def _required(self, base: int, outs: np.ndarray):
         """Cindexes reachable from the outputs by used dependencies, and those
@@ -1080,7 +1119,9 @@ def _node_facts(nodes) -> tuple:
     position in the node order, whether it is an input node (a boolean array), its
     producers (a tuple), the one node all its inputs are on or -1, its compiled
     descriptor where that decides its statuses, whether it needs all its inputs
-    (and the list of the nodes that do not), and its chain (_chains)."""
+    (and the list of the nodes that do not), its chain (_chains), and whether every
+    node with inputs uses exactly those that are computable (no Failover, no
+    component asked Index by Index: _required_from_counts applies)."""
     hit = nodes.extra.get("graph_node_facts")
     if hit is not None:
         return hit
@@ -1096,8 +1137,12 @@ def _node_facts(nodes) -> tuple:
     all_required = [nodes.deps_mode[v] != DEPS_GENERAL and (f is None or f.all_required)
                     for v, f in enumerate(settle_fast)]
     partial_nodes = [v for v in range(num) if not all_required[v]]
+    # whether every node with inputs uses exactly the computable ones
+    uses_present = all(nodes.deps_mode[v] in (DEPS_IDENTITY, DEPS_OFFSETS)
+                       or (nodes.deps_mode[v] == DEPS_DESCRIPTOR and nodes.fast[v].uses_present)
+                       for v in range(num) if nodes.deps_mode[v] != DEPS_NONE)
     out = (pos, is_input_node, producers, one_producer, settle_fast, all_required,
-           partial_nodes, _chains(nodes, pos))
+           partial_nodes, _chains(nodes, pos), uses_present)
     nodes.extra["graph_node_facts"] = out
     return out
 
