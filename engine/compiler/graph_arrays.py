@@ -48,9 +48,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.compiler.array_ops import column_bounds, rows_all, rows_any, rows_count
+from engine.compiler.array_ops import (column_bounds, distinct as _distinct, rows_all, rows_any,
+                                      rows_count)
 from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, DEPS_IDENTITY,
-                                         DEPS_NONE, DEPS_OFFSETS, INPUT)
+                                         DEPS_NONE, DEPS_OFFSETS, INPUT, CindexTable)
 from engine.core.index import Index, index_rows
 
 # Kaldi's ComputableInfo values (as in engine.compiler.graph).
@@ -83,18 +84,6 @@ _sum = np.add.reduce
 
 def _cat(parts: list) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-def _distinct(a: np.ndarray, kind: str | None = None) -> np.ndarray:
-    """The distinct values of ``a``, sorted (np.unique without its overhead);
-    ``kind="stable"`` for long arrays made of sorted runs (NumPy's stable sort
-    merges runs, many times faster there than its default sort)."""
-    a = np.sort(a, kind=kind)
-    if len(a) > 1:
-        step = a[1:] != a[:-1]
-        if not _all(step):
-            a = a[np.concatenate(([True], step))]
-    return a
 
 
 def _counts(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -573,13 +562,16 @@ class ArrayGraphBuild:
             not_c[c] += m
         last = chain[-1]
         tail = self._lookup(kg + (last - v) * snode, last, False, distinct=True)
-        levels = list(ids.reshape(len(mid), m))
+        # v reads level 0, each chain node the next level, the last one the tail:
+        # the rows g, ids read ids, tail (one input each), level by level
+        deps = np.concatenate((ids, tail))
+        col = deps[:, None]
         node_deps = self.node_deps
-        # v reads level 0, each chain node the next level, the last one the tail
-        for owner, rows, deps in zip([v] + mid, [g] + levels, levels + [tail]):
-            node_deps[owner].add(rows, deps[:, None])
-            if self.track_usable:
-                self._store_edges(rows, deps, 1)
+        node_deps[v].add(g, col[:m])
+        for j, owner in enumerate(mid):
+            node_deps[owner].add(ids[j * m:(j + 1) * m], col[(j + 1) * m:(j + 2) * m])
+        if self.track_usable:
+            self._store_edges(np.concatenate((g, ids)), deps, 1)
         self.pending[last].append(tail)
         if self.track_usable:
             # each chain cindex has one usable reader (as _record would count it),
@@ -971,7 +963,13 @@ class ArrayGraphBuild:
             ptr, dst = np.zeros(m + 1, dtype=np.int64), _EMPTY
         is_input = np.zeros(m, dtype=bool)
         is_input[:len(input_ids)] = True
-        return self.coords_of(order), is_input, ptr, dst
+        # the table, renumbered, is the graph's lookup table from now on
+        keys = self.keys
+        self.table[keys[:size]] = new_id
+        table = CindexTable.from_dense(
+            self.table, self.lo, self.hi, (self.stride_n, self.stride_t, self.stride_node),
+            np.concatenate((keys[:base], keys[order])), tuple(self.margin))
+        return self.coords_of(order), is_input, ptr, dst, table
 
     def _required_from_counts(self):
         """_required where Kaldi's usable counts are kept and every node uses exactly
@@ -1186,8 +1184,10 @@ def _chains(nodes, pos: list) -> list:
 
 
 def build_arrays(builder, request, max_sweeps: int):
-    """(coords, is_input, dep_ptr, dep_idx) of the segment for ``request``, or
-    None when the array build does not apply (builder.array_status says why)."""
+    """(coords, is_input, dep_ptr, dep_idx, table) of the segment for ``request``
+    (what ComputationGraph.append_arrays takes; the table covers the graph's
+    cindexes after that), or None when the array build does not apply
+    (builder.array_status says why)."""
     try:
         result = ArrayGraphBuild(builder, request, max_sweeps).run()
     except GiveUp as e:

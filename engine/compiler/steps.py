@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from engine.compiler.array_ops import distinct
 from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
 from engine.compiler.graph_nodes import COMPONENT, DIM_RANGE, INPUT, node_table_for
@@ -549,7 +550,7 @@ class ComputationStepsComputer:
         graph = self.graph
         coords = graph.coords
         deps = _deps_of_ascending(graph.dep_ptr, graph.dep_idx, step)
-        input_step = self._in_cindex_order(np.unique(deps))
+        input_step = self._in_cindex_order(distinct(deps, "stable"))
         if self._reorders[node]:
             in_rows, out_rows = coords[input_step, 1:], coords[step, 1:]
             orig = len(in_rows) + len(out_rows)
