@@ -436,16 +436,30 @@ class ComputationStepsComputer:
             else:
                 plain = [False] * len(nodes)
             roles, simple, early = self._roles, self._simple, self._read_early
+            plain = [p and simple[v] and roles[v] == _R_COMPONENT for p, v in zip(plain, nodes)]
+            whole = self._whole_source_steps(ids, bounds, nodes, linked, plain)
+            # the step of each plain sub-phase (a dim-range sub-phase's source)
+            step_of = [-1] * len(nodes) if whole is not None else None
             step_ids, step_nodes = self.step_ids, self.step_nodes
             for k, v in enumerate(nodes):
                 role = roles[v]
                 if role == _R_COMPONENT_INPUT:
                     continue        # done together with the component's own step
                 a, b = bounds[k], bounds[k + 1]
+                if whole is not None and whole[k] >= 0:
+                    # the whole step of a plain sub-phase, in its order: this
+                    # sub-phase is the dim-range step (_dim_range_small's first case)
+                    self._dim_range_done.add((step_of[whole[k]], v))
+                    if early[v]:
+                        self._add_step_ids(ids[a:b], v)
+                    else:
+                        step_ids.append(ids[a:b])
+                        step_nodes.append(v)
+                    continue
                 if (role == _R_DIM_RANGE and b - a <= 32 and linked is not None
                         and self._dim_range_small(v, ids[a:b], linked_list[a:b])):
                     continue
-                if plain[k] and simple[v] and role == _R_COMPONENT:
+                if plain[k]:
                     if early[v - 1]:
                         self._add_step_ids(linked[a:b], v - 1)
                     else:
@@ -456,12 +470,48 @@ class ComputationStepsComputer:
                     else:
                         step_ids.append(ids[a:b])
                         step_nodes.append(v)
+                    if step_of is not None:
+                        step_of[k] = len(step_ids) - 1
                     continue
                 self._process_sub_phase(request, v, ids[a:b],
                                         None if linked is None else linked[a:b])
         self._flush_locations()
         self.step_to_segment.extend([segment] * (len(self.step_ids) - len(self.step_to_segment)))
         self.num_segments_done += 1
+
+    def _whole_source_steps(self, ids: np.ndarray, bounds: list, nodes: list,
+                            linked: np.ndarray | None, plain: list) -> list | None:
+        """Per sub-phase (``ids[bounds[k]:bounds[k + 1]]`` on ``nodes[k]``) of a
+        dim-range node whose source cindexes (``linked``) are, in order, exactly an
+        earlier plain sub-phase (a simple component's, its step as it is: ``plain``),
+        that sub-phase's position, else -1; None when there are no such sub-phases.
+        Such a sub-phase is its own step, and no other step of its node reads that
+        source step (the source rows are its rows' Indexes, one to one)."""
+        if linked is None:
+            return None
+        roles = self._roles
+        dim = [roles[v] == _R_DIM_RANGE for v in nodes]
+        if not any(dim) or not any(plain):
+            return None
+        num = len(nodes)
+        starts = np.array(bounds[:-1], dtype=np.int64)
+        sizes = np.diff(np.array(bounds, dtype=np.int64))
+        # the position in ``ids`` of each row's source cindex (-1: none or elsewhere)
+        where = np.full(len(self.graph), -1, dtype=np.int64)
+        where[ids] = np.arange(len(ids))
+        pos = np.where(linked >= 0, where[np.maximum(linked, 0)], -1)
+        # rows whose source is as far along ``ids`` as their sub-phase's first row's
+        lag = pos - np.arange(len(ids))
+        aligned = (pos >= 0) & (lag == np.repeat(lag[starts], sizes))
+        ok = np.logical_and.reduceat(aligned, starts) & np.array(dim)
+        first = pos[starts]
+        sub = np.repeat(np.arange(num), sizes)
+        src = np.where(ok, sub[np.maximum(first, 0)], 0)
+        ok &= ((starts[src] == first) & (sizes[src] == sizes) & np.array(plain)[src]
+               & (src < np.arange(num)))
+        if not ok.any():
+            return None
+        return np.where(ok, src, -1).tolist()
 
     def _linked_ids(self, ids: np.ndarray, node: np.ndarray) -> np.ndarray | None:
         """For rows of simple components the id of the same Index on the component's
