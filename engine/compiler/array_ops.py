@@ -90,4 +90,5 @@ def rows_count(b: np.ndarray) -> np.ndarray:
     return out
 
 
-__all__ = ["column_bounds", "distinct", "rows_all", "rows_any", "rows_equal", "rows_count", "NARROW"]
+__all__ = ["column_bounds", "distinct", "rows_all", "rows_any", "rows_equal", "rows_count",
+           "NARROW"]

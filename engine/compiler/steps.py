@@ -32,8 +32,9 @@ graph's ids inside a segment are already in Cindex order (supplied inputs
 first), so sorting a phase is sorting ids by node; steps are id arrays, and
 ``loc_step`` / ``loc_row`` give the (step, row) of every cindex.  Phases and
 steps read as lists of id lists (``PhaseList``, ``StepList``) for callers that
-want them.  Only the cindexes of recurrences are peeled one by one (a plain
-Python loop over them; every other epoch is one phase).
+want them.  A recurrence's rounds are the longest dependency paths inside it,
+found along its chains of cindexes on whole arrays (``_longest_paths``); every
+other epoch is one phase.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ from engine.nnet.graph import compute_nnet_computation_epochs
 
 _SIMPLE = int(ComponentProperty.SIMPLE_COMPONENT)
 _REORDERS = int(ComponentProperty.REORDERS_INDEXES)
+_all = np.logical_and.reduce
+_any = np.logical_or.reduce
+# rounds of chain following in _longest_paths before the rest is taken one by one
+_MAX_PATH_ROUNDS = 16
 
 
 class _IdLists(Sequence):
@@ -115,10 +120,17 @@ def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
     the round in which each member (ids, ascending) can be computed, given the
     dependencies inside the epoch (consumer and producer as member positions).
     A round holds the members all of whose inputs were computed in earlier
-    rounds; Kaldi finds them among the users of the previous round."""
+    rounds; Kaldi finds them among the users of the previous round.  The round
+    of a member is the longest dependency path inside the epoch that ends at it
+    (_longest_paths); Kahn's rounds one member at a time are kept for a cycle,
+    which they report."""
     k = len(members)
     if not len(deps_owner):
         return np.zeros(k, dtype=np.int64)      # nothing inside depends on anything inside
+    level = _longest_paths(k, deps_owner, deps_local)
+    if level is not None:
+        return level
+    # a cycle: Kahn's rounds, which say where
     remaining = np.bincount(deps_owner, minlength=k).tolist()
     order = np.argsort(deps_local, kind="stable")
     # the users of member c: flat[b[c]:b[c + 1]]
@@ -154,6 +166,90 @@ def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
         lev += 1
     if any(remaining):
         raise AssertionError("phases do not cover every cindex")
+    return np.array(level, dtype=np.int64)
+
+
+def _longest_paths(k: int, owner: np.ndarray, local: np.ndarray) -> np.ndarray | None:
+    """The round of each of ``k`` members in Kahn's order (_epoch_levels): the length
+    of the longest dependency path inside the epoch that ends at it; None when
+    the dependencies (``owner`` reads ``local``, member positions, each pair once)
+    have a cycle (the caller then takes Kahn's rounds, which say where).
+
+    Most members of a recurrence read one other member: along such chains the
+    round grows by the length of each step, so each chain is followed to its
+    first member that reads none or several (pointer doubling, on whole arrays).
+    The members that read several then read chain starts; a reader's steps to
+    one start are kept as the longest, and the same is done again on those
+    (usually the several inputs of a member go back to one start, which leaves
+    one chain) until no member reads several, or, where that does not reduce
+    them, the chain starts are taken one by one (_weighted_rounds)."""
+    weight = np.ones(len(owner), dtype=np.int64)
+    layers = []
+    for _ in range(_MAX_PATH_ROUNDS):
+        num_deps = np.bincount(owner, minlength=k)
+        single = num_deps[owner] == 1
+        # a member's chain reaches jump[u] after dist[u] steps
+        jump = np.arange(k)
+        jump[owner[single]] = local[single]
+        dist = np.zeros(k, dtype=np.int64)
+        dist[owner[single]] = weight[single]
+        start = num_deps != 1           # where chains start (jump to themselves)
+        for _ in range(k.bit_length() + 1):
+            if _all(start[jump]):
+                break
+            dist += dist[jump]
+            jump = jump[jump]
+        else:
+            return None                 # a chain that never starts: a cycle
+        layers.append((jump, dist))
+        many = ~single
+        if not _any(many):
+            owner = owner[many]         # (no dependencies left)
+            break
+        # the readers of several members: their longest way to each chain start
+        dep = local[many]
+        o, r, w = owner[many], jump[dep], dist[dep] + weight[many]
+        order = np.lexsort((w, r, o))
+        o, r, w = o[order], r[order], w[order]
+        last = np.ones(len(o), dtype=bool)
+        last[:-1] = (o[1:] != o[:-1]) | (r[1:] != r[:-1])
+        reduced = _any(single) or not _all(last)
+        owner, local, weight = o[last], r[last], w[last]
+        if not reduced:
+            break
+    if len(owner):
+        level = _weighted_rounds(k, owner, local, weight)
+        if level is None:
+            return None
+    else:
+        level = np.zeros(k, dtype=np.int64)
+    for jump, dist in reversed(layers):
+        level = level[jump] + dist
+    return level
+
+
+def _weighted_rounds(k: int, owner: np.ndarray, local: np.ndarray,
+                     weight: np.ndarray) -> np.ndarray | None:
+    """The longest path ending at each of ``k`` members, ``owner`` reading ``local``
+    over a path of ``weight`` steps, visiting members in Kahn's order one by one;
+    None when there is a cycle."""
+    remaining = np.bincount(owner, minlength=k).tolist()
+    users: dict[int, list] = {}
+    for o, src, w in zip(owner.tolist(), local.tolist(), weight.tolist()):
+        users.setdefault(src, []).append((o, w))
+    level = [0] * k
+    todo = [m for m in users if not remaining[m]]
+    while todo:
+        m = todo.pop()
+        base = level[m]
+        for o, w in users.get(m, ()):
+            if base + w > level[o]:
+                level[o] = base + w
+            remaining[o] -= 1
+            if not remaining[o]:
+                todo.append(o)
+    if any(remaining):
+        return None
     return np.array(level, dtype=np.int64)
 
 
