@@ -17,6 +17,10 @@ turned, once per network, into:
   or Const.  Then it is computable exactly when every dependency is, and all
   dependencies are used: the builder needs no per-cindex evaluation of the
   tree at all.
+- ``uses_present``: true when, for an Index it can compute, the inputs the
+  descriptor uses are exactly those present (no Failover, and IfDefined only
+  around a single input); the graph builder then reads what is used off the
+  statuses alone.
 - ``deps_arrays(n, t, x)``: the same for whole arrays of Indexes (NumPy), for
   the array graph builder (engine.compiler.graph_arrays) and the compiler.
 - ``linear_positions()``: per dependency position, the node and constant
@@ -146,6 +150,23 @@ def _all_required(sd: SumDescriptor) -> bool:
     return False
 
 
+def _uses_present(sd: SumDescriptor) -> tuple[bool, bool]:
+    """(whether ``sd``, when computable, uses exactly the positions present; whether
+    no position is present whenever it is not computable)."""
+    kind = type(sd)
+    if kind is SimpleSumDescriptor or kind is ConstantSumDescriptor:
+        return True, True
+    if kind is OptionalSumDescriptor:
+        # never fails; uses its source's inputs when that is computable, none otherwise
+        exact, empty = _uses_present(sd.src)
+        return exact and empty, True
+    if kind is BinarySumDescriptor and sd.op == SumOp.SUM:
+        # computable when both sides are, using both sides' inputs; when one side
+        # fails the other's inputs may still be present
+        return _uses_present(sd.src1)[0] and _uses_present(sd.src2)[0], False
+    return False, False
+
+
 # A compiled sum descriptor: given the presence flags and the position of its
 # first dependency, (computable, positions used, next position).
 _Eval = Callable[[list, int], tuple]
@@ -228,8 +249,8 @@ def _compile_eval_arrays(sd: SumDescriptor) -> _EvalArrays:
 class FastDescriptor:
     """One node's Descriptor as generated functions (see the module docstring)."""
 
-    __slots__ = ("deps", "dep1", "all_required", "num_deps", "_parts", "forwarding",
-                 "_array_parts")
+    __slots__ = ("deps", "dep1", "all_required", "uses_present", "num_deps", "_parts",
+                 "forwarding", "_array_parts")
 
     def __init__(self, desc: Descriptor) -> None:
         exprs: list[str] = []
@@ -246,6 +267,7 @@ class FastDescriptor:
             exec(f"def dep1(idx):\n    n, t, x = idx\n    return {exprs[0]}\n", scope)  # noqa: S102
             self.dep1 = scope["dep1"]
         self.all_required = all(_all_required(p) for p in desc.parts)
+        self.uses_present = all(_uses_present(p)[0] for p in desc.parts)
         self._parts = [_compile_eval(p) for p in desc.parts]
         self._array_parts = [_compile_eval_arrays(p) for p in desc.parts]
         self.forwarding: list = []

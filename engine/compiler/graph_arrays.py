@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.compiler.array_ops import column_bounds, rows_all, rows_any, rows_count
-from engine.compiler.graph_nodes import COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, INPUT
+from engine.compiler.array_ops import (column_bounds, distinct as _distinct, rows_all, rows_any,
+                                      rows_count)
+from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, DEPS_IDENTITY,
+                                         DEPS_NONE, DEPS_OFFSETS, INPUT, CindexTable)
 from engine.core.index import Index, index_rows
 
 # Kaldi's ComputableInfo values (as in engine.compiler.graph).
@@ -82,18 +84,6 @@ _sum = np.add.reduce
 
 def _cat(parts: list) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-def _distinct(a: np.ndarray, kind: str | None = None) -> np.ndarray:
-    """The distinct values of ``a``, sorted (np.unique without its overhead);
-    ``kind="stable"`` for long arrays made of sorted runs (NumPy's stable sort
-    merges runs, many times faster there than its default sort)."""
-    a = np.sort(a, kind=kind)
-    if len(a) > 1:
-        step = a[1:] != a[:-1]
-        if not _all(step):
-            a = a[np.concatenate(([True], step))]
-    return a
 
 
 def _counts(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -171,7 +161,8 @@ class ArrayGraphBuild:
         num = len(nodes.kind)
         self.num_nodes = num
         (self.pos, self.is_input_node, self.producers, self.one_producer, self.settle_fast,
-         self.all_required, self.partial_nodes, self.chains) = _node_facts(nodes)
+         self.all_required, self.partial_nodes, self.chains,
+         self.uses_present) = _node_facts(nodes)
         self.node_deps = [_NodeDeps() for _ in range(num)]
         self.pending: list[list] = [[] for _ in range(num)]
         # whether a node's pending ids may repeat (beyond one list from one consumer)
@@ -571,13 +562,16 @@ class ArrayGraphBuild:
             not_c[c] += m
         last = chain[-1]
         tail = self._lookup(kg + (last - v) * snode, last, False, distinct=True)
-        levels = list(ids.reshape(len(mid), m))
+        # v reads level 0, each chain node the next level, the last one the tail:
+        # the rows g, ids read ids, tail (one input each), level by level
+        deps = np.concatenate((ids, tail))
+        col = deps[:, None]
         node_deps = self.node_deps
-        # v reads level 0, each chain node the next level, the last one the tail
-        for owner, rows, deps in zip([v] + mid, [g] + levels, levels + [tail]):
-            node_deps[owner].add(rows, deps[:, None])
-            if self.track_usable:
-                self._store_edges(rows, deps, 1)
+        node_deps[v].add(g, col[:m])
+        for j, owner in enumerate(mid):
+            node_deps[owner].add(ids[j * m:(j + 1) * m], col[(j + 1) * m:(j + 2) * m])
+        if self.track_usable:
+            self._store_edges(np.concatenate((g, ids)), deps, 1)
         self.pending[last].append(tail)
         if self.track_usable:
             # each chain cindex has one usable reader (as _record would count it),
@@ -935,6 +929,8 @@ class ArrayGraphBuild:
                         edges_src.append(rows if k == 1 else rows.repeat(k))
                         edges_dst.append(deps.ravel())
             required = np.ones(size, dtype=bool)
+        elif self.track_usable and self.uses_present:
+            required, edges_src, edges_dst = self._required_from_counts()
         else:
             required, edges_src, edges_dst = self._required(base, outs)
         # the kept cindexes of this segment, numbered canonically
@@ -967,7 +963,48 @@ class ArrayGraphBuild:
             ptr, dst = np.zeros(m + 1, dtype=np.int64), _EMPTY
         is_input = np.zeros(m, dtype=bool)
         is_input[:len(input_ids)] = True
-        return self.coords_of(order), is_input, ptr, dst
+        # the table, renumbered, is the graph's lookup table from now on
+        keys = self.keys
+        self.table[keys[:size]] = new_id
+        table = CindexTable.from_dense(
+            self.table, self.lo, self.hi, (self.stride_n, self.stride_t, self.stride_node),
+            np.concatenate((keys[:base], keys[order])), tuple(self.margin))
+        return self.coords_of(order), is_input, ptr, dst, table
+
+    def _required_from_counts(self):
+        """_required where Kaldi's usable counts are kept and every node uses exactly
+        its computable inputs (_node_facts): then the required cindexes are the
+        usable computable ones, and their used dependencies their computable
+        inputs.  (A usable computable cindex has a usable computable reader, which
+        uses it, or is an output; the readers lead to an output as the graph has
+        no cycles.  A required cindex is read by a required one, which counts for
+        it.)  Every width's rows at once instead of node by node."""
+        size = self.size
+        status = self.status[:size]
+        computable = status == C
+        required = computable & (self.usable[:size] > 0)
+        rows_by: dict = {}
+        deps_by: dict = {}
+        for nd in self.node_deps:
+            for rows, deps in nd.parts:
+                k = deps.shape[1]
+                if k:
+                    rows_by.setdefault(k, []).append(rows)
+                    deps_by.setdefault(k, []).append(deps)
+        edges_src, edges_dst = [], []
+        for k, parts in rows_by.items():
+            rows, deps = _cat(parts), _cat(deps_by[k])
+            sel = required[rows]
+            if not _all(sel):
+                rows, deps = rows[sel], deps[sel]
+            used = computable[deps]
+            if _all(used.ravel()):
+                edges_src.append(rows if k == 1 else rows.repeat(k))
+                edges_dst.append(deps.ravel())
+            else:
+                edges_src.append(np.repeat(rows, rows_count(used)))
+                edges_dst.append(deps[used])
+        return required, edges_src, edges_dst
 
     def _required(self, base: int, outs: np.ndarray):
         """Cindexes reachable from the outputs by used dependencies, and those
@@ -1080,7 +1117,9 @@ def _node_facts(nodes) -> tuple:
     position in the node order, whether it is an input node (a boolean array), its
     producers (a tuple), the one node all its inputs are on or -1, its compiled
     descriptor where that decides its statuses, whether it needs all its inputs
-    (and the list of the nodes that do not), and its chain (_chains)."""
+    (and the list of the nodes that do not), its chain (_chains), and whether every
+    node with inputs uses exactly those that are computable (no Failover, no
+    component asked Index by Index: _required_from_counts applies)."""
     hit = nodes.extra.get("graph_node_facts")
     if hit is not None:
         return hit
@@ -1096,8 +1135,12 @@ def _node_facts(nodes) -> tuple:
     all_required = [nodes.deps_mode[v] != DEPS_GENERAL and (f is None or f.all_required)
                     for v, f in enumerate(settle_fast)]
     partial_nodes = [v for v in range(num) if not all_required[v]]
+    # whether every node with inputs uses exactly the computable ones
+    uses_present = all(nodes.deps_mode[v] in (DEPS_IDENTITY, DEPS_OFFSETS)
+                       or (nodes.deps_mode[v] == DEPS_DESCRIPTOR and nodes.fast[v].uses_present)
+                       for v in range(num) if nodes.deps_mode[v] != DEPS_NONE)
     out = (pos, is_input_node, producers, one_producer, settle_fast, all_required,
-           partial_nodes, _chains(nodes, pos))
+           partial_nodes, _chains(nodes, pos), uses_present)
     nodes.extra["graph_node_facts"] = out
     return out
 
@@ -1141,8 +1184,10 @@ def _chains(nodes, pos: list) -> list:
 
 
 def build_arrays(builder, request, max_sweeps: int):
-    """(coords, is_input, dep_ptr, dep_idx) of the segment for ``request``, or
-    None when the array build does not apply (builder.array_status says why)."""
+    """(coords, is_input, dep_ptr, dep_idx, table) of the segment for ``request``
+    (what ComputationGraph.append_arrays takes; the table covers the graph's
+    cindexes after that), or None when the array build does not apply
+    (builder.array_status says why)."""
     try:
         result = ArrayGraphBuild(builder, request, max_sweeps).run()
     except GiveUp as e:

@@ -117,6 +117,26 @@ class CindexTable:
             order = np.argsort(keys, kind="stable")
             self.sorted_keys, self.sorted_ids = keys[order], rids[order]
 
+    @classmethod
+    def from_dense(cls, table: np.ndarray, lo: Sequence[int], hi: Sequence[int],
+                   strides: tuple[int, int, int], key_of: np.ndarray,
+                   margin: tuple[int, int, int]) -> "CindexTable":
+        """A dense table made elsewhere (the array graph builder's): ``table`` maps
+        node * stride_node + (n - lo[0]) * stride_n + (t - lo[1]) * stride_t +
+        (x - lo[2]) to ids (-1 where absent), for nodes from 0 on and n, t, x within
+        ``lo`` .. ``hi`` (``strides``: stride_n, stride_t, stride_node); ``key_of``
+        the key of every id; every cindex has ``margin`` free around it."""
+        self = cls.__new__(cls)
+        self.margin = tuple(margin)
+        self.blank = {}
+        self.stride_n, self.stride_t, self.stride_node = strides
+        self.lo = [0, lo[0], lo[1], lo[2]]
+        self.hi = [len(table) // self.stride_node - 1, hi[0], hi[1], hi[2]]
+        self.mode = "dense"
+        self.key_of = key_of
+        self.table = table
+        return self
+
     def _key(self, node, n, t, x):
         lo = self.lo
         return ((node - lo[0]) * self.stride_node + (n - lo[1]) * self.stride_n
@@ -266,10 +286,12 @@ class ComputationGraph:
         return self._dep_cache
 
     def append_arrays(self, coords: np.ndarray, is_input: np.ndarray,
-                      dep_ptr: np.ndarray | None = None, dep_idx: np.ndarray | None = None
-                      ) -> int:
+                      dep_ptr: np.ndarray | None = None, dep_idx: np.ndarray | None = None,
+                      table: CindexTable | None = None) -> int:
         """Add cindexes (ids from len(self) on) with their dependency lists (CSR,
-        ``dep_ptr`` of length m + 1; none when omitted); returns the first new id."""
+        ``dep_ptr`` of length m + 1; none when omitted); returns the first new id.
+        ``table``: a lookup table of all the cindexes the graph then has, if the
+        caller has one (the array graph builder)."""
         self._check_arrays()
         m = len(coords)
         start = self._num
@@ -280,11 +302,19 @@ class ComputationGraph:
         if dep_ptr is None:
             dep_ptr = np.zeros(m + 1, dtype=np.int64)
             dep_idx = np.zeros(0, dtype=np.int64)
-        self._dep_parts.append((np.asarray(dep_ptr, dtype=np.int64),
-                                np.asarray(dep_idx, dtype=np.int64)))
-        self._dep_cache = None
+        part = (np.asarray(dep_ptr, dtype=np.int64), np.asarray(dep_idx, dtype=np.int64))
+        if start:
+            self._dep_parts.append(part)
+            self._dep_cache = None
+        else:
+            # the first cindexes: their lists are the CSR as it is
+            self._dep_parts = [part]
+            self._dep_cache = part
         self._num = start + m
-        if self._table is not None and not self._table.add(coords, np.arange(start, start + m)):
+        if table is not None:
+            self._table = table
+        elif self._table is not None and not self._table.add(coords,
+                                                              np.arange(start, start + m)):
             self._table = None
         return start
 

@@ -32,8 +32,9 @@ graph's ids inside a segment are already in Cindex order (supplied inputs
 first), so sorting a phase is sorting ids by node; steps are id arrays, and
 ``loc_step`` / ``loc_row`` give the (step, row) of every cindex.  Phases and
 steps read as lists of id lists (``PhaseList``, ``StepList``) for callers that
-want them.  Only the cindexes of recurrences are peeled one by one (a plain
-Python loop over them; every other epoch is one phase).
+want them.  A recurrence's rounds are the longest dependency paths inside it,
+found along its chains of cindexes on whole arrays (``_longest_paths``); every
+other epoch is one phase.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from engine.compiler.array_ops import distinct
 from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
 from engine.compiler.graph_nodes import COMPONENT, DIM_RANGE, INPUT, node_table_for
@@ -52,6 +54,10 @@ from engine.nnet.graph import compute_nnet_computation_epochs
 
 _SIMPLE = int(ComponentProperty.SIMPLE_COMPONENT)
 _REORDERS = int(ComponentProperty.REORDERS_INDEXES)
+_all = np.logical_and.reduce
+_any = np.logical_or.reduce
+# rounds of chain following in _longest_paths before the rest is taken one by one
+_MAX_PATH_ROUNDS = 16
 
 
 class _IdLists(Sequence):
@@ -114,10 +120,17 @@ def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
     the round in which each member (ids, ascending) can be computed, given the
     dependencies inside the epoch (consumer and producer as member positions).
     A round holds the members all of whose inputs were computed in earlier
-    rounds; Kaldi finds them among the users of the previous round."""
+    rounds; Kaldi finds them among the users of the previous round.  The round
+    of a member is the longest dependency path inside the epoch that ends at it
+    (_longest_paths); Kahn's rounds one member at a time are kept for a cycle,
+    which they report."""
     k = len(members)
     if not len(deps_owner):
         return np.zeros(k, dtype=np.int64)      # nothing inside depends on anything inside
+    level = _longest_paths(k, deps_owner, deps_local)
+    if level is not None:
+        return level
+    # a cycle: Kahn's rounds, which say where
     remaining = np.bincount(deps_owner, minlength=k).tolist()
     order = np.argsort(deps_local, kind="stable")
     # the users of member c: flat[b[c]:b[c + 1]]
@@ -153,6 +166,90 @@ def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
         lev += 1
     if any(remaining):
         raise AssertionError("phases do not cover every cindex")
+    return np.array(level, dtype=np.int64)
+
+
+def _longest_paths(k: int, owner: np.ndarray, local: np.ndarray) -> np.ndarray | None:
+    """The round of each of ``k`` members in Kahn's order (_epoch_levels): the length
+    of the longest dependency path inside the epoch that ends at it; None when
+    the dependencies (``owner`` reads ``local``, member positions, each pair once)
+    have a cycle (the caller then takes Kahn's rounds, which say where).
+
+    Most members of a recurrence read one other member: along such chains the
+    round grows by the length of each step, so each chain is followed to its
+    first member that reads none or several (pointer doubling, on whole arrays).
+    The members that read several then read chain starts; a reader's steps to
+    one start are kept as the longest, and the same is done again on those
+    (usually the several inputs of a member go back to one start, which leaves
+    one chain) until no member reads several, or, where that does not reduce
+    them, the chain starts are taken one by one (_weighted_rounds)."""
+    weight = np.ones(len(owner), dtype=np.int64)
+    layers = []
+    for _ in range(_MAX_PATH_ROUNDS):
+        num_deps = np.bincount(owner, minlength=k)
+        single = num_deps[owner] == 1
+        # a member's chain reaches jump[u] after dist[u] steps
+        jump = np.arange(k)
+        jump[owner[single]] = local[single]
+        dist = np.zeros(k, dtype=np.int64)
+        dist[owner[single]] = weight[single]
+        start = num_deps != 1           # where chains start (jump to themselves)
+        for _ in range(k.bit_length() + 1):
+            if _all(start[jump]):
+                break
+            dist += dist[jump]
+            jump = jump[jump]
+        else:
+            return None                 # a chain that never starts: a cycle
+        layers.append((jump, dist))
+        many = ~single
+        if not _any(many):
+            owner = owner[many]         # (no dependencies left)
+            break
+        # the readers of several members: their longest way to each chain start
+        dep = local[many]
+        o, r, w = owner[many], jump[dep], dist[dep] + weight[many]
+        order = np.lexsort((w, r, o))
+        o, r, w = o[order], r[order], w[order]
+        last = np.ones(len(o), dtype=bool)
+        last[:-1] = (o[1:] != o[:-1]) | (r[1:] != r[:-1])
+        reduced = _any(single) or not _all(last)
+        owner, local, weight = o[last], r[last], w[last]
+        if not reduced:
+            break
+    if len(owner):
+        level = _weighted_rounds(k, owner, local, weight)
+        if level is None:
+            return None
+    else:
+        level = np.zeros(k, dtype=np.int64)
+    for jump, dist in reversed(layers):
+        level = level[jump] + dist
+    return level
+
+
+def _weighted_rounds(k: int, owner: np.ndarray, local: np.ndarray,
+                     weight: np.ndarray) -> np.ndarray | None:
+    """The longest path ending at each of ``k`` members, ``owner`` reading ``local``
+    over a path of ``weight`` steps, visiting members in Kahn's order one by one;
+    None when there is a cycle."""
+    remaining = np.bincount(owner, minlength=k).tolist()
+    users: dict[int, list] = {}
+    for o, src, w in zip(owner.tolist(), local.tolist(), weight.tolist()):
+        users.setdefault(src, []).append((o, w))
+    level = [0] * k
+    todo = [m for m in users if not remaining[m]]
+    while todo:
+        m = todo.pop()
+        base = level[m]
+        for o, w in users.get(m, ()):
+            if base + w > level[o]:
+                level[o] = base + w
+            remaining[o] -= 1
+            if not remaining[o]:
+                todo.append(o)
+    if any(remaining):
+        return None
     return np.array(level, dtype=np.int64)
 
 
@@ -435,16 +532,30 @@ class ComputationStepsComputer:
             else:
                 plain = [False] * len(nodes)
             roles, simple, early = self._roles, self._simple, self._read_early
+            plain = [p and simple[v] and roles[v] == _R_COMPONENT for p, v in zip(plain, nodes)]
+            whole = self._whole_source_steps(ids, bounds, nodes, linked, plain)
+            # the step of each plain sub-phase (a dim-range sub-phase's source)
+            step_of = [-1] * len(nodes) if whole is not None else None
             step_ids, step_nodes = self.step_ids, self.step_nodes
             for k, v in enumerate(nodes):
                 role = roles[v]
                 if role == _R_COMPONENT_INPUT:
                     continue        # done together with the component's own step
                 a, b = bounds[k], bounds[k + 1]
+                if whole is not None and whole[k] >= 0:
+                    # the whole step of a plain sub-phase, in its order: this
+                    # sub-phase is the dim-range step (_dim_range_small's first case)
+                    self._dim_range_done.add((step_of[whole[k]], v))
+                    if early[v]:
+                        self._add_step_ids(ids[a:b], v)
+                    else:
+                        step_ids.append(ids[a:b])
+                        step_nodes.append(v)
+                    continue
                 if (role == _R_DIM_RANGE and b - a <= 32 and linked is not None
                         and self._dim_range_small(v, ids[a:b], linked_list[a:b])):
                     continue
-                if plain[k] and simple[v] and role == _R_COMPONENT:
+                if plain[k]:
                     if early[v - 1]:
                         self._add_step_ids(linked[a:b], v - 1)
                     else:
@@ -455,12 +566,48 @@ class ComputationStepsComputer:
                     else:
                         step_ids.append(ids[a:b])
                         step_nodes.append(v)
+                    if step_of is not None:
+                        step_of[k] = len(step_ids) - 1
                     continue
                 self._process_sub_phase(request, v, ids[a:b],
                                         None if linked is None else linked[a:b])
         self._flush_locations()
         self.step_to_segment.extend([segment] * (len(self.step_ids) - len(self.step_to_segment)))
         self.num_segments_done += 1
+
+    def _whole_source_steps(self, ids: np.ndarray, bounds: list, nodes: list,
+                            linked: np.ndarray | None, plain: list) -> list | None:
+        """Per sub-phase (``ids[bounds[k]:bounds[k + 1]]`` on ``nodes[k]``) of a
+        dim-range node whose source cindexes (``linked``) are, in order, exactly an
+        earlier plain sub-phase (a simple component's, its step as it is: ``plain``),
+        that sub-phase's position, else -1; None when there are no such sub-phases.
+        Such a sub-phase is its own step, and no other step of its node reads that
+        source step (the source rows are its rows' Indexes, one to one)."""
+        if linked is None:
+            return None
+        roles = self._roles
+        dim = [roles[v] == _R_DIM_RANGE for v in nodes]
+        if not any(dim) or not any(plain):
+            return None
+        num = len(nodes)
+        starts = np.array(bounds[:-1], dtype=np.int64)
+        sizes = np.diff(np.array(bounds, dtype=np.int64))
+        # the position in ``ids`` of each row's source cindex (-1: none or elsewhere)
+        where = np.full(len(self.graph), -1, dtype=np.int64)
+        where[ids] = np.arange(len(ids))
+        pos = np.where(linked >= 0, where[np.maximum(linked, 0)], -1)
+        # rows whose source is as far along ``ids`` as their sub-phase's first row's
+        lag = pos - np.arange(len(ids))
+        aligned = (pos >= 0) & (lag == np.repeat(lag[starts], sizes))
+        ok = np.logical_and.reduceat(aligned, starts) & np.array(dim)
+        first = pos[starts]
+        sub = np.repeat(np.arange(num), sizes)
+        src = np.where(ok, sub[np.maximum(first, 0)], 0)
+        ok &= ((starts[src] == first) & (sizes[src] == sizes) & np.array(plain)[src]
+               & (src < np.arange(num)))
+        if not ok.any():
+            return None
+        return np.where(ok, src, -1).tolist()
 
     def _linked_ids(self, ids: np.ndarray, node: np.ndarray) -> np.ndarray | None:
         """For rows of simple components the id of the same Index on the component's
@@ -549,7 +696,7 @@ class ComputationStepsComputer:
         graph = self.graph
         coords = graph.coords
         deps = _deps_of_ascending(graph.dep_ptr, graph.dep_idx, step)
-        input_step = self._in_cindex_order(np.unique(deps))
+        input_step = self._in_cindex_order(distinct(deps, "stable"))
         if self._reorders[node]:
             in_rows, out_rows = coords[input_step, 1:], coords[step, 1:]
             orig = len(in_rows) + len(out_rows)

@@ -356,8 +356,35 @@ def test_small_dim_range_sub_phases_equal_general_path(monkeypatch):
         taken.append(out)
         return out
     monkeypatch.setattr(ComputationStepsComputer, "_dim_range_small", spy)
+    # (sub-phases that are a whole source step are taken before this path)
+    monkeypatch.setattr(ComputationStepsComputer, "_whole_source_steps",
+                        lambda self, *args: None)
     fast = _compile_all(cases)
     assert sum(taken) > 20, "the small path is in use"
+    monkeypatch.setattr(ComputationStepsComputer, "_dim_range_small",
+                        lambda self, node, sub, src_ids: False)
+    assert _compile_all(cases) == fast
+
+
+def test_whole_source_step_dim_range_sub_phases_equal_general_path(monkeypatch):
+    """Dim-range sub-phases that are exactly an earlier simple component's step
+    are found for the whole segment at once (_whole_source_steps); the general
+    path gives the same computations."""
+    from engine.compiler.steps import ComputationStepsComputer
+
+    cases = _compile_cases()
+    found = []
+    real = ComputationStepsComputer._whole_source_steps
+
+    def spy(self, *args):
+        out = real(self, *args)
+        found.append(0 if out is None else sum(j >= 0 for j in out))
+        return out
+    monkeypatch.setattr(ComputationStepsComputer, "_whole_source_steps", spy)
+    fast = _compile_all(cases)
+    assert sum(found) > 20, "the whole-step path is in use"
+    monkeypatch.setattr(ComputationStepsComputer, "_whole_source_steps",
+                        lambda self, *args: None)
     monkeypatch.setattr(ComputationStepsComputer, "_dim_range_small",
                         lambda self, node, sub, src_ids: False)
     assert _compile_all(cases) == fast

@@ -180,3 +180,59 @@ def test_reference_models_from_shared(case):
     req = ComputationRequest.from_json(json.loads((d / "request.json").read_text()))
     checked, _, _ = _check_against_kaldi(nnet, req, kaldi_matrices(case, ref / "networks"))
     assert checked > 0
+
+
+def _kahn_rounds(k, owner, local):
+    """Kahn's rounds, member by member (the reference for _longest_paths)."""
+    remaining = [0] * k
+    users = [[] for _ in range(k)]
+    for o, src in zip(owner, local):
+        remaining[o] += 1
+        users[src].append(o)
+    level, frontier, lev = [0] * k, [i for i in range(k) if not remaining[i]], 0
+    while frontier:
+        nxt = []
+        for c in frontier:
+            level[c] = lev
+            for u in users[c]:
+                remaining[u] -= 1
+                if not remaining[u]:
+                    nxt.append(u)
+        frontier, lev = nxt, lev + 1
+    return None if any(remaining) else level
+
+
+def test_longest_paths_equal_kahn_rounds():
+    """The rounds of a recurrence's cindexes found along chains on whole arrays are
+    Kahn's rounds; a cycle gives None (the caller then reports it)."""
+    import numpy as np
+
+    from engine.compiler.steps import _longest_paths
+
+    rng = np.random.default_rng(7)
+    cycles = 0
+    for trial in range(1500):
+        k = int(rng.integers(2, 70))
+        rank = rng.permutation(k)
+        by_rank = np.argsort(rank)
+        choices = [0, 1, 1, 1, 1, 2, 3] if trial % 2 else [0, 1, 2, 2, 3, 4]
+        edges = set()
+        for u in range(k):
+            for _ in range(int(rng.choice(choices))):
+                if rank[u]:
+                    lo = max(0, rank[u] - int(rng.integers(1, 6)))
+                    edges.add((u, int(by_rank[rng.integers(lo, rank[u])])))
+        if trial % 4 == 0:
+            a, b = sorted(rng.integers(0, k, 2).tolist())
+            edges.add((int(by_rank[a]), int(by_rank[b])))      # maybe a cycle
+        if not edges:
+            continue
+        owner, local = np.array(sorted(edges)).T
+        want = _kahn_rounds(k, owner.tolist(), local.tolist())
+        got = _longest_paths(k, owner, local)
+        cycles += want is None
+        if want is None:
+            assert got is None
+        else:
+            assert got is not None and got.tolist() == want
+    assert cycles > 50
