@@ -18,7 +18,10 @@ new size, and the computation is renumbered.
 
 from __future__ import annotations
 
-from engine.compiler.computation import MatrixDebugInfo, NnetComputation, SubMatrixInfo
+import numpy as np
+
+from engine.compiler.computation import (DebugCindexes, MatrixDebugInfo, NnetComputation,
+                                         SubMatrixInfo)
 from engine.core.errors import CheckError
 from engine.core.index import K_NO_TIME, Cindex, Index
 from engine.optimizer.analysis import CT
@@ -110,11 +113,19 @@ def _fix_debug_info(c: NnetComputation, grown: dict[int, int]) -> None:
         extra = new - old
         if extra > old:
             raise CheckError(f"extend_matrices: m{m} grew from {old} to {new} rows")
-        # the added rows copy the cindexes just before them, without a time
-        tail = [Cindex(node, Index(idx.n, K_NO_TIME, idx.x))
+        # the added rows copy the cindexes just before them, without a time; a
+        # new entry, since copies of the computation share the old one
+        if type(dbg.cindexes) is DebugCindexes:
+            # the compiler's array form: the rows grow without making the pairs
+            rows = dbg.cindexes.rows
+            tail = rows[old - extra:old].copy()
+            tail[:, 2] = K_NO_TIME
+            cindexes = DebugCindexes(np.concatenate((rows, tail)))
+        else:
+            cindexes = list(dbg.cindexes) + [
+                Cindex(node, Index(idx.n, K_NO_TIME, idx.x))
                 for node, idx in dbg.cindexes[old - extra:old]]
-        # a new entry: copies of the computation share the old one
-        c.matrix_debug_info[m] = MatrixDebugInfo(dbg.is_deriv, list(dbg.cindexes) + tail)
+        c.matrix_debug_info[m] = MatrixDebugInfo(dbg.is_deriv, cindexes)
 
 
 def extend_matrices(computation: NnetComputation, ctx=None) -> bool:
