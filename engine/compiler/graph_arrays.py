@@ -177,6 +177,9 @@ class ArrayGraphBuild:
         # per node: its shifts as key deltas for a table's strides (_shift_plan); kept
         # with the network's NodeTable, as requests of one kind give the same strides
         self._plans: dict = nodes.extra.setdefault("graph_shift_plans", {})
+        # per chain start v (_chains): (node stride, the key deltas of its chain's
+        # nodes but the last, as a column); kept likewise
+        self._chain_deltas: dict = nodes.extra.setdefault("graph_chain_deltas", {})
 
     # -- keys and the table -----------------------------------------------------------------------
     def _init_rows(self, base_coords: np.ndarray, specs: list) -> None:
@@ -542,8 +545,11 @@ class ArrayGraphBuild:
         m = len(g)
         # keys of the chain's cindexes, level by level (the same Index on each node)
         mid = chain[:-1]
-        keys_mid = ((np.array(mid, dtype=np.int64) - v) * snode)[:, None] + kg[None, :]
-        flat_mid = keys_mid.ravel()
+        hit = self._chain_deltas.get(v)
+        if hit is None or hit[0] != snode:
+            hit = self._chain_deltas[v] = (
+                snode, ((np.array(mid, dtype=np.int64) - v) * snode)[:, None])
+        flat_mid = (hit[1] + kg).ravel()
         table = self.table
         if _any(table[flat_mid] >= 0):
             return False
@@ -682,8 +688,6 @@ class ArrayGraphBuild:
         raise GiveUp("statuses settle too slowly (a long recurrence without IfDefined)")
 
     def _settle_node(self, v: int, nd: _NodeDeps) -> bool:
-        rows, deps = nd.unsettled()
-        num_sel = len(rows)
         status = self.status
         all_required = self.all_required[v]
         not_c = self.not_c
@@ -692,11 +696,15 @@ class ArrayGraphBuild:
                 if not_c[p]:
                     break
             else:
-                # every cindex of every node read is computable: so are these
-                status[rows] = C
-                not_c[v] -= num_sel
+                # every cindex of every node read is computable: so are these (part
+                # by part: their rows and inputs need not be gathered)
+                for rows, _ in nd.open:
+                    status[rows] = C
+                not_c[v] -= nd.num_unsettled
                 nd.keep_unsettled(_EMPTY, None)
                 return True
+        rows, deps = nd.unsettled()
+        num_sel = len(rows)
         if deps is None:
             new = self._settle_general(v, rows)
         else:
