@@ -82,6 +82,13 @@ _PROPAGATE, _BACKPROP_TYPES = CT.PROPAGATE, (CT.BACKPROP, CT.BACKPROP_NO_MODEL_U
 _PROPAGATE_ADDS, _BACKPROP_ADDS = int(P.PROPAGATE_ADDS), int(P.BACKPROP_ADDS)
 
 
+def _adds(rule: int, props, component: int) -> bool:
+    """Whether the written slot of a propagate (``rule`` _ADDS_PROP) or backprop
+    (_ADDS_BACK) of ``component`` is added to rather than overwritten (then the
+    slot is read as well as written)."""
+    return bool(props[component] & (_PROPAGATE_ADDS if rule == _ADDS_PROP else _BACKPROP_ADDS))
+
+
 def _make_plan(ct) -> tuple:
     """(getter, is a submatrix slot, access as int, refinement rule) for each slot
     of ``ct`` that names submatrices (directly or through indexes_multi)."""
@@ -153,10 +160,7 @@ def command_accesses(computation: NnetComputation, props) -> list[list[tuple[int
                 continue
             a, b = get(cmd)
             if a > 0 and b > 0:
-                acc = accs[1]
-                if rule and props[cmd.arg1] & (_PROPAGATE_ADDS if rule == _ADDS_PROP
-                                               else _BACKPROP_ADDS):
-                    acc = _RW
+                acc = _RW if rule and _adds(rule, props, cmd.arg1) else accs[1]
                 append([(a, accs[0]), (b, acc)])
                 continue
         append(_accesses_of(cmd, computation, props))
@@ -177,10 +181,7 @@ def _accesses_of(cmd, computation: NnetComputation, props) -> list[tuple[int, in
                     acc = _RW if -1 in computation.indexes[cmd.arg3] else _W
                 elif rule == _MULTI_DEST:
                     acc = _W
-                elif rule == _ADDS_PROP:
-                    if props[cmd.arg1] & _PROPAGATE_ADDS:
-                        acc = _RW
-                elif props[cmd.arg1] & _BACKPROP_ADDS:
+                elif _adds(rule, props, cmd.arg1):
                     acc = _RW
             lst.append((a, acc))
         else:
@@ -481,10 +482,7 @@ class Analyzer:
                     _, get, accs, rule = short
                     s, t = get(cmd)
                     if s > 0 and t > 0:
-                        a = accs[1]
-                        if rule and props[cmd.arg1] & (_PROPAGATE_ADDS if rule == _ADDS_PROP
-                                                       else _BACKPROP_ADDS):
-                            a = _RW
+                        a = _RW if rule and _adds(rule, props, cmd.arg1) else accs[1]
                         lst = [(s, accs[0]), (t, a)]
                         entries[s2m[s]].append((ci, accs[0], rect[s]))
                         entries[s2m[t]].append((ci, a, rect[t]))
