@@ -122,15 +122,22 @@ def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
     A round holds the members all of whose inputs were computed in earlier
     rounds; Kaldi finds them among the users of the previous round.  The round
     of a member is the longest dependency path inside the epoch that ends at it
-    (_longest_paths); Kahn's rounds one member at a time are kept for a cycle,
-    which they report."""
+    (_longest_paths); a cycle is reported (_report_cycle)."""
     k = len(members)
     if not len(deps_owner):
         return np.zeros(k, dtype=np.int64)      # nothing inside depends on anything inside
     level = _longest_paths(k, deps_owner, deps_local)
-    if level is not None:
-        return level
-    # a cycle: Kahn's rounds, which say where
+    if level is None:
+        _report_cycle(members, deps_owner, deps_local, graph, names)
+    return level
+
+
+def _report_cycle(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.ndarray,
+                  graph: ComputationGraph, names) -> None:
+    """Raise the error for an epoch whose dependencies have a cycle
+    (_longest_paths found one): Kahn's rounds, one member at a time, say where
+    they get stuck."""
+    k = len(members)
     remaining = np.bincount(deps_owner, minlength=k).tolist()
     order = np.argsort(deps_local, kind="stable")
     # the users of member c: flat[b[c]:b[c + 1]]
@@ -138,18 +145,15 @@ def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
     bounds = np.zeros(k + 1, dtype=np.int64)
     np.cumsum(np.bincount(deps_local, minlength=k), out=bounds[1:])
     b = bounds.tolist()
-    level = [0] * k
     frontier = [i for i, r in enumerate(remaining) if not r]
     if not frontier:
         raise NotComputableError(
             "the computation has a cycle at the cindex level (e.g. "
             f"{graph.cindex_str(int(members[0]), names)} depends on itself)")
-    lev = 0
     while frontier:
         nxt = []
         push = nxt.append
         for c in frontier:
-            level[c] = lev
             for u in flat[b[c]:b[c + 1]]:
                 r = remaining[u] - 1
                 remaining[u] = r
@@ -163,10 +167,7 @@ def _epoch_levels(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
                     "depending on both x[t+1] and x[t-1]); stuck at "
                     f"{graph.cindex_str(int(members[min(stuck)]), names)}")
         frontier = nxt
-        lev += 1
-    if any(remaining):
-        raise AssertionError("phases do not cover every cindex")
-    return np.array(level, dtype=np.int64)
+    raise AssertionError("phases do not cover every cindex")
 
 
 def _longest_paths(k: int, owner: np.ndarray, local: np.ndarray) -> np.ndarray | None:
