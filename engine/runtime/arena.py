@@ -66,8 +66,11 @@ class StaticLayout:
     submatrix argument.  ``ok`` is False when the computation needs the dynamic
     executor (see the module docstring)."""
 
-    def __init__(self, computation):
+    def __init__(self, computation, outputs_in_arena: bool = False):
         self.ok = False
+        # True: outputs are arena instances too (the executor copies them out), so
+        # that every address the commands touch is fixed (CUDA graphs: cuda_graph.py)
+        self.outputs_in_arena = outputs_in_arena
         self.inst_matrix: list[int] = []      # instance -> matrix number
         self.inst_shape: list[tuple] = []
         self.inst_offset: list[int] = []      # arena offset in floats; -1 = external
@@ -87,6 +90,7 @@ class StaticLayout:
         start: list[int] = []
         end: list[int] = []
         external: list[bool] = []
+        provided: set[int] = set()
 
         def new_instance(m, k):
             info = mats[m]
@@ -136,7 +140,8 @@ class StaticLayout:
                 i = current[subs[c.arg1].matrix_index]
                 if i is None:
                     return
-                external[i] = True
+                external[i] = not self.outputs_in_arena
+                provided.add(i)
                 refs[0] = i
             else:
                 args = _args(c)
@@ -158,7 +163,10 @@ class StaticLayout:
                     self.multi_inst[k] = named
             self.cmd_inst.append(refs)
         self._place(start, end, external)
-        self.all_freed_at_end = all(end[i] < n for i in range(len(end)) if not external[i])
+        # outputs in the arena are copied out when provided, so at the end they are
+        # no longer the caller's concern either
+        self.all_freed_at_end = all(end[i] < n for i in range(len(end))
+                                    if not external[i] and i not in provided)
         self.ok = True
 
     def _place(self, start, end, external) -> None:
@@ -238,6 +246,8 @@ class BoundProgram:
                 self.inst_views[i] = flat[o:o + r * c].reshape(r, c)
         # what the executor's matrix list holds for arena matrices (never pooled)
         self.inst_ids = frozenset(id(v) for v in self.inst_views if v is not None)
+        self.command_types = [c.command_type for c in comp.commands]
+        self.graph_segments: dict = {}      # CUDA graphs of segments (cuda_graph.py)
         self._sub_views: dict = {}
         self.scratch = Scratch(xp)
         from engine.runtime.program import (bind_command,  # noqa: PLC0415

@@ -13,6 +13,7 @@ them back instead of asking the backend for new memory.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
 
 import numpy as np
@@ -51,6 +52,70 @@ def to_host(a) -> np.ndarray:
     if type(a).__module__.startswith("cupy"):
         return a.get()
     return np.asarray(a)
+
+
+# -- components on a device ----------------------------------------------------------------
+
+_device_lock = threading.Lock()
+# id(component) -> {backend name: (its host arrays, the device copy)}; dropped with the component
+_device_copies: dict[int, dict] = {}
+
+
+def _host_arrays(comp) -> list | None:
+    """The NumPy arrays of ``comp`` (and of its sub-components), or None when one
+    of them is not frozen (engine/runtime/gemm.py): only arrays that cannot change
+    may be represented by a copy made once."""
+    from engine.runtime.gemm import frozen  # noqa: PLC0415
+    out = []
+    for name in tuple(comp.PARAMS) + tuple(comp.ARRAYS):
+        v = getattr(comp, name, None)
+        if isinstance(v, np.ndarray):
+            if not frozen(v):
+                return None
+            out.append(v)
+    for sub in getattr(comp, "components", None) or ():
+        got = _host_arrays(sub)
+        if got is None:
+            return None
+        out.extend(got)
+    return out
+
+
+def device_component(comp, xp):
+    """``comp`` with its arrays on backend ``xp`` (``comp`` itself for NumPy).
+
+    A component whose arrays are all frozen (a decoding network: ``Nnet.
+    freeze_parameters``, as ``prepare_nnet`` leaves it) is copied to the device
+    once and the copy shared by every executor, for as long as the component
+    keeps those same arrays (assigning new ones makes a new copy); any other
+    component is copied for each caller, since its arrays may change in place.
+    Callers must not write the arrays of a shared copy (propagation never does;
+    gradients and statistics go to copies of their own)."""
+    if xp is np:
+        return comp
+    host = _host_arrays(comp)
+    if host is None:
+        return comp.to_backend(xp)
+    name = backend_name(xp)
+    key = id(comp)
+    entry = _device_copies.get(key, {}).get(name)
+    if entry is not None and len(entry[0]) == len(host) and all(
+            a is b for a, b in zip(entry[0], host)):
+        return entry[1]
+    dev = comp.to_backend(xp)
+    with _device_lock:
+        per = _device_copies.get(key)
+        if per is None:
+            per = _device_copies[key] = {}
+            weakref.finalize(comp, _device_copies.pop, key, None)
+        per[name] = (host, dev)
+    return dev
+
+
+def is_shared_device_copy(comp, dev, xp) -> bool:
+    """Whether ``dev`` is the shared device copy of ``comp`` (``device_component``)."""
+    entry = _device_copies.get(id(comp), {}).get(backend_name(xp))
+    return entry is not None and entry[1] is dev
 
 
 class BufferPool:

@@ -34,9 +34,10 @@ from engine.compiler.computation import CommandType as CT
 from engine.compiler.computation import NnetComputation
 from engine.core.errors import ExecutionError, NnetcError
 from engine.nnet.components.base import ComponentProperty as P
+from engine.runtime import cuda_graph
 from engine.runtime import kernels as K
 from engine.runtime.arena import IDLE_ARENAS, arena_shape
-from engine.runtime.backend import BufferPool, backend_name, to_host
+from engine.runtime.backend import BufferPool, backend_name, device_component, to_host
 from engine.runtime.program import build_program, command_matrices
 
 # Per-computation, per-backend index plans (built once, reused by every run).
@@ -74,6 +75,7 @@ def forget_computation(computation: NnetComputation) -> None:
 
 
 def _component_to_backend(comp, xp):
+    """A copy of ``comp`` on ``xp`` that this executor may write (gradients, stats)."""
     return comp if xp is np else comp.to_backend(xp)
 
 
@@ -93,12 +95,20 @@ class Executor:
         self._own_pool = pool is None     # arenas then come from arena.IDLE_ARENAS
         self.pool = pool if pool is not None else BufferPool()
         self.nnet_to_store_stats = nnet_to_store_stats
-        self._components = [_component_to_backend(c, backend) for c in nnet.components]
-        self._precomputed = [None] + [
-            (info.data.to_backend(backend) if backend is not np and info.data is not None
-             else info.data)
-            for info in computation.component_precomputed_indexes[1:]]
+        self._components = [device_component(c, backend) for c in nnet.components]
         self._plans = _plans_for(computation, backend)
+        if backend is np:
+            self._precomputed = [None] + [
+                info.data for info in computation.component_precomputed_indexes[1:]]
+        else:
+            # device copies made once per computation (never written; CUDA graphs
+            # rely on their addresses staying fixed)
+            pre = self._plans.get("precomputed")
+            if pre is None:
+                pre = self._plans["precomputed"] = [None] + [
+                    None if info.data is None else info.data.to_backend(backend)
+                    for info in computation.component_precomputed_indexes[1:]]
+            self._precomputed = pre
         self._matrices: list = [None] * len(computation.matrices)
         self._memos: dict[int, object] = {}
         self._pc = 0
@@ -111,6 +121,7 @@ class Executor:
         # the static plan (program.py, arena.py): decided when the first command
         # or input comes; _bound is the program bound to this run's arena
         self._mode: str | None = None       # None (undecided), "static", "dynamic"
+        self._graphs = False                # static segments replayed as CUDA graphs
         self._program = None
         self._bound = None
         # dynamic programs: per command, its bound fast propagates on the matrices
@@ -217,6 +228,8 @@ class Executor:
         a = self._matrices[m]
         if a is None:
             raise ExecutionError(f"output {name!r} (matrix m{m}) has not been computed")
+        if self._bound is not None and id(a) in self._bound.inst_ids:
+            a = a.copy()        # an output in the arena (CUDA graphs): the caller's copy
         self._handed_out.add(id(a))
         self._maybe_finish()
         return a
@@ -240,12 +253,15 @@ class Executor:
     def _get_program(self):
         program = self._program
         if program is None:
-            key = "program/compress" if self._real_compression else "program"
+            self._graphs = (self.xp is not np and not self._real_compression
+                            and self._use_arena and cuda_graph.usable(self, self._plans))
+            key = ("program/compress" if self._real_compression
+                   else "program/graph" if self._graphs else "program")
             program = self._plans.get(key)
             if program is None:
                 program = self._plans[key] = build_program(
                     self.computation, self.xp, self._plan, self._components,
-                    compress=self._real_compression)
+                    compress=self._real_compression, outputs_in_arena=self._graphs)
             self._program = program
         return program
 
@@ -329,8 +345,9 @@ class Executor:
                 # the commands that do something (arena.BoundProgram.runs)
                 bound = self._bound
                 stop = program.stops[pc]
-                for pc, op in islice(bound.runs[stop], bound.run_start[pc], None):
-                    op(self, mats)
+                if not (self._graphs and cuda_graph.run_segment(self, bound, pc, stop, mats)):
+                    for pc, op in islice(bound.runs[stop], bound.run_start[pc], None):
+                        op(self, mats)
                 pc = stop
             else:
                 ops = program.ops

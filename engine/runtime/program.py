@@ -410,7 +410,8 @@ class Program:
 
     MAX_BOUND = 4       # bound copies kept (one per arena buffer in use)
 
-    def __init__(self, computation, xp, plan, components=None, compress: bool = False):
+    def __init__(self, computation, xp, plan, components=None, compress: bool = False,
+                 outputs_in_arena: bool = False):
         builder = ProgramBuilder(computation, xp, plan, components, compress)
         # a weak reference: programs are cached per computation (executor._PLAN_CACHE,
         # arena.IDLE_ARENAS) and must not keep it alive
@@ -426,7 +427,7 @@ class Program:
             if self.ops[k] is None:
                 nxt = k
             self.stops[k] = nxt
-        layout = None if compress else StaticLayout(computation)
+        layout = None if compress else StaticLayout(computation, outputs_in_arena)
         self.layout = layout if layout is not None and layout.ok else None
         self._bound: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
@@ -458,11 +459,13 @@ class Program:
         return b
 
 
-def build_program(computation, xp, plan, components=None, compress: bool = False) -> Program:
+def build_program(computation, xp, plan, components=None, compress: bool = False,
+                  outputs_in_arena: bool = False) -> Program:
     """The compiled form of ``computation`` (see ``Program``).  ``components``: the
     network's components, to pick fast propagates by type; ``compress``: carry
-    out compression commands (CompressingExecutor)."""
-    return Program(computation, xp, plan, components, compress)
+    out compression commands (CompressingExecutor); ``outputs_in_arena``: outputs
+    live in the arena too (arena.StaticLayout; for CUDA graphs)."""
+    return Program(computation, xp, plan, components, compress, outputs_in_arena)
 
 
 # --------------------------------------------------------------------------------------
@@ -697,6 +700,9 @@ def matrices_read_dynamically(program: Program, ops: list) -> set[int]:
     for i, m in enumerate(layout.inst_matrix):   # external instances: pool buffers
         if layout.inst_offset[i] < 0:
             needed.add(m)
+    for c in comp.commands:        # outputs are read from the list (also arena ones)
+        if c.command_type == CT.PROVIDE_OUTPUT and c.arg1 > 0:
+            needed.add(subs[c.arg1].matrix_index)
     swaps = [(subs[c.arg1].matrix_index, subs[c.arg2].matrix_index)
              for c in comp.commands if c.command_type == CT.SWAP_MATRIX]
     changed = True

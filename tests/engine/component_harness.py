@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.core.xp import array_module, to_numpy
 from engine.nnet.components import new_component_from_config, read_component
 from engine.nnet.components.base import Component, ComponentProperty as P
 from engine.nnet.config_line import ConfigLine
@@ -72,38 +73,47 @@ def component_from_config(type_name: str, config: str, seed: int = 0) -> Compone
     return new_component_from_config(type_name, cfg, name="test", rng=np.random.default_rng(seed))
 
 
-def run_forward(comp: Component, x: np.ndarray):
-    out = np.zeros((x.shape[0], comp.output_dim()), dtype=x.dtype)
+def run_forward(comp: Component, x):
+    """Propagate ``x`` (a NumPy or CuPy array) through ``comp`` into a fresh output."""
+    xp = array_module(x)
+    out = xp.zeros((x.shape[0], comp.output_dim()), dtype=x.dtype)
     memo = comp.propagate(None, x, out)
     return out, memo
 
 
 def run_backward(comp: Component, x, y, dy, memo, to_update=None):
-    dx = np.zeros((x.shape[0], comp.input_dim()), dtype=dy.dtype)
+    xp = array_module(dy)
+    dx = xp.zeros((x.shape[0], comp.input_dim()), dtype=dy.dtype)
     comp.backprop("test", None, x, y, dy, memo, to_update, dx)
     return dx
 
 
-def check_reference_case(case: Path) -> None:
+def check_reference_case(case: Path, xp=np) -> None:
+    """Output, input derivative and gradient of the case's component against Kaldi's,
+    computed on the array backend ``xp`` (numpy or cupy)."""
     comp = load_component_text(case / "component.txt")
     arrays = np.load(case / "arrays.npz")
-    x = arrays["input"].astype(np.float32)
-    y, memo = run_forward(comp, x)
-    assert_close(f"{case.name} output", y, arrays["output"])
-    dy = arrays["output_deriv"].astype(np.float32)
     grad = None
     if (case / "gradient.txt").exists():
         grad = comp.copy()
         grad.set_as_gradient()
-    dx = run_backward(comp, x, y, dy, memo, grad)
-    assert_close(f"{case.name} input_deriv", dx, arrays["input_deriv"])
+    run, run_grad = comp, grad
+    if xp is not np:
+        run = comp.to_backend(xp)
+        run_grad = grad.to_backend(xp) if grad is not None else None
+    x = xp.asarray(arrays["input"].astype(np.float32))
+    y, memo = run_forward(run, x)
+    assert_close(f"{case.name} output", to_numpy(y), arrays["output"])
+    dy = xp.asarray(arrays["output_deriv"].astype(np.float32))
+    dx = run_backward(run, x, y, dy, memo, run_grad)
+    assert_close(f"{case.name} input_deriv", to_numpy(dx), arrays["input_deriv"])
     if grad is not None:
         # Kaldi's SetAsGradient() does not zero the parameters, so gradient.txt holds
         # the original parameters plus the plain gradient.
         ref = load_component_text(case / "gradient.txt")
-        for p, ours, theirs, orig in zip(grad.PARAMS, grad.param_arrays(), ref.param_arrays(),
-                                         comp.param_arrays()):
-            assert_close(f"{case.name} gradient {p}", ours,
+        for p, ours, theirs, orig in zip(grad.PARAMS, run_grad.param_arrays(),
+                                         ref.param_arrays(), comp.param_arrays()):
+            assert_close(f"{case.name} gradient {p}", to_numpy(ours),
                          np.asarray(theirs, np.float64) - np.asarray(orig, np.float64))
 
 

@@ -24,6 +24,7 @@ from engine.compiler.compiler import (CompilerOptions, compile_computation,
                                       has_contiguous_property, split_locations,
                                       split_locations_backward, split_pair_list)
 from engine.compiler.request import ComputationRequest
+from engine.runtime.backend import to_host
 from engine.runtime.executor import Executor
 
 from conftest import shared_ref
@@ -58,20 +59,27 @@ def _load(case: Path):
     return nnet, req
 
 
-def check_case(case: Path) -> None:
+def check_case(case: Path, backend=np, optimize: bool = False) -> None:
+    """Compile ``case`` (unoptimized: also its command count and peak bytes against
+    Kaldi's; ``optimize``: with the default OptimizeOptions), run it on ``backend``
+    and compare outputs, input derivatives and model gradients with Kaldi's."""
     nnet, req = _load(case)
     comp = compile_computation(nnet, [req], CompilerOptions())
-    stats = comp.stats()
-    ref_stats = json.loads((case / "stats.json").read_text())["unoptimized"]
-    assert stats["commands"] == ref_stats["commands"], (stats, ref_stats)
-    assert stats["peak_bytes"] == ref_stats["peak_bytes"], (stats, ref_stats)
+    if optimize:
+        from engine.optimizer import OptimizeOptions, optimize as run_optimizer
+        comp = run_optimizer(comp, nnet, OptimizeOptions(), request=req)
+    else:
+        stats = comp.stats()
+        ref_stats = json.loads((case / "stats.json").read_text())["unoptimized"]
+        assert stats["commands"] == ref_stats["commands"], (stats, ref_stats)
+        assert stats["peak_bytes"] == ref_stats["peak_bytes"], (stats, ref_stats)
     arrays = np.load(case / "arrays.npz")
-    ex = Executor(comp, nnet)
+    ex = Executor(comp, nnet, backend=backend)
     for spec in req.inputs:
         ex.accept_input(spec.name, arrays[f"input.{spec.name}"])
     ex.run()
     for spec in req.outputs:
-        _close(f"output {spec.name}", ex.get_output(spec.name), arrays[f"output.{spec.name}"])
+        _close(f"output {spec.name}", to_host(ex.get_output(spec.name)), arrays[f"output.{spec.name}"])
     if any(s.has_deriv for s in req.outputs):
         for spec in req.outputs:
             if spec.has_deriv:
@@ -79,7 +87,7 @@ def check_case(case: Path) -> None:
         ex.run()
         for spec in req.inputs:
             if spec.has_deriv:
-                _close(f"input_deriv {spec.name}", ex.get_input_deriv(spec.name),
+                _close(f"input_deriv {spec.name}", to_host(ex.get_input_deriv(spec.name)),
                        arrays[f"input_deriv.{spec.name}"])
     if req.need_model_derivative and (case / "model_grad.txt").exists():
         from engine.nnet.model_io import load_nnet

@@ -316,3 +316,34 @@ def test_multi_segment_computation_runs_segment_by_segment():
         want, _, _ = run_computation(compile_computation(nnet, [req(t0, t0 + 4)]), nnet,
                                      {"input": x})
         np.testing.assert_allclose(ex.get_output("output"), want["output"], rtol=1e-5)
+
+
+def test_device_copies_of_frozen_components_are_shared():
+    """backend.device_component: a component whose arrays are all frozen is copied
+    to a device once and shared; writeable arrays are copied for each caller; new
+    arrays assigned to a frozen component make a new copy.  (A stand-in array module
+    that copies with np.array plays the device.)"""
+    import types  # noqa: PLC0415
+
+    from engine.runtime.backend import device_component, is_shared_device_copy
+    fake = types.ModuleType("fakegpu")
+    fake.asarray = lambda a, dtype=None: np.array(a, dtype=dtype)
+    case = LOCAL / "case059"
+    from engine.nnet.model_io import load_nnet
+    nnet = load_nnet(case / "model.txt")
+    comp = next(c for c in nnet.components if c.PARAMS)
+    a, b = device_component(comp, fake), device_component(comp, fake)
+    assert a is not b and not is_shared_device_copy(comp, a, fake)    # writeable: private
+    assert device_component(comp, np) is comp
+    nnet.freeze_parameters()
+    a, b = device_component(comp, fake), device_component(comp, fake)
+    assert a is b and is_shared_device_copy(comp, a, fake)
+    for p in comp.PARAMS:
+        np.testing.assert_array_equal(getattr(a, p), getattr(comp, p))
+    p0 = comp.PARAMS[0]
+    new = getattr(comp, p0) + 1
+    new.flags.writeable = False
+    setattr(comp, p0, new)                        # new (frozen) weights: a new copy
+    c = device_component(comp, fake)
+    assert c is not a and is_shared_device_copy(comp, c, fake)
+    np.testing.assert_array_equal(getattr(c, p0), new)

@@ -286,8 +286,9 @@ def test_concurrent_streams_of_one_model_equal_sequential_ones():
             assert np.array_equal(g, w)
         s = model.stream()
         s.push(xs[0])
-        bound = s.executor._dyn_bound
-        assert bound and all(len(v) <= 2 for v in bound.values())
+        if s.executor.xp is np:      # the bound fast propagates are NumPy's (program.py)
+            bound = s.executor._dyn_bound
+            assert bound and all(len(v) <= 2 for v in bound.values())
 
 
 def test_stream_batch_keeps_only_the_frames_later_chunks_read():

@@ -1,0 +1,191 @@
+"""Forward computations on a GPU replayed as CUDA graphs (CuPy backend).
+
+No Kaldi counterpart (Kaldi's NnetComputer launches every command's kernels from
+C++ each time).  From Python each command costs one or a few CuPy kernel launches
+of 10-50 us of host time, so a forward chunk of a recurrent network (a TDNN-LSTM
+at 21 frames: ~300 commands; a BLSTM at 150 frames: ~14,000) is bound by the host,
+not the GPU.  A straight-line computation bound to an arena (arena.py) touches the
+same device addresses on every run -- the arena's views, the network's device
+weights, the index plans -- so the commands between two input/output commands (a
+*segment*) can be recorded once with CUDA stream capture and then replayed with a
+single launch.
+
+When the executor uses graphs (``usable``): backend CuPy, ``ENABLED``; no backprop,
+compression or goto commands and no statistics to store (a replay runs no Python,
+so it can keep no memos and write nothing on the host); no random component
+outside test mode (a replay would repeat the same mask); every component's device
+copy shared (its arrays frozen: ``backend.device_component``), so that its address
+is fixed.  The program is then built with outputs in the arena
+(``StaticLayout(outputs_in_arena=True)``) and ``get_output`` hands out a copy.
+
+Per bound program and segment: the first run is eager (it also loads the kernels
+and warms the caches); the second is captured and then launched; later runs
+launch the graph.  A graph is kept with the device components it read and is
+launched only for an executor holding those same objects (else it is captured
+again).  Its temporaries come from a CUDA stream of its own: CuPy's memory pool
+keeps freed blocks per stream and nothing else allocates on that stream, so no
+other array is ever given memory the graph writes.  The host-side bookkeeping of
+the segment (the matrix list's allocation, deallocation and swap commands) still
+runs at each replay.  A capture that fails (a command that synchronises with the
+host, say) is abandoned, the segment marked eager-only, and the commands run
+eagerly, which also raises any real error with the command's name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from itertools import islice
+
+import numpy as np
+
+from engine.compiler.computation import CommandType as CT
+from engine.nnet.components.base import ComponentProperty as P
+
+log = logging.getLogger(__name__)
+
+ENABLED = True          # tests switch graphs off to compare with eager runs
+CAPTURE_ON_RUN = 2      # the run of a segment that is captured
+
+_NOT_IN_GRAPHS = (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE, CT.COMPRESS_MATRIX,
+                  CT.DECOMPRESS_MATRIX, CT.GOTO_LABEL)
+_LIST_OPS = (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, CT.SWAP_MATRIX)
+_capture_lock = threading.Lock()
+
+
+class CaptureFailed:
+    """A segment that could not be captured, and why (``reason``)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def computation_allows(computation) -> bool:
+    """No command that a replay cannot stand for (see the module docstring)."""
+    return not computation.need_model_derivative and not any(
+        c.command_type in _NOT_IN_GRAPHS for c in computation.commands)
+
+
+def usable(ex, plans: dict) -> bool:
+    """Whether executor ``ex`` runs its straight-line segments as CUDA graphs;
+    ``plans``: the per-computation, per-backend cache (the command check is kept
+    there)."""
+    if not ENABLED or ex.xp is np or ex.nnet_to_store_stats is not None:
+        return False
+    allowed = plans.get("graphs")
+    if allowed is None:
+        allowed = plans["graphs"] = computation_allows(ex.computation)
+    if not allowed:
+        return False
+    for host in ex.nnet.components:
+        if host.properties() & P.RANDOM_COMPONENT and not getattr(host, "test_mode", False):
+            return False
+    from engine.runtime.backend import is_shared_device_copy  # noqa: PLC0415
+    return all(is_shared_device_copy(h, d, ex.xp) for h, d in zip(ex.nnet.components,
+                                                                 ex._components))
+
+
+class _Segment:
+    __slots__ = ("runs", "pieces", "components")
+
+    def __init__(self):
+        self.runs = 0
+        self.pieces = None          # per run of the segment: graphs and eager closures
+        self.components = None
+
+
+def _try_capture(ops, ex, mats):
+    """``ops`` recorded on a new stream of their own: (graph, stream), or None when
+    one of them cannot be captured (an exception during the capture)."""
+    import cupy  # noqa: PLC0415
+    stream = cupy.cuda.Stream(non_blocking=True)
+    try:
+        with stream:
+            stream.begin_capture()
+            try:
+                for op in ops:
+                    op(ex, mats)
+            finally:
+                graph = stream.end_capture()
+    except Exception as e:  # noqa: BLE001 (the reason is reported by the caller)
+        return None, e
+    return (graph, stream), None
+
+
+def _make_pieces(ex, items, ctypes, mats) -> list:
+    """The segment as a list of pieces: ``(graph, stream)`` for each longest run of
+    commands that can be captured, the closure itself for the others (allocation,
+    deallocation and swap commands, which only keep the host's matrix list, and
+    commands that CuPy will not capture: its cuBLAS calls, for one).  Whether a
+    command can be captured is tried on its own first (a capture executes nothing)."""
+    pieces: list = []
+    run: list = []
+
+    def close_run():
+        if run:
+            got, err = _try_capture(run, ex, mats)
+            if got is None:
+                raise RuntimeError(f"capturing {len(run)} commands failed: {err}")
+            pieces.append(got)
+            run.clear()
+    for k, op in items:
+        if ctypes[k] not in _LIST_OPS and _try_capture((op,), ex, mats)[0] is not None:
+            run.append(op)
+            continue
+        close_run()
+        pieces.append(op)
+    close_run()
+    return pieces
+
+
+def _run_pieces(pieces, ex, mats) -> None:
+    for p in pieces:
+        if type(p) is tuple:
+            p[0].launch()
+        else:
+            p(ex, mats)
+
+
+def run_segment(ex, bound, start: int, stop: int, mats) -> bool:
+    """Run commands [start, stop) of ``bound`` for ``ex`` with CUDA graphs; False
+    when they must run eagerly (first run, or a segment that cannot be captured)."""
+    segments = bound.graph_segments
+    key = (start, stop)
+    seg = segments.get(key)
+    if seg is None:
+        seg = segments[key] = _Segment()
+    elif type(seg) is CaptureFailed:
+        return False
+    comps = ex._components
+    if seg.pieces is not None:
+        held = seg.components
+        if len(held) == len(comps) and all(a is b for a, b in zip(held, comps)):
+            _run_pieces(seg.pieces, ex, mats)
+            return True
+        seg.pieces, seg.components, seg.runs = None, None, 0    # new weights: capture again
+    seg.runs += 1
+    if seg.runs < CAPTURE_ON_RUN:
+        return False
+    items = list(islice(bound.runs[stop], bound.run_start[start], None))
+    with _capture_lock:
+        try:
+            pieces = _make_pieces(ex, items, bound.command_types, mats)
+        except Exception as e:  # noqa: BLE001 (any failure: run eagerly, which reports real errors)
+            segments[key] = CaptureFailed(f"{type(e).__name__}: {e}")
+            log.debug("segment c%d-c%d runs eagerly: capture failed: %s", start, stop, e)
+            return False
+    if not any(type(p) is tuple for p in pieces):
+        segments[key] = CaptureFailed("no command of the segment can be captured")
+        return False
+    seg.pieces, seg.components = pieces, tuple(comps)
+    _run_pieces(pieces, ex, mats)
+    return True
+
+
+def graph_count(bound) -> int:
+    """How many graphs the segments of ``bound`` replay (tests, diagnostics)."""
+    return sum(sum(type(p) is tuple for p in s.pieces)
+               for s in bound.graph_segments.values()
+               if type(s) is _Segment and s.pieces is not None)
