@@ -104,6 +104,10 @@ class InProcessRegistry:
                 return self._models[model_id], False
         from service.cli import model_info  # noqa: PLC0415 (the figures of `nnetc info`)
         model = _load(data, source_field, seed)
+        # A registered model is never changed (statistics go to a private copy), so
+        # its arrays are made read-only: the executors may then keep derived copies
+        # (device-resident weights on a GPU, transposed weights for small products).
+        model.nnet.freeze_parameters()
         entry = ModelEntry(model_id, structure_hash(model.nnet), model, model_info(model), name)
         with self._lock:
             if model_id in self._models:       # registered meanwhile by another request

@@ -91,6 +91,9 @@ def test_compute_is_deterministic_and_model_unchanged(client):
              for a in (getattr(c, p, None) for p in c.PARAMS + c.ARRAYS)
              if isinstance(a, np.ndarray)]
     assert all(np.array_equal(x, y) for x, y in zip(before, after))
+    # a registered model's arrays are read-only (the executors keep derived copies:
+    # device-resident weights on a GPU, transposed weights for small products)
+    assert after and not any(a.flags.writeable for a in after)
 
 
 def test_infer_blstm_matches_nnet3_compute(client):
