@@ -247,7 +247,12 @@ class BoundProgram:
         # what the executor's matrix list holds for arena matrices (never pooled)
         self.inst_ids = frozenset(id(v) for v in self.inst_views if v is not None)
         self.command_types = [c.command_type for c in comp.commands]
-        self.graph_segments: dict = {}      # CUDA graphs of segments (cuda_graph.py)
+        # CUDA graphs (cuda_graph.py): per segment its pieces; the stream they are
+        # captured on; per command whether it can be captured (shared by the
+        # program's bound copies)
+        self.graph_segments: dict = {}
+        self.graph_stream = None
+        self.capturable: dict = program.capturable
         self._sub_views: dict = {}
         self.scratch = Scratch(xp)
         from engine.runtime.program import (bind_command,  # noqa: PLC0415

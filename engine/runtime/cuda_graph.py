@@ -20,15 +20,18 @@ is fixed.  The program is then built with outputs in the arena
 
 Per bound program and segment: the first run is eager (it also loads the kernels
 and warms the caches); the second is captured and then launched; later runs
-launch the graph.  A graph is kept with the device components it read and is
-launched only for an executor holding those same objects (else it is captured
-again).  Its temporaries come from a CUDA stream of its own: CuPy's memory pool
-keeps freed blocks per stream and nothing else allocates on that stream, so no
-other array is ever given memory the graph writes.  The host-side bookkeeping of
-the segment (the matrix list's allocation, deallocation and swap commands) still
-runs at each replay.  A capture that fails (a command that synchronises with the
-host, say) is abandoned, the segment marked eager-only, and the commands run
-eagerly, which also raises any real error with the command's name.
+launch the graphs.  CuPy refuses to capture cuBLAS calls, so a segment becomes a
+list of pieces: one graph per longest run of capturable commands, and the other
+commands (GEMMs, the host's matrix-list bookkeeping) run eagerly in between, in
+order.  Graphs are kept with the device components they read and are launched
+only for an executor holding those same objects (else the segment is captured
+again).  All captures of a bound program are made on one CUDA stream of its own:
+CuPy's memory pool keeps freed blocks per stream, so the pieces (which run one
+after another) share their temporaries' blocks, and nothing else -- no eager
+command, no other bound program -- is ever given memory a graph writes.  A
+capture that fails as a whole is abandoned, the segment marked eager-only, and
+the commands run eagerly, which also raises any real error with the command's
+name.
 """
 
 from __future__ import annotations
@@ -96,11 +99,9 @@ class _Segment:
         self.components = None
 
 
-def _try_capture(ops, ex, mats):
-    """``ops`` recorded on a new stream of their own: (graph, stream), or None when
-    one of them cannot be captured (an exception during the capture)."""
-    import cupy  # noqa: PLC0415
-    stream = cupy.cuda.Stream(non_blocking=True)
+def _try_capture(stream, ops, ex, mats):
+    """``ops`` recorded on ``stream``: (graph, error) with graph None when one of
+    them cannot be captured (an exception during the capture)."""
     try:
         with stream:
             stream.begin_capture()
@@ -111,27 +112,40 @@ def _try_capture(ops, ex, mats):
                 graph = stream.end_capture()
     except Exception as e:  # noqa: BLE001 (the reason is reported by the caller)
         return None, e
-    return (graph, stream), None
+    return graph, None
 
 
-def _make_pieces(ex, items, ctypes, mats) -> list:
-    """The segment as a list of pieces: ``(graph, stream)`` for each longest run of
-    commands that can be captured, the closure itself for the others (allocation,
+def _make_pieces(ex, bound, items, mats) -> list:
+    """The segment as a list of pieces: a graph for each longest run of commands
+    that can be captured, the closure itself for the others (allocation,
     deallocation and swap commands, which only keep the host's matrix list, and
     commands that CuPy will not capture: its cuBLAS calls, for one).  Whether a
-    command can be captured is tried on its own first (a capture executes nothing)."""
+    command can be captured is tried on its own the first time (a capture executes
+    nothing) and remembered per program (``bound.capturable``).  Every capture of
+    ``bound`` is made on its own stream (``bound.graph_stream``), so the pieces share
+    its memory-pool blocks for their temporaries -- they run one after another --
+    and no other bound program or eager command is ever given those blocks."""
+    import cupy  # noqa: PLC0415
+    stream = bound.graph_stream
+    if stream is None:
+        stream = bound.graph_stream = cupy.cuda.Stream(non_blocking=True)
+    ctypes, capturable = bound.command_types, bound.capturable
     pieces: list = []
     run: list = []
 
     def close_run():
         if run:
-            got, err = _try_capture(run, ex, mats)
-            if got is None:
+            graph, err = _try_capture(stream, run, ex, mats)
+            if graph is None:
                 raise RuntimeError(f"capturing {len(run)} commands failed: {err}")
-            pieces.append(got)
+            pieces.append((graph,))      # a graph piece: a 1-tuple
             run.clear()
     for k, op in items:
-        if ctypes[k] not in _LIST_OPS and _try_capture((op,), ex, mats)[0] is not None:
+        ok = capturable.get(k)
+        if ok is None:
+            ok = capturable[k] = (ctypes[k] not in _LIST_OPS and
+                                  _try_capture(stream, (op,), ex, mats)[0] is not None)
+        if ok:
             run.append(op)
             continue
         close_run()
@@ -171,7 +185,7 @@ def run_segment(ex, bound, start: int, stop: int, mats) -> bool:
     items = list(islice(bound.runs[stop], bound.run_start[start], None))
     with _capture_lock:
         try:
-            pieces = _make_pieces(ex, items, bound.command_types, mats)
+            pieces = _make_pieces(ex, bound, items, mats)
         except Exception as e:  # noqa: BLE001 (any failure: run eagerly, which reports real errors)
             segments[key] = CaptureFailed(f"{type(e).__name__}: {e}")
             log.debug("segment c%d-c%d runs eagerly: capture failed: %s", start, stop, e)

@@ -431,6 +431,7 @@ class Program:
         self.layout = layout if layout is not None and layout.ok else None
         self._bound: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
+        self.capturable: dict[int, bool] = {}    # CUDA graphs: see cuda_graph.py
 
     @property
     def computation(self):
