@@ -438,6 +438,13 @@ class ComputationStepsComputer:
             self.loc_step[ids] = s
         return s
 
+    def _write_step_locations(self, steps: list[int]) -> None:
+        """The step of every cindex of ``steps`` (ascending), as _add_step_ids writes
+        it for the steps of read-early nodes, for them all at once."""
+        parts = [self.step_ids[s] for s in steps]
+        self.loc_step[np.concatenate(parts)] = np.repeat(
+            np.array(steps, dtype=np.int64), [len(p) for p in parts])
+
     def _flush_locations(self) -> None:
         """(step, row) of the cindexes of the steps added since the last call, all at
         once (a cindex in several steps, a blank padding row, keeps its last place)."""
@@ -536,8 +543,14 @@ class ComputationStepsComputer:
             plain = [p and simple[v] and roles[v] == _R_COMPONENT for p, v in zip(plain, nodes)]
             whole = self._whole_source_steps(ids, bounds, nodes, linked, plain)
             # the step of each plain sub-phase (a dim-range sub-phase's source)
-            step_of = [-1] * len(nodes) if whole is not None else None
             step_ids, step_nodes = self.step_ids, self.step_nodes
+            step_of = [-1] * len(nodes) if whole is not None else None
+            # The inline cases below add their steps without writing the locations
+            # of read-early nodes one step at a time (_add_step_ids): ``deferred``
+            # lists those steps, written together just before a step is made
+            # otherwise (which may read them); those still deferred at the end are
+            # written by _flush_locations with all the others.
+            deferred: list[int] = []
             for k, v in enumerate(nodes):
                 role = roles[v]
                 if role == _R_COMPONENT_INPUT:
@@ -548,27 +561,27 @@ class ComputationStepsComputer:
                     # sub-phase is the dim-range step (_dim_range_small's first case)
                     self._dim_range_done.add((step_of[whole[k]], v))
                     if early[v]:
-                        self._add_step_ids(ids[a:b], v)
-                    else:
-                        step_ids.append(ids[a:b])
-                        step_nodes.append(v)
-                    continue
-                if (role == _R_DIM_RANGE and b - a <= 32 and linked is not None
-                        and self._dim_range_small(v, ids[a:b], linked_list[a:b])):
+                        deferred.append(len(step_ids))
+                    step_ids.append(ids[a:b])
+                    step_nodes.append(v)
                     continue
                 if plain[k]:
                     if early[v - 1]:
-                        self._add_step_ids(linked[a:b], v - 1)
-                    else:
-                        step_ids.append(linked[a:b])
-                        step_nodes.append(v - 1)
+                        deferred.append(len(step_ids))
+                    step_ids.append(linked[a:b])
+                    step_nodes.append(v - 1)
                     if early[v]:
-                        self._add_step_ids(ids[a:b], v)
-                    else:
-                        step_ids.append(ids[a:b])
-                        step_nodes.append(v)
+                        deferred.append(len(step_ids))
+                    step_ids.append(ids[a:b])
+                    step_nodes.append(v)
                     if step_of is not None:
                         step_of[k] = len(step_ids) - 1
+                    continue
+                if deferred:
+                    self._write_step_locations(deferred)
+                    deferred = []
+                if (role == _R_DIM_RANGE and b - a <= 32 and linked is not None
+                        and self._dim_range_small(v, ids[a:b], linked_list[a:b])):
                     continue
                 self._process_sub_phase(request, v, ids[a:b],
                                         None if linked is None else linked[a:b])
