@@ -451,11 +451,13 @@ class ComputationStepsComputer:
         done, n = self._located, len(self.step_ids)
         if done == n:
             return
-        lens = np.array([len(a) for a in self.step_ids[done:]], dtype=np.int64)
-        ids = np.concatenate(self.step_ids[done:])
-        starts = np.cumsum(lens) - lens
+        # (from the steps view, which the Compiler and check() read as well)
+        view = self.steps
+        ptr = view.ptr[done:]
+        ids = view.ids[ptr[0]:]
+        lens = np.diff(ptr)
         self.loc_step[ids] = np.repeat(np.arange(done, n), lens)
-        self.loc_row[ids] = np.arange(len(ids)) - np.repeat(starts, lens)
+        self.loc_row[ids] = np.arange(len(ids)) - np.repeat(ptr[:-1] - ptr[0], lens)
         self._located = n
 
     def _fit_locations(self) -> None:
