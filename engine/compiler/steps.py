@@ -339,7 +339,8 @@ def _step_roles(table) -> tuple:
     Indexes, whether its steps' locations are read while steps are still being made
     (the sources of dim-range nodes), and the node whose same Index a row reads
     (the input of a simple component, the source of a dim-range node; -1 for
-    others) as an array.  Kept with the table (it depends only on the network)."""
+    others) and whether it is a simple component, as arrays.  Kept with the table
+    (it depends only on the network)."""
     hit = table.extra.get("step_roles")
     if hit is not None:
         return hit
@@ -372,7 +373,9 @@ def _step_roles(table) -> tuple:
             read_early[src] = True
     link_src = np.array([i - 1 if simple[i] else table.dim_range_src[i]
                          for i in range(len(roles))], dtype=np.int64)
-    out = (roles, simple, reorders, read_early, link_src)
+    simple_component = np.array([s and r == _R_COMPONENT for s, r in zip(simple, roles)],
+                                dtype=bool)
+    out = (roles, simple, reorders, read_early, link_src, simple_component)
     table.extra["step_roles"] = out
     return out
 
@@ -408,7 +411,7 @@ class ComputationStepsComputer:
         self._dim_range_src = table.dim_range_src
         self._margin = table.margin
         (self._roles, self._simple, self._reorders, self._read_early,
-         self._link_src) = _step_roles(table)
+         self._link_src, self._simple_component) = _step_roles(table)
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -527,22 +530,21 @@ class ComputationStepsComputer:
             ids, node, phase = ids[order], node[order], phase[order]
             cut = np.flatnonzero((node[1:] != node[:-1]) | (phase[1:] != phase[:-1])) + 1
             bounds = [0] + cut.tolist() + [len(ids)]
-            nodes = node[bounds[:-1]].tolist()
+            starts = bounds[:-1]
+            sub_node = node[starts]
+            nodes = sub_node.tolist()
             # the cindexes of each row on the node a simple component or a
             # dim-range node reads, looked up for all rows at once
             linked = self._linked_ids(ids, node)
             # the common case inline: a simple component whose rows all have their
             # input on the node before (two steps: the input's, the component's)
-            starts = bounds[:-1]
-            plain = self.graph.is_input_array[ids[starts]]
             if linked is not None:
-                plain = ~(plain | np.logical_or.reduceat(linked < 0, starts))
-                plain = plain.tolist()
-                linked_list = linked.tolist()
+                plain = (self._simple_component[sub_node]
+                         & ~(self.graph.is_input_array[ids[starts]]
+                             | np.logical_or.reduceat(linked < 0, starts))).tolist()
             else:
                 plain = [False] * len(nodes)
-            roles, simple, early = self._roles, self._simple, self._read_early
-            plain = [p and simple[v] and roles[v] == _R_COMPONENT for p, v in zip(plain, nodes)]
+            roles, early = self._roles, self._read_early
             whole = self._whole_source_steps(ids, bounds, nodes, linked, plain)
             # the step of each plain sub-phase (a dim-range sub-phase's source)
             step_ids, step_nodes = self.step_ids, self.step_nodes
@@ -583,7 +585,7 @@ class ComputationStepsComputer:
                     self._write_step_locations(deferred)
                     deferred = []
                 if (role == _R_DIM_RANGE and b - a <= 32 and linked is not None
-                        and self._dim_range_small(v, ids[a:b], linked_list[a:b])):
+                        and self._dim_range_small(v, ids[a:b], linked[a:b].tolist())):
                     continue
                 self._process_sub_phase(request, v, ids[a:b],
                                         None if linked is None else linked[a:b])
