@@ -412,6 +412,7 @@ class ComputationStepsComputer:
         self._margin = table.margin
         (self._roles, self._simple, self._reorders, self._read_early,
          self._link_src, self._simple_component) = _step_roles(table)
+        self._is_dim_range = np.array(self._roles) == _R_DIM_RANGE
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -539,13 +540,15 @@ class ComputationStepsComputer:
             # the common case inline: a simple component whose rows all have their
             # input on the node before (two steps: the input's, the component's)
             if linked is not None:
-                plain = (self._simple_component[sub_node]
-                         & ~(self.graph.is_input_array[ids[starts]]
-                             | np.logical_or.reduceat(linked < 0, starts))).tolist()
+                plain_arr = (self._simple_component[sub_node]
+                             & ~(self.graph.is_input_array[ids[starts]]
+                                 | np.logical_or.reduceat(linked < 0, starts)))
+                plain = plain_arr.tolist()
+                whole = self._whole_source_steps(ids, bounds, sub_node, linked, plain_arr)
             else:
                 plain = [False] * len(nodes)
+                whole = None
             roles, early = self._roles, self._read_early
-            whole = self._whole_source_steps(ids, bounds, nodes, linked, plain)
             # the step of each plain sub-phase (a dim-range sub-phase's source)
             step_ids, step_nodes = self.step_ids, self.step_nodes
             step_of = [-1] * len(nodes) if whole is not None else None
@@ -593,19 +596,16 @@ class ComputationStepsComputer:
         self.step_to_segment.extend([segment] * (len(self.step_ids) - len(self.step_to_segment)))
         self.num_segments_done += 1
 
-    def _whole_source_steps(self, ids: np.ndarray, bounds: list, nodes: list,
-                            linked: np.ndarray | None, plain: list) -> list | None:
+    def _whole_source_steps(self, ids: np.ndarray, bounds: list, nodes: np.ndarray,
+                            linked: np.ndarray, plain: np.ndarray) -> list | None:
         """Per sub-phase (``ids[bounds[k]:bounds[k + 1]]`` on ``nodes[k]``) of a
         dim-range node whose source cindexes (``linked``) are, in order, exactly an
         earlier plain sub-phase (a simple component's, its step as it is: ``plain``),
         that sub-phase's position, else -1; None when there are no such sub-phases.
         Such a sub-phase is its own step, and no other step of its node reads that
         source step (the source rows are its rows' Indexes, one to one)."""
-        if linked is None:
-            return None
-        roles = self._roles
-        dim = [roles[v] == _R_DIM_RANGE for v in nodes]
-        if not any(dim) or not any(plain):
+        dim = self._is_dim_range[nodes]
+        if not dim.any() or not plain.any():
             return None
         num = len(nodes)
         starts = np.array(bounds[:-1], dtype=np.int64)
@@ -617,11 +617,11 @@ class ComputationStepsComputer:
         # rows whose source is as far along ``ids`` as their sub-phase's first row's
         lag = pos - np.arange(len(ids))
         aligned = (pos >= 0) & (lag == np.repeat(lag[starts], sizes))
-        ok = np.logical_and.reduceat(aligned, starts) & np.array(dim)
+        ok = np.logical_and.reduceat(aligned, starts) & dim
         first = pos[starts]
         sub = np.repeat(np.arange(num), sizes)
         src = np.where(ok, sub[np.maximum(first, 0)], 0)
-        ok &= ((starts[src] == first) & (sizes[src] == sizes) & np.array(plain)[src]
+        ok &= ((starts[src] == first) & (sizes[src] == sizes) & plain[src]
                & (src < np.arange(num)))
         if not ok.any():
             return None
