@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import islice
+from itertools import compress, islice
 from operator import attrgetter
 
 import numpy as np
@@ -200,16 +200,16 @@ class Compiler:
         self.loc_step = computer.loc_step[:n]
         self.loc_row = computer.loc_row[:n]
         self.step_to_segment = list(computer.step_to_segment)
-        self.step_ids = step_ids = computer.step_ids
+        self.step_ids = computer.step_ids
         self.step_nodes = computer.step_nodes
         # the steps' ids end to end: step s is _all_ids[_step_start[s]:][:_step_len[s]]
-        # (both with one more entry, 0, for "no step")
-        lens = [len(a) for a in step_ids] + [0]
-        self._step_len = np.array(lens, dtype=np.int64)
-        self._step_start = np.zeros(len(lens), dtype=np.int64)
-        np.cumsum(self._step_len[:-1], out=self._step_start[1:])
-        self._all_ids = (np.concatenate(step_ids) if step_ids
-                         else np.zeros(0, dtype=np.int64))
+        # (both with one more entry, for "no step": the end, 0), as the computer
+        # keeps them (StepList)
+        view = computer.steps
+        self._all_ids = view.ids
+        self._step_start = view.ptr
+        self._step_len = np.zeros(len(view.ptr), dtype=np.int64)
+        np.subtract(view.ptr[1:], view.ptr[:-1], out=self._step_len[:-1])
         self._coords_of_steps = None
         # the steps whose first cindex is an input
         has = self._step_len[:-1] > 0
@@ -1010,6 +1010,10 @@ class Compiler:
         batch = self._batch_forward()
         seg = self.step_to_segment
         n = len(steps)
+        # the steps come segment by segment: where each segment but the last ends (a
+        # marker follows every segment)
+        ends = ([s + 1 for s in range(n - 1) if seg[s + 1] != seg[s]]
+                if len(self.requests) > 1 else [])
         # the forward commands: component steps and batched descriptor parts inline
         cmds = computation.commands
         cmd_append = cmds.append
@@ -1018,46 +1022,46 @@ class Compiler:
         comp_index, props = self.component_index, self.props
         stats = self.requests[0].store_component_stats
         indexes, indexes_multi = computation.indexes, computation.indexes_multi
-        for step in range(n):
-            info = steps[step]
-            node = info.node_index
-            if kind_component[node]:
-                p = props[node]
-                memo = step if info.deriv > 0 and p & _USES_MEMO else 0
-                cmd_append(Command(_PROPAGATE, 1.0, comp_index[node],
-                                   info.precomputed_indexes_index, steps[step - 1].value,
-                                   info.value, memo, 1 if stats and p & _STORES_STATS else 0))
-            elif kind_descriptor[node]:
-                for part, value in enumerate(info.value_parts):
-                    batched = batch.get((step, part))
-                    if batched is None:
-                        self._compile_forward_sum_descriptor(step, part, computation)
-                        continue
-                    offset, cols = batched
-                    if offset != 0.0:
-                        cmd_append(Command(_SET_CONST, offset, value))
-                    for cmd in cols:
-                        if cmd is None:
+        lo = 0
+        for hi in ends + [n]:
+            for step in range(lo, hi):
+                info = steps[step]
+                node = info.node_index
+                if kind_component[node]:
+                    p = props[node]
+                    memo = step if info.deriv > 0 and p & _USES_MEMO else 0
+                    cmd_append(Command(_PROPAGATE, 1.0, comp_index[node],
+                                       info.precomputed_indexes_index, steps[step - 1].value,
+                                       info.value, memo, 1 if stats and p & _STORES_STATS else 0))
+                elif kind_descriptor[node]:
+                    for part, value in enumerate(info.value_parts):
+                        batched = batch.get((step, part))
+                        if batched is None:
+                            self._compile_forward_sum_descriptor(step, part, computation)
                             continue
-                        alpha, ct, src, data = cmd
-                        if ct == _MATRIX_ADD:
-                            cmd_append(Command(ct, alpha, value, src))
-                        elif ct == _ADD_ROWS:
-                            indexes.append(data)
-                            cmd_append(Command(ct, alpha, value, src, len(indexes) - 1))
-                        else:
-                            indexes_multi.append(data)
-                            cmd_append(Command(ct, alpha, value, len(indexes_multi) - 1))
-                if kind_output[node]:
-                    cmd_append(Command(_PROVIDE_OUTPUT, 1.0, info.value, node))
-            elif kind_input[node]:
-                self._compile_forward_input(step, computation)
-            if step + 1 < n and seg[step + 1] != seg[step]:
-                cmd_append(Command(CT.NO_OPERATION_MARKER))
-        cmd_append(Command(CT.NO_OPERATION_MARKER))
-        for step in range(n - 1, -1, -1):
-            if deriv_needed[step]:
-                self._compile_backward(step, computation)
+                        offset, cols = batched
+                        if offset != 0.0:
+                            cmd_append(Command(_SET_CONST, offset, value))
+                        for cmd in cols:
+                            if cmd is None:
+                                continue
+                            alpha, ct, src, data = cmd
+                            if ct == _MATRIX_ADD:
+                                cmd_append(Command(ct, alpha, value, src))
+                            elif ct == _ADD_ROWS:
+                                indexes.append(data)
+                                cmd_append(Command(ct, alpha, value, src, len(indexes) - 1))
+                            else:
+                                indexes_multi.append(data)
+                                cmd_append(Command(ct, alpha, value, len(indexes_multi) - 1))
+                    if kind_output[node]:
+                        cmd_append(Command(_PROVIDE_OUTPUT, 1.0, info.value, node))
+                elif kind_input[node]:
+                    self._compile_forward_input(step, computation)
+            cmd_append(Command(CT.NO_OPERATION_MARKER))
+            lo = hi
+        for step in reversed(list(compress(range(n), deriv_needed))):
+            self._compile_backward(step, computation)
         self._deallocate_matrices(whole, computation)
 
     def _allocate_matrices(self, whole, computation) -> None:
@@ -1097,11 +1101,11 @@ class Compiler:
         need_derivatives: dict[int, bool] = {}
         # entries that keep their input and output Indexes (made in one go below)
         kept = []
-        for step, info in enumerate(steps):
-            pre = precomputes[info.node_index]
-            if pre is None:
-                continue          # not a component, or the default: no precomputed indexes
-            comp, by_arrays = pre
+        # the steps of components with precomputed indexes (for others, not a
+        # component or the default, there are none)
+        for step in compress(range(len(steps)), map(precomputes.__getitem__, self.step_nodes)):
+            info = steps[step]
+            comp, by_arrays = precomputes[info.node_index]
             in_info = steps[step - 1]
             req = self.requests[info.segment]
             need = need_derivatives.get(info.segment)

@@ -339,7 +339,8 @@ def _step_roles(table) -> tuple:
     Indexes, whether its steps' locations are read while steps are still being made
     (the sources of dim-range nodes), and the node whose same Index a row reads
     (the input of a simple component, the source of a dim-range node; -1 for
-    others) as an array.  Kept with the table (it depends only on the network)."""
+    others) and whether it is a simple component, as arrays.  Kept with the table
+    (it depends only on the network)."""
     hit = table.extra.get("step_roles")
     if hit is not None:
         return hit
@@ -372,7 +373,9 @@ def _step_roles(table) -> tuple:
             read_early[src] = True
     link_src = np.array([i - 1 if simple[i] else table.dim_range_src[i]
                          for i in range(len(roles))], dtype=np.int64)
-    out = (roles, simple, reorders, read_early, link_src)
+    simple_component = np.array([s and r == _R_COMPONENT for s, r in zip(simple, roles)],
+                                dtype=bool)
+    out = (roles, simple, reorders, read_early, link_src, simple_component)
     table.extra["step_roles"] = out
     return out
 
@@ -408,7 +411,8 @@ class ComputationStepsComputer:
         self._dim_range_src = table.dim_range_src
         self._margin = table.margin
         (self._roles, self._simple, self._reorders, self._read_early,
-         self._link_src) = _step_roles(table)
+         self._link_src, self._simple_component) = _step_roles(table)
+        self._is_dim_range = np.array(self._roles) == _R_DIM_RANGE
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -438,17 +442,26 @@ class ComputationStepsComputer:
             self.loc_step[ids] = s
         return s
 
+    def _write_step_locations(self, steps: list[int]) -> None:
+        """The step of every cindex of ``steps`` (ascending), as _add_step_ids writes
+        it for the steps of read-early nodes, for them all at once."""
+        parts = [self.step_ids[s] for s in steps]
+        self.loc_step[np.concatenate(parts)] = np.repeat(
+            np.array(steps, dtype=np.int64), [len(p) for p in parts])
+
     def _flush_locations(self) -> None:
         """(step, row) of the cindexes of the steps added since the last call, all at
         once (a cindex in several steps, a blank padding row, keeps its last place)."""
         done, n = self._located, len(self.step_ids)
         if done == n:
             return
-        lens = np.array([len(a) for a in self.step_ids[done:]], dtype=np.int64)
-        ids = np.concatenate(self.step_ids[done:])
-        starts = np.cumsum(lens) - lens
+        # (from the steps view, which the Compiler and check() read as well)
+        view = self.steps
+        ptr = view.ptr[done:]
+        ids = view.ids[ptr[0]:]
+        lens = np.diff(ptr)
         self.loc_step[ids] = np.repeat(np.arange(done, n), lens)
-        self.loc_row[ids] = np.arange(len(ids)) - np.repeat(starts, lens)
+        self.loc_row[ids] = np.arange(len(ids)) - np.repeat(ptr[:-1] - ptr[0], lens)
         self._located = n
 
     def _fit_locations(self) -> None:
@@ -518,26 +531,33 @@ class ComputationStepsComputer:
             ids, node, phase = ids[order], node[order], phase[order]
             cut = np.flatnonzero((node[1:] != node[:-1]) | (phase[1:] != phase[:-1])) + 1
             bounds = [0] + cut.tolist() + [len(ids)]
-            nodes = node[bounds[:-1]].tolist()
+            starts = bounds[:-1]
+            sub_node = node[starts]
+            nodes = sub_node.tolist()
             # the cindexes of each row on the node a simple component or a
             # dim-range node reads, looked up for all rows at once
             linked = self._linked_ids(ids, node)
             # the common case inline: a simple component whose rows all have their
             # input on the node before (two steps: the input's, the component's)
-            starts = bounds[:-1]
-            plain = self.graph.is_input_array[ids[starts]]
             if linked is not None:
-                plain = ~(plain | np.logical_or.reduceat(linked < 0, starts))
-                plain = plain.tolist()
-                linked_list = linked.tolist()
+                plain_arr = (self._simple_component[sub_node]
+                             & ~(self.graph.is_input_array[ids[starts]]
+                                 | np.logical_or.reduceat(linked < 0, starts)))
+                plain = plain_arr.tolist()
+                whole = self._whole_source_steps(ids, bounds, sub_node, linked, plain_arr)
             else:
                 plain = [False] * len(nodes)
-            roles, simple, early = self._roles, self._simple, self._read_early
-            plain = [p and simple[v] and roles[v] == _R_COMPONENT for p, v in zip(plain, nodes)]
-            whole = self._whole_source_steps(ids, bounds, nodes, linked, plain)
+                whole = None
+            roles, early = self._roles, self._read_early
             # the step of each plain sub-phase (a dim-range sub-phase's source)
-            step_of = [-1] * len(nodes) if whole is not None else None
             step_ids, step_nodes = self.step_ids, self.step_nodes
+            step_of = [-1] * len(nodes) if whole is not None else None
+            # The inline cases below add their steps without writing the locations
+            # of read-early nodes one step at a time (_add_step_ids): ``deferred``
+            # lists those steps, written together just before a step is made
+            # otherwise (which may read them); those still deferred at the end are
+            # written by _flush_locations with all the others.
+            deferred: list[int] = []
             for k, v in enumerate(nodes):
                 role = roles[v]
                 if role == _R_COMPONENT_INPUT:
@@ -548,27 +568,27 @@ class ComputationStepsComputer:
                     # sub-phase is the dim-range step (_dim_range_small's first case)
                     self._dim_range_done.add((step_of[whole[k]], v))
                     if early[v]:
-                        self._add_step_ids(ids[a:b], v)
-                    else:
-                        step_ids.append(ids[a:b])
-                        step_nodes.append(v)
-                    continue
-                if (role == _R_DIM_RANGE and b - a <= 32 and linked is not None
-                        and self._dim_range_small(v, ids[a:b], linked_list[a:b])):
+                        deferred.append(len(step_ids))
+                    step_ids.append(ids[a:b])
+                    step_nodes.append(v)
                     continue
                 if plain[k]:
                     if early[v - 1]:
-                        self._add_step_ids(linked[a:b], v - 1)
-                    else:
-                        step_ids.append(linked[a:b])
-                        step_nodes.append(v - 1)
+                        deferred.append(len(step_ids))
+                    step_ids.append(linked[a:b])
+                    step_nodes.append(v - 1)
                     if early[v]:
-                        self._add_step_ids(ids[a:b], v)
-                    else:
-                        step_ids.append(ids[a:b])
-                        step_nodes.append(v)
+                        deferred.append(len(step_ids))
+                    step_ids.append(ids[a:b])
+                    step_nodes.append(v)
                     if step_of is not None:
                         step_of[k] = len(step_ids) - 1
+                    continue
+                if deferred:
+                    self._write_step_locations(deferred)
+                    deferred = []
+                if (role == _R_DIM_RANGE and b - a <= 32 and linked is not None
+                        and self._dim_range_small(v, ids[a:b], linked[a:b].tolist())):
                     continue
                 self._process_sub_phase(request, v, ids[a:b],
                                         None if linked is None else linked[a:b])
@@ -576,19 +596,16 @@ class ComputationStepsComputer:
         self.step_to_segment.extend([segment] * (len(self.step_ids) - len(self.step_to_segment)))
         self.num_segments_done += 1
 
-    def _whole_source_steps(self, ids: np.ndarray, bounds: list, nodes: list,
-                            linked: np.ndarray | None, plain: list) -> list | None:
+    def _whole_source_steps(self, ids: np.ndarray, bounds: list, nodes: np.ndarray,
+                            linked: np.ndarray, plain: np.ndarray) -> list | None:
         """Per sub-phase (``ids[bounds[k]:bounds[k + 1]]`` on ``nodes[k]``) of a
         dim-range node whose source cindexes (``linked``) are, in order, exactly an
         earlier plain sub-phase (a simple component's, its step as it is: ``plain``),
         that sub-phase's position, else -1; None when there are no such sub-phases.
         Such a sub-phase is its own step, and no other step of its node reads that
         source step (the source rows are its rows' Indexes, one to one)."""
-        if linked is None:
-            return None
-        roles = self._roles
-        dim = [roles[v] == _R_DIM_RANGE for v in nodes]
-        if not any(dim) or not any(plain):
+        dim = self._is_dim_range[nodes]
+        if not dim.any() or not plain.any():
             return None
         num = len(nodes)
         starts = np.array(bounds[:-1], dtype=np.int64)
@@ -600,11 +617,11 @@ class ComputationStepsComputer:
         # rows whose source is as far along ``ids`` as their sub-phase's first row's
         lag = pos - np.arange(len(ids))
         aligned = (pos >= 0) & (lag == np.repeat(lag[starts], sizes))
-        ok = np.logical_and.reduceat(aligned, starts) & np.array(dim)
+        ok = np.logical_and.reduceat(aligned, starts) & dim
         first = pos[starts]
         sub = np.repeat(np.arange(num), sizes)
         src = np.where(ok, sub[np.maximum(first, 0)], 0)
-        ok &= ((starts[src] == first) & (sizes[src] == sizes) & np.array(plain)[src]
+        ok &= ((starts[src] == first) & (sizes[src] == sizes) & plain[src]
                & (src < np.arange(num)))
         if not ok.any():
             return None
