@@ -331,8 +331,11 @@ def merge_candidates(computation: NnetComputation, options, props) -> list[int]:
     copy = CT.MATRIX_COPY if o.remove_assignments else None
     propagate = CT.PROPAGATE if o.propagate_in_place else None
     backprops = (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE) if o.backprop_in_place else ()
+    kinds = {copy, propagate, *backprops}
+    cmds = computation.commands
     out = []
-    for ci, cmd in enumerate(computation.commands):
+    for ci in [i for i, cmd in enumerate(cmds) if cmd.command_type in kinds]:
+        cmd = cmds[ci]
         ct = cmd.command_type
         if ct == copy:
             s1, s2 = cmd.arg2, cmd.arg1
