@@ -693,14 +693,16 @@ class Analyzer:
         self._submatrices_of = None
         self._variables = self._variable_accesses = self._command_attributes = None
 
-    def reanalyze(self, groups: dict[int, list[int]]) -> set[int]:
+    def reanalyze(self, groups: dict[int, list[int]]) -> tuple[set[int], set[int]]:
         """Bring the analysis up to date after edits that moved every submatrix of
         some matrices onto another matrix and turned commands into kNoOperation,
         and nothing else (what a round of variable merging does).  ``groups``:
         receiving matrix -> the matrices whose submatrices and commands it now
         holds, itself included.  The receiving matrices are analysed again, the
         others of each group are left empty.  Returns the submatrices of the
-        receiving matrices that commands still refer to."""
+        receiving matrices that commands still refer to, and the commands that
+        accessed a matrix of a group before (those that access a receiving
+        matrix now, and the ones turned into kNoOperation)."""
         c = self.computation
         cmds, subs, mats = c.commands, c.submatrices, c.matrices
         self._variables = self._variable_accesses = self._command_attributes = None
@@ -775,7 +777,7 @@ class Analyzer:
             for s in (cmd.arg1, cmd.arg2) if ct == swap else (cmd.arg1,):
                 if s2m[s] in groups:
                     used.add(s)
-        return used
+        return used, touched
 
 
 def _area(rect: tuple[int, int, int, int]) -> int:
@@ -845,6 +847,46 @@ class ComputationAnalysis:
                 if cmd.command_type != set_const or cmd.alpha != 0.0:
                     return c
         return len(cmds)
+
+    def first_use_at(self, s: int, c: int) -> int:
+        """When command ``c`` is the first access of ``s`` other than a zeroing
+        (``first_nontrivial_access(s) == c``): ``data_invalidated_command(c, s)``,
+        found on the same walk over the accesses; otherwise -1."""
+        ents, R0, R1, C0, C1 = self._where(s)
+        cmds = self.c.commands
+        set_const = CT.SET_CONST
+        rest = iter(ents)
+        for ci, _, (r0, r1, c0, c1) in rest:
+            if r0 < R1 and R0 < r1 and c0 < C1 and C0 < c1:
+                cmd = cmds[ci]
+                if cmd.command_type != set_const or cmd.alpha != 0.0:
+                    break
+        else:
+            return -1
+        if ci != c:
+            return -1
+        ans = self.a.matrix_accesses[self.c.submatrices[s].matrix_index].deallocate_command
+        if ans == -1:
+            ans = len(cmds)
+        for ci, a, (r0, r1, c0, c1) in rest:   # (in command order: those from c on)
+            if ci > c and a & _W and r0 < R1 and R0 < r1 and c0 < C1 and C0 < c1:
+                return min(ans, ci)
+        return ans
+
+    def last_access_and_write(self, s: int) -> tuple[int, int]:
+        """(``last_access(s)``, ``last_write_access(s)``) in one walk."""
+        ents, R0, R1, C0, C1 = self._where(s)
+        last = -1
+        output = self.a.matrix_accesses[self.c.submatrices[s].matrix_index].is_output
+        for c, a, (r0, r1, c0, c1) in reversed(ents):
+            if r0 < R1 and R0 < r1 and c0 < C1 and C0 < c1:
+                if last == -1:
+                    last = c
+                    if output:
+                        break
+                if a & _W:
+                    return last, (len(self.c.commands) if output else c)
+        return last, (len(self.c.commands) if output else -1)
 
     def first_nontrivial_matrix_access(self, m: int) -> int:
         cmds = self.c.commands

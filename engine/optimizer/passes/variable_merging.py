@@ -75,8 +75,8 @@ class VariableMergingOptimizer:
         self.moved: set[int] = set()
         self.first_round = first_round
         self.groups: dict[int, list[int]] = {}   # kept matrix -> itself and the discarded
-        # candidates turned down for a reason no later round can undo
-        self.hopeless: list[int] = []
+        # candidates no later round need look at (see merge_variables)
+        self.settled: list[int] = []
 
     def _same(self, s: int, t: int) -> bool:
         """s and t are the same submatrix (as numbered after a renumbering)."""
@@ -106,16 +106,18 @@ class VariableMergingOptimizer:
 
     def merge_variables(self, commands) -> bool:
         """Try the candidates among ``commands`` (indexes, increasing).  Those
-        that cannot merge in this round or any later one (``hopeless``): neither
-        the source nor the destination is a whole matrix where a merge direction
-        needs it (merging never makes a part of a matrix whole), or both are
-        already on one matrix."""
+        that no later round need look at again go to ``settled``: the ones that
+        merged (the copy is gone, or source and destination are now on one
+        matrix) and those that cannot merge in this round or any later one:
+        neither the source nor the destination is a whole matrix where a merge
+        direction needs it (merging never makes a part of a matrix whole), or
+        both are already on one matrix."""
         merged = False
         cmds = self.c.commands
         subs = self.c.submatrices
         whole = self.a.submatrix_whole
         left_ok, right_ok = self.o.allow_left_merge, self.o.allow_right_merge
-        hopeless = self.hopeless
+        settled = self.settled
         candidate = self._candidate
         copy = CT.MATRIX_COPY if self.o.remove_assignments else None
         for ci in commands:
@@ -128,14 +130,15 @@ class VariableMergingOptimizer:
                 continue
             left, right = left_ok and whole[s2], right_ok and whole[s1]
             if not (left or right) or subs[s1][0] == subs[s2][0]:
-                hopeless.append(ci)
+                settled.append(ci)
                 continue
             keep = self.kept_side(ci, s1, s2, left, right)
-            if keep == s1:
-                self.do_merge(ci, s1, s2)
-                merged = True
-            elif keep:
-                self.do_merge(ci, s2, s1)
+            if keep:
+                if keep == s1:
+                    self.do_merge(ci, s1, s2)
+                else:
+                    self.do_merge(ci, s2, s1)
+                settled.append(ci)
                 merged = True
         return merged
 
@@ -147,11 +150,11 @@ class VariableMergingOptimizer:
         independent tests; the ones that turn most candidates down and cost
         least come first."""
         c, a = self.c, self.a
-        subs = c.submatrices
-        m1, m2 = subs[s1][0], subs[s2][0]
         if self.dirty and (self._is_dirty(s1) or self._is_dirty(s2)):
             return 0
-        whole = a.submatrix_whole   # s1, s2 have not moved: as at the round's start
+        # s1, s2 have not moved: their matrix and wholeness are as at the round's start
+        s2m, whole = a.submatrix_matrix, a.submatrix_whole
+        m1, m2 = s2m[s1], s2m[s2]
         whole1, whole2 = whole[s1], whole[s2]
         macc = a.matrix_accesses
         a1, a2 = macc[m1], macc[m2]
@@ -166,20 +169,28 @@ class VariableMergingOptimizer:
             left = False
         if not whole2 and mats[m1].stride_type == K_STRIDE_EQUAL_NUM_COLS:
             right = False
-        # the kept matrix must exist before the discarded one is first used (Kaldi
-        # asserts this; it can fail when one of the merge directions is switched off)
-        if left and not self._alloc_precedes(m1, m2):
-            left = False
-        if not left and (not right or not self._alloc_precedes(m2, m1)):
+        if not (left or right):
             return 0
+        # when they are used: s2 first (zeroing aside) at ci; for an assignment s2 = s1,
+        # s1 not written after ci nor read once s2 changes, otherwise s1 last used at ci
         an = self.analysis
+        invalidated = an.first_use_at(s2, ci)
+        if invalidated < 0:
+            return 0
         cmd = c.commands[ci]
         if cmd.command_type == CT.MATRIX_COPY and cmd.alpha == 1.0:
-            ok = (an.first_nontrivial_access(s2) == ci and an.last_write_access(s1) < ci
-                  and an.last_access(s1) < an.data_invalidated_command(ci, s2))
-        else:
-            ok = an.first_nontrivial_access(s2) == ci and an.last_access(s1) == ci
-        return (s1 if left else s2) if ok else 0
+            last, last_write = an.last_access_and_write(s1)
+            if not (last_write < ci and last < invalidated):
+                return 0
+        elif an.last_access(s1) != ci:
+            return 0
+        # the kept matrix must exist before the discarded one is first used (Kaldi
+        # asserts this; it can fail when one of the merge directions is switched off)
+        if left and self._alloc_precedes(m1, m2):
+            return s1
+        if right and self._alloc_precedes(m2, m1):
+            return s2
+        return 0
 
     def _is_dirty(self, s: int) -> bool:
         """A variable of s was touched by a merge in this round."""
@@ -310,6 +321,35 @@ class _SubmatrixOrder:
             key[s] = key[t]
 
 
+def merge_candidates(computation: NnetComputation, options, props) -> list[int]:
+    """The commands that may merge their source and destination in some round:
+    kMatrixCopy (remove_assignments), propagates (propagate_in_place) and
+    backprops (backprop_in_place) of components that can work in place, both
+    submatrices given.  None of this changes while merging (merges change the
+    submatrix table, never a command's arguments), so it is decided once."""
+    o = options
+    copy = CT.MATRIX_COPY if o.remove_assignments else None
+    propagate = CT.PROPAGATE if o.propagate_in_place else None
+    backprops = (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE) if o.backprop_in_place else ()
+    kinds = {copy, propagate, *backprops}
+    cmds = computation.commands
+    out = []
+    for ci in [i for i, cmd in enumerate(cmds) if cmd.command_type in kinds]:
+        cmd = cmds[ci]
+        ct = cmd.command_type
+        if ct == copy:
+            s1, s2 = cmd.arg2, cmd.arg1
+        elif ct == propagate and props[cmd.arg1] & _PROPAGATE_IN_PLACE:
+            s1, s2 = cmd.arg3, cmd.arg4
+        elif ct in backprops and props[cmd.arg1] & _BACKPROP_IN_PLACE:
+            s1, s2 = cmd.arg5, cmd.arg6
+        else:
+            continue
+        if s1 > 0 and s2 > 0:
+            out.append(ci)
+    return out
+
+
 def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
     """Kaldi's VariableMergingOptimization: rounds of merging until one merges nothing."""
     o = ctx.options
@@ -318,26 +358,27 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
     props = getattr(ctx, "props", None)   # (an empty one is falsy: test for None)
     if props is None:
         props = ComponentProperties(ctx.nnet)
+    commands = merge_candidates(computation, o, props)
+    if not commands:
+        return False
     analyzer = (ctx.analyzer(computation) if hasattr(ctx, "analyzer")
                 else Analyzer(ctx.nnet, computation, props))
-    kinds = {CT.MATRIX_COPY, CT.PROPAGATE, CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE}
-    commands = [i for i, c in enumerate(computation.commands) if c.command_type in kinds]
+    candidates = set(commands)
     order = None
-    hopeless: set[int] = set()
+    settled: set[int] = set()
     while True:
         opt = VariableMergingOptimizer(o, computation, analyzer, props,
                                        first_round=order is None)
         if not opt.merge_variables(commands):
             break
-        hopeless.update(opt.hopeless)
-        used = analyzer.reanalyze(opt.groups)
+        settled.update(opt.settled)
+        used, touched = analyzer.reanalyze(opt.groups)
         first = order is None
         if first:
             order = _SubmatrixOrder(computation, analyzer)
         order.renumbered(opt.groups, used, first)
-        cmds = computation.commands
-        commands = sorted({ci for m in opt.groups for ci, _, _ in analyzer.entries[m]
-                           if cmds[ci].command_type in kinds} - hopeless)
+        # the candidates that touch a merged matrix (see the module docstring)
+        commands = sorted(touched.intersection(candidates).difference(settled))
     if order is None:
         return False
     # the analysis follows the deletion of the no-ops and the renumbering (the
