@@ -44,6 +44,7 @@ import numpy as np
 
 from engine.compiler.computation import CommandType as CT
 from engine.nnet.components.base import ComponentProperty as P
+from engine.runtime.arena import _LIST_OPS
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ CAPTURE_ON_RUN = 2      # the run of a segment that is captured
 
 _NOT_IN_GRAPHS = (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE, CT.COMPRESS_MATRIX,
                   CT.DECOMPRESS_MATRIX, CT.GOTO_LABEL)
-_LIST_OPS = (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, CT.SWAP_MATRIX)
 _capture_lock = threading.Lock()
 
 

@@ -253,8 +253,8 @@ class Executor:
     def _get_program(self):
         program = self._program
         if program is None:
-            self._graphs = (self.xp is not np and not self._real_compression
-                            and self._use_arena and cuda_graph.usable(self, self._plans))
+            self._graphs = (not self._real_compression and self._use_arena
+                            and cuda_graph.usable(self, self._plans))
             key = ("program/compress" if self._real_compression
                    else "program/graph" if self._graphs else "program")
             program = self._plans.get(key)
