@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.core.errors import ExecutionError
+from engine.core.errors import ExecutionError, InferenceError
 from engine.runtime.backend import get_backend, to_host
 
 try:
@@ -40,7 +40,8 @@ from engine.runtime.executor import Executor  # noqa: E402
 import component_harness as H  # noqa: E402
 import test_compile_reference as R  # noqa: E402
 from network_harness import compile_request, run_network, updatable_params  # noqa: E402
-from nnet_ref_cases import MODELS, shared_models  # noqa: E402
+from nnet_ref_cases import DATA, shared_models  # noqa: E402
+from test_streaming import drive_batch  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -136,7 +137,8 @@ def test_memory_compression_on_gpu_equals_numpy(kind):
 
 
 def _model_paths():
-    local = sorted(MODELS.glob("*/model.raw")) if MODELS.is_dir() else []
+    """The local BLSTM (tests/data/inference) and the reference models of ../shared."""
+    local = sorted((DATA / "inference").glob("*/model.raw"))
     names = {p.parent.name for p in local}
     return local + [p for p in shared_models() if p.parent.name not in names]
 
@@ -162,8 +164,6 @@ def test_stream_batch_gpu_equals_numpy(path):
     from engine.nnet.model_io import load_model  # noqa: PLC0415
     model = load_model(path)
     nnet = model.nnet
-    if find_future_recurrence(nnet, "output") is not None:
-        pytest.skip("a backward recurrence cannot be streamed (whole-utterance only)")
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal((n, nnet.input_dim("input"))).astype(np.float32)
           for n in (37, 55)]
@@ -171,36 +171,21 @@ def test_stream_batch_gpu_equals_numpy(path):
     if nnet.get_node_index("ivector") >= 0:
         ivs = [rng.standard_normal(nnet.input_dim("ivector")).astype(np.float32)
                for _ in xs]
+    if find_future_recurrence(nnet, "output") is not None:
+        # a backward recurrence (BLSTM) cannot be streamed: refused on the GPU as well
+        with pytest.raises(InferenceError, match="looped compilation is not possible"):
+            LoopedModel(nnet, LoopedConfig(frames_per_chunk=10), backend=cp, num_sequences=2)
+        return
     outs = {}
     for name, xp in (("numpy", np), ("cupy", cp)):
         lm = LoopedModel(nnet, LoopedConfig(frames_per_chunk=10), backend=xp,
                          num_sequences=2)
-        sb = StreamBatch(lm, ivs)
-        got = [[] for _ in xs]
-        for start in range(0, max(len(x) for x in xs), 13):
-            for j, x in enumerate(xs):
-                if start < len(x):
-                    sb.push(j, x[start:start + 13])
-                elif not sb.finished[j]:
-                    sb.finish(j)
-            for j, o in enumerate(sb.advance()):
-                got[j].append(o)
-        for j in range(len(xs)):
-            if not sb.finished[j]:
-                sb.finish(j)
-        for j, o in enumerate(sb.advance()):
-            got[j].append(o)
-        outs[name] = [np.concatenate(g, axis=0) for g in got]
+        outs[name] = drive_batch(StreamBatch(lm, ivs), xs, 13)
     for j in range(len(xs)):
         _close(f"{path.parent.name} stream {j}", outs["cupy"][j], outs["numpy"][j], rel=1e-3)
 
 
 # -- CUDA graphs (engine/runtime/cuda_graph.py) -------------------------------------------------
-
-
-def _graph_segments(bound) -> int:
-    from engine.runtime.cuda_graph import graph_count  # noqa: PLC0415
-    return graph_count(bound)
 
 
 def _forward(comp, nnet, x, *, pool=None):
@@ -238,9 +223,9 @@ def test_cuda_graph_replays_equal_eager_runs(path, batch, monkeypatch):
         graphed.append(out)
         bounds.add(id(bound))
     assert len(bounds) == 1                       # the arena came back each time
-    from engine.runtime.cuda_graph import CaptureFailed  # noqa: PLC0415
+    from engine.runtime.cuda_graph import CaptureFailed, graph_count  # noqa: PLC0415
     failed = [s.reason for s in bound.graph_segments.values() if isinstance(s, CaptureFailed)]
-    assert _graph_segments(bound) and not failed, f"capture failed: {failed}"
+    assert graph_count(bound) and not failed, f"capture failed: {failed}"
     for k, (g, e, x) in enumerate(zip(graphed, eager, runs)):
         np.testing.assert_array_equal(g, e, err_msg=f"run {k}")
         ref = run_network(nnet, req, x, None, computation=comp).outputs["output"]
@@ -290,7 +275,6 @@ def test_cuda_graphs_not_used_for_training_networks():
     for _ in range(3):
         _, _, used = _forward(comp, nnet, x)
         assert not used
-    rng = np.random.default_rng(13)
     nnet2, req2, x2, dy2 = _random_case(GENERATOR_NAMES[0], 960)
     nnet2.freeze_parameters()
     comp2 = compile_request(nnet2, req2, optimize=True)
@@ -299,7 +283,6 @@ def test_cuda_graphs_not_used_for_training_networks():
         ex.accept_input(s.name, x2[s.name])
     ex.run()
     assert not ex._graphs                    # has backprop commands
-    del rng
 
 
 def test_cuda_graphs_from_threads_equal_sequential_runs():
