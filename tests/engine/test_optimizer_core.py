@@ -811,3 +811,25 @@ def test_optimized_random_networks_match_unoptimized(kind):
     inputs = random_inputs(nnet, req, rng)
     derivs = random_output_derivs(nnet, req, rng)
     assert_optimization_exact(nnet, req, inputs, derivs, f"random {kind} seed {seed}")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_combined_access_walks_equal_the_single_queries(seed):
+    """ComputationAnalysis.first_use_at and last_access_and_write (variable merging's
+    one-walk forms) answer what first_nontrivial_access/data_invalidated_command and
+    last_access/last_write_access answer, for every submatrix and command."""
+    from engine.nnet.random_config import (GenerationOptions, generate_config_sequence,
+                                           random_request)
+    rng = np.random.default_rng(700 + seed)
+    nnet = generate_config_sequence(rng, GenerationOptions(dim_scale=0.3)).build(rng)
+    req = random_request(nnet, rng)
+    raw = compile_computation(nnet, [req])
+    for c in (raw, optimize(raw, nnet, OptimizeOptions(), request=req)):
+        an = ComputationAnalysis(c, Analyzer(nnet, c))
+        for s in range(1, len(c.submatrices)):
+            assert an.last_access_and_write(s) == (an.last_access(s),
+                                                   an.last_write_access(s)), s
+            first = an.first_nontrivial_access(s)
+            for ci in range(len(c.commands)):
+                want = an.data_invalidated_command(ci, s) if ci == first else -1
+                assert an.first_use_at(s, ci) == want, (s, ci)
