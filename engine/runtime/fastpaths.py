@@ -566,17 +566,32 @@ def _bind_per_element_scale(x, out, scratch):
 
 
 def _batchnorm_ok(comp) -> bool:
-    return (comp.test_mode and comp.block_dim == comp.dim
+    return (comp.test_mode and comp.block_dim > 0 and comp.dim % comp.block_dim == 0
             and comp.offset_vec.shape[0] == comp.block_dim)
+
+
+def _batchnorm_blocks(x, out, block: int):
+    """x and out viewed as rows of ``block`` columns (a batch-norm with block-dim <
+    dim normalises each block of every row alike), or None when a view would need
+    a copy."""
+    if x.shape[1] == block:
+        return x, out
+    if not (x.flags.c_contiguous and out.flags.c_contiguous):
+        return None
+    return x.reshape(-1, block), out.reshape(-1, block)
 
 
 def _batchnorm(comp, pre, x, out):
     if not _batchnorm_ok(comp) or not _cols_ok(x, out, comp.dim):
         return comp.propagate(pre, x, out)
+    views = _batchnorm_blocks(x, out, comp.block_dim)
+    if views is None:
+        return comp.propagate(pre, x, out)
+    xb, ob = views
     sc = np.asarray(comp.scale_vec, dtype=x.dtype)
     off = np.asarray(comp.offset_vec, dtype=x.dtype)
-    _multiply(x, sc, out=out)
-    _add(out, off, out=out)
+    _multiply(xb, sc, out=ob)
+    _add(ob, off, out=ob)
     return None
 
 
@@ -584,17 +599,25 @@ def _bind_batchnorm(x, out, scratch):
     if not (x.ndim == 2 and out.shape == x.shape):
         return None
     dim, dt = x.shape[1], x.dtype
+    views: dict = {}      # block-dim -> (x, out) viewed as rows of that many columns
 
     def f(comp, pre):
         if comp.dim != dim or not _batchnorm_ok(comp):
+            return comp.propagate(pre, x, out)
+        block = comp.block_dim
+        v = views.get(block)
+        if v is None:
+            v = views[block] = _batchnorm_blocks(x, out, block) or (None, None)
+        xb, ob = v
+        if xb is None:
             return comp.propagate(pre, x, out)
         sc, off = comp.scale_vec, comp.offset_vec
         if sc.dtype != dt:
             sc = np.asarray(sc, dtype=dt)
         if off.dtype != dt:
             off = np.asarray(off, dtype=dt)
-        _multiply(x, sc, out)
-        _add(out, off, out)
+        _multiply(xb, sc, ob)
+        _add(ob, off, ob)
         return None
     return f
 

@@ -689,3 +689,41 @@ def test_arena_given_back_at_the_end_leaves_nothing_behind():
         assert np.array_equal(out, (v * np.float32(2.0)) * 2)
         held = [a for lst in pool._free.values() for a in lst]
         assert all(a.base is None or a.base.size == a.size for a in held)
+
+
+def test_batchnorm_forms_with_blocks_give_the_components_bits():
+    """Test-mode batch-norm with block-dim < dim (the CNN layers' form): the fast and
+    bound forms view the rows as blocks when that is a view (contiguous rows), fall
+    back to the component otherwise, and give its bits either way, in place too."""
+    from component_harness import component_from_config  # noqa: PLC0415
+    from engine.nnet.components.normalize import BatchNormComponent  # noqa: PLC0415
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import bind_propagate, fast_propagate  # noqa: PLC0415
+    rng = np.random.default_rng(11)
+    with np.errstate(all="ignore"):     # special values overflow, as in the component
+        _check_batchnorm_blocks(rng, component_from_config, BatchNormComponent, Scratch,
+                                bind_propagate, fast_propagate)
+
+
+def _check_batchnorm_blocks(rng, component_from_config, BatchNormComponent, Scratch,
+                            bind_propagate, fast_propagate):
+    for dim, block in ((24, 8), (24, 24), (30, 5)):
+        comp = component_from_config("BatchNormComponent",
+                                     f"dim={dim} block-dim={block} test-mode=true", seed=dim)
+        assert comp.block_dim == block
+        for rows in (1, 7):
+            big = _special((rows, dim + 6), rng)
+            for x in (big[:, 3:3 + dim], np.ascontiguousarray(big[:, 3:3 + dim])):
+                want = np.empty((rows, dim), np.float32)
+                comp.propagate(None, x, want)
+                got = np.empty_like(want)
+                fast_propagate(BatchNormComponent)(comp, None, x, got)
+                assert _same_bits(got, want), (dim, block, rows)
+                got2 = np.empty_like(want)
+                f = bind_propagate(BatchNormComponent, x, got2, Scratch(np))
+                f(comp, None)
+                f(comp, None)      # the block views are kept between runs
+                assert _same_bits(got2, want), (dim, block, rows)
+                inplace = x.copy()
+                bind_propagate(BatchNormComponent, inplace, inplace, Scratch(np))(comp, None)
+                assert _same_bits(inplace, want), (dim, block, rows)

@@ -21,6 +21,7 @@ that many rows, which does not change the result.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 
@@ -395,11 +396,165 @@ def _step_input(ci, meta, inp, r0, r1, xp):
     return padded[:, cols]
 
 
-def convolve_forward(ci, inp, params, out) -> None:
-    """out += convolution of inp (rows reshaped to num_t_in * num_images)."""
+# the gathered input of all steps side by side (im2col) is kept under this many
+# elements per chunk of output rows (32 MB of float32)
+_IM2COL_ELEMENTS = 8 << 20
+
+
+def _window(height_map: list, ho: int, height_in: int):
+    """(first, step) when the step reads, for output height h and its j-th height
+    offset, input height first + step * h + j (heights outside the input being
+    the -1 zero columns): the heights read form a window sliding by ``step``.
+    None otherwise."""
+    n = len(height_map)
+    if ho == 0 or n % ho:
+        return None
+    n_off = n // ho
+    starts = []
+    for h in range(ho):
+        row = height_map[h * n_off:(h + 1) * n_off]
+        v0 = None
+        for j, x in enumerate(row):
+            if x != -1:
+                if v0 is None:
+                    v0 = x - j
+                elif x - j != v0:
+                    return None
+        if v0 is None:
+            return None
+        for j, x in enumerate(row):
+            if x == -1 and 0 <= v0 + j < height_in:
+                return None
+        starts.append(v0)
+    step = starts[1] - starts[0] if ho > 1 else 1
+    if step <= 0 or any(starts[h] != starts[0] + step * h for h in range(ho)):
+        return None
+    return starts[0], step
+
+
+def _step_plan(ci, k_total: int):
+    """(pad_below, pad_above, steps): per step (row base, params start column,
+    params columns, window) where ``window`` is None for a contiguous column block
+    of the input (then (first column,) is given instead) or (first height, height
+    step) of a window over the input heights padded with ``pad_below`` zero heights
+    below and ``pad_above`` above (``_window``); the gather columns when neither
+    applies.  None when the steps' parameter blocks are not a partition of the
+    ``k_total`` parameter columns (then the step-by-step form is used)."""
+    ho, f_in, h_in = ci.height_out, ci.num_filters_in, ci.height_in
+    plan, covered = [], []
+    below = above = 0
+    for k, (shift, pstart, ncols, contiguous, first, c_off, _, _) in enumerate(ci.meta):
+        pc = ncols // ho
+        base = shift * ci.num_images
+        covered.append((pstart, pstart + pc))
+        if contiguous:
+            plan.append((base, pstart, pc, "block", first))
+            continue
+        win = _window(ci.height_maps[k], ho, h_in) if pc % f_in == 0 else None
+        if win is None:
+            plan.append((base, pstart, pc, "gather", ci.columns[c_off:c_off + ncols]))
+            continue
+        lo, step = win
+        hi = lo + step * (ho - 1) + pc // f_in   # one past the last height read
+        below, above = max(below, -lo), max(above, hi - h_in)
+        plan.append((base, pstart, pc, "window", win))
+    covered.sort()
+    pos = 0
+    for a, b in covered:
+        if a != pos:
+            return None
+        pos = b
+    return (below, above, plan) if pos == k_total else None
+
+
+def _as_strided(xp):
+    """The backend's ``lib.stride_tricks.as_strided`` (NumPy's or CuPy's)."""
+    if xp is np:
+        return np.lib.stride_tricks.as_strided
+    return importlib.import_module(f"{xp.__name__}.lib.stride_tricks").as_strided
+
+
+def _im2col_chunks(ci, inp, rows_out: int, plan, k_total: int, xp):
+    """(r0, r1, block): for row chunks of the output, the (rows * height_out,
+    k_total) matrix whose row (r, h) holds, in the parameters' column order, every
+    input value output row r at height h multiplies (zeros for padded heights)."""
+    below, above, steps = plan
+    ho, f_in = ci.height_out, ci.num_filters_in
+    dim = inp.shape[1]
+    if len(steps) == 1:
+        base, _, pc, kind, first = steps[0]
+        if kind == "block" and first == 0 and pc * ho == dim and inp.flags.c_contiguous:
+            # the input rows themselves, viewed as (rows * height_out, k_total)
+            yield 0, rows_out, inp[base:base + rows_out].reshape(rows_out * ho, k_total)
+            return
+    padded = gather_src = None
+    kinds = {s[3] for s in steps}
+    if "window" in kinds:
+        # the input with zero heights below and above, once for every step
+        padded = xp.zeros((inp.shape[0], dim + (below + above) * f_in), dtype=inp.dtype)
+        padded[:, below * f_in:below * f_in + dim] = inp
+    if "gather" in kinds:
+        # one zero column for the padded heights of gathered steps
+        gather_src = xp.empty((inp.shape[0], dim + 1), dtype=inp.dtype)
+        gather_src[:, :dim] = inp
+        gather_src[:, dim] = 0
+    item = inp.dtype.itemsize
+    per = max(1, min(rows_out, _IM2COL_ELEMENTS // max(1, ho * k_total)))
+    buf = xp.empty((min(per, rows_out), ho, k_total), dtype=inp.dtype)
+    for r0 in range(0, rows_out, per):
+        r1 = min(rows_out, r0 + per)
+        n = r1 - r0
+        big = buf[:n]
+        for base, pstart, pc, kind, what in steps:
+            if kind == "block":
+                src = inp[base + r0:base + r1, what:what + pc * ho].reshape(n, ho, pc)
+            elif kind == "window":
+                lo, step = what
+                rows = padded[base + r0:base + r1, (lo + below) * f_in:]
+                src = _as_strided(xp)(
+                    rows, shape=(n, ho, pc),
+                    strides=(rows.strides[0], step * f_in * item, item))
+            else:
+                src = xp.take(gather_src[base + r0:base + r1], what, axis=1).reshape(n, ho, pc)
+            big[:, :, pstart:pstart + pc] = src
+        yield r0, r1, big.reshape(n * ho, k_total)
+
+
+def convolve_forward(ci, inp, params, out, bias=None) -> None:
+    """out += convolution of inp (rows reshaped to num_t_in * num_images); with
+    ``bias``, out = convolution + bias (the bias once per output height).
+
+    All steps at once: the gathered inputs of the steps side by side (im2col) and
+    one product with the whole parameter matrix per chunk of rows, instead of a
+    product per step (Kaldi's form, kept for parameter layouts the steps do not
+    partition): one large GEMM and no per-step copies."""
     xp = array_module(inp)
     rows_req = ci.num_t_in * ci.num_images
     inp = inp.reshape(rows_req, -1)
+    rows_out = out.shape[0]
+    ho, fo = ci.height_out, ci.num_filters_out
+    k_total = params.shape[1]
+    plan = _step_plan(ci, k_total)
+    if bias is not None and (plan is None or not out.flags.c_contiguous):
+        out[...] = xp.tile(bias, ho)[None, :]
+        bias = None
+    if plan is None:
+        _convolve_forward_steps(ci, inp, params, out)
+        return
+    if bias is not None:
+        # the products straight into the output, seen as (rows * height_out, filters)
+        out2d = out.reshape(rows_out * ho, fo)
+        for r0, r1, block in _im2col_chunks(ci, inp, rows_out, plan, k_total, xp):
+            xp.matmul(block, params.T, out=out2d[r0 * ho:r1 * ho])
+        out2d += bias
+        return
+    for r0, r1, block in _im2col_chunks(ci, inp, rows_out, plan, k_total, xp):
+        out[r0:r1] += (block @ params.T).reshape(r1 - r0, ho * fo)
+
+
+def _convolve_forward_steps(ci, inp, params, out) -> None:
+    """convolve_forward one step at a time (Kaldi's ConvolveForward)."""
+    xp = array_module(inp)
     rows_out = out.shape[0]
     ho, fo = ci.height_out, ci.num_filters_out
     for r0, r1 in _chunks(ci, rows_out):
@@ -446,6 +601,14 @@ def convolve_backward_params(ci, inp, out_deriv, alpha: float, params_deriv) -> 
     inp = inp.reshape(rows_req, -1)
     rows_out = out_deriv.shape[0]
     ho, fo = ci.height_out, ci.num_filters_out
+    k_total = params_deriv.shape[1]
+    plan = _step_plan(ci, k_total)
+    if plan is not None:
+        # one product per chunk of rows with the gathered inputs of all steps
+        for r0, r1, block in _im2col_chunks(ci, inp, rows_out, plan, k_total, xp):
+            od = out_deriv[r0:r1].reshape(-1, fo)
+            params_deriv += alpha * (od.T @ block)
+        return
     for r0, r1 in _chunks(ci, rows_out):
         od = out_deriv[r0:r1].reshape(-1, fo)
         for meta in ci.meta:

@@ -23,7 +23,6 @@ import numpy as np
 
 from engine.core.errors import ComponentError
 from engine.core.index import Index, K_NO_TIME
-from engine.core.xp import array_module
 from engine.nnet.components._convolution import (
     ConvolutionComputation,
     ConvolutionModel,
@@ -367,15 +366,12 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         self.check_shape("input", in_value, None, self.input_dim())
         self.check_shape("output", out, None, self.output_dim())
         self._check_rows(indexes, in_value.shape[0], out.shape[0])
-        m = self.model
         params = self.linear_params
         bias = self.bias_params
         if params.dtype != in_value.dtype:
             params, bias = params.astype(in_value.dtype), bias.astype(in_value.dtype)
-        xp = array_module(in_value)
-        # every output height starts from the bias (Kaldi's CopyRowsFromVec)
-        out[...] = xp.tile(bias, m.height_out)[None, :]
-        convolve_forward(indexes, in_value, params, out)
+        # every output height gets the bias (Kaldi's CopyRowsFromVec before the products)
+        convolve_forward(indexes, in_value, params, out, bias=bias)
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
