@@ -90,6 +90,23 @@ def _run(seed: int, kinds: set, small_chunks: bool, monkeypatch) -> bool:
     conv.convolve_backward_params(s.pi, x32, dy, 0.5, g_old)
     monkeypatch.undo()
     np.testing.assert_allclose(g_new, g_old, rtol=1e-4, atol=1e-4, err_msg=cfg)
+    # the input derivative: col2im against the step-by-step form, both adding to a
+    # random start, and into a column slice of a wider matrix (not contiguous)
+    if small_chunks:
+        monkeypatch.setattr(conv, "_IM2COL_ELEMENTS", 7 * s.pi.height_out)
+    start = rng.standard_normal(x32.shape).astype(np.float32)
+    dx_old = start.copy()
+    conv._backward_data_steps(s.pi, params, dy, dx_old, np)
+    dx_new = start.copy()
+    conv.convolve_backward_data(s.pi, params, dy, dx_new)
+    np.testing.assert_allclose(dx_new, dx_old, rtol=1e-4, atol=1e-4, err_msg=cfg)
+    cols = x32.shape[1]
+    wide = np.zeros((x32.shape[0], cols + 3), np.float32)
+    wide[:, 1:1 + cols] = start
+    conv.convolve_backward_data(s.pi, params, dy, wide[:, 1:1 + cols])
+    np.testing.assert_allclose(wide[:, 1:1 + cols], dx_old, rtol=1e-4, atol=1e-4, err_msg=cfg)
+    assert not wide[:, 0].any() and not wide[:, 1 + cols:].any()
+    monkeypatch.undo()
     return True
 
 

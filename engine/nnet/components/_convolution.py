@@ -452,7 +452,7 @@ def _step_plan(ci, k_total: int):
             continue
         win = _window(ci.height_maps[k], ho, h_in) if pc % f_in == 0 else None
         if win is None:
-            plan.append((base, pstart, pc, "gather", ci.columns[c_off:c_off + ncols]))
+            plan.append((base, pstart, pc, "gather", k))
             continue
         lo, step = win
         hi = lo + step * (ho - 1) + pc // f_in   # one past the last height read
@@ -515,7 +515,9 @@ def _im2col_chunks(ci, inp, rows_out: int, plan, k_total: int, xp):
                     rows, shape=(n, ho, pc),
                     strides=(rows.strides[0], step * f_in * item, item))
             else:
-                src = xp.take(gather_src[base + r0:base + r1], what, axis=1).reshape(n, ho, pc)
+                c_off = ci.meta[what][5]
+                src = xp.take(gather_src[base + r0:base + r1],
+                              ci.columns[c_off:c_off + pc * ho], axis=1).reshape(n, ho, pc)
             big[:, :, pstart:pstart + pc] = src
         yield r0, r1, big.reshape(n * ho, k_total)
 
@@ -567,8 +569,69 @@ def _convolve_forward_steps(ci, inp, params, out) -> None:
 
 
 def convolve_backward_data(ci, params, out_deriv, in_deriv) -> None:
-    """in_deriv += derivative through the convolution."""
+    """in_deriv += derivative through the convolution.
+
+    The transpose of convolve_forward's form: one product per chunk of rows gives
+    the derivative of every gathered input value (col2im's columns), which is then
+    added back where each value came from -- per height offset a sliding window
+    whose heights do not overlap, a column block, or the gather's reverse passes."""
     xp = array_module(out_deriv)
+    k_total = params.shape[1]
+    plan = _step_plan(ci, k_total)
+    if plan is not None:
+        _backward_data_col2im(ci, params, out_deriv, in_deriv, plan, k_total, xp)
+        return
+    _backward_data_steps(ci, params, out_deriv, in_deriv, xp)
+
+
+def _backward_data_col2im(ci, params, out_deriv, in_deriv, plan, k_total, xp) -> None:
+    below, above, steps = plan
+    rows_req = ci.num_t_in * ci.num_images
+    ho, fo, f_in = ci.height_out, ci.num_filters_out, ci.num_filters_in
+    dim = ci.height_in * f_in
+    # the derivative of the input padded with zero heights (and a zero column for the
+    # gathers' padded heights), added to in_deriv at the end
+    lo_col = below * f_in
+    pdx = xp.zeros((rows_req, dim + (below + above) * f_in + 1), dtype=out_deriv.dtype)
+    item = pdx.dtype.itemsize
+    rows_out = out_deriv.shape[0]
+    per = max(1, min(rows_out, _IM2COL_ELEMENTS // max(1, ho * k_total)))
+    strided = _as_strided(xp)
+    for r0 in range(0, rows_out, per):
+        r1 = min(rows_out, r0 + per)
+        n = r1 - r0
+        col = (out_deriv[r0:r1].reshape(n * ho, fo) @ params).reshape(n, ho, k_total)
+        for base, pstart, pc, kind, what in steps:
+            rows = pdx[base + r0:base + r1]
+            if kind == "block":
+                view = strided(rows[:, lo_col + what:], shape=(n, ho, pc),
+                               strides=(rows.strides[0], pc * item, item))
+                view += col[:, :, pstart:pstart + pc]
+            elif kind == "window":
+                lo, step = what
+                # height offset j of every output height: heights lo + j + step * h,
+                # distinct for one j, so each window view is written once per element
+                for j in range(pc // f_in):
+                    view = strided(rows[:, (lo + below + j) * f_in:], shape=(n, ho, f_in),
+                                   strides=(rows.strides[0], step * f_in * item, item))
+                    c0 = pstart + j * f_in
+                    view += col[:, :, c0:c0 + f_in]
+            else:
+                _, _, ncols, _, _, _, npass, b_off = ci.meta[what]
+                temp = col[:, :, pstart:pstart + pc].reshape(n, ncols)
+                tz = xp.concatenate([temp, xp.zeros((n, 1), dtype=temp.dtype)], axis=1)
+                part = rows[:, lo_col:lo_col + dim]
+                for k in range(npass):
+                    part += tz[:, ci.backward[b_off + k * dim:b_off + (k + 1) * dim]]
+    ind = in_deriv.reshape(rows_req, -1) if in_deriv.flags.c_contiguous else None
+    if ind is not None:
+        ind += pdx[:, lo_col:lo_col + dim]
+    else:
+        in_deriv += pdx[:, lo_col:lo_col + dim].reshape(in_deriv.shape)
+
+
+def _backward_data_steps(ci, params, out_deriv, in_deriv, xp) -> None:
+    """convolve_backward_data one step at a time (Kaldi's ConvolveBackwardData)."""
     rows_req = ci.num_t_in * ci.num_images
     contiguous = bool(in_deriv.flags.c_contiguous)
     target = in_deriv if contiguous else in_deriv.copy()
