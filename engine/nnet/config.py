@@ -187,9 +187,11 @@ def apply_config(nnet: Nnet, text: str, source: str | None = None, rng=None) -> 
     work.components = list(nnet.components)
     work.component_names = list(nnet.component_names)
     initial_components = len(work.components)
-    for cfg in lines:
-        if cfg.first_token == "component":
-            _component_line(work, cfg, initial_components, rng)
+    from engine.nnet.components._param_utils import parameter_budget  # noqa: PLC0415
+    with parameter_budget():
+        for cfg in lines:
+            if cfg.first_token == "component":
+                _component_line(work, cfg, initial_components, rng)
     for cfg in lines:
         _node_line_pass0(work, cfg)
     referable = work.referable_names()

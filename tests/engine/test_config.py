@@ -174,3 +174,41 @@ def test_fuzzed_configs_raise_only_typed_errors(lines, noise):
         build(text)
     except NnetcError:
         pass
+
+
+def test_parameter_budget_stops_huge_configs_before_allocating():
+    """A config of a few bytes asking for a huge parameter matrix (fuzzing found
+    dim=100000000 allocating 9 GB or raising MemoryError) is a ConfigError naming the
+    component, raised before the allocation; the budget covers a config's components
+    together; a MemoryError while initialising is a ConfigError too."""
+    from engine.nnet.components import _param_utils  # noqa: PLC0415
+    huge = ("input-node name=input dim=11\n"
+            "component name=affine type=AffineComponent input-dim=11 output-dim=100000000\n")
+    with pytest.raises(ConfigError, match=r"'affine' \(AffineComponent\).*\(100000000, 11\)"):
+        build(huge)
+    conv = ("component name=c type=TimeHeightConvolutionComponent num-filters-in=100000 "
+            "num-filters-out=100000 height-in=1 height-out=1 height-offsets=0 time-offsets=0\n")
+    with pytest.raises(ConfigError, match="TimeHeightConvolutionComponent 'c'.*parameter array"):
+        build(conv)
+    with pytest.raises(ConfigError, match="'g' .*GruNonlinearity"):
+        build("component name=g type=GruNonlinearityComponent cell-dim=100000000 "
+              "recurrent-dim=100000\n")
+    # together: each fits, the sum does not (a smaller budget keeps the test quick)
+    three = "".join(f"component name=a{i} type=AffineComponent input-dim=100 output-dim=100\n"
+                    for i in range(3))
+    with _param_utils.parameter_budget(25000):
+        with pytest.raises(ConfigError, match=r"'a2'.*may hold 25000 in all, and 4800 are left"):
+            apply_config(Nnet(), three)
+    nodes = ("input-node name=input dim=100\ncomponent-node name=a0 component=a0 input=input\n"
+             "output-node name=output input=a0\n")
+    assert build(three + nodes).num_parameters() == 3 * 100 * 101   # the default budget
+
+
+def test_memory_error_while_initialising_is_a_config_error(monkeypatch):
+    from engine.nnet.components import affine  # noqa: PLC0415
+
+    def no_memory(*a, **k):
+        raise MemoryError("cannot allocate")
+    monkeypatch.setattr(affine, "gaussian", no_memory)
+    with pytest.raises(ConfigError, match=r"'a' \(AffineComponent\): its sizes are out of range"):
+        build("component name=a type=AffineComponent input-dim=3 output-dim=4\n")

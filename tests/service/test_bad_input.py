@@ -42,6 +42,13 @@ def test_models_bad_input(client):
         "content-type": "application/json"}), 422)
     _err(client.get("/models/" + "0" * 64), 404)
     _err(client.delete("/models/" + "0" * 64), 404)
+    # a few bytes asking for 1.1e9 parameters: refused before anything is allocated
+    huge = TINY_CONFIG.replace("component name=relu1 type=RectifiedLinearComponent dim=5",
+                               "component name=big type=AffineComponent input-dim=11 "
+                               "output-dim=100000000")
+    e = _err(client.post("/models", json={"config": huge}), 400)
+    assert e["type"] == "ConfigError" and "'big'" in e["message"] and e["field"] == "config"
+    assert "(100000000, 11)" in e["message"]
 
 
 def test_compile_and_compute_bad_input(client):

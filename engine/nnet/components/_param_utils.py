@@ -9,6 +9,7 @@ DimensionError naming the component.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from pathlib import Path
 
@@ -96,8 +97,49 @@ def skip_old_is_gradient(comp: UpdatableComponent, reader: KaldiReader) -> None:
         comp.is_gradient = reader.read_bool()
 
 
+# Parameters a config may make (random initial values, all components of one
+# config together): 2^27 values are 512 MiB of float32, several times any Kaldi model
+# (the largest reference layer holds 7M values), and a bound on what a config of a
+# few bytes (dim=100000000) can make a service worker allocate.
+MAX_CONFIG_PARAMETERS = 1 << 27
+_budget: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "parameter_budget", default=None)
+
+
+@contextlib.contextmanager
+def parameter_budget(limit: int | None = None):
+    """Within the block, the random parameters made by ``gaussian`` may total at
+    most ``limit`` values (None: MAX_CONFIG_PARAMETERS, or the budget of an
+    enclosing block when there is one); more raises ConfigError before anything is
+    allocated."""
+    if limit is None and _budget.get() is not None:
+        yield
+        return
+    total = MAX_CONFIG_PARAMETERS if limit is None else int(limit)
+    token = _budget.set([total, total])
+    try:
+        yield
+    finally:
+        _budget.reset(token)
+
+
 def gaussian(rng: np.random.Generator, shape, stddev: float, mean: float = 0.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * stddev + mean).astype(np.float32)
+    """Random initial parameters (float32), counted against the parameter budget
+    (without one, a single array may not exceed MAX_CONFIG_PARAMETERS values)."""
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = math.prod(int(d) for d in dims)
+    budget = _budget.get()
+    limit = budget[0] if budget is not None else MAX_CONFIG_PARAMETERS
+    if n > limit:
+        if budget is None:
+            raise ConfigError(f"a parameter array of shape {dims} would hold {n} values, more "
+                              f"than the {MAX_CONFIG_PARAMETERS} a component may hold")
+        raise ConfigError(f"a parameter array of shape {dims} would hold {n} values; the "
+                          f"components of one config may hold {budget[1]} in all, and "
+                          f"{limit} are left")
+    if budget is not None:
+        budget[0] -= n
+    return (rng.standard_normal(dims) * stddev + mean).astype(np.float32)
 
 
 def _g4(x: float) -> str:

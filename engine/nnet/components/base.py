@@ -152,6 +152,9 @@ def new_component_from_config(type_name: str, cfg: ConfigLine, name: str = "",
                           text=e.text) from None
     except (ComponentError, ValueError) as e:
         raise cfg.error(f"component {name!r} ({type_name}): {e}") from None
+    except (MemoryError, OverflowError) as e:
+        raise cfg.error(f"component {name!r} ({type_name}): its sizes are out of range "
+                        f"({type(e).__name__}: {e})") from None
     unused = cfg.unused()
     if unused:
         raise cfg.error(f"component {name!r} ({type_name}): unknown option(s) "

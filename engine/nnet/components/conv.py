@@ -22,6 +22,7 @@ import numpy as np
 
 from engine.core.errors import ComponentError, ModelFormatError
 from engine.core.xp import array_module
+from engine.nnet.components._param_utils import gaussian
 from engine.nnet.components.base import Component, P, UpdatableComponent, register_component
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
@@ -204,9 +205,8 @@ class ConvolutionComponent(UpdatableComponent):
             bias_stddev = cfg.get_float("bias-stddev", 1.0)
             if param_stddev < 0 or bias_stddev < 0:
                 raise cfg.error("options param-stddev and bias-stddev must be >= 0")
-            self.filter_params = (rng.standard_normal((num_filters, filter_dim))
-                                  * param_stddev).astype(np.float32)
-            self.bias_params = (rng.standard_normal(num_filters) * bias_stddev).astype(np.float32)
+            self.filter_params = gaussian(rng, (num_filters, filter_dim), param_stddev)
+            self.bias_params = gaussian(rng, (num_filters,), bias_stddev)
         self._check_geometry("in config")
 
     @classmethod

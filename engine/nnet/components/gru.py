@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.core.errors import ComponentError
 from engine.core.xp import array_module
+from engine.nnet.components._param_utils import gaussian
 from engine.nnet.components.base import P, UpdatableComponent, register_component
 from engine.nnet.components.recurrent import (
     option_error,
@@ -222,7 +223,7 @@ class GruNonlinearityComponent(_GruBase):
             raise option_error(cfg, self, "recurrent-dim",
                                 f"must be in [1, cell-dim={c}] (got {r})")
         self.recurrent_dim = r
-        self.w_h = (rng.standard_normal((c, r)) * param_stddev).astype(np.float32)
+        self.w_h = gaussian(rng, (c, r), param_stddev)
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "GruNonlinearityComponent":
@@ -338,8 +339,7 @@ class OutputGruNonlinearityComponent(_GruBase):
         self.alpha = cfg.get_float("alpha", 4.0)
         self.rank = cfg.get_int("rank", 8)
         self.update_period = cfg.get_int("update-period", 10)
-        self.w_h = (rng.standard_normal(self.cell_dim) * param_stddev
-                    + param_mean).astype(np.float32)
+        self.w_h = gaussian(rng, (self.cell_dim,), param_stddev, param_mean)
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "OutputGruNonlinearityComponent":

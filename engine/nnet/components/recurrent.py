@@ -35,6 +35,7 @@ import numpy as np
 from engine.core.errors import ComponentError, ConfigError
 from engine.core.xp import array_module
 from engine.nnet.components.base import updatable_info  # noqa: F401  (re-exported)
+from engine.nnet.components._param_utils import gaussian
 from engine.nnet.components.base import P, UpdatableComponent, register_component
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for gru.py)
@@ -144,7 +145,7 @@ class LstmNonlinearityComponent(UpdatableComponent):
         for opt, ok, why in checks:
             if not ok:
                 raise option_error(cfg, self, opt, why)
-        self.params = (rng.standard_normal((3, cell_dim)) * param_stddev).astype(np.float32)
+        self.params = gaussian(rng, (3, cell_dim), param_stddev)
         self.value_sum = np.zeros((5, cell_dim))
         self.deriv_sum = np.zeros((5, cell_dim))
         # thresholds for the 5 nonlinearities (sigmoid, sigmoid, tanh, sigmoid, tanh),

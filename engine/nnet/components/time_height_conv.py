@@ -37,6 +37,7 @@ from engine.nnet.components._nonsimple_utils import (
     read_int_pair_vector,
     write_int_pair_vector,
 )
+from engine.nnet.components._param_utils import gaussian
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
@@ -193,8 +194,7 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
             param_stddev = 1.0 / math.sqrt(m.num_filters_in * len(m.offsets))
         rows, cols = m.param_rows(), m.param_cols()
         if not init_unit:
-            self.linear_params = (rng.standard_normal((rows, cols)) * param_stddev).astype(
-                np.float32)
+            self.linear_params = gaussian(rng, (rows, cols), param_stddev)
         else:
             if m.num_filters_in != m.num_filters_out:
                 raise cfg.error(f"{self.type_name}: init-unit=true needs num-filters-in == "
@@ -205,8 +205,7 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
             self.linear_params = np.zeros((rows, cols), dtype=np.float32)
             f = m.num_filters_in
             self.linear_params[:, k * f:(k + 1) * f] += np.eye(f, dtype=np.float32)
-        self.bias_params = (rng.standard_normal(m.num_filters_out) * bias_stddev).astype(
-            np.float32)
+        self.bias_params = gaussian(rng, (m.num_filters_out,), bias_stddev)
         self.use_natural_gradient = cfg.get_bool("use-natural-gradient", True)
         rank_in = cfg.get_int("rank-in", -1)
         rank_out = cfg.get_int("rank-out", -1)
