@@ -42,7 +42,8 @@ def _swagger_path() -> str | None:
 def build_services(settings: Settings) -> Services:
     metrics = Metrics()
     cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event)
-    operations = Operations(cache, metrics, get_backend(settings.backend))
+    operations = Operations(cache, metrics, get_backend(settings.backend),
+                            max_computation_bytes=settings.max_computation_bytes)
     queue = InProcessQueue({"compile": operations.compile_job,
                             "compute": operations.compute_job,
                             "infer": operations.infer_job},

@@ -22,6 +22,7 @@ from engine.optimizer.options import OptimizeOptions
 from engine.runtime.backend import to_host
 from engine.runtime.executor import Executor
 from service.cache import cache_key
+from service.errors import ServiceError
 from service.registry import ModelEntry
 
 _INFERENCERS_PER_MODEL = 8
@@ -45,10 +46,11 @@ class ComputeResult:
 
 
 class Operations:
-    def __init__(self, cache, metrics, backend):
+    def __init__(self, cache, metrics, backend, max_computation_bytes: int | None = None):
         self.cache = cache
         self.metrics = metrics
         self.xp = backend
+        self.max_computation_bytes = max_computation_bytes
         # Compiles are serialised: in the service they already run on the one worker;
         # the lock keeps direct callers (tests, a future pool) from compiling twice at once.
         self._compile_lock = threading.Lock()
@@ -83,6 +85,14 @@ class Operations:
         entry: ModelEntry = p["entry"]
         request: ComputationRequest = p["request"]
         compiled = self.compile_job(p)
+        limit = self.max_computation_bytes
+        if limit is not None:
+            peak = compiled.computation.stats()["peak_bytes"]
+            if peak > limit:
+                raise ServiceError(413, "ComputationTooLarge",
+                                   f"the computation needs {peak} bytes of matrices at its "
+                                   f"peak, more than this service's max_computation_bytes "
+                                   f"({limit}); ask for fewer Indexes per request", "request")
         nnet = entry.model.nnet
         if request.store_component_stats:
             nnet = nnet.copy()   # statistics go to a private copy, never the shared model

@@ -31,3 +31,7 @@ class Settings(BaseSettings):
                                   description="'auto' encoding returns matrices with more "
                                               "elements than this as base64")
     backend: Literal["numpy", "cupy"] = "numpy"
+    max_computation_bytes: int = Field(
+        default=4 << 30, ge=1 << 20,
+        description="compute requests whose computation needs more matrix memory at its "
+                    "peak (Kaldi's peak bytes) get 413 before anything is allocated")

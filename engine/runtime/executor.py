@@ -367,6 +367,11 @@ class Executor:
         except (NnetcError, ValueError, IndexError, KeyError, TypeError, ArithmeticError,
                 AttributeError, MemoryError, RuntimeError) as e:
             self._pc = pc
+            if isinstance(e, MemoryError):
+                # (the arena or a matrix could not be allocated: not a missing matrix)
+                raise self._error(ExecutionError(
+                    f"out of memory ({e}); the computation's matrices need "
+                    f"{self.computation.stats()['peak_bytes']} bytes at their peak")) from e
             for m in command_matrices(self.computation, cmds[pc]):
                 if mats[m] is None:
                     raise self._error(ExecutionError(

@@ -347,3 +347,27 @@ def test_device_copies_of_frozen_components_are_shared():
     c = device_component(comp, fake)
     assert c is not a and is_shared_device_copy(comp, c, fake)
     np.testing.assert_array_equal(getattr(c, p0), new)
+
+
+def test_out_of_memory_is_named_as_such():
+    """A computation whose matrices cannot be allocated (2.4 TB here) raises an
+    ExecutionError saying so and giving the peak, not a misleading 'used before it is
+    allocated'."""
+    from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
+    from engine.compiler.shortcut import compile_request  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    nnet = Nnet.from_config(
+        "input-node name=input dim=4\n"
+        "component name=a type=AffineComponent input-dim=4 output-dim=20000000\n"
+        "component-node name=a component=a input=input\noutput-node name=output input=a\n")
+    rows = 30000
+    req = ComputationRequest([IoSpecification("input", [Index(0, t, 0) for t in range(rows)])],
+                             [IoSpecification("output", [Index(0, t, 0) for t in range(rows)])])
+    comp = compile_request(nnet, req)
+    peak = comp.stats()["peak_bytes"]
+    assert peak >= rows * 20000000 * 4
+    ex = Executor(comp, nnet)
+    ex.accept_input("input", np.zeros((rows, 4), np.float32))
+    with pytest.raises(ExecutionError, match=f"out of memory .*need {peak} bytes at their peak"):
+        ex.run()

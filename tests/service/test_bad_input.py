@@ -202,3 +202,23 @@ def test_msgpack_round_trip(client):
     r = client.post("/models", content=b"\xc1", headers={
         "content-type": "application/msgpack", "accept": "application/msgpack"})
     assert r.status_code == 400 and msgpack.unpackb(r.content)["error"]["type"] == "BadRequest"
+
+
+def test_computations_over_the_memory_limit_get_413_before_running():
+    """max_computation_bytes: a compute request whose computation needs more matrix
+    memory at its peak is refused (413, naming the figure) and nothing is run; the
+    same client computes smaller requests."""
+    with make_client(max_computation_bytes=1 << 20) as client:
+        mid = register(client, config=TINY_CONFIG)["model_id"]
+        small = request_for(0, 3)
+        x = np.zeros((5, 4), np.float32)
+        ok = client.post("/compute", json={"model_id": mid, "request": small,
+                                           "inputs": {"input": encode(x)}})
+        assert ok.status_code == 200, ok.text
+        big = request_for(0, 40000)
+        rows = len(big["inputs"][0]["indexes"])
+        e = _err(client.post("/compute", json={"model_id": mid, "request": big,
+                                               "inputs": {"input": encode(
+                                                   np.zeros((rows, 4), np.float32))}}), 413)
+        assert e["type"] == "ComputationTooLarge" and e["field"] == "request"
+        assert "max_computation_bytes (1048576)" in e["message"]
