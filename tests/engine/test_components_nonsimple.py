@@ -360,6 +360,34 @@ def test_attention(cfg):
     check_io_roundtrip(comp)
 
 
+def test_attention_strided_context_views_and_layouts():
+    """The context positions are strided views of the input (no gathered copies): the
+    same numbers into a column slice of a wider output / input derivative as into
+    contiguous ones, for several sequences (rows interleaved) and time strides."""
+    for cfg, nseq in ((ATTENTION_CONFIGS[1], 3), (ATTENTION_CONFIGS[2], 4)):
+        comp = component_from_config("RestrictedAttentionComponent", cfg)
+        st = comp.time_stride
+        avail = [Index(n, t, 0) for n in range(nseq) for t in range(-4 * st, 10 * st, st)]
+        outs = [Index(n, t, 0) for n in range(nseq) for t in range(0, 6 * st, st)]
+        s = Setup(comp, outs, avail)
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal((len(s.ins), comp.input_dim())).astype(np.float32)
+        x[~s.in_mask] = 0
+        y, memo = s.forward(comp, x)
+        wide = np.zeros((len(s.outs), comp.output_dim() + 3), np.float32)
+        comp.propagate(s.pi, x, wide[:, 2:2 + comp.output_dim()])
+        np.testing.assert_allclose(wide[:, 2:2 + comp.output_dim()], y, rtol=1e-6, atol=1e-6)
+        assert not wide[:, :2].any() and not wide[:, -1].any()
+        dy = rng.standard_normal(y.shape).astype(np.float32)
+        dx = s.backward(comp, x, y, dy, memo)
+        wdx = np.zeros((len(s.ins), comp.input_dim() + 3), np.float32)
+        comp.backprop("test", s.pi, x, y, dy, memo, None, wdx[:, 1:1 + comp.input_dim()])
+        np.testing.assert_allclose(wdx[:, 1:1 + comp.input_dim()], dx, rtol=1e-6, atol=1e-6)
+        # against the definition, float64
+        for key, row in naive_attention(comp, s, x.astype(np.float64)).items():
+            np.testing.assert_allclose(rows_by_index(s, y)[key], row, rtol=1e-4, atol=1e-5)
+
+
 def test_attention_index_functions():
     comp = component_from_config(
         "RestrictedAttentionComponent",

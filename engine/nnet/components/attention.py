@@ -21,6 +21,8 @@ Kaldi stores them for a random third of minibatches only, to save time.
 
 from __future__ import annotations
 
+import importlib
+
 import math
 
 import numpy as np
@@ -346,6 +348,18 @@ class RestrictedAttentionComponent(Component):
         return x3[:, :, :K], x3[:, :, K:K + V], x3[:, :, K + V:K + V + K], \
             x3[:, :, K + V + K:K + V + K + C]
 
+    @staticmethod
+    def _context_view(xp, part, R: int, C: int, row_shift: int):
+        """part (rows, H, d) seen as (R, C, H, d): [r, o] is part[r + o * row_shift], a
+        strided view (what indexing with r + o * row_shift would copy)."""
+        if xp is np:
+            strided = np.lib.stride_tricks.as_strided
+        else:
+            strided = importlib.import_module(f"{xp.__name__}.lib.stride_tricks").as_strided
+        s0, s1, s2 = part.strides
+        return strided(part, shape=(R, C, part.shape[1], part.shape[2]),
+                       strides=(s0, row_shift * s0, s1, s2))
+
     def propagate(self, indexes, in_value, out):
         xp = array_module(in_value)
         self.check_shape("input", in_value, None, self.input_dim())
@@ -355,14 +369,16 @@ class RestrictedAttentionComponent(Component):
         C, V = self.context_dim, self.value_dim
         keys, values, qk, qc = self._split_input(in_value)
         qk, qc = qk[q_off:q_off + R], qc[q_off:q_off + R]
-        gather = xp.arange(R)[:, None] + row_shift * xp.arange(C)[None, :]   # (R, C)
-        keys_g = keys[gather]                                                # (R, C, H, K)
-        b = self.key_scale * xp.einsum("rhk,rchk->rhc", qk, keys_g) + qc
+        keys_g = self._context_view(xp, keys, R, C, row_shift)              # (R, C, H, K)
+        # batched products over (row, head): (1, K) x (K, C), then (1, C) x (C, V)
+        b = self.key_scale * xp.matmul(qk[:, :, None, :],
+                                       keys_g.transpose(0, 2, 3, 1))[:, :, 0, :] + qc
         c = _softmax_last(xp, b)                                             # (R, H, C)
         # PROPAGATE_ADDS: add both parts (the compiler zeroes the output first)
         out3 = out.reshape(R, self.num_heads, self._out_per_head()) \
             if out.flags.c_contiguous else None
-        vals = xp.einsum("rhc,rchv->rhv", c, values[gather])
+        vals = xp.matmul(c[:, :, None, :], self._context_view(
+            xp, values, R, C, row_shift).transpose(0, 2, 1, 3))[:, :, 0, :]
         if out3 is not None:
             out3[:, :, :V] += vals
             if self.output_context:
@@ -389,25 +405,27 @@ class RestrictedAttentionComponent(Component):
         c = memo.c
         keys, values, qk, _ = self._split_input(in_value)
         qk = qk[q_off:q_off + R]
-        gather = xp.arange(R)[:, None] + row_shift * xp.arange(C)[None, :]
         d3 = out_deriv.reshape(R, H, self._out_per_head())
         dv = d3[:, :, :V]
-        c_deriv = xp.einsum("rhv,rchv->rhc", dv, values[gather])
+        c_deriv = xp.matmul(dv[:, :, None, :], self._context_view(
+            xp, values, R, C, row_shift).transpose(0, 2, 3, 1))[:, :, 0, :]
         if self.output_context:
             c_deriv = c_deriv + d3[:, :, V:]
         # back through the softmax
         b_deriv = c * (c_deriv - (c * c_deriv).sum(axis=-1, keepdims=True))
         grad = xp.zeros((in_value.shape[0], H, self._in_per_head()), dtype=in_deriv.dtype)
         grad[q_off:q_off + R, :, K + V + K:] += b_deriv
-        grad[q_off:q_off + R, :, K + V:K + V + K] += self.key_scale * xp.einsum(
-            "rhc,rchk->rhk", b_deriv, keys[gather])
-        kd = self.key_scale * xp.einsum("rhc,rhk->rchk", b_deriv, qk)      # (R, C, H, K)
-        vd = xp.einsum("rhc,rhv->rchv", c, dv)                              # (R, C, H, V)
-        # scatter back over context positions: C row-shifted block adds
+        grad[q_off:q_off + R, :, K + V:K + V + K] += self.key_scale * xp.matmul(
+            b_deriv[:, :, None, :], self._context_view(
+                xp, keys, R, C, row_shift).transpose(0, 2, 1, 3))[:, :, 0, :]
+        # the keys' and values' derivatives, context position by context position
+        # (each a row-shifted block add; no (R, C, H, d) temporaries)
         for o in range(C):
             rows = slice(o * row_shift, o * row_shift + R)
-            grad[rows, :, :K] += kd[:, o]
-            grad[rows, :, K:K + V] += vd[:, o]
+            kd = b_deriv[:, :, o, None] * qk
+            kd *= self.key_scale
+            grad[rows, :, :K] += kd
+            grad[rows, :, K:K + V] += c[:, :, o, None] * dv
         in_deriv += grad.reshape(in_value.shape[0], -1)
 
     # -- stats -------------------------------------------------------------------------
