@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.core.errors import (CheckError, ComponentError, ConfigError, ExecutionError,
-                                ModelFormatError, NnetcError, NotComputableError, RequestError)
+                                ModelFormatError, NnetcError, NotComputableError, RequestError,
+                                ResourceLimitError)
 
 log = logging.getLogger("nnetc.service")
 
@@ -47,6 +48,7 @@ class FieldError(ServiceError):
 # Engine error class -> status.  Order matters: the first isinstance match wins
 # (InferenceError is a RequestError, DimensionError a ComponentError).
 _ENGINE_STATUS: list[tuple[type, int]] = [
+    (ResourceLimitError, 413),
     (ConfigError, 400),
     (ModelFormatError, 400),
     (NotComputableError, 422),

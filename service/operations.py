@@ -22,7 +22,6 @@ from engine.optimizer.options import OptimizeOptions
 from engine.runtime.backend import to_host
 from engine.runtime.executor import Executor
 from service.cache import cache_key
-from service.errors import ServiceError
 from service.registry import ModelEntry
 
 _INFERENCERS_PER_MODEL = 8
@@ -85,14 +84,6 @@ class Operations:
         entry: ModelEntry = p["entry"]
         request: ComputationRequest = p["request"]
         compiled = self.compile_job(p)
-        limit = self.max_computation_bytes
-        if limit is not None:
-            peak = compiled.computation.stats()["peak_bytes"]
-            if peak > limit:
-                raise ServiceError(413, "ComputationTooLarge",
-                                   f"the computation needs {peak} bytes of matrices at its "
-                                   f"peak, more than this service's max_computation_bytes "
-                                   f"({limit}); ask for fewer Indexes per request", "request")
         nnet = entry.model.nnet
         if request.store_component_stats:
             nnet = nnet.copy()   # statistics go to a private copy, never the shared model
@@ -101,7 +92,8 @@ class Operations:
         log.debug("compute", extra={"model_id": entry.model_id,
                                     "computation_id": compiled.key, "batch_size": len(n_values),
                                     "cached": compiled.cached})
-        ex = Executor(compiled.computation, nnet, backend=self.xp)
+        ex = Executor(compiled.computation, nnet, backend=self.xp,
+                      max_peak_bytes=self.max_computation_bytes)
         for spec in request.inputs:
             ex.accept_input(spec.name, self.xp.asarray(p["inputs"][spec.name]))
         ex.run()
@@ -129,7 +121,8 @@ class Operations:
             inferencer = cache.get(opts)
             if inferencer is None:
                 inferencer = Inferencer(entry.model.nnet, opts,
-                                        priors=model_priors(entry.model), backend=self.xp)
+                                        priors=model_priors(entry.model), backend=self.xp,
+                                        max_peak_bytes=self.max_computation_bytes)
                 cache[opts] = inferencer
                 while len(cache) > _INFERENCERS_PER_MODEL:
                     cache.popitem(last=False)

@@ -33,5 +33,6 @@ class Settings(BaseSettings):
     backend: Literal["numpy", "cupy"] = "numpy"
     max_computation_bytes: int = Field(
         default=4 << 30, ge=1 << 20,
-        description="compute requests whose computation needs more matrix memory at its "
-                    "peak (Kaldi's peak bytes) get 413 before anything is allocated")
+        description="compute requests (and infer chunks) whose computation needs more "
+                    "matrix memory at its peak (Kaldi's peak bytes) get 413 before anything "
+                    "is allocated")

@@ -10,5 +10,6 @@ from engine.core.errors import (  # noqa: F401
     CheckError,
     ExecutionError,
     RequestError,
+    ResourceLimitError,
 )
 from engine.core.index import Index, Cindex, K_NO_TIME  # noqa: F401

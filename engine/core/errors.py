@@ -82,6 +82,11 @@ class ExecutionError(NnetcError):
     """A failure while executing a computation; names the command."""
 
 
+class ResourceLimitError(NnetcError):
+    """A computation that would need more memory than the limit its caller set
+    (``Executor(max_peak_bytes=...)``); raised before anything is allocated."""
+
+
 class InferenceError(RequestError):
     """Inputs unusable for inference or streaming (engine.inference): a feature or
     i-vector matrix of the wrong dimension, missing i-vectors, chunk sizes or

@@ -93,8 +93,12 @@ class Inferencer:
     equal-shaped chunks) compile once."""
 
     def __init__(self, nnet, options: InferenceOptions = InferenceOptions(), priors=None,
-                 backend=np, collapse: bool = True, optimize: bool = True):
+                 backend=np, collapse: bool = True, optimize: bool = True,
+                 max_peak_bytes: int | None = None):
+        """``max_peak_bytes``: chunk computations needing more matrix memory at their
+        peak are refused (ResourceLimitError) before they run."""
         options.check()
+        self.max_peak_bytes = max_peak_bytes
         check_simple(nnet, options.output)
         self.options = options
         self.nnet = prepare_nnet(nnet, collapse=collapse)
@@ -182,7 +186,8 @@ class Inferencer:
         key = chunks[0].key
         computation = self.compiler.compile(self._request(key, len(chunks)))
         feats = np.concatenate([utts[c.utt].features[c.rows] for c in chunks], axis=0)
-        ex = Executor(computation, self.nnet, backend=self.backend, pool=self.pool)
+        ex = Executor(computation, self.nnet, backend=self.backend, pool=self.pool,
+                      max_peak_bytes=self.max_peak_bytes)
         ex.accept_input("input", feats)
         if key[3]:
             ex.accept_input("ivector", np.stack([c.ivector for c in chunks]).astype(np.float32))

@@ -32,7 +32,7 @@ import numpy as np
 
 from engine.compiler.computation import CommandType as CT
 from engine.compiler.computation import NnetComputation
-from engine.core.errors import ExecutionError, NnetcError
+from engine.core.errors import ExecutionError, NnetcError, ResourceLimitError
 from engine.nnet.components.base import ComponentProperty as P
 from engine.runtime import cuda_graph
 from engine.runtime import kernels as K
@@ -68,6 +68,17 @@ def _plans_for(computation: NnetComputation, xp) -> dict:
     return per.setdefault(backend_name(xp), {})
 
 
+def peak_bytes_of(computation: NnetComputation) -> int:
+    """``computation.peak_bytes()``, computed once per computation (and again after
+    it changes, as the cached plans are)."""
+    _plans_for(computation, np)           # (re)validates the cache entry
+    per = _PLAN_CACHE[computation]
+    peak = per.get("__peak__")
+    if peak is None:
+        peak = per["__peak__"] = computation.peak_bytes()
+    return peak
+
+
 def forget_computation(computation: NnetComputation) -> None:
     """Drop the index plans and compiled program cached for ``computation`` (after
     modifying it in place in a way the signature check cannot see)."""
@@ -88,7 +99,16 @@ class Executor:
     _use_arena = True
 
     def __init__(self, computation: NnetComputation, nnet, backend=np,
-                 pool: BufferPool | None = None, nnet_to_store_stats=None):
+                 pool: BufferPool | None = None, nnet_to_store_stats=None,
+                 max_peak_bytes: int | None = None):
+        """``max_peak_bytes``: refuse (ResourceLimitError, before anything is
+        allocated) a computation whose matrices need more bytes at their peak."""
+        if max_peak_bytes is not None:
+            peak = peak_bytes_of(computation)
+            if peak > max_peak_bytes:
+                raise ResourceLimitError(
+                    f"the computation needs {peak} bytes of matrices at its peak, more "
+                    f"than the limit of {max_peak_bytes} bytes")
         self.computation = computation
         self.nnet = nnet
         self.xp = backend

@@ -371,3 +371,34 @@ def test_out_of_memory_is_named_as_such():
     ex.accept_input("input", np.zeros((rows, 4), np.float32))
     with pytest.raises(ExecutionError, match=f"out of memory .*need {peak} bytes at their peak"):
         ex.run()
+
+
+def test_max_peak_bytes_refuses_before_allocating():
+    """Executor(max_peak_bytes=...): a computation whose peak is above the limit raises
+    ResourceLimitError at construction; at or below it runs; the peak is computed once
+    per computation and again after the computation changes."""
+    from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
+    from engine.compiler.shortcut import compile_request  # noqa: PLC0415
+    from engine.core.errors import ResourceLimitError  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    from engine.runtime.executor import peak_bytes_of  # noqa: PLC0415
+    nnet = Nnet.from_config(
+        "input-node name=input dim=4\n"
+        "component name=a type=AffineComponent input-dim=4 output-dim=6\n"
+        "component-node name=a component=a input=input\noutput-node name=output input=a\n")
+    req = ComputationRequest([IoSpecification("input", [Index(0, t, 0) for t in range(10)])],
+                             [IoSpecification("output", [Index(0, t, 0) for t in range(10)])])
+    comp = compile_request(nnet, req)
+    peak = comp.peak_bytes()
+    assert peak_bytes_of(comp) == peak > 0
+    with pytest.raises(ResourceLimitError, match=f"needs {peak} bytes .* limit of {peak - 1}"):
+        Executor(comp, nnet, max_peak_bytes=peak - 1)
+    ex = Executor(comp, nnet, max_peak_bytes=peak)
+    ex.accept_input("input", np.ones((10, 4), np.float32))
+    ex.run()
+    assert ex.get_output("output").shape == (10, 6)
+    # an allocated matrix made larger in place: the cached peak follows
+    m = comp.matrices[-1]
+    comp.matrices[-1] = m._replace(num_rows=m.num_rows * 100)
+    assert peak_bytes_of(comp) == comp.peak_bytes() > peak

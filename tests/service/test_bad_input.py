@@ -205,9 +205,9 @@ def test_msgpack_round_trip(client):
 
 
 def test_computations_over_the_memory_limit_get_413_before_running():
-    """max_computation_bytes: a compute request whose computation needs more matrix
-    memory at its peak is refused (413, naming the figure) and nothing is run; the
-    same client computes smaller requests."""
+    """max_computation_bytes: a compute request, or an infer request's chunks, whose
+    computation needs more matrix memory at its peak is refused (413, naming the
+    figures) before anything is allocated; the same client serves smaller ones."""
     with make_client(max_computation_bytes=1 << 20) as client:
         mid = register(client, config=TINY_CONFIG)["model_id"]
         small = request_for(0, 3)
@@ -220,5 +220,13 @@ def test_computations_over_the_memory_limit_get_413_before_running():
         e = _err(client.post("/compute", json={"model_id": mid, "request": big,
                                                "inputs": {"input": encode(
                                                    np.zeros((rows, 4), np.float32))}}), 413)
-        assert e["type"] == "ComputationTooLarge" and e["field"] == "request"
-        assert "max_computation_bytes (1048576)" in e["message"]
+        assert e["type"] == "ResourceLimitError" and e["field"] == "request"
+        assert "more than the limit of 1048576 bytes" in e["message"]
+        # one chunk of 40000 frames: refused; chunks of 50: served
+        feats = encode(np.zeros((40000, 4), np.float32))
+        e = _err(client.post("/infer", json={"model_id": mid, "features": feats,
+                                             "options": {"frames_per_chunk": 40000}}), 413)
+        assert e["type"] == "ResourceLimitError" and "1048576" in e["message"]
+        ok = client.post("/infer", json={"model_id": mid, "features": feats,
+                                         "options": {"frames_per_chunk": 50}})
+        assert ok.status_code == 200 and ok.json()["num_frames"] == 40000
