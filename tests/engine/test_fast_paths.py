@@ -301,3 +301,35 @@ def test_cindex_table_lookups_in_every_mode():
             for r, i in zip(extra.tolist(), ids.tolist()):
                 assert table.find(np.array([r[0]]), np.array([r[1]]), np.array([r[2]]),
                                   np.array([r[3]])).tolist() == [i]
+
+
+def test_dense_table_scales_with_the_request(monkeypatch):
+    """The array build's dense (node, n, t, x) table may grow with the request (up to
+    TABLE_CELLS_PER_ROW cells per node and requested Index) beyond MAX_TABLE_CELLS: a
+    long single sequence is dense and stays on the array build (a 40000-frame TDNN-F
+    request fell back to the per-cindex algorithm: 200 s instead of 2 s); a sparse
+    request over a wide t range still falls back.  Both give the per-cindex graph.
+    (The fixed limit is made small here so that small requests cross it.)"""
+    from engine.compiler import graph_arrays  # noqa: PLC0415
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    monkeypatch.setattr(graph_arrays, "MAX_TABLE_CELLS", 2000)
+    nnet = Nnet.from_config(
+        "input-node name=input dim=3\n"
+        "component name=a type=AffineComponent input-dim=9 output-dim=4\n"
+        "component-node name=a component=a input=Append(Offset(input, -1), input, "
+        "Offset(input, 1))\n"
+        "component name=r type=RectifiedLinearComponent dim=4\n"
+        "component-node name=r component=r input=a\n"
+        "component name=b type=AffineComponent input-dim=8 output-dim=2\n"
+        "component-node name=b component=b input=Append(Offset(r, -2), Offset(r, 2))\n"
+        "output-node name=output input=b\n")
+    frames = 400
+    dense = ComputationRequest(
+        [IoSpecification("input", [Index(0, t, 0) for t in range(-3, frames + 3)])],
+        [IoSpecification("output", [Index(0, t, 0) for t in range(frames)])])
+    assert _assert_same_build(nnet, [dense]) == "used"
+    sparse = ComputationRequest(
+        [IoSpecification("input", [Index(0, t, 0) for t in list(range(-3, 4))
+                                   + list(range(99997, 100004))])],
+        [IoSpecification("output", [Index(0, 0, 0), Index(0, 100000, 0)])])
+    assert _assert_same_build(nnet, [sparse]).startswith("declined: Index ranges too wide")
