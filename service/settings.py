@@ -31,6 +31,11 @@ class Settings(BaseSettings):
                                   description="'auto' encoding returns matrices with more "
                                               "elements than this as base64")
     backend: Literal["numpy", "cupy"] = "numpy"
+    max_request_indexes: int = Field(
+        default=200_000, ge=1,
+        description="requests with more Indexes (inputs and outputs together), and infer "
+                    "options with a larger frames_per_chunk, get 413 before compiling: "
+                    "compiling costs about 25 kB per frame of a TDNN-F")
     max_computation_bytes: int = Field(
         default=4 << 30, ge=1 << 20,
         description="compute requests (and infer chunks) whose computation needs more "

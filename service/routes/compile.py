@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from schemas.compile import CompileRequest, CompileResponse, CompileStats
 from service import convert
 from service.deps import AUTH, ServicesDep
+from service.errors import ServiceError
 from service.routes import blame, run_job
 
 router = APIRouter(tags=["compile"], dependencies=AUTH)
@@ -18,6 +19,12 @@ def compile_payload(body, services, request: Request) -> dict:
     entry = services.registry.get(body.model_id)
     with blame(request, "request"):
         engine_request = convert.request_to_engine(body.request)
+    count = sum(len(s.indexes) for s in (*engine_request.inputs, *engine_request.outputs))
+    limit = services.settings.max_request_indexes
+    if count > limit:
+        raise ServiceError(413, "RequestTooLarge",
+                           f"the request has {count} Indexes (inputs and outputs), more than "
+                           f"this service's max_request_indexes ({limit}); split it", "request")
     with blame(request, "optimizer"):
         options = convert.optimize_options(body.optimizer)
     return {"entry": entry, "request": engine_request, "options": options,

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from schemas.compute import InferRequest, InferResponse
 from service import convert
 from service.deps import AUTH, ServicesDep
+from service.errors import ServiceError
 from service.routes import blame, run_job
 
 router = APIRouter(tags=["infer"], dependencies=AUTH)
@@ -26,6 +27,11 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
         ivector = np.asarray(body.ivector, dtype=np.float32)
     with blame(request, "options"):
         options = convert.inference_options(body.options)
+    limit = services.settings.max_request_indexes
+    if options.frames_per_chunk > limit:
+        raise ServiceError(413, "RequestTooLarge",
+                           f"frames_per_chunk {options.frames_per_chunk} is more than this "
+                           f"service's max_request_indexes ({limit})", "options.frames_per_chunk")
     with blame(request, "features"):
         out = run_job(services, "infer", {
             "entry": entry, "features": features, "ivector": ivector,

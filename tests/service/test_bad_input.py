@@ -230,3 +230,28 @@ def test_computations_over_the_memory_limit_get_413_before_running():
         ok = client.post("/infer", json={"model_id": mid, "features": feats,
                                          "options": {"frames_per_chunk": 50}})
         assert ok.status_code == 200 and ok.json()["num_frames"] == 40000
+
+
+def test_requests_over_the_index_limit_get_413_before_compiling():
+    """max_request_indexes bounds what one request may make the worker compile: more
+    Indexes (inputs and outputs) in /compile or /compute, or a larger frames_per_chunk
+    in /infer, is a 413 naming the limit; requests within it are served."""
+    with make_client(max_request_indexes=1000) as client:
+        mid = register(client, config=TINY_CONFIG)["model_id"]
+        ok = client.post("/compile", json={"model_id": mid, "request": request_for(0, 400)})
+        assert ok.status_code == 200, ok.text          # 402 + 400 Indexes
+        e = _err(client.post("/compile", json={"model_id": mid,
+                                               "request": request_for(0, 500)}), 413)
+        assert e["type"] == "RequestTooLarge" and e["field"] == "request"
+        assert "1002 Indexes" in e["message"] and "(1000)" in e["message"]
+        x = encode(np.zeros((502, 4), np.float32))
+        e = _err(client.post("/compute", json={"model_id": mid, "request": request_for(0, 500),
+                                               "inputs": {"input": x}}), 413)
+        assert e["type"] == "RequestTooLarge"
+        feats = encode(np.zeros((3000, 4), np.float32))
+        e = _err(client.post("/infer", json={"model_id": mid, "features": feats,
+                                             "options": {"frames_per_chunk": 2000}}), 413)
+        assert e["field"] == "options.frames_per_chunk"
+        ok = client.post("/infer", json={"model_id": mid, "features": feats,
+                                         "options": {"frames_per_chunk": 500}})
+        assert ok.status_code == 200 and ok.json()["num_frames"] == 3000
