@@ -39,7 +39,7 @@ from __future__ import annotations
 from engine.compiler.graph_arrays import build_arrays
 from engine.compiler.graph_nodes import (ComputationGraph, NodeTable, node_table_for,  # noqa: F401
                                          node_names, print_indexes)
-from engine.core.errors import NotComputableError, RequestError
+from engine.core.errors import NotComputableError, RequestError, ResourceLimitError
 from engine.core.index import Cindex, Index
 
 _tuple_new = tuple.__new__
@@ -56,6 +56,10 @@ _INPUT, _DESCRIPTOR, _COMPONENT, _DIM_RANGE = 0, 1, 2, 3
 
 # Kaldi's guard against runaway graph building (a bad topology).
 MAX_BUILD_ITERATIONS = 10000
+# The per-cindex build (the fallback when the array build declines: sparse requests
+# over wide t ranges, descriptors without a compiled form) costs ~50 us per cindex;
+# beyond this many it stops with a ResourceLimitError instead of running for minutes.
+MAX_FALLBACK_CINDEXES = 2_000_000
 
 
 class ComputationGraphBuilder:
@@ -158,6 +162,11 @@ class ComputationGraphBuilder:
             self._build_one_iter()
             if not self.current_queue:
                 return
+            if len(self.graph) > MAX_FALLBACK_CINDEXES:
+                raise ResourceLimitError(
+                    f"the computation graph grew past {MAX_FALLBACK_CINDEXES} cindexes on "
+                    f"the per-cindex build (the array build {self.array_status or 'was off'}"
+                    f"); ask for fewer or denser Indexes")
         raise NotComputableError("loop detected while building the computation graph "
                                  f"(more than {MAX_BUILD_ITERATIONS} rounds; bad network "
                                  "topology?)")

@@ -333,3 +333,26 @@ def test_dense_table_scales_with_the_request(monkeypatch):
                                    + list(range(99997, 100004))])],
         [IoSpecification("output", [Index(0, 0, 0), Index(0, 100000, 0)])])
     assert _assert_same_build(nnet, [sparse]).startswith("declined: Index ranges too wide")
+
+
+def test_per_cindex_fallback_stops_at_its_cindex_limit(monkeypatch):
+    """A sparse request over a wide t range goes to the per-cindex build (~50 us a
+    cindex); past MAX_FALLBACK_CINDEXES it stops with a ResourceLimitError naming the
+    limit and why the array build declined, instead of running for minutes."""
+    from engine.compiler import graph as graph_mod  # noqa: PLC0415
+    from engine.core.errors import ResourceLimitError  # noqa: PLC0415
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    nnet = Nnet.from_config(
+        "input-node name=input dim=3\n"
+        "component name=a type=AffineComponent input-dim=9 output-dim=4\n"
+        "component-node name=a component=a input=Append(Offset(input, -1), input, "
+        "Offset(input, 1))\noutput-node name=output input=a\n")
+    ts = [k * 10_000_000 for k in range(40)]
+    sparse = ComputationRequest(
+        [IoSpecification("input", [Index(0, t + d, 0) for t in ts for d in (-1, 0, 1)])],
+        [IoSpecification("output", [Index(0, t, 0) for t in ts])])
+    graph, _, _ = _build(nnet, [sparse], True)      # within the default limit: built
+    assert graph is not None and len(graph) > 0
+    monkeypatch.setattr(graph_mod, "MAX_FALLBACK_CINDEXES", 50)
+    with pytest.raises(ResourceLimitError, match=r"past 50 cindexes .*declined: Index ranges"):
+        build_computation_graph(nnet, sparse)
