@@ -32,10 +32,11 @@ class Settings(BaseSettings):
                                               "elements than this as base64")
     backend: Literal["numpy", "cupy"] = "numpy"
     max_request_indexes: int = Field(
-        default=200_000, ge=1,
+        default=100_000, ge=1,
         description="requests with more Indexes (inputs and outputs together), and infer "
                     "options with a larger frames_per_chunk, get 413 before compiling: "
-                    "compiling costs about 25 kB per frame of a TDNN-F")
+                    "compiling costs about 25 kB per frame of a TDNN-F (2.5 GB at the "
+                    "default)")
     max_computation_bytes: int = Field(
         default=4 << 30, ge=1 << 20,
         description="compute requests (and infer chunks) whose computation needs more "
