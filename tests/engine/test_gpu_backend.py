@@ -9,7 +9,10 @@
   and with real memory compression (CompressingExecutor, what Kaldi does on a GPU)
   within the quantisation error;
 - the reference models' chunk requests (batch 1 and 3, shortcut compilation) and
-  streaming with StreamBatch: GPU equals NumPy.
+  streaming with StreamBatch: GPU equals NumPy;
+- the time-height convolution's all-at-once form (window, block and gather steps) and
+  attention's strided context views: GPU equals NumPy (added without a GPU at hand: run
+  through with NumPy standing in for CuPy only).
 
 The whole engine suite also runs on the GPU with NNETC_TEST_BACKEND=cupy (conftest.py).
 """
@@ -312,3 +315,80 @@ def test_cuda_graphs_from_threads_equal_sequential_runs():
         assert len(outs) == 4
         for k, o in enumerate(outs):
             _close(f"thread {j} run {k}", o, want[j], rel=1e-3)
+
+
+# -- the convolution's all-at-once form and attention's strided views on the GPU ------------
+
+
+def test_convolution_im2col_on_gpu_equals_numpy():
+    """convolve_forward / backward data / backward params of random time-height
+    convolutions (window, block and gather steps, small chunks too) on CuPy equal NumPy's."""
+    from engine.core.errors import ConfigError  # noqa: PLC0415
+    from engine.nnet.components import _convolution as conv  # noqa: PLC0415
+    from test_components_nonsimple import Setup  # noqa: PLC0415
+    from test_convolution_im2col import _random_case  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    kinds, ran = set(), 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        cfg, toffs = _random_case(rng)
+        try:
+            comp = H.component_from_config("TimeHeightConvolutionComponent", cfg, seed=seed)
+        except ConfigError:
+            continue
+        span = max(toffs) - min(toffs)
+        outs = [Index(n, t, 0) for n in range(2) for t in range(0, 10 - span if span < 6 else 4)]
+        avail = [Index(n, t, 0) for n in range(2)
+                 for t in range(min(toffs) - 1, 13 + max(toffs))]
+        s = Setup(comp, outs, avail)
+        plan = conv._step_plan(s.pi, comp.linear_params.shape[1])
+        kinds.update(step[3] for step in plan[2])
+        pi_gpu = s.pi.to_backend(cp)
+        x = rng.standard_normal((len(s.ins), comp.input_dim())).astype(np.float32)
+        w = comp.linear_params.astype(np.float32)
+        b = comp.bias_params.astype(np.float32)
+        dy = rng.standard_normal((len(s.outs), comp.output_dim())).astype(np.float32)
+        out = np.empty((len(s.outs), comp.output_dim()), np.float32)
+        conv.convolve_forward(s.pi, x, w, out, bias=b)
+        out_g = cp.empty(out.shape, cp.float32)
+        conv.convolve_forward(pi_gpu, cp.asarray(x), cp.asarray(w), out_g, bias=cp.asarray(b))
+        _close(f"{cfg}: forward", out_g, out)
+        dx = np.zeros_like(x)
+        conv.convolve_backward_data(s.pi, w, dy, dx)
+        dx_g = cp.zeros(x.shape, cp.float32)
+        conv.convolve_backward_data(pi_gpu, cp.asarray(w), cp.asarray(dy), dx_g)
+        _close(f"{cfg}: input derivative", dx_g, dx)
+        gw = np.zeros_like(w)
+        conv.convolve_backward_params(s.pi, x, dy, 0.5, gw)
+        gw_g = cp.zeros(w.shape, cp.float32)
+        conv.convolve_backward_params(pi_gpu, cp.asarray(x), cp.asarray(dy), 0.5, gw_g)
+        _close(f"{cfg}: parameter gradient", gw_g, gw)
+        ran += 1
+    assert ran >= 25 and kinds == {"block", "window", "gather"}, (ran, kinds)
+
+
+def test_attention_on_gpu_equals_numpy():
+    from engine.core.index import Index  # noqa: PLC0415
+    from test_components_nonsimple import ATTENTION_CONFIGS, Setup  # noqa: PLC0415
+    for cfg in ATTENTION_CONFIGS:
+        comp = H.component_from_config("RestrictedAttentionComponent", cfg)
+        st = comp.time_stride
+        avail = [Index(n, t, 0) for n in range(3) for t in range(-4 * st, 10 * st, st)]
+        outs = [Index(n, t, 0) for n in range(3) for t in range(0, 6 * st, st)]
+        s = Setup(comp, outs, avail)
+        rng = np.random.default_rng(4)
+        x = rng.standard_normal((len(s.ins), comp.input_dim())).astype(np.float32)
+        x[~s.in_mask] = 0
+        dy = rng.standard_normal((len(s.outs), comp.output_dim())).astype(np.float32)
+        y = np.zeros((len(s.outs), comp.output_dim()), np.float32)
+        memo = comp.propagate(s.pi, x, y)
+        dx = np.zeros_like(x)
+        comp.backprop("t", s.pi, x, y, dy, memo, None, dx)
+        gcomp = comp.to_backend(cp) if hasattr(comp, "to_backend") else comp
+        pi_gpu = s.pi.to_backend(cp)
+        y_g = cp.zeros(y.shape, cp.float32)
+        memo_g = gcomp.propagate(pi_gpu, cp.asarray(x), y_g)
+        dx_g = cp.zeros(x.shape, cp.float32)
+        gcomp.backprop("t", pi_gpu, cp.asarray(x), y_g, cp.asarray(dy), memo_g, None, dx_g)
+        _close(f"{cfg}: output", y_g, y)
+        _close(f"{cfg}: input derivative", dx_g, dx)
