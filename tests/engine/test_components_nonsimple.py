@@ -635,3 +635,31 @@ def test_kaldi_network(case):
         if io.get("has_deriv"):
             _close(f"{case.name} input_deriv {io['name']}", ex.get_input_deriv(io["name"]),
                    arr["input_deriv." + io["name"]])
+
+
+def test_add_row_ranges_without_padding_gives_the_padded_bits():
+    """_nonsimple_utils.add_row_ranges (statistics extraction and pooling) skips the
+    padded copy of its input when every bound but the last is a row and the last is at
+    most the end; the sums are the very bits of the padded form, for ranges that end at
+    the end, empty ones (also at the end), overlapping and unordered ones."""
+    from engine.nnet.components._nonsimple_utils import add_row_ranges  # noqa: PLC0415
+    rng = np.random.default_rng(8)
+    src = rng.standard_normal((37, 5)).astype(np.float32)
+    padded = np.concatenate([src, np.zeros((1, 5), np.float32)])
+    cases = [([0, 10, 20], [10, 20, 37]),          # windows to the end (no padding)
+             ([0, 5, 30], [10, 37, 37]),           # overlapping, the last at the end
+             ([3, 9, 36], [9, 3, 37]),             # an empty (begin > end) one
+             ([0, 12, 37], [12, 20, 37]),          # an empty range at the end (padded)
+             ([20, 0, 7], [25, 37, 30])]           # unordered; one ends at the end mid-list
+    for begins, ends in cases:
+        b, e = np.array(begins), np.array(ends)
+        got = np.zeros((len(b), 5), np.float32)
+        add_row_ranges(src, b, e, got)
+        bounds = np.empty(2 * len(b), np.int64)
+        bounds[0::2], bounds[1::2] = b, e
+        want = np.add.reduceat(padded, bounds, axis=0)[0::2]
+        want[b >= e] = 0
+        assert np.array_equal(got, want), (begins, ends)
+        exact = np.stack([src[i:j].astype(np.float64).sum(axis=0) if i < j else np.zeros(5)
+                          for i, j in zip(b, e)])
+        np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)

@@ -44,12 +44,24 @@ def add_row_ranges(src, begins, ends, dst, alpha: float = 1.0) -> None:
     n = int(begins.shape[0])
     if n == 0 or src.shape[1] == 0:
         return
-    padded = xp.concatenate([src, xp.zeros((1, src.shape[1]), dtype=src.dtype)], axis=0)
     bounds = xp.empty(2 * n, dtype=np.int64)
     bounds[0::2] = begins
     bounds[1::2] = ends
     if hasattr(xp.add, "reduceat"):
-        sums = xp.add.reduceat(padded, bounds, axis=0)[0::2]
+        rows = src.shape[0]
+        if n and int(bounds[:-1].max()) < rows and int(bounds[-1]) <= rows:
+            # every bound but the last is a row of src, and the last range ends at the
+            # end of src at most: reduceat's last segment runs to the end, so drop that
+            # bound when it is the end (no padded copy of src); the same segments, the
+            # same sums
+            if int(bounds[-1]) == rows:
+                sums = xp.add.reduceat(src, bounds[:-1], axis=0)[0::2]
+            else:
+                sums = xp.add.reduceat(src, bounds, axis=0)[0::2]
+        else:
+            padded = xp.concatenate([src, xp.zeros((1, src.shape[1]), dtype=src.dtype)],
+                                    axis=0)
+            sums = xp.add.reduceat(padded, bounds, axis=0)[0::2]
     else:  # backends without reduceat: cumulative sums in double precision
         cs = xp.concatenate([xp.zeros((1, src.shape[1]), dtype=np.float64),
                              xp.cumsum(src.astype(np.float64), axis=0)], axis=0)
