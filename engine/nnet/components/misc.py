@@ -121,6 +121,15 @@ class ElementwiseProductComponent(_InOutDims):
         xp = array_module(in_value)
         rows = in_value.shape[0]
         k = self.in_dim // self.out_dim
+        if k == 2 and in_value.ndim == 2:
+            # (an LSTM's products): each block's derivative is the other block times
+            # out_deriv -- the same products the prefix/suffix form makes (1 * b == b)
+            d = self.out_dim
+            first = in_value[:, d:] * out_deriv
+            second = in_value[:, :d] * out_deriv
+            in_deriv[:, :d] = first
+            in_deriv[:, d:] = second
+            return
         blocks = in_value.reshape(rows, k, self.out_dim)
         # product of all blocks but block i, from prefix and suffix products (no
         # division, so zeros are handled exactly)
