@@ -40,6 +40,7 @@ from collections import OrderedDict
 import numpy as np
 
 from engine.compiler.computation import CommandType as CT
+from engine.core.errors import ExecutionError
 from engine.runtime import kernels as K
 from engine.runtime.arena import BoundProgram, Scratch, StaticLayout
 from engine.runtime.fastpaths import bind_propagate, fast_propagate
@@ -559,6 +560,46 @@ def _bind_propagate(program, bound, k, c):
     return op
 
 
+_MISSING = object()
+
+
+def _bind_backprop(program, bound, k, c):
+    """kBackprop / kBackpropNoModelUpdate with its four submatrices bound (the
+    interpreted handler, Executor._backprop, looks each up on every call)."""
+    views = []
+    for slot, s in ((2, c.arg3), (3, c.arg4), (4, c.arg5), (5, c.arg6)):
+        if s <= 0:
+            if slot == 4:
+                return None     # no output derivative: the handler's empty-matrix case
+            views.append(None)
+            continue
+        v = _bview(program, bound, k, slot, s)
+        if v is None:
+            return None
+        views.append(v)
+    x, y, dy, dx = views
+    ci, pi, memo_i = c.arg1, c.arg2, c.arg7
+    updates = c.command_type == CT.BACKPROP
+
+    def op(ex, mats):
+        to_update = None
+        if updates:
+            grads = ex._grad_components
+            if ci in grads:
+                if ex.computation.need_model_derivative:
+                    to_update = grads[ci]
+            else:
+                to_update = ex._stats_components.get(ci)
+        memo = None
+        if memo_i > 0:
+            memo = ex._memos.pop(memo_i, _MISSING)
+            if memo is _MISSING:
+                raise ExecutionError(f"memo {memo_i} was requested but never generated")
+        ex._components[ci].backprop(ex.nnet.component_names[ci], ex._precomputed[pi],
+                                    x, y, dy, memo, to_update, dx)
+    return op
+
+
 def _bind_matrix_copy(program, bound, k, c):
     comp = program.computation
     if _shape(comp, c.arg1) != _shape(comp, c.arg2):
@@ -656,6 +697,8 @@ def _bind_compress(program, bound, k, c):
 
 
 _BINDERS = {
+    CT.BACKPROP: _bind_backprop,
+    CT.BACKPROP_NO_MODEL_UPDATE: _bind_backprop,
     CT.ALLOC_MATRIX: _bind_alloc,
     CT.DEALLOC_MATRIX: _bind_dealloc,
     CT.SET_CONST: _bind_set_const,
