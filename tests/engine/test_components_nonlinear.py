@@ -274,26 +274,30 @@ def test_composite_chunks_match_unchunked_and_store_stats():
     assert b"<NumComponents> 2 <AffineComponent>" in _roundtrip_text(big)
 
 
-def test_elementwise_product_two_blocks_backprop_bits():
-    """Two blocks (an LSTM's products): each block's derivative is the other block times
-    out_deriv, the very bits of the prefix/suffix-product form used for more blocks
-    (special values included), into a non-contiguous derivative too."""
-    comp = component_from_config("ElementwiseProductComponent", "input-dim=10 output-dim=5")
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((7, 10)).astype(np.float32)
-    x[0, :6] = [0.0, -0.0, np.inf, np.nan, 1e-45, -3e38]
-    dy = rng.standard_normal((7, 5)).astype(np.float32)
-    blocks = x.reshape(7, 2, 5)
-    ones = np.ones((7, 1, 5), np.float32)
-    prefix = np.concatenate([ones, np.cumprod(blocks, axis=1)[:, :-1]], axis=1)
-    suffix = np.concatenate([np.cumprod(blocks[:, ::-1], axis=1)[:, :-1][:, ::-1], ones],
-                            axis=1)
-    with np.errstate(all="ignore"):
-        want = (prefix * suffix * dy[:, None, :]).reshape(7, 10)
-        got = np.empty_like(x)
-        comp.backprop(None, None, x, None, dy, None, None, got)
-        wide = np.zeros((7, 13), np.float32)
-        comp.backprop(None, None, x, None, dy, None, None, wide[:, 2:12])
-    assert np.array_equal(got.view(np.int32), want.view(np.int32))
-    assert np.array_equal(wide[:, 2:12].view(np.int32), want.view(np.int32))
-    assert not wide[:, :2].any() and not wide[:, 12:].any()
+def test_elementwise_product_backprop_bits():
+    """Each block's derivative is out_deriv times the other blocks' product, made from
+    running products in the order cumulative products along the blocks take them: the
+    very bits of the prefix/suffix cumprod form, for 2, 3 and 4 blocks (special values
+    included), into a non-contiguous derivative too."""
+    for k in (2, 3, 4):
+        d = 5
+        comp = component_from_config("ElementwiseProductComponent",
+                                     f"input-dim={k * d} output-dim={d}")
+        rng = np.random.default_rng(3 + k)
+        x = rng.standard_normal((7, k * d)).astype(np.float32)
+        x[0, :6] = [0.0, -0.0, np.inf, np.nan, 1e-45, -3e38]
+        dy = rng.standard_normal((7, d)).astype(np.float32)
+        blocks = x.reshape(7, k, d)
+        ones = np.ones((7, 1, d), np.float32)
+        with np.errstate(all="ignore"):
+            prefix = np.concatenate([ones, np.cumprod(blocks, axis=1)[:, :-1]], axis=1)
+            suffix = np.concatenate([np.cumprod(blocks[:, ::-1], axis=1)[:, :-1][:, ::-1],
+                                     ones], axis=1)
+            want = (prefix * suffix * dy[:, None, :]).reshape(7, k * d)
+            got = np.empty_like(x)
+            comp.backprop(None, None, x, None, dy, None, None, got)
+            wide = np.zeros((7, k * d + 3), np.float32)
+            comp.backprop(None, None, x, None, dy, None, None, wide[:, 2:2 + k * d])
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), k
+        assert np.array_equal(wide[:, 2:2 + k * d].view(np.int32), want.view(np.int32)), k
+        assert not wide[:, :2].any() and not wide[:, 2 + k * d:].any()

@@ -118,27 +118,31 @@ class ElementwiseProductComponent(_InOutDims):
                  to_update, in_deriv) -> None:
         if in_deriv is None:
             return
-        xp = array_module(in_value)
-        rows = in_value.shape[0]
         k = self.in_dim // self.out_dim
-        if k == 2 and in_value.ndim == 2:
-            # (an LSTM's products): each block's derivative is the other block times
-            # out_deriv -- the same products the prefix/suffix form makes (1 * b == b)
-            d = self.out_dim
-            first = in_value[:, d:] * out_deriv
-            second = in_value[:, :d] * out_deriv
-            in_deriv[:, :d] = first
-            in_deriv[:, d:] = second
-            return
-        blocks = in_value.reshape(rows, k, self.out_dim)
-        # product of all blocks but block i, from prefix and suffix products (no
-        # division, so zeros are handled exactly)
-        ones = xp.ones((rows, 1, self.out_dim), dtype=in_value.dtype)
-        prefix = xp.concatenate([ones, xp.cumprod(blocks, axis=1)[:, :-1]], axis=1)
-        suffix = xp.concatenate([xp.cumprod(blocks[:, ::-1], axis=1)[:, :-1][:, ::-1], ones],
-                                axis=1)
-        d = prefix * suffix * out_deriv[:, None, :]
-        in_deriv[...] = d.reshape(rows, self.in_dim)
+        d = self.out_dim
+        # the derivative of block i is out_deriv times the product of the other blocks:
+        # (b_0 ... b_{i-1}) * (b_{k-1} ... b_{i+1}), each running product taken in that
+        # order (as cumulative products along the blocks make them; no division, so
+        # zeros are exact), the first and last factor alone where the other side is
+        # empty (1 * b == b)
+        block = [in_value[:, i * d:(i + 1) * d] for i in range(k)]
+        prefix = [None] * k          # prefix[i]: b_0 ... b_{i-1} (None: empty)
+        run = None
+        for i in range(k - 1):
+            run = block[i] if run is None else run * block[i]
+            prefix[i + 1] = run
+        suffix = [None] * k          # suffix[i]: b_{k-1} ... b_{i+1}
+        run = None
+        for i in range(k - 1, 0, -1):
+            run = block[i] if run is None else run * block[i]
+            suffix[i - 1] = run
+        derivs = []
+        for i in range(k):
+            others = suffix[i] if prefix[i] is None else (
+                prefix[i] if suffix[i] is None else prefix[i] * suffix[i])
+            derivs.append(others * out_deriv)
+        for i in range(k):           # written once all are made
+            in_deriv[:, i * d:(i + 1) * d] = derivs[i]
 
 
 @register_component
