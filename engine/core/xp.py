@@ -19,3 +19,12 @@ def to_numpy(a) -> np.ndarray:
     if type(a).__module__.startswith("cupy"):
         return a.get()
     return np.asarray(a)
+
+
+def as_strided(xp):
+    """The backend's ``lib.stride_tricks.as_strided`` (NumPy's or CuPy's)."""
+    if xp is np:
+        return np.lib.stride_tricks.as_strided
+    import importlib  # noqa: PLC0415
+
+    return importlib.import_module(f"{xp.__name__}.lib.stride_tricks").as_strided

@@ -391,7 +391,7 @@ class Executor:
                 # (the arena or a matrix could not be allocated: not a missing matrix)
                 raise self._error(ExecutionError(
                     f"out of memory ({e}); the computation's matrices need "
-                    f"{self.computation.stats()['peak_bytes']} bytes at their peak")) from e
+                    f"{peak_bytes_of(self.computation)} bytes at their peak")) from e
             for m in command_matrices(self.computation, cmds[pc]):
                 if mats[m] is None:
                     raise self._error(ExecutionError(
@@ -502,22 +502,29 @@ class Executor:
             self._memos[c.arg5] = memo
 
     def _backprop(self, c):
-        comp = self._components[c.arg1]
+        to_update, memo = self._backprop_state(c.arg1, c.command_type == CT.BACKPROP, c.arg7)
+        self._components[c.arg1].backprop(
+            self.computation_name(c.arg1), self._precomputed[c.arg2],
+            self._sub_or_none(c.arg3), self._sub_or_none(c.arg4), self._sub(c.arg5),
+            memo, to_update, self._sub_or_none(c.arg6))
+
+    def _backprop_state(self, ci: int, updates: bool, memo_index: int):
+        """(to_update, memo) of a backprop of component ``ci``: the component of the
+        gradient network (or the one collecting statistics) when the command is a
+        kBackprop (``updates``), and the memo its propagate left (taken out)."""
         to_update = None
-        if c.command_type == CT.BACKPROP:
-            if c.arg1 in self._grad_components:
+        if updates:
+            if ci in self._grad_components:
                 if self.computation.need_model_derivative:
-                    to_update = self._grad_components[c.arg1]
+                    to_update = self._grad_components[ci]
             else:
-                to_update = self._stats_components.get(c.arg1)
+                to_update = self._stats_components.get(ci)
         memo = None
-        if c.arg7 > 0:
-            if c.arg7 not in self._memos:
-                raise ExecutionError(f"memo {c.arg7} was requested but never generated")
-            memo = self._memos.pop(c.arg7)
-        comp.backprop(self.computation_name(c.arg1), self._precomputed[c.arg2],
-                      self._sub_or_none(c.arg3), self._sub_or_none(c.arg4), self._sub(c.arg5),
-                      memo, to_update, self._sub_or_none(c.arg6))
+        if memo_index > 0:
+            if memo_index not in self._memos:
+                raise ExecutionError(f"memo {memo_index} was requested but never generated")
+            memo = self._memos.pop(memo_index)
+        return to_update, memo
 
     def computation_name(self, component_index: int) -> str:
         return self.nnet.component_names[component_index]

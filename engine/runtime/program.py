@@ -40,7 +40,6 @@ from collections import OrderedDict
 import numpy as np
 
 from engine.compiler.computation import CommandType as CT
-from engine.core.errors import ExecutionError
 from engine.runtime import kernels as K
 from engine.runtime.arena import BoundProgram, Scratch, StaticLayout
 from engine.runtime.fastpaths import bind_propagate, fast_propagate
@@ -560,9 +559,6 @@ def _bind_propagate(program, bound, k, c):
     return op
 
 
-_MISSING = object()
-
-
 def _bind_backprop(program, bound, k, c):
     """kBackprop / kBackpropNoModelUpdate with its four submatrices bound (the
     interpreted handler, Executor._backprop, looks each up on every call)."""
@@ -582,20 +578,8 @@ def _bind_backprop(program, bound, k, c):
     updates = c.command_type == CT.BACKPROP
 
     def op(ex, mats):
-        to_update = None
-        if updates:
-            grads = ex._grad_components
-            if ci in grads:
-                if ex.computation.need_model_derivative:
-                    to_update = grads[ci]
-            else:
-                to_update = ex._stats_components.get(ci)
-        memo = None
-        if memo_i > 0:
-            memo = ex._memos.pop(memo_i, _MISSING)
-            if memo is _MISSING:
-                raise ExecutionError(f"memo {memo_i} was requested but never generated")
-        ex._components[ci].backprop(ex.nnet.component_names[ci], ex._precomputed[pi],
+        to_update, memo = ex._backprop_state(ci, updates, memo_i)
+        ex._components[ci].backprop(ex.computation_name(ci), ex._precomputed[pi],
                                     x, y, dy, memo, to_update, dx)
     return op
 

@@ -575,13 +575,29 @@ def _same_bits(a, b) -> bool:
     return a.shape == b.shape and np.array_equal(a.view(np.int32), b.view(np.int32))
 
 
+def _forms_give_the_components_bits(cls, comp, x, out_cols: int, label, bound_runs: int = 1):
+    """The component's propagate, its fast form and its bound form (run ``bound_runs``
+    times) on ``x``: the same bits.  Returns the component's output."""
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import bind_propagate, fast_propagate  # noqa: PLC0415
+    want = np.empty((x.shape[0], out_cols), np.float32)
+    comp.propagate(None, x, want)
+    got = np.empty_like(want)
+    fast_propagate(cls)(comp, None, x, got)
+    assert _same_bits(got, want), label
+    got2 = np.empty_like(want)
+    f = bind_propagate(cls, x, got2, Scratch(np))
+    for _ in range(bound_runs):
+        f(comp, None)
+    assert _same_bits(got2, want), label
+    return want
+
+
 def test_element_wise_forms_on_special_values():
     from engine.nnet.components.nonlinear import (LogSoftmaxComponent,  # noqa: PLC0415
                                                   RectifiedLinearComponent, SigmoidComponent,
                                                   TanhComponent)
     from engine.nnet.components.recurrent import LstmNonlinearityComponent  # noqa: PLC0415
-    from engine.runtime.arena import Scratch  # noqa: PLC0415
-    from engine.runtime.fastpaths import bind_propagate, fast_propagate  # noqa: PLC0415
     rng = np.random.default_rng(9)
     with np.errstate(all="ignore"):
         # ReLU: one zeros block, several (1100 columns: 59 rows a block), none (a row
@@ -596,14 +612,7 @@ def test_element_wise_forms_on_special_values():
             for rows in row_counts:
                 big = _special((rows, dim + 4), rng)
                 for x in (big[:, 2:2 + dim], np.ascontiguousarray(big[:, 2:2 + dim])):
-                    want = np.empty((rows, dim), np.float32)
-                    comp.propagate(None, x, want)
-                    got = np.empty_like(want)
-                    fast_propagate(cls)(comp, None, x, got)
-                    assert _same_bits(got, want), (cls, rows)
-                    got2 = np.empty_like(want)
-                    bind_propagate(cls, x, got2, Scratch(np))(comp, None)
-                    assert _same_bits(got2, want), (cls, rows)
+                    _forms_give_the_components_bits(cls, comp, x, dim, (cls, rows))
         for use_dropout in (False, True):
             comp = LstmNonlinearityComponent()
             cd = 16
@@ -611,14 +620,8 @@ def test_element_wise_forms_on_special_values():
             comp.params = rng.standard_normal((3, cd)).astype(np.float32)
             for rows in (1, 3):
                 x = _special((rows, comp.input_dim()), rng)
-                want = np.empty((rows, 2 * cd), np.float32)
-                comp.propagate(None, x, want)
-                got = np.empty_like(want)
-                fast_propagate(LstmNonlinearityComponent)(comp, None, x, got)
-                assert _same_bits(got, want)
-                got2 = np.empty_like(want)
-                bind_propagate(LstmNonlinearityComponent, x, got2, Scratch(np))(comp, None)
-                assert _same_bits(got2, want)
+                _forms_give_the_components_bits(LstmNonlinearityComponent, comp, x, 2 * cd,
+                                                (use_dropout, rows))
 
 
 def test_pool_never_receives_views_of_the_arena():
@@ -698,15 +701,8 @@ def test_batchnorm_forms_with_blocks_give_the_components_bits():
     from component_harness import component_from_config  # noqa: PLC0415
     from engine.nnet.components.normalize import BatchNormComponent  # noqa: PLC0415
     from engine.runtime.arena import Scratch  # noqa: PLC0415
-    from engine.runtime.fastpaths import bind_propagate, fast_propagate  # noqa: PLC0415
+    from engine.runtime.fastpaths import bind_propagate  # noqa: PLC0415
     rng = np.random.default_rng(11)
-    with np.errstate(all="ignore"):     # special values overflow, as in the component
-        _check_batchnorm_blocks(rng, component_from_config, BatchNormComponent, Scratch,
-                                bind_propagate, fast_propagate)
-
-
-def _check_batchnorm_blocks(rng, component_from_config, BatchNormComponent, Scratch,
-                            bind_propagate, fast_propagate):
     for dim, block in ((24, 8), (24, 24), (30, 5)):
         comp = component_from_config("BatchNormComponent",
                                      f"dim={dim} block-dim={block} test-mode=true", seed=dim)
@@ -714,16 +710,11 @@ def _check_batchnorm_blocks(rng, component_from_config, BatchNormComponent, Scra
         for rows in (1, 7):
             big = _special((rows, dim + 6), rng)
             for x in (big[:, 3:3 + dim], np.ascontiguousarray(big[:, 3:3 + dim])):
-                want = np.empty((rows, dim), np.float32)
-                comp.propagate(None, x, want)
-                got = np.empty_like(want)
-                fast_propagate(BatchNormComponent)(comp, None, x, got)
-                assert _same_bits(got, want), (dim, block, rows)
-                got2 = np.empty_like(want)
-                f = bind_propagate(BatchNormComponent, x, got2, Scratch(np))
-                f(comp, None)
-                f(comp, None)      # the block views are kept between runs
-                assert _same_bits(got2, want), (dim, block, rows)
-                inplace = x.copy()
-                bind_propagate(BatchNormComponent, inplace, inplace, Scratch(np))(comp, None)
-                assert _same_bits(inplace, want), (dim, block, rows)
+                label = (dim, block, rows)
+                with np.errstate(all="ignore"):   # special values overflow, as in the component
+                    # (the bound form twice: its block views are kept between runs)
+                    want = _forms_give_the_components_bits(BatchNormComponent, comp, x, dim,
+                                                           label, bound_runs=2)
+                    inplace = x.copy()
+                    bind_propagate(BatchNormComponent, inplace, inplace, Scratch(np))(comp, None)
+                assert _same_bits(inplace, want), label

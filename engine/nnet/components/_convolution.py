@@ -21,7 +21,6 @@ that many rows, which does not change the result.
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from engine.core.errors import ComponentError
 from engine.core.index import Index, K_NO_TIME
-from engine.core.xp import array_module
+from engine.core.xp import array_module, as_strided
 from engine.nnet.components._nonsimple_utils import (
     ConvolutionComputationIo,
     get_computation_io,
@@ -433,13 +432,14 @@ def _window(height_map: list, ho: int, height_in: int):
 
 
 def _step_plan(ci, k_total: int):
-    """(pad_below, pad_above, steps): per step (row base, params start column,
-    params columns, window) where ``window`` is None for a contiguous column block
-    of the input (then (first column,) is given instead) or (first height, height
-    step) of a window over the input heights padded with ``pad_below`` zero heights
-    below and ``pad_above`` above (``_window``); the gather columns when neither
-    applies.  None when the steps' parameter blocks are not a partition of the
-    ``k_total`` parameter columns (then the step-by-step form is used)."""
+    """(pad_below, pad_above, steps), with per step (row base, params start column,
+    params columns, kind, what): kind "block" when the step reads a contiguous column
+    block of the input (what: its first column), "window" when its height map slides
+    regularly over the input heights padded with ``pad_below`` zero heights below and
+    ``pad_above`` above (what: (first height, height step), see ``_window``), else
+    "gather" (what: the step's index, whose gather columns are in ``ci``).  None when
+    the steps' parameter blocks are not a partition of the ``k_total`` parameter
+    columns (then the step-by-step form is used)."""
     ho, f_in, h_in = ci.height_out, ci.num_filters_in, ci.height_in
     plan, covered = [], []
     below = above = 0
@@ -467,11 +467,10 @@ def _step_plan(ci, k_total: int):
     return (below, above, plan) if pos == k_total else None
 
 
-def _as_strided(xp):
-    """The backend's ``lib.stride_tricks.as_strided`` (NumPy's or CuPy's)."""
-    if xp is np:
-        return np.lib.stride_tricks.as_strided
-    return importlib.import_module(f"{xp.__name__}.lib.stride_tricks").as_strided
+def _rows_per_chunk(rows_out: int, ho: int, k_total: int) -> int:
+    """Output rows per chunk: the gathered (rows * height_out, k_total) block stays
+    under _IM2COL_ELEMENTS."""
+    return max(1, min(rows_out, _IM2COL_ELEMENTS // max(1, ho * k_total)))
 
 
 def _im2col_chunks(ci, inp, rows_out: int, plan, k_total: int, xp):
@@ -499,8 +498,9 @@ def _im2col_chunks(ci, inp, rows_out: int, plan, k_total: int, xp):
         gather_src[:, :dim] = inp
         gather_src[:, dim] = 0
     item = inp.dtype.itemsize
-    per = max(1, min(rows_out, _IM2COL_ELEMENTS // max(1, ho * k_total)))
-    buf = xp.empty((min(per, rows_out), ho, k_total), dtype=inp.dtype)
+    strided = as_strided(xp)
+    per = _rows_per_chunk(rows_out, ho, k_total)
+    buf = xp.empty((per, ho, k_total), dtype=inp.dtype)
     for r0 in range(0, rows_out, per):
         r1 = min(rows_out, r0 + per)
         n = r1 - r0
@@ -511,9 +511,8 @@ def _im2col_chunks(ci, inp, rows_out: int, plan, k_total: int, xp):
             elif kind == "window":
                 lo, step = what
                 rows = padded[base + r0:base + r1, (lo + below) * f_in:]
-                src = _as_strided(xp)(
-                    rows, shape=(n, ho, pc),
-                    strides=(rows.strides[0], step * f_in * item, item))
+                src = strided(rows, shape=(n, ho, pc),
+                              strides=(rows.strides[0], step * f_in * item, item))
             else:
                 c_off = ci.meta[what][5]
                 src = xp.take(gather_src[base + r0:base + r1],
@@ -595,8 +594,8 @@ def _backward_data_col2im(ci, params, out_deriv, in_deriv, plan, k_total, xp) ->
     pdx = xp.zeros((rows_req, dim + (below + above) * f_in + 1), dtype=out_deriv.dtype)
     item = pdx.dtype.itemsize
     rows_out = out_deriv.shape[0]
-    per = max(1, min(rows_out, _IM2COL_ELEMENTS // max(1, ho * k_total)))
-    strided = _as_strided(xp)
+    per = _rows_per_chunk(rows_out, ho, k_total)
+    strided = as_strided(xp)
     for r0 in range(0, rows_out, per):
         r1 = min(rows_out, r0 + per)
         n = r1 - r0

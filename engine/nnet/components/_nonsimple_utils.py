@@ -49,19 +49,16 @@ def add_row_ranges(src, begins, ends, dst, alpha: float = 1.0) -> None:
     bounds[1::2] = ends
     if hasattr(xp.add, "reduceat"):
         rows = src.shape[0]
-        if n and int(bounds[:-1].max()) < rows and int(bounds[-1]) <= rows:
-            # every bound but the last is a row of src, and the last range ends at the
-            # end of src at most: reduceat's last segment runs to the end, so drop that
-            # bound when it is the end (no padded copy of src); the same segments, the
-            # same sums
-            if int(bounds[-1]) == rows:
-                sums = xp.add.reduceat(src, bounds[:-1], axis=0)[0::2]
-            else:
-                sums = xp.add.reduceat(src, bounds, axis=0)[0::2]
+        last = int(bounds[-1])
+        if int(bounds[:-1].max()) < rows and last <= rows:
+            # every bound but the last is a row of src and the last is at most the end:
+            # reduceat's last segment runs to the end, so a last bound at the end is
+            # dropped and no padded copy of src is made (the same segments and sums)
+            base, used = src, (bounds[:-1] if last == rows else bounds)
         else:
-            padded = xp.concatenate([src, xp.zeros((1, src.shape[1]), dtype=src.dtype)],
-                                    axis=0)
-            sums = xp.add.reduceat(padded, bounds, axis=0)[0::2]
+            base = xp.concatenate([src, xp.zeros((1, src.shape[1]), dtype=src.dtype)], axis=0)
+            used = bounds
+        sums = xp.add.reduceat(base, used, axis=0)[0::2]
     else:  # backends without reduceat: cumulative sums in double precision
         cs = xp.concatenate([xp.zeros((1, src.shape[1]), dtype=np.float64),
                              xp.cumsum(src.astype(np.float64), axis=0)], axis=0)

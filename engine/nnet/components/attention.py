@@ -21,15 +21,13 @@ Kaldi stores them for a random third of minibatches only, to save time.
 
 from __future__ import annotations
 
-import importlib
-
 import math
 
 import numpy as np
 
 from engine.core.errors import ComponentError
 from engine.core.index import Index, K_NO_TIME
-from engine.core.xp import array_module
+from engine.core.xp import array_module, as_strided
 from engine.nnet.components._nonsimple_utils import (
     config_errors_name_type,
     ConvolutionComputationIo,
@@ -352,13 +350,9 @@ class RestrictedAttentionComponent(Component):
     def _context_view(xp, part, R: int, C: int, row_shift: int):
         """part (rows, H, d) seen as (R, C, H, d): [r, o] is part[r + o * row_shift], a
         strided view (what indexing with r + o * row_shift would copy)."""
-        if xp is np:
-            strided = np.lib.stride_tricks.as_strided
-        else:
-            strided = importlib.import_module(f"{xp.__name__}.lib.stride_tricks").as_strided
         s0, s1, s2 = part.strides
-        return strided(part, shape=(R, C, part.shape[1], part.shape[2]),
-                       strides=(s0, row_shift * s0, s1, s2))
+        return as_strided(xp)(part, shape=(R, C, part.shape[1], part.shape[2]),
+                              strides=(s0, row_shift * s0, s1, s2))
 
     def propagate(self, indexes, in_value, out):
         xp = array_module(in_value)
