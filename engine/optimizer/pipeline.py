@@ -101,6 +101,10 @@ def _deriv_limits_set(o: OptimizeOptions, ctx: PassContext) -> bool:
 _ROW_OPS = ("snip_row_ops", "split_row_ops", "replace_row_with_matrix_ops")
 
 
+def _extends(o: OptimizeOptions) -> bool:
+    return o.optimize and o.extend_matrices and not o.optimize_looped_computation
+
+
 @dataclass(frozen=True)
 class PassSpec:
     name: str                       # the function, Kaldi's name in snake_case
@@ -122,11 +126,11 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("split_row_ops", "optimize_row_ops", lambda o, c: o.optimize and o.split_row_ops),
     PassSpec("replace_row_with_matrix_ops", "optimize_row_ops",
              lambda o, c: o.optimize and o.optimize_row_ops),
-    # the row-op passes leave unused indexes/submatrices behind
+    # the row-op passes leave unused indexes/submatrices behind; when extend_matrices
+    # runs next, it renumbers instead (once, after its own changes: see its module)
     PassSpec("renumber_computation", "renumber",
-             lambda o, c: any(c.changed.get(n) for n in _ROW_OPS)),
-    PassSpec("extend_matrices", "extend_matrices",
-             lambda o, c: o.optimize and o.extend_matrices and not o.optimize_looped_computation),
+             lambda o, c: any(c.changed.get(n) for n in _ROW_OPS) and not _extends(o)),
+    PassSpec("extend_matrices", "extend_matrices", lambda o, c: _extends(o)),
     PassSpec("variable_merging_optimization", "variable_merging",
              lambda o, c: o.optimize and (o.remove_assignments or o.backprop_in_place
                                           or o.propagate_in_place)),

@@ -29,6 +29,8 @@ from engine.optimizer.passes.renumber import renumber_computation
 
 # keep in sync with the checker's allowance for reading extended rows
 MIN_PROPORTION = 0.8
+# the passes after which a renumbering is due (engine.optimizer.pipeline)
+_ROW_OPS = ("snip_row_ops", "split_row_ops", "replace_row_with_matrix_ops")
 
 
 def _extend(c: NnetComputation) -> tuple[bool, dict[int, int]]:
@@ -129,8 +131,18 @@ def _fix_debug_info(c: NnetComputation, grown: dict[int, int]) -> None:
 
 
 def extend_matrices(computation: NnetComputation, ctx=None) -> bool:
-    """Kaldi's ExtendMatrices; returns True if any matrix was extended."""
+    """Kaldi's ExtendMatrices; returns True if any matrix was extended.  Given a
+    ``ctx`` whose row-op passes changed the computation, it also does the
+    renumbering Kaldi does after those (the pipeline then skips its own): when
+    matrices are extended, the one renumbering at the end serves both.  Neither
+    what is extended nor the end result depends on the numbering in between:
+    extension looks at extents, and a renumbering keeps the order of what it
+    keeps, taking the first of equal entries (the renumbered computation's first
+    is the first in use before)."""
+    pending = ctx is not None and any(ctx.changed.get(n) for n in _ROW_OPS)
     changed, grown = _extend(computation)
     if changed:
         _fix_computation(computation, grown)
-    return changed
+    elif pending:
+        renumber_computation(computation)
+    return changed or pending
