@@ -53,6 +53,8 @@ class PassContext:
         self.request = request
         self.props = ComponentProperties(nnet)
         self.changed: dict[str, bool] = {}   # pass name -> changed, for passes run so far
+        # a renumbering a pass left to the next one (extend_matrices to variable merging)
+        self.renumber_due = False
         self._analyzer: Analyzer | None = None
         self._analyzed: NnetComputation | None = None
         self._shape: tuple[int, int, int] = (0, 0, 0)
@@ -233,6 +235,10 @@ def _run_passes(computation, nnet, options, request, passes, in_place):
             _check(nnet, comp, spec.name, ran, check_rewrite=spec.check_rewrite)
             rec.stats = comp.stats()
         table.append(rec)
+    if ctx.renumber_due:    # the pass it was left to did not run (a custom pass list)
+        from engine.optimizer.passes.renumber import renumber_computation  # noqa: PLC0415
+        renumber_computation(comp)
+        ctx.renumber_due = False
     return comp, table
 
 

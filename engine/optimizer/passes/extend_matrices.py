@@ -83,7 +83,8 @@ def _extend(c: NnetComputation) -> tuple[bool, dict[int, int]]:
 def _fix_computation(c: NnetComputation, grown: dict[int, int]) -> None:
     """Kaldi's MatrixExtender::FixComputation: every allocation and deallocation,
     and every zeroing of a whole matrix as it was, on the (last) submatrix
-    covering the matrix now; the debug info of the grown matrices; renumbering."""
+    covering the matrix now; the debug info of the grown matrices (the renumbering
+    is left to the caller)."""
     subs, mats = c.submatrices, c.matrices
     # the last submatrix of each whole-matrix extent (GetWholeSubmatrices)
     last = dict(zip(subs, range(len(subs))))
@@ -103,7 +104,6 @@ def _fix_computation(c: NnetComputation, grown: dict[int, int]) -> None:
                 cmd.arg1 = whole[m]
     if c.matrix_debug_info:
         _fix_debug_info(c, grown)
-    renumber_computation(c)
 
 
 def _fix_debug_info(c: NnetComputation, grown: dict[int, int]) -> None:
@@ -143,6 +143,14 @@ def extend_matrices(computation: NnetComputation, ctx=None) -> bool:
     changed, grown = _extend(computation)
     if changed:
         _fix_computation(computation, grown)
-    elif pending:
-        renumber_computation(computation)
+    if changed or pending:
+        if ctx is not None and _merging_next(ctx.options):
+            ctx.renumber_due = True    # variable merging renumbers at its end
+        else:
+            renumber_computation(computation)
     return changed or pending
+
+
+def _merging_next(o) -> bool:
+    """Variable merging runs after this pass (the pipeline's gate for it)."""
+    return o.optimize and (o.remove_assignments or o.backprop_in_place or o.propagate_in_place)

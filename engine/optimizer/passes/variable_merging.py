@@ -51,7 +51,8 @@ from engine.compiler.computation import K_STRIDE_EQUAL_NUM_COLS, NnetComputation
 from engine.nnet.components.base import ComponentProperty as P
 from engine.optimizer.analysis import CT, Analyzer, ComponentProperties, ComputationAnalysis
 from engine.optimizer.passes.remove_no_ops import remove_no_ops_from
-from engine.optimizer.passes.renumber import renumber_with_maps, submatrix_info
+from engine.optimizer.passes.renumber import (renumber_computation, renumber_with_maps,
+                                              submatrix_info)
 
 _PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE = int(P.PROPAGATE_IN_PLACE), int(P.BACKPROP_IN_PLACE)
 
@@ -61,7 +62,7 @@ class VariableMergingOptimizer:
     of the computation as the round starts."""
 
     def __init__(self, options, computation: NnetComputation, analyzer: Analyzer,
-                 props, first_round: bool = True):
+                 props, first_round: bool = True, renumbered: bool = True):
         self.o = options
         self.props = props
         self.c = computation
@@ -73,14 +74,16 @@ class VariableMergingOptimizer:
         # matrix) and of the discarded matrices (whose submatrices have moved)
         self.dirty: dict[int, list[tuple[int, int, int, int]]] = {}
         self.moved: set[int] = set()
-        self.first_round = first_round
+        # submatrix numbers tell equal extents apart only in the first round of a
+        # renumbered computation
+        self.by_number = first_round and renumbered
         self.groups: dict[int, list[int]] = {}   # kept matrix -> itself and the discarded
         # candidates no later round need look at (see merge_variables)
         self.settled: list[int] = []
 
     def _same(self, s: int, t: int) -> bool:
         """s and t are the same submatrix (as numbered after a renumbering)."""
-        if self.first_round:
+        if self.by_number:
             return s == t
         return s == t or self.c.submatrices[s] == self.c.submatrices[t]
 
@@ -351,7 +354,21 @@ def merge_candidates(computation: NnetComputation, options, props) -> list[int]:
 
 
 def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
-    """Kaldi's VariableMergingOptimization: rounds of merging until one merges nothing."""
+    """Kaldi's VariableMergingOptimization: rounds of merging until one merges nothing.
+    When the pass before left a renumbering due (``ctx.renumber_due``: see
+    extend_matrices), the final renumbering here does it; the merges decided on the
+    computation as it is are the same as on its renumbered form (equal extents are
+    compared by extent, and ``_SubmatrixOrder`` groups them as a renumbering would)."""
+    due = bool(getattr(ctx, "renumber_due", False))
+    if due:
+        ctx.renumber_due = False
+    merged = _merge_rounds(computation, ctx, due)
+    if due and not merged:
+        renumber_computation(computation)
+    return merged or due
+
+
+def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
     o = ctx.options
     if not o.allow_left_merge and not o.allow_right_merge:
         return False   # nothing can merge
@@ -368,7 +385,7 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
     settled: set[int] = set()
     while True:
         opt = VariableMergingOptimizer(o, computation, analyzer, props,
-                                       first_round=order is None)
+                                       first_round=order is None, renumbered=not due)
         if not opt.merge_variables(commands):
             break
         settled.update(opt.settled)
