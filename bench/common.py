@@ -188,6 +188,27 @@ class blas_threads:
             _forget_product_forms()
 
 
+def split_of(setting) -> int:
+    """The number of concurrent computations of a thread setting: K for 'splitK' (the
+    batch as K computations in K threads, one BLAS thread each: engine.runtime.parallel),
+    1 for a BLAS thread count or None (the library default)."""
+    if isinstance(setting, str) and setting.startswith("split"):
+        return int(setting[5:])
+    return 1
+
+
+def cores_of(setting):
+    """The BLAS thread count that uses the cores a setting uses (for the roofline and
+    PyTorch's thread budget): K for 'splitK', else the setting itself."""
+    return split_of(setting) if isinstance(setting, str) else setting
+
+
+def runs_case(setting, batch: int) -> bool:
+    """Whether a setting applies to a batch: a split needs a multiple of K sequences."""
+    k = split_of(setting)
+    return k == 1 or (batch >= k and batch % k == 0)
+
+
 def _forget_product_forms() -> None:
     from engine.runtime.gemm import forget_choices  # noqa: PLC0415
     forget_choices()

@@ -13,6 +13,13 @@ not yet freed, over the command list), measured_peak_bytes (what the executor
 really held at once, inputs included), commands and matrices (no-ops not
 counted, as Kaldi's figures), gemm_flops and gflops (achieved, GEMM work only),
 gemm_s and python_s.
+
+With ``split`` = K > 1 (``--split K``; the batch a multiple of K) the B sequences are
+computed as K computations of B/K sequences at the same time, in K threads with one
+BLAS thread each (engine.runtime.parallel, what ``Inferencer`` does with
+``threads=K``): exec_ms is the time for all B sequences, inputs sliced and outputs
+joined included, and the outputs are checked equal to the single computation's.
+compile_ms, peak_bytes and commands are then those of the B/K computation.
 """
 
 from __future__ import annotations
@@ -31,14 +38,21 @@ def _sync(xp) -> None:
 
 def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str = "numpy",
                     compile_repeat: int | None = None, shortcut: bool = True,
-                    workloads: dict | None = None) -> dict:
+                    workloads: dict | None = None, split: int = 1) -> dict:
     """``model``: a path or an already prepared Nnet.  ``workloads``: gemm_s/python_s
-    already measured in this process (measured here when None)."""
+    already measured in this process (measured here when None).  ``split``: see the
+    module docstring."""
     from engine.runtime.backend import get_backend  # noqa: PLC0415
     from engine.runtime.executor import Executor  # noqa: PLC0415
+    if split < 1 or batch % split:
+        raise ValueError(f"split {split} does not divide the batch {batch}")
+    if split > 1 and backend != "numpy":
+        raise ValueError("split runs are for the CPU (numpy backend)")
     xp = get_backend(backend)
     nnet = common.load_for_inference(model) if not hasattr(model, "components") else model
-    request = common.chunk_request(nnet, chunk, batch)
+    full_request = common.chunk_request(nnet, chunk, batch)
+    # the computation that runs: all B sequences, or B/K of them per thread
+    request = common.chunk_request(nnet, chunk, batch // split)
     c_rep = repeat if compile_repeat is None else compile_repeat
     computation = None
 
@@ -50,28 +64,54 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
 
     rng = np.random.default_rng(0)
     inputs = {s.name: xp.asarray(rng.standard_normal(
-        (len(s.indexes), nnet.input_dim(s.name))).astype(np.float32)) for s in request.inputs}
+        (len(s.indexes), nnet.input_dim(s.name))).astype(np.float32)) for s in full_request.inputs}
     pool = common.CountingPool()
 
-    def forward():
+    def run_one(parts: dict):
         ex = Executor(computation, nnet, backend=xp, pool=pool)
-        for name, x in inputs.items():
+        for name, x in parts.items():
             ex.accept_input(name, x)
         ex.run()
-        ex.get_output("output")
+        y = ex.get_output("output")
         ex.release()
-        _sync(xp)
+        return y
+
+    if split == 1:
+        def forward():
+            y = run_one(inputs)
+            _sync(xp)
+            return y
+    else:
+        from engine.runtime.parallel import run_concurrently  # noqa: PLC0415
+        # the chunk request lists each IO n-major: sequence group k is a block of rows
+        blocks = [{name: x[k * len(x) // split:(k + 1) * len(x) // split]
+                   for name, x in inputs.items()} for k in range(split)]
+
+        def forward():
+            outs = run_concurrently([lambda b=b: run_one(b) for b in blocks], split)
+            return np.concatenate(outs, axis=0)
+        whole = Executor(common.compile_cold(nnet, full_request, shortcut=shortcut), nnet,
+                         backend=xp)
+        for name, x in inputs.items():
+            whole.accept_input(name, x)
+        whole.run()
+        expected = whole.get_output("output")
+        got = forward()
+        if not np.allclose(got, expected, rtol=1e-4, atol=1e-5):
+            raise AssertionError("split forward differs from the single computation: max "
+                                 f"abs diff {float(np.max(np.abs(got - expected)))}")
     forward()                      # builds the executor's program and fills the pool
     pool.reset_peak()
     forward()                      # one run from zero bytes held: the real peak
     measured_peak = pool.peak
     runs = common.timings(forward, repeat, warmup=1)
     exec_s = statistics.median(runs)
-    flops = common.gemm_flops(computation, nnet)
+    flops = common.gemm_flops(computation, nnet) * split
     if workloads is None:
         workloads = {"gemm_s": common.gemm_s(), "python_s": common.python_s()}
     return {
         "chunk": chunk, "batch": batch, "backend": backend, "shortcut": shortcut,
+        "split": split,
         "compile_ms": compile_s * 1e3, "exec_ms": exec_s * 1e3, "exec_min_ms": min(runs) * 1e3,
         "frames_per_s": chunk * batch / exec_s,
         "peak_bytes": stats["peak_bytes"], "measured_peak_bytes": measured_peak,

@@ -122,10 +122,10 @@ def measure_stream(name: str, path, repeat: int = 3) -> dict | None:
 
 def suite_stream(r) -> list[dict]:
     rows = []
-    with common.blas_threads(r.thread_settings[0]):
+    with common.blas_threads(r.plain_settings[0]):
         for name, path in r.models():
             row = measure_stream(name, path, repeat=max(1, min(r.repeat, 3)))
             if row is not None:
-                row["threads"] = r.threads_label(r.thread_settings[0])
+                row["threads"] = r.threads_label(r.plain_settings[0])
                 rows.append(row)
     return rows

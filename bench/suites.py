@@ -65,7 +65,7 @@ class Runner:
         # swings between two modes, 0.12 s and 0.4-0.6 s, with the other processes)
         self.gemm_same_threads_s = {}
         for n in self.thread_settings:
-            with common.blas_threads(n):
+            with common.blas_threads(common.cores_of(n)):
                 self.gemm_same_threads_s[n] = min(common.gemm_s(), common.gemm_s())
         self.workload_seconds = time.perf_counter() - t
         self._nnets: dict = {}
@@ -95,13 +95,22 @@ class Runner:
     def threads_label(n) -> str:
         return "default" if n is None else str(n)
 
+    @property
+    def plain_settings(self) -> list:
+        """The thread settings that are BLAS thread counts (no split)."""
+        return [n for n in self.thread_settings if common.split_of(n) == 1] or [None]
+
     def forward(self, name, path, chunk, batch, threads=None) -> dict:
         key = (name, chunk, batch, threads)
         if key not in self._forward:
-            with common.blas_threads(threads):
+            split = common.split_of(threads)
+            # a split run's products each take one BLAS thread (run_concurrently sets that
+            # while they run; the product forms are chosen under it too)
+            with common.blas_threads(1 if split > 1 else threads):
                 self._forward[key] = measure_forward(self.nnet(name, path), chunk, batch,
                                                      repeat=self.repeat, backend=self.backend,
-                                                     compile_repeat=1, workloads=self.workloads)
+                                                     compile_repeat=1, workloads=self.workloads,
+                                                     split=split)
         return self._forward[key]
 
 
@@ -178,8 +187,10 @@ def suite_forward(r: Runner) -> list[dict]:
 
 
 def _cases_by_threads(r: Runner):
-    """Each forward case under each thread setting, the settings of a case together."""
-    return [(case, n) for case in FORWARD_CASES for n in r.thread_settings]
+    """Each forward case under each thread setting, the settings of a case together (a
+    split setting only for the batches it divides)."""
+    return [(case, n) for case in FORWARD_CASES for n in r.thread_settings
+            if common.runs_case(n, case[1])]
 
 
 def suite_roofline(r: Runner) -> list[dict]:
@@ -205,7 +216,7 @@ def suite_memory(r: Runner) -> list[dict]:
     for name, path in r.models(with_vosk=True):
         figs = common.kaldi_figures(name)
         for chunk, batch in FORWARD_CASES:
-            f = r.forward(name, path, chunk, batch, r.thread_settings[0])
+            f = r.forward(name, path, chunk, batch, r.plain_settings[0])
             k = figs[0].get((chunk, batch)) if figs else None
             kb = k["peak_bytes"] if k else None
             rows.append({"model": name, "chunk": chunk, "batch": batch,
@@ -252,7 +263,7 @@ def suite_executor(r: Runner) -> list[dict]:
                 forwards[label] = forward
             out = {label: fn() for label, fn in forwards.items()}
             times: dict = {label: [] for label in forwards}
-            with common.blas_threads(r.thread_settings[0]):
+            with common.blas_threads(r.plain_settings[0]):
                 for _ in range(r.repeat):      # interleaved: a burst of load hits both
                     for label, fn in forwards.items():
                         t = time.perf_counter()
@@ -262,7 +273,7 @@ def suite_executor(r: Runner) -> list[dict]:
                 out[label + "_ms"] = statistics.median(times[label]) * 1e3
             n = comp.stats()["commands"]
             rows.append({"model": name, "chunk": chunk, "batch": batch,
-                         "threads": r.threads_label(r.thread_settings[0]), "commands": n,
+                         "threads": r.threads_label(r.plain_settings[0]), "commands": n,
                          "interpreted_ms": out["interpreted_ms"], "compiled_ms": out["compiled_ms"],
                          "speedup": out["interpreted_ms"] / out["compiled_ms"],
                          "saved_us_per_command": (out["interpreted_ms"] - out["compiled_ms"])

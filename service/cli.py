@@ -307,11 +307,14 @@ def _load_npy(path: str, what: str):
               help="Output node to compute.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
               help="Where to write the output matrix (.npy).")
+@click.option("--threads", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Chunks computed at the same time, each matrix product on one BLAS "
+                   "thread (faster than a multi-threaded BLAS for TDNN/TDNN-F/CNN models).")
 @_typed_errors
 def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivector_period,
               frames_per_chunk, extra_left_context, extra_right_context,
               extra_left_context_initial, extra_right_context_final, frame_subsampling_factor,
-              apply_exp, use_priors, output_name, out_path) -> None:
+              apply_exp, use_priors, output_name, out_path, threads) -> None:
     """Whole-utterance inference with the semantics of Kaldi's nnet3-compute."""
     import numpy as np  # noqa: PLC0415
 
@@ -327,7 +330,8 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
                             extra_left_context_initial=extra_left_context_initial,
                             extra_right_context_final=extra_right_context_final,
                             frame_subsampling_factor=frame_subsampling_factor,
-                            apply_exp=apply_exp, use_priors=use_priors, output=output_name)
+                            apply_exp=apply_exp, use_priors=use_priors, output=output_name,
+                            threads=threads)
     feats = _load_npy(features_path, "--features")
     ivector = _load_npy(ivector_path, "--ivector") if ivector_path else None
     online = _load_npy(online_path, "--online-ivectors") if online_path else None

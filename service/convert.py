@@ -85,8 +85,10 @@ def optimize_options(opts: OptimizerOptions | None) -> OptimizeOptions:
     return OptimizeOptions.from_dict(opts.model_dump(exclude_none=True))
 
 
-def inference_options(opts: InferOptions) -> InferenceOptions:
-    return InferenceOptions(**opts.model_dump())
+def inference_options(opts: InferOptions, threads: int = 1) -> InferenceOptions:
+    """The engine's options for a client's ``opts``; ``threads`` is the service's
+    setting (not the client's to choose)."""
+    return InferenceOptions(**opts.model_dump(), threads=threads)
 
 
 def model_info(figures: dict) -> ModelInfo:

@@ -31,6 +31,12 @@ class Settings(BaseSettings):
                                   description="'auto' encoding returns matrices with more "
                                               "elements than this as base64")
     backend: Literal["numpy", "cupy"] = "numpy"
+    infer_threads: int = Field(
+        default=1, ge=1, le=64,
+        description="chunks of an infer request computed at the same time, each matrix "
+                    "product on one BLAS thread (engine.runtime.parallel): on a CPU with "
+                    "several cores, TDNN/TDNN-F/CNN models decode faster this way than with "
+                    "a multi-threaded BLAS; recurrent models gain nothing")
     max_request_indexes: int = Field(
         default=100_000, ge=1,
         description="requests with more Indexes (inputs and outputs together), and infer "

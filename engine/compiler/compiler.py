@@ -194,7 +194,7 @@ class Compiler:
         return computation
 
     def _setup(self, computer) -> None:
-        nnet, graph = self.nnet, self.graph
+        graph = self.graph
         n = len(graph)
         self.coords = graph.coords
         self.loc_step = computer.loc_step[:n]
@@ -535,7 +535,7 @@ class Compiler:
         (left-aligned, -1 padded)."""
         desc = self.nnet.nodes[node].descriptor.part(part)
         fast = self._part_cache[(node, part)]
-        graph, coords = self.graph, self.coords
+        coords = self.coords
         table = self._table
         c = np.take(coords, ids, axis=0)
         blank = c[:, 2] == K_NO_TIME

@@ -551,7 +551,7 @@ class ComputationGraphBuilder:
             return
         start = graph.segment_ends[-1] if graph.segment_ends else 0
         n = len(graph.cindexes)
-        cindexes, deps, is_input = graph.cindexes, graph.dependencies, graph.is_input
+        cindexes, is_input = graph.cindexes, graph.is_input
         computable, usable, trivial = self.computable, self.usable, self.nodes.prune_trivial
         for c in range(start, n):
             if (trivial[cindexes[c][0]] and computable[c] == K_COMPUTABLE and usable[c] != 0

@@ -51,6 +51,10 @@ class InferenceOptions:
     use_priors: bool = False
     output: str = "output"
     max_batch: int = 16
+    # chunk computations run at the same time, each product on one BLAS thread
+    # (engine.runtime.parallel); with more than one, a group of equal-shaped chunks is
+    # split into that many batches (of at most max_batch) rather than one
+    threads: int = 1
 
     def check(self) -> None:
         if self.frame_subsampling_factor < 1:
@@ -65,6 +69,8 @@ class InferenceOptions:
                                  "must be >= -1 (-1 meaning: same as the non-edge value)")
         if self.max_batch < 1:
             raise InferenceError(f"max_batch must be >= 1, got {self.max_batch}")
+        if not 1 <= self.threads <= 64:
+            raise InferenceError(f"threads must be in [1, 64], got {self.threads}")
 
 
 @dataclass
@@ -180,11 +186,13 @@ class Inferencer:
                                     for i in range(num_sub)])]
         return ComputationRequest(inputs, outputs)
 
-    def _run_batch(self, chunks: list[_Chunk], utts: list[Utterance]) -> np.ndarray:
+    def _run_batch(self, chunks: list[_Chunk], utts: list[Utterance],
+                   computation=None) -> np.ndarray:
         from engine.runtime.backend import to_host  # noqa: PLC0415
         from engine.runtime.executor import Executor  # noqa: PLC0415
         key = chunks[0].key
-        computation = self.compiler.compile(self._request(key, len(chunks)))
+        if computation is None:
+            computation = self.compiler.compile(self._request(key, len(chunks)))
         feats = np.concatenate([utts[c.utt].features[c.rows] for c in chunks], axis=0)
         ex = Executor(computation, self.nnet, backend=self.backend, pool=self.pool,
                       max_peak_bytes=self.max_peak_bytes)
@@ -214,15 +222,33 @@ class Inferencer:
         fsf = self.options.frame_subsampling_factor
         outs = [np.empty(((u.features.shape[0] + fsf - 1) // fsf, self.output_dim),
                          dtype=np.float32) for u in utterances]
-        mb = self.options.max_batch
+        batches = []
         for group in groups.values():
-            for s in range(0, len(group), mb):
-                batch = group[s:s + mb]
-                result = self._run_batch(batch, utterances)
-                per = batch[0].num_sub
-                for j, c in enumerate(batch):
-                    outs[c.utt][c.first_sub:c.first_sub + per] = result[j * per:(j + 1) * per]
+            size = self._batch_size(len(group))
+            batches += [group[s:s + size] for s in range(0, len(group), size)]
+        if self.options.threads > 1 and len(batches) > 1:
+            from engine.runtime.parallel import run_concurrently  # noqa: PLC0415
+            # compiled here first: the jobs then only run computations
+            comps = [self.compiler.compile(self._request(b[0].key, len(b))) for b in batches]
+            results = run_concurrently(
+                [lambda b=b, c=c: self._run_batch(b, utterances, c)
+                 for b, c in zip(batches, comps)], self.options.threads)
+        else:
+            results = [self._run_batch(b, utterances) for b in batches]
+        for batch, result in zip(batches, results):
+            per = batch[0].num_sub
+            for j, c in enumerate(batch):
+                outs[c.utt][c.first_sub:c.first_sub + per] = result[j * per:(j + 1) * per]
         return [self._finish(o) for o in outs]
+
+    def _batch_size(self, num_chunks: int) -> int:
+        """Chunks per computation for a group of ``num_chunks`` equal-shaped ones: all
+        of them (at most max_batch) on one thread; with more threads, split so that
+        each thread has a batch (``threads`` batches of equal size, at most max_batch)."""
+        mb, k = self.options.max_batch, self.options.threads
+        if k <= 1:
+            return mb
+        return max(1, min(mb, -(-num_chunks // k)))
 
     def _finish(self, out: np.ndarray) -> np.ndarray:
         if self.log_priors is not None:

@@ -26,7 +26,7 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
     if body.ivector is not None:
         ivector = np.asarray(body.ivector, dtype=np.float32)
     with blame(request, "options"):
-        options = convert.inference_options(body.options)
+        options = convert.inference_options(body.options, services.settings.infer_threads)
     limit = services.settings.max_request_indexes
     if options.frames_per_chunk > limit:
         raise ServiceError(413, "RequestTooLarge",

@@ -60,11 +60,45 @@ def test_forward_suites_run_under_each_thread_setting(tiny_models, capsys):
     assert all(r["kaldi_peak_bytes"] == 4000 and r["peak_bytes"] > 0 for r in mem)
 
 
+def test_split_setting_rows(tiny_models):
+    """'split2': the batch-8 case only, computed as two batch-4 computations at once (the
+    outputs checked against the batch-8 computation inside measure_forward); memory
+    rows keep the first plain setting."""
+    out = tiny_models / "s.json"
+    assert bench_main.main(["forward", "roofline", "memory", "--repeat", "1", "--models",
+                            "tiny", "--blas-threads", "split2,1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    fwd = result["suites"]["forward"]["rows"]
+    assert [(r["chunk"], r["batch"], r["threads"]) for r in fwd] == [
+        (21, 1, "1"), (150, 1, "1"), (150, 8, "split2"), (150, 8, "1")]
+    assert all(r["exec_ms"] > 0 for r in fwd)
+    assert [r["threads"] for r in result["suites"]["roofline"]["rows"]] == \
+        [r["threads"] for r in fwd]
+    assert set(result["machine"]["gemm_s_same_threads"]) <= {"split2", "1"}
+    assert [(r["chunk"], r["batch"]) for r in result["suites"]["memory"]["rows"]] == [
+        (21, 1), (150, 1), (150, 8)]
+
+
+def test_measure_forward_split_checks_its_batch(tiny_models):
+    from bench.forward import measure_forward  # noqa: PLC0415
+    path = tiny_models / "models" / "tiny" / "model.raw"
+    f = measure_forward(path, 21, 4, repeat=1, split=2,
+                        workloads={"gemm_s": 0.05, "python_s": 0.1})
+    assert f["split"] == 2 and f["exec_ms"] > 0
+    assert f["frames_per_s"] == pytest.approx(21 * 4 / (f["exec_ms"] / 1e3))
+    with pytest.raises(ValueError, match="does not divide"):
+        measure_forward(path, 21, 3, repeat=1, split=2,
+                        workloads={"gemm_s": 0.05, "python_s": 0.1})
+
+
 def test_bad_arguments_are_reported(tiny_models, capsys):
     with pytest.raises(SystemExit) as e:
         bench_main.main(["forward", "--blas-threads", "1,zero"])
     assert e.value.code == 2
-    assert "'zero' is neither a positive number nor 'default'" in capsys.readouterr().err
+    assert "'zero' is neither a positive number, 'default' nor 'splitK'" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main.main(["forward", "--blas-threads", "split1"])
     with pytest.raises(SystemExit):
         bench_main.main(["nosuchsuite"])
     assert "unknown suite(s) nosuchsuite" in capsys.readouterr().err

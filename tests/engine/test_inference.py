@@ -227,3 +227,15 @@ def test_cli_infer(tmp_path):
     r = CliRunner().invoke(main, ["infer", str(tmp_path / "m.raw"), "--features",
                                   str(tmp_path / "f.npy"), "--out", str(tmp_path / "o.npy")])
     assert r.exit_code == 2 and "no i-vectors" in r.output
+    # --threads: chunks computed two at a time (engine.runtime.parallel)
+    r = CliRunner().invoke(main, ["infer", str(tmp_path / "m.raw"), "--features",
+                                  str(tmp_path / "f.npy"), "--ivector", str(tmp_path / "iv.npy"),
+                                  "--frames-per-chunk", "8", "--frame-subsampling-factor", "2",
+                                  "--apply-exp", "--threads", "2", "--out",
+                                  str(tmp_path / "o2.npy")])
+    assert r.exit_code == 0, r.output
+    np.testing.assert_allclose(np.load(tmp_path / "o2.npy"), ref, rtol=1e-5, atol=1e-6)
+    r = CliRunner().invoke(main, ["infer", str(tmp_path / "m.raw"), "--features",
+                                  str(tmp_path / "f.npy"), "--threads", "0", "--out",
+                                  str(tmp_path / "o2.npy")])
+    assert r.exit_code == 2 and "--threads" in r.output

@@ -107,3 +107,23 @@ def test_infer_blstm_matches_nnet3_compute(client):
     assert out["num_frames"] == ref["features"].shape[0]
     got = decode(out["output"])
     _close("infer output", got[:100], ref["output"])
+
+
+def test_infer_threads_setting_gives_the_same_output(client):
+    """NNETC_INFER_THREADS: the chunks of one utterance computed two at a time, each on
+    one BLAS thread (engine.runtime.parallel), equal to the one-thread service's output."""
+    from tests.service.conftest import make_client  # noqa: PLC0415
+    ref = np.load(BLSTM / "infer_utt1_part.npz")
+    body = {"features": encode(ref["features"]), "options": {"frames_per_chunk": 50}}
+    outs = []
+    with make_client(infer_threads=2) as threaded:
+        for c in (client, threaded):
+            model = register(c, BLSTM / "model.raw", binary=True)
+            r = c.post("/infer", json={"model_id": model["model_id"], **body})
+            assert r.status_code == 200, r.text
+            outs.append(decode(r.json()["output"]))
+        bad = threaded.post("/infer", json={"model_id": model["model_id"], **body,
+                                            "options": {"threads": 2}})
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    _close("infer output with threads", outs[1][:100], ref["output"])
+    assert bad.status_code == 422, bad.text      # not a client option

@@ -109,7 +109,7 @@ class ConvolutionComponent(UpdatableComponent):
     def _column_map(self) -> np.ndarray:
         """Input column of each patch column: patch-major, then (x, y, z), z fastest."""
         nx, ny = self._num_steps()
-        X, Y, Z = self.input_x_dim, self.input_y_dim, self.input_z_dim
+        Y, Z = self.input_y_dim, self.input_z_dim
         xs = (np.arange(nx)[:, None] * self.filt_x_step
               + np.arange(self.filt_x_dim)[None, :])             # (nx, fx)
         ys = (np.arange(ny)[:, None] * self.filt_y_step

@@ -20,7 +20,6 @@ the executor may set; a fixed-seed one is created on first use).
 
 from __future__ import annotations
 
-import struct
 
 import numpy as np
 

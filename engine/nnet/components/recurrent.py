@@ -28,7 +28,6 @@ they are averages (divided by the count), as in Kaldi.
 
 from __future__ import annotations
 
-import struct
 
 import numpy as np
 

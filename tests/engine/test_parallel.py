@@ -1,0 +1,174 @@
+"""engine.runtime.parallel (independent computations at the same time, one BLAS thread
+each) and what uses it: Inferencer(threads=K) and the service's infer_threads.
+
+- run_concurrently: results in job order, jobs spread over threads, one thread = a plain
+  loop, the first failing job's exception after every job ended, each job's products on
+  one BLAS thread with no other thread's setting changed, jobs in turn without a
+  per-thread BLAS setting, nested calls;
+- Inferencer with threads=2 gives exactly the outputs of threads=1 (utterances of
+  different lengths and chunk shapes, i-vectors, a recurrent network, subsampling), and
+  splits a group of chunks into one batch per thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.core.errors import InferenceError
+from engine.inference import InferenceOptions, Inferencer
+from engine.runtime import parallel
+from engine.runtime.parallel import run_concurrently
+
+from inference_nets import RECURRENT, TDNN_IVECTOR, feats, make_nnet
+
+
+def _local_blas_threads() -> list[int]:
+    """This thread's BLAS thread count per library (read through the per-thread setter,
+    which returns the count it replaces)."""
+    out = []
+    for set_local in parallel._blas_setters():
+        n = set_local(1)
+        set_local(n)
+        out.append(n)
+    return out
+
+
+def test_results_in_order_and_spread_over_threads():
+    seen: dict[int, int] = {}
+
+    def job(i):
+        seen[i] = threading.get_ident()
+        time.sleep(0.01)
+        return i * i
+    assert run_concurrently([lambda i=i: job(i) for i in range(7)], 3) == \
+        [i * i for i in range(7)]
+    if parallel.per_thread_blas():
+        assert len(set(seen.values())) == 3
+        assert threading.get_ident() not in seen.values()   # lanes are threads of the call
+
+
+def test_one_thread_or_one_job_runs_here():
+    me = threading.get_ident()
+    assert run_concurrently([threading.get_ident] * 3, 1) == [me] * 3
+    assert run_concurrently([threading.get_ident], 4) == [me]
+    assert run_concurrently([], 4) == []
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        run_concurrently([threading.get_ident], 0)
+
+
+def test_first_failure_raised_after_all_jobs_ended():
+    ran = []
+
+    def ok(i):
+        time.sleep(0.005)
+        ran.append(i)
+        return i
+
+    def bad(i):
+        raise KeyError(f"job {i}")
+    jobs = [lambda: ok(0), lambda: bad(1), lambda: ok(2), lambda: bad(3), lambda: ok(4)]
+    with pytest.raises(KeyError, match="job 1"):
+        run_concurrently(jobs, 2)
+    assert sorted(ran) == [0, 2, 4]
+
+
+@pytest.mark.skipif(not parallel.per_thread_blas(),
+                    reason="the BLAS library has no per-thread thread count")
+def test_each_job_on_one_blas_thread_and_nothing_else_changed():
+    from threadpoolctl import ThreadpoolController  # noqa: PLC0415
+    libs = ThreadpoolController().select(user_api="blas").lib_controllers
+    before = [lib.get_num_threads() for lib in libs]
+    inside = run_concurrently([_local_blas_threads] * 3, 2)
+    assert inside == [[1] * len(parallel._blas_setters())] * 3
+    # the process-wide setting, as every other thread sees it, is untouched
+    assert [lib.get_num_threads() for lib in libs] == before
+    seen = []
+    t = threading.Thread(target=lambda: seen.append([lib.get_num_threads() for lib in libs]))
+    t.start()
+    t.join()
+    assert seen == [before]
+
+
+def test_without_a_per_thread_blas_jobs_run_in_turn(monkeypatch):
+    monkeypatch.setattr(parallel, "_setters", [])
+    me = threading.get_ident()
+    assert run_concurrently([threading.get_ident] * 3, 3) == [me] * 3
+
+
+def test_nested_calls_do_not_wait_for_each_other():
+    inner = [lambda i=i: i for i in range(4)]
+    outer = [lambda: sum(run_concurrently(inner, 2)) for _ in range(3)]
+    assert run_concurrently(outer, 3) == [6, 6, 6]
+
+
+def _utterances(inf, lengths, ivector_dim=0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [inf.make_utterance(feats(n, seed=seed + k),
+                               ivector=rng.standard_normal(ivector_dim).astype(np.float32)
+                               if ivector_dim else None)
+            for k, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("config,ivector_dim,opts", [
+    (TDNN_IVECTOR, 4, {"frames_per_chunk": 20}),
+    (TDNN_IVECTOR, 4, {"frames_per_chunk": 21, "frame_subsampling_factor": 3}),
+    (RECURRENT, 0, {"frames_per_chunk": 17, "extra_left_context": 4}),
+])
+def test_inferencer_threads_equal_one_thread(config, ivector_dim, opts):
+    nnet = make_nnet(config)
+    one = Inferencer(nnet, InferenceOptions(**opts))
+    two = Inferencer(nnet, InferenceOptions(threads=2, **opts))
+    three = Inferencer(nnet, InferenceOptions(threads=3, max_batch=2, **opts))
+    utts = _utterances(one, [95, 60, 130, 61, 7, 95], ivector_dim)
+    ref = one.infer_batch(utts)
+    for inf in (two, three):
+        got = inf.infer_batch(utts)
+        assert len(got) == len(ref)
+        for a, b in zip(got, ref):
+            # the batches differ (one per thread), so products of other row counts: float32
+            # rounding apart (OpenBLAS's small-matrix kernels depend on the row count)
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_same_computation_in_threads_is_bit_identical():
+    """Executors of one computation at the same time (shared program, buffer pool and
+    product forms) compute exactly what they compute one after another."""
+    from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
+    from engine.compiler.shortcut import compile_request  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    from engine.runtime.backend import BufferPool  # noqa: PLC0415
+    from engine.runtime.executor import Executor  # noqa: PLC0415
+    nnet = make_nnet(RECURRENT)
+    req = ComputationRequest(
+        [IoSpecification("input", [Index(n, t, 0) for n in range(3) for t in range(-2, 43)])],
+        [IoSpecification("output", [Index(n, t, 0) for n in range(3) for t in range(40)])])
+    comp = compile_request(nnet, req)
+    pool = BufferPool()
+    xs = [feats(135, seed=s) for s in range(6)]
+
+    def run(x):
+        ex = Executor(comp, nnet, pool=pool)
+        ex.accept_input("input", x)
+        ex.run()
+        y = np.array(ex.get_output("output"))
+        ex.release()
+        return y
+    alone = [run(x) for x in xs]
+    together = run_concurrently([lambda x=x: run(x) for x in xs], 3)
+    assert all(np.array_equal(a, b) for a, b in zip(alone, together))
+
+
+def test_batch_size_per_thread():
+    nnet = make_nnet(TDNN_IVECTOR)
+    assert Inferencer(nnet, InferenceOptions(max_batch=16))._batch_size(8) == 16
+    assert Inferencer(nnet, InferenceOptions(threads=2))._batch_size(8) == 4
+    assert Inferencer(nnet, InferenceOptions(threads=2))._batch_size(7) == 4
+    assert Inferencer(nnet, InferenceOptions(threads=4, max_batch=3))._batch_size(40) == 3
+    assert Inferencer(nnet, InferenceOptions(threads=4))._batch_size(1) == 1
+    with pytest.raises(InferenceError, match="threads must be in"):
+        InferenceOptions(threads=0).check()
