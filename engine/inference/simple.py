@@ -53,7 +53,8 @@ class InferenceOptions:
     max_batch: int = 16
     # chunk computations run at the same time, each product on one BLAS thread
     # (engine.runtime.parallel); with more than one, a group of equal-shaped chunks is
-    # split into that many batches (of at most max_batch) rather than one
+    # split into that many batches (of at most max_batch) rather than one.  CPU (NumPy
+    # backend) only: on a GPU the batches run in turn
     threads: int = 1
 
     def check(self) -> None:
@@ -226,7 +227,7 @@ class Inferencer:
         for group in groups.values():
             size = self._batch_size(len(group))
             batches += [group[s:s + size] for s in range(0, len(group), size)]
-        if self.options.threads > 1 and len(batches) > 1:
+        if self.options.threads > 1 and len(batches) > 1 and self.backend is np:
             from engine.runtime.parallel import run_concurrently  # noqa: PLC0415
             # compiled here first: the jobs then only run computations
             comps = [self.compiler.compile(self._request(b[0].key, len(b))) for b in batches]

@@ -172,3 +172,24 @@ def test_batch_size_per_thread():
     assert Inferencer(nnet, InferenceOptions(threads=4))._batch_size(1) == 1
     with pytest.raises(InferenceError, match="threads must be in"):
         InferenceOptions(threads=0).check()
+
+
+def test_threads_on_another_backend_run_in_turn(monkeypatch):
+    """threads > 1 is for the CPU: with another backend the batches run one after
+    another (run_concurrently is not called)."""
+    from engine.inference import simple  # noqa: PLC0415
+
+    class OtherBackend:
+        pass
+    nnet = make_nnet(TDNN_IVECTOR)
+    inf = Inferencer(nnet, InferenceOptions(frames_per_chunk=20, threads=2))
+    inf.backend = OtherBackend()
+    calls = []
+    monkeypatch.setattr(parallel, "run_concurrently",
+                        lambda *a, **k: calls.append(a) or run_concurrently(*a, **k))
+    ran = []
+    monkeypatch.setattr(simple.Inferencer, "_run_batch",
+                        lambda self, b, u, c=None: ran.append(len(b)) or
+                        np.zeros((len(b) * b[0].num_sub, self.output_dim), np.float32))
+    inf.infer_batch(_utterances(inf, [95, 95, 95], 4))
+    assert calls == [] and sum(ran) == 15
