@@ -193,3 +193,15 @@ def test_threads_on_another_backend_run_in_turn(monkeypatch):
                         np.zeros((len(b) * b[0].num_sub, self.output_dim), np.float32))
     inf.infer_batch(_utterances(inf, [95, 95, 95], 4))
     assert calls == [] and sum(ran) == 15
+
+
+def test_inferencer_threads_errors_reach_the_caller():
+    """A chunk computation that fails in a worker thread fails the call with its typed
+    error (the service turns it into a 4xx), nothing left running."""
+    from engine.core.errors import ResourceLimitError  # noqa: PLC0415
+    nnet = make_nnet(TDNN_IVECTOR)
+    inf = Inferencer(nnet, InferenceOptions(frames_per_chunk=20, threads=2), max_peak_bytes=100)
+    before = threading.active_count()
+    with pytest.raises(ResourceLimitError, match="more than the limit of 100 bytes"):
+        inf.infer_batch(_utterances(inf, [95, 95, 95], 4))
+    assert threading.active_count() == before
