@@ -50,16 +50,6 @@ def _optimizer_attr(name: str):
     return getattr(opt, name, None)
 
 
-def optimize_if_available(computation, nnet):
-    """Run engine.optimizer.optimize when it exists; the computation itself otherwise."""
-    fn = _optimizer_attr("optimize")
-    if fn is None:
-        return computation
-    options_cls = _optimizer_attr("OptimizeOptions")
-    result = fn(computation, nnet, options_cls() if options_cls is not None else None)
-    return computation if result is None or isinstance(result, bool) else result
-
-
 def check_simple(nnet, output_name: str = "output") -> None:
     """Kaldi's IsSimpleNnet, with the output name configurable (``--output``)."""
     o = nnet.get_node_index(output_name)
@@ -122,16 +112,16 @@ class CachingCompiler:
         self._lock = threading.Lock()
 
     def compile(self, request):
-        from engine.compiler.compiler import compile_computation  # noqa: PLC0415
+        from engine.compiler.shortcut import compile_request  # noqa: PLC0415
         key = request.canonical_bytes()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        computation = compile_computation(self.nnet, [request])
-        if self.optimize:
-            computation = optimize_if_available(computation, self.nnet)
+        # shortcut compilation for the multi-chunk batches (the same computation as the
+        # Compiler's, made from a two-sequence one), optimized with Kaldi's defaults
+        computation = compile_request(self.nnet, request, optimize=self.optimize)
         with self._lock:
             self._cache[key] = computation
             while len(self._cache) > self.capacity:
