@@ -300,12 +300,17 @@ def _bind_tdnn(x, out, scratch):
     # the column blocks of the weights (kept while the weight array is the same)
     parts: dict = {}
     blocks: list = [None, ()]
+    # the checks and the row layout, redone only when the weight array, the component
+    # or the precomputed indexes are other objects than at the last call
+    last: list = [None, None, None, None]     # w, comp, pre, (stride, offsets)
 
     def f(comp, pre):
-        if not _tdnn_ok(comp, x, out):
-            return comp.propagate(pre, x, out)
-        stride, offsets = comp._layout(pre, x.shape[0], rows)
         w = comp.linear_params
+        if w is not last[0] or comp is not last[1] or pre is not last[2]:
+            if not _tdnn_ok(comp, x, out):
+                return comp.propagate(pre, x, out)
+            last[:] = w, comp, pre, comp._layout(pre, x.shape[0], rows)
+        stride, offsets = last[3]
         if blocks[0] is not w:
             blocks[0] = w
             blocks[1] = tuple(w[:, i * d:(i + 1) * d] for i in range(len(offsets)))
