@@ -414,14 +414,22 @@ def bench_group() -> None:
               help="Timed runs (median) of compile and of forward, after a warm-up.")
 @click.option("--backend", type=click.Choice(["numpy", "cupy"]), default="numpy",
               show_default=True)
+@click.option("--split", type=int, default=1, show_default=True,
+              help="Compute the batch as K computations of batch/K sequences at the same "
+                   "time, one BLAS thread each (engine/runtime/parallel.py; numpy backend).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_typed_errors
-def bench_forward_cmd(model_path, chunk, batch, repeat, backend, as_json) -> None:
+def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, as_json) -> None:
     """Cold compile and forward time of MODEL on the chunk request of kaldi_stats.json."""
     from bench.forward import measure_forward  # noqa: PLC0415
     if chunk < 1 or batch < 1 or repeat < 1:
         raise click.UsageError("--chunk, --batch and --repeat must be positive")
-    figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend)
+    if split < 1 or batch % split:
+        raise click.UsageError(f"--split {split} must be positive and divide --batch {batch}")
+    if split > 1 and backend != "numpy":
+        raise click.UsageError("--split is for the numpy backend")
+    figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend,
+                              split=split)
     if as_json:
         click.echo(json.dumps(figures))
         return

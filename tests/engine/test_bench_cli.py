@@ -60,3 +60,19 @@ def test_bench_forward_table_and_errors(tmp_path):
     assert r.exit_code != 0 and "positive" in r.output
     r = _run(["bench", "forward", tmp_path / "missing.raw", "--chunk", 3])
     assert r.exit_code == 2 and "missing.raw" in r.output
+
+
+def test_bench_forward_split(tmp_path):
+    """--split 2: the batch as two computations at once (outputs checked against the
+    whole batch inside measure_forward); the same matrix-product work in all."""
+    cfg = tmp_path / "tiny.config"
+    cfg.write_text(CONFIG)
+    r = _run(["bench", "forward", cfg, "--chunk", 6, "--batch", 2, "--repeat", 2, "--split", 2,
+              "--json"])
+    assert r.exit_code == 0, r.output
+    figures = json.loads(r.output)
+    assert figures["split"] == 2 and figures["batch"] == 2
+    assert figures["gemm_flops"] == 2 * (14 * 8 * 18 + 12 * 4 * 16)
+    assert abs(figures["frames_per_s"] * figures["exec_ms"] / 1e3 - 12) < 1e-6 * 12
+    r = _run(["bench", "forward", cfg, "--chunk", 6, "--batch", 3, "--split", 2])
+    assert r.exit_code != 0 and "divide --batch 3" in r.output
