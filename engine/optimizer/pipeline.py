@@ -100,11 +100,16 @@ def _deriv_limits_set(o: OptimizeOptions, ctx: PassContext) -> bool:
     return o.max_deriv_time_relative != INT32_MAX
 
 
-_ROW_OPS = ("snip_row_ops", "split_row_ops", "replace_row_with_matrix_ops")
+ROW_OP_PASSES = ("snip_row_ops", "split_row_ops", "replace_row_with_matrix_ops")
 
 
 def _extends(o: OptimizeOptions) -> bool:
     return o.optimize and o.extend_matrices and not o.optimize_looped_computation
+
+
+def merges_variables(o: OptimizeOptions) -> bool:
+    """The gate of variable_merging_optimization."""
+    return o.optimize and (o.remove_assignments or o.backprop_in_place or o.propagate_in_place)
 
 
 @dataclass(frozen=True)
@@ -131,11 +136,10 @@ PASSES: tuple[PassSpec, ...] = (
     # the row-op passes leave unused indexes/submatrices behind; when extend_matrices
     # runs next, it renumbers instead (once, after its own changes: see its module)
     PassSpec("renumber_computation", "renumber",
-             lambda o, c: any(c.changed.get(n) for n in _ROW_OPS) and not _extends(o)),
+             lambda o, c: any(c.changed.get(n) for n in ROW_OP_PASSES) and not _extends(o)),
     PassSpec("extend_matrices", "extend_matrices", lambda o, c: _extends(o)),
     PassSpec("variable_merging_optimization", "variable_merging",
-             lambda o, c: o.optimize and (o.remove_assignments or o.backprop_in_place
-                                          or o.propagate_in_place)),
+             lambda o, c: merges_variables(o)),
     PassSpec("remove_unnecessary_zeroing", "initialize_undefined",
              lambda o, c: o.optimize and o.initialize_undefined),
     PassSpec("move_sizing_commands", "move_sizing_commands",

@@ -29,8 +29,6 @@ from engine.optimizer.passes.renumber import renumber_computation
 
 # keep in sync with the checker's allowance for reading extended rows
 MIN_PROPORTION = 0.8
-# the passes after which a renumbering is due (engine.optimizer.pipeline)
-_ROW_OPS = ("snip_row_ops", "split_row_ops", "replace_row_with_matrix_ops")
 
 
 def _extend(c: NnetComputation) -> tuple[bool, dict[int, int]]:
@@ -132,25 +130,22 @@ def _fix_debug_info(c: NnetComputation, grown: dict[int, int]) -> None:
 
 def extend_matrices(computation: NnetComputation, ctx=None) -> bool:
     """Kaldi's ExtendMatrices; returns True if any matrix was extended.  Given a
-    ``ctx`` whose row-op passes changed the computation, it also does the
-    renumbering Kaldi does after those (the pipeline then skips its own): when
-    matrices are extended, the one renumbering at the end serves both.  Neither
-    what is extended nor the end result depends on the numbering in between:
-    extension looks at extents, and a renumbering keeps the order of what it
-    keeps, taking the first of equal entries (the renumbered computation's first
-    is the first in use before)."""
-    pending = ctx is not None and any(ctx.changed.get(n) for n in _ROW_OPS)
+    ``ctx`` (the pipeline's), it also takes over the renumbering Kaldi does after
+    the row-op passes (the pipeline then skips its own) and the one after its own
+    changes, and leaves that one renumbering to variable merging's final one when
+    that pass runs next (``ctx.renumber_due``), else does it here.  Neither what is
+    extended or merged nor the end result depends on the numbering in between:
+    both passes look at extents, and a renumbering keeps the order of what it keeps,
+    taking the first of equal entries (the renumbered computation's first is the
+    first in use before)."""
+    from engine.optimizer.pipeline import ROW_OP_PASSES, merges_variables  # noqa: PLC0415
+    pending = ctx is not None and any(ctx.changed.get(n) for n in ROW_OP_PASSES)
     changed, grown = _extend(computation)
     if changed:
         _fix_computation(computation, grown)
     if changed or pending:
-        if ctx is not None and _merging_next(ctx.options):
+        if ctx is not None and merges_variables(ctx.options):
             ctx.renumber_due = True    # variable merging renumbers at its end
         else:
             renumber_computation(computation)
     return changed or pending
-
-
-def _merging_next(o) -> bool:
-    """Variable merging runs after this pass (the pipeline's gate for it)."""
-    return o.optimize and (o.remove_assignments or o.backprop_in_place or o.propagate_in_place)
