@@ -308,8 +308,9 @@ def _load_npy(path: str, what: str):
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
               help="Where to write the output matrix (.npy).")
 @click.option("--threads", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Chunks computed at the same time, each matrix product on one BLAS "
-                   "thread (faster than a multi-threaded BLAS for TDNN/TDNN-F/CNN models).")
+              help="Chunk batches computed at the same time, each matrix product on one BLAS "
+                   "thread (faster than a multi-threaded BLAS for TDNN/TDNN-F/CNN models on "
+                   "long inputs; not used for recurrent networks or short inputs).")
 @_typed_errors
 def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivector_period,
               frames_per_chunk, extra_left_context, extra_right_context,

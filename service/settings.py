@@ -33,10 +33,12 @@ class Settings(BaseSettings):
     backend: Literal["numpy", "cupy"] = "numpy"
     infer_threads: int = Field(
         default=1, ge=1, le=64,
-        description="chunks of an infer request computed at the same time, each matrix "
-                    "product on one BLAS thread (engine.runtime.parallel): on a CPU with "
-                    "several cores, TDNN/TDNN-F/CNN models decode faster this way than with "
-                    "a multi-threaded BLAS; recurrent models gain nothing")
+        description="chunks of an infer request computed this many batches at a time, "
+                    "each matrix product on one BLAS thread (engine.runtime.parallel): on a "
+                    "CPU with several cores, networks without recurrence (TDNN, TDNN-F, CNN) "
+                    "decode long utterances faster this way than with a multi-threaded "
+                    "BLAS; used only for such networks and at least 400 output frames per "
+                    "thread (Inferencer.parallel_pays)")
     max_request_indexes: int = Field(
         default=100_000, ge=1,
         description="requests with more Indexes (inputs and outputs together), and infer "

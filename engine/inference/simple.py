@@ -36,6 +36,10 @@ from engine.inference.common import (CachingCompiler, as_features, check_ivector
                                      simple_context)
 
 
+# output frames per thread below which Inferencer(threads=K) computes in one thread
+PARALLEL_MIN_FRAMES = 400
+
+
 @dataclass(frozen=True)
 class InferenceOptions:
     """Kaldi's NnetSimpleComputationOptions plus nnet3-compute's flags."""
@@ -53,8 +57,9 @@ class InferenceOptions:
     max_batch: int = 16
     # chunk computations run at the same time, each product on one BLAS thread
     # (engine.runtime.parallel); with more than one, a group of equal-shaped chunks is
-    # split into that many batches (of at most max_batch) rather than one.  CPU (NumPy
-    # backend) only: on a GPU the batches run in turn
+    # split into that many batches (of at most max_batch) rather than one.  Used only
+    # where it pays (Inferencer.parallel_pays): CPU (NumPy backend), a network without
+    # recurrence, and at least PARALLEL_MIN_FRAMES output frames per thread
     threads: int = 1
 
     def check(self) -> None:
@@ -123,6 +128,9 @@ class Inferencer:
         # Kaldi's CheckAndFixConfigs: round frames-per-chunk up to a multiple of n.
         self.frames_per_chunk = n * ((options.frames_per_chunk + n - 1) // n)
         self.compiler = CachingCompiler(self.nnet, optimize=optimize)
+        # a cycle in the node graph: recurrence (data parallelism does not pay)
+        from engine.nnet.graph import graph_has_cycles, nnet_to_directed_graph  # noqa: PLC0415
+        self._recurrent = graph_has_cycles(nnet_to_directed_graph(self.nnet))
         from engine.runtime.backend import BufferPool  # noqa: PLC0415
         self.pool = BufferPool()
 
@@ -223,17 +231,19 @@ class Inferencer:
         fsf = self.options.frame_subsampling_factor
         outs = [np.empty(((u.features.shape[0] + fsf - 1) // fsf, self.output_dim),
                          dtype=np.float32) for u in utterances]
+        frames = sum(c.num_sub for c in chunks)
+        threads = self.options.threads if self.parallel_pays(frames) else 1
         batches = []
         for group in groups.values():
-            size = self._batch_size(len(group))
+            size = self._batch_size(len(group), threads)
             batches += [group[s:s + size] for s in range(0, len(group), size)]
-        if self.options.threads > 1 and len(batches) > 1 and self.backend is np:
+        if threads > 1 and len(batches) > 1:
             from engine.runtime.parallel import run_concurrently  # noqa: PLC0415
             # compiled here first: the jobs then only run computations
             comps = [self.compiler.compile(self._request(b[0].key, len(b))) for b in batches]
             results = run_concurrently(
                 [lambda b=b, c=c: self._run_batch(b, utterances, c)
-                 for b, c in zip(batches, comps)], self.options.threads)
+                 for b, c in zip(batches, comps)], threads)
         else:
             results = [self._run_batch(b, utterances) for b in batches]
         for batch, result in zip(batches, results):
@@ -242,14 +252,24 @@ class Inferencer:
                 outs[c.utt][c.first_sub:c.first_sub + per] = result[j * per:(j + 1) * per]
         return [self._finish(o) for o in outs]
 
-    def _batch_size(self, num_chunks: int) -> int:
+    def _batch_size(self, num_chunks: int, threads: int) -> int:
         """Chunks per computation for a group of ``num_chunks`` equal-shaped ones: all
         of them (at most max_batch) on one thread; with more threads, split so that
         each thread has a batch (``threads`` batches of equal size, at most max_batch)."""
-        mb, k = self.options.max_batch, self.options.threads
-        if k <= 1:
+        mb = self.options.max_batch
+        if threads <= 1:
             return mb
-        return max(1, min(mb, -(-num_chunks // k)))
+        return max(1, min(mb, -(-num_chunks // threads)))
+
+    def parallel_pays(self, num_output_frames: int) -> bool:
+        """Whether ``threads`` > 1 is used for a call with this many output frames in
+        all.  Measured on a 2-core CPU (bench/RESULTS.md, item 17): TDNN/TDNN-F decode
+        faster in two threads once each has a few hundred frames (TDNN-F, 1000 frames
+        in chunks of 50: 23.8 -> 14.8 ms; 300 frames: 5.8 -> 7.1 ms), while networks
+        with recurrence, whose computations are many small commands, get slower
+        (BLSTM 1000 frames: 24.6 -> 44.8 ms): the threads share the interpreter."""
+        return (self.options.threads > 1 and self.backend is np and not self._recurrent
+                and num_output_frames >= PARALLEL_MIN_FRAMES * self.options.threads)
 
     def _finish(self, out: np.ndarray) -> np.ndarray:
         if self.log_priors is not None:

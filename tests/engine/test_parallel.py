@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from engine.core.errors import InferenceError
-from engine.inference import InferenceOptions, Inferencer
+from engine.inference import InferenceOptions, Inferencer, simple
 from engine.runtime import parallel
 from engine.runtime.parallel import run_concurrently
 
@@ -105,6 +105,13 @@ def test_nested_calls_do_not_wait_for_each_other():
     assert run_concurrently(outer, 3) == [6, 6, 6]
 
 
+def _treat_as_non_recurrent(monkeypatch):
+    """Inferencers made afterwards use their threads for recurrent networks too (they
+    compute the same; Inferencer.parallel_pays leaves them out for speed only)."""
+    from engine.nnet import graph  # noqa: PLC0415
+    monkeypatch.setattr(graph, "graph_has_cycles", lambda g: False)
+
+
 def _utterances(inf, lengths, ivector_dim=0, seed=0):
     rng = np.random.default_rng(seed)
     return [inf.make_utterance(feats(n, seed=seed + k),
@@ -118,7 +125,9 @@ def _utterances(inf, lengths, ivector_dim=0, seed=0):
     (TDNN_IVECTOR, 4, {"frames_per_chunk": 21, "frame_subsampling_factor": 3}),
     (RECURRENT, 0, {"frames_per_chunk": 17, "extra_left_context": 4}),
 ])
-def test_inferencer_threads_equal_one_thread(config, ivector_dim, opts):
+def test_inferencer_threads_equal_one_thread(config, ivector_dim, opts, monkeypatch):
+    monkeypatch.setattr(simple, "PARALLEL_MIN_FRAMES", 0)        # small inputs: force it
+    _treat_as_non_recurrent(monkeypatch)
     nnet = make_nnet(config)
     one = Inferencer(nnet, InferenceOptions(**opts))
     two = Inferencer(nnet, InferenceOptions(threads=2, **opts))
@@ -164,12 +173,25 @@ def test_same_computation_in_threads_is_bit_identical():
 
 
 def test_batch_size_per_thread():
-    nnet = make_nnet(TDNN_IVECTOR)
-    assert Inferencer(nnet, InferenceOptions(max_batch=16))._batch_size(8) == 16
-    assert Inferencer(nnet, InferenceOptions(threads=2))._batch_size(8) == 4
-    assert Inferencer(nnet, InferenceOptions(threads=2))._batch_size(7) == 4
-    assert Inferencer(nnet, InferenceOptions(threads=4, max_batch=3))._batch_size(40) == 3
-    assert Inferencer(nnet, InferenceOptions(threads=4))._batch_size(1) == 1
+    inf = Inferencer(make_nnet(TDNN_IVECTOR), InferenceOptions(max_batch=16))
+    assert inf._batch_size(8, 1) == 16
+    assert inf._batch_size(8, 2) == 8 // 2
+    assert inf._batch_size(7, 2) == 4
+    assert inf._batch_size(40, 4) == 10
+    assert inf._batch_size(1, 4) == 1
+    assert Inferencer(make_nnet(TDNN_IVECTOR), InferenceOptions(max_batch=3))._batch_size(40, 4) == 3
+
+
+def test_parallel_only_where_it_pays():
+    """Threads are used for networks without recurrence and enough output frames per
+    thread; recurrent networks and short inputs run in one thread."""
+    tdnn = Inferencer(make_nnet(TDNN_IVECTOR), InferenceOptions(threads=2))
+    assert tdnn.parallel_pays(2 * simple.PARALLEL_MIN_FRAMES)
+    assert not tdnn.parallel_pays(2 * simple.PARALLEL_MIN_FRAMES - 1)
+    assert not Inferencer(make_nnet(TDNN_IVECTOR)).parallel_pays(10 ** 6)
+    rec = Inferencer(make_nnet(RECURRENT), InferenceOptions(threads=2))
+    assert rec._recurrent and not rec.parallel_pays(10 ** 6)
+    assert not tdnn._recurrent
     with pytest.raises(InferenceError, match="threads must be in"):
         InferenceOptions(threads=0).check()
 
@@ -182,6 +204,7 @@ def test_threads_on_another_backend_run_in_turn(monkeypatch):
     class OtherBackend:
         pass
     nnet = make_nnet(TDNN_IVECTOR)
+    monkeypatch.setattr(simple, "PARALLEL_MIN_FRAMES", 0)
     inf = Inferencer(nnet, InferenceOptions(frames_per_chunk=20, threads=2))
     inf.backend = OtherBackend()
     calls = []
@@ -192,13 +215,14 @@ def test_threads_on_another_backend_run_in_turn(monkeypatch):
                         lambda self, b, u, c=None: ran.append(len(b)) or
                         np.zeros((len(b) * b[0].num_sub, self.output_dim), np.float32))
     inf.infer_batch(_utterances(inf, [95, 95, 95], 4))
-    assert calls == [] and sum(ran) == 15
+    assert calls == [] and sum(ran) == 15 and max(ran) == 12    # batches of max_batch
 
 
-def test_inferencer_threads_errors_reach_the_caller():
+def test_inferencer_threads_errors_reach_the_caller(monkeypatch):
     """A chunk computation that fails in a worker thread fails the call with its typed
     error (the service turns it into a 4xx), nothing left running."""
     from engine.core.errors import ResourceLimitError  # noqa: PLC0415
+    monkeypatch.setattr(simple, "PARALLEL_MIN_FRAMES", 0)
     nnet = make_nnet(TDNN_IVECTOR)
     inf = Inferencer(nnet, InferenceOptions(frames_per_chunk=20, threads=2), max_peak_bytes=100)
     before = threading.active_count()
@@ -208,11 +232,13 @@ def test_inferencer_threads_errors_reach_the_caller():
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_inferencer_threads_on_random_networks(seed):
+def test_inferencer_threads_on_random_networks(seed, monkeypatch):
     """Random networks of every generator kind (recurrent ones included), random chunk
     sizes, batch limits and utterances: 3 threads equal 1 (a campaign of 200 seeds from
     123000 found no difference; this is a slice of it)."""
     from engine.nnet.random_config import generate_config_sequence  # noqa: PLC0415
+    monkeypatch.setattr(simple, "PARALLEL_MIN_FRAMES", 0)
+    _treat_as_non_recurrent(monkeypatch)        # threads for recurrent kinds too
     rng = np.random.default_rng(123000 + seed)
     nnet = generate_config_sequence(rng).build(rng)
     one = Inferencer(nnet, InferenceOptions(frames_per_chunk=int(rng.integers(5, 30))))
