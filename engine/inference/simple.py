@@ -34,6 +34,7 @@ from engine.core.index import Index
 from engine.inference.common import (CachingCompiler, as_features, check_ivectors,
                                      check_simple, lcm, log_priors, prepare_nnet,
                                      simple_context)
+from engine.runtime.parallel import run_concurrently
 
 
 # output frames per thread below which Inferencer(threads=K) computes in one thread
@@ -196,12 +197,10 @@ class Inferencer:
         return ComputationRequest(inputs, outputs)
 
     def _run_batch(self, chunks: list[_Chunk], utts: list[Utterance],
-                   computation=None) -> np.ndarray:
+                   computation) -> np.ndarray:
         from engine.runtime.backend import to_host  # noqa: PLC0415
         from engine.runtime.executor import Executor  # noqa: PLC0415
         key = chunks[0].key
-        if computation is None:
-            computation = self.compiler.compile(self._request(key, len(chunks)))
         feats = np.concatenate([utts[c.utt].features[c.rows] for c in chunks], axis=0)
         ex = Executor(computation, self.nnet, backend=self.backend, pool=self.pool,
                       max_peak_bytes=self.max_peak_bytes)
@@ -237,15 +236,11 @@ class Inferencer:
         for group in groups.values():
             size = self._batch_size(len(group), threads)
             batches += [group[s:s + size] for s in range(0, len(group), size)]
-        if threads > 1 and len(batches) > 1:
-            from engine.runtime.parallel import run_concurrently  # noqa: PLC0415
-            # compiled here first: the jobs then only run computations
-            comps = [self.compiler.compile(self._request(b[0].key, len(b))) for b in batches]
-            results = run_concurrently(
-                [lambda b=b, c=c: self._run_batch(b, utterances, c)
-                 for b, c in zip(batches, comps)], threads)
-        else:
-            results = [self._run_batch(b, utterances) for b in batches]
+        # compiled here first: the jobs only run computations (with one thread,
+        # run_concurrently runs them here in turn)
+        comps = [self.compiler.compile(self._request(b[0].key, len(b))) for b in batches]
+        results = run_concurrently([lambda b=b, c=c: self._run_batch(b, utterances, c)
+                                    for b, c in zip(batches, comps)], threads)
         for batch, result in zip(batches, results):
             per = batch[0].num_sub
             for j, c in enumerate(batch):

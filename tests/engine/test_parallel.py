@@ -198,7 +198,7 @@ def test_parallel_only_where_it_pays():
 
 def test_threads_on_another_backend_run_in_turn(monkeypatch):
     """threads > 1 is for the CPU: with another backend the batches run one after
-    another (run_concurrently is not called)."""
+    another (run_concurrently is given one thread) and are not split per thread."""
     from engine.inference import simple  # noqa: PLC0415
 
     class OtherBackend:
@@ -207,15 +207,15 @@ def test_threads_on_another_backend_run_in_turn(monkeypatch):
     monkeypatch.setattr(simple, "PARALLEL_MIN_FRAMES", 0)
     inf = Inferencer(nnet, InferenceOptions(frames_per_chunk=20, threads=2))
     inf.backend = OtherBackend()
-    calls = []
-    monkeypatch.setattr(parallel, "run_concurrently",
-                        lambda *a, **k: calls.append(a) or run_concurrently(*a, **k))
+    threads = []
+    monkeypatch.setattr(simple, "run_concurrently",
+                        lambda jobs, k: threads.append(k) or run_concurrently(jobs, k))
     ran = []
     monkeypatch.setattr(simple.Inferencer, "_run_batch",
-                        lambda self, b, u, c=None: ran.append(len(b)) or
+                        lambda self, b, u, c: ran.append(len(b)) or
                         np.zeros((len(b) * b[0].num_sub, self.output_dim), np.float32))
     inf.infer_batch(_utterances(inf, [95, 95, 95], 4))
-    assert calls == [] and sum(ran) == 15 and max(ran) == 12    # batches of max_batch
+    assert threads == [1] and sum(ran) == 15 and max(ran) == 12    # batches of max_batch
 
 
 def test_inferencer_threads_errors_reach_the_caller(monkeypatch):

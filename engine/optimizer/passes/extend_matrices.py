@@ -26,6 +26,7 @@ from engine.core.errors import CheckError
 from engine.core.index import K_NO_TIME, Cindex, Index
 from engine.optimizer.analysis import CT
 from engine.optimizer.passes.renumber import renumber_computation
+from engine.optimizer.pipeline import ROW_OP_PASSES, merges_variables
 
 # keep in sync with the checker's allowance for reading extended rows
 MIN_PROPORTION = 0.8
@@ -138,7 +139,6 @@ def extend_matrices(computation: NnetComputation, ctx=None) -> bool:
     both passes look at extents, and a renumbering keeps the order of what it keeps,
     taking the first of equal entries (the renumbered computation's first is the
     first in use before)."""
-    from engine.optimizer.pipeline import ROW_OP_PASSES, merges_variables  # noqa: PLC0415
     pending = ctx is not None and any(ctx.changed.get(n) for n in ROW_OP_PASSES)
     changed, grown = _extend(computation)
     if changed:
