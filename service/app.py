@@ -1,4 +1,5 @@
-"""The FastAPI application factory (in-process mode: LRU cache, one worker thread).
+"""The FastAPI application factory (LRU cache, or Redis behind it with ``redis_url``;
+one worker thread).
 
 ``create_app(settings)`` wires settings -> registry, cache, queue, worker,
 metrics, routes and middleware; the lifespan starts and stops the worker.
@@ -22,6 +23,7 @@ from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import WireMiddleware
 from service.operations import Operations
+from service.redis_cache import RedisComputationCache
 from service.registry import InProcessRegistry
 from service.routes import compile as compile_routes
 from service.routes import compute, health, infer, models
@@ -41,7 +43,12 @@ def _swagger_path() -> str | None:
 
 def build_services(settings: Settings) -> Services:
     metrics = Metrics()
-    cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event)
+    if settings.redis_url:
+        cache = RedisComputationCache(settings.redis_url, settings.cache_size,
+                                      on_event=metrics.cache_event, ttl_s=settings.redis_ttl_s,
+                                      timeout_s=settings.redis_timeout_s)
+    else:
+        cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event)
     operations = Operations(cache, metrics, get_backend(settings.backend),
                             max_computation_bytes=settings.max_computation_bytes)
     queue = InProcessQueue({"compile": operations.compile_job,

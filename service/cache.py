@@ -56,22 +56,25 @@ class LRUComputationCache:
         self._on_event = on_event or (lambda event: None)   # 'hit' / 'miss' / 'corrupt'
 
     def get(self, key: str) -> NnetComputation | None:
+        computation, event = self.lookup(key)
+        self._on_event(event)
+        return computation
+
+    def lookup(self, key: str) -> tuple[NnetComputation | None, str]:
+        """(computation or None, 'hit' / 'miss' / 'corrupt'), no event reported."""
         with self._lock:
             item = self._data.get(key)
             if item is not None:
                 self._data.move_to_end(key)
         if item is None:
-            self._on_event("miss")
-            return None
+            return None, "miss"
         try:
             computation = computation_from_data(item[0])
         except CheckError:
             with self._lock:
                 self._data.pop(key, None)
-            self._on_event("corrupt")
-            return None
-        self._on_event("hit")
-        return computation
+            return None, "corrupt"
+        return computation, "hit"
 
     def meta(self, key: str) -> dict | None:
         with self._lock:
@@ -79,7 +82,10 @@ class LRUComputationCache:
             return dict(item[1]) if item is not None else None
 
     def put(self, key: str, computation: NnetComputation, meta: dict) -> None:
-        data = computation_to_data(computation)
+        self.put_data(key, computation_to_data(computation), meta)
+
+    def put_data(self, key: str, data: dict, meta: dict) -> None:
+        """Store plain data already made by ``computation_to_data``."""
         with self._lock:
             self._data[key] = (data, dict(meta))
             self._data.move_to_end(key)

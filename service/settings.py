@@ -50,3 +50,13 @@ class Settings(BaseSettings):
         description="compute requests (and infer chunks) whose computation needs more "
                     "matrix memory at its peak (Kaldi's peak bytes) get 413 before anything "
                     "is allocated")
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis URL (redis://host:port/db) of the computation cache shared by "
+                    "the service's processes, behind the in-process LRU; unset: the LRU only")
+    redis_ttl_s: int | None = Field(default=None, ge=1,
+                                    description="expiry of cache entries in Redis (none: "
+                                                "kept until Redis evicts them)")
+    redis_timeout_s: float = Field(default=1.0, gt=0,
+                                   description="connect/read timeout of a Redis call; after "
+                                               "a failure Redis is skipped for 5 s")

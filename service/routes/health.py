@@ -20,9 +20,14 @@ def healthz() -> dict:
 def readyz(services: ServicesDep) -> dict:
     if not (services.ready and services.queue.alive()):
         raise ServiceError(503, "NotReady", "the worker is not running")
-    return {"status": "ready", "queue_depth": services.queue.depth(),
-            "cached_computations": len(services.cache),
-            "models": len(services.registry.list())}
+    out = {"status": "ready", "queue_depth": services.queue.depth(),
+           "cached_computations": len(services.cache),
+           "models": len(services.registry.list()), "cache": "memory"}
+    ping = getattr(services.cache, "ping", None)
+    if ping is not None:
+        # Redis only speeds compiles up: the service is ready without it, and says so
+        out["cache"] = "redis" if ping() else "memory (redis unavailable)"
+    return out
 
 
 @router.get("/metrics")
