@@ -388,7 +388,8 @@ def stream_cmd(model_path, features_path, ivector_path, chunk_size, frame_subsam
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
               default=None, help="Log level (default: settings, INFO).")
 def serve_cmd(host, port, log_level) -> None:
-    """Run the HTTP service in process (LRU cache, one worker thread).
+    """Run the HTTP service in process (LRU cache, one worker thread; with
+    NNETC_REDIS_URL the compiled computations are also kept in Redis).
 
     Other settings come from NNETC_* environment variables (service/settings.py)."""
     import uvicorn  # noqa: PLC0415

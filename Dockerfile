@@ -1,0 +1,29 @@
+# The API with its in-process worker, on the CPU (NumPy/OpenBLAS).
+#   docker build -t nnetc .
+#   docker run -p 8000:8000 -e NNETC_REDIS_URL=redis://redis:6379/0 nnetc
+# Settings are NNETC_* environment variables (service/settings.py, README "Service").
+# deploy/docker-compose.yml runs it beside Redis; deploy/gpu.Dockerfile is the CuPy image.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY service ./service
+COPY schemas ./schemas
+COPY bench ./bench
+RUN pip install . \
+    && useradd --system --uid 10001 --no-create-home nnetc
+
+USER nnetc
+# listen on every interface inside the container; one BLAS thread per core by default
+ENV NNETC_HOST=0.0.0.0 \
+    NNETC_PORT=8000
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=2).status == 200 else 1)"]
+CMD ["nnetc", "serve"]
