@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
+import redis
+
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
@@ -27,7 +29,9 @@ from service.redis_cache import RedisComputationCache
 from service.registry import InProcessRegistry
 from service.routes import compile as compile_routes
 from service.routes import compute, health, infer, models
+from service.routes import streams as stream_routes
 from service.settings import Settings
+from service.streams import NoStreamStore, RedisStreamStore, StreamManager
 from service.worker import InProcessQueue
 
 _DOCS_STATIC = "/docs/static"
@@ -43,20 +47,32 @@ def _swagger_path() -> str | None:
 
 def build_services(settings: Settings) -> Services:
     metrics = Metrics()
+    backend = get_backend(settings.backend)
+    registry = InProcessRegistry(settings.max_models)
     if settings.redis_url:
-        cache = RedisComputationCache(settings.redis_url, settings.cache_size,
-                                      on_event=metrics.cache_event, ttl_s=settings.redis_ttl_s,
-                                      timeout_s=settings.redis_timeout_s)
+        client = redis.Redis.from_url(settings.redis_url,
+                                      socket_timeout=settings.redis_timeout_s,
+                                      socket_connect_timeout=settings.redis_timeout_s)
+        cache = RedisComputationCache(capacity=settings.cache_size, client=client,
+                                      on_event=metrics.cache_event, ttl_s=settings.redis_ttl_s)
+        store = RedisStreamStore(client, ttl_s=settings.stream_idle_s)
     else:
         cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event)
-    operations = Operations(cache, metrics, get_backend(settings.backend),
+        store = NoStreamStore()
+    operations = Operations(cache, metrics, backend,
                             max_computation_bytes=settings.max_computation_bytes)
+    streams = StreamManager(registry, backend, store, max_streams=settings.max_streams,
+                            idle_s=settings.stream_idle_s, metrics=metrics)
     queue = InProcessQueue({"compile": operations.compile_job,
                             "compute": operations.compute_job,
-                            "infer": operations.infer_job},
+                            "infer": operations.infer_job,
+                            "stream_open": streams.open,
+                            "stream_push": streams.push,
+                            "stream_finish": streams.finish,
+                            "stream_close": streams.close,
+                            "stream_info": streams.info},
                            maxsize=settings.queue_size, metrics=metrics)
-    return Services(settings, InProcessRegistry(settings.max_models), cache, queue,
-                    operations, metrics)
+    return Services(settings, registry, cache, queue, operations, metrics, streams)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -80,7 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.services = services
     install_error_handlers(app)
     for r in (health.router, models.router, compile_routes.router, compute.router,
-              infer.router):
+              infer.router, stream_routes.router):
         app.include_router(r)
     _mount_docs(app)
     app.add_middleware(WireMiddleware, max_body_bytes=settings.max_body_bytes,

@@ -14,13 +14,14 @@ from service.settings import Settings
 class Services:
     """What the app's lifespan builds and the routes use (on ``app.state.services``)."""
 
-    def __init__(self, settings, registry, cache, queue, operations, metrics):
+    def __init__(self, settings, registry, cache, queue, operations, metrics, streams=None):
         self.settings = settings
         self.registry = registry
         self.cache = cache
         self.queue = queue
         self.operations = operations
         self.metrics = metrics
+        self.streams = streams          # service.streams.StreamManager
         self.ready = False
 
 

@@ -33,6 +33,12 @@ class Metrics:
             "nnetc_batch_size", "sequences (n values) per executed computation",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
 
+        self.streams_open = Gauge("nnetc_streams_open", "streams held by this process",
+                                  registry=r)
+        self.stream_events = Counter(
+            "nnetc_stream_events_total", "stream lifecycle: opened, finished, closed, expired, "
+            "restored (from a checkpoint), conflict, checkpoint_error", ["event"], registry=r)
+
     def cache_event(self, event: str) -> None:
         self.cache_events.labels(event=event).inc()
 

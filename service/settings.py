@@ -60,3 +60,8 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(default=1.0, gt=0,
                                    description="connect/read timeout of a Redis call; after "
                                                "a failure Redis is skipped for 5 s")
+    max_streams: int = Field(default=256, ge=1,
+                             description="open streams one process holds; more get 503")
+    stream_idle_s: int = Field(default=600, ge=1,
+                               description="a stream not pushed to for this long is closed "
+                                           "(and its checkpoint expires in Redis)")

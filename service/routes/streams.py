@@ -1,0 +1,181 @@
+"""/streams: online inference over HTTP and WebSocket (service/streams.py).
+
+    POST   /streams                  open (model, options, i-vector) -> 201 StreamInfo
+    GET    /streams/{id}             StreamInfo
+    POST   /streams/{id}/frames      push frames -> the output rows now computable
+    POST   /streams/{id}/finish      flush the right edge -> the last rows; the stream ends
+    DELETE /streams/{id}             close without finishing -> 204
+    WS     /streams/{id}/ws          the same pushes and finish as JSON messages
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
+from fastapi.concurrency import run_in_threadpool
+from pydantic import ValidationError
+
+from engine.core.errors import NnetcError
+from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, StreamInfo,
+                             StreamOptions, StreamOutput)
+from service import convert
+from service.deps import AUTH, ServicesDep
+from service.errors import ServiceError, engine_status, error_body
+from service.routes import blame, run_job
+
+router = APIRouter(tags=["streams"])
+
+
+def stream_info(live) -> StreamInfo:
+    m = live.looped
+    return StreamInfo(stream_id=live.stream_id, model_id=live.model_id,
+                      options=StreamOptions(**live.options), chunk_size=m.chunk_size,
+                      left_context=m.frames_left_context, right_context=m.frames_right_context,
+                      input_dim=m.input_dim, output_dim=m.output_dim,
+                      frames_received=live.frames_received, frames_output=live.frames_output,
+                      finished=live.stream.finished)
+
+
+def _vector(v, field: str):
+    if v is None:
+        return None
+    a = np.asarray(v, dtype=np.float32)
+    if not np.all(np.isfinite(a)):
+        raise ServiceError(422, "RequestError", f"{field}: contains NaN or infinite values",
+                           field)
+    return a
+
+
+def _output(services, result, encoding: str) -> StreamOutput:
+    out, first, live = result
+    return StreamOutput(output=convert.matrix_to_wire(out, encoding,
+                                                      services.settings.base64_threshold),
+                        first_frame=first, frames_received=live.frames_received,
+                        frames_output=live.frames_output, finished=live.stream.finished)
+
+
+def _push_payload(services, sid: str, body: PushRequest) -> dict:
+    features = convert.matrix_from_wire(body.features, "features")
+    limit = services.settings.max_request_indexes
+    if features.shape[0] > limit:
+        raise ServiceError(413, "RequestTooLarge",
+                           f"{features.shape[0]} frames in one push is more than this "
+                           f"service's max_request_indexes ({limit}): push them in pieces",
+                           "features")
+    return {"stream_id": sid, "features": features, "offset": body.offset,
+            "ivector": _vector(body.ivector, "ivector")}
+
+
+@router.post("/streams", response_model=StreamInfo, status_code=201, dependencies=AUTH)
+def open_stream(body: OpenStreamRequest, services: ServicesDep, request: Request) -> StreamInfo:
+    entry = services.registry.get(body.model_id)
+    limit = services.settings.max_request_indexes
+    if body.options.frames_per_chunk > limit:
+        raise ServiceError(413, "RequestTooLarge",
+                           f"frames_per_chunk {body.options.frames_per_chunk} is more than this "
+                           f"service's max_request_indexes ({limit})", "options.frames_per_chunk")
+    with blame(request, "options"):
+        live = run_job(services, "stream_open", {
+            "entry": entry, "options": body.options.model_dump(),
+            "ivector": _vector(body.ivector, "ivector")})
+    return stream_info(live)
+
+
+@router.get("/streams/{stream_id}", response_model=StreamInfo, dependencies=AUTH)
+def get_stream(stream_id: str, services: ServicesDep) -> StreamInfo:
+    return stream_info(run_job(services, "stream_info", {"stream_id": stream_id}))
+
+
+@router.post("/streams/{stream_id}/frames", response_model=StreamOutput, dependencies=AUTH)
+def push_frames(stream_id: str, body: PushRequest, services: ServicesDep,
+                request: Request) -> StreamOutput:
+    payload = _push_payload(services, stream_id, body)
+    with blame(request, "features"):
+        result = run_job(services, "stream_push", payload)
+    return _output(services, result, body.encoding)
+
+
+@router.post("/streams/{stream_id}/finish", response_model=StreamOutput, dependencies=AUTH)
+def finish_stream(stream_id: str, services: ServicesDep,
+                  body: FinishRequest | None = None) -> StreamOutput:
+    result = run_job(services, "stream_finish", {"stream_id": stream_id})
+    return _output(services, result, (body or FinishRequest()).encoding)
+
+
+@router.delete("/streams/{stream_id}", status_code=204, dependencies=AUTH)
+def close_stream(stream_id: str, services: ServicesDep) -> Response:
+    run_job(services, "stream_close", {"stream_id": stream_id})
+    return Response(status_code=204)
+
+
+# -- WebSocket ---------------------------------------------------------------------------------
+
+def _ws_authorized(ws: WebSocket, token: str | None) -> bool:
+    if not token:
+        return True
+    scheme, _, given = ws.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(),
+                                                                 token.encode())
+
+
+def _ws_error(e: Exception) -> dict:
+    if isinstance(e, ServiceError):
+        body = error_body(e.type, e.message, e.field)
+        body["status"] = e.status
+    elif isinstance(e, ValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        body = error_body("RequestValidationError",
+                          f"{where}: {first.get('msg', 'invalid message')}", where or None)
+        body["status"] = 422
+    elif isinstance(e, NnetcError):
+        body = error_body(type(e).__name__, str(e))
+        body["status"] = engine_status(e)
+    else:
+        body = error_body("InternalError", "internal error")
+        body["status"] = 500
+    return body
+
+
+@router.websocket("/streams/{stream_id}/ws")
+async def stream_ws(ws: WebSocket, stream_id: str) -> None:
+    """Messages from the client: a PushRequest (``{"features": ..., "offset": ...}``)
+    or ``{"finish": true, "encoding": ...}``; each is answered with a StreamOutput, or
+    with ``{"error": {...}, "status": <the HTTP status it would have>}`` (the socket
+    stays open).  After the finish the server closes the socket (code 1000)."""
+    services = ws.app.state.services
+    if not _ws_authorized(ws, services.settings.auth_token):
+        await ws.close(code=1008, reason="missing or invalid bearer token")
+        return
+    await ws.accept()
+    try:
+        while True:
+            message = await ws.receive_json()
+            try:
+                if not isinstance(message, dict):
+                    raise ServiceError(422, "RequestError", "a message must be a JSON object")
+                if message.get("finish"):
+                    extra = set(message) - {"finish", "encoding"}
+                    if extra:
+                        raise ServiceError(422, "RequestError",
+                                           f"unknown fields in a finish message: {sorted(extra)}")
+                    fin = FinishRequest(**{k: v for k, v in message.items() if k != "finish"})
+                    result = await run_in_threadpool(run_job, services, "stream_finish",
+                                                     {"stream_id": stream_id})
+                    await ws.send_json(_output(services, result, fin.encoding).model_dump())
+                    await ws.close(code=1000)
+                    return
+                body = PushRequest.model_validate(message)
+                payload = _push_payload(services, stream_id, body)
+                result = await run_in_threadpool(run_job, services, "stream_push", payload)
+                await ws.send_json(_output(services, result, body.encoding).model_dump())
+            except (ServiceError, ValidationError, NnetcError) as e:
+                await ws.send_json(_ws_error(e))
+    except WebSocketDisconnect:
+        return
+    except ValueError:        # not JSON
+        await ws.send_json(_ws_error(ServiceError(400, "BadMessage",
+                                                  "messages must be JSON text")))
+        await ws.close(code=1003)

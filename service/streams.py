@@ -1,0 +1,401 @@
+"""Streams in the service: open a stream on a model, push frames in any amounts,
+receive output rows as soon as they are computable, finish (flush the right edge),
+close (SPEC section 2, "Streams").
+
+Each stream is an ``engine.inference.stream.Stream`` of a ``LoopedModel`` (shared by
+the streams of one model and chunk configuration).  Its state is checkpointed after
+every push into a ``StreamStore``: with Redis (``NNETC_REDIS_URL``) a stream
+survives the loss of the process that served it -- another process with the model
+registered (same bytes, same id) imports the last checkpoint and goes on bit for bit
+where it stopped.  Checkpoints are msgpack records holding the engine's exported
+state (an .npz archive without pickled objects, stamped with the model's
+fingerprint); each carries a version, and a save succeeds only over the version the
+saving process read (Redis WATCH/MULTI), so two processes advancing one stream at
+once cannot both win: the loser answers 409 and the client resends from the offset
+it names.  A process that holds a stream live reads the checkpoint's version before
+each push and reloads when another process has moved the stream on.
+
+Without Redis the store keeps nothing: streams live in their process only.  When
+Redis cannot be reached, streams go on in memory (their next successful save
+overwrites whatever is stored) and a stream that is not live here answers 503.
+
+Every method runs on the service's worker (routes submit ``stream_*`` jobs), so
+the executors never run two computations at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import redis
+
+from engine.core.errors import NnetcError
+from engine.inference.common import model_priors
+from engine.inference.looped import LoopedConfig
+from engine.inference.stream import LoopedModel, Stream
+from service.errors import ServiceError
+
+log = logging.getLogger("nnetc.streams")
+
+RECORD_VERSION = 1
+KEY_PREFIX = "nnetc:stream:"
+_LOOPED_MODELS = 8          # LoopedModels kept (each holds its compiled computation)
+
+
+class StreamConflict(Exception):
+    """The stored checkpoint is not the version the saving process started from."""
+
+
+class StoreUnavailable(Exception):
+    pass
+
+
+class NoStreamStore:
+    """Keeps nothing: streams live in their process only."""
+
+    shared = False
+
+    def load(self, sid: str) -> dict | None:
+        return None
+
+    def version(self, sid: str) -> int | None:
+        return None
+
+    def save(self, sid: str, record: dict, expect_version: int | None) -> None:
+        pass
+
+    def delete(self, sid: str) -> None:
+        pass
+
+
+class RedisStreamStore:
+    """Checkpoints in Redis, one msgpack record per stream, expiring after
+    ``ttl_s`` without a save."""
+
+    shared = True
+
+    def __init__(self, client: redis.Redis, ttl_s: int, prefix: str = KEY_PREFIX):
+        self.client = client
+        self.ttl_s = ttl_s
+        self.prefix = prefix
+
+    def _decode(self, sid: str, raw: bytes) -> dict:
+        try:
+            rec = msgpack.unpackb(raw, raw=False)
+            if not isinstance(rec, dict) or rec.get("v") != RECORD_VERSION:
+                raise ValueError("not a stream record of this version")
+            for k, t in (("version", int), ("model_id", str), ("options", dict),
+                         ("frames_output", int)):
+                if not isinstance(rec.get(k), t):
+                    raise ValueError(f"field {k!r} missing or of the wrong type")
+            if not isinstance(rec.get("state"), bytes):
+                raise ValueError("no state")
+            return rec
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise ServiceError(500, "CorruptCheckpoint",
+                               f"the checkpoint of stream {sid} is not readable ({e}); the "
+                               f"stream is lost: open a new one") from None
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except redis.RedisError as e:
+            raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
+
+    def load(self, sid: str) -> dict | None:
+        raw = self._call(self.client.get, self.prefix + sid)
+        if raw is None:
+            return None
+        try:
+            return self._decode(sid, raw)
+        except ServiceError:
+            self._call(self.client.delete, self.prefix + sid)
+            raise
+
+    def version(self, sid: str) -> int | None:
+        rec = self.load(sid)
+        return None if rec is None else rec["version"]
+
+    def save(self, sid: str, record: dict, expect_version: int | None) -> None:
+        """Store ``record``; with ``expect_version`` only over a stored record of that
+        version (None: unconditionally)."""
+        key = self.prefix + sid
+        payload = msgpack.packb(record, use_bin_type=True)
+        try:
+            with self.client.pipeline() as pipe:
+                pipe.watch(key)
+                if expect_version is not None:
+                    raw = pipe.get(key)
+                    found = self._decode(sid, raw)["version"] if raw is not None else None
+                    if found != expect_version:
+                        raise StreamConflict(found)
+                pipe.multi()
+                pipe.set(key, payload, ex=self.ttl_s)
+                pipe.execute()
+        except redis.WatchError:
+            raise StreamConflict(None) from None
+        except redis.RedisError as e:
+            raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
+
+    def delete(self, sid: str) -> None:
+        self._call(self.client.delete, self.prefix + sid)
+
+
+@dataclass
+class LiveStream:
+    stream_id: str
+    model_id: str
+    options: dict                # schemas.streams.StreamOptions as a dict
+    looped: LoopedModel
+    stream: Stream
+    version: int = 0             # of the last checkpoint this process saved or loaded
+    unsaved: bool = False        # a save failed (store unreachable): memory is ahead
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def frames_received(self) -> int:
+        return self.stream.num_received
+
+    @property
+    def frames_output(self) -> int:
+        return self.stream.num_emitted
+
+
+class StreamManager:
+    def __init__(self, registry, backend, store=None, max_streams: int = 256,
+                 idle_s: float = 600.0, metrics=None):
+        self.registry = registry
+        self.xp = backend
+        self.store = store if store is not None else NoStreamStore()
+        self.max_streams = max_streams
+        self.idle_s = idle_s
+        self.metrics = metrics
+        self._live: dict[str, LiveStream] = {}
+        self._looped: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.streams_open.set(len(self._live))
+
+    def _event(self, event: str) -> None:
+        if self.metrics is not None:
+            self.metrics.stream_events.labels(event=event).inc()
+
+    def _sweep(self) -> None:
+        """Close streams idle for longer than ``idle_s`` (their checkpoints expire
+        on their own)."""
+        now = time.monotonic()
+        with self._lock:
+            idle = [s for s, live in self._live.items() if now - live.last_used > self.idle_s]
+            for s in idle:
+                live = self._live.pop(s)
+                if not live.stream.finished:
+                    live.stream.executor.release()
+        if idle:
+            self._event("expired")
+            self._gauge()
+
+    def looped_model(self, entry, options: dict) -> LoopedModel:
+        key = (entry.model_id, options["frames_per_chunk"],
+               options["extra_left_context_initial"], options["frame_subsampling_factor"],
+               options["use_priors"])
+        with self._lock:
+            looped = self._looped.get(key)
+            if looped is not None:
+                self._looped.move_to_end(key)
+                return looped
+        looped = LoopedModel(entry.model.nnet,
+                             LoopedConfig(options["frames_per_chunk"],
+                                          options["extra_left_context_initial"],
+                                          options["frame_subsampling_factor"]),
+                             priors=model_priors(entry.model), use_priors=options["use_priors"],
+                             backend=self.xp)
+        with self._lock:
+            self._looped[key] = looped
+            while len(self._looped) > _LOOPED_MODELS:
+                self._looped.popitem(last=False)
+        return looped
+
+    def _record(self, live: LiveStream, version: int) -> dict:
+        return {"v": RECORD_VERSION, "version": version, "model_id": live.model_id,
+                "options": live.options, "state": live.stream.export_state(),
+                "frames_output": live.frames_output}
+
+    def _checkpoint(self, live: LiveStream) -> None:
+        """Save the stream's state as version ``live.version + 1``."""
+        if not self.store.shared:
+            return
+        # (a new stream's id is fresh: nothing to compare with)
+        expect = None if live.unsaved or live.version == 0 else live.version
+        try:
+            self.store.save(live.stream_id, self._record(live, live.version + 1), expect)
+        except StoreUnavailable as e:
+            if not live.unsaved:
+                log.warning("stream checkpoint not saved: the store is unreachable",
+                            extra={"stream_id": live.stream_id, "error": str(e)})
+            live.unsaved = True
+            self._event("checkpoint_error")
+            return
+        except StreamConflict:
+            with self._lock:
+                self._live.pop(live.stream_id, None)
+            self._gauge()
+            self._event("conflict")
+            raise ServiceError(409, "StreamConflict",
+                               f"stream {live.stream_id} was advanced by another request "
+                               f"meanwhile; this push was not kept: read the stream's "
+                               f"frames_received and resend from there",
+                               "stream_id") from None
+        live.version += 1
+        live.unsaved = False
+
+    def _restore(self, sid: str, rec: dict) -> LiveStream:
+        try:
+            entry = self.registry.get(rec["model_id"])
+        except ServiceError:
+            raise ServiceError(409, "ModelNotRegistered",
+                               f"stream {sid} runs model {rec['model_id']}, which is not "
+                               f"registered on this server: register the same model again "
+                               f"(same bytes, same id) and retry", "model_id") from None
+        looped = self.looped_model(entry, rec["options"])
+        try:
+            stream = looped.import_stream(rec["state"])
+        except NnetcError as e:
+            raise ServiceError(500, "CorruptCheckpoint",
+                               f"the checkpoint of stream {sid} cannot be restored: {e}") from None
+        live = LiveStream(sid, rec["model_id"], rec["options"], looped, stream,
+                          version=rec["version"])
+        with self._lock:
+            old = self._live.pop(sid, None)
+            self._live[sid] = live
+        if old is not None and not old.stream.finished:
+            old.stream.executor.release()
+        self._event("restored")
+        self._gauge()
+        return live
+
+    def get(self, sid: str) -> LiveStream:
+        """The live stream ``sid``: held here (and still the latest), or restored
+        from the store's checkpoint."""
+        with self._lock:
+            live = self._live.get(sid)
+        try:
+            if live is not None:
+                if live.unsaved or not self.store.shared:
+                    live.last_used = time.monotonic()
+                    return live
+                rec = self.store.load(sid)
+                if rec is None or rec["version"] == live.version:
+                    # (no record: it expired while this process kept the stream alive)
+                    live.last_used = time.monotonic()
+                    return live
+                return self._restore(sid, rec)       # another process moved it on
+            rec = self.store.load(sid)
+        except StoreUnavailable as e:
+            if live is not None:
+                live.last_used = time.monotonic()
+                return live
+            raise ServiceError(503, "StoreUnavailable",
+                               f"stream {sid} is not held by this server and its checkpoint "
+                               f"cannot be read now ({e}); retry") from None
+        if rec is None:
+            raise ServiceError(404, "NotFound",
+                               f"no stream with id {sid!r} (never opened, finished, closed, "
+                               f"or idle for more than {self.idle_s:g} s)", "stream_id")
+        return self._restore(sid, rec)
+
+    # -- operations (worker jobs) -----------------------------------------------------------
+    def info(self, p: dict) -> LiveStream:
+        return self.get(p["stream_id"])
+
+    def open(self, p: dict) -> LiveStream:
+        self._sweep()
+        with self._lock:
+            if len(self._live) >= self.max_streams:
+                raise ServiceError(503, "TooManyStreams",
+                                   f"this server holds {self.max_streams} open streams (its "
+                                   f"max_streams); finish or close some, or retry later")
+        entry, options = p["entry"], p["options"]
+        looped = self.looped_model(entry, options)
+        stream = looped.stream(p["ivector"])
+        sid = "s-" + secrets.token_urlsafe(18)
+        live = LiveStream(sid, entry.model_id, options, looped, stream)
+        self._checkpoint(live)
+        with self._lock:
+            self._live[sid] = live
+        self._event("opened")
+        self._gauge()
+        return live
+
+    def push(self, p: dict) -> tuple[np.ndarray, int, LiveStream]:
+        self._sweep()
+        live = self.get(p["stream_id"])
+        with live.lock:
+            offset = p.get("offset")
+            if offset is not None and offset != live.frames_received:
+                raise ServiceError(409, "OffsetMismatch",
+                                   f"offset {offset} given, but stream {live.stream_id} has "
+                                   f"received {live.frames_received} frames: send the frames "
+                                   f"from {live.frames_received} on", "offset")
+            first = live.frames_output
+            out = live.stream.push(p["features"], p.get("ivector"))
+            self._checkpoint(live)
+        return self._scaled(live, out), first, live
+
+    def finish(self, p: dict) -> tuple[np.ndarray, int, LiveStream]:
+        live = self.get(p["stream_id"])
+        with live.lock:
+            first = live.frames_output
+            out = live.stream.finish()
+            self._forget(live.stream_id)
+        self._event("finished")
+        return self._scaled(live, out), first, live
+
+    def close(self, p: dict) -> None:
+        sid = p["stream_id"]
+        with self._lock:
+            live = self._live.pop(sid, None)
+        found = live is not None
+        if live is not None and not live.stream.finished:
+            live.stream.executor.release()
+        try:
+            if not found and self.store.shared:
+                found = self.store.load(sid) is not None
+            self.store.delete(sid)
+        except StoreUnavailable as e:
+            if not found:
+                raise ServiceError(503, "StoreUnavailable",
+                                   f"stream {sid} is not held by this server and the store "
+                                   f"cannot be reached now ({e}); retry") from None
+        if not found:
+            raise ServiceError(404, "NotFound", f"no stream with id {sid!r}", "stream_id")
+        self._event("closed")
+        self._gauge()
+
+    def _forget(self, sid: str) -> None:
+        with self._lock:
+            self._live.pop(sid, None)
+        try:
+            self.store.delete(sid)
+        except StoreUnavailable:
+            pass     # the checkpoint expires on its own
+        self._gauge()
+
+    @staticmethod
+    def _scaled(live: LiveStream, out: np.ndarray) -> np.ndarray:
+        scale = live.options["acoustic_scale"]
+        return out if scale == 1.0 else (out * np.float32(scale)).astype(np.float32)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live)

