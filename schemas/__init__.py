@@ -6,9 +6,12 @@ from schemas.compile import (CompileRequest, CompileResponse, CompileStats,
 from schemas.compute import (ComputeRequest, ComputeResponse, InferOptions, InferRequest,
                              InferResponse)
 from schemas.models import ModelInfo, ModelList, ModelResponse, RegisterModelRequest
+from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, StreamInfo,
+                             StreamOptions, StreamOutput)
 
 __all__ = ["EncodedMatrix", "ErrorDetail", "ErrorResponse", "Matrix", "CompileRequest",
            "CompileResponse", "CompileStats", "ComputationRequestModel", "IoSpec",
            "OptimizerOptions", "ComputeRequest", "ComputeResponse", "InferOptions",
            "InferRequest", "InferResponse", "ModelInfo", "ModelList", "ModelResponse",
-           "RegisterModelRequest"]
+           "RegisterModelRequest", "FinishRequest", "OpenStreamRequest", "PushRequest",
+           "StreamInfo", "StreamOptions", "StreamOutput"]
