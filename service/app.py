@@ -32,7 +32,7 @@ from service.routes import compute, health, infer, models
 from service.routes import streams as stream_routes
 from service.settings import Settings
 from service.streams import NoStreamStore, RedisStreamStore, StreamManager
-from service.worker import InProcessQueue
+from service.worker import Batcher, InProcessQueue
 
 _DOCS_STATIC = "/docs/static"
 
@@ -71,7 +71,11 @@ def build_services(settings: Settings) -> Services:
                             "stream_finish": streams.finish,
                             "stream_close": streams.close,
                             "stream_info": streams.info},
-                           maxsize=settings.queue_size, metrics=metrics)
+                           maxsize=settings.queue_size, metrics=metrics,
+                           batchers={"compute": Batcher(operations.compute_batch_key,
+                                                        operations.compute_batch)},
+                           max_batch=settings.max_batch,
+                           batch_delay_s=settings.batch_delay_ms / 1000.0)
     return Services(settings, registry, cache, queue, operations, metrics, streams)
 
 

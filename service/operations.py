@@ -13,9 +13,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.compiler.computation import NnetComputation
-from engine.compiler.request import ComputationRequest
+from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.compiler.shortcut import compile_request
+from engine.core.index import Index
 from engine.inference import InferenceOptions, Inferencer
 from engine.inference.common import model_priors
 from engine.optimizer.options import OptimizeOptions
@@ -110,6 +113,66 @@ class Operations:
         gradient = ex.get_model_gradient() if request.need_model_derivative else None
         ex.release()
         return compiled, ComputeResult(outputs, input_derivs, gradient)
+
+    # -- dynamic batching of compute jobs --------------------------------------------------
+    @staticmethod
+    def compute_batch_key(p: dict):
+        """Jobs with equal keys are one sequence each (every Index has n = 0) of the same
+        request on the same model with the same options, and ask for no model
+        derivative or statistics: they can run as one computation along n (None:
+        the job runs alone)."""
+        req: ComputationRequest = p["request"]
+        if req.need_model_derivative or req.store_component_stats:
+            return None
+        for spec in (*req.inputs, *req.outputs):
+            if any(i.n != 0 for i in spec.indexes):
+                return None
+        return (p["entry"].model_id, req.canonical_bytes(), p["options"].cache_key(),
+                p["optimize"], p["use_shortcut"])
+
+    def compute_batch(self, payloads: list[dict]) -> list:
+        """Jobs of one ``compute_batch_key`` as one computation: sequence k of the merged
+        request is job k's request with n = k; inputs and output derivatives stacked,
+        outputs and input derivatives split back.  Each result is what
+        ``compute_job`` would give for that job (its own computation id; float32
+        rounding aside, the same numbers: sequences do not interact).  If the merged
+        computation fails, the jobs run one by one, so a failure stays with its job."""
+        base = payloads[0]
+        req: ComputationRequest = base["request"]
+        b = len(payloads)
+
+        def many(spec):
+            idx = [Index(n, i.t, i.x) for n in range(b) for i in spec.indexes]
+            return IoSpecification(spec.name, idx, spec.has_deriv)
+
+        merged_req = ComputationRequest([many(s) for s in req.inputs],
+                                        [many(s) for s in req.outputs])
+        merged = dict(base, request=merged_req,
+                      inputs={k: np.concatenate([p["inputs"][k] for p in payloads])
+                              for k in base["inputs"]},
+                      output_derivs={k: np.concatenate([p["output_derivs"][k] for p in payloads])
+                                     for k in base.get("output_derivs", {})})
+        try:
+            compiled, result = self.compute_job(merged)
+        except Exception:  # noqa: BLE001 - find which job it was: each alone
+            out = []
+            for p in payloads:
+                try:
+                    out.append(self.compute_job(p))
+                except Exception as e:  # noqa: BLE001
+                    out.append(e)
+            return out
+        own_key = cache_key(base["entry"].structure_hash, req, base["options"],
+                            base["optimize"], base["use_shortcut"])
+        rows = {s.name: len(s.indexes) for s in (*req.inputs, *req.outputs)}
+        out = []
+        for k in range(b):
+            def part(mats):
+                return {name: m[k * rows[name]:(k + 1) * rows[name]] for name, m in mats.items()}
+            out.append((Compiled(own_key, compiled.computation, compiled.cached,
+                                 compiled.compile_ms, compiled.optimized),
+                        ComputeResult(part(result.outputs), part(result.input_derivs), None)))
+        return out
 
     # -- infer -----------------------------------------------------------------------------
     def infer_job(self, p: dict):

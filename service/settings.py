@@ -65,3 +65,10 @@ class Settings(BaseSettings):
     stream_idle_s: int = Field(default=600, ge=1,
                                description="a stream not pushed to for this long is closed "
                                            "(and its checkpoint expires in Redis)")
+    max_batch: int = Field(default=8, ge=1, le=1024,
+                           description="compute jobs run together as one computation along "
+                                       "n (dynamic batching): at most this many; 1 turns it "
+                                       "off")
+    batch_delay_ms: float = Field(default=2.0, ge=0.0, le=1000.0,
+                                  description="how long the worker waits for more "
+                                              "compatible compute jobs before running a batch")

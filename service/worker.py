@@ -6,6 +6,10 @@ stop); ``InProcessQueue`` runs one worker thread that takes jobs in order and
 resolves each job's future with the handler's result or exception.  A Redis
 Streams queue implements the same interface with payloads serialised.
 
+Dynamic batching: a kind with a ``Batcher`` (the service gives one to "compute") has
+the compatible jobs waiting behind a job run with it as one call (see
+InProcessQueue).
+
 One worker thread means executions never overlap, so the shared, read-only
 models are never touched by two computations at once; a job that raises only
 fails its own future (the worker loop catches everything), so one client's bad
@@ -14,6 +18,7 @@ input cannot disturb another's results.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -46,12 +51,32 @@ class JobQueue(Protocol):
 _STOP = object()
 
 
+@dataclass
+class Batcher:
+    """Dynamic batching of one job kind: ``key(payload)`` is None for a job that runs
+    alone, else equal for jobs that ``run(payloads)`` can do together; ``run`` returns
+    one result or exception per payload, in order."""
+
+    key: Callable[[dict], Any]
+    run: Callable[[list], list]
+
+
 class InProcessQueue:
+    """One worker thread.  With ``batchers``, a job of a batched kind is run together
+    with the compatible jobs waiting behind it (up to ``max_batch``, waiting at most
+    ``batch_delay_s`` for more to arrive); incompatible jobs taken out meanwhile run
+    next, in their order."""
+
     def __init__(self, handlers: dict[str, Callable[[dict], Any]], maxsize: int = 1024,
-                 metrics=None):
+                 metrics=None, batchers: dict[str, Batcher] | None = None,
+                 max_batch: int = 1, batch_delay_s: float = 0.0):
         self.handlers = handlers
         self.metrics = metrics
+        self.batchers = batchers or {}
+        self.max_batch = max_batch
+        self.batch_delay_s = batch_delay_s
         self._q: queue.Queue = queue.Queue(maxsize=maxsize)
+        self._deferred: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -70,7 +95,7 @@ class InProcessQueue:
         return self._thread is not None and self._thread.is_alive()
 
     def depth(self) -> int:
-        return self._q.qsize()
+        return self._q.qsize() + len(self._deferred)
 
     def submit(self, kind: str, payload: dict) -> Future:
         if kind not in self.handlers:
@@ -87,22 +112,92 @@ class InProcessQueue:
         if self.metrics is not None:
             self.metrics.queue_depth.set(self._q.qsize())
 
+    def _next(self, timeout: float | None = None):
+        if self._deferred:
+            return self._deferred.popleft()
+        return self._q.get(timeout=timeout) if timeout is not None else self._q.get()
+
+    def _collect(self, job: Job, batcher: Batcher, key) -> list[Job]:
+        """``job`` and the compatible jobs behind it (see the class docstring)."""
+        group = [job]
+        skipped: list = []
+        deadline = time.perf_counter() + self.batch_delay_s
+        # first the jobs already taken out earlier, then the queue
+        pending = list(self._deferred)
+        self._deferred.clear()
+        for other in pending:
+            if (len(group) < self.max_batch and other is not _STOP
+                    and other.kind == job.kind and self._key(batcher, other) == key):
+                group.append(other)
+            else:
+                skipped.append(other)
+        while len(group) < self.max_batch and not (skipped and skipped[-1] is _STOP):
+            wait = deadline - time.perf_counter()
+            try:
+                other = self._q.get_nowait() if wait <= 0 else self._q.get(timeout=wait)
+            except queue.Empty:
+                break
+            if (other is not _STOP and other.kind == job.kind
+                    and self._key(batcher, other) == key):
+                group.append(other)
+            else:
+                skipped.append(other)
+        self._deferred.extend(skipped)
+        return group
+
+    @staticmethod
+    def _key(batcher: Batcher, job: Job):
+        try:
+            return batcher.key(job.payload)
+        except Exception:  # noqa: BLE001 - such a job runs alone and reports its own error
+            return None
+
     def _loop(self) -> None:
         while True:
-            job = self._q.get()
+            job = self._next()
             self._gauge()
             if job is _STOP:
                 return
             if not job.future.set_running_or_notify_cancel():
                 continue
-            t0 = time.perf_counter()
-            try:
-                result = self.handlers[job.kind](job.payload)
-            except Exception as e:  # noqa: BLE001 - the job's error, not the worker's
-                job.future.set_exception(e)
+            batcher = self.batchers.get(job.kind)
+            key = self._key(batcher, job) if batcher is not None and self.max_batch > 1 else None
+            if key is not None:
+                group = self._collect(job, batcher, key)
+                group = [job] + [j for j in group[1:] if j.future.set_running_or_notify_cancel()]
+                self._gauge()
+                if len(group) > 1:
+                    self._run_group(batcher, group)
+                    continue
+            self._run_one(job)
+
+    def _run_one(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            result = self.handlers[job.kind](job.payload)
+        except Exception as e:  # noqa: BLE001 - the job's error, not the worker's
+            job.future.set_exception(e)
+        else:
+            job.future.set_result(result)
+        finally:
+            if self.metrics is not None:
+                self.metrics.job_seconds.labels(kind=job.kind).observe(
+                    time.perf_counter() - t0)
+
+    def _run_group(self, batcher: Batcher, group: list[Job]) -> None:
+        t0 = time.perf_counter()
+        try:
+            results = batcher.run([j.payload for j in group])
+            if len(results) != len(group):
+                raise RuntimeError(f"batch handler gave {len(results)} results for "
+                                   f"{len(group)} jobs")
+        except Exception as e:  # noqa: BLE001 - every job of the group learns of it
+            results = [e] * len(group)
+        seconds = time.perf_counter() - t0
+        for j, r in zip(group, results):
+            if isinstance(r, BaseException):
+                j.future.set_exception(r)
             else:
-                job.future.set_result(result)
-            finally:
-                if self.metrics is not None:
-                    self.metrics.job_seconds.labels(kind=job.kind).observe(
-                        time.perf_counter() - t0)
+                j.future.set_result(r)
+            if self.metrics is not None:
+                self.metrics.job_seconds.labels(kind=j.kind).observe(seconds)

@@ -1,0 +1,164 @@
+"""Dynamic batching in the worker: compatible single-sequence compute jobs run as one
+computation along n, each client getting its own rows; incompatible jobs keep their
+order; a failing job fails alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from service.worker import Batcher, InProcessQueue
+from tests.service.conftest import TINY_CONFIG, decode, encode, make_client, register, request_for
+
+
+def _metric(client, prefix: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(prefix):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_concurrent_computes_are_batched_and_equal_single_runs():
+    xs = [np.random.default_rng(k).standard_normal((7, 4)).astype(np.float32) for k in range(6)]
+    with make_client(max_batch=1) as solo:
+        mid = register(solo, config=TINY_CONFIG)["model_id"]
+        # input and output derivatives, no model derivative: mergeable
+        body = {"model_id": mid, "request": {**request_for(0, 5, deriv=True),
+                                             "need_model_derivative": False}}
+        expected = []
+        for x in xs:
+            r = solo.post("/compute", json={**body, "inputs": {"input": encode(x)},
+                                            "output_derivs": {"output": encode(x[:5, :3])}})
+            assert r.status_code == 200, r.text
+            expected.append(r.json())
+    with make_client(max_batch=4, batch_delay_ms=300) as c:
+        assert register(c, config=TINY_CONFIG)["model_id"] == mid
+
+        def one(x):
+            return c.post("/compute", json={**body, "inputs": {"input": encode(x)},
+                                            "output_derivs": {"output": encode(x[:5, :3])}})
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(one, xs))
+        for r, e in zip(got, expected):
+            assert r.status_code == 200, r.text
+            j = r.json()
+            assert j["computation_id"] == e["computation_id"]     # its own request's id
+            for part in ("outputs", "input_derivs"):
+                for name, m in e[part].items():
+                    np.testing.assert_allclose(decode(j[part][name]), decode(m),
+                                               rtol=1e-5, atol=1e-6)
+        # 6 jobs with at most 4 per batch: fewer executions than jobs, one of them batched
+        count = _metric(c, "nnetc_batch_size_count")
+        assert count < 6
+        assert _metric(c, 'nnetc_batch_size_bucket{le="1.0"}') < count
+
+
+def test_jobs_that_cannot_merge_run_alone():
+    with make_client(max_batch=8, batch_delay_ms=100) as c:
+        mid = register(c, config=TINY_CONFIG)["model_id"]
+        grad = {"model_id": mid, "request": {**request_for(0, 3, deriv=True),
+                                             "need_model_derivative": True},
+                "inputs": {"input": encode(np.ones((5, 4)))},
+                "output_derivs": {"output": encode(np.ones((3, 3)))}}
+        two = {"model_id": mid, "request": request_for(0, 3, n=2),
+               "inputs": {"input": encode(np.ones((10, 4)))}}
+        with ThreadPoolExecutor(4) as pool:
+            rs = list(pool.map(lambda b: c.post("/compute", json=b), [grad, two, grad, two]))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        assert all("model_gradient" in r.json() for r in (rs[0], rs[2]))
+        assert _metric(c, "nnetc_batch_size_count") == 4.0
+
+
+def _queue(handler_log, batch_log, max_batch=4, delay=0.2, fail_on=None):
+    def handle(p):
+        handler_log.append(p["v"])
+        if p["v"] == fail_on:
+            raise ValueError(f"bad job {p['v']}")
+        return p["v"] * 10
+
+    def run(ps):
+        batch_log.append([p["v"] for p in ps])
+        if any(p["v"] == fail_on for p in ps):
+            return [ValueError("bad") if p["v"] == fail_on else p["v"] * 10 for p in ps]
+        return [p["v"] * 10 for p in ps]
+    q = InProcessQueue({"a": handle, "b": handle}, batchers={"a": Batcher(
+        lambda p: p.get("key"), run)}, max_batch=max_batch, batch_delay_s=delay)
+    return q
+
+
+def test_queue_groups_by_key_and_keeps_the_order_of_the_rest():
+    handled, batches = [], []
+    q = _queue(handled, batches)
+    gate = threading.Event()
+    q.handlers["block"] = lambda p: gate.wait(5)
+    q.start()
+    try:
+        first = q.submit("block", {})          # holds the worker while the others queue up
+        futs = [q.submit("a", {"v": 1, "key": "k"}), q.submit("b", {"v": 2}),
+                q.submit("a", {"v": 3, "key": "j"}), q.submit("a", {"v": 4, "key": "k"}),
+                q.submit("a", {"v": 5, "key": None}), q.submit("a", {"v": 6, "key": "k"}),
+                q.submit("a", {"v": 7, "key": "j"})]
+        gate.set()
+        first.result(5)
+        assert [f.result(5) for f in futs] == [10, 20, 30, 40, 50, 60, 70]
+    finally:
+        q.stop()
+    assert batches == [[1, 4, 6], [3, 7]]
+    assert handled == [2, 5]                   # run alone, in their order
+    assert q.depth() == 0
+
+
+def test_a_failing_job_fails_alone_and_the_worker_goes_on():
+    handled, batches = [], []
+    q = _queue(handled, batches, fail_on=2)
+    q.start()
+    try:
+        gate = threading.Event()
+        q.handlers["block"] = lambda p: gate.wait(5)
+        q.submit("block", {})
+        futs = [q.submit("a", {"v": v, "key": "k"}) for v in (1, 2, 3)]
+        gate.set()
+        assert futs[0].result(5) == 10 and futs[2].result(5) == 30
+        with pytest.raises(ValueError):
+            futs[1].result(5)
+        assert q.submit("a", {"v": 9, "key": None}).result(5) == 90
+    finally:
+        q.stop()
+
+
+def test_no_delay_when_alone():
+    handled, batches = [], []
+    q = _queue(handled, batches, delay=0.0)
+    q.start()
+    try:
+        t0 = time.perf_counter()
+        assert q.submit("a", {"v": 1, "key": "k"}).result(5) == 10
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        q.stop()
+    assert handled == [1] and batches == []
+
+
+def test_compute_batch_falls_back_to_one_by_one():
+    with make_client() as c:
+        ops = c.app.state.services.operations
+        mid = register(c, config=TINY_CONFIG)["model_id"]
+        entry = c.app.state.services.registry.get(mid)
+        from engine.optimizer.options import OptimizeOptions  # noqa: PLC0415
+        from service.convert import request_to_engine  # noqa: PLC0415
+        from schemas.compile import ComputationRequestModel  # noqa: PLC0415
+        req = request_to_engine(ComputationRequestModel(**request_for(0, 3)))
+        good = {"entry": entry, "request": req, "options": OptimizeOptions(), "optimize": True,
+                "use_shortcut": True, "inputs": {"input": np.ones((5, 4), np.float32)},
+                "output_derivs": {}}
+        bad = dict(good, inputs={"input": np.ones((4, 4), np.float32)})   # a row short
+        assert ops.compute_batch_key(good) == ops.compute_batch_key(bad)
+        out = ops.compute_batch([good, bad, good])
+        assert isinstance(out[1], Exception)
+        a, b = out[0][1].outputs["output"], out[2][1].outputs["output"]
+        np.testing.assert_array_equal(a, b)
+        assert a.shape == (3, 3)
