@@ -26,6 +26,7 @@ from service.metrics import Metrics
 from service.middleware import WireMiddleware
 from service.operations import Operations
 from service.redis_cache import RedisComputationCache
+from service.redis_registry import RedisModelRegistry
 from service.registry import InProcessRegistry
 from service.routes import compile as compile_routes
 from service.routes import compute, health, infer, models
@@ -48,15 +49,16 @@ def _swagger_path() -> str | None:
 def build_services(settings: Settings) -> Services:
     metrics = Metrics()
     backend = get_backend(settings.backend)
-    registry = InProcessRegistry(settings.max_models)
     if settings.redis_url:
         client = redis.Redis.from_url(settings.redis_url,
                                       socket_timeout=settings.redis_timeout_s,
                                       socket_connect_timeout=settings.redis_timeout_s)
+        registry = RedisModelRegistry(client, settings.max_models)
         cache = RedisComputationCache(capacity=settings.cache_size, client=client,
                                       on_event=metrics.cache_event, ttl_s=settings.redis_ttl_s)
         store = RedisStreamStore(client, ttl_s=settings.stream_idle_s)
     else:
+        registry = InProcessRegistry(settings.max_models)
         cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event)
         store = NoStreamStore()
     operations = Operations(cache, metrics, backend,

