@@ -168,6 +168,17 @@ class LiveStream:
     def frames_output(self) -> int:
         return self.stream.num_emitted
 
+    def summary(self) -> dict:
+        """What the routes report (schemas.streams.StreamInfo's fields): plain data, so
+        a worker in another process can send it back."""
+        m = self.looped
+        return {"stream_id": self.stream_id, "model_id": self.model_id,
+                "options": dict(self.options), "chunk_size": m.chunk_size,
+                "left_context": m.frames_left_context, "right_context": m.frames_right_context,
+                "input_dim": m.input_dim, "output_dim": m.output_dim,
+                "frames_received": self.frames_received, "frames_output": self.frames_output,
+                "finished": self.stream.finished}
+
 
 class StreamManager:
     def __init__(self, registry, backend, store=None, max_streams: int = 256,
@@ -315,10 +326,10 @@ class StreamManager:
         return self._restore(sid, rec)
 
     # -- operations (worker jobs) -----------------------------------------------------------
-    def info(self, p: dict) -> LiveStream:
-        return self.get(p["stream_id"])
+    def info(self, p: dict) -> dict:
+        return self.get(p["stream_id"]).summary()
 
-    def open(self, p: dict) -> LiveStream:
+    def open(self, p: dict) -> dict:
         self._sweep()
         with self._lock:
             if len(self._live) >= self.max_streams:
@@ -335,9 +346,9 @@ class StreamManager:
             self._live[sid] = live
         self._event("opened")
         self._gauge()
-        return live
+        return live.summary()
 
-    def push(self, p: dict) -> tuple[np.ndarray, int, LiveStream]:
+    def push(self, p: dict) -> tuple[np.ndarray, int, dict]:
         self._sweep()
         live = self.get(p["stream_id"])
         with live.lock:
@@ -350,16 +361,16 @@ class StreamManager:
             first = live.frames_output
             out = live.stream.push(p["features"], p.get("ivector"))
             self._checkpoint(live)
-        return self._scaled(live, out), first, live
+        return self._scaled(live, out), first, live.summary()
 
-    def finish(self, p: dict) -> tuple[np.ndarray, int, LiveStream]:
+    def finish(self, p: dict) -> tuple[np.ndarray, int, dict]:
         live = self.get(p["stream_id"])
         with live.lock:
             first = live.frames_output
             out = live.stream.finish()
             self._forget(live.stream_id)
         self._event("finished")
-        return self._scaled(live, out), first, live
+        return self._scaled(live, out), first, live.summary()
 
     def close(self, p: dict) -> None:
         sid = p["stream_id"]

@@ -28,14 +28,8 @@ from service.routes import blame, run_job
 router = APIRouter(tags=["streams"])
 
 
-def stream_info(live) -> StreamInfo:
-    m = live.looped
-    return StreamInfo(stream_id=live.stream_id, model_id=live.model_id,
-                      options=StreamOptions(**live.options), chunk_size=m.chunk_size,
-                      left_context=m.frames_left_context, right_context=m.frames_right_context,
-                      input_dim=m.input_dim, output_dim=m.output_dim,
-                      frames_received=live.frames_received, frames_output=live.frames_output,
-                      finished=live.stream.finished)
+def stream_info(summary: dict) -> StreamInfo:
+    return StreamInfo(**{**summary, "options": StreamOptions(**summary["options"])})
 
 
 def _vector(v, field: str):
@@ -49,11 +43,11 @@ def _vector(v, field: str):
 
 
 def _output(services, result, encoding: str) -> StreamOutput:
-    out, first, live = result
+    out, first, summary = result
     return StreamOutput(output=convert.matrix_to_wire(out, encoding,
                                                       services.settings.base64_threshold),
-                        first_frame=first, frames_received=live.frames_received,
-                        frames_output=live.frames_output, finished=live.stream.finished)
+                        first_frame=first, frames_received=summary["frames_received"],
+                        frames_output=summary["frames_output"], finished=summary["finished"])
 
 
 def _push_payload(services, sid: str, body: PushRequest) -> dict:
@@ -77,10 +71,10 @@ def open_stream(body: OpenStreamRequest, services: ServicesDep, request: Request
                            f"frames_per_chunk {body.options.frames_per_chunk} is more than this "
                            f"service's max_request_indexes ({limit})", "options.frames_per_chunk")
     with blame(request, "options"):
-        live = run_job(services, "stream_open", {
+        summary = run_job(services, "stream_open", {
             "entry": entry, "options": body.options.model_dump(),
             "ivector": _vector(body.ivector, "ivector")})
-    return stream_info(live)
+    return stream_info(summary)
 
 
 @router.get("/streams/{stream_id}", response_model=StreamInfo, dependencies=AUTH)
