@@ -26,6 +26,7 @@ from service.metrics import Metrics
 from service.middleware import WireMiddleware
 from service.operations import Operations
 from service.redis_cache import RedisComputationCache
+from service.redis_queue import RedisJobQueue
 from service.redis_registry import RedisModelRegistry
 from service.registry import InProcessRegistry
 from service.routes import compile as compile_routes
@@ -65,6 +66,10 @@ def build_services(settings: Settings) -> Services:
                             max_computation_bytes=settings.max_computation_bytes)
     streams = StreamManager(registry, backend, store, max_streams=settings.max_streams,
                             idle_s=settings.stream_idle_s, metrics=metrics)
+    if settings.queue == "redis":
+        queue = RedisJobQueue(client, settings.job_timeout_s, settings.queue_size,
+                              metrics=metrics)
+        return Services(settings, registry, cache, queue, operations, metrics, streams)
     queue = InProcessQueue({"compile": operations.compile_job,
                             "compute": operations.compute_job,
                             "infer": operations.infer_job,

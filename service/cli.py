@@ -403,6 +403,36 @@ def serve_cmd(host, port, log_level) -> None:
                 log_level=settings.log_level.lower(), access_log=False)
 
 
+@main.command("worker")
+@click.option("--name", default=None, help="Consumer name (default: host-pid).")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+              default=None, help="Log level (default: settings, INFO).")
+def worker_cmd(name, log_level) -> None:
+    """Run jobs from the Redis Stream of the service (NNETC_QUEUE=redis): compile, compute
+    (batched along n), infer and streams, until SIGTERM or Ctrl-C.
+
+    Needs NNETC_REDIS_URL; other settings come from NNETC_* environment variables
+    (service/settings.py): BACKEND, MAX_BATCH, WORKER_CLAIM_IDLE_S, MAX_COMPUTATION_BYTES..."""
+    import signal  # noqa: PLC0415
+
+    from service import logs  # noqa: PLC0415
+    from service.app import build_services  # noqa: PLC0415
+    from service.redis_queue import RedisWorker  # noqa: PLC0415
+    from service.settings import Settings  # noqa: PLC0415
+    overrides = {"log_level": log_level} if log_level else {}
+    settings = Settings(**overrides)
+    if not settings.redis_url:
+        raise click.UsageError("nnetc worker needs NNETC_REDIS_URL")
+    logs.configure(settings.log_level)
+    services = build_services(settings.model_copy(update={"queue": "inprocess"}))
+    worker = RedisWorker(services.cache.client, services.operations, services.streams,
+                         services.registry, max_batch=settings.max_batch,
+                         claim_idle_s=settings.worker_claim_idle_s, name=name)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop())
+    worker.run()
+
+
 @main.group("bench")
 def bench_group() -> None:
     """Benchmarks (bench/ in the source tree; issue 7)."""

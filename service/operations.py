@@ -1,7 +1,7 @@
 """What the worker does: compile (through the cache), compute, infer.
 
-Job handlers take plain payloads (engine objects here, in process; a Redis
-worker would rebuild them from ids and bytes) and return engine results; the
+Job handlers take plain payloads (engine objects; a worker process rebuilds them
+from ids and bytes: service/jobs.py) and return engine results; the
 routes translate to and from the wire through service/convert.
 """
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -72,3 +72,19 @@ class Settings(BaseSettings):
     batch_delay_ms: float = Field(default=2.0, ge=0.0, le=1000.0,
                                   description="how long the worker waits for more "
                                               "compatible compute jobs before running a batch")
+    queue: Literal["inprocess", "redis"] = Field(
+        default="inprocess",
+        description="where jobs run: 'inprocess' (a worker thread in this process) or "
+                    "'redis' (a Redis Stream read by `nnetc worker` processes; needs "
+                    "redis_url)")
+    worker_claim_idle_s: float = Field(
+        default=30.0, gt=0,
+        description="a job a worker took and has not answered for this long is taken over "
+                    "by another worker (the first is presumed dead); keep it above the "
+                    "longest job")
+
+    @model_validator(mode="after")
+    def _queue_needs_redis(self):
+        if self.queue == "redis" and not self.redis_url:
+            raise ValueError("queue 'redis' needs redis_url (NNETC_REDIS_URL)")
+        return self

@@ -3,8 +3,9 @@
 Requests that compute (compile, compute, infer) become ``Job``s: a kind and a
 payload.  ``JobQueue`` is the interface (submit -> a Future, depth, start,
 stop); ``InProcessQueue`` runs one worker thread that takes jobs in order and
-resolves each job's future with the handler's result or exception.  A Redis
-Streams queue implements the same interface with payloads serialised.
+resolves each job's future with the handler's result or exception.  The Redis
+Streams queue (service/redis_queue.py) implements the same interface with payloads
+serialised (service/jobs.py) and workers in other processes.
 
 Dynamic batching: a kind with a ``Batcher`` (the service gives one to "compute") has
 the compatible jobs waiting behind a job run with it as one call (see

