@@ -29,7 +29,7 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import redis
 
@@ -109,8 +109,9 @@ class RedisJobQueue:
                 raise ServiceError(503, "Overloaded", "too many jobs waiting for workers; "
                                                       "retry later")
         job_id = secrets.token_hex(12)
+        # left pending (not "running"): a caller that gives up (run_job's timeout) cancels
+        # it, and the done callback forgets the job
         future: Future = Future()
-        future.set_running_or_notify_cancel()
         fields = {"id": job_id, "kind": kind, "reply": self.reply_stream,
                   "deadline": f"{time.time() + self.job_timeout_s:.3f}",
                   "job": encode_job(kind, payload)}
@@ -167,9 +168,16 @@ class RedisJobQueue:
         try:
             result = decode_result(kind, fields.get(b"result", b""))
         except BaseException as e:  # noqa: BLE001 - the job's error travels to its caller
-            future.set_exception(e)
+            result, error = None, e
         else:
-            future.set_result(result)
+            error = None
+        try:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+        except InvalidStateError:
+            pass                        # cancelled meanwhile by a caller that gave up
 
 
 class RedisWorker:

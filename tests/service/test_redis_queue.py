@@ -214,3 +214,12 @@ def test_nnetc_worker_process(server):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_job_given_up_by_its_caller_is_forgotten(server):
+    server.client().flushall()
+    with make_client(redis_url=server.url, queue="redis", job_timeout_s=0.3) as api:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        assert api.post("/compile", json={"model_id": mid,
+                                          "request": request_for(0, 3)}).status_code == 504
+        assert api.app.state.services.queue.depth() == 0      # nothing left waiting
