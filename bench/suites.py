@@ -293,9 +293,14 @@ def suite_stream(r: Runner) -> list[dict]:
     return run(r)
 
 
+def suite_service(r: Runner) -> list[dict]:
+    from bench.service import suite_service as run  # noqa: PLC0415
+    return run(r)
+
+
 SUITES = {"compile": suite_compile, "forward": suite_forward, "roofline": suite_roofline,
           "memory": suite_memory, "executor": suite_executor, "torch": suite_torch,
-          "stream": suite_stream}
+          "stream": suite_stream, "service": suite_service}
 
 
 def format_table(rows: list[dict]) -> str:

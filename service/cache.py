@@ -7,9 +7,9 @@ compile flags (optimize, shortcut) and the engine's IR version; so a change of
 any of these gives another entry, and retraining a model does not.
 
 Entries are plain data (``engine.compiler.serialize.computation_to_data``: lists
-and numbers, no pickle) and are rebuilt and validated on every read, so a
-corrupted entry fails as a CheckError (reported and dropped) instead of
-running.  ``ComputationCache`` is the interface a Redis-backed cache implements
+and numbers, no pickle); the computation a hit returns is rebuilt from that data
+and validated once (when stored, or when first read for data from Redis), so a
+corrupted entry fails as a CheckError (reported and dropped) instead of running.  ``ComputationCache`` is the interface a Redis-backed cache implements
 (bytes in a hash, same keys); ``LRUComputationCache`` is the in-process one.
 """
 
@@ -40,18 +40,28 @@ def cache_key(structure_hash: str, request: ComputationRequest, options: Optimiz
 
 class ComputationCache(Protocol):
     def get(self, key: str) -> NnetComputation | None: ...
-    def put(self, key: str, computation: NnetComputation, meta: dict) -> None: ...
+    def put(self, key: str, computation: NnetComputation, meta: dict) -> NnetComputation: ...
     def meta(self, key: str) -> dict | None: ...
     def __len__(self) -> int: ...
 
 
 class LRUComputationCache:
-    """Thread-safe LRU of plain-data computations plus a small metadata dict each
-    (model id, request, flags: what a compute by computation id needs)."""
+    """Thread-safe LRU of computations: per key the plain data, a small metadata dict
+    (model id, compile time) and the computation built from that data and validated.
+
+    Data enters validated: ``put`` stores ``computation_to_data`` of the computation
+    and the computation rebuilt from it (``computation_from_data`` checks every
+    reference), ``put_data`` (data from outside the process: Redis) is rebuilt and
+    checked when first read, and dropped as ``corrupt`` if it fails.  A hit then
+    returns the same computation object every time: no rebuilding per request, and the
+    executor's compiled program, cached per computation object, is reused (a BLSTM
+    21-frame chunk: 6 ms to rebuild and 19 ms to build the program, against a 2.2 ms
+    forward).  Computations are never modified after they are cached."""
 
     def __init__(self, capacity: int = 256, on_event=None):
         self.capacity = capacity
-        self._data: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
+        # key -> [plain data, meta, computation (None until validated)]
+        self._data: OrderedDict[str, list] = OrderedDict()
         self._lock = threading.Lock()
         self._on_event = on_event or (lambda event: None)   # 'hit' / 'miss' / 'corrupt'
 
@@ -68,12 +78,16 @@ class LRUComputationCache:
                 self._data.move_to_end(key)
         if item is None:
             return None, "miss"
+        if item[2] is not None:
+            return item[2], "hit"
         try:
             computation = computation_from_data(item[0])
         except CheckError:
             with self._lock:
-                self._data.pop(key, None)
+                if self._data.get(key) is item:
+                    del self._data[key]
             return None, "corrupt"
+        item[2] = computation
         return computation, "hit"
 
     def meta(self, key: str) -> dict | None:
@@ -81,13 +95,23 @@ class LRUComputationCache:
             item = self._data.get(key)
             return dict(item[1]) if item is not None else None
 
-    def put(self, key: str, computation: NnetComputation, meta: dict) -> None:
-        self.put_data(key, computation_to_data(computation), meta)
+    def put(self, key: str, computation: NnetComputation, meta: dict) -> NnetComputation:
+        """Store ``computation``; returns the validated computation rebuilt from its
+        plain data, which later hits return (use it instead of the argument)."""
+        data = computation_to_data(computation)
+        validated = computation_from_data(data)
+        self._store(key, [data, dict(meta), validated])
+        return validated
 
-    def put_data(self, key: str, data: dict, meta: dict) -> None:
-        """Store plain data already made by ``computation_to_data``."""
+    def put_data(self, key: str, data: dict, meta: dict,
+                 computation: NnetComputation | None = None) -> None:
+        """Store plain data made by ``computation_to_data`` elsewhere (checked when first
+        read), or with the ``computation`` already rebuilt from it and validated."""
+        self._store(key, [data, dict(meta), computation])
+
+    def _store(self, key: str, item: list) -> None:
         with self._lock:
-            self._data[key] = (data, dict(meta))
+            self._data[key] = item
             self._data.move_to_end(key)
             while len(self._data) > self.capacity:
                 self._data.popitem(last=False)

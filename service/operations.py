@@ -74,8 +74,10 @@ class Operations:
         log.info("compiled", extra={"model_id": entry.model_id, "computation_id": key,
                                     "compile_ms": round(seconds * 1000.0, 3),
                                     "optimized": optimize, **computation.stats()})
-        self.cache.put(key, computation, {"model_id": entry.model_id,
-                                          "compile_ms": seconds * 1000.0})
+        # the cached computation (rebuilt from its plain data and validated) is the one
+        # every later hit returns: run that one from the start, so its program is reused
+        computation = self.cache.put(key, computation, {"model_id": entry.model_id,
+                                                        "compile_ms": seconds * 1000.0})
         return Compiled(key, computation, False, seconds * 1000.0, optimize)
 
     def compile_job(self, p: dict) -> Compiled:

@@ -107,7 +107,7 @@ class RedisComputationCache:
         if entry is None:
             return None
         computation, data, meta = entry
-        self.front.put_data(key, data, meta)
+        self.front.put_data(key, data, meta, computation)
         self._on_event("redis_hit")
         return computation
 
@@ -132,12 +132,14 @@ class RedisComputationCache:
             return None
         return computation, data, meta
 
-    def put(self, key: str, computation: NnetComputation, meta: dict) -> None:
+    def put(self, key: str, computation: NnetComputation, meta: dict) -> NnetComputation:
         data = computation_to_data(computation)
-        self.front.put_data(key, data, meta)
+        validated = computation_from_data(data)
+        self.front.put_data(key, data, meta, validated)
         payload = msgpack.packb({"ir_version": IR_VERSION, "data": data, "meta": dict(meta)},
                                 use_bin_type=True)
         self._call(self.client.set, self.prefix + key, payload, self.ttl_s)
+        return validated
 
     def meta(self, key: str) -> dict | None:
         # (get() copies what it finds in Redis into the LRU, with its metadata)

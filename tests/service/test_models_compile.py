@@ -4,12 +4,14 @@ options and IR version."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 from click.testing import CliRunner
 
 from engine.nnet.model_io import load_model, model_to_bytes
+from engine.compiler.serialize import computation_to_data
 from engine.optimizer.options import OptimizeOptions
 from schemas.compile import OptimizerOptions
 from service.cli import main
@@ -125,8 +127,25 @@ def test_cache_stores_plain_data_and_drops_corrupt_entries(client):
     cache = client.app.state.services.cache
     raw = cache.raw(key)
     json.dumps(raw)   # plain data: JSON-serialisable, no pickled objects
-    raw["commands"][0][2] = 10 ** 6   # corrupt: a submatrix index out of range
+    # data coming in from outside the process (as from Redis) is checked when first read:
+    # a corrupt copy stored in place of the entry is dropped and the request recompiled
+    bad = copy.deepcopy(raw)
+    bad["commands"][0][2] = 10 ** 6   # corrupt: a submatrix index out of range
+    cache.put_data(key, bad, cache.meta(key))
     again = client.post("/compile", json=body).json()
     assert again["cached"] is False   # the corrupt entry was rejected and recompiled
     assert client.post("/compile", json=body).json()["cached"] is True
     assert 'nnetc_cache_events_total{event="corrupt"} 1.0' in client.get("/metrics").text
+
+
+def test_cache_hits_return_one_validated_computation(client):
+    """A hit returns the same computation object each time (rebuilt from the plain data
+    once, when stored), so nothing is rebuilt per request and the executor's program,
+    cached per computation, is reused."""
+    cfg = register(client, config=TINY_CONFIG)
+    body = {"model_id": cfg["model_id"], "request": request_for(0, 4)}
+    key = client.post("/compile", json=body).json()["computation_id"]
+    cache = client.app.state.services.cache
+    first = cache.get(key)
+    assert first is cache.get(key)
+    assert computation_to_data(first) == cache.raw(key)
