@@ -9,7 +9,10 @@
 - the computation cache: /compile of that request cold (a miss: compile + optimize +
   store) against a hit, median ms.
 
-Outputs of the batched runs are checked against the unbatched ones before timing.
+Outputs of the batched runs are checked against the unbatched ones before timing.  Two
+warm-up rounds come first: each batch-size bucket (1, 2, 4, 8 sequences) is a computation of
+its own, compiled the first time a batch of that size forms; with few timed rounds one of
+those compiles can still fall inside them.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def measure_service(name: str, path, clients: int = CLIENTS, rounds: int = ROUND
                     assert all(r.status_code == 200 for r in rs), rs[0].text
                     return [_dec(r.json()["outputs"]["output"]) for r in rs]
                 outs = round_()                          # warm-up (compiles)
+                round_()          # (batches of other sizes, each of its own computation)
                 if mb == 1:
                     ref = outs
                 else:

@@ -92,8 +92,9 @@ class Operations:
         nnet = entry.model.nnet
         if request.store_component_stats:
             nnet = nnet.copy()   # statistics go to a private copy, never the shared model
+        # sequences computed for clients (a merged batch's zero padding not counted)
         n_values = {i.n for s in request.outputs for i in s.indexes}
-        self.metrics.batch_size.observe(len(n_values))
+        self.metrics.batch_size.observe(p.get("jobs", len(n_values)))
         log.debug("compute", extra={"model_id": entry.model_id,
                                     "computation_id": compiled.key, "batch_size": len(n_values),
                                     "cached": compiled.cached})
@@ -134,25 +135,36 @@ class Operations:
 
     def compute_batch(self, payloads: list[dict]) -> list:
         """Jobs of one ``compute_batch_key`` as one computation: sequence k of the merged
-        request is job k's request with n = k; inputs and output derivatives stacked,
-        outputs and input derivatives split back.  Each result is what
+        request is job k's request with n = k (padded with zero sequences to a power of
+        two); inputs and output derivatives stacked, outputs and input derivatives split
+        back.  Each result is what
         ``compute_job`` would give for that job (its own computation id; float32
         rounding aside, the same numbers: sequences do not interact).  If the merged
         computation fails, the jobs run one by one, so a failure stays with its job."""
         base = payloads[0]
         req: ComputationRequest = base["request"]
         b = len(payloads)
+        # the merged computation has a power-of-two number of sequences, the ones past
+        # the jobs' fed zeros and dropped: one computation per bucket (1, 2, 4, 8, ...)
+        # is compiled and cached, not one per batch size that happens to form
+        size = 1 << (b - 1).bit_length()
 
         def many(spec):
-            idx = [Index(n, i.t, i.x) for n in range(b) for i in spec.indexes]
+            idx = [Index(n, i.t, i.x) for n in range(size) for i in spec.indexes]
             return IoSpecification(spec.name, idx, spec.has_deriv)
+
+        def stacked(name, key):
+            parts = [p[key][name] for p in payloads]
+            if size > b:
+                parts.append(np.zeros(((size - b) * parts[0].shape[0], parts[0].shape[1]),
+                                      dtype=np.float32))
+            return np.concatenate(parts)
 
         merged_req = ComputationRequest([many(s) for s in req.inputs],
                                         [many(s) for s in req.outputs])
-        merged = dict(base, request=merged_req,
-                      inputs={k: np.concatenate([p["inputs"][k] for p in payloads])
-                              for k in base["inputs"]},
-                      output_derivs={k: np.concatenate([p["output_derivs"][k] for p in payloads])
+        merged = dict(base, request=merged_req, jobs=b,
+                      inputs={k: stacked(k, "inputs") for k in base["inputs"]},
+                      output_derivs={k: stacked(k, "output_derivs")
                                      for k in base.get("output_derivs", {})})
         try:
             compiled, result = self.compute_job(merged)

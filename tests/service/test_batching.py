@@ -162,3 +162,41 @@ def test_compute_batch_falls_back_to_one_by_one():
         a, b = out[0][1].outputs["output"], out[2][1].outputs["output"]
         np.testing.assert_array_equal(a, b)
         assert a.shape == (3, 3)
+
+
+def test_batches_are_padded_to_a_power_of_two():
+    with make_client() as c:
+        ops = c.app.state.services.operations
+        mid = register(c, config=TINY_CONFIG)["model_id"]
+        entry = c.app.state.services.registry.get(mid)
+        from engine.optimizer.options import OptimizeOptions  # noqa: PLC0415
+        from schemas.compile import ComputationRequestModel  # noqa: PLC0415
+        from service.convert import request_to_engine  # noqa: PLC0415
+        req = request_to_engine(ComputationRequestModel(**request_for(0, 3)))
+        xs = [np.random.default_rng(k).standard_normal((5, 4)).astype(np.float32)
+              for k in range(3)]
+        jobs = [{"entry": entry, "request": req, "options": OptimizeOptions(), "optimize": True,
+                 "use_shortcut": True, "inputs": {"input": x}, "output_derivs": {}}
+                for x in xs]
+        before = len(c.app.state.services.cache)
+        out = ops.compute_batch(jobs)
+        singles = [ops.compute_job(j) for j in jobs]
+        for (_, got), (_, want) in zip(out, singles):
+            np.testing.assert_allclose(got.outputs["output"], want.outputs["output"],
+                                       rtol=1e-6, atol=1e-6)
+        # one merged computation of 4 sequences was compiled (3 jobs + 1 zero sequence)
+        from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
+        from engine.core.index import Index  # noqa: PLC0415
+        from service.cache import cache_key  # noqa: PLC0415
+
+        def four(spec):
+            return IoSpecification(spec.name, [Index(n, i.t, i.x) for n in range(4)
+                                               for i in spec.indexes], spec.has_deriv)
+        merged = ComputationRequest([four(s) for s in req.inputs],
+                                    [four(s) for s in req.outputs])
+        cache = c.app.state.services.cache
+        assert cache.raw(cache_key(entry.structure_hash, merged, OptimizeOptions(), True,
+                                   True)) is not None
+        assert len(cache) == before + 2          # the merged one and the single one
+        # ... and the batch size reported is the 3 jobs
+        assert "nnetc_batch_size_sum 6.0" in c.get("/metrics").text     # 3 + 3 singles
