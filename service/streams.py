@@ -74,6 +74,9 @@ class NoStreamStore:
     def delete(self, sid: str) -> None:
         pass
 
+    def end(self, sid: str) -> None:
+        pass
+
 
 class RedisStreamStore:
     """Checkpoints in Redis, one msgpack record per stream, expiring after
@@ -91,6 +94,8 @@ class RedisStreamStore:
             rec = msgpack.unpackb(raw, raw=False)
             if not isinstance(rec, dict) or rec.get("v") != RECORD_VERSION:
                 raise ValueError("not a stream record of this version")
+            if rec.get("ended") is True:
+                return {"ended": True}
             for k, t in (("version", int), ("model_id", str), ("options", dict),
                          ("frames_output", int)):
                 if not isinstance(rec.get(k), t):
@@ -121,7 +126,7 @@ class RedisStreamStore:
 
     def version(self, sid: str) -> int | None:
         rec = self.load(sid)
-        return None if rec is None else rec["version"]
+        return None if rec is None else rec.get("version")
 
     def save(self, sid: str, record: dict, expect_version: int | None) -> None:
         """Store ``record``; with ``expect_version`` only over a stored record of that
@@ -133,7 +138,10 @@ class RedisStreamStore:
                 pipe.watch(key)
                 if expect_version is not None:
                     raw = pipe.get(key)
-                    found = self._decode(sid, raw)["version"] if raw is not None else None
+                    rec = self._decode(sid, raw) if raw is not None else None
+                    if rec is not None and rec.get("ended"):
+                        raise StreamConflict("ended")
+                    found = rec["version"] if rec is not None else None
                     if found != expect_version:
                         raise StreamConflict(found)
                 pipe.multi()
@@ -146,6 +154,13 @@ class RedisStreamStore:
 
     def delete(self, sid: str) -> None:
         self._call(self.client.delete, self.prefix + sid)
+
+    def end(self, sid: str) -> None:
+        """Replace the checkpoint by a marker that the stream has ended (finished or
+        closed), kept as long as a checkpoint would be: a process still holding the
+        stream learns of it instead of carrying on (or saving it back)."""
+        self._call(self.client.set, self.prefix + sid,
+                   msgpack.packb({"v": RECORD_VERSION, "ended": True}), self.ttl_s)
 
 
 @dataclass
@@ -257,10 +272,14 @@ class StreamManager:
             live.unsaved = True
             self._event("checkpoint_error")
             return
-        except StreamConflict:
+        except StreamConflict as e:
             with self._lock:
                 self._live.pop(live.stream_id, None)
             self._gauge()
+            if e.args and e.args[0] == "ended":
+                raise ServiceError(404, "NotFound",
+                                   f"stream {live.stream_id} was finished or closed by "
+                                   f"another request", "stream_id") from None
             self._event("conflict")
             raise ServiceError(409, "StreamConflict",
                                f"stream {live.stream_id} was advanced by another request "
@@ -306,10 +325,16 @@ class StreamManager:
                     live.last_used = time.monotonic()
                     return live
                 rec = self.store.load(sid)
-                if rec is None or rec["version"] == live.version:
-                    # (no record: it expired while this process kept the stream alive)
+                if rec is None:
+                    # the checkpoint expired while this process kept the stream alive:
+                    # the next save writes it again whatever was there
+                    live.unsaved = True
+                if rec is None or rec.get("version") == live.version:
                     live.last_used = time.monotonic()
                     return live
+                if rec.get("ended"):
+                    self._drop(sid)
+                    raise self._not_found(sid)
                 return self._restore(sid, rec)       # another process moved it on
             rec = self.store.load(sid)
         except StoreUnavailable as e:
@@ -319,11 +344,21 @@ class StreamManager:
             raise ServiceError(503, "StoreUnavailable",
                                f"stream {sid} is not held by this server and its checkpoint "
                                f"cannot be read now ({e}); retry") from None
-        if rec is None:
-            raise ServiceError(404, "NotFound",
-                               f"no stream with id {sid!r} (never opened, finished, closed, "
-                               f"or idle for more than {self.idle_s:g} s)", "stream_id")
+        if rec is None or rec.get("ended"):
+            raise self._not_found(sid)
         return self._restore(sid, rec)
+
+    def _not_found(self, sid: str) -> ServiceError:
+        return ServiceError(404, "NotFound",
+                            f"no stream with id {sid!r} (never opened, finished, closed, or "
+                            f"idle for more than {self.idle_s:g} s)", "stream_id")
+
+    def _drop(self, sid: str) -> None:
+        with self._lock:
+            live = self._live.pop(sid, None)
+        if live is not None and not live.stream.finished:
+            live.stream.executor.release()
+        self._gauge()
 
     # -- operations (worker jobs) -----------------------------------------------------------
     def info(self, p: dict) -> dict:
@@ -375,29 +410,29 @@ class StreamManager:
     def close(self, p: dict) -> None:
         sid = p["stream_id"]
         with self._lock:
-            live = self._live.pop(sid, None)
-        found = live is not None
-        if live is not None and not live.stream.finished:
-            live.stream.executor.release()
+            found = sid in self._live
+        self._drop(sid)
         try:
             if not found and self.store.shared:
-                found = self.store.load(sid) is not None
-            self.store.delete(sid)
+                rec = self.store.load(sid)
+                found = rec is not None and not rec.get("ended")
+            if found:
+                self.store.end(sid)
         except StoreUnavailable as e:
             if not found:
                 raise ServiceError(503, "StoreUnavailable",
                                    f"stream {sid} is not held by this server and the store "
                                    f"cannot be reached now ({e}); retry") from None
         if not found:
-            raise ServiceError(404, "NotFound", f"no stream with id {sid!r}", "stream_id")
+            raise self._not_found(sid)
         self._event("closed")
-        self._gauge()
 
     def _forget(self, sid: str) -> None:
+        """After finish: the stream is gone here and, as ended, in the store."""
         with self._lock:
             self._live.pop(sid, None)
         try:
-            self.store.delete(sid)
+            self.store.end(sid)
         except StoreUnavailable:
             pass     # the checkpoint expires on its own
         self._gauge()

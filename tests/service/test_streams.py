@@ -9,6 +9,7 @@ import base64
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 from starlette.websockets import WebSocketDisconnect
@@ -274,7 +275,10 @@ def test_stream_survives_the_loss_of_its_server(server):
         outs.append(_finish(b, sid))
         assert 'nnetc_stream_events_total{event="restored"} 1.0' in b.get("/metrics").text
     np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, X_REC, 7))
-    assert server.client().keys("nnetc:stream:*") == []        # finished: checkpoint gone
+    # finished: the checkpoint is replaced by an expiring "ended" marker
+    rec = msgpack.unpackb(server.client().get(f"nnetc:stream:{sid}"), raw=False)
+    assert rec == {"v": 1, "ended": True}
+    assert server.client().ttl(f"nnetc:stream:{sid}") > 0
 
 
 @needs_redis
@@ -372,3 +376,36 @@ def test_a_network_that_cannot_stream_gets_422(client):
     err = r.json()["error"]
     assert err["type"] == "InferenceError" and "backward" in err["message"]
     assert err["field"] == "options"
+
+
+@needs_redis
+def test_a_stream_closed_elsewhere_is_not_carried_on(server):
+    server.client().flushall()
+    with make_client(redis_url=server.url) as a, make_client(redis_url=server.url) as b:
+        mid = _register_config(a, RECURRENT, 3)
+        sid = a.post("/streams", json={"model_id": mid}).json()["stream_id"]
+        assert a.post(f"/streams/{sid}/frames",
+                      json={"features": _enc(X_REC[:5])}).status_code == 200
+        assert b.delete(f"/streams/{sid}").status_code == 204      # closed by b
+        r = a.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[5:9])})
+        assert r.status_code == 404                                 # a does not resurrect it
+        assert a.get(f"/streams/{sid}").status_code == 404
+        assert b.delete(f"/streams/{sid}").status_code == 404
+
+
+@needs_redis
+def test_an_expired_checkpoint_is_written_again_by_its_holder(server):
+    server.client().flushall()
+    with make_client(redis_url=server.url) as a:
+        mid = _register_config(a, RECURRENT, 3)
+        sid = a.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 7}}
+                     ).json()["stream_id"]
+        outs, pos = _push_all(a, sid, X_REC, [20])
+        server.client().delete(f"nnetc:stream:{sid}")                # as if it had expired
+        more, _ = _push_all(a, sid, X_REC[pos:], [77], start=pos,
+                            emitted=sum(map(len, outs)))
+        assert server.client().exists(f"nnetc:stream:{sid}") == 1
+    with make_client(redis_url=server.url) as b:                     # and it can move on
+        outs += more
+        outs.append(_finish(b, sid))
+    np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, X_REC, 7))
