@@ -12,6 +12,8 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from starlette.websockets import WebSocketDisconnect
 
 from engine.inference.looped import LoopedConfig
@@ -409,3 +411,27 @@ def test_an_expired_checkpoint_is_written_again_by_its_holder(server):
         outs += more
         outs.append(_finish(b, sid))
     np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, X_REC, 7))
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fpc=st.integers(1, 12), cuts=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+       frames=st.integers(1, 60))
+def test_any_pieces_give_the_engine_stream_output(client, fpc, cuts, frames):
+    """Property: however the frames are cut into pushes (empty pushes included), the
+    stream's rows are the engine's looped output for the whole input."""
+    mid = _register_config(client, RECURRENT, 3)
+    x = X_REC[:frames]
+    sid = client.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": fpc}}
+                      ).json()["stream_id"]
+    outs, pos = [], 0
+    for n in cuts + [frames]:
+        piece = x[pos:pos + n]
+        r = client.post(f"/streams/{sid}/frames", json={"features": _enc(piece), "offset": pos,
+                                                         "encoding": "base64"})
+        assert r.status_code == 200, r.text
+        assert r.json()["first_frame"] == sum(map(len, outs))
+        outs.append(decode(r.json()["output"]).reshape(-1, 6))
+        pos += len(piece)
+    outs.append(_finish(client, sid).reshape(-1, 6))
+    np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, x, fpc))
