@@ -80,7 +80,9 @@ def build_services(settings: Settings) -> Services:
                             "stream_info": streams.info},
                            maxsize=settings.queue_size, metrics=metrics,
                            batchers={"compute": Batcher(operations.compute_batch_key,
-                                                        operations.compute_batch)},
+                                                        operations.compute_batch),
+                                     "infer": Batcher(operations.infer_batch_key,
+                                                      operations.infer_batch)},
                            max_batch=settings.max_batch,
                            batch_delay_s=settings.batch_delay_ms / 1000.0)
     return Services(settings, registry, cache, queue, operations, metrics, streams)

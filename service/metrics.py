@@ -33,6 +33,9 @@ class Metrics:
             "nnetc_batch_size", "sequences (n values) per executed computation",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
 
+        self.jobs_per_batch = Histogram(
+            "nnetc_jobs_per_batch", "jobs the worker ran together (dynamic batching)", ["kind"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.streams_open = Gauge("nnetc_streams_open", "streams held by this process",
                                   registry=r)
         self.stream_events = Counter(

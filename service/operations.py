@@ -190,6 +190,45 @@ class Operations:
 
     # -- infer -----------------------------------------------------------------------------
     def infer_job(self, p: dict):
+        return self._inferencer(p).infer(p["features"], p["ivector"], p["online_ivectors"],
+                                         p["online_ivector_period"])
+
+    @staticmethod
+    def infer_batch_key(p: dict):
+        """Infer jobs with equal keys (model and options) can run together."""
+        return (p["entry"].model_id, p["options"])
+
+    def infer_batch(self, payloads: list[dict]) -> list:
+        """Infer jobs of one ``infer_batch_key`` together: the equal-shaped chunks of all
+        their utterances computed as batches along n (Inferencer.infer_batch, as
+        nnet3-compute's chunks of one utterance are).  A job whose inputs are unusable
+        fails alone; if the batch fails, the jobs run one by one."""
+        inferencer = self._inferencer(payloads[0])
+        out: list = [None] * len(payloads)
+        utts, where = [], []
+        for k, p in enumerate(payloads):
+            try:
+                utts.append(inferencer.make_utterance(p["features"], p["ivector"],
+                                                      p["online_ivectors"],
+                                                      p["online_ivector_period"]))
+                where.append(k)
+            except Exception as e:  # noqa: BLE001 - this job's own error
+                out[k] = e
+        if utts:
+            try:
+                results = inferencer.infer_batch(utts)
+            except Exception:  # noqa: BLE001 - find which job it was: each alone
+                results = []
+                for k in where:
+                    try:
+                        results.append(self.infer_job(payloads[k]))
+                    except Exception as e:  # noqa: BLE001
+                        results.append(e)
+            for k, r in zip(where, results):
+                out[k] = r
+        return out
+
+    def _inferencer(self, p: dict) -> Inferencer:
         entry: ModelEntry = p["entry"]
         opts: InferenceOptions = p["options"]
         opts.check()
@@ -204,5 +243,4 @@ class Operations:
                 while len(cache) > _INFERENCERS_PER_MODEL:
                     cache.popitem(last=False)
             cache.move_to_end(opts)
-        return inferencer.infer(p["features"], p["ivector"], p["online_ivectors"],
-                                p["online_ivector_period"])
+        return inferencer

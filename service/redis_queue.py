@@ -8,7 +8,8 @@ reply stream ``nnetc:replies:<process id>`` and resolves the futures.
 
 Worker side (``RedisWorker``): a consumer of the group ``workers`` reads up to
 ``max_batch`` jobs at a time; compute jobs with equal batch keys run as one computation
-along n (Operations.compute_batch), the others one by one, in order; each reply goes to
+along n (Operations.compute_batch), infer jobs of one model and options together
+(Operations.infer_batch), the others one by one, in order; each reply goes to
 its job's reply stream, then the job is acknowledged and deleted.  A job read by a worker
 that dies before acknowledging it stays pending in the group; live workers claim jobs
 pending for longer than ``claim_idle_s`` (XAUTOCLAIM) and run them: the job is
@@ -197,6 +198,8 @@ class RedisWorker:
                          "infer": operations.infer_job, "stream_open": streams.open,
                          "stream_push": streams.push, "stream_finish": streams.finish,
                          "stream_close": streams.close, "stream_info": streams.info}
+        self.batchers = {"compute": (operations.compute_batch_key, operations.compute_batch),
+                         "infer": (operations.infer_batch_key, operations.infer_batch)}
         self._stop = threading.Event()
         self.jobs_done = 0
 
@@ -262,18 +265,19 @@ class RedisWorker:
                 jobs.append((entry_id, fields, k, payload))
             except Exception as e:  # noqa: BLE001 - a job that cannot be read fails alone
                 jobs.append((entry_id, fields, kind, e))
-        # compute jobs that merge along n, in groups; everything else in order
+        # compute and infer jobs that run together, in groups; everything else in order
         groups: dict = {}
         order: list = []
         for job in jobs:
             _, _, kind, payload = job
             key = None
-            if kind == "compute" and not isinstance(payload, Exception) and self.max_batch > 1:
+            if (kind in self.batchers and not isinstance(payload, Exception)
+                    and self.max_batch > 1):
                 try:
-                    key = self.operations.compute_batch_key(payload)
+                    key = (kind, self.batchers[kind][0](payload))
                 except Exception:  # noqa: BLE001
                     key = None
-            if key is None:
+            if key is None or key[1] is None:
                 order.append([job])
             elif key in groups:
                 groups[key].append(job)
@@ -282,7 +286,14 @@ class RedisWorker:
                 order.append(groups[key])
         for group in order:
             if len(group) > 1:
-                results = self.operations.compute_batch([j[3] for j in group])
+                run = self.batchers[group[0][2]][1]
+                metrics = getattr(self.operations, "metrics", None)
+                if metrics is not None:
+                    metrics.jobs_per_batch.labels(kind=group[0][2]).observe(len(group))
+                try:
+                    results = run([j[3] for j in group])
+                except Exception as e:  # noqa: BLE001 - every job of the group learns of it
+                    results = [e] * len(group)
                 for job, r in zip(group, results):
                     self._reply(job, r)
                 continue

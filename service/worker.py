@@ -195,6 +195,8 @@ class InProcessQueue:
         except Exception as e:  # noqa: BLE001 - every job of the group learns of it
             results = [e] * len(group)
         seconds = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.jobs_per_batch.labels(kind=group[0].kind).observe(len(group))
         for j, r in zip(group, results):
             if isinstance(r, BaseException):
                 j.future.set_exception(r)

@@ -197,3 +197,29 @@ def test_batches_are_padded_to_a_power_of_two():
         assert len(cache) == before + 2          # the merged one and the single one
         # ... and the batch size reported is the 3 jobs
         assert "nnetc_batch_size_sum 6.0" in c.get("/metrics").text     # 3 + 3 singles
+
+
+def test_concurrent_infers_run_together_and_equal_single_runs():
+    feats = [np.random.default_rng(k).standard_normal((30 + 7 * k, 4)).astype(np.float32)
+             for k in range(5)]
+    with make_client(max_batch=1) as solo:
+        mid = register(solo, config=TINY_CONFIG)["model_id"]
+        want = [decode(solo.post("/infer", json={
+            "model_id": mid, "features": encode(f), "options": {"frames_per_chunk": 10}}
+        ).json()["output"]) for f in feats]
+    bad = np.ones((6, 3), np.float32)             # wrong dimension: fails alone
+    with make_client(max_batch=8, batch_delay_ms=300) as c:
+        register(c, config=TINY_CONFIG)
+
+        def one(f):
+            return c.post("/infer", json={"model_id": mid, "features": encode(f),
+                                          "options": {"frames_per_chunk": 10}})
+        with ThreadPoolExecutor(6) as pool:
+            rs = list(pool.map(one, feats + [bad]))
+        for r, w in zip(rs, want):
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(decode(r.json()["output"]), w, rtol=1e-5, atol=1e-6)
+        assert rs[-1].status_code == 422 and "dimension" in rs[-1].json()["error"]["message"]
+        text = c.get("/metrics").text
+        assert 'nnetc_jobs_per_batch_count{kind="infer"}' in text
+        assert _metric(c, 'nnetc_jobs_per_batch_bucket{kind="infer",le="1.0"}') == 0.0

@@ -212,3 +212,28 @@ def test_a_job_given_up_by_its_caller_is_forgotten(server):
         assert api.post("/compile", json={"model_id": mid,
                                           "request": request_for(0, 3)}).status_code == 504
         assert api.app.state.services.queue.depth() == 0      # nothing left waiting
+
+
+def test_worker_runs_infer_jobs_together(server):
+    server.client().flushall()
+    feats = [np.random.default_rng(k).standard_normal((25 + k, 4)).astype(np.float32)
+             for k in range(4)]
+    with _api(server.url) as api:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        with ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(api.post, "/infer", json={"model_id": mid, "features": encode(f)})
+                    for f in feats]
+            deadline = time.time() + 10
+            while server.client().xlen(JOBS) < 4 and time.time() < deadline:
+                time.sleep(0.02)
+            with ThreadWorker(server.url, max_batch=8) as w:
+                rs = [f.result(20) for f in futs]
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        text = w.services.metrics.render().decode()
+        assert 'nnetc_jobs_per_batch_sum{kind="infer"} 4.0' in text
+    with make_client() as local:
+        register(local, config=TINY_CONFIG)
+        for f, r in zip(feats, rs):
+            want = local.post("/infer", json={"model_id": mid, "features": encode(f)}).json()
+            np.testing.assert_allclose(decode(r.json()["output"]), decode(want["output"]),
+                                       rtol=1e-5, atol=1e-6)
