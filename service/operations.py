@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.compiler.computation import NnetComputation
-from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.compiler.request import ComputationRequest
 from engine.compiler.shortcut import compile_request
-from engine.core.index import Index
 from engine.inference import InferenceOptions, Inferencer
 from engine.inference.common import model_priors
 from engine.optimizer.options import OptimizeOptions
@@ -149,10 +148,6 @@ class Operations:
         # is compiled and cached, not one per batch size that happens to form
         size = 1 << (b - 1).bit_length()
 
-        def many(spec):
-            idx = [Index(n, i.t, i.x) for n in range(size) for i in spec.indexes]
-            return IoSpecification(spec.name, idx, spec.has_deriv)
-
         def stacked(name, key):
             parts = [p[key][name] for p in payloads]
             if size > b:
@@ -160,8 +155,7 @@ class Operations:
                                       dtype=np.float32))
             return np.concatenate(parts)
 
-        merged_req = ComputationRequest([many(s) for s in req.inputs],
-                                        [many(s) for s in req.outputs])
+        merged_req = req.replicated(size)
         merged = dict(base, request=merged_req, jobs=b,
                       inputs={k: stacked(k, "inputs") for k in base["inputs"]},
                       output_derivs={k: stacked(k, "output_derivs")

@@ -192,6 +192,24 @@ class ComputationRequest:
     def hash(self) -> str:
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
 
+    def replicated(self, copies: int) -> "ComputationRequest":
+        """This one-sequence request (every Index has n = 0) for ``copies`` sequences:
+        each input and output lists its Indexes for n = 0, then n = 1, ... (n-major,
+        the form shortcut compilation expands), so the rows of sequence k are block k
+        of each matrix.  Used to run independent requests as one computation."""
+        if copies < 1:
+            raise RequestError(f"replicated: copies must be >= 1, got {copies}")
+        for spec in (*self.inputs, *self.outputs):
+            if any(i.n != 0 for i in spec.indexes):
+                raise RequestError(f"replicated: {spec.name!r} has Indexes with n != 0")
+
+        def many(spec: IoSpecification) -> IoSpecification:
+            return IoSpecification(spec.name, [Index(n, i.t, i.x) for n in range(copies)
+                                               for i in spec.indexes], spec.has_deriv)
+        return ComputationRequest([many(s) for s in self.inputs],
+                                  [many(s) for s in self.outputs],
+                                  self.need_model_derivative, self.store_component_stats)
+
     # -- validation ---------------------------------------------------------------------
     def validate(self, nnet) -> list[np.ndarray]:
         """Check the request against ``nnet``; raise RequestError naming what is wrong.

@@ -119,3 +119,20 @@ def test_from_json_errors(obj, message):
     with pytest.raises(RequestError) as e:
         ComputationRequest.from_json(obj)
     assert message in str(e.value)
+
+
+def test_replicated_lists_sequences_n_major():
+    one = ComputationRequest(
+        [IoSpecification("input", [Index(0, t, 0) for t in range(-1, 3)], has_deriv=True)],
+        [IoSpecification("output", [Index(0, t, 0) for t in range(2)], has_deriv=True)],
+        need_model_derivative=False)
+    three = one.replicated(3)
+    assert [tuple(i) for i in three.outputs[0].indexes] == [
+        (n, t, 0) for n in range(3) for t in range(2)]
+    assert len(three.inputs[0].indexes) == 12 and three.inputs[0].has_deriv
+    assert three.need_model_derivative is False
+    assert one.replicated(1) == one
+    with pytest.raises(RequestError, match="copies"):
+        one.replicated(0)
+    with pytest.raises(RequestError, match="n != 0"):
+        three.replicated(2)

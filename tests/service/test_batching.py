@@ -182,15 +182,8 @@ def test_batches_are_padded_to_a_power_of_two():
             np.testing.assert_allclose(got.outputs["output"], want.outputs["output"],
                                        rtol=1e-6, atol=1e-6)
         # one merged computation of 4 sequences was compiled (3 jobs + 1 zero sequence)
-        from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
-        from engine.core.index import Index  # noqa: PLC0415
         from service.cache import cache_key  # noqa: PLC0415
-
-        def four(spec):
-            return IoSpecification(spec.name, [Index(n, i.t, i.x) for n in range(4)
-                                               for i in spec.indexes], spec.has_deriv)
-        merged = ComputationRequest([four(s) for s in req.inputs],
-                                    [four(s) for s in req.outputs])
+        merged = req.replicated(4)
         cache = c.app.state.services.cache
         assert cache.raw(cache_key(entry.structure_hash, merged, OptimizeOptions(), True,
                                    True)) is not None
