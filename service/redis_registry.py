@@ -82,7 +82,7 @@ class RedisModelRegistry:
         try:
             seed = int(seed_s) if seed_s else None
             if model_id_of(data, seed) != model_id or source not in ("config", "text",
-                                                                     "binary_b64"):
+                                                                     "binary_b64", "upload"):
                 raise ValueError("the stored bytes do not have this id")
         except ValueError as e:
             self._drop(model_id)

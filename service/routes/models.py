@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from fastapi.concurrency import run_in_threadpool
 
 from schemas.models import ModelList, ModelResponse, RegisterModelRequest
 from service import convert
 from service.deps import AUTH, ServicesDep
+from service.errors import FieldError
 from service.registry import ModelEntry, decode_model_bytes
 from service.routes import blame
 
@@ -25,6 +27,44 @@ def register_model(body: RegisterModelRequest, services: ServicesDep, request: R
     data, field = decode_model_bytes(body.config, body.text, body.binary_b64)
     with blame(request, field):
         entry, created = services.registry.register(data, field, body.name, body.seed)
+    response.status_code = 201 if created else 200
+    return _response(entry, created)
+
+
+def _upload_kind(data: bytes) -> str:
+    """How to read an uploaded file: "upload" for a Kaldi model, binary ("\\0B" then a
+    token) or text (``<Nnet3>``/``<TransitionModel>``; the model reader tells the two
+    apart), else "config" for an nnet3 config."""
+    if data.startswith(b"\0B") or data[:256].lstrip().startswith((b"<Nnet3>",
+                                                                    b"<TransitionModel>")):
+        return "upload"
+    return "config"
+
+
+@router.post("/upload", response_model=ModelResponse, status_code=200,
+             responses={201: {"model": ModelResponse}},
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/octet-stream": {"schema": {"type": "string",
+                                                         "format": "binary"}}}}})
+async def upload_model(request: Request, services: ServicesDep, response: Response,
+                       name: str | None = None, seed: int | None = None) -> ModelResponse:
+    """Register a model file sent as the raw request body (``Content-Type:
+    application/octet-stream``): a Kaldi binary or text model (.raw/.mdl) or a config,
+    told apart by their first bytes; ``seed`` for a config's random parameters.  The id is
+    the one the JSON registration of the same bytes gives."""
+    data = await request.body()
+    if not data:
+        raise FieldError("body", "empty: send the bytes of the model file")
+    kind = _upload_kind(data)
+    if kind == "config":
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FieldError("body", "neither a Kaldi model (binary or text) nor a UTF-8 "
+                                     "config") from None
+    with blame(request, "body"):
+        entry, created = await run_in_threadpool(services.registry.register, data, kind, name,
+                                                  seed)
     response.status_code = 201 if created else 200
     return _response(entry, created)
 

@@ -149,3 +149,36 @@ def test_cache_hits_return_one_validated_computation(client):
     first = cache.get(key)
     assert first is cache.get(key)
     assert computation_to_data(first) == cache.raw(key)
+
+
+def test_upload_a_model_file_as_the_raw_body(client):
+    """POST /models/upload: the file's bytes as the body (no base64), a binary or text
+    Kaldi model or a config told apart by their first bytes; the same id as the JSON
+    registration of the same bytes; errors name the body."""
+    from tests.service.conftest import BLSTM  # noqa: PLC0415
+    octet = {"content-type": "application/octet-stream"}
+    data = (BLSTM / "model.raw").read_bytes()
+    r = client.post("/models/upload?name=blstm", content=data, headers=octet)
+    assert r.status_code in (200, 201) and r.json()["name"] == "blstm"
+    import base64  # noqa: PLC0415
+    same = client.post("/models", json={"binary_b64": base64.b64encode(data).decode()})
+    assert same.json()["model_id"] == r.json()["model_id"] and same.status_code == 200
+    text = load_model(data).nnet
+    r = client.post("/models/upload", content=model_to_bytes(load_model(data), binary=False),
+                    headers=octet)
+    assert r.status_code in (200, 201)
+    assert r.json()["info"]["num_parameters"] == text.num_parameters()
+    r = client.post("/models/upload?seed=5", content=TINY_CONFIG.encode(), headers=octet)
+    assert r.status_code in (200, 201)
+    assert r.json()["model_id"] == client.post("/models", json={"config": TINY_CONFIG,
+                                                                "seed": 5}).json()["model_id"]
+    r = client.post("/models/upload", content=b"\0Bgarbage", headers=octet)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "body"
+    assert "upload at byte" in r.json()["error"]["message"]
+    r = client.post("/models/upload", content=b"", headers=octet)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "body"
+    r = client.post("/models/upload", content=b"component name=x type=Nope dim=3\n",
+                    headers=octet)
+    assert r.status_code == 400 and "config:1" in r.json()["error"]["message"]
+    r = client.post("/models/upload", content=b"\xff\xfe\x00garbage", headers=octet)
+    assert r.status_code == 422 and "UTF-8" in r.json()["error"]["message"]
