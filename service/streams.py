@@ -213,9 +213,9 @@ class StreamManager:
         if self.metrics is not None:
             self.metrics.streams_open.set(len(self._live))
 
-    def _event(self, event: str) -> None:
+    def _event(self, event: str, count: int = 1) -> None:
         if self.metrics is not None:
-            self.metrics.stream_events.labels(event=event).inc()
+            self.metrics.stream_events.labels(event=event).inc(count)
 
     def _sweep(self) -> None:
         """Close streams idle for longer than ``idle_s`` (their checkpoints expire
@@ -228,7 +228,7 @@ class StreamManager:
                 if not live.stream.finished:
                     live.stream.executor.release()
         if idle:
-            self._event("expired")
+            self._event("expired", len(idle))
             self._gauge()
 
     def looped_model(self, entry, options: dict) -> LoopedModel:
@@ -273,9 +273,7 @@ class StreamManager:
             self._event("checkpoint_error")
             return
         except StreamConflict as e:
-            with self._lock:
-                self._live.pop(live.stream_id, None)
-            self._gauge()
+            self._drop(live.stream_id)
             if e.args and e.args[0] == "ended":
                 raise ServiceError(404, "NotFound",
                                    f"stream {live.stream_id} was finished or closed by "
