@@ -427,7 +427,8 @@ def worker_cmd(name, log_level) -> None:
     services = build_services(settings.model_copy(update={"queue": "inprocess"}))
     worker = RedisWorker(services.cache.client, services.operations, services.streams,
                          services.registry, max_batch=settings.max_batch,
-                         claim_idle_s=settings.worker_claim_idle_s, name=name)
+                         claim_idle_s=settings.worker_claim_idle_s, name=name,
+                         max_deliveries=settings.worker_max_deliveries)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     worker.run()

@@ -13,7 +13,10 @@ along n (Operations.compute_batch), infer jobs of one model and options together
 its job's reply stream, then the job is acknowledged and deleted.  A job read by a worker
 that dies before acknowledging it stays pending in the group; live workers claim jobs
 pending for longer than ``claim_idle_s`` (XAUTOCLAIM) and run them: the job is
-redelivered.  Jobs past their deadline (the API has answered 504 already) are dropped.
+redelivered -- up to ``max_deliveries`` times: a job every worker running it died with
+(a poison job) is then answered with an error (500 JobKilledWorkers) instead of taking
+the next worker down too.  Jobs past their deadline (the API has answered 504 already)
+are dropped.
 Each worker refreshes a heartbeat key (``nnetc:worker:<name>``, expiring) so that the
 API's ``/readyz`` can tell whether any worker is running.
 
@@ -186,7 +189,7 @@ class RedisWorker:
 
     def __init__(self, client: redis.Redis, operations, streams, registry, max_batch: int = 8,
                  claim_idle_s: float = 30.0, name: str | None = None, stream: str = JOBS,
-                 heartbeat_s: float = 5.0):
+                 heartbeat_s: float = 5.0, max_deliveries: int = 3):
         self.client = client
         self.operations, self.streams, self.registry = operations, streams, registry
         self.max_batch = max_batch
@@ -194,6 +197,7 @@ class RedisWorker:
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.stream = stream
         self.heartbeat_s = heartbeat_s
+        self.max_deliveries = max_deliveries
         self.handlers = {"compile": operations.compile_job, "compute": operations.compute_job,
                          "infer": operations.infer_job, "stream_open": streams.open,
                          "stream_push": streams.push, "stream_finish": streams.finish,
@@ -248,10 +252,31 @@ class RedisWorker:
                                      min_idle_time=int(self.claim_idle_s * 1000),
                                      start_id="0-0", count=self.max_batch)
         claimed = [e for e in res[1] if e[1]]
-        if claimed:
+        if not claimed:
+            return []
+        # a job that has taken down several workers already (each delivery to a worker
+        # that died with it) is answered with an error instead of being run again
+        ids = [e[0] for e in claimed]
+        pending = self.client.xpending_range(self.stream, GROUP, min=min(ids), max=max(ids),
+                                             count=len(ids) + 100, consumername=self.name)
+        deliveries = {p["message_id"]: p["times_delivered"] for p in pending}
+        keep = []
+        for entry in claimed:
+            n = deliveries.get(entry[0], 1)
+            if n > self.max_deliveries:
+                log.error("dropping a job that every worker running it died with",
+                          extra={"worker": self.name, "deliveries": n})
+                self._reply((entry[0], entry[1], entry[1].get(b"kind", b"").decode(
+                    "ascii", "replace"), None), ServiceError(
+                    500, "JobKilledWorkers",
+                    f"this job was delivered to {n} workers and none of them finished it "
+                    f"(each stopped while running it); it is not run again"))
+            else:
+                keep.append(entry)
+        if keep:
             log.warning("redelivered jobs of a worker that stopped",
-                        extra={"worker": self.name, "jobs": len(claimed)})
-        return claimed
+                        extra={"worker": self.name, "jobs": len(keep)})
+        return keep
 
     def process(self, entries: list) -> None:
         jobs = []              # (entry id, fields, kind, payload or exception)

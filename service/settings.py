@@ -83,6 +83,12 @@ class Settings(BaseSettings):
                     "by another worker (the first is presumed dead); keep it above the "
                     "longest job")
 
+    worker_max_deliveries: int = Field(
+        default=3, ge=1,
+        description="a job delivered to this many workers that all stopped while running it "
+                    "is answered with an error (500 JobKilledWorkers) instead of being run "
+                    "again")
+
     @model_validator(mode="after")
     def _queue_needs_redis(self):
         if self.queue == "redis" and not self.redis_url:

@@ -237,3 +237,28 @@ def test_worker_runs_infer_jobs_together(server):
             want = local.post("/infer", json={"model_id": mid, "features": encode(f)}).json()
             np.testing.assert_allclose(decode(r.json()["output"]), decode(want["output"]),
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_a_job_that_killed_every_worker_is_answered_with_an_error(server):
+    server.client().flushall()
+    client = redis.Redis.from_url(server.url)
+    with _api(server.url) as api:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        ensure_group(client)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(api.post, "/compile",
+                              json={"model_id": mid, "request": request_for(0, 3)})
+            deadline = time.time() + 10
+            while client.xlen(JOBS) < 1 and time.time() < deadline:
+                time.sleep(0.02)
+            # three workers took it in turn and died with it
+            entry_id = client.xreadgroup(GROUP, "dead-1", {JOBS: ">"}, count=1)[0][1][0][0]
+            for name in ("dead-2", "dead-3"):
+                client.xclaim(JOBS, GROUP, name, min_idle_time=0, message_ids=[entry_id])
+            time.sleep(0.6)
+            with ThreadWorker(server.url, claim_idle_s=0.5) as w:
+                r = fut.result(20)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "JobKilledWorkers"
+        assert "4 workers" in r.json()["error"]["message"]
+        assert w.worker.jobs_done == 1          # answered, not run
+        assert client.xpending(JOBS, GROUP)["pending"] == 0
