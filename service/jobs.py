@@ -117,10 +117,6 @@ def decode_job(data: bytes, registry) -> tuple[str, dict]:
     return kind, p
 
 
-def _vec_shape(a):
-    return None if a is None else np.asarray(a).reshape(1, -1)
-
-
 # -- results -----------------------------------------------------------------------------------
 
 def encode_result(kind: str, r) -> bytes:
