@@ -34,7 +34,7 @@ from service.routes import compute, health, infer, models
 from service.routes import streams as stream_routes
 from service.settings import Settings
 from service.streams import NoStreamStore, RedisStreamStore, StreamManager
-from service.worker import Batcher, InProcessQueue
+from service.worker import InProcessQueue, job_batchers, job_handlers
 
 _DOCS_STATIC = "/docs/static"
 
@@ -70,19 +70,8 @@ def build_services(settings: Settings) -> Services:
         queue = RedisJobQueue(client, settings.job_timeout_s, settings.queue_size,
                               metrics=metrics)
         return Services(settings, registry, cache, queue, operations, metrics, streams)
-    queue = InProcessQueue({"compile": operations.compile_job,
-                            "compute": operations.compute_job,
-                            "infer": operations.infer_job,
-                            "stream_open": streams.open,
-                            "stream_push": streams.push,
-                            "stream_finish": streams.finish,
-                            "stream_close": streams.close,
-                            "stream_info": streams.info},
-                           maxsize=settings.queue_size, metrics=metrics,
-                           batchers={"compute": Batcher(operations.compute_batch_key,
-                                                        operations.compute_batch),
-                                     "infer": Batcher(operations.infer_batch_key,
-                                                      operations.infer_batch)},
+    queue = InProcessQueue(job_handlers(operations, streams), maxsize=settings.queue_size,
+                           metrics=metrics, batchers=job_batchers(operations),
                            max_batch=settings.max_batch,
                            batch_delay_s=settings.batch_delay_ms / 1000.0)
     return Services(settings, registry, cache, queue, operations, metrics, streams)

@@ -38,6 +38,13 @@ def cache_key(structure_hash: str, request: ComputationRequest, options: Optimiz
     return h.hexdigest()
 
 
+def plain_and_validated(computation: NnetComputation) -> tuple[dict, NnetComputation]:
+    """(plain data of ``computation``, the computation rebuilt from that data and
+    validated): what a cache stores for it, and what its hits return."""
+    data = computation_to_data(computation)
+    return data, computation_from_data(data)
+
+
 class ComputationCache(Protocol):
     def get(self, key: str) -> NnetComputation | None: ...
     def put(self, key: str, computation: NnetComputation, meta: dict) -> NnetComputation: ...
@@ -98,8 +105,7 @@ class LRUComputationCache:
     def put(self, key: str, computation: NnetComputation, meta: dict) -> NnetComputation:
         """Store ``computation``; returns the validated computation rebuilt from its
         plain data, which later hits return (use it instead of the argument)."""
-        data = computation_to_data(computation)
-        validated = computation_from_data(data)
+        data, validated = plain_and_validated(computation)
         self._store(key, [data, dict(meta), validated])
         return validated
 

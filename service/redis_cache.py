@@ -27,9 +27,9 @@ import msgpack
 import redis
 
 from engine.compiler.computation import NnetComputation
-from engine.compiler.serialize import IR_VERSION, computation_from_data, computation_to_data
+from engine.compiler.serialize import IR_VERSION, computation_from_data
 from engine.core.errors import CheckError
-from service.cache import LRUComputationCache
+from service.cache import LRUComputationCache, plain_and_validated
 
 log = logging.getLogger("nnetc.cache")
 
@@ -133,8 +133,7 @@ class RedisComputationCache:
         return computation, data, meta
 
     def put(self, key: str, computation: NnetComputation, meta: dict) -> NnetComputation:
-        data = computation_to_data(computation)
-        validated = computation_from_data(data)
+        data, validated = plain_and_validated(computation)
         self.front.put_data(key, data, meta, validated)
         payload = msgpack.packb({"ir_version": IR_VERSION, "data": data, "meta": dict(meta)},
                                 use_bin_type=True)

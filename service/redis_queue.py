@@ -39,6 +39,7 @@ import redis
 
 from service.errors import ServiceError
 from service.jobs import decode_job, decode_result, encode_error, encode_job, encode_result
+from service.worker import job_batchers, job_handlers
 
 log = logging.getLogger("nnetc.queue")
 
@@ -198,12 +199,8 @@ class RedisWorker:
         self.stream = stream
         self.heartbeat_s = heartbeat_s
         self.max_deliveries = max_deliveries
-        self.handlers = {"compile": operations.compile_job, "compute": operations.compute_job,
-                         "infer": operations.infer_job, "stream_open": streams.open,
-                         "stream_push": streams.push, "stream_finish": streams.finish,
-                         "stream_close": streams.close, "stream_info": streams.info}
-        self.batchers = {"compute": (operations.compute_batch_key, operations.compute_batch),
-                         "infer": (operations.infer_batch_key, operations.infer_batch)}
+        self.handlers = job_handlers(operations, streams)
+        self.batchers = job_batchers(operations)
         self._stop = threading.Event()
         self.jobs_done = 0
 
@@ -299,7 +296,7 @@ class RedisWorker:
             if (kind in self.batchers and not isinstance(payload, Exception)
                     and self.max_batch > 1):
                 try:
-                    key = (kind, self.batchers[kind][0](payload))
+                    key = (kind, self.batchers[kind].key(payload))
                 except Exception:  # noqa: BLE001
                     key = None
             if key is None or key[1] is None:
@@ -311,7 +308,7 @@ class RedisWorker:
                 order.append(groups[key])
         for group in order:
             if len(group) > 1:
-                run = self.batchers[group[0][2]][1]
+                run = self.batchers[group[0][2]].run
                 metrics = getattr(self.operations, "metrics", None)
                 if metrics is not None:
                     metrics.jobs_per_batch.labels(kind=group[0][2]).observe(len(group))

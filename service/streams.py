@@ -195,6 +195,12 @@ class LiveStream:
                 "finished": self.stream.finished}
 
 
+def _release(live: LiveStream) -> None:
+    """Give the memory of a stream no longer held here back to its model's pool."""
+    if not live.stream.finished:
+        live.stream.executor.release()
+
+
 class StreamManager:
     def __init__(self, registry, backend, store=None, max_streams: int = 256,
                  idle_s: float = 600.0, metrics=None):
@@ -223,10 +229,9 @@ class StreamManager:
         now = time.monotonic()
         with self._lock:
             idle = [s for s, live in self._live.items() if now - live.last_used > self.idle_s]
-            for s in idle:
-                live = self._live.pop(s)
-                if not live.stream.finished:
-                    live.stream.executor.release()
+            dropped = [self._live.pop(s) for s in idle]
+        for live in dropped:
+            _release(live)
         if idle:
             self._event("expired", len(idle))
             self._gauge()
@@ -306,8 +311,8 @@ class StreamManager:
         with self._lock:
             old = self._live.pop(sid, None)
             self._live[sid] = live
-        if old is not None and not old.stream.finished:
-            old.stream.executor.release()
+        if old is not None:
+            _release(old)
         self._event("restored")
         self._gauge()
         return live
@@ -354,8 +359,8 @@ class StreamManager:
     def _drop(self, sid: str) -> None:
         with self._lock:
             live = self._live.pop(sid, None)
-        if live is not None and not live.stream.finished:
-            live.stream.executor.release()
+        if live is not None:
+            _release(live)
         self._gauge()
 
     # -- operations (worker jobs) -----------------------------------------------------------

@@ -62,6 +62,20 @@ class Batcher:
     run: Callable[[list], list]
 
 
+def job_handlers(operations, streams) -> dict[str, Callable[[dict], Any]]:
+    """Job kind -> handler: what the in-process worker and worker processes run."""
+    return {"compile": operations.compile_job, "compute": operations.compute_job,
+            "infer": operations.infer_job, "stream_open": streams.open,
+            "stream_push": streams.push, "stream_finish": streams.finish,
+            "stream_close": streams.close, "stream_info": streams.info}
+
+
+def job_batchers(operations) -> dict[str, Batcher]:
+    """The kinds whose compatible jobs run together (dynamic batching)."""
+    return {"compute": Batcher(operations.compute_batch_key, operations.compute_batch),
+            "infer": Batcher(operations.infer_batch_key, operations.infer_batch)}
+
+
 class InProcessQueue:
     """One worker thread.  With ``batchers``, a job of a batched kind is run together
     with the compatible jobs waiting behind it (up to ``max_batch``, waiting at most

@@ -46,6 +46,34 @@ class ThreadWorker:
         self.thread.join(10)
 
 
+def _wait_queued(client, n: int, timeout: float = 10.0) -> None:
+    """Until ``n`` jobs wait on the stream (the API has submitted them)."""
+    deadline = time.time() + timeout
+    while client.xlen(JOBS) < n and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def _compile_left_by_dead_workers(server, names: list[str]):
+    """A compile job taken in turn by workers ``names`` that all died with it; then a
+    live worker (claiming after 0.5 s idle) starts: (the API's response, the worker)."""
+    client = redis.Redis.from_url(server.url)
+    with _api(server.url) as api:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        ensure_group(client)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(api.post, "/compile",
+                              json={"model_id": mid, "request": request_for(0, 3)})
+            _wait_queued(client, 1)
+            taken = client.xreadgroup(GROUP, names[0], {JOBS: ">"}, count=1)
+            assert taken and len(taken[0][1]) == 1
+            entry_id = taken[0][1][0][0]
+            for name in names[1:]:
+                client.xclaim(JOBS, GROUP, name, min_idle_time=0, message_ids=[entry_id])
+            time.sleep(0.6)                       # idle long enough to be claimed
+            with ThreadWorker(server.url, claim_idle_s=0.5) as w:
+                return fut.result(20), w
+
+
 def _api(url, **kw):
     return make_client(redis_url=url, queue="redis", job_timeout_s=20, **kw)
 
@@ -139,9 +167,7 @@ def test_worker_batches_concurrent_computes(server):
         with ThreadPoolExecutor(8) as pool:
             futs = [pool.submit(api.post, "/compute",
                                 json={**body, "inputs": {"input": encode(x)}}) for x in xs]
-            deadline = time.time() + 10        # all eight queued before the worker starts
-            while server.client().xlen(JOBS) < 8 and time.time() < deadline:
-                time.sleep(0.02)
+            _wait_queued(server.client(), 8)     # all eight queued before the worker starts
             with ThreadWorker(server.url, max_batch=8) as w:
                 rs = [f.result(20) for f in futs]
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
@@ -157,24 +183,11 @@ def test_worker_batches_concurrent_computes(server):
 
 def test_a_job_left_by_a_dead_worker_is_redelivered(server):
     server.client().flushall()
-    client = redis.Redis.from_url(server.url)
-    with _api(server.url) as api:
-        mid = register(api, config=TINY_CONFIG)["model_id"]
-        ensure_group(client)
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(api.post, "/compile",
-                              json={"model_id": mid, "request": request_for(0, 3)})
-            deadline = time.time() + 10
-            while client.xlen(JOBS) < 1 and time.time() < deadline:
-                time.sleep(0.02)
-            # a worker takes the job and dies without answering
-            taken = client.xreadgroup(GROUP, "dead-worker", {JOBS: ">"}, count=1)
-            assert taken and len(taken[0][1]) == 1
-            with ThreadWorker(server.url, claim_idle_s=0.5) as w:
-                r = fut.result(20)
-        assert r.status_code == 200, r.text
-        assert w.worker.jobs_done == 1
-        assert client.xpending(JOBS, GROUP)["pending"] == 0
+    # a worker takes the job and dies without answering
+    r, w = _compile_left_by_dead_workers(server, ["dead-worker"])
+    assert r.status_code == 200, r.text
+    assert w.worker.jobs_done == 1
+    assert server.client().xpending(JOBS, GROUP)["pending"] == 0
 
 
 def test_nnetc_worker_process(server):
@@ -223,9 +236,7 @@ def test_worker_runs_infer_jobs_together(server):
         with ThreadPoolExecutor(4) as pool:
             futs = [pool.submit(api.post, "/infer", json={"model_id": mid, "features": encode(f)})
                     for f in feats]
-            deadline = time.time() + 10
-            while server.client().xlen(JOBS) < 4 and time.time() < deadline:
-                time.sleep(0.02)
+            _wait_queued(server.client(), 4)
             with ThreadWorker(server.url, max_batch=8) as w:
                 rs = [f.result(20) for f in futs]
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
@@ -241,24 +252,9 @@ def test_worker_runs_infer_jobs_together(server):
 
 def test_a_job_that_killed_every_worker_is_answered_with_an_error(server):
     server.client().flushall()
-    client = redis.Redis.from_url(server.url)
-    with _api(server.url) as api:
-        mid = register(api, config=TINY_CONFIG)["model_id"]
-        ensure_group(client)
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(api.post, "/compile",
-                              json={"model_id": mid, "request": request_for(0, 3)})
-            deadline = time.time() + 10
-            while client.xlen(JOBS) < 1 and time.time() < deadline:
-                time.sleep(0.02)
-            # three workers took it in turn and died with it
-            entry_id = client.xreadgroup(GROUP, "dead-1", {JOBS: ">"}, count=1)[0][1][0][0]
-            for name in ("dead-2", "dead-3"):
-                client.xclaim(JOBS, GROUP, name, min_idle_time=0, message_ids=[entry_id])
-            time.sleep(0.6)
-            with ThreadWorker(server.url, claim_idle_s=0.5) as w:
-                r = fut.result(20)
-        assert r.status_code == 500 and r.json()["error"]["type"] == "JobKilledWorkers"
-        assert "4 workers" in r.json()["error"]["message"]
-        assert w.worker.jobs_done == 1          # answered, not run
-        assert client.xpending(JOBS, GROUP)["pending"] == 0
+    # three workers took it in turn and died with it
+    r, w = _compile_left_by_dead_workers(server, ["dead-1", "dead-2", "dead-3"])
+    assert r.status_code == 500 and r.json()["error"]["type"] == "JobKilledWorkers"
+    assert "4 workers" in r.json()["error"]["message"]
+    assert w.worker.jobs_done == 1          # answered, not run
+    assert server.client().xpending(JOBS, GROUP)["pending"] == 0
