@@ -2,7 +2,8 @@
 
 Engine errors (engine.core.errors) are mapped by class; the service raises
 ``ServiceError`` for what only it knows (unknown id, oversize body, auth).
-Every error body is ``{"error": {"type", "message", "field"}}``.  Anything else
+Every error body is ``{"error": {"type", "message", "field"}}``; ``error_parts`` decides
+it, for HTTP responses and WebSocket messages alike.  Anything else
 is a 500 whose body carries only a request id; the traceback goes to the log.
 """
 
@@ -14,6 +15,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.core.errors import (CheckError, ComponentError, ConfigError, ExecutionError,
@@ -85,36 +87,51 @@ def _field_of(e: NnetcError, request: Request) -> str | None:
     return fld
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ServiceError)
-    async def _service(request: Request, e: ServiceError):
-        return _respond(e.status, e.type, e.message, e.field)
+def _internal(what: str, e: BaseException, **extra) -> tuple[int, str, str, None]:
+    ident = uuid.uuid4().hex[:12]
+    log.error(what, exc_info=e, extra={"request_id": ident, **extra})
+    return 500, "InternalError", f"internal error (id {ident})", None
 
-    @app.exception_handler(NnetcError)
-    async def _engine(request: Request, e: NnetcError):
+
+def error_parts(e: BaseException, field: str | None = None
+                ) -> tuple[int, str, str, str | None]:
+    """(status, type, message, field) the service answers for ``e``, over HTTP and over a
+    WebSocket alike; ``field``: the request field an engine error is about, when known."""
+    if isinstance(e, ServiceError):
+        return e.status, e.type, e.message, e.field
+    if isinstance(e, NnetcError):
         status = engine_status(e)
         if status >= 500:
-            ident = uuid.uuid4().hex[:12]
-            log.error("engine check failed", extra={"request_id": ident, "error": str(e)})
-            return _respond(500, "InternalError", f"internal error (id {ident})")
-        return _respond(status, type(e).__name__, str(e), _field_of(e, request))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, e: RequestValidationError):
+            return _internal("engine check failed", e)
+        return status, type(e).__name__, str(e), field
+    if isinstance(e, (RequestValidationError, ValidationError)):
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        field = ".".join(loc) or None
+        where = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
-        extra = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-        return _respond(422, "ValidationError", f"{field or 'body'}: {msg}{extra}", field)
+        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        return 422, "ValidationError", f"{where or 'body'}: {msg}{more}", where
+    return _internal("internal error", e)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service(request: Request, e: ServiceError):
+        return _respond(*error_parts(e))
+
+    @app.exception_handler(NnetcError)
+    async def _engine(request: Request, e: NnetcError):
+        return _respond(*error_parts(e, _field_of(e, request)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        return _respond(*error_parts(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         return _respond(e.status_code, "HTTPError", str(e.detail))
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        ident = uuid.uuid4().hex[:12]
-        log.exception("internal error", extra={"request_id": ident, "path": request.url.path})
-        return _respond(500, "InternalError", f"internal error (id {ident})")
+    async def _other(request: Request, e: Exception):
+        return _respond(*_internal("internal error", e, path=request.url.path))

@@ -22,7 +22,7 @@ from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, Stre
                              StreamOptions, StreamOutput)
 from service import convert
 from service.deps import AUTH, ServicesDep
-from service.errors import ServiceError, engine_status, error_body
+from service.errors import ServiceError, error_body, error_parts
 from service.routes import blame, run_job
 
 router = APIRouter(tags=["streams"])
@@ -114,23 +114,11 @@ def _ws_authorized(ws: WebSocket, token: str | None) -> bool:
                                                                  token.encode())
 
 
-def _ws_error(e: Exception) -> dict:
-    if isinstance(e, ServiceError):
-        body = error_body(e.type, e.message, e.field)
-        body["status"] = e.status
-    elif isinstance(e, ValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        body = error_body("RequestValidationError",
-                          f"{where}: {first.get('msg', 'invalid message')}", where or None)
-        body["status"] = 422
-    elif isinstance(e, NnetcError):
-        body = error_body(type(e).__name__, str(e))
-        body["status"] = engine_status(e)
-    else:
-        body = error_body("InternalError", "internal error")
-        body["status"] = 500
-    return body
+def _ws_error(e: Exception, field: str | None = None) -> dict:
+    """The error message a WebSocket client gets: the body and status HTTP would give
+    (``field``: what an engine error is blamed on, as the HTTP route does)."""
+    status, type_, message, field = error_parts(e, field)
+    return {**error_body(type_, message, field), "status": status}
 
 
 @router.websocket("/streams/{stream_id}/ws")
@@ -147,6 +135,7 @@ async def stream_ws(ws: WebSocket, stream_id: str) -> None:
     try:
         while True:
             message = await ws.receive_json()
+            blamed = None
             try:
                 if not isinstance(message, dict):
                     raise ServiceError(422, "RequestError", "a message must be a JSON object")
@@ -163,10 +152,11 @@ async def stream_ws(ws: WebSocket, stream_id: str) -> None:
                     return
                 body = PushRequest.model_validate(message)
                 payload = _push_payload(services, stream_id, body)
+                blamed = "features"          # as push_frames' blame
                 result = await run_in_threadpool(run_job, services, "stream_push", payload)
                 await ws.send_json(_output(services, result, body.encoding).model_dump())
             except (ServiceError, ValidationError, NnetcError) as e:
-                await ws.send_json(_ws_error(e))
+                await ws.send_json(_ws_error(e, blamed))
     except WebSocketDisconnect:
         return
     except ValueError:        # not JSON

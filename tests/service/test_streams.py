@@ -436,3 +436,16 @@ def test_any_pieces_give_the_engine_stream_output(client, fpc, cuts, frames):
         pos += len(piece)
     outs.append(_finish(client, sid).reshape(-1, 6))
     np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, x, fpc))
+
+
+def test_websocket_errors_are_the_http_errors(client):
+    mid = _register_config(client, RECURRENT, 3)
+    sid = client.post("/streams", json={"model_id": mid}).json()["stream_id"]
+    for bad in ({"features": [[0.0] * 8], "colour": 1},        # unknown field
+                {"features": [[0.0] * 3]},                      # wrong dimension
+                {"features": [[0.0] * 8], "offset": 7}):        # wrong offset
+        http = client.post(f"/streams/{sid}/frames", json=bad)
+        with client.websocket_connect(f"/streams/{sid}/ws") as ws:
+            ws.send_json(bad)
+            got = ws.receive_json()
+        assert got == {**http.json(), "status": http.status_code}
