@@ -1,0 +1,78 @@
+"""Generate random networks with Kaldi and check nnetc against them.
+
+    python tests/kaldi_oracle/check_networks.py BIN_DIR OUT_DIR FIRST_SEED LAST_SEED
+
+For each seed: BIN_DIR/gen writes a kaldi-ref style case to OUT_DIR/sSEED; then the
+unoptimized and optimized computations are run against Kaldi's numbers
+(test_compile_reference.check_case) and the optimized command count, peak bytes and
+printout compared with Kaldi's.  Prints one line per failing case and a summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from oracle_io import to_npz
+
+from engine.compiler.request import ComputationRequest  # noqa: E402
+from engine.compiler.shortcut import compile_request  # noqa: E402
+from engine.nnet.model_io import load_nnet  # noqa: E402
+from test_compile_reference import check_case  # noqa: E402
+
+
+def first_difference(a: str, b: str) -> str:
+    x, y = a.splitlines(), b.splitlines()
+    for i, (p, q) in enumerate(zip(x, y)):
+        if p != q:
+            return f"line {i + 1}: ours {p!r} kaldi {q!r}"
+    return f"lengths {len(x)} vs {len(y)} lines"
+
+
+def check(case: Path) -> list[str]:
+    problems = []
+    for opt in (False, True):
+        try:
+            check_case(case, optimize=opt)
+        except Exception as e:  # noqa: BLE001 (report every kind of failure)
+            problems.append(f"optimize={opt}: {type(e).__name__}: {str(e)[:300]}")
+    try:
+        nnet = load_nnet(case / "model.txt")
+        req = ComputationRequest.from_json((case / "request.json").read_bytes())
+        comp = compile_request(nnet, req)
+        ref = json.loads((case / "stats.json").read_text())["optimized"]
+        st = comp.stats()
+        if (st["commands"], st["peak_bytes"]) != (ref["commands"], ref["peak_bytes"]):
+            problems.append(f"optimized stats: ours {st['commands']}/{st['peak_bytes']}, kaldi {ref}")
+        text = comp.to_text(nnet)
+        if text != (case / "computation.txt").read_text():
+            problems.append("printout: " + first_difference(text, (case / "computation.txt").read_text()))
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"compile: {type(e).__name__}: {str(e)[:300]}")
+    return problems
+
+
+def main() -> None:
+    bin_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    first, last = int(sys.argv[3]), int(sys.argv[4])
+    bad = n = 0
+    for seed in range(first, last + 1):
+        case = out / f"s{seed}"
+        case.mkdir(parents=True, exist_ok=True)
+        p = subprocess.run([str(bin_dir / "gen"), str(seed), str(case)], capture_output=True,
+                           text=True)
+        if p.returncode:
+            print(f"s{seed}: Kaldi failed: {p.stderr.strip().splitlines()[-1:]}")
+            continue
+        to_npz(case)
+        n += 1
+        problems = check(case)
+        if problems:
+            bad += 1
+            print(f"s{seed} FAIL\n    " + "\n    ".join(problems))
+    print(f"{bad} failing of {n} networks")
+
+
+if __name__ == "__main__":
+    main()

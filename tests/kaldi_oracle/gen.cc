@@ -1,0 +1,136 @@
+// Reference-case generator (outside the project): Kaldi's random network + request,
+// compiled, optimized, computed; written in the kaldi-ref case format (arrays as text).
+#include "nnet3/nnet-nnet.h"
+#include "nnet3/nnet-test-utils.h"
+#include "nnet3/nnet-compile.h"
+#include "nnet3/nnet-optimize.h"
+#include "nnet3/nnet-compute.h"
+#include "nnet3/nnet-utils.h"
+#include <fstream>
+#include <sstream>
+#include <cstdio>
+using namespace kaldi;
+using namespace kaldi::nnet3;
+
+static void WriteMat(std::ostream &os, const std::string &name, const MatrixBase<BaseFloat> &m) {
+  os << name << " " << m.NumRows() << " " << m.NumCols() << "\n";
+  char buf[64];
+  for (int r = 0; r < m.NumRows(); r++) {
+    for (int c = 0; c < m.NumCols(); c++) { snprintf(buf, 64, "%.9g ", m(r, c)); os << buf; }
+    os << "\n";
+  }
+}
+
+static void Stats(const NnetComputation &c, std::ostream &os) {
+  int64 cmds = 0, cur = 0, peak = 0;
+  for (size_t i = 0; i < c.commands.size(); i++) {
+    const NnetComputation::Command &cmd = c.commands[i];
+    if (cmd.command_type == kNoOperation || cmd.command_type == kNoOperationPermanent) continue;
+    cmds++;
+    if (cmd.command_type == kAllocMatrix || cmd.command_type == kDeallocMatrix) {
+      int32 m = c.submatrices[cmd.arg1].matrix_index;
+      int64 b = 4LL * c.matrices[m].num_rows * c.matrices[m].num_cols;
+      cur += (cmd.command_type == kAllocMatrix ? b : -b);
+      if (cur > peak) peak = cur;
+    }
+  }
+  os << "{\"commands\": " << cmds << ", \"peak_bytes\": " << peak << "}";
+}
+
+static void WriteRequest(std::ostream &os, const ComputationRequest &r) {
+  os << "{\"inputs\": [";
+  for (size_t i = 0; i < r.inputs.size(); i++) {
+    const IoSpecification &s = r.inputs[i];
+    os << (i ? ", " : "") << "{\"name\": \"" << s.name << "\", \"has_deriv\": " << (s.has_deriv ? "true" : "false") << ", \"indexes\": [";
+    for (size_t j = 0; j < s.indexes.size(); j++)
+      os << (j ? ", " : "") << "[" << s.indexes[j].n << ", " << s.indexes[j].t << ", " << s.indexes[j].x << "]";
+    os << "]}";
+  }
+  os << "], \"outputs\": [";
+  for (size_t i = 0; i < r.outputs.size(); i++) {
+    const IoSpecification &s = r.outputs[i];
+    os << (i ? ", " : "") << "{\"name\": \"" << s.name << "\", \"has_deriv\": " << (s.has_deriv ? "true" : "false") << ", \"indexes\": [";
+    for (size_t j = 0; j < s.indexes.size(); j++)
+      os << (j ? ", " : "") << "[" << s.indexes[j].n << ", " << s.indexes[j].t << ", " << s.indexes[j].x << "]";
+    os << "]}";
+  }
+  os << "], \"need_model_derivative\": " << (r.need_model_derivative ? "true" : "false")
+     << ", \"store_component_stats\": " << (r.store_component_stats ? "true" : "false") << "}";
+}
+
+int main(int argc, char **argv) {
+  if (argc != 3) { fprintf(stderr, "gen SEED OUTDIR\n"); return 1; }
+  int seed = atoi(argv[1]);
+  std::string dir = argv[2];
+  srand(seed);
+  SetVerboseLevel(-1);
+  NnetGenerationOptions gen_opts;
+  std::vector<std::string> configs;
+  GenerateConfigSequence(gen_opts, &configs);
+  Nnet nnet;
+  {
+    std::ofstream cf((dir + "/configs.txt").c_str());
+    for (size_t j = 0; j < configs.size(); j++) {
+      cf << configs[j];
+      std::istringstream is(configs[j]);
+      nnet.ReadConfig(is);
+    }
+  }
+  ComputationRequest request;
+  std::vector<Matrix<BaseFloat> > inputs;
+  ComputeExampleComputationRequestSimple(nnet, &request, &inputs);
+  SetBatchnormTestMode(true, &nnet);
+  SetDropoutTestMode(true, &nnet);
+  { std::ofstream mf((dir + "/model.txt").c_str()); nnet.Write(mf, false); }
+  { std::ofstream rf((dir + "/request.json").c_str()); WriteRequest(rf, request); }
+  NnetComputation unopt, comp;
+  { Compiler compiler(request, nnet); CompilerOptions opts; compiler.CreateComputation(opts, &unopt); }
+  comp = unopt;
+  NnetOptimizeOptions oo;
+  Optimize(oo, nnet, MaxOutputTimeInRequest(request), &comp);
+  comp.ComputeCudaIndexes();
+  { std::ofstream sf((dir + "/stats.json").c_str());
+    sf << "{\"optimized\": "; Stats(comp, sf); sf << ", \"unoptimized\": "; Stats(unopt, sf); sf << "}\n"; }
+  { std::ofstream pf((dir + "/computation.txt").c_str()); comp.Print(pf, nnet); }
+  Nnet grad_nnet(nnet);
+  if (request.need_model_derivative) SetNnetAsGradient(&grad_nnet);
+  NnetComputeOptions copts;
+  NnetComputer computer(copts, comp, &nnet, &grad_nnet);
+  std::ofstream af((dir + "/arrays.txt").c_str());
+  for (size_t i = 0; i < request.inputs.size(); i++) {
+    WriteMat(af, "input." + request.inputs[i].name, inputs[i]);
+    CuMatrix<BaseFloat> cu(inputs[i]);
+    computer.AcceptInput(request.inputs[i].name, &cu);
+  }
+  computer.Run();
+  bool any_deriv = false;
+  for (size_t i = 0; i < request.outputs.size(); i++) {
+    const CuMatrixBase<BaseFloat> &o = computer.GetOutput(request.outputs[i].name);
+    Matrix<BaseFloat> om(o);
+    WriteMat(af, "output." + request.outputs[i].name, om);
+    if (request.outputs[i].has_deriv) any_deriv = true;
+  }
+  if (any_deriv) {
+    for (size_t i = 0; i < request.outputs.size(); i++) {
+      if (!request.outputs[i].has_deriv) continue;
+      const CuMatrixBase<BaseFloat> &o = computer.GetOutput(request.outputs[i].name);
+      Matrix<BaseFloat> d(o.NumRows(), o.NumCols());
+      d.SetRandn();
+      WriteMat(af, "output_deriv." + request.outputs[i].name, d);
+      CuMatrix<BaseFloat> cu(d);
+      computer.AcceptInput(request.outputs[i].name, &cu);
+    }
+    computer.Run();
+    for (size_t i = 0; i < request.inputs.size(); i++) {
+      if (!request.inputs[i].has_deriv) continue;
+      CuMatrix<BaseFloat> d;
+      computer.GetOutputDestructive(request.inputs[i].name, &d);
+      Matrix<BaseFloat> dm(d);
+      WriteMat(af, "input_deriv." + request.inputs[i].name, dm);
+    }
+    if (request.need_model_derivative) {
+      std::ofstream gf((dir + "/model_grad.txt").c_str()); grad_nnet.Write(gf, false);
+    }
+  }
+  return 0;
+}

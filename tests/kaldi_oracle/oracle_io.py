@@ -1,0 +1,44 @@
+"""Reading and writing the drivers' text matrices ("name rows cols" then the rows)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+for p in (ROOT, ROOT / "tests", ROOT / "tests" / "engine"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+
+def read_matrices(path: Path) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    lines = Path(path).read_text().split("\n")
+    i = 0
+    while i < len(lines):
+        if not lines[i].strip():
+            i += 1
+            continue
+        name, r, c = lines[i].split()
+        r, c = int(r), int(c)
+        rows = [np.array(lines[i + 1 + k].split(), dtype=np.float32) for k in range(r)]
+        out[name] = np.array(rows, dtype=np.float32).reshape(r, c)
+        i += 1 + r
+    return out
+
+
+def write_matrices(path: Path, mats: dict) -> None:
+    with open(path, "w") as f:
+        for k, m in mats.items():
+            m = np.atleast_2d(m)
+            f.write(f"{k} {m.shape[0]} {m.shape[1]}\n")
+            for row in m:
+                f.write(" ".join(repr(float(v)) for v in row) + "\n")
+
+
+def to_npz(case: Path) -> None:
+    """arrays.txt (the drivers' output) -> arrays.npz (the kaldi-ref layout)."""
+    if (case / "arrays.txt").exists():
+        np.savez_compressed(case / "arrays.npz", **read_matrices(case / "arrays.txt"))
