@@ -85,3 +85,12 @@ def explain_by_steps(kaldi: list[Index], steps: list[list[Index]],
             return False
         p += max(len(s) for s in cands)
     return True
+
+
+def first_difference(ours: str, ref: str) -> str:
+    """Where two printouts first differ (line number and both lines)."""
+    a, b = ours.splitlines(), ref.splitlines()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"line {i + 1}:\n  ours:  {x}\n  kaldi: {y}"
+    return f"lengths differ: ours {len(a)} lines, kaldi {len(b)} lines"

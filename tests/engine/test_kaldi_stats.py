@@ -38,7 +38,7 @@ from engine.optimizer.analysis import reference_peak_bytes
 from engine.optimizer.collapse import set_batchnorm_test_mode, set_dropout_test_mode
 from service.cli import main
 
-from compiler_ref import CASES_DIR, load_case
+from compiler_ref import CASES_DIR, first_difference, load_case
 from conftest import DATA, shared_ref
 
 CT = CommandType
@@ -62,14 +62,6 @@ def _ours(nnet, req) -> tuple[dict, dict, NnetComputation]:
     opt = compile_request(nnet, req)
     raw = compile_request(nnet, req, use_shortcut=False, optimize=False)
     return opt.stats(), raw.stats(), opt
-
-
-def _first_difference(ours: str, ref: str) -> str:
-    a, b = ours.splitlines(), ref.splitlines()
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return f"line {i + 1}:\n  ours:  {x}\n  kaldi: {y}"
-    return f"lengths differ: ours {len(a)} lines, kaldi {len(b)} lines"
 
 
 def test_local_set_covers_every_reference_case():
@@ -128,7 +120,7 @@ def test_full_reference_set_matches_kaldi():
             assert (ours["commands"], ours["peak_bytes"]) == (
                 ref[key]["commands"], ref[key]["peak_bytes"]), (case.name, key, ours, ref[key])
         text, kaldi = comp.to_text(nnet), (case / "computation.txt").read_text()
-        assert text == kaldi, f"{case.name}: {_first_difference(text, kaldi)}"
+        assert text == kaldi, f"{case.name}: {first_difference(text, kaldi)}"
 
 
 # -- the peak-bytes convention -----------------------------------------------------------------

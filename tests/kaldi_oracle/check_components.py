@@ -8,11 +8,10 @@ skipped.  Checks output, input derivative, gradient and byte-identical text I/O.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
-from oracle_io import to_npz
+from oracle_io import generate, report
 
 from component_harness import (check_io_roundtrip, check_reference_case,  # noqa: E402
                                load_component_text)
@@ -26,16 +25,13 @@ def main() -> None:
     bad = n = 0
     for seed in range(first, last + 1):
         case = out / f"c{seed}"
-        case.mkdir(parents=True, exist_ok=True)
-        p = subprocess.run([str(bin_dir / "gencomp"), str(seed), str(case)], capture_output=True,
-                           text=True)
+        failed = generate(bin_dir / "gencomp", seed, case)
         kind = (case / "type").read_text().strip() if (case / "type").exists() else "?"
         if kind in SKIP:
             continue
-        if p.returncode:
-            print(f"c{seed} {kind}: Kaldi failed: {p.stderr.strip().splitlines()[-1:]}")
+        if failed:
+            print(f"c{seed} {kind}: Kaldi failed: {failed}")
             continue
-        to_npz(case)
         n += 1
         problems = []
         try:
@@ -49,7 +45,7 @@ def main() -> None:
             problems.append(f"text I/O: {type(e).__name__}: {str(e)[:300]}")
         if problems:
             bad += 1
-            print(f"c{seed} {kind} FAIL\n    " + "\n    ".join(problems))
+            report(f"c{seed} {kind}", problems)
     print(f"{bad} failing of {n} components")
 
 

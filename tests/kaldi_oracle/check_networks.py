@@ -10,24 +10,16 @@ printout compared with Kaldi's.  Prints one line per failing case and a summary.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from oracle_io import to_npz
+from oracle_io import generate, report
 
+from compiler_ref import first_difference  # noqa: E402
 from engine.compiler.request import ComputationRequest  # noqa: E402
 from engine.compiler.shortcut import compile_request  # noqa: E402
 from engine.nnet.model_io import load_nnet  # noqa: E402
 from test_compile_reference import check_case  # noqa: E402
-
-
-def first_difference(a: str, b: str) -> str:
-    x, y = a.splitlines(), b.splitlines()
-    for i, (p, q) in enumerate(zip(x, y)):
-        if p != q:
-            return f"line {i + 1}: ours {p!r} kaldi {q!r}"
-    return f"lengths {len(x)} vs {len(y)} lines"
 
 
 def check(case: Path) -> list[str]:
@@ -59,18 +51,15 @@ def main() -> None:
     bad = n = 0
     for seed in range(first, last + 1):
         case = out / f"s{seed}"
-        case.mkdir(parents=True, exist_ok=True)
-        p = subprocess.run([str(bin_dir / "gen"), str(seed), str(case)], capture_output=True,
-                           text=True)
-        if p.returncode:
-            print(f"s{seed}: Kaldi failed: {p.stderr.strip().splitlines()[-1:]}")
+        failed = generate(bin_dir / "gen", seed, case)
+        if failed:
+            print(f"s{seed}: Kaldi failed: {failed}")
             continue
-        to_npz(case)
         n += 1
         problems = check(case)
         if problems:
             bad += 1
-            print(f"s{seed} FAIL\n    " + "\n    ".join(problems))
+            report(f"s{seed}", problems)
     print(f"{bad} failing of {n} networks")
 
 

@@ -6,20 +6,13 @@
 #include "nnet3/nnet-optimize.h"
 #include "nnet3/nnet-compute.h"
 #include "nnet3/nnet-utils.h"
+#include "oracle_io.h"
 #include <fstream>
 #include <sstream>
 #include <cstdio>
 using namespace kaldi;
 using namespace kaldi::nnet3;
 
-static void WriteMat(std::ostream &os, const std::string &name, const MatrixBase<BaseFloat> &m) {
-  os << name << " " << m.NumRows() << " " << m.NumCols() << "\n";
-  char buf[64];
-  for (int r = 0; r < m.NumRows(); r++) {
-    for (int c = 0; c < m.NumCols(); c++) { snprintf(buf, 64, "%.9g ", m(r, c)); os << buf; }
-    os << "\n";
-  }
-}
 
 static void Stats(const NnetComputation &c, std::ostream &os) {
   int64 cmds = 0, cur = 0, peak = 0;
@@ -37,23 +30,21 @@ static void Stats(const NnetComputation &c, std::ostream &os) {
   os << "{\"commands\": " << cmds << ", \"peak_bytes\": " << peak << "}";
 }
 
+static void WriteIoList(std::ostream &os, const std::vector<IoSpecification> &list) {
+  for (size_t i = 0; i < list.size(); i++) {
+    const IoSpecification &s = list[i];
+    os << (i ? ", " : "") << "{\"name\": \"" << s.name << "\", \"has_deriv\": " << (s.has_deriv ? "true" : "false") << ", \"indexes\": [";
+    for (size_t j = 0; j < s.indexes.size(); j++)
+      os << (j ? ", " : "") << "[" << s.indexes[j].n << ", " << s.indexes[j].t << ", " << s.indexes[j].x << "]";
+    os << "]}";
+  }
+}
+
 static void WriteRequest(std::ostream &os, const ComputationRequest &r) {
   os << "{\"inputs\": [";
-  for (size_t i = 0; i < r.inputs.size(); i++) {
-    const IoSpecification &s = r.inputs[i];
-    os << (i ? ", " : "") << "{\"name\": \"" << s.name << "\", \"has_deriv\": " << (s.has_deriv ? "true" : "false") << ", \"indexes\": [";
-    for (size_t j = 0; j < s.indexes.size(); j++)
-      os << (j ? ", " : "") << "[" << s.indexes[j].n << ", " << s.indexes[j].t << ", " << s.indexes[j].x << "]";
-    os << "]}";
-  }
+  WriteIoList(os, r.inputs);
   os << "], \"outputs\": [";
-  for (size_t i = 0; i < r.outputs.size(); i++) {
-    const IoSpecification &s = r.outputs[i];
-    os << (i ? ", " : "") << "{\"name\": \"" << s.name << "\", \"has_deriv\": " << (s.has_deriv ? "true" : "false") << ", \"indexes\": [";
-    for (size_t j = 0; j < s.indexes.size(); j++)
-      os << (j ? ", " : "") << "[" << s.indexes[j].n << ", " << s.indexes[j].t << ", " << s.indexes[j].x << "]";
-    os << "]}";
-  }
+  WriteIoList(os, r.outputs);
   os << "], \"need_model_derivative\": " << (r.need_model_derivative ? "true" : "false")
      << ", \"store_component_stats\": " << (r.store_component_stats ? "true" : "false") << "}";
 }

@@ -1,17 +1,10 @@
 #include "nnet3/nnet-test-utils.h"
 #include "nnet3/nnet-component-itf.h"
+#include "oracle_io.h"
 #include <fstream>
 #include <cstdio>
 using namespace kaldi;
 using namespace kaldi::nnet3;
-static void WriteMat(std::ostream &os, const std::string &name, const MatrixBase<BaseFloat> &m) {
-  os << name << " " << m.NumRows() << " " << m.NumCols() << "\n";
-  char buf[64];
-  for (int r = 0; r < m.NumRows(); r++) {
-    for (int c = 0; c < m.NumCols(); c++) { snprintf(buf, 64, "%.9g ", m(r, c)); os << buf; }
-    os << "\n";
-  }
-}
 int main(int argc, char **argv) {
   int seed = atoi(argv[1]); std::string dir = argv[2];
   srand(seed);

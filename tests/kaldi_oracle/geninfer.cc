@@ -3,6 +3,7 @@
 #include "nnet3/nnet-am-decodable-simple.h"
 #include "nnet3/decodable-simple-looped.h"
 #include "nnet3/nnet-utils.h"
+#include "oracle_io.h"
 #include <fstream>
 #include <map>
 #include <cstdio>
@@ -59,8 +60,6 @@ int main(int argc, char **argv) {
     for (int t = 0; t < d.NumFrames(); t++) { SubVector<BaseFloat> row(out, t); d.GetOutputForFrame(t, &row); }
   }
   std::ofstream of(argv[3]);
-  of << "output " << out.NumRows() << " " << out.NumCols() << "\n";
-  char buf[64];
-  for (int r = 0; r < out.NumRows(); r++) { for (int c = 0; c < out.NumCols(); c++) { snprintf(buf, 64, "%.9g ", out(r, c)); of << buf; } of << "\n"; }
+  WriteMat(of, "output", out);
   return 0;
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,3 +43,19 @@ def to_npz(case: Path) -> None:
     """arrays.txt (the drivers' output) -> arrays.npz (the kaldi-ref layout)."""
     if (case / "arrays.txt").exists():
         np.savez_compressed(case / "arrays.npz", **read_matrices(case / "arrays.txt"))
+
+
+def generate(binary: Path, seed: int, case: Path) -> str | None:
+    """Run a case driver (gen, gencomp) for ``seed`` into the folder ``case`` (made
+    here) and convert its arrays; None, or Kaldi's last line of complaint when it
+    failed."""
+    case.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run([str(binary), str(seed), str(case)], capture_output=True, text=True)
+    if p.returncode:
+        return (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+    to_npz(case)
+    return None
+
+
+def report(name: str, problems: list[str]) -> None:
+    print(f"{name} FAIL\n    " + "\n    ".join(problems))
