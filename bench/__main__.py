@@ -17,6 +17,23 @@ from bench.common import blas_threads
 from bench.suites import SUITES, Runner, format_table
 
 
+def _blas_facts() -> dict:
+    """The BLAS libraries NumPy loaded (threadpoolctl: library, version, the kernel
+    set OpenBLAS runs, threads) and the OPENBLAS_*/MKL_*/OMP_* settings of the
+    environment, which change the products' speed (an OPENBLAS_CORETYPE below what
+    the processor supports halves it on AVX-512 machines: bench/RESULTS.md)."""
+    try:
+        from threadpoolctl import threadpool_info  # noqa: PLC0415
+        libs = [{k: lib.get(k) for k in ("internal_api", "version", "architecture",
+                                          "num_threads", "threading_layer")}
+                for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    except ImportError:
+        libs = "threadpoolctl not installed"
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(("OPENBLAS_", "MKL_", "OMP_", "GOTO_"))}
+    return {"blas": libs, "blas_env": env}
+
+
 def _thread_settings(ap, text: str) -> list:
     out = []
     for part in (p.strip() for p in text.split(",")):
@@ -73,7 +90,12 @@ def main(argv=None) -> int:
                "blas_threads": ([runner.threads_label(n) for n in runner.thread_settings]
                                 if blas_threads.available()
                                 else "default (threadpoolctl not installed)")}
+    machine.update(_blas_facts())
     print(f"machine: {machine}", flush=True)
+    if machine["blas_env"].get("OPENBLAS_CORETYPE"):
+        print(f"note: OPENBLAS_CORETYPE={machine['blas_env']['OPENBLAS_CORETYPE']} overrides the "
+              "kernels OpenBLAS would pick for this processor; products may run slower than the "
+              "machine allows (unset it to measure the library's own choice)", flush=True)
     result = {"machine": machine, "suites": {}}
     md = [f"machine: {machine}\n"]
     for name in names:

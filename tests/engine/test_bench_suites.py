@@ -40,6 +40,12 @@ def test_forward_suites_run_under_each_thread_setting(tiny_models, capsys):
     assert result["machine"]["blas_threads"] in (["1", "default"],
                                                  "default (threadpoolctl not installed)")
     assert set(result["machine"]["gemm_s_same_threads"]) == {"1", "default"}
+    # the BLAS NumPy runs (library, kernel set, threads) and the settings that steer it
+    blas = result["machine"]["blas"]
+    assert isinstance(blas, list) and all("internal_api" in b and "architecture" in b
+                                          for b in blas)
+    assert all(k.startswith(("OPENBLAS_", "MKL_", "OMP_", "GOTO_"))
+               for k in result["machine"]["blas_env"])
     fwd = result["suites"]["forward"]["rows"]
     # each case once per distinct setting (the repeated "1" is dropped)
     assert [(r["chunk"], r["batch"], r["threads"]) for r in fwd] == [

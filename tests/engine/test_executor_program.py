@@ -718,3 +718,44 @@ def test_batchnorm_forms_with_blocks_give_the_components_bits():
                     inplace = x.copy()
                     bind_propagate(BatchNormComponent, inplace, inplace, Scratch(np))(comp, None)
                 assert _same_bits(inplace, want), label
+
+
+def test_batchnorm_tiled_rows_give_the_components_bits_and_follow_the_statistics():
+    """Enough rows for the bound batch-norm to see k rows as one wide row (scale and
+    offset tiled k times, the rows past the last whole group done as they are):
+    the component's bits, in place too; with statistics that are not frozen a
+    change between runs is seen, and with frozen ones the tiles are kept."""
+    from component_harness import component_from_config  # noqa: PLC0415
+    from engine.nnet.components.normalize import BatchNormComponent  # noqa: PLC0415
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import _TILE_MIN, _tiled_rows, bind_propagate  # noqa: PLC0415
+    rng = np.random.default_rng(12)
+    for dim, block, rows in ((384, 384, 1312), (24, 8, 700), (100, 100, 2 * 41), (30, 30, 500)):
+        comp = component_from_config("BatchNormComponent",
+                                     f"dim={dim} block-dim={block} test-mode=true", seed=dim)
+        x = _special((rows, dim), rng)
+        k = -(-_TILE_MIN // block)
+        assert _tiled_rows(x.reshape(-1, block), x.reshape(-1, block))[0] is not None
+        with np.errstate(all="ignore"):
+            want = _forms_give_the_components_bits(BatchNormComponent, comp, x, dim,
+                                                   (dim, block, rows), bound_runs=2)
+            inplace = x.copy()
+            bind_propagate(BatchNormComponent, inplace, inplace, Scratch(np))(comp, None)
+            assert _same_bits(inplace, want), (dim, block, rows, k)
+            # statistics changed in place between runs of one bound form
+            out = np.empty_like(x)
+            f = bind_propagate(BatchNormComponent, x, out, Scratch(np))
+            f(comp, None)
+            comp.scale_vec *= np.float32(2)
+            comp.offset_vec += np.float32(1)
+            f(comp, None)
+            again = np.empty_like(x)
+            comp.propagate(None, x, again)
+            assert _same_bits(out, again)
+            assert not _same_bits(out, want)
+            # frozen statistics: the same numbers, run after run
+            comp.scale_vec.flags.writeable = False
+            comp.offset_vec.flags.writeable = False
+            for _ in range(2):
+                f(comp, None)
+                assert _same_bits(out, again)
