@@ -205,6 +205,7 @@ def _bind_affine(x, out, scratch):
     # for the exchanged form, the (n, rows) temporary and its transpose
     cur_w = wT = t = tT = None
     form = DIRECT
+    add_bias = _row_adder(out)
 
     def f(comp, pre):
         nonlocal cur_w, wT, t, tT, form
@@ -228,7 +229,7 @@ def _bind_affine(x, out, scratch):
                 panel_product(x, wT, out)
             else:       # DIRECT (wT is w.T) or TCOPY (wT is the contiguous copy)
                 _matmul(x, wT, out)
-            _add(out, comp.bias_params, out)
+            add_bias(comp.bias_params)
         return None
     return f
 
@@ -303,6 +304,7 @@ def _bind_tdnn(x, out, scratch):
     # the checks and the row layout, redone only when the weight array, the component
     # or the precomputed indexes are other objects than at the last call
     last: list = [None, None, None, None]     # w, comp, pre, (stride, offsets)
+    add_bias = _row_adder(out)
 
     def f(comp, pre):
         w = comp.linear_params
@@ -324,7 +326,11 @@ def _bind_tdnn(x, out, scratch):
             if i == 0 and bias.shape[0] != 0:
                 # the component writes the bias, then adds the first product: the same
                 # sum (addition commutes exactly) without the pass that copies the bias
-                _add(prod(wb[i], out), bias, out=out)
+                r = prod(wb[i], out)
+                if r is out:
+                    add_bias(bias)
+                else:
+                    _add(r, bias, out=out)
             else:
                 _add(out, prod(wb[i], tmp), out=out)
         return None
@@ -663,6 +669,27 @@ def _tiled_rows(x, out):
     n = whole * k
     tail = None if n == rows else (x[n:], out[n:])
     return (x[:n].reshape(whole, k * cols), out[:n].reshape(whole, k * cols), k, tail)
+
+
+def _row_adder(out):
+    """add(v): out += v (a per-column vector) on the wide rows of _tiled_rows when
+    they apply (the vector tiled once while it is the same frozen array, anew on
+    every call otherwise), else as it is.  The same bits either way."""
+    t = _tiled_rows(out, out)
+    if t[0] is None:
+        def add(v):
+            _add(out, v, out)
+        return add
+    wide, _, k, tail = t
+    cache: list = [None, None]
+
+    def add_wide(v):
+        if cache[0] is not v or not frozen(v):
+            cache[0], cache[1] = v, np.tile(v, k)
+        _add(wide, cache[1], wide)
+        if tail is not None:
+            _add(tail[1], v, tail[1])
+    return add_wide
 
 
 # --------------------------------------------------------------------------------------

