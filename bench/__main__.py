@@ -18,20 +18,10 @@ from bench.suites import SUITES, Runner, format_table
 
 
 def _blas_facts() -> dict:
-    """The BLAS libraries NumPy loaded (threadpoolctl: library, version, the kernel
-    set OpenBLAS runs, threads) and the OPENBLAS_*/MKL_*/OMP_* settings of the
-    environment, which change the products' speed (an OPENBLAS_CORETYPE below what
-    the processor supports halves it on AVX-512 machines: bench/RESULTS.md)."""
-    try:
-        from threadpoolctl import threadpool_info  # noqa: PLC0415
-        libs = [{k: lib.get(k) for k in ("internal_api", "version", "architecture",
-                                          "num_threads", "threading_layer")}
-                for lib in threadpool_info() if lib.get("user_api") == "blas"]
-    except ImportError:
-        libs = "threadpoolctl not installed"
-    env = {k: v for k, v in sorted(os.environ.items())
-           if k.startswith(("OPENBLAS_", "MKL_", "OMP_", "GOTO_"))}
-    return {"blas": libs, "blas_env": env}
+    """The BLAS libraries NumPy loaded and the environment variables that steer them
+    (engine/runtime/blas.py): they change the products' speed."""
+    from engine.runtime.blas import blas_environment, blas_libraries  # noqa: PLC0415
+    return {"blas": blas_libraries(), "blas_env": blas_environment()}
 
 
 def _thread_settings(ap, text: str) -> list:

@@ -10,6 +10,7 @@ is left out otherwise.
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 
 import redis
@@ -17,6 +18,7 @@ import redis
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
+from engine.runtime import blas
 from engine.runtime.backend import get_backend
 from service import logs
 from service.cache import LRUComputationCache
@@ -36,6 +38,8 @@ from service.settings import Settings
 from service.streams import NoStreamStore, RedisStreamStore, StreamManager
 from service.worker import InProcessQueue, job_batchers, job_handlers
 
+log = logging.getLogger("nnetc.service")
+
 _DOCS_STATIC = "/docs/static"
 
 
@@ -50,6 +54,10 @@ def _swagger_path() -> str | None:
 def build_services(settings: Settings) -> Services:
     metrics = Metrics()
     backend = get_backend(settings.backend)
+    # the products' speed depends on NumPy's BLAS and on environment overrides of its
+    # kernel choice: say which, in the log and in /metrics (nnetc_blas_info)
+    metrics.set_blas(blas.blas_libraries(), blas.blas_environment())
+    log.info(blas.describe())
     if settings.redis_url:
         client = redis.Redis.from_url(settings.redis_url,
                                       socket_timeout=settings.redis_timeout_s,

@@ -4,7 +4,7 @@ as in tests, do not collide on the global registry)."""
 from __future__ import annotations
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
-                               Histogram, generate_latest)
+                               Histogram, Info, generate_latest)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST   # the /metrics response's media type
 
@@ -41,6 +41,20 @@ class Metrics:
         self.stream_events = Counter(
             "nnetc_stream_events_total", "stream lifecycle: opened, finished, closed, expired, "
             "restored (from a checkpoint), conflict, checkpoint_error", ["event"], registry=r)
+
+        self.blas = Info(
+            "nnetc_blas", "the BLAS the CPU backend's products run on: library, version, "
+            "kernel set, threads, and environment overrides of the kernel choice", registry=r)
+
+    def set_blas(self, libraries: list[dict], environment: dict) -> None:
+        """Fill nnetc_blas_info from engine.runtime.blas (the first library; NumPy
+        loads one)."""
+        lib = libraries[0] if libraries else {}
+        self.blas.info({"library": str(lib.get("library") or "unknown"),
+                        "version": str(lib.get("version") or ""),
+                        "kernels": str(lib.get("architecture") or ""),
+                        "threads": str(lib.get("threads") or ""),
+                        "coretype_override": environment.get("OPENBLAS_CORETYPE", "")})
 
     def cache_event(self, event: str) -> None:
         self.cache_events.labels(event=event).inc()

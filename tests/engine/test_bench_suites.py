@@ -42,7 +42,7 @@ def test_forward_suites_run_under_each_thread_setting(tiny_models, capsys):
     assert set(result["machine"]["gemm_s_same_threads"]) == {"1", "default"}
     # the BLAS NumPy runs (library, kernel set, threads) and the settings that steer it
     blas = result["machine"]["blas"]
-    assert isinstance(blas, list) and all("internal_api" in b and "architecture" in b
+    assert isinstance(blas, list) and all("library" in b and "architecture" in b
                                           for b in blas)
     assert all(k.startswith(("OPENBLAS_", "MKL_", "OMP_", "GOTO_"))
                for k in result["machine"]["blas_env"])

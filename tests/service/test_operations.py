@@ -26,6 +26,14 @@ def test_metrics_cover_requests_compile_cache_queue_batches():
                    'nnetc_batch_size_bucket{le="2.0"} 2.0',
                    'nnetc_job_seconds_count{kind="compute"} 2.0'):
         assert needle in text, needle
+    # the BLAS the products run on, with any override of its kernel choice
+    from engine.runtime.blas import blas_environment, blas_libraries  # noqa: PLC0415
+    lib = blas_libraries()[0]
+    info = [line for line in text.splitlines() if line.startswith("nnetc_blas_info{")]
+    assert len(info) == 1
+    assert f'library="{lib["library"]}"' in info[0]
+    assert f'kernels="{lib["architecture"] or ""}"' in info[0]
+    assert f'coretype_override="{blas_environment().get("OPENBLAS_CORETYPE", "")}"' in info[0]
 
 
 def test_readyz_follows_the_worker():

@@ -1,0 +1,50 @@
+"""What BLAS the CPU backend's products run on, for logs, metrics and benchmarks.
+
+NumPy's matrix products are the bulk of a forward pass, and their speed depends on
+the BLAS library NumPy loaded, the kernel set it chose for the processor and its
+thread count -- and on environment variables that override those choices.  On an
+AVX-512 machine, ``OPENBLAS_CORETYPE=Haswell`` (set on some hosts for older OpenBLAS
+builds) halves the GEMM rate of NumPy 2.4's OpenBLAS 0.3.31 (bench/RESULTS.md, item
+19).  The engine never changes these settings; it reports them.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: environment variables that steer the BLAS libraries NumPy may load
+ENV_PREFIXES = ("OPENBLAS_", "MKL_", "OMP_", "GOTO_")
+
+
+def blas_libraries() -> list[dict]:
+    """One dict per BLAS library loaded in this process (threadpoolctl): library
+    (internal_api), version, kernel set (architecture, OpenBLAS only), threads and
+    threading layer.  [] when threadpoolctl cannot tell."""
+    import numpy  # noqa: F401, PLC0415  (loads NumPy's BLAS)
+    try:
+        from threadpoolctl import threadpool_info  # noqa: PLC0415
+    except ImportError:
+        return []
+    return [{"library": lib.get("internal_api"), "version": lib.get("version"),
+             "architecture": lib.get("architecture"), "threads": lib.get("num_threads"),
+             "threading_layer": lib.get("threading_layer")}
+            for lib in threadpool_info() if lib.get("user_api") == "blas"]
+
+
+def blas_environment(environ=None) -> dict:
+    """The OPENBLAS_*/MKL_*/OMP_*/GOTO_* variables of the environment."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def describe() -> str:
+    """One line for a log: the libraries and any override of their kernel choice."""
+    libs = blas_libraries()
+    parts = [f"{d['library']} {d['version']}"
+             + (f" kernels {d['architecture']}" if d.get("architecture") else "")
+             + f", {d['threads']} threads" for d in libs] or ["unknown (threadpoolctl found none)"]
+    env = blas_environment()
+    text = "BLAS: " + "; ".join(parts)
+    if env:
+        text += " (environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + ")"
+    return text
