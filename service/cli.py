@@ -348,6 +348,11 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
               help="Features (frames x input-dim) as .npy, pushed in random-sized pieces.")
 @click.option("--ivector", "ivector_path", type=click.Path(dir_okay=False), default=None,
               help="Per-utterance i-vector as .npy.")
+@click.option("--online-ivectors", "online_path", type=click.Path(dir_okay=False), default=None,
+              help="Online i-vectors (a row every --online-ivector-period frames) as .npy, "
+                   "pushed with the frames they describe; each chunk reads the row of its "
+                   "last input frame, as Kaldi's looped decodable.")
+@click.option("--online-ivector-period", type=int, default=0, show_default=True)
 @click.option("--chunk-size", type=int, default=20, show_default=True,
               help="Frames per chunk (rounded up to the modulus and subsampling factor).")
 @click.option("--frame-subsampling-factor", type=int, default=1, show_default=True)
@@ -355,10 +360,13 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
               help="Where to write the output matrix (.npy).")
 @_typed_errors
-def stream_cmd(model_path, features_path, ivector_path, chunk_size, frame_subsampling_factor,
-               extra_left_context_initial, out_path) -> None:
+def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivector_period,
+               chunk_size, frame_subsampling_factor, extra_left_context_initial,
+               out_path) -> None:
     """Streaming inference with Kaldi's looped decodable (state carried across chunks)."""
     import numpy as np  # noqa: PLC0415
+
+    from engine.core.errors import InferenceError  # noqa: PLC0415
 
     from engine.inference.looped import LoopedConfig  # noqa: PLC0415
     from engine.inference.stream import LoopedModel  # noqa: PLC0415
@@ -366,17 +374,28 @@ def stream_cmd(model_path, features_path, ivector_path, chunk_size, frame_subsam
     model = load_model(model_path)
     feats = _load_npy(features_path, "--features")
     ivector = _load_npy(ivector_path, "--ivector") if ivector_path else None
+    if (online_path is None) != (not online_ivector_period):
+        raise InferenceError("--online-ivectors and --online-ivector-period go together")
+    online = _load_npy(online_path, "--online-ivectors") if online_path else None
     looped = LoopedModel(model.nnet, LoopedConfig(chunk_size, extra_left_context_initial,
                                                   frame_subsampling_factor))
-    stream = looped.stream(ivector)
+    stream = (looped.stream(ivector) if online is None
+              else looped.stream(ivector, online_ivector_period))
     if np.ndim(feats) != 2:
         stream.push(feats)  # raises the typed error for a malformed matrix
     rng = np.random.default_rng()
-    pieces, pos = [], 0
+    pieces, pos, sent = [], 0, 0
     while pos < feats.shape[0]:
         n = int(rng.integers(1, 2 * looped.chunk_size + 1))
-        pieces.append(stream.push(feats[pos:pos + n]))
+        rows = None
+        if online is not None:
+            # the rows for the frames pushed so far (as an online extractor gives them)
+            want = min(len(online), -(-(pos + n) // online_ivector_period))
+            rows, sent = online[sent:want], max(sent, want)
+        pieces.append(stream.push(feats[pos:pos + n], online_ivectors=rows))
         pos += n
+    if online is not None and sent < len(online):
+        pieces.append(stream.push(feats[:0], online_ivectors=online[sent:]))
     pieces.append(stream.finish())
     np.save(out_path, np.concatenate(pieces, axis=0).astype(np.float32, copy=False))
 

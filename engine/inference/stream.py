@@ -11,9 +11,20 @@ that (C the chunk size, ``left`` the network's left context plus
 ``extra_left_context_initial``); a chunk is computed as soon as its frames have
 all arrived, and ``finish()`` computes the remaining chunks with the last frame
 repeated (frames before 0 repeat frame 0), keeping only the output rows of the
-utterance's ceil(T / subsampling) subsampled frames.  The i-vector of a chunk
-is the stream's current one (Kaldi takes the one for the chunk's last input
-frame), repeated for each i-vector time the chunk's request lists.
+utterance's ceil(T / subsampling) subsampled frames.  I-vectors, for networks
+with an 'ivector' input, come one of two ways:
+
+- per utterance: ``stream(ivector)``; ``push(frames, ivector)`` may replace it
+  for the chunks computed from then on;
+- online, as Kaldi's looped decodable takes an online i-vector matrix:
+  ``stream(online_ivector_period=P)`` and ``push(frames, online_ivectors=rows)``
+  appending rows (row r describes input frames up to r*P).  Chunk k reads row
+  min(end_k // P, rows - 1), end_k being one past its last input frame (Kaldi's
+  GetCurrentIvector with end_input_frame), so a chunk also waits for that row
+  unless the input has ended.  Pushed in any pieces, the output equals Kaldi's
+  DecodableNnetSimpleLooped given the whole matrix.
+
+The chunk's i-vector is repeated for each i-vector time its request lists.
 
 State: what the executor holds between chunks (the carried matrices, its
 program counter and pending I/O commands) plus the buffered input frames and
@@ -106,11 +117,13 @@ class LoopedModel:
         b = k * self.chunk_size + self.frames_right_context
         return b, b + self.chunk_size
 
-    def stream(self, ivector=None) -> "Stream":
+    def stream(self, ivector=None, online_ivector_period: int | None = None) -> "Stream":
+        """A new stream: with a per-utterance ``ivector``, or with online i-vector rows
+        pushed every ``online_ivector_period`` input frames (see the module docstring)."""
         if self.num_sequences != 1:
             raise InferenceError(f"this LoopedModel runs {self.num_sequences} sequences at "
                                  f"once; use StreamBatch")
-        return Stream(self, ivector)
+        return Stream(self, ivector, online_ivector_period)
 
     def import_stream(self, state: bytes) -> "Stream":
         """A Stream continuing from ``state`` (written by Stream.export_state)."""
@@ -121,10 +134,16 @@ class Stream:
     """One utterance fed in pieces: ``push(frames)`` returns the output rows that
     became computable, ``finish()`` the rest."""
 
-    def __init__(self, model: LoopedModel, ivector=None):
+    def __init__(self, model: LoopedModel, ivector=None, online_ivector_period=None):
         from engine.runtime.executor import Executor  # noqa: PLC0415
         self.model = model
-        self.ivector = self._check_ivector(ivector)
+        # online i-vectors: the period, the rows kept (from row ``online_start`` on)
+        self.online_period = self._check_period(online_ivector_period, ivector)
+        self.online_rows = (np.zeros((0, model.ivector_dim), dtype=np.float32)
+                            if self.online_period else None)
+        self.online_start = 0
+        self.online_received = 0
+        self.ivector = None if self.online_period else self._check_ivector(ivector)
         self.executor = Executor(model.computation, model.nnet, backend=model.backend,
                                  pool=model.pool)
         self.buffer = np.zeros((0, model.input_dim), dtype=np.float32)
@@ -134,6 +153,32 @@ class Stream:
         self.num_emitted = 0         # subsampled output rows returned so far
         self.input_ended = False     # end_input()/finish(): the right edge may be flushed
         self.finished = False
+
+    def _check_period(self, period, ivector) -> int:
+        if period is None:
+            return 0
+        m = self.model
+        if not m.has_ivectors:
+            raise InferenceError("online_ivector_period: the network has no 'ivector' input")
+        if isinstance(period, bool) or not isinstance(period, (int, np.integer)) or period < 1:
+            raise InferenceError(f"online_ivector_period must be a positive integer, got "
+                                 f"{period!r}")
+        if ivector is not None:
+            raise InferenceError("give either a per-utterance i-vector or an "
+                                 "online_ivector_period (online i-vector rows), not both")
+        return int(period)
+
+    def _check_online_rows(self, rows) -> np.ndarray:
+        m = self.model
+        a = np.asarray(rows, dtype=np.float32)
+        if a.ndim == 1 and a.shape[0] == m.ivector_dim:
+            a = a[None, :]
+        if a.ndim != 2 or a.shape[1] != m.ivector_dim:
+            raise InferenceError(f"online_ivectors: expected rows of dimension "
+                                 f"{m.ivector_dim}, got an array of shape {np.shape(rows)}")
+        if not np.all(np.isfinite(a)):
+            raise InferenceError("online_ivectors: contains NaN or infinite values")
+        return a
 
     def _check_ivector(self, ivector):
         m = self.model
@@ -154,23 +199,40 @@ class Stream:
         return v.copy()
 
     # -- pushing ---------------------------------------------------------------------------
-    def push(self, frames, ivector=None) -> np.ndarray:
+    def push(self, frames, ivector=None, online_ivectors=None) -> np.ndarray:
         """Append feature frames; returns the newly computable output rows (possibly
-        none).  ``ivector`` replaces the stream's i-vector for the chunks computed
-        from now on (online i-vectors)."""
-        self.feed(frames, ivector)
+        none).  ``ivector`` replaces the stream's per-utterance i-vector for the
+        chunks computed from now on; ``online_ivectors`` appends rows to an online
+        stream's i-vector matrix (module docstring)."""
+        self.feed(frames, ivector, online_ivectors)
         return self._advance()
 
-    def feed(self, frames, ivector=None) -> None:
-        """Append frames without computing anything: for a scheduler that advances
-        many streams in one batched computation (engine.inference.batch)."""
+    def feed(self, frames, ivector=None, online_ivectors=None) -> None:
+        """Append frames (and i-vector rows) without computing anything: for a
+        scheduler that advances many streams in one batched computation
+        (engine.inference.batch)."""
         if self.finished:
             raise StreamError("push after finish(): the stream has ended")
         if self.input_ended:
             raise StreamError("push after end_input(): no more frames are accepted")
         feats = as_features(frames, self.model.input_dim, "pushed frames")
-        if ivector is not None:
-            self.ivector = self._check_ivector(ivector)
+        rows = None
+        if self.online_period:
+            if ivector is not None:
+                raise InferenceError("this stream takes online i-vector rows "
+                                     "(online_ivectors), not a per-utterance i-vector")
+            if online_ivectors is not None:
+                rows = self._check_online_rows(online_ivectors)
+        else:
+            if online_ivectors is not None:
+                raise InferenceError("online_ivectors: this stream was opened without an "
+                                     "online_ivector_period (it takes a per-utterance "
+                                     "i-vector)")
+            if ivector is not None:
+                self.ivector = self._check_ivector(ivector)
+        if rows is not None and rows.shape[0]:
+            self.online_rows = np.concatenate([self.online_rows, rows], axis=0)
+            self.online_received += rows.shape[0]
         if feats.shape[0]:
             self.buffer = np.concatenate([self.buffer, feats], axis=0)
             self.num_received += feats.shape[0]
@@ -225,7 +287,17 @@ class Stream:
                 return None
         elif end > self.num_received:
             return None
+        elif self.online_period and self.online_received <= end // self.online_period:
+            return None      # the chunk's i-vector row has not arrived yet
         return k, begin, end
+
+    def _online_row(self, end: int) -> np.ndarray:
+        """The online i-vector of the chunk whose input ends before frame ``end``."""
+        if self.online_received == 0:
+            raise StreamError("online i-vectors: the input has ended but no i-vector row was "
+                              "pushed")
+        r = min(end // self.online_period, self.online_received - 1)
+        return self.online_rows[r - self.online_start]
 
     def _advance(self) -> np.ndarray:
         pieces = []
@@ -245,7 +317,8 @@ class Stream:
         ivectors = None
         if m.has_ivectors:
             count = m.num_ivectors[0 if k == 0 else 1]
-            ivectors = np.repeat(self.ivector[None, :], count, axis=0)
+            v = self._online_row(end) if self.online_period else self.ivector
+            ivectors = np.repeat(v[None, :], count, axis=0)
         return feats, ivectors
 
     def _run_chunk(self, feats, ivectors) -> np.ndarray:
@@ -277,6 +350,13 @@ class Stream:
         if keep_from > self.buffer_start:
             self.buffer = self.buffer[keep_from - self.buffer_start:].copy()
             self.buffer_start = keep_from
+        if self.online_period:
+            # later chunks read rows from min(end // period, last row) on
+            _, next_end = m.input_range(self.chunks_computed)
+            first = min(next_end // self.online_period, self.online_received - 1)
+            if first > self.online_start:
+                self.online_rows = self.online_rows[first - self.online_start:].copy()
+                self.online_start = first
         return out
 
     # -- state -------------------------------------------------------------------------------
@@ -293,12 +373,16 @@ class Stream:
         meta = {"version": STATE_VERSION, "fingerprint": self.model.fingerprint,
                 "pc": ex._pc, "pending": list(ex._pending), "buffer_start": self.buffer_start,
                 "num_received": self.num_received, "chunks_computed": self.chunks_computed,
-                "num_emitted": self.num_emitted, "input_ended": self.input_ended}
+                "num_emitted": self.num_emitted, "input_ended": self.input_ended,
+                "online_period": self.online_period, "online_start": self.online_start,
+                "online_received": self.online_received}
         arrays = dict(mats)
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
         arrays["buffer"] = self.buffer
         if self.ivector is not None:
             arrays["ivector"] = self.ivector
+        if self.online_period:
+            arrays["online_rows"] = self.online_rows
         bio = io.BytesIO()
         np.savez(bio, **arrays)
         return bio.getvalue()
@@ -316,9 +400,26 @@ class Stream:
                               f"(expected {STATE_VERSION})")
         if meta.get("fingerprint") != model.fingerprint:
             raise StreamError("stream state belongs to another model or chunk configuration")
-        s = cls(model, arrays.pop("ivector", None))
-        buf = arrays.pop("buffer", None)
         comp = model.computation
+        try:
+            period = int(meta.get("online_period", 0))
+            online = arrays.pop("online_rows", None)
+            if period:
+                s = cls(model, None, period)
+                if online is None or online.ndim != 2 or online.shape[1] != model.ivector_dim:
+                    raise ValueError("bad online i-vector rows")
+                s.online_rows = online.astype(np.float32)
+                s.online_start = int(meta["online_start"])
+                s.online_received = int(meta["online_received"])
+                if s.online_start + s.online_rows.shape[0] != s.online_received:
+                    raise ValueError("online i-vector rows do not end at the last row received")
+            else:
+                s = cls(model, arrays.pop("ivector", None))
+        except InferenceError as e:
+            raise StreamError(f"stream state is inconsistent: {e}") from None
+        except (KeyError, ValueError, TypeError) as e:
+            raise StreamError(f"stream state is inconsistent: {e}") from None
+        buf = arrays.pop("buffer", None)
         try:
             if buf is None or buf.ndim != 2 or buf.shape[1] != model.input_dim:
                 raise ValueError("bad input buffer")
