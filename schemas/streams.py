@@ -25,6 +25,11 @@ class OpenStreamRequest(Strict):
     options: StreamOptions = Field(default_factory=StreamOptions)
     ivector: Vector | None = Field(default=None, description="the stream's i-vector, for "
                                    "networks with an 'ivector' input")
+    online_ivector_period: int | None = Field(
+        default=None, ge=1, description="instead of an i-vector: online i-vector rows, one per "
+        "this many input frames, pushed with the frames (PushRequest.online_ivectors); each "
+        "chunk reads the row of its last input frame, as Kaldi's looped decodable with an "
+        "online i-vector matrix, and waits for it unless the stream is finished")
 
 
 class StreamInfo(Strict):
@@ -39,12 +44,19 @@ class StreamInfo(Strict):
     frames_received: int
     frames_output: int = Field(description="output rows returned so far (subsampled frames)")
     finished: bool
+    online_ivector_period: int | None = Field(default=None, description="set when the stream "
+                                              "takes online i-vector rows")
+    ivector_rows_received: int = Field(default=0, description="online i-vector rows pushed "
+                                       "so far")
 
 
 class PushRequest(Strict):
     features: Matrix = Field(description="the next feature frames, any number of rows")
     ivector: Vector | None = Field(default=None, description="replaces the stream's i-vector "
                                    "for the chunks computed from now on")
+    online_ivectors: Matrix | None = Field(default=None, description="the next rows of an "
+                                           "online stream's i-vector matrix (row r: input "
+                                           "frames up to r * online_ivector_period)")
     offset: int | None = Field(default=None, ge=0, description="frames sent before these "
                                "(optional): a push whose offset is not the number of frames "
                                "the stream has received gets 409, so a retried push is never "

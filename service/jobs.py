@@ -69,10 +69,12 @@ def encode_job(kind: str, p: dict) -> bytes:
                  online_ivector_period=p["online_ivector_period"],
                  options=dataclasses.asdict(p["options"]))
     elif kind == "stream_open":
-        d.update(options=p["options"], ivector=_arr(p["ivector"]))
+        d.update(options=p["options"], ivector=_arr(p["ivector"]),
+                 online_ivector_period=p.get("online_ivector_period"))
     elif kind == "stream_push":
         d.update(stream_id=p["stream_id"], features=_arr(p["features"]),
-                 ivector=_arr(p.get("ivector")), offset=p.get("offset"))
+                 ivector=_arr(p.get("ivector")), offset=p.get("offset"),
+                 online_ivectors=_arr(p.get("online_ivectors")))
     elif kind in ("stream_finish", "stream_close", "stream_info"):
         d.update(stream_id=p["stream_id"])
     elif kind not in ("compile",):
@@ -104,12 +106,14 @@ def decode_job(data: bytes, registry) -> tuple[str, dict]:
         if p["ivector"] is not None:
             p["ivector"] = p["ivector"].reshape(-1)
     elif kind == "stream_open":
-        p.update(options=d["options"], ivector=_unarr(d["ivector"]))
+        p.update(options=d["options"], ivector=_unarr(d["ivector"]),
+                 online_ivector_period=d.get("online_ivector_period"))
         if p["ivector"] is not None:
             p["ivector"] = p["ivector"].reshape(-1)
     elif kind == "stream_push":
         p.update(stream_id=d["stream_id"], features=_unarr(d["features"]),
-                 ivector=_unarr(d["ivector"]), offset=d["offset"])
+                 ivector=_unarr(d["ivector"]), offset=d["offset"],
+                 online_ivectors=_unarr(d.get("online_ivectors")))
         if p["ivector"] is not None:
             p["ivector"] = p["ivector"].reshape(-1)
     elif kind in ("stream_finish", "stream_close", "stream_info"):

@@ -192,7 +192,9 @@ class LiveStream:
                 "left_context": m.frames_left_context, "right_context": m.frames_right_context,
                 "input_dim": m.input_dim, "output_dim": m.output_dim,
                 "frames_received": self.frames_received, "frames_output": self.frames_output,
-                "finished": self.stream.finished}
+                "finished": self.stream.finished,
+                "online_ivector_period": self.stream.online_period or None,
+                "ivector_rows_received": self.stream.online_received}
 
 
 def _release(live: LiveStream) -> None:
@@ -376,7 +378,7 @@ class StreamManager:
                                    f"max_streams); finish or close some, or retry later")
         entry, options = p["entry"], p["options"]
         looped = self.looped_model(entry, options)
-        stream = looped.stream(p["ivector"])
+        stream = looped.stream(p["ivector"], p.get("online_ivector_period"))
         sid = "s-" + secrets.token_urlsafe(18)
         live = LiveStream(sid, entry.model_id, options, looped, stream)
         self._checkpoint(live)
@@ -397,7 +399,7 @@ class StreamManager:
                                    f"received {live.frames_received} frames: send the frames "
                                    f"from {live.frames_received} on", "offset")
             first = live.frames_output
-            out = live.stream.push(p["features"], p.get("ivector"))
+            out = live.stream.push(p["features"], p.get("ivector"), p.get("online_ivectors"))
             self._checkpoint(live)
         return self._scaled(live, out), first, live.summary()
 

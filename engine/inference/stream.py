@@ -161,11 +161,12 @@ class Stream:
         if not m.has_ivectors:
             raise InferenceError("online_ivector_period: the network has no 'ivector' input")
         if isinstance(period, bool) or not isinstance(period, (int, np.integer)) or period < 1:
-            raise InferenceError(f"online_ivector_period must be a positive integer, got "
+            raise InferenceError(f"online_ivector_period: must be a positive integer, got "
                                  f"{period!r}")
         if ivector is not None:
-            raise InferenceError("give either a per-utterance i-vector or an "
-                                 "online_ivector_period (online i-vector rows), not both")
+            raise InferenceError("online_ivector_period: give either a per-utterance "
+                                 "i-vector or an online_ivector_period (online i-vector "
+                                 "rows), not both")
         return int(period)
 
     def _check_online_rows(self, rows) -> np.ndarray:
@@ -219,7 +220,7 @@ class Stream:
         rows = None
         if self.online_period:
             if ivector is not None:
-                raise InferenceError("this stream takes online i-vector rows "
+                raise InferenceError("ivector: this stream takes online i-vector rows "
                                      "(online_ivectors), not a per-utterance i-vector")
             if online_ivectors is not None:
                 rows = self._check_online_rows(online_ivectors)

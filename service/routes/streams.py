@@ -1,6 +1,7 @@
 """/streams: online inference over HTTP and WebSocket (service/streams.py).
 
-    POST   /streams                  open (model, options, i-vector) -> 201 StreamInfo
+    POST   /streams                  open (model, options, i-vector or online i-vector
+                                     period) -> 201 StreamInfo
     GET    /streams/{id}             StreamInfo
     POST   /streams/{id}/frames      push frames -> the output rows now computable
     POST   /streams/{id}/finish      flush the right edge -> the last rows; the stream ends
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import secrets
+from contextlib import contextmanager
 
 import numpy as np
 from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
@@ -23,7 +25,7 @@ from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, Stre
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import ServiceError, error_body, error_parts
-from service.routes import blame, run_job
+from service.routes import run_job
 
 router = APIRouter(tags=["streams"])
 
@@ -58,8 +60,39 @@ def _push_payload(services, sid: str, body: PushRequest) -> dict:
                            f"{features.shape[0]} frames in one push is more than this "
                            f"service's max_request_indexes ({limit}): push them in pieces",
                            "features")
+    online = None
+    if body.online_ivectors is not None:
+        online = convert.matrix_from_wire(body.online_ivectors, "online_ivectors")
+        if online.shape[0] > limit:
+            raise ServiceError(413, "RequestTooLarge",
+                               f"{online.shape[0]} i-vector rows in one push is more than this "
+                               f"service's max_request_indexes ({limit})", "online_ivectors")
+        if not np.all(np.isfinite(online)):
+            raise ServiceError(422, "RequestError",
+                               "online_ivectors: contains NaN or infinite values",
+                               "online_ivectors")
     return {"stream_id": sid, "features": features, "offset": body.offset,
-            "ivector": _vector(body.ivector, "ivector")}
+            "ivector": _vector(body.ivector, "ivector"), "online_ivectors": online}
+
+
+_NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector")
+
+
+def _field_of(e: Exception, default: str) -> str:
+    """The request field an engine error is about: the one its message starts with
+    (``ivector:``, ``online_ivectors:``, ``online_ivector_period:``), else ``default``."""
+    text = str(e)
+    return next((f for f in _NAMED_FIELDS if text.startswith(f + ":")), default)
+
+
+@contextmanager
+def _blame(request: Request, default: str):
+    try:
+        yield
+    except NnetcError as e:
+        if getattr(request.state, "error_field", None) is None:
+            request.state.error_field = _field_of(e, default)
+        raise
 
 
 @router.post("/streams", response_model=StreamInfo, status_code=201, dependencies=AUTH)
@@ -70,10 +103,11 @@ def open_stream(body: OpenStreamRequest, services: ServicesDep, request: Request
         raise ServiceError(413, "RequestTooLarge",
                            f"frames_per_chunk {body.options.frames_per_chunk} is more than this "
                            f"service's max_request_indexes ({limit})", "options.frames_per_chunk")
-    with blame(request, "options"):
+    with _blame(request, "options"):
         summary = run_job(services, "stream_open", {
             "entry": entry, "options": body.options.model_dump(),
-            "ivector": _vector(body.ivector, "ivector")})
+            "ivector": _vector(body.ivector, "ivector"),
+            "online_ivector_period": body.online_ivector_period})
     return stream_info(summary)
 
 
@@ -86,7 +120,7 @@ def get_stream(stream_id: str, services: ServicesDep) -> StreamInfo:
 def push_frames(stream_id: str, body: PushRequest, services: ServicesDep,
                 request: Request) -> StreamOutput:
     payload = _push_payload(services, stream_id, body)
-    with blame(request, "features"):
+    with _blame(request, "features"):
         result = run_job(services, "stream_push", payload)
     return _output(services, result, body.encoding)
 
@@ -152,11 +186,11 @@ async def stream_ws(ws: WebSocket, stream_id: str) -> None:
                     return
                 body = PushRequest.model_validate(message)
                 payload = _push_payload(services, stream_id, body)
-                blamed = "features"          # as push_frames' blame
+                blamed = True                # engine errors: as push_frames blames them
                 result = await run_in_threadpool(run_job, services, "stream_push", payload)
                 await ws.send_json(_output(services, result, body.encoding).model_dump())
             except (ServiceError, ValidationError, NnetcError) as e:
-                await ws.send_json(_ws_error(e, blamed))
+                await ws.send_json(_ws_error(e, _field_of(e, "features") if blamed else None))
     except WebSocketDisconnect:
         return
     except ValueError:        # not JSON

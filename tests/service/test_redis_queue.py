@@ -126,6 +126,39 @@ def test_answers_equal_the_in_process_service(server):
         assert ready["workers"] >= 1
 
 
+def test_online_ivector_streams_through_the_worker(server):
+    """A stream with online i-vector rows through a Redis worker (its jobs carry the
+    period and the rows) gives the in-process service's output."""
+    import base64  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+    d = Path(__file__).resolve().parents[1] / "data" / "inference" / "online_ivectors"
+    z = np.load(d / "case.npz")
+    x, rows = z["features"], z["online.fpc20_elci0_fsf1_p10"]
+    model = {"binary_b64": base64.b64encode((d / "model.raw").read_bytes()).decode()}
+
+    def run(api):
+        mid = api.post("/models", json=model).json()["model_id"]
+        sid = api.post("/streams", json={"model_id": mid, "online_ivector_period": 10}
+                       ).json()["stream_id"]
+        outs = []
+        for a, b in ((0, 35), (35, 90)):
+            r = api.post(f"/streams/{sid}/frames", json={
+                "features": encode(x[a:b]), "online_ivectors": encode(rows[a // 10:b // 10]),
+                "encoding": "base64"})
+            assert r.status_code == 200, r.text
+            outs.append(decode(r.json()["output"]))
+        assert api.get(f"/streams/{sid}").json()["ivector_rows_received"] == 9
+        r = api.post(f"/streams/{sid}/finish", json={"encoding": "base64"})
+        outs.append(decode(r.json()["output"]))
+        return np.concatenate([o.reshape(-1, 10) for o in outs])
+
+    server.client().flushall()
+    with make_client() as local:
+        want = run(local)
+    with ThreadWorker(server.url), _api(server.url) as api:
+        np.testing.assert_array_equal(run(api), want)
+
+
 def test_errors_keep_their_status_and_message(server):
     server.client().flushall()
     with ThreadWorker(server.url), _api(server.url) as api, make_client() as local:

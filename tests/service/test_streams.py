@@ -449,3 +449,101 @@ def test_websocket_errors_are_the_http_errors(client):
             ws.send_json(bad)
             got = ws.receive_json()
         assert got == {**http.json(), "status": http.status_code}
+
+
+# -- online i-vectors --------------------------------------------------------------------------
+
+ONLINE = Path(__file__).resolve().parents[1] / "data" / "inference" / "online_ivectors"
+
+
+def _online_case(i: int):
+    import json  # noqa: PLC0415
+    s = json.loads((ONLINE / "case.json").read_text())["settings"][i]
+    z = np.load(ONLINE / "case.npz")
+    return (s, z["features"], z[f"online.{s['key']}"], z[f"output.{s['key']}"])
+
+
+def test_online_ivector_rows_through_the_service_equal_kaldi(client):
+    """A stream opened with online_ivector_period takes i-vector rows with its frames
+    (HTTP and WebSocket pushes); the output is Kaldi's looped decodable's with that
+    online i-vector matrix (tests/data/inference/online_ivectors)."""
+    mid = client.post("/models", json={"binary_b64": base64.b64encode(
+        (ONLINE / "model.raw").read_bytes()).decode()}).json()["model_id"]
+    for i, via_ws in ((0, False), (1, True)):
+        s, x, rows, ref = _online_case(i)
+        period = s["online_ivector_period"]
+        r = client.post("/streams", json={
+            "model_id": mid, "online_ivector_period": period,
+            "options": {"frames_per_chunk": s["frames_per_chunk"],
+                        "extra_left_context_initial": s["extra_left_context_initial"]}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["stream_id"]
+        assert r.json()["online_ivector_period"] == period
+        pushes, pos, sent = [], 0, 0
+        for n in (17, 3, 25, 9, 100):
+            want = min(len(rows), (pos + n) // period)
+            body = {"features": _enc(x[pos:pos + n]), "encoding": "base64"}
+            if want > sent:
+                body["online_ivectors"] = _enc(rows[sent:want])
+                sent = want
+            pushes.append(body)
+            pos += n
+        pushes.append({"features": _enc(x[:0]), "online_ivectors": _enc(rows[sent:]),
+                       "encoding": "base64"})
+        outs = []
+        if via_ws:
+            with client.websocket_connect(f"/streams/{sid}/ws") as ws:
+                for body in pushes:
+                    ws.send_json(body)
+                    j = ws.receive_json()
+                    outs.append(decode(j["output"]).reshape(-1, ref.shape[1]))
+                ws.send_json({"finish": True, "encoding": "base64"})
+                outs.append(decode(ws.receive_json()["output"]).reshape(-1, ref.shape[1]))
+        else:
+            for body in pushes:
+                r = client.post(f"/streams/{sid}/frames", json=body)
+                assert r.status_code == 200, r.text
+                outs.append(decode(r.json()["output"]).reshape(-1, ref.shape[1]))
+            info = client.get(f"/streams/{sid}").json()
+            assert info["ivector_rows_received"] == len(rows)
+            outs.append(_finish(client, sid).reshape(-1, ref.shape[1]))
+        ours = np.concatenate(outs)
+        assert ours.shape == ref.shape
+        assert np.max(np.abs(ours - ref)) <= 1e-4 + 2e-3 * np.max(np.abs(ref))
+
+
+def test_online_ivector_mistakes_get_4xx_naming_the_field(client):
+    mid = client.post("/models", json={"binary_b64": base64.b64encode(
+        (ONLINE / "model.raw").read_bytes()).decode()}).json()["model_id"]
+    plain = _register_config(client, RECURRENT, 3)
+    iv = {"model_id": mid, "ivector": [0.0] * 8, "online_ivector_period": 3}
+    for body, field in ((iv, "online_ivector_period"),
+                        ({"model_id": plain, "online_ivector_period": 3},
+                         "online_ivector_period"),
+                        ({"model_id": mid, "online_ivector_period": 0},
+                         "online_ivector_period")):
+        r = client.post("/streams", json=body)
+        assert r.status_code == 422, r.text
+        assert field in (r.json()["error"].get("field") or str(r.json())), r.text
+    sid = client.post("/streams", json={"model_id": mid, "online_ivector_period": 3}
+                      ).json()["stream_id"]
+    x = np.zeros((4, 13), np.float32)
+    for extra, field in (({"online_ivectors": _enc(np.zeros((2, 5), np.float32))},
+                          "online_ivectors"),
+                         ({"online_ivectors": _enc(np.full((1, 8), np.nan, np.float32))},
+                          "online_ivectors"),
+                         ({"ivector": [0.0] * 8}, "ivector")):
+        r = client.post(f"/streams/{sid}/frames", json={"features": _enc(x), **extra})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["field"] == field, r.text
+    per_utt = client.post("/streams", json={"model_id": mid, "ivector": [0.0] * 8}
+                          ).json()["stream_id"]
+    r = client.post(f"/streams/{per_utt}/frames", json={
+        "features": _enc(x), "online_ivectors": _enc(np.zeros((1, 8), np.float32))})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "online_ivectors", r.text
+    # finished without a single row: the stream cannot produce its output
+    r = client.post(f"/streams/{sid}/frames", json={"features": _enc(x)})
+    assert r.status_code == 200
+    r = client.post(f"/streams/{sid}/finish", json={})
+    assert r.status_code == 422, r.text         # a StreamError, as any misuse of a stream
+    assert "no i-vector row" in r.text
