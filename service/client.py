@@ -158,12 +158,17 @@ class NnetcClient:
         return _array(self._post("/infer", body)["output"])
 
     # -- streams ---------------------------------------------------------------------------------
-    def stream(self, model_id: str, ivector=None, **options) -> "ClientStream":
+    def stream(self, model_id: str, ivector=None, online_ivector_period: int | None = None,
+               **options) -> "ClientStream":
         """Open a stream (options: frames_per_chunk, extra_left_context_initial,
-        frame_subsampling_factor, acoustic_scale, use_priors)."""
+        frame_subsampling_factor, acoustic_scale, use_priors), with a per-utterance
+        ``ivector`` or, given ``online_ivector_period``, online i-vector rows pushed
+        with the frames."""
         body = {"model_id": model_id, "options": options}
         if ivector is not None:
             body["ivector"] = [float(v) for v in np.asarray(ivector).reshape(-1)]
+        if online_ivector_period is not None:
+            body["online_ivector_period"] = int(online_ivector_period)
         return ClientStream(self, self._post("/streams", body))
 
 
@@ -178,10 +183,14 @@ class ClientStream:
         self.sent = 0
         self.finished = False
 
-    def push(self, frames, ivector=None) -> np.ndarray:
+    def push(self, frames, ivector=None, online_ivectors=None) -> np.ndarray:
+        """Send frames (and a new per-utterance ``ivector``, or the next rows of an
+        online stream's i-vector matrix); returns the output rows now computable."""
         body = {"features": _matrix(frames), "offset": self.sent, "encoding": "base64"}
         if ivector is not None:
             body["ivector"] = [float(v) for v in np.asarray(ivector).reshape(-1)]
+        if online_ivectors is not None:
+            body["online_ivectors"] = _matrix(np.atleast_2d(online_ivectors))
         r = self.client._post(f"/streams/{self.stream_id}/frames", body)
         self.sent = r["frames_received"]
         return _array(r["output"])

@@ -69,3 +69,19 @@ def test_stream(nc):
     with pytest.raises(ServiceCallError) as e:
         nc._get(f"/streams/{sid}")
     assert e.value.status == 404
+
+
+def test_stream_with_online_ivectors(nc):
+    from pathlib import Path  # noqa: PLC0415
+    d = Path(__file__).resolve().parents[1] / "data" / "inference" / "online_ivectors"
+    z = np.load(d / "case.npz")
+    key = "fpc20_elci0_fsf1_p10"
+    x, rows, ref = z["features"], z[f"online.{key}"], z[f"output.{key}"]
+    mid = nc.register(d / "model.raw")["model_id"]
+    with nc.stream(mid, online_ivector_period=10, frames_per_chunk=20) as s:
+        got = [s.push(x[:40], online_ivectors=rows[:4]),
+               s.push(x[40:], online_ivectors=rows[4:5])]
+        got.append(s.push(x[:0], online_ivectors=rows[5:]))
+        got.append(s.finish())
+    ours = np.concatenate(got)
+    assert np.max(np.abs(ours - ref)) <= 1e-4 + 2e-3 * np.max(np.abs(ref))
