@@ -21,7 +21,7 @@ def _blas_facts() -> dict:
     """The BLAS libraries NumPy loaded and the environment variables that steer them
     (engine/runtime/blas.py): they change the products' speed."""
     from engine.runtime.blas import blas_environment, blas_libraries  # noqa: PLC0415
-    return {"blas": blas_libraries(), "blas_env": blas_environment()}
+    return {"blas": blas_libraries(), "blas_env": blas_environment(os.environ)}
 
 
 def _thread_settings(ap, text: str) -> list:

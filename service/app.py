@@ -11,6 +11,7 @@ is left out otherwise.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import asynccontextmanager
 
 import redis
@@ -56,8 +57,8 @@ def build_services(settings: Settings) -> Services:
     backend = get_backend(settings.backend)
     # the products' speed depends on NumPy's BLAS and on environment overrides of its
     # kernel choice: say which, in the log and in /metrics (nnetc_blas_info)
-    metrics.set_blas(blas.blas_libraries(), blas.blas_environment())
-    log.info(blas.describe())
+    metrics.set_blas(blas.blas_libraries(), blas.blas_environment(os.environ))
+    log.info(blas.describe(os.environ))
     if settings.redis_url:
         client = redis.Redis.from_url(settings.redis_url,
                                       socket_timeout=settings.redis_timeout_s,

@@ -5,12 +5,13 @@ the BLAS library NumPy loaded, the kernel set it chose for the processor and its
 thread count -- and on environment variables that override those choices.  On an
 AVX-512 machine, ``OPENBLAS_CORETYPE=Haswell`` (set on some hosts for older OpenBLAS
 builds) halves the GEMM rate of NumPy 2.4's OpenBLAS 0.3.31 (bench/RESULTS.md, item
-19).  The engine never changes these settings; it reports them.
+19).  The engine never changes these settings; it reports them.  (The engine reads
+no environment: callers pass the variables in.)
 """
 
 from __future__ import annotations
 
-import os
+from typing import Mapping
 
 #: environment variables that steer the BLAS libraries NumPy may load
 ENV_PREFIXES = ("OPENBLAS_", "MKL_", "OMP_", "GOTO_")
@@ -31,19 +32,19 @@ def blas_libraries() -> list[dict]:
             for lib in threadpool_info() if lib.get("user_api") == "blas"]
 
 
-def blas_environment(environ=None) -> dict:
-    """The OPENBLAS_*/MKL_*/OMP_*/GOTO_* variables of the environment."""
-    environ = os.environ if environ is None else environ
+def blas_environment(environ: Mapping[str, str]) -> dict:
+    """The OPENBLAS_*/MKL_*/OMP_*/GOTO_* variables of ``environ``."""
     return {k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES)}
 
 
-def describe() -> str:
-    """One line for a log: the libraries and any override of their kernel choice."""
+def describe(environ: Mapping[str, str] | None = None) -> str:
+    """One line for a log: the libraries and the variables of ``environ`` that
+    steer them."""
     libs = blas_libraries()
     parts = [f"{d['library']} {d['version']}"
              + (f" kernels {d['architecture']}" if d.get("architecture") else "")
              + f", {d['threads']} threads" for d in libs] or ["unknown (threadpoolctl found none)"]
-    env = blas_environment()
+    env = blas_environment(environ or {})
     text = "BLAS: " + "; ".join(parts)
     if env:
         text += " (environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + ")"

@@ -36,8 +36,8 @@ def test_an_openblas_coretype_override_is_seen_and_reported():
     the set OpenBLAS runs and the variable (checked in a fresh process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")}
     env["OPENBLAS_CORETYPE"] = "Haswell"
-    code = ("from engine.runtime.blas import blas_libraries, describe; "
-            "print(blas_libraries()[0]['architecture']); print(describe())")
+    code = ("import os; from engine.runtime.blas import blas_libraries, describe; "
+            "print(blas_libraries()[0]['architecture']); print(describe(os.environ))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.splitlines()
     assert out[0] == "Haswell"
@@ -45,5 +45,7 @@ def test_an_openblas_coretype_override_is_seen_and_reported():
 
 
 def test_describe_is_one_line():
-    text = describe()
+    text = describe({"OPENBLAS_NUM_THREADS": "1", "HOME": "/root"})
     assert text.startswith("BLAS: ") and "\n" not in text
+    assert text.endswith("(environment: OPENBLAS_NUM_THREADS=1)")
+    assert "environment" not in describe()

@@ -33,7 +33,9 @@ def test_metrics_cover_requests_compile_cache_queue_batches():
     assert len(info) == 1
     assert f'library="{lib["library"]}"' in info[0]
     assert f'kernels="{lib["architecture"] or ""}"' in info[0]
-    assert f'coretype_override="{blas_environment().get("OPENBLAS_CORETYPE", "")}"' in info[0]
+    import os  # noqa: PLC0415
+    override = blas_environment(os.environ).get("OPENBLAS_CORETYPE", "")
+    assert f'coretype_override="{override}"' in info[0]
 
 
 def test_readyz_follows_the_worker():
