@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 
 import click
@@ -482,6 +483,11 @@ def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, as_json)
         raise click.UsageError("--split is for the numpy backend")
     figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend,
                               split=split)
+    if backend == "numpy":
+        # what the products ran on (library, kernel set, threads, overrides): figures
+        # from machines or settings that differ here are not comparable
+        from engine.runtime.blas import describe  # noqa: PLC0415
+        figures["blas"] = describe(os.environ).removeprefix("BLAS: ")
     if as_json:
         click.echo(json.dumps(figures))
         return

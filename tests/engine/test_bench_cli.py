@@ -48,6 +48,7 @@ def test_bench_forward_json(tmp_path):
     # frame of context for affine1)
     assert figures["gemm_flops"] == 2 * (14 * 8 * 18 + 12 * 4 * 16)
     assert figures["measured_peak_bytes"] > 0
+    assert "threads" in figures["blas"]        # the BLAS the products ran on
 
 
 def test_bench_forward_table_and_errors(tmp_path):
