@@ -244,12 +244,21 @@ class Stream:
         once they are computed (by ``finish()`` or a batched advance)."""
         if self.finished:
             raise StreamError("end_input() on a stream that has ended")
+        self._check_rows_for_the_end()
         self.input_ended = True
+
+    def _check_rows_for_the_end(self) -> None:
+        """An online stream cannot end with frames but no i-vector row: refused before
+        anything changes, so the caller may push a row and end it again."""
+        if self.online_period and self.online_received == 0 and self.num_received > 0:
+            raise StreamError("online i-vectors: no i-vector row was pushed; push at least one "
+                              "(online_ivectors) before ending the stream")
 
     def finish(self) -> np.ndarray:
         """Flush the right edge (repeating the last frame); the stream then ends."""
         if self.finished:
             raise StreamError("finish() called twice: the stream has ended")
+        self._check_rows_for_the_end()
         self.input_ended = True
         out = self._advance()
         self._end()

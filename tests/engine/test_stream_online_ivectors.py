@@ -155,8 +155,13 @@ def test_online_ivector_errors():
     with pytest.raises(InferenceError, match="NaN"):
         s.push(FEATS[:5], online_ivectors=np.full((1, 8), np.nan, np.float32))
     s.push(FEATS[:30])
-    with pytest.raises(StreamError, match="no i-vector row was pushed"):
-        s.finish()
+    for end in (s.end_input, s.finish):
+        with pytest.raises(StreamError, match="no i-vector row was pushed"):
+            end()
+    # refused before anything changed: a row, and the stream ends with it
+    out = np.concatenate([s.push(FEATS[:0], online_ivectors=np.ones((1, 8), np.float32)),
+                          s.finish()])
+    assert out.shape == (30, 10) and s.finished
     with pytest.raises(InferenceError, match="without an online_ivector_period"):
         lm.stream(v).push(FEATS[:5], online_ivectors=np.zeros((1, 8), np.float32))
     plain = LoopedModel(make_nnet(TDNN_PLAIN), LoopedConfig(6))

@@ -547,3 +547,9 @@ def test_online_ivector_mistakes_get_4xx_naming_the_field(client):
     r = client.post(f"/streams/{sid}/finish", json={})
     assert r.status_code == 422, r.text         # a StreamError, as any misuse of a stream
     assert "no i-vector row" in r.text
+    # the stream is still open: a row, and it finishes
+    r = client.post(f"/streams/{sid}/frames", json={
+        "features": _enc(x[:0]), "online_ivectors": _enc(np.ones((1, 8), np.float32))})
+    assert r.status_code == 200, r.text
+    r = client.post(f"/streams/{sid}/finish", json={})
+    assert r.status_code == 200 and r.json()["frames_output"] == 4, r.text
