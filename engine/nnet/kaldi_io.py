@@ -82,6 +82,11 @@ class KaldiReader:
                 self.pos += 1
         return tok
 
+    def peek_byte(self) -> bytes:
+        """The next byte, not consumed and without skipping whitespace (Kaldi's
+        ``is.peek()``); b"" at the end."""
+        return self.data[self.pos:self.pos + 1]
+
     def peek_token(self) -> str:
         save = self.pos
         try:

@@ -206,3 +206,38 @@ def test_fuzzed_models_raise_only_typed_errors(data):
         load_model(bad, source="fuzz")
     except NnetcError:
         pass
+
+
+def test_binary_round_trip_of_a_wide_permutation_and_the_cnn_tdnn():
+    """A PermuteComponent's binary column map is an integer vector (size and count
+    bytes first, not a token): with 240 columns its count byte is not ASCII, which
+    a token peek must not trip over (Kaldi peeks one byte).  The old float form
+    ("FV") still reads.  The CNN-TDNN of the benchmarks round-trips in binary."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from engine.nnet.components.misc import PermuteComponent  # noqa: PLC0415
+    from engine.nnet.kaldi_io import KaldiReader  # noqa: PLC0415
+    perm = np.random.default_rng(0).permutation(240)
+    cfg = ("input-node name=input dim=240\n"
+           f"component name=p type=PermuteComponent column-map={','.join(map(str, perm))}\n"
+           "component-node name=p component=p input=input\noutput-node name=output input=p\n")
+    nnet = Nnet.from_config(cfg)
+    again = load_model(nnet_to_bytes(nnet, binary=True)).nnet
+    assert np.array_equal(again.components[0].column_map, perm)
+    # (Kaldi's back-compatibility read sets the last entry to the last column)
+    old_map = np.append(np.random.default_rng(1).permutation(239), 239)
+    w = KaldiWriter(binary=True)
+    w.write_token("<PermuteComponent>")
+    w.write_token("<ColumnMap>")
+    w.write_vector(old_map.astype(np.float32))
+    w.write_token("</PermuteComponent>")
+    r = KaldiReader(w.getvalue(), binary=True)
+    r.read_token()
+    old = PermuteComponent.read(r)
+    assert np.array_equal(old.column_map, old_map)
+    cnn = Path(__file__).resolve().parents[2] / "bench" / "models" / "cnn_tdnn.cfg"
+    net = Nnet.from_config(cnn.read_text(), rng=np.random.default_rng(0))
+    back = load_model(nnet_to_bytes(net, binary=True)).nnet
+    assert back.config_lines() == net.config_lines()
+    for a, b in zip(_params(net), _params(back)):
+        assert np.array_equal(a, b)

@@ -334,9 +334,10 @@ class PermuteComponent(Component):
     def read(cls, reader: KaldiReader):
         c = cls()
         expect_open_token(reader, cls.type_name, "<ColumnMap>")
-        if reader.binary and reader.peek_token() in ("FV", "DV"):
+        if reader.binary and reader.peek_byte() in (b"F", b"D"):
             # very old models stored the map as floats (Kaldi rounds them and fixes the
-            # last entry the same way)
+            # last entry the same way).  A byte, not a token, is peeked, as Kaldi does:
+            # an integer vector starts with binary size and count bytes
             fm = reader.read_vector()
             cm = (fm + 0.5).astype(np.int64)
             cm[-1] = fm.size - 1
