@@ -18,6 +18,11 @@ class StreamOptions(Strict):
     acoustic_scale: float = Field(default=1.0, description="the output is multiplied by it")
     use_priors: bool = Field(default=False, description="subtract the log priors of a .mdl "
                                                         "model from the output")
+    truncate_future_recurrence: bool = Field(
+        default=False, description="stream a network with a recurrence reading later frames "
+        "(a BLSTM's backward half) as Kaldi's looped decodable does, that recurrence cut at "
+        "each chunk's end (the output then depends on frames_per_chunk); without it such a "
+        "network is refused")
 
 
 class OpenStreamRequest(Strict):
@@ -48,6 +53,9 @@ class StreamInfo(Strict):
                                               "takes online i-vector rows")
     ivector_rows_received: int = Field(default=0, description="online i-vector rows pushed "
                                        "so far")
+    truncated_recurrence: str | None = Field(default=None, description="with "
+                                             "truncate_future_recurrence: the recurrence cut at "
+                                             "each chunk's end")
 
 
 class PushRequest(Strict):

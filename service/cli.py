@@ -358,12 +358,15 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
               help="Frames per chunk (rounded up to the modulus and subsampling factor).")
 @click.option("--frame-subsampling-factor", type=int, default=1, show_default=True)
 @click.option("--extra-left-context-initial", type=int, default=0, show_default=True)
+@click.option("--truncate-future-recurrence", is_flag=True,
+              help="Stream a network with a recurrence reading later frames (a BLSTM) as "
+                   "Kaldi's looped decodable does: that recurrence cut at each chunk's end.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
               help="Where to write the output matrix (.npy).")
 @_typed_errors
 def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivector_period,
                chunk_size, frame_subsampling_factor, extra_left_context_initial,
-               out_path) -> None:
+               truncate_future_recurrence, out_path) -> None:
     """Streaming inference with Kaldi's looped decodable (state carried across chunks)."""
     import numpy as np  # noqa: PLC0415
 
@@ -379,7 +382,8 @@ def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivec
         raise InferenceError("--online-ivectors and --online-ivector-period go together")
     online = _load_npy(online_path, "--online-ivectors") if online_path else None
     looped = LoopedModel(model.nnet, LoopedConfig(chunk_size, extra_left_context_initial,
-                                                  frame_subsampling_factor))
+                                                  frame_subsampling_factor,
+                                                  truncate_future_recurrence))
     stream = (looped.stream(ivector) if online is None
               else looped.stream(ivector, online_ivector_period))
     if np.ndim(feats) != 2:

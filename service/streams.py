@@ -194,7 +194,8 @@ class LiveStream:
                 "frames_received": self.frames_received, "frames_output": self.frames_output,
                 "finished": self.stream.finished,
                 "online_ivector_period": self.stream.online_period or None,
-                "ivector_rows_received": self.stream.online_received}
+                "ivector_rows_received": self.stream.online_received,
+                "truncated_recurrence": m.truncation}
 
 
 def _release(live: LiveStream) -> None:
@@ -239,9 +240,10 @@ class StreamManager:
             self._gauge()
 
     def looped_model(self, entry, options: dict) -> LoopedModel:
+        truncate = bool(options.get("truncate_future_recurrence", False))
         key = (entry.model_id, options["frames_per_chunk"],
                options["extra_left_context_initial"], options["frame_subsampling_factor"],
-               options["use_priors"])
+               options["use_priors"], truncate)
         with self._lock:
             looped = self._looped.get(key)
             if looped is not None:
@@ -250,7 +252,8 @@ class StreamManager:
         looped = LoopedModel(entry.model.nnet,
                              LoopedConfig(options["frames_per_chunk"],
                                           options["extra_left_context_initial"],
-                                          options["frame_subsampling_factor"]),
+                                          options["frame_subsampling_factor"],
+                                          truncate_future_recurrence=truncate),
                              priors=model_priors(entry.model), use_priors=options["use_priors"],
                              backend=self.xp)
         with self._lock:

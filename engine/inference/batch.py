@@ -172,8 +172,9 @@ class BatchPlan:
             if got != [batch_size * c for c in model.num_ivectors]:
                 raise InferenceError(f"batched looped requests ask for {got} i-vector rows, "
                                      f"expected {batch_size} x {model.num_ivectors}")
-        self.computation = compile_looped(model.nnet, *requests,
-                                          optimize_options=model.optimize_options)
+        self.computation = compile_looped(
+            model.nnet, *requests, optimize_options=model.optimize_options,
+            truncate_future_recurrence=model.config.truncate_future_recurrence)
         self.phases: dict[tuple, _Phase] = {}
         self.following: dict[tuple, tuple] = {}  # single phase -> the one a chunk later
         self._device_rows: dict = {}            # row numbers on a GPU backend, made once

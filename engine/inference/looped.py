@@ -26,7 +26,11 @@ to 100 requests or run a broken computation):
 - ``find_future_recurrence``, before compiling: a recurrence whose time offsets
   add up to a positive shift (a backward LSTM reading ``Offset(r, 1)``) makes
   every output depend on all later frames, which no chunked computation can
-  give; InferenceError names the nodes and the shift.
+  give; InferenceError names the nodes and the shift.  Kaldi's looped decodable
+  runs such a network anyway, the recurrence cut at each chunk's end (its
+  ``IfDefined`` finds nothing there), so that the output depends on the chunk
+  size; ``LoopedConfig(truncate_future_recurrence=True)`` asks for exactly that
+  (checked against Kaldi's DecodableNnetSimpleLooped on the reference BLSTM).
 - ``check_looped_computation``, after compiling: no command may read a matrix
   before the command that creates it (in the multi-segment compilation an
   optional input such as ``Failover(Offset(x, 1), x)`` at a chunk's last frame
@@ -238,7 +242,10 @@ def check_loopable(nnet, output_name: str = "output") -> None:
     """InferenceError naming the reason when ``nnet`` cannot be streamed."""
     why = find_future_recurrence(nnet, output_name)
     if why is not None:
-        raise InferenceError(f"looped compilation is not possible: {why}")
+        raise InferenceError(f"looped compilation is not possible: {why}; or, for what "
+                             f"Kaldi's looped decodable computes (that recurrence cut at "
+                             f"each chunk's end, the output then depending on the chunk "
+                             f"size), set truncate_future_recurrence")
 
 
 def check_looped_computation(computation, nnet) -> None:
@@ -291,12 +298,13 @@ def check_looped_computation(computation, nnet) -> None:
 
 
 def compile_looped(nnet, request1, request2, request3, optimize_options=None,
-                   max_requests: int = 100):
+                   max_requests: int = 100, truncate_future_recurrence: bool = False):
     """Kaldi's CompileLooped: compile 5, 10, 20, ... chunk requests as segments and
     optimize with ``optimize_looped_computation`` until the computation ends in a
     goto.  Raises InferenceError up front for a network that cannot be looped
-    (``check_loopable``), when no loop forms (or there is no optimizer), and when
-    the looped computation is invalid (``check_looped_computation``)."""
+    (``check_loopable``, unless ``truncate_future_recurrence``: see the module
+    docstring), when no loop forms (or there is no optimizer), and when the looped
+    computation is invalid (``check_looped_computation``)."""
     from dataclasses import replace  # noqa: PLC0415
 
     from engine.compiler.compiler import compile_computation  # noqa: PLC0415
@@ -305,7 +313,8 @@ def compile_looped(nnet, request1, request2, request3, optimize_options=None,
         from engine.optimizer import OptimizeOptions, optimize  # noqa: PLC0415
     except ImportError as e:
         raise InferenceError(f"looped compilation needs engine.optimizer: {e}") from None
-    check_loopable(nnet)
+    if not truncate_future_recurrence:
+        check_loopable(nnet)
     opts = replace(optimize_options or OptimizeOptions(), optimize_looped_computation=True)
     num = 5
     while num <= max_requests:
@@ -330,6 +339,9 @@ class LoopedConfig:
     frames_per_chunk: int = 20
     extra_left_context_initial: int = 0
     frame_subsampling_factor: int = 1
+    # a recurrence reading later frames (a BLSTM's backward half) is cut at each
+    # chunk's end, as Kaldi's looped decodable does, instead of refused
+    truncate_future_recurrence: bool = False
 
     def check(self) -> None:
         if self.frames_per_chunk < 1:

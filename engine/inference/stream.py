@@ -46,7 +46,8 @@ from engine.core.errors import InferenceError, StreamError
 from engine.inference.common import (as_features, check_simple, log_priors, prepare_nnet,
                                      simple_context)
 from engine.inference.looped import (LoopedConfig, compile_looped, create_looped_requests,
-                                     get_chunk_size, modify_nnet_ivector_period)
+                                     find_future_recurrence, get_chunk_size,
+                                     modify_nnet_ivector_period)
 
 STATE_VERSION = 1
 
@@ -88,8 +89,13 @@ class LoopedModel:
         self.num_ivectors = ([len(r.inputs[1].indexes) // num_sequences
                               for r in self.requests[:2]]
                              if self.has_ivectors else [0, 0])
-        self.computation = compile_looped(prepared, *self.requests,
-                                          optimize_options=optimize_options)
+        # why the output depends on the chunk size (a recurrence cut at each chunk's
+        # end, config.truncate_future_recurrence), or None
+        self.truncation = (find_future_recurrence(prepared, "output")
+                           if config.truncate_future_recurrence else None)
+        self.computation = compile_looped(
+            prepared, *self.requests, optimize_options=optimize_options,
+            truncate_future_recurrence=config.truncate_future_recurrence)
         self.backend = backend
         self.optimize_options = optimize_options
         # batched looped computations (engine.inference.batch.BatchPlan), by batch size
@@ -104,7 +110,10 @@ class LoopedModel:
         h = hashlib.sha256()
         h.update(nnet_to_bytes(self.nnet, binary=True))
         h.update(json.dumps([self.num_sequences, self.chunk_size, self.frames_left_context,
-                             self.frames_right_context, self.fsf, len(self.computation.commands),
+                             self.frames_right_context, self.fsf,
+                             *(["truncated"] if self.config.truncate_future_recurrence
+                               else []),
+                             len(self.computation.commands),
                              len(self.computation.matrices),
                              None if self.log_priors is None else
                              hashlib.sha256(self.log_priors.tobytes()).hexdigest()]).encode())

@@ -143,3 +143,41 @@ def test_random_network_stream_equals_whole_utterance(kind):
         ref = Inferencer(nnet, InferenceOptions(frames_per_chunk=T + 10,
                                                 extra_left_context_initial=elci)).infer(x, iv)
         assert_close(out, ref, f"{kind} seed {seed} chunk {model.chunk_size} T {T}")
+
+
+def test_blstm_truncated_as_kaldis_looped_decodable():
+    """With truncate_future_recurrence the BLSTM streams as Kaldi's looped decodable
+    runs it: the backward recurrence cut at each chunk's end.  Checked against
+    Kaldi (tests/kaldi_oracle/check_infer.py --looped, blstm: 0 failing); here: the
+    stream is the same however the frames are cut, depends on the chunk size,
+    differs from whole-utterance output, and names the truncation."""
+    nnet = getattr(load_model(_blstm_path()), "nnet", None)
+    x = np.load(DATA / "blstm" / "infer_utt1_part.npz")["features"][:90]
+    outs = {}
+    for chunk in (20, 30):
+        model = LoopedModel(nnet, LoopedConfig(frames_per_chunk=chunk,
+                                               truncate_future_recurrence=True))
+        assert "blstm1-backward" in model.truncation
+        runs = [_stream_all(model, x, None, np.random.default_rng(seed)) for seed in (1, 2)]
+        assert np.array_equal(runs[0], runs[1])
+        outs[chunk] = runs[0]
+    whole = Inferencer(nnet, InferenceOptions(frames_per_chunk=200)).infer(x)
+    assert outs[20].shape == outs[30].shape == whole.shape
+    assert np.abs(outs[20] - outs[30]).max() > 1e-3
+    assert np.abs(outs[20] - whole).max() > 1e-3
+    # the refusal names the option
+    with pytest.raises(InferenceError, match="truncate_future_recurrence"):
+        LoopedModel(nnet, LoopedConfig(frames_per_chunk=20))
+
+
+@pytest.mark.parametrize("chunk,elci", [(20, 0), (33, 10)])
+def test_blstm_truncated_equals_kaldi(chunk, elci):
+    """Kaldi's looped decodable on the BLSTM (tests/data/inference/blstm)."""
+    nnet = getattr(load_model(DATA / "blstm" / "model.raw"), "nnet", None)
+    x = np.load(DATA / "blstm" / "infer_utt1_part.npz")["features"]
+    ref = np.load(DATA / "blstm" / "looped_truncated.npz")[f"output.fpc{chunk}_elci{elci}"]
+    model = LoopedModel(nnet, LoopedConfig(frames_per_chunk=chunk,
+                                           extra_left_context_initial=elci,
+                                           truncate_future_recurrence=True))
+    assert_close(_stream_all(model, x, None, np.random.default_rng(chunk)), ref,
+                 f"blstm looped {chunk}/{elci}")

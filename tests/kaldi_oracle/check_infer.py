@@ -98,9 +98,11 @@ def main() -> None:
             tag = f"case {k}: T={T} looped={looped} period={period} {o}"
             try:
                 if looped:
+                    # (a BLSTM's backward recurrence cut at chunk ends, as Kaldi does)
                     lm = LoopedModel(nnet, LoopedConfig(o["frames_per_chunk"],
                                                         max(0, o["extra_left_context_initial"]),
-                                                        o["frame_subsampling_factor"]))
+                                                        o["frame_subsampling_factor"],
+                                                        truncate_future_recurrence=True))
                     ours = stream_through(lm, feats, iv, online, period, rng)
                 else:
                     ours = Inferencer(nnet, InferenceOptions(**o), priors=m.priors).infer(

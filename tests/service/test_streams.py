@@ -369,7 +369,7 @@ def test_store_refuses_a_stale_save(server):
     assert 0 < server.client().ttl("nnetc:stream:s1") <= 30
 
 
-def test_a_network_that_cannot_stream_gets_422(client):
+def test_a_blstm_is_refused_unless_truncation_is_asked_for(client):
     # a BLSTM (Kaldi binary model): each output depends on all later frames
     path = Path(__file__).resolve().parents[1] / "data" / "inference" / "blstm" / "model.raw"
     mid = client.post("/models", json={"binary_b64": base64.b64encode(
@@ -378,7 +378,22 @@ def test_a_network_that_cannot_stream_gets_422(client):
     assert r.status_code == 422
     err = r.json()["error"]
     assert err["type"] == "InferenceError" and "backward" in err["message"]
+    assert "truncate_future_recurrence" in err["message"]
     assert err["field"] == "options"
+    # asked for: Kaldi's looped decodable, the backward recurrence cut at chunk ends
+    d = path.parent
+    x = np.load(d / "infer_utt1_part.npz")["features"]
+    ref = np.load(d / "looped_truncated.npz")["output.fpc20_elci0"]
+    r = client.post("/streams", json={"model_id": mid, "options": {
+        "frames_per_chunk": 20, "truncate_future_recurrence": True}})
+    assert r.status_code == 201, r.text
+    assert "blstm1-backward" in r.json()["truncated_recurrence"]
+    sid = r.json()["stream_id"]
+    outs, _ = _push_all(client, sid, x, [7, 30, 1, 64])
+    outs.append(_finish(client, sid))
+    ours = np.concatenate([o.reshape(-1, 300) for o in outs])
+    assert ours.shape == ref.shape
+    assert np.max(np.abs(ours - ref)) <= 1e-4 + 2e-3 * np.max(np.abs(ref))
 
 
 @needs_redis
