@@ -157,27 +157,36 @@ def _decide(x, w, out, is_frozen: bool = False) -> int:
         return DIRECT
     rng = np.random.default_rng(12345)
     xs, ws = _like(x, rng), _like(w, rng)
-    # outputs of the forms that write ``out`` directly have its layout (a strided
-    # output can cost NumPy a temporary and a copy)
+    # Each form is timed with the pass that consumes its product, as the callers
+    # follow every product with one (a bias added, or the product added into the
+    # output): a contiguous pass over ``out`` for the forms that write it, a pass
+    # reading the transposed temporary for the exchanged form -- which for many
+    # rows costs more than that form saves (a TDNN-F layer's 164x64x384 product:
+    # 24 us either way, but 20 us more to read it back transposed).
+    # Outputs of the forms that write ``out`` directly have its layout (a strided
+    # output can cost NumPy a temporary and a copy).
+    bias = rng.standard_normal(w.shape[0]).astype(out.dtype)
+    add = np.add
     o1 = _like(out, rng)
     np.matmul(xs, ws.T, out=o1)
-    calls = {DIRECT: lambda: np.matmul(xs, ws.T, out=o1)}
+    calls = {DIRECT: lambda: add(np.matmul(xs, ws.T, out=o1), bias, out=o1)}
     if out.flags.c_contiguous:
         o3 = np.empty((rows, n), dtype=out.dtype)
         np.dot(xs, ws.T, out=o3)
         if np.array_equal(o1, o3):
-            calls[DOT] = lambda: np.dot(xs, ws.T, out=o3)
+            calls[DOT] = lambda: add(np.dot(xs, ws.T, out=o3), bias, out=o3)
     if rows > 1:
         o2 = np.empty((n, rows), dtype=out.dtype)
         np.matmul(ws, xs.T, out=o2)
         if np.array_equal(o1, o2.T):
-            calls[EXCHANGED] = lambda: np.matmul(ws, xs.T, out=o2)
+            o2_out = _like(out, rng)
+            calls[EXCHANGED] = lambda: add(np.matmul(ws, xs.T, out=o2).T, bias, out=o2_out)
     if is_frozen:
         wt = np.ascontiguousarray(ws.T)
         o4 = _like(out, rng)
         np.matmul(xs, wt, out=o4)
         if np.array_equal(o1, o4):
-            calls[TCOPY] = lambda: np.matmul(xs, wt, out=o4)
+            calls[TCOPY] = lambda: add(np.matmul(xs, wt, out=o4), bias, out=o4)
         for i, width in enumerate(PANEL_WIDTHS):
             if width >= n:
                 break
@@ -185,7 +194,10 @@ def _decide(x, w, out, is_frozen: bool = False) -> int:
             o5 = _like(out, rng)
             panel_product(xs, panels, o5)
             if np.array_equal(o1, o5):
-                calls[PANELS + i] = lambda p=panels, o=o5: panel_product(xs, p, o)
+                def with_panels(p=panels, o=o5):
+                    panel_product(xs, p, o)
+                    add(o, bias, out=o)
+                calls[PANELS + i] = with_panels
     if len(calls) == 1:
         return DIRECT
     # the forms in turn (each already ran once above), several rounds, each form's
