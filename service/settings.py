@@ -62,6 +62,11 @@ class Settings(BaseSettings):
                                                "a failure Redis is skipped for 5 s")
     max_streams: int = Field(default=256, ge=1,
                              description="open streams one process holds; more get 503")
+    max_stream_ivector_rows: int = Field(
+        default=4096, ge=1,
+        description="online i-vector rows a stream holds before the chunks that read them "
+                    "are computed; a push beyond gets 413 (push rows with the frames they "
+                    "describe): bounds a stream's memory (4096 rows of 100 floats: 1.6 MB)")
     stream_idle_s: int = Field(default=600, ge=1,
                                description="a stream not pushed to for this long is closed "
                                            "(and its checkpoint expires in Redis)")

@@ -206,8 +206,9 @@ def _release(live: LiveStream) -> None:
 
 class StreamManager:
     def __init__(self, registry, backend, store=None, max_streams: int = 256,
-                 idle_s: float = 600.0, metrics=None):
+                 idle_s: float = 600.0, metrics=None, max_ivector_rows: int = 4096):
         self.registry = registry
+        self.max_ivector_rows = max_ivector_rows
         self.xp = backend
         self.store = store if store is not None else NoStreamStore()
         self.max_streams = max_streams
@@ -402,7 +403,18 @@ class StreamManager:
                                    f"received {live.frames_received} frames: send the frames "
                                    f"from {live.frames_received} on", "offset")
             first = live.frames_output
-            out = live.stream.push(p["features"], p.get("ivector"), p.get("online_ivectors"))
+            rows = p.get("online_ivectors")
+            s = live.stream
+            if rows is not None and s.online_period:
+                held = s.online_received - s.online_start + int(np.shape(rows)[0])
+                if held > self.max_ivector_rows:
+                    raise ServiceError(413, "RequestTooLarge",
+                                       f"stream {live.stream_id} would hold {held} online "
+                                       f"i-vector rows that no computed chunk has read yet, "
+                                       f"more than this service's max_stream_ivector_rows "
+                                       f"({self.max_ivector_rows}): push the rows with the "
+                                       f"frames they describe", "online_ivectors")
+            out = s.push(p["features"], p.get("ivector"), rows)
             self._checkpoint(live)
         return self._scaled(live, out), first, live.summary()
 

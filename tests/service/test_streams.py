@@ -568,3 +568,28 @@ def test_online_ivector_mistakes_get_4xx_naming_the_field(client):
     assert r.status_code == 200, r.text
     r = client.post(f"/streams/{sid}/finish", json={})
     assert r.status_code == 200 and r.json()["frames_output"] == 4, r.text
+
+
+def test_online_ivector_rows_held_are_bounded():
+    """Rows pushed far ahead of the frames that read them are refused (413) once a
+    stream would hold more than max_stream_ivector_rows; rows the chunks have read
+    no longer count."""
+    with make_client(max_stream_ivector_rows=6) as c:
+        mid = c.post("/models", json={"binary_b64": base64.b64encode(
+            (ONLINE / "model.raw").read_bytes()).decode()}).json()["model_id"]
+        sid = c.post("/streams", json={"model_id": mid, "online_ivector_period": 10,
+                                       "options": {"frames_per_chunk": 20}}).json()["stream_id"]
+        x = np.zeros((45, 13), np.float32)
+        rows = np.ones((7, 8), np.float32)
+        r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x[:0]),
+                                                    "online_ivectors": _enc(rows)})
+        assert r.status_code == 413 and r.json()["error"]["field"] == "online_ivectors", r.text
+        assert c.get(f"/streams/{sid}").json()["ivector_rows_received"] == 0   # unchanged
+        r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x),
+                                                    "online_ivectors": _enc(rows[:6])})
+        assert r.status_code == 200 and r.json()["frames_output"] == 40, r.text
+        # two chunks read rows 2 and 4; the next will read row 6 (or the last): rows 0-4
+        # are dropped, so three more rows make 4 held
+        r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x[:0]),
+                                                    "online_ivectors": _enc(rows[:3])})
+        assert r.status_code == 200, r.text
