@@ -206,9 +206,11 @@ def _release(live: LiveStream) -> None:
 
 class StreamManager:
     def __init__(self, registry, backend, store=None, max_streams: int = 256,
-                 idle_s: float = 600.0, metrics=None, max_ivector_rows: int = 4096):
+                 idle_s: float = 600.0, metrics=None, max_ivector_rows: int = 4096,
+                 max_held_frames: int = 100_000):
         self.registry = registry
         self.max_ivector_rows = max_ivector_rows
+        self.max_held_frames = max_held_frames
         self.xp = backend
         self.store = store if store is not None else NoStreamStore()
         self.max_streams = max_streams
@@ -414,6 +416,16 @@ class StreamManager:
                                        f"more than this service's max_stream_ivector_rows "
                                        f"({self.max_ivector_rows}): push the rows with the "
                                        f"frames they describe", "online_ivectors")
+            if s.online_period:
+                # frames wait for the rows their chunks read: bound what waits
+                held = s.num_received - s.buffer_start + int(np.shape(p["features"])[0])
+                if held > self.max_held_frames:
+                    raise ServiceError(413, "RequestTooLarge",
+                                       f"stream {live.stream_id} would hold {held} frames "
+                                       f"waiting for their online i-vector rows, more than "
+                                       f"this service's max_request_indexes "
+                                       f"({self.max_held_frames}): push the rows with the "
+                                       f"frames", "features")
             out = s.push(p["features"], p.get("ivector"), rows)
             self._checkpoint(live)
         return self._scaled(live, out), first, live.summary()

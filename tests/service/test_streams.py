@@ -573,7 +573,8 @@ def test_online_ivector_mistakes_get_4xx_naming_the_field(client):
 def test_online_ivector_rows_held_are_bounded():
     """Rows pushed far ahead of the frames that read them are refused (413) once a
     stream would hold more than max_stream_ivector_rows; rows the chunks have read
-    no longer count."""
+    no longer count.  Frames waiting for their rows are bounded by
+    max_request_indexes the same way."""
     with make_client(max_stream_ivector_rows=6) as c:
         mid = c.post("/models", json={"binary_b64": base64.b64encode(
             (ONLINE / "model.raw").read_bytes()).decode()}).json()["model_id"]
@@ -593,3 +594,19 @@ def test_online_ivector_rows_held_are_bounded():
         r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x[:0]),
                                                     "online_ivectors": _enc(rows[:3])})
         assert r.status_code == 200, r.text
+    # frames waiting for their rows are bounded too (by max_request_indexes)
+    with make_client(max_request_indexes=50) as c:
+        mid = c.post("/models", json={"binary_b64": base64.b64encode(
+            (ONLINE / "model.raw").read_bytes()).decode()}).json()["model_id"]
+        sid = c.post("/streams", json={"model_id": mid, "online_ivector_period": 10,
+                                       "options": {"frames_per_chunk": 20}}).json()["stream_id"]
+        x = np.zeros((30, 13), np.float32)
+        assert c.post(f"/streams/{sid}/frames", json={"features": _enc(x)}).status_code == 200
+        r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x)})
+        assert r.status_code == 413 and r.json()["error"]["field"] == "features", r.text
+        r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x),
+                                                    "online_ivectors": _enc(np.ones((6, 8)))})
+        assert r.status_code == 413             # (checked before the rows are taken)
+        r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x[:0]),
+                                                    "online_ivectors": _enc(np.ones((3, 8)))})
+        assert r.status_code == 200 and r.json()["frames_output"] == 20, r.text
