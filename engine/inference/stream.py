@@ -476,20 +476,32 @@ class StreamBatch:
     have ``n`` = 0..B-1 (a LoopedModel built with ``num_sequences=B``): a chunk is
     computed when every stream has its frames or has finished (a finished stream's
     input repeats its last frame, its surplus rows are dropped).  Streams must start
-    together.  For independent Streams at any chunk position (different start times,
+    together.  I-vectors: one per stream, or with ``online_ivector_period`` rows pushed
+    per stream (``push(j, frames, online_ivectors=rows)``), each chunk reading every
+    stream's row as a Stream does (and waiting for it unless that stream finished).  For independent Streams at any chunk position (different start times,
     first chunks next to steady-state ones, export/import in between) use
     engine.inference.batch.StreamBatcher."""
 
-    def __init__(self, model: LoopedModel, ivectors=None):
+    def __init__(self, model: LoopedModel, ivectors=None, online_ivector_period=None):
         from engine.runtime.executor import Executor  # noqa: PLC0415
         self.model = model
         b = model.num_sequences
-        ivectors = [None] * b if ivectors is None else list(ivectors)
-        if len(ivectors) != b:
-            raise InferenceError(f"expected {b} i-vectors (one per stream), got {len(ivectors)}")
         checker = Stream.__new__(Stream)
         checker.model = model
-        self.ivectors = [Stream._check_ivector(checker, v) for v in ivectors]
+        # online i-vectors (as Stream): the period, and per stream the rows pushed
+        self.online_period = Stream._check_period(
+            checker, online_ivector_period, None if ivectors is None else ivectors)
+        if self.online_period:
+            self.ivectors = None
+            self.online_rows = [np.zeros((0, model.ivector_dim), np.float32) for _ in range(b)]
+        else:
+            ivectors = [None] * b if ivectors is None else list(ivectors)
+            if len(ivectors) != b:
+                raise InferenceError(f"expected {b} i-vectors (one per stream), got "
+                                     f"{len(ivectors)}")
+            self.ivectors = [Stream._check_ivector(checker, v) for v in ivectors]
+            self.online_rows = None
+        self._checker = checker
         self.executor = Executor(model.computation, model.nnet, backend=model.backend,
                                  pool=model.pool)
         # per stream: the frames still needed (from frame ``start[j]`` on) and how
@@ -501,11 +513,18 @@ class StreamBatch:
         self.emitted = [0] * b
         self.chunks_computed = 0
 
-    def push(self, j: int, frames) -> None:
-        """Append frames to stream j (outputs come from ``advance``)."""
+    def push(self, j: int, frames, online_ivectors=None) -> None:
+        """Append frames (and, with an online_ivector_period, i-vector rows) to stream
+        j (outputs come from ``advance``)."""
         if self.finished[j]:
             raise StreamError(f"stream {j}: push after finish")
         f = as_features(frames, self.model.input_dim, f"stream {j} frames")
+        if online_ivectors is not None:
+            if not self.online_period:
+                raise InferenceError("online_ivectors: this StreamBatch was made without an "
+                                     "online_ivector_period")
+            rows = Stream._check_online_rows(self._checker, online_ivectors)
+            self.online_rows[j] = np.concatenate([self.online_rows[j], rows], axis=0)
         self.frames[j] = np.concatenate([self.frames[j], f], axis=0)
         self.received[j] += f.shape[0]
 
@@ -514,7 +533,21 @@ class StreamBatch:
             raise StreamError(f"stream {j}: finish() called twice")
         if self.received[j] == 0:
             raise StreamError(f"stream {j}: finished without any frames")
+        if self.online_period and self.online_rows[j].shape[0] == 0:
+            raise StreamError(f"stream {j}: online i-vectors: no i-vector row was pushed; "
+                              f"push at least one before finishing")
         self.finished[j] = True
+
+    def _ivector_rows(self, k: int, end: int) -> np.ndarray:
+        """The i-vector rows chunk k gives the computation, stream after stream."""
+        m = self.model
+        count = m.num_ivectors[0 if k == 0 else 1]
+        if self.online_period:
+            per = [rows[min(end // self.online_period, rows.shape[0] - 1)]
+                   for rows in self.online_rows]
+        else:
+            per = self.ivectors
+        return np.repeat(np.stack(per), count, axis=0)
 
     def advance(self) -> list[np.ndarray]:
         """Compute every chunk that all streams allow; the new output rows per stream."""
@@ -529,6 +562,11 @@ class StreamBatch:
             totals = [(n + m.fsf - 1) // m.fsf for n in self.received]
             ready = all((fin and n > 0) or n >= end
                         for n, fin in zip(self.received, self.finished))
+            if ready and self.online_period:
+                # each stream has the row the chunk reads, or has finished
+                need = end // self.online_period
+                ready = all(fin or rows.shape[0] > need
+                            for rows, fin in zip(self.online_rows, self.finished))
             if not ready or all(fin and k * per_chunk >= tot
                                 for fin, tot in zip(self.finished, totals)):
                 break
@@ -538,9 +576,7 @@ class StreamBatch:
                                                         self.start)], axis=0)
             self.executor.accept_input("input", feats)
             if m.has_ivectors:
-                count = m.num_ivectors[0 if k == 0 else 1]
-                self.executor.accept_input("ivector", np.repeat(np.stack(self.ivectors),
-                                                                count, axis=0))
+                self.executor.accept_input("ivector", self._ivector_rows(k, end))
             self.executor.run()
             out = np.array(to_host(self.executor.get_output("output")), np.float32, copy=True)
             if m.log_priors is not None:

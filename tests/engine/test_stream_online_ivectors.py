@@ -185,3 +185,46 @@ def test_cli_stream_with_online_ivectors(tmp_path):
     assert_close(np.load(tmp_path / "o.npy"), ARRAYS[f"output.{s_['key']}"], "nnetc stream")
     r = CliRunner().invoke(main, [a for a in args if a not in ("--online-ivector-period", "1")])
     assert r.exit_code == 2 and "go together" in r.output
+
+
+def test_lock_step_stream_batch_with_online_ivectors():
+    """StreamBatch (streams advanced together by one B-sequence computation) with an
+    online_ivector_period: each stream's rows, each chunk reading its own row as a
+    Stream does; a stream that finished early uses its last row."""
+    from engine.inference.stream import StreamBatch  # noqa: PLC0415
+    s_ = SETTINGS[0]
+    period = s_["online_ivector_period"]
+    nnet = load_model(str(CASE / "model.raw")).nnet
+    batch_model = LoopedModel(nnet, LoopedConfig(s_["frames_per_chunk"]), num_sequences=3)
+    single = model_for(s_)
+    rows = ARRAYS[f"online.{s_['key']}"]
+    sets = [rows, rows[::-1].copy(), rows * np.float32(0.5)]
+    lengths = [90, 61, 90]
+    sb = StreamBatch(batch_model, online_ivector_period=period)
+    got: list[list] = [[] for _ in sets]
+    for start in range(0, 90, 15):
+        for j, (r, n) in enumerate(zip(sets, lengths)):
+            if start < n:
+                sb.push(j, FEATS[start:min(start + 15, n)],
+                        online_ivectors=r[start // period:min(start + 15, n) // period])
+            elif not sb.finished[j]:
+                sb.push(j, FEATS[:0], online_ivectors=r[n // period:])
+                sb.finish(j)
+        for j, o in enumerate(sb.advance()):
+            got[j].append(o)
+    for j, (r, n) in enumerate(zip(sets, lengths)):
+        if not sb.finished[j]:
+            sb.push(j, FEATS[:0], online_ivectors=r[n // period:])
+            sb.finish(j)
+    for j, o in enumerate(sb.advance()):
+        got[j].append(o)
+    for j, (r, n) in enumerate(zip(sets, lengths)):
+        alone = single.stream(online_ivector_period=period)
+        want = np.concatenate([alone.push(FEATS[:n], online_ivectors=r), alone.finish()])
+        assert_close(np.concatenate(got[j]), want, f"stream {j}")
+    assert_close(np.concatenate(got[0]), ARRAYS[f"output.{s_['key']}"], "Kaldi")
+    with pytest.raises(InferenceError, match="either a per-utterance"):
+        StreamBatch(batch_model, ivectors=[np.zeros(8)] * 3, online_ivector_period=period)
+    with pytest.raises(InferenceError, match="without an online_ivector_period"):
+        StreamBatch(batch_model, ivectors=[np.zeros(8, np.float32)] * 3).push(
+            0, FEATS[:3], online_ivectors=np.zeros((1, 8), np.float32))
