@@ -471,6 +471,21 @@ def test_websocket_errors_are_the_http_errors(client):
 ONLINE = Path(__file__).resolve().parents[1] / "data" / "inference" / "online_ivectors"
 
 
+def _register_online(client) -> str:
+    """The model of the online i-vector case, registered; its id."""
+    r = client.post("/models", json={"binary_b64": base64.b64encode(
+        (ONLINE / "model.raw").read_bytes()).decode()})
+    assert r.status_code in (200, 201), r.text
+    return r.json()["model_id"]
+
+
+def _open_online(client, mid: str, period: int = 10, **options) -> str:
+    r = client.post("/streams", json={"model_id": mid, "online_ivector_period": period,
+                                      "options": {"frames_per_chunk": 20, **options}})
+    assert r.status_code == 201, r.text
+    return r.json()["stream_id"]
+
+
 def _online_case(i: int):
     import json  # noqa: PLC0415
     s = json.loads((ONLINE / "case.json").read_text())["settings"][i]
@@ -482,18 +497,13 @@ def test_online_ivector_rows_through_the_service_equal_kaldi(client):
     """A stream opened with online_ivector_period takes i-vector rows with its frames
     (HTTP and WebSocket pushes); the output is Kaldi's looped decodable's with that
     online i-vector matrix (tests/data/inference/online_ivectors)."""
-    mid = client.post("/models", json={"binary_b64": base64.b64encode(
-        (ONLINE / "model.raw").read_bytes()).decode()}).json()["model_id"]
+    mid = _register_online(client)
     for i, via_ws in ((0, False), (1, True)):
         s, x, rows, ref = _online_case(i)
         period = s["online_ivector_period"]
-        r = client.post("/streams", json={
-            "model_id": mid, "online_ivector_period": period,
-            "options": {"frames_per_chunk": s["frames_per_chunk"],
-                        "extra_left_context_initial": s["extra_left_context_initial"]}})
-        assert r.status_code == 201, r.text
-        sid = r.json()["stream_id"]
-        assert r.json()["online_ivector_period"] == period
+        sid = _open_online(client, mid, period, frames_per_chunk=s["frames_per_chunk"],
+                           extra_left_context_initial=s["extra_left_context_initial"])
+        assert client.get(f"/streams/{sid}").json()["online_ivector_period"] == period
         pushes, pos, sent = [], 0, 0
         for n in (17, 3, 25, 9, 100):
             want = min(len(rows), (pos + n) // period)
@@ -528,8 +538,7 @@ def test_online_ivector_rows_through_the_service_equal_kaldi(client):
 
 
 def test_online_ivector_mistakes_get_4xx_naming_the_field(client):
-    mid = client.post("/models", json={"binary_b64": base64.b64encode(
-        (ONLINE / "model.raw").read_bytes()).decode()}).json()["model_id"]
+    mid = _register_online(client)
     plain = _register_config(client, RECURRENT, 3)
     iv = {"model_id": mid, "ivector": [0.0] * 8, "online_ivector_period": 3}
     for body, field in ((iv, "online_ivector_period"),
@@ -540,8 +549,7 @@ def test_online_ivector_mistakes_get_4xx_naming_the_field(client):
         r = client.post("/streams", json=body)
         assert r.status_code == 422, r.text
         assert field in (r.json()["error"].get("field") or str(r.json())), r.text
-    sid = client.post("/streams", json={"model_id": mid, "online_ivector_period": 3}
-                      ).json()["stream_id"]
+    sid = _open_online(client, mid, 3)
     x = np.zeros((4, 13), np.float32)
     for extra, field in (({"online_ivectors": _enc(np.zeros((2, 5), np.float32))},
                           "online_ivectors"),
@@ -576,10 +584,7 @@ def test_online_ivector_rows_held_are_bounded():
     no longer count.  Frames waiting for their rows are bounded by
     max_request_indexes the same way."""
     with make_client(max_stream_ivector_rows=6) as c:
-        mid = c.post("/models", json={"binary_b64": base64.b64encode(
-            (ONLINE / "model.raw").read_bytes()).decode()}).json()["model_id"]
-        sid = c.post("/streams", json={"model_id": mid, "online_ivector_period": 10,
-                                       "options": {"frames_per_chunk": 20}}).json()["stream_id"]
+        sid = _open_online(c, _register_online(c))
         x = np.zeros((45, 13), np.float32)
         rows = np.ones((7, 8), np.float32)
         r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x[:0]),
@@ -596,10 +601,7 @@ def test_online_ivector_rows_held_are_bounded():
         assert r.status_code == 200, r.text
     # frames waiting for their rows are bounded too (by max_request_indexes)
     with make_client(max_request_indexes=50) as c:
-        mid = c.post("/models", json={"binary_b64": base64.b64encode(
-            (ONLINE / "model.raw").read_bytes()).decode()}).json()["model_id"]
-        sid = c.post("/streams", json={"model_id": mid, "online_ivector_period": 10,
-                                       "options": {"frames_per_chunk": 20}}).json()["stream_id"]
+        sid = _open_online(c, _register_online(c))
         x = np.zeros((30, 13), np.float32)
         assert c.post(f"/streams/{sid}/frames", json={"features": _enc(x)}).status_code == 200
         r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x)})
