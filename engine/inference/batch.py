@@ -34,9 +34,8 @@ Where Kaldi differs, and why:
   chunk(s).  Each group runs from the batched computation's matching phase, so
   every chunk is computed exactly as the stream alone would compute it (up to
   float32 rounding of the larger matrix products).
-* The executor's state is reached through the small adapter below
-  (``_phase`` / ``_matrices`` / ``_set_state``); a public
-  ``Executor.get_state()`` / ``set_state(pc, pending, matrices)`` would replace it.
+* The executor's state is read and set through its public state API
+  (``Executor.position``, ``matrices``, ``holds_memos``, ``restore_state``).
 """
 
 from __future__ import annotations
@@ -57,21 +56,19 @@ _CAL_ABS_TOL = 1e-4
 _MAX_CAL_CHUNKS = 64
 
 
-# -- executor adapter (the only code that touches the executor's private state) -------------
+# -- the executor's carried state (Executor.position / matrices / restore_state) -------------
 
 def _phase(ex) -> tuple:
     """Where an executor stands between chunks: program counter and pending I/O."""
-    return ex._pc, tuple(ex._pending)
+    return ex.position
 
 
 def _matrices(ex) -> list:
-    return ex._matrices
+    return ex.matrices
 
 
 def _set_state(ex, phase: tuple, matrices: list) -> None:
-    ex._pc = phase[0]
-    ex._pending = list(phase[1])
-    ex._matrices = matrices
+    ex.restore_state(phase, matrices)
 
 
 def _new_executor(computation, model: LoopedModel, pool=None):
@@ -94,7 +91,7 @@ class _NanPool:
 
 
 def _has_memos(ex) -> bool:
-    return bool(ex._memos)
+    return ex.holds_memos
 
 
 # -- the batched computation and its state mapping ----------------------------------------------

@@ -386,11 +386,12 @@ class Stream:
         from engine.runtime.backend import to_host  # noqa: PLC0415
         ex = self.executor
         mats = {f"m{i}": np.asarray(to_host(a), dtype=np.float32)
-                for i, a in enumerate(ex._matrices) if a is not None}
-        if ex._memos:
+                for i, a in enumerate(ex.matrices) if a is not None}
+        if ex.holds_memos:
             raise StreamError("cannot export a stream whose computation holds memos")
         meta = {"version": STATE_VERSION, "fingerprint": self.model.fingerprint,
-                "pc": ex._pc, "pending": list(ex._pending), "buffer_start": self.buffer_start,
+                "pc": ex.position[0], "pending": list(ex.position[1]),
+                "buffer_start": self.buffer_start,
                 "num_received": self.num_received, "chunks_computed": self.chunks_computed,
                 "num_emitted": self.num_emitted, "input_ended": self.input_ended,
                 "online_period": self.online_period, "online_start": self.online_start,
@@ -465,9 +466,7 @@ class Stream:
                 matrices[i] = buf_m
         except (KeyError, ValueError, TypeError) as e:
             raise StreamError(f"stream state is inconsistent: {e}") from None
-        s.executor._matrices = matrices
-        s.executor._pc = pc
-        s.executor._pending = pending
+        s.executor.restore_state((pc, pending), matrices)
         return s
 
 

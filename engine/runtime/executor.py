@@ -269,6 +269,44 @@ class Executor:
         self._dyn_bound.clear()
         self._release_arena()
 
+    # -- carried state (looped computations between chunks) ----------------------------------
+    @property
+    def position(self) -> tuple[int, tuple[int, ...]]:
+        """Where the run stands: the program counter and the pending input/output
+        commands (between two chunks of a looped computation: the same pair for
+        every chunk of the steady state)."""
+        return self._pc, tuple(self._pending)
+
+    @property
+    def matrices(self) -> list:
+        """The executor's matrices by index (None where not allocated): the live
+        arrays, which the next commands read and write, not copies."""
+        return self._matrices
+
+    @property
+    def holds_memos(self) -> bool:
+        """Whether propagate memos (kept for a backprop) are held: such a state
+        cannot be exported or moved to another executor."""
+        return bool(self._memos)
+
+    def restore_state(self, position: tuple, matrices: list) -> None:
+        """Continue from ``position`` (as ``position`` gives it) with ``matrices``
+        (one per matrix of the computation, None where not allocated, arrays of the
+        executor's backend that it may keep): how a stream's state moves between
+        executors (engine.inference.stream export/import, engine.inference.batch).
+        Only for computations run command by command (looped ones)."""
+        pc, pending = int(position[0]), [int(p) for p in position[1]]
+        n = len(self.computation.commands)
+        if not 0 <= pc <= n or any(not 0 <= p < n for p in pending):
+            raise ExecutionError(f"restore_state: program counter {pc} or pending commands "
+                                 f"{pending} out of range (the computation has {n} commands)")
+        if len(matrices) != len(self.computation.matrices):
+            raise ExecutionError(f"restore_state: {len(matrices)} matrices given, the "
+                                 f"computation has {len(self.computation.matrices)}")
+        if self._bound is not None:
+            raise ExecutionError("restore_state: this executor runs an arena-bound program")
+        self._pc, self._pending, self._matrices = pc, pending, matrices
+
     # -- the static plan ---------------------------------------------------------------------
     def _get_program(self):
         program = self._program

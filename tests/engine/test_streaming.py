@@ -306,3 +306,31 @@ def test_stream_batch_keeps_only_the_frames_later_chunks_read():
     assert len(windows) > 50 and max(windows) <= bound
     for j, x in enumerate(xs):
         assert_close(got[j], run_stream(single, x, []), f"stream {j}")
+
+
+def test_executor_state_api_checks_what_it_restores():
+    """Executor.position / matrices / restore_state (what stream export/import and
+    StreamBatcher use): a state moved to a fresh executor continues the stream to
+    the bit; out-of-range positions and wrong matrix counts are refused."""
+    from engine.core.errors import ExecutionError  # noqa: PLC0415
+    from engine.runtime.executor import Executor  # noqa: PLC0415
+    model = looped(RECURRENT, chunk=6)
+    x = feats(40)
+    a = model.stream()
+    a.push(x[:20])
+    b = model.stream()
+    b.push(x[:20])
+    # move a's state into a fresh executor and go on with it
+    fresh = Executor(model.computation, model.nnet, pool=model.pool)
+    fresh.restore_state(a.executor.position, [None if m is None else m.copy()
+                                              for m in a.executor.matrices])
+    a.executor = fresh
+    assert not fresh.holds_memos
+    out_a = np.concatenate([a.push(x[20:]), a.finish()])
+    out_b = np.concatenate([b.push(x[20:]), b.finish()])
+    assert np.array_equal(out_a, out_b)
+    n = len(model.computation.commands)
+    with pytest.raises(ExecutionError, match="out of range"):
+        fresh.restore_state((n + 1, ()), [None] * len(model.computation.matrices))
+    with pytest.raises(ExecutionError, match="matrices given"):
+        fresh.restore_state((0, ()), [None])
