@@ -41,6 +41,8 @@ class ModelInfo(Strict):
     num_components: int
     component_types: dict[str, int]
     num_priors: int | None = None
+    streaming: str | None = Field(default=None, description="whether /streams can run the "
+                                  "network: 'yes', or what it takes and why")
 
 
 class ModelResponse(Strict):

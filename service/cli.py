@@ -58,7 +58,21 @@ def model_info(model) -> dict:
     info["component-types"] = nnet.component_type_counts()
     if model.priors is not None:
         info["num-priors"] = int(model.priors.size)
+    info["streaming"] = _streaming_note(nnet)
     return info
+
+
+def _streaming_note(nnet) -> str:
+    """Whether the network streams (Kaldi's looped decodable), and what it takes."""
+    from engine.inference.looped import find_future_recurrence  # noqa: PLC0415
+    from engine.nnet.graph import is_simple_nnet  # noqa: PLC0415
+    if nnet.get_node_index("output") < 0 or not is_simple_nnet(nnet):
+        return "no: streams need a simple network with an 'output' node"
+    why = find_future_recurrence(nnet, "output")
+    if why is None:
+        return "yes"
+    return ("only with truncate_future_recurrence (the output then depends on the chunk "
+            f"size): {why.split('; use whole-utterance')[0]}")
 
 
 @main.command()
@@ -76,7 +90,7 @@ def info(model_path: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(figures, indent=1))
         return
-    for key in ("left-context", "right-context", "modulus", "num-parameters"):
+    for key in ("left-context", "right-context", "modulus", "num-parameters", "streaming"):
         if key in figures:
             click.echo(f"{key}: {figures[key]}")
     for name, dim in figures["input-dim"].items():

@@ -99,7 +99,8 @@ def model_info(figures: dict) -> ModelInfo:
                      input_dims=figures["input-dim"], output_dims=figures["output-dim"],
                      num_components=figures["num-components"],
                      component_types=figures["component-types"],
-                     num_priors=figures.get("num-priors"))
+                     num_priors=figures.get("num-priors"),
+                     streaming=figures.get("streaming"))
 
 
 def gradient_to_wire(grad_nnet, encoding: str, threshold: int) -> dict:

@@ -39,6 +39,7 @@ def test_init_info_copy(tmp_path):
     assert info["input-dim"] == {"input": 4} and info["output-dim"] == {"output": 8,
                                                                         "output2": 8}
     assert info["component-types"] == {"SigmoidComponent": 1} and info["modulus"] == 1
+    assert info["streaming"] == "yes"
     r = run("info", cfg)
     assert r.exit_code == 0 and "left-context: 1" in r.output and "right-context: 2" in r.output
     txt = tmp_path / "net.txt"
@@ -74,3 +75,14 @@ def test_errors_exit_2_with_message(tmp_path):
     assert r.exit_code == 2 and "missing.config" in r.output
     r = run("info")
     assert r.exit_code == 2  # click usage error
+
+
+def test_info_says_whether_and_how_a_network_streams():
+    from pathlib import Path  # noqa: PLC0415
+    blstm = Path(__file__).resolve().parents[1] / "data" / "inference" / "blstm" / "model.raw"
+    r = run("info", blstm, "--json")
+    assert r.exit_code == 0, r.output
+    note = json.loads(r.output)["streaming"]
+    assert note.startswith("only with truncate_future_recurrence") and "blstm1-backward" in note
+    r = run("info", blstm)
+    assert "streaming: only with truncate_future_recurrence" in r.output

@@ -46,6 +46,7 @@ def test_register_text_binary_config_and_info_matches_cli(client, tmp_path):
     assert info["input_dims"] == figures["input-dim"]
     assert info["output_dims"] == figures["output-dim"]
     assert info["component_types"] == figures["component-types"]
+    assert info["streaming"] == figures["streaming"]
     assert binary["info"] == info
     cfg = register(client, config=TINY_CONFIG)
     assert cfg["info"]["input_dims"] == {"input": 4}
