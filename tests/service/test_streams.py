@@ -18,6 +18,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from engine.inference.looped import LoopedConfig
 from engine.inference.stream import LoopedModel
+from engine.nnet.model_io import load_model
 from tests.engine.inference_nets import RECURRENT, TDNN_IVECTOR, make_nnet
 from tests.service.conftest import decode, make_client, needs_redis
 
@@ -612,3 +613,56 @@ def test_online_ivector_rows_held_are_bounded():
         r = c.post(f"/streams/{sid}/frames", json={"features": _enc(x[:0]),
                                                     "online_ivectors": _enc(np.ones((3, 8)))})
         assert r.status_code == 200 and r.json()["frames_output"] == 20, r.text
+
+
+_ONLINE_PUSH = st.tuples(
+    st.integers(0, 30),                                   # frames
+    st.sampled_from([13, 13, 13, 12]),                    # feature dim (12: wrong)
+    st.integers(-1, 4),                                   # rows (-1: none sent)
+    st.sampled_from([8, 8, 8, 7]),                        # row dim (7: wrong)
+    st.booleans())                                        # a NaN in the rows
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pushes=st.lists(_ONLINE_PUSH, max_size=8))
+def test_online_pushes_of_any_shape_get_200_or_422_and_the_good_ones_count(client, pushes):
+    """Property: pushes of any shape to an online stream are answered 200 or 422 (never
+    5xx), a refused push changes nothing, and after the accepted ones and a finish the
+    output is the engine's stream given exactly the accepted frames and rows."""
+    mid = _register_online(client)
+    sid = _open_online(client, mid, 10)
+    rng = np.random.default_rng(len(pushes))
+    frames, rows_sent, outs = [], [], []
+    for n, fdim, nrows, rdim, nan in pushes:
+        x = rng.standard_normal((n, fdim)).astype(np.float32)
+        body = {"features": _enc(x)}
+        rows = None
+        if nrows >= 0:
+            rows = rng.standard_normal((nrows, rdim)).astype(np.float32)
+            if nan and nrows:
+                rows[0, 0] = np.nan
+            body["online_ivectors"] = _enc(rows)
+        r = client.post(f"/streams/{sid}/frames", json=body)
+        good = fdim == 13 and (rows is None or (rdim == 8 and not (nan and nrows)))
+        assert r.status_code == (200 if good else 422), (body.keys(), r.text)
+        if good:
+            frames.append(x)
+            if rows is not None:
+                rows_sent.append(rows)
+            outs.append(decode(r.json()["output"]).reshape(-1, 10))
+    x_all = np.concatenate(frames) if frames else np.zeros((0, 13), np.float32)
+    rows_all = np.concatenate(rows_sent) if rows_sent else np.zeros((0, 8), np.float32)
+    r = client.post(f"/streams/{sid}/finish", json={"encoding": "base64"})
+    if len(x_all) and not len(rows_all):
+        assert r.status_code == 422 and "no i-vector row" in r.text
+        client.delete(f"/streams/{sid}")
+        return
+    assert r.status_code == 200, r.text
+    assert r.json()["frames_output"] == len(x_all)
+    outs.append(decode(r.json()["output"]).reshape(-1, 10))
+    if len(x_all):
+        s = LoopedModel(load_model(str(ONLINE / "model.raw")).nnet,
+                        LoopedConfig(20, 0, 1)).stream(online_ivector_period=10)
+        want = np.concatenate([s.push(x_all, online_ivectors=rows_all), s.finish()])
+        np.testing.assert_array_equal(np.concatenate(outs), want)
