@@ -610,40 +610,28 @@ def _bind_batchnorm(x, out, scratch):
     if not (x.ndim == 2 and out.shape == x.shape):
         return None
     dim, dt = x.shape[1], x.dtype
-    views: dict = {}      # block-dim -> (x, out) viewed as rows of that many columns
-    tiles: dict = {}      # block-dim -> _tiled_rows of those views
-    tiled: list = [None, None, None, None]    # scale, offset, and their tiles
+    # block-dim -> (x * scale into out, out + offset into out) on x and out viewed as
+    # rows of that many columns (_row_op), or None when a view would need a copy
+    ops: dict = {}
 
     def f(comp, pre):
         if comp.dim != dim or not _batchnorm_ok(comp):
             return comp.propagate(pre, x, out)
         block = comp.block_dim
-        v = views.get(block)
-        if v is None:
-            v = views[block] = _batchnorm_blocks(x, out, block) or (None, None)
-        xb, ob = v
-        if xb is None:
+        if block not in ops:
+            v = _batchnorm_blocks(x, out, block)
+            ops[block] = None if v is None else (_row_op(v[0], v[1], _multiply),
+                                                 _row_op(v[1], v[1], _add))
+        op = ops[block]
+        if op is None:
             return comp.propagate(pre, x, out)
         sc, off = comp.scale_vec, comp.offset_vec
         if sc.dtype != dt:
             sc = np.asarray(sc, dtype=dt)
         if off.dtype != dt:
             off = np.asarray(off, dtype=dt)
-        t = tiles.get(block)
-        if t is None:
-            t = tiles[block] = _tiled_rows(xb, ob)
-        if t[0] is not None:
-            xw, ow, k, tail = t
-            if tiled[0] is not sc or tiled[1] is not off or not (frozen(sc) and frozen(off)):
-                tiled[:] = sc, off, np.tile(sc, k), np.tile(off, k)
-            _multiply(xw, tiled[2], ow)
-            _add(ow, tiled[3], ow)
-            if tail is not None:
-                _multiply(tail[0], sc, tail[1])
-                _add(tail[1], off, tail[1])
-            return None
-        _multiply(xb, sc, ob)
-        _add(ob, off, ob)
+        op[0](sc)
+        op[1](off)
         return None
     return f
 
@@ -671,25 +659,31 @@ def _tiled_rows(x, out):
     return (x[:n].reshape(whole, k * cols), out[:n].reshape(whole, k * cols), k, tail)
 
 
-def _row_adder(out):
-    """add(v): out += v (a per-column vector) on the wide rows of _tiled_rows when
-    they apply (the vector tiled once while it is the same frozen array, anew on
-    every call otherwise), else as it is.  The same bits either way."""
-    t = _tiled_rows(out, out)
+def _row_op(x, out, ufunc):
+    """op(v): out = ufunc(x, v) for a per-column vector v (x may be out), on the wide
+    rows of _tiled_rows when they apply (v tiled once while it is the same frozen
+    array, anew on every call otherwise), else as it is.  The same bits either way:
+    every element is ufunc of its own x and its column's v."""
+    t = _tiled_rows(x, out)
     if t[0] is None:
-        def add(v):
-            _add(out, v, out)
-        return add
-    wide, _, k, tail = t
-    cache: list = [None, None]
+        def op(v):
+            ufunc(x, v, out)
+        return op
+    xw, ow, k, tail = t
+    cache: list = [None, None]      # v, v tiled k times
 
-    def add_wide(v):
+    def op_wide(v):
         if cache[0] is not v or not frozen(v):
             cache[0], cache[1] = v, np.tile(v, k)
-        _add(wide, cache[1], wide)
+        ufunc(xw, cache[1], ow)
         if tail is not None:
-            _add(tail[1], v, tail[1])
-    return add_wide
+            ufunc(tail[0], v, tail[1])
+    return op_wide
+
+
+def _row_adder(out):
+    """add(v): out += v (a per-column vector), on wide rows where they apply."""
+    return _row_op(out, out, _add)
 
 
 # --------------------------------------------------------------------------------------
