@@ -56,21 +56,6 @@ _CAL_ABS_TOL = 1e-4
 _MAX_CAL_CHUNKS = 64
 
 
-# -- the executor's carried state (Executor.position / matrices / restore_state) -------------
-
-def _phase(ex) -> tuple:
-    """Where an executor stands between chunks: program counter and pending I/O."""
-    return ex.position
-
-
-def _matrices(ex) -> list:
-    return ex.matrices
-
-
-def _set_state(ex, phase: tuple, matrices: list) -> None:
-    ex.restore_state(phase, matrices)
-
-
 def _new_executor(computation, model: LoopedModel, pool=None):
     from engine.runtime.executor import Executor  # noqa: PLC0415
     return Executor(computation, model.nnet, backend=model.backend,
@@ -88,10 +73,6 @@ class _NanPool:
 
     def release(self, xp, a) -> None:
         pass
-
-
-def _has_memos(ex) -> bool:
-    return ex.holds_memos
 
 
 # -- the batched computation and its state mapping ----------------------------------------------
@@ -196,12 +177,12 @@ class BatchPlan:
         batched_next: dict[tuple, tuple] = {}   # single phase -> batched phase a chunk later
         prev = None
         for k in range(_MAX_CAL_CHUNKS):
-            key1 = _phase(singles[sample[0]])
-            keyb = _phase(batched)
-            if any(_phase(singles[b]) != key1 for b in sample):
+            key1 = singles[sample[0]].position
+            keyb = batched.position
+            if any(singles[b].position != key1 for b in sample):
                 raise InferenceError("looped computation: single streams fed different input "
                                      "ended in different phases")
-            if _has_memos(batched) or any(_has_memos(s) for s in singles.values()):
+            if batched.holds_memos or any(s.holds_memos for s in singles.values()):
                 raise InferenceError("cannot batch streams of this model: its looped "
                                      "computation keeps memos between chunks")
             if prev is not None:
@@ -255,9 +236,9 @@ class BatchPlan:
         """Pairs (i, j, rows) for the matrices live in both executors now."""
         nb = self.batch_size
         sc = self.model.computation
-        live1 = [i for i, a in enumerate(_matrices(next(iter(singles.values()))))
+        live1 = [i for i, a in enumerate(next(iter(singles.values())).matrices)
                  if a is not None]
-        liveb = [j for j, a in enumerate(_matrices(batched)) if a is not None]
+        liveb = [j for j, a in enumerate(batched.matrices) if a is not None]
         if len(live1) != len(liveb):
             raise InferenceError(f"cannot batch streams of this model: {len(live1)} matrices "
                                  f"carried by a single stream, {len(liveb)} by {nb} streams")
@@ -280,9 +261,9 @@ class BatchPlan:
                 cands = [(i, rows) for i in live1 if i not in used
                          and sc.matrices[i].num_rows * nb == rows_b
                          and sc.matrices[i].num_cols == cols for rows in layouts]
-            big = to_host(_matrices(batched)[j])
+            big = to_host(batched.matrices[j])
             good = [(i, rows) for i, rows in cands
-                    if all(_close(big[rows[b]], to_host(_matrices(ex)[i]), same_unset)
+                    if all(_close(big[rows[b]], to_host(ex.matrices[i]), same_unset)
                            for b, ex in singles.items())]
             if not good:
                 raise InferenceError(f"cannot batch streams of this model: the {nb}-stream "
@@ -303,12 +284,12 @@ class BatchPlan:
         m, nb = self.model, self.batch_size
         if not 0 < len(streams) <= nb:
             raise StreamError(f"a batch of {len(streams)} streams for a computation of {nb}")
-        phase = self.phases.get(_phase(streams[0].executor))
-        if any(_phase(s.executor) != _phase(streams[0].executor) for s in streams):
+        phase = self.phases.get(streams[0].executor.position)
+        if any(s.executor.position != streams[0].executor.position for s in streams):
             raise StreamError("streams batched together must be at the same phase of the "
                               "looped computation (see StreamBatcher.groups)")
         if phase is None:
-            raise StreamError(f"stream is at program counter {_phase(streams[0].executor)[0]}, "
+            raise StreamError(f"stream is at program counter {streams[0].executor.position[0]}, "
                               f"not between two chunks of the looped computation")
         if not phase.batchable:
             raise StreamError(f"streams at program counter {phase.single[0]} cannot be "
@@ -318,35 +299,35 @@ class BatchPlan:
         ex = _new_executor(self.computation, m)
         big = [None] * len(self.computation.matrices)
         for p, (i, j, _) in enumerate(phase.pairs):
-            parts = xp.concatenate([_matrices(streams[s].executor)[i] for s in slots], axis=0)
+            parts = xp.concatenate([streams[s].executor.matrices[i] for s in slots], axis=0)
             dest = pool.get(xp, parts.shape[0], parts.shape[1])
             dest[self._rows(phase, p, None)] = parts
             big[j] = dest
-        _set_state(ex, phase.batched, big)
+        ex.restore_state(phase.batched, big)
         feats = np.concatenate([inputs[s][0] for s in slots], axis=0)
         ivecs = (np.concatenate([inputs[s][1] for s in slots], axis=0)
                  if m.has_ivectors else None)
         out = _run(ex, feats, ivecs, to_host)
         nxt = self.phases[self.following[phase.single]]
-        if _phase(ex) != nxt.batched:
+        if ex.position != nxt.batched:
             raise StreamError(f"the {nb}-stream computation stopped at program counter "
-                              f"{_phase(ex)[0]}, not where the calibration saw it stop")
+                              f"{ex.position[0]}, not where the calibration saw it stop")
         for b, s in enumerate(streams):
-            own = _matrices(s.executor)
+            own = s.executor.matrices
             new = [None] * len(own)
             for p, (i, j, _) in enumerate(nxt.pairs):
-                new[i] = _matrices(ex)[j][self._rows(nxt, p, b)]   # a fresh array
+                new[i] = ex.matrices[j][self._rows(nxt, p, b)]   # a fresh array
             for a in own:
                 if a is not None:
                     pool.release(xp, a)
-            _set_state(s.executor, nxt.single, new)
+            s.executor.restore_state(nxt.single, new)
         ex.release()
         per = out.shape[0] // nb
         return [out[b * per:(b + 1) * per] for b in range(len(streams))]
 
     def batchable(self, stream: Stream) -> bool:
         """Whether ``stream``'s next chunk can run in this batched computation."""
-        phase = self.phases.get(_phase(stream.executor))
+        phase = self.phases.get(stream.executor.position)
         return phase is not None and phase.batchable
 
     def _rows(self, phase: _Phase, p: int, b: int | None):
@@ -444,7 +425,7 @@ class StreamBatcher:
         by_phase: dict[tuple, list[int]] = defaultdict(list)
         for idx, s in enumerate(streams):
             if s.next_chunk() is not None:
-                by_phase[_phase(s.executor)].append(idx)
+                by_phase[s.executor.position].append(idx)
         return [members[lo:lo + self.max_batch_size] for members in by_phase.values()
                 for lo in range(0, len(members), self.max_batch_size)]
 
