@@ -408,7 +408,7 @@ class StreamManager:
             rows = p.get("online_ivectors")
             s = live.stream
             if rows is not None and s.online_period:
-                held = s.online_received - s.online_start + int(np.shape(rows)[0])
+                held = s.held_ivector_rows + int(np.shape(rows)[0])
                 if held > self.max_ivector_rows:
                     raise ServiceError(413, "RequestTooLarge",
                                        f"stream {live.stream_id} would hold {held} online "
@@ -418,7 +418,7 @@ class StreamManager:
                                        f"frames they describe", "online_ivectors")
             if s.online_period:
                 # frames wait for the rows their chunks read: bound what waits
-                held = s.num_received - s.buffer_start + int(np.shape(p["features"])[0])
+                held = s.held_frames + int(np.shape(p["features"])[0])
                 if held > self.max_held_frames:
                     raise ServiceError(413, "RequestTooLarge",
                                        f"stream {live.stream_id} would hold {held} frames "

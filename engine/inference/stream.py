@@ -139,6 +139,66 @@ class LoopedModel:
         return Stream._from_state(self, state)
 
 
+def check_online_period(model: LoopedModel, period, ivector) -> int:
+    """The online i-vector period asked for (0: none), checked against the model and
+    against a per-utterance ``ivector`` given as well."""
+    if period is None:
+        return 0
+    if not model.has_ivectors:
+        raise InferenceError("online_ivector_period: the network has no 'ivector' input")
+    if isinstance(period, bool) or not isinstance(period, (int, np.integer)) or period < 1:
+        raise InferenceError(f"online_ivector_period: must be a positive integer, got "
+                             f"{period!r}")
+    if ivector is not None:
+        raise InferenceError("online_ivector_period: give either a per-utterance "
+                             "i-vector or an online_ivector_period (online i-vector "
+                             "rows), not both")
+    return int(period)
+
+
+def check_online_rows(model: LoopedModel, rows) -> np.ndarray:
+    """Online i-vector rows as a float32 matrix of the model's i-vector dimension."""
+    a = np.asarray(rows, dtype=np.float32)
+    if a.ndim == 1 and a.shape[0] == model.ivector_dim:
+        a = a[None, :]
+    if a.ndim != 2 or a.shape[1] != model.ivector_dim:
+        raise InferenceError(f"online_ivectors: expected rows of dimension "
+                             f"{model.ivector_dim}, got an array of shape {np.shape(rows)}")
+    if not np.all(np.isfinite(a)):
+        raise InferenceError("online_ivectors: contains NaN or infinite values")
+    return a
+
+
+def check_ivector(model: LoopedModel, ivector):
+    """A per-utterance i-vector as a float32 copy (None for a network without one)."""
+    if not model.has_ivectors:
+        if ivector is not None:
+            raise InferenceError("the network has no 'ivector' input but an i-vector was "
+                                 "given")
+        return None
+    if ivector is None:
+        raise InferenceError(f"the network expects an i-vector of dimension "
+                             f"{model.ivector_dim} but none was given")
+    v = np.asarray(ivector, dtype=np.float32).reshape(-1)
+    if v.shape[0] != model.ivector_dim or np.ndim(ivector) > 2:
+        raise InferenceError(f"ivector: the network expects dimension {model.ivector_dim}, "
+                             f"got an array of shape {np.shape(ivector)}")
+    if not np.all(np.isfinite(v)):
+        raise InferenceError("ivector: contains NaN or infinite values")
+    return v.copy()
+
+
+def online_row(end: int, period: int, num_rows: int) -> int:
+    """The online i-vector row a chunk whose input ends before frame ``end`` reads
+    (Kaldi's looped decodable: end // period, the last row when there are fewer)."""
+    return min(end // period, num_rows - 1)
+
+
+def has_online_row(end: int, period: int, num_rows: int) -> bool:
+    """Whether that row has arrived (a chunk waits for it until the input ends)."""
+    return num_rows > end // period
+
+
 class Stream:
     """One utterance fed in pieces: ``push(frames)`` returns the output rows that
     became computable, ``finish()`` the rest."""
@@ -147,12 +207,12 @@ class Stream:
         from engine.runtime.executor import Executor  # noqa: PLC0415
         self.model = model
         # online i-vectors: the period, the rows kept (from row ``online_start`` on)
-        self.online_period = self._check_period(online_ivector_period, ivector)
+        self.online_period = check_online_period(model, online_ivector_period, ivector)
         self.online_rows = (np.zeros((0, model.ivector_dim), dtype=np.float32)
                             if self.online_period else None)
         self.online_start = 0
         self.online_received = 0
-        self.ivector = None if self.online_period else self._check_ivector(ivector)
+        self.ivector = None if self.online_period else check_ivector(self.model, ivector)
         self.executor = Executor(model.computation, model.nnet, backend=model.backend,
                                  pool=model.pool)
         self.buffer = np.zeros((0, model.input_dim), dtype=np.float32)
@@ -162,51 +222,6 @@ class Stream:
         self.num_emitted = 0         # subsampled output rows returned so far
         self.input_ended = False     # end_input()/finish(): the right edge may be flushed
         self.finished = False
-
-    def _check_period(self, period, ivector) -> int:
-        if period is None:
-            return 0
-        m = self.model
-        if not m.has_ivectors:
-            raise InferenceError("online_ivector_period: the network has no 'ivector' input")
-        if isinstance(period, bool) or not isinstance(period, (int, np.integer)) or period < 1:
-            raise InferenceError(f"online_ivector_period: must be a positive integer, got "
-                                 f"{period!r}")
-        if ivector is not None:
-            raise InferenceError("online_ivector_period: give either a per-utterance "
-                                 "i-vector or an online_ivector_period (online i-vector "
-                                 "rows), not both")
-        return int(period)
-
-    def _check_online_rows(self, rows) -> np.ndarray:
-        m = self.model
-        a = np.asarray(rows, dtype=np.float32)
-        if a.ndim == 1 and a.shape[0] == m.ivector_dim:
-            a = a[None, :]
-        if a.ndim != 2 or a.shape[1] != m.ivector_dim:
-            raise InferenceError(f"online_ivectors: expected rows of dimension "
-                                 f"{m.ivector_dim}, got an array of shape {np.shape(rows)}")
-        if not np.all(np.isfinite(a)):
-            raise InferenceError("online_ivectors: contains NaN or infinite values")
-        return a
-
-    def _check_ivector(self, ivector):
-        m = self.model
-        if not m.has_ivectors:
-            if ivector is not None:
-                raise InferenceError("the network has no 'ivector' input but an i-vector was "
-                                     "given")
-            return None
-        if ivector is None:
-            raise InferenceError(f"the network expects an i-vector of dimension "
-                                 f"{m.ivector_dim} but none was given")
-        v = np.asarray(ivector, dtype=np.float32).reshape(-1)
-        if v.shape[0] != m.ivector_dim or np.ndim(ivector) > 2:
-            raise InferenceError(f"ivector: the network expects dimension {m.ivector_dim}, got "
-                                 f"an array of shape {np.shape(ivector)}")
-        if not np.all(np.isfinite(v)):
-            raise InferenceError("ivector: contains NaN or infinite values")
-        return v.copy()
 
     # -- pushing ---------------------------------------------------------------------------
     def push(self, frames, ivector=None, online_ivectors=None) -> np.ndarray:
@@ -232,14 +247,14 @@ class Stream:
                 raise InferenceError("ivector: this stream takes online i-vector rows "
                                      "(online_ivectors), not a per-utterance i-vector")
             if online_ivectors is not None:
-                rows = self._check_online_rows(online_ivectors)
+                rows = check_online_rows(self.model, online_ivectors)
         else:
             if online_ivectors is not None:
                 raise InferenceError("online_ivectors: this stream was opened without an "
                                      "online_ivector_period (it takes a per-utterance "
                                      "i-vector)")
             if ivector is not None:
-                self.ivector = self._check_ivector(ivector)
+                self.ivector = check_ivector(self.model, ivector)
         if rows is not None and rows.shape[0]:
             self.online_rows = np.concatenate([self.online_rows, rows], axis=0)
             self.online_received += rows.shape[0]
@@ -282,6 +297,17 @@ class Stream:
         return self.num_emitted
 
     @property
+    def held_frames(self) -> int:
+        """Input frames kept for chunks not computed yet (what a chunk waiting for its
+        online i-vector row makes grow)."""
+        return self.num_received - self.buffer_start
+
+    @property
+    def held_ivector_rows(self) -> int:
+        """Online i-vector rows kept for chunks not computed yet."""
+        return self.online_received - self.online_start
+
+    @property
     def chunk_ready(self) -> bool:
         """Whether the next chunk can be computed now (its frames have all arrived,
         or the input has ended and the chunk still has output rows to give)."""
@@ -306,7 +332,8 @@ class Stream:
                 return None
         elif end > self.num_received:
             return None
-        elif self.online_period and self.online_received <= end // self.online_period:
+        elif self.online_period and not has_online_row(end, self.online_period,
+                                                       self.online_received):
             return None      # the chunk's i-vector row has not arrived yet
         return k, begin, end
 
@@ -315,7 +342,7 @@ class Stream:
         if self.online_received == 0:
             raise StreamError("online i-vectors: the input has ended but no i-vector row was "
                               "pushed")
-        r = min(end // self.online_period, self.online_received - 1)
+        r = online_row(end, self.online_period, self.online_received)
         return self.online_rows[r - self.online_start]
 
     def _advance(self) -> np.ndarray:
@@ -372,7 +399,7 @@ class Stream:
         if self.online_period:
             # later chunks read rows from min(end // period, last row) on
             _, next_end = m.input_range(self.chunks_computed)
-            first = min(next_end // self.online_period, self.online_received - 1)
+            first = online_row(next_end, self.online_period, self.online_received)
             if first > self.online_start:
                 self.online_rows = self.online_rows[first - self.online_start:].copy()
                 self.online_start = first
@@ -435,9 +462,7 @@ class Stream:
                     raise ValueError("online i-vector rows do not end at the last row received")
             else:
                 s = cls(model, arrays.pop("ivector", None))
-        except InferenceError as e:
-            raise StreamError(f"stream state is inconsistent: {e}") from None
-        except (KeyError, ValueError, TypeError) as e:
+        except (InferenceError, KeyError, ValueError, TypeError) as e:
             raise StreamError(f"stream state is inconsistent: {e}") from None
         buf = arrays.pop("buffer", None)
         try:
@@ -485,11 +510,8 @@ class StreamBatch:
         from engine.runtime.executor import Executor  # noqa: PLC0415
         self.model = model
         b = model.num_sequences
-        checker = Stream.__new__(Stream)
-        checker.model = model
         # online i-vectors (as Stream): the period, and per stream the rows pushed
-        self.online_period = Stream._check_period(
-            checker, online_ivector_period, None if ivectors is None else ivectors)
+        self.online_period = check_online_period(model, online_ivector_period, ivectors)
         if self.online_period:
             self.ivectors = None
             self.online_rows = [np.zeros((0, model.ivector_dim), np.float32) for _ in range(b)]
@@ -498,9 +520,8 @@ class StreamBatch:
             if len(ivectors) != b:
                 raise InferenceError(f"expected {b} i-vectors (one per stream), got "
                                      f"{len(ivectors)}")
-            self.ivectors = [Stream._check_ivector(checker, v) for v in ivectors]
+            self.ivectors = [check_ivector(model, v) for v in ivectors]
             self.online_rows = None
-        self._checker = checker
         self.executor = Executor(model.computation, model.nnet, backend=model.backend,
                                  pool=model.pool)
         # per stream: the frames still needed (from frame ``start[j]`` on) and how
@@ -522,7 +543,7 @@ class StreamBatch:
             if not self.online_period:
                 raise InferenceError("online_ivectors: this StreamBatch was made without an "
                                      "online_ivector_period")
-            rows = Stream._check_online_rows(self._checker, online_ivectors)
+            rows = check_online_rows(self.model, online_ivectors)
             self.online_rows[j] = np.concatenate([self.online_rows[j], rows], axis=0)
         self.frames[j] = np.concatenate([self.frames[j], f], axis=0)
         self.received[j] += f.shape[0]
@@ -542,7 +563,7 @@ class StreamBatch:
         m = self.model
         count = m.num_ivectors[0 if k == 0 else 1]
         if self.online_period:
-            per = [rows[min(end // self.online_period, rows.shape[0] - 1)]
+            per = [rows[online_row(end, self.online_period, rows.shape[0])]
                    for rows in self.online_rows]
         else:
             per = self.ivectors
@@ -563,8 +584,7 @@ class StreamBatch:
                         for n, fin in zip(self.received, self.finished))
             if ready and self.online_period:
                 # each stream has the row the chunk reads, or has finished
-                need = end // self.online_period
-                ready = all(fin or rows.shape[0] > need
+                ready = all(fin or has_online_row(end, self.online_period, rows.shape[0])
                             for rows, fin in zip(self.online_rows, self.finished))
             if not ready or all(fin and k * per_chunk >= tot
                                 for fin, tot in zip(self.finished, totals)):
