@@ -11,14 +11,22 @@ from engine.core.errors import NnetcError
 from service.errors import ServiceError
 
 
+def field_of(e: Exception, default: str, named: tuple[str, ...] = ()) -> str:
+    """The request field an engine error is about: the one of ``named`` its message
+    starts with (``"ivector: ..."``), else ``default``."""
+    text = str(e)
+    return next((f for f in named if text.startswith(f + ":")), default)
+
+
 @contextmanager
-def blame(request: Request, field: str):
-    """Engine errors raised inside are reported against request field ``field``."""
+def blame(request: Request, field: str, named: tuple[str, ...] = ()):
+    """Engine errors raised inside are reported against request field ``field``, or
+    against the field of ``named`` that their message starts with."""
     try:
         yield
-    except NnetcError:
+    except NnetcError as e:
         if getattr(request.state, "error_field", None) is None:
-            request.state.error_field = field
+            request.state.error_field = field_of(e, field, named)
         raise
 
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import secrets
-from contextlib import contextmanager
 
 import numpy as np
 from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
@@ -25,7 +24,7 @@ from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, Stre
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import ServiceError, error_body, error_parts
-from service.routes import run_job
+from service.routes import blame, field_of, run_job
 
 router = APIRouter(tags=["streams"])
 
@@ -75,24 +74,8 @@ def _push_payload(services, sid: str, body: PushRequest) -> dict:
             "ivector": _vector(body.ivector, "ivector"), "online_ivectors": online}
 
 
+# request fields the engine's stream errors name at the start of their message
 _NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector")
-
-
-def _field_of(e: Exception, default: str) -> str:
-    """The request field an engine error is about: the one its message starts with
-    (``ivector:``, ``online_ivectors:``, ``online_ivector_period:``), else ``default``."""
-    text = str(e)
-    return next((f for f in _NAMED_FIELDS if text.startswith(f + ":")), default)
-
-
-@contextmanager
-def _blame(request: Request, default: str):
-    try:
-        yield
-    except NnetcError as e:
-        if getattr(request.state, "error_field", None) is None:
-            request.state.error_field = _field_of(e, default)
-        raise
 
 
 @router.post("/streams", response_model=StreamInfo, status_code=201, dependencies=AUTH)
@@ -103,7 +86,7 @@ def open_stream(body: OpenStreamRequest, services: ServicesDep, request: Request
         raise ServiceError(413, "RequestTooLarge",
                            f"frames_per_chunk {body.options.frames_per_chunk} is more than this "
                            f"service's max_request_indexes ({limit})", "options.frames_per_chunk")
-    with _blame(request, "options"):
+    with blame(request, "options", _NAMED_FIELDS):
         summary = run_job(services, "stream_open", {
             "entry": entry, "options": body.options.model_dump(),
             "ivector": _vector(body.ivector, "ivector"),
@@ -120,7 +103,7 @@ def get_stream(stream_id: str, services: ServicesDep) -> StreamInfo:
 def push_frames(stream_id: str, body: PushRequest, services: ServicesDep,
                 request: Request) -> StreamOutput:
     payload = _push_payload(services, stream_id, body)
-    with _blame(request, "features"):
+    with blame(request, "features", _NAMED_FIELDS):
         result = run_job(services, "stream_push", payload)
     return _output(services, result, body.encoding)
 
@@ -190,7 +173,7 @@ async def stream_ws(ws: WebSocket, stream_id: str) -> None:
                 result = await run_in_threadpool(run_job, services, "stream_push", payload)
                 await ws.send_json(_output(services, result, body.encoding).model_dump())
             except (ServiceError, ValidationError, NnetcError) as e:
-                await ws.send_json(_ws_error(e, _field_of(e, "features") if blamed else None))
+                await ws.send_json(_ws_error(e, field_of(e, "features", _NAMED_FIELDS) if blamed else None))
     except WebSocketDisconnect:
         return
     except ValueError:        # not JSON
