@@ -398,8 +398,7 @@ def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivec
     looped = LoopedModel(model.nnet, LoopedConfig(chunk_size, extra_left_context_initial,
                                                   frame_subsampling_factor,
                                                   truncate_future_recurrence))
-    stream = (looped.stream(ivector) if online is None
-              else looped.stream(ivector, online_ivector_period))
+    stream = looped.stream(ivector, online_ivector_period or None)
     if np.ndim(feats) != 2:
         stream.push(feats)  # raises the typed error for a malformed matrix
     rng = np.random.default_rng()
