@@ -96,7 +96,7 @@ def run_concurrently(jobs: Sequence[Callable[[], T]], threads: int) -> list[T]:
         raise ValueError(f"threads must be >= 1, got {threads}")
     jobs = list(jobs)
     if threads == 1 or len(jobs) <= 1 or not per_thread_blas():
-        return [job() for job in jobs]
+        return _run_in_turn(jobs)
     threads = min(threads, len(jobs))
     lanes = [jobs[k::threads] for k in range(threads)]
     done: list = [None] * threads
@@ -117,6 +117,23 @@ def run_concurrently(jobs: Sequence[Callable[[], T]], threads: int) -> list[T]:
                 error = (i, value)
     if error is not None:
         raise error[1]
+    return results
+
+
+def _run_in_turn(jobs: list) -> list:
+    """The jobs one after another in the calling thread (its BLAS setting untouched),
+    under the same contract: every job runs, then the first failure is raised."""
+    results: list = []
+    error = None
+    for job in jobs:
+        try:
+            results.append(job())
+        except Exception as e:          # noqa: BLE001 -- re-raised below, after the rest
+            results.append(None)
+            if error is None:
+                error = e
+    if error is not None:
+        raise error
     return results
 
 
