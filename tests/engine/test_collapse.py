@@ -28,7 +28,7 @@ from engine.optimizer.collapse import (CollapseModelConfig, collapse_model, prep
                                        remove_orphan_components, remove_orphan_nodes,
                                        set_batchnorm_test_mode, set_dropout_test_mode)
 
-from conftest import shared_ref
+from refdata import shared_ref
 from network_harness import run_network
 from nnet_ref_cases import vosk_mdl
 

@@ -27,7 +27,7 @@ from engine.compiler.request import ComputationRequest
 from engine.runtime.backend import to_host
 from engine.runtime.executor import Executor
 
-from conftest import shared_ref
+from refdata import shared_ref
 
 LOCAL = Path(__file__).resolve().parents[1] / "data" / "networks_compile"
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from component_harness import check_io_roundtrip, component_from_config
-from conftest import shared_ref
+from refdata import shared_ref
 from engine.core.errors import ComponentError, ConfigError, DimensionError
 from engine.core.index import Index, K_NO_TIME
 from engine.nnet.components import read_component

@@ -34,7 +34,7 @@ from engine.core.index import Cindex, Index
 from engine.nnet.random_config import GenerationOptions, generate_config_sequence, random_request
 
 from compiler_ref import CASES, load_case
-from conftest import shared_ref
+from refdata import shared_ref
 
 OPTS = GenerationOptions(dim_scale=0.3)
 RANDOM_SEEDS = range(60)

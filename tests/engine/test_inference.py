@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import DATA, shared_ref
+from refdata import DATA, shared_ref
 from engine.compiler.compiler import compile_computation
 from engine.compiler.request import ComputationRequest, io_spec
 from engine.core.errors import InferenceError

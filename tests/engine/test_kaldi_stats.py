@@ -39,7 +39,7 @@ from engine.optimizer.collapse import set_batchnorm_test_mode, set_dropout_test_
 from service.cli import main
 
 from compiler_ref import CASES_DIR, first_difference, load_case
-from conftest import DATA, shared_ref
+from refdata import DATA, shared_ref
 
 CT = CommandType
 KALDI = json.loads((DATA / "kaldi_stats" / "kaldi_stats.json").read_text())

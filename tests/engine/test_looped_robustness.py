@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import shared_ref
+from refdata import shared_ref
 from engine.core.errors import InferenceError
 from engine.inference import InferenceOptions, Inferencer
 from engine.inference.looped import LoopedConfig, check_loopable, find_future_recurrence

@@ -42,7 +42,7 @@ from engine.optimizer.passes.renumber import renumber_computation
 from engine.optimizer.passes.variable_merging import (VariableMergingOptimizer,
                                                       variable_merging_optimization)
 
-from conftest import shared_ref
+from refdata import shared_ref
 from network_harness import run_network
 
 CT = CommandType

@@ -44,7 +44,7 @@ from engine.runtime.compression import (CompressingExecutor, command_compressed_
                                         decompress_matrix)
 from engine.runtime.executor import Executor
 
-from conftest import shared_ref
+from refdata import shared_ref
 from network_harness import run_network
 
 CT = CommandType

@@ -34,7 +34,7 @@ from engine.nnet.random_config import (GENERATOR_NAMES, GenerationOptions,
                                        generate_config_sequence, random_request)
 from engine.optimizer import OptimizeOptions, check_computation
 
-from conftest import shared_ref
+from refdata import shared_ref
 from network_harness import run_network
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -12,7 +12,7 @@ from engine.core.index import K_NO_TIME, Index
 from engine.nnet.nnet import Nnet
 
 from compiler_ref import CASES, explain_by_steps, kaldi_matrices, load_case, parse_indexes
-from conftest import shared_ref
+from refdata import shared_ref
 from test_graph_builder import CHAIN, IVECTOR, RECURRENT
 
 DIM_RANGE = """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import shared_ref
+from refdata import shared_ref
 from engine.core.errors import InferenceError, StreamError
 from engine.inference.batch import BatchPlan, StreamBatcher, batch_plan
 from engine.inference.looped import LoopedConfig

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import DATA
+from refdata import DATA
 from engine.core.errors import InferenceError, StreamError
 from engine.inference.batch import StreamBatcher
 from engine.inference.looped import LoopedConfig

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import shared_ref
+from refdata import shared_ref
 from engine.compiler.computation import CommandType as CT
 from engine.core.errors import InferenceError, StreamError
 from engine.inference import InferenceOptions, Inferencer
