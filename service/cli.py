@@ -72,7 +72,7 @@ def _streaming_note(nnet) -> str:
     if why is None:
         return "yes"
     return ("only with truncate_future_recurrence (the output then depends on the chunk "
-            f"size): {why.split('; use whole-utterance')[0]}")
+            f"size): {why}")
 
 
 @main.command()

@@ -233,8 +233,7 @@ def find_future_recurrence(nnet, output_name: str = "output") -> str | None:
             return (f"the recurrence through {', '.join(names[:6])}{more} depends on its own "
                     f"value {shift} frame(s) later ({'; '.join(ahead[:3])}), e.g. a backward "
                     f"LSTM: each output depends on all later frames, which a looped "
-                    f"(streaming) computation cannot give; use whole-utterance inference "
-                    f"(engine.inference.Inferencer) instead")
+                    f"(streaming) computation cannot give")
     return None
 
 
@@ -242,7 +241,9 @@ def check_loopable(nnet, output_name: str = "output") -> None:
     """InferenceError naming the reason when ``nnet`` cannot be streamed."""
     why = find_future_recurrence(nnet, output_name)
     if why is not None:
-        raise InferenceError(f"looped compilation is not possible: {why}; or, for what "
+        raise InferenceError(f"looped compilation is not possible: {why}; use "
+                             f"whole-utterance inference (engine.inference.Inferencer) "
+                             f"instead, or, for what "
                              f"Kaldi's looped decodable computes (that recurrence cut at "
                              f"each chunk's end, the output then depending on the chunk "
                              f"size), set truncate_future_recurrence")

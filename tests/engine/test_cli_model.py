@@ -84,5 +84,6 @@ def test_info_says_whether_and_how_a_network_streams():
     assert r.exit_code == 0, r.output
     note = json.loads(r.output)["streaming"]
     assert note.startswith("only with truncate_future_recurrence") and "blstm1-backward" in note
+    assert "whole-utterance" not in note      # the refusal's advice is not part of the reason
     r = run("info", blstm)
     assert "streaming: only with truncate_future_recurrence" in r.output
