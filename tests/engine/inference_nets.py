@@ -79,3 +79,13 @@ def model_dirs(shared: Path | None, filename: str) -> list[Path]:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def kaldi_looped_config(nnet: Nnet, setting: dict):
+    """The LoopedConfig that computes what Kaldi's looped decodable computes for a
+    looped.json setting: for a network with a recurrence reading later frames (a
+    BLSTM), Kaldi cuts it at each chunk's end, which nnetc does only when asked."""
+    from engine.inference.looped import LoopedConfig, find_future_recurrence  # noqa: PLC0415
+    return LoopedConfig(setting["frames_per_chunk"], setting["extra_left_context_initial"],
+                        setting["frame_subsampling_factor"],
+                        truncate_future_recurrence=find_future_recurrence(nnet) is not None)

@@ -18,8 +18,8 @@ from engine.inference.looped import (LoopedConfig, create_looped_requests, extra
                                      get_chunk_size, modify_nnet_ivector_period)
 from engine.inference.stream import LoopedModel
 from engine.nnet.model_io import Model, load_model, save_model
-from inference_nets import (RECURRENT, TDNN_IVECTOR, TDNN_PLAIN, assert_close, feats, make_nnet,
-                            model_dirs, read_json)
+from inference_nets import (RECURRENT, TDNN_IVECTOR, TDNN_PLAIN, assert_close, feats,
+                            kaldi_looped_config, make_nnet, model_dirs, read_json)
 
 SHARED = shared_ref()
 
@@ -79,9 +79,7 @@ def test_kaldi_looped_reference(model_dir):
     nnet = load_model(model_dir / "model.raw").nnet
     rng = np.random.default_rng(7)
     for s in js["settings"]:
-        model = LoopedModel(nnet, LoopedConfig(s["frames_per_chunk"],
-                                               s["extra_left_context_initial"],
-                                               s["frame_subsampling_factor"]))
+        model = LoopedModel(nnet, kaldi_looped_config(nnet, s))
         for key in z.files:
             prefix = f"output.{s['key']}."
             if not key.startswith(prefix):
