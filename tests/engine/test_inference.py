@@ -68,8 +68,17 @@ def test_kaldi_infer_reference(model_dir):
     z = np.load(model_dir / "infer.npz")
     utts = sorted(k.split(".", 1)[1] for k in z.files if k.startswith("features."))
     inf = Inferencer(model.nnet, opts, priors=model.priors)
-    batch = inf.infer_batch([inf.make_utterance(z[f"features.{u}"], z.get(f"ivector.{u}"))
-                             for u in utts])
+    # per-utterance i-vectors (a vector per utterance), or online ones (a matrix, one row
+    # per online_ivector_period frames, as nnet3-compute's --online-ivectors)
+    period = int(o.get("online_ivector_period", o.get("ivector_period", 0)) or 0)
+
+    def utterance(u):
+        iv = z.get(f"online_ivectors.{u}", z.get(f"ivector.{u}"))
+        if iv is not None and (o.get("ivectors") == "online" or iv.ndim == 2):
+            assert period > 0, f"online i-vectors without a period in {o}"
+            return inf.make_utterance(z[f"features.{u}"], None, iv, period)
+        return inf.make_utterance(z[f"features.{u}"], iv)
+    batch = inf.infer_batch([utterance(u) for u in utts])
     for u, out in zip(utts, batch):
         assert_close(out, z[f"output.{u}"], f"{model_dir.name} {u}")
 
