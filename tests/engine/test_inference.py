@@ -3,6 +3,8 @@ nnet3-compute references and against a plain one-request computation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -52,18 +54,47 @@ def test_local_blstm_reference():
     assert_close(out[:100], z["output"], "blstm utt1[:100]")
 
 
+# nnet3-compute options an infer.json may list in "extra" (as command-line flags) besides
+# the ones it names as fields
+_NNET3_COMPUTE = {"acoustic-scale": float, "apply-exp": bool, "use-priors": bool,
+                  "extra-left-context-initial": int, "extra-right-context-final": int,
+                  "online-ivector-period": int, "frames-per-chunk": int,
+                  "extra-left-context": int, "extra-right-context": int,
+                  "frame-subsampling-factor": int}
+
+
+def _nnet3_compute_flags(extra: list[str]) -> dict:
+    """``["--acoustic-scale=0.1", "--apply-exp"]`` as InferenceOptions fields; an
+    option this test does not know fails it (rather than being ignored)."""
+    out = {}
+    for flag in extra:
+        name, _, value = flag.lstrip("-").partition("=")
+        kind = _NNET3_COMPUTE.get(name)
+        assert kind is not None, f"nnet3-compute option not understood by this test: {flag}"
+        if kind is bool:
+            out[name.replace("-", "_")] = value.lower() not in ("false", "0") if value else True
+        else:
+            out[name.replace("-", "_")] = kind(value)
+    return out
+
+
+def test_nnet3_compute_flags():
+    assert _nnet3_compute_flags(["--acoustic-scale=0.1", "--apply-exp", "--use-priors=false",
+                                 "--online-ivector-period=10"]) == {
+        "acoustic_scale": 0.1, "apply_exp": True, "use_priors": False,
+        "online_ivector_period": 10}
+    with pytest.raises(AssertionError, match="not understood"):
+        _nnet3_compute_flags(["--minimize=true"])
+
+
 @pytest.mark.skipif(SHARED is None, reason="../shared/kaldi-ref not present (full set)")
 @pytest.mark.parametrize("model_dir", model_dirs(SHARED, "infer.json"), ids=lambda p: p.name)
 def test_kaldi_infer_reference(model_dir):
     js = read_json(model_dir / "infer.json")
-    o = js["nnet3_compute_options"]
-    assert not o.get("extra"), f"options not understood by this test: {o['extra']}"
-    opts = InferenceOptions(frames_per_chunk=o["frames_per_chunk"],
-                            extra_left_context=o["extra_left_context"],
-                            extra_right_context=o["extra_right_context"],
-                            extra_left_context_initial=o.get("extra_left_context_initial", -1),
-                            extra_right_context_final=o.get("extra_right_context_final", -1),
-                            frame_subsampling_factor=o["frame_subsampling_factor"])
+    o = dict(js["nnet3_compute_options"])
+    o.update(_nnet3_compute_flags(o.pop("extra", None) or []))
+    fields = {f.name for f in dataclasses.fields(InferenceOptions)}
+    opts = InferenceOptions(**{k: v for k, v in o.items() if k in fields})
     model = load_model(model_dir / "model.raw")
     z = np.load(model_dir / "infer.npz")
     utts = sorted(k.split(".", 1)[1] for k in z.files if k.startswith("features."))
