@@ -115,18 +115,24 @@ def test_kaldi_infer_reference(model_dir):
 
 
 @pytest.mark.skipif(SHARED is None, reason="../shared/kaldi-ref not present (full set)")
-def test_kaldi_xvector_request(tmp_path):
-    """The x-vector case goes through `nnetc compute` (an explicit request, output at
-    t=0 per sequence).  Note: compiling it takes the compiler 15-30 s."""
+@pytest.mark.parametrize("model_dir", model_dirs(SHARED, "request.json"), ids=lambda p: p.name)
+def test_kaldi_request_reference(model_dir, tmp_path):
+    """An explicit request (the x-vector's: output at t=0 per sequence) goes through
+    `nnetc compute`: every input of request_arrays.npz in, every output Kaldi gave
+    compared."""
     from service.cli import main
-    d = SHARED / "models" / "xvector"
-    z = np.load(d / "request_arrays.npz")
-    np.savez(tmp_path / "in.npz", **{"input.input": z["input.input"]})
-    r = CliRunner().invoke(main, ["compute", str(d / "model.raw"), "--request",
-                                  str(d / "request.json"), "--inputs", str(tmp_path / "in.npz"),
-                                  "--out", str(tmp_path / "out.npz")])
+    z = np.load(model_dir / "request_arrays.npz")
+    np.savez(tmp_path / "in.npz", **{k: z[k] for k in z.files if k.startswith("input.")})
+    r = CliRunner().invoke(main, ["compute", str(model_dir / "model.raw"), "--request",
+                                  str(model_dir / "request.json"), "--inputs",
+                                  str(tmp_path / "in.npz"), "--out", str(tmp_path / "out.npz")])
     assert r.exit_code == 0, r.output
-    assert_close(np.load(tmp_path / "out.npz")["output.output"], z["output.output"], "xvector")
+    ours = np.load(tmp_path / "out.npz")
+    expected = [k for k in z.files if k.startswith("output.")]
+    assert expected, "request_arrays.npz holds no output"
+    for k in expected:
+        assert k in ours.files, f"{k} missing from nnetc compute's output ({ours.files})"
+        assert_close(ours[k], z[k], f"{model_dir.name} {k}")
 
 
 # -- semantics on small networks ----------------------------------------------------------------
