@@ -86,6 +86,8 @@ def kaldi_looped_config(nnet: Nnet, setting: dict):
     looped.json setting: for a network with a recurrence reading later frames (a
     BLSTM), Kaldi cuts it at each chunk's end, which nnetc does only when asked."""
     from engine.inference.looped import LoopedConfig, find_future_recurrence  # noqa: PLC0415
-    return LoopedConfig(setting["frames_per_chunk"], setting["extra_left_context_initial"],
-                        setting["frame_subsampling_factor"],
+    # (Kaldi's NnetSimpleLoopedComputationOptions defaults for a setting that omits one)
+    return LoopedConfig(setting.get("frames_per_chunk", 20),
+                        setting.get("extra_left_context_initial", 0),
+                        setting.get("frame_subsampling_factor", 1),
                         truncate_future_recurrence=find_future_recurrence(nnet) is not None)

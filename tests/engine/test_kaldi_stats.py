@@ -109,17 +109,20 @@ def test_issue_targets_on_the_local_set():
 
 
 @pytest.mark.skipif(not FULL_CASES, reason="../shared/kaldi-ref is not present (fresh clone)")
-def test_full_reference_set_matches_kaldi():
-    assert len(FULL_CASES) == 69
-    for case in FULL_CASES:
-        nnet = load_nnet(case / "model.txt")
-        req = ComputationRequest.from_json((case / "request.json").read_bytes())
-        opt, raw, comp = _ours(nnet, req)
-        ref = json.loads((case / "stats.json").read_text())
-        for key, ours in (("optimized", opt), ("unoptimized", raw)):
-            assert (ours["commands"], ours["peak_bytes"]) == (
-                ref[key]["commands"], ref[key]["peak_bytes"]), (case.name, key, ours, ref[key])
-        text, kaldi = comp.to_text(nnet), (case / "computation.txt").read_text()
+@pytest.mark.parametrize("case", FULL_CASES, ids=lambda p: p.name)
+def test_full_reference_set_matches_kaldi(case):
+    """Every network case of ../shared (however many it holds): command counts and peak
+    bytes, optimized and not, and the optimized printout, as Kaldi's."""
+    nnet = load_nnet(case / "model.txt")
+    req = ComputationRequest.from_json((case / "request.json").read_bytes())
+    opt, raw, comp = _ours(nnet, req)
+    ref = json.loads((case / "stats.json").read_text())
+    for key, ours in (("optimized", opt), ("unoptimized", raw)):
+        assert (ours["commands"], ours["peak_bytes"]) == (
+            ref[key]["commands"], ref[key]["peak_bytes"]), (case.name, key, ours, ref[key])
+    kaldi_text = case / "computation.txt"
+    if kaldi_text.exists():
+        text, kaldi = comp.to_text(nnet), kaldi_text.read_text()
         assert text == kaldi, f"{case.name}: {first_difference(text, kaldi)}"
 
 
