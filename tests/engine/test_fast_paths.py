@@ -192,6 +192,8 @@ def test_array_build_equals_kaldi_algorithm_on_two_segments():
 def test_array_build_on_reference_models(model):
     from engine.nnet.model_io import load_model  # noqa: PLC0415
     d = shared_ref() / "models" / model
+    if not (d / "infer.json").exists():
+        pytest.skip(f"models/{model} is not in this reference set")
     nnet = load_model(str(d / "model.raw")).nnet
     info = json.loads((d / "infer.json").read_text())["info"]
     left, right = info["left-context"], info["right-context"]
