@@ -193,3 +193,31 @@ def test_summed_input_terms_come_in_kaldis_order():
     assert add_rows < add_pool
     opt = compile_request(nnet, req)
     assert opt.to_text(nnet) == (case / "computation.txt").read_text()
+
+
+# -- the models' chunk requests (models/*/kaldi_stats.json) ------------------------------------
+
+
+def _model_chunk_cases() -> list:
+    ref = shared_ref()
+    if ref is None:
+        return []
+    out = []
+    for stats in sorted((ref / "models").glob("*/kaldi_stats.json")):
+        for case in json.loads(stats.read_text())["cases"]:
+            out.append(pytest.param(stats.parent, case,
+                                    id=f"{stats.parent.name}-{case['chunk']}x{case['batch']}"))
+    return out
+
+
+@pytest.mark.skipif(shared_ref() is None, reason="../shared/kaldi-ref is not present (fresh clone)")
+@pytest.mark.parametrize("model_dir,case", _model_chunk_cases())
+def test_model_chunk_requests_match_kaldi_stats(model_dir, case):
+    """The chunk requests of kaldi_stats.json (input t in [-left, chunk + right), output
+    t in [0, chunk), n in [0, batch), i-vector at t=0 per n) on the decoding network (test
+    mode, collapsed): commands, matrices and peak bytes as Kaldi's optimized computation."""
+    from bench import common  # noqa: PLC0415
+    nnet = common.load_for_inference(model_dir / "model.raw")
+    st = common.compile_cold(nnet, common.chunk_request(nnet, case["chunk"], case["batch"])).stats()
+    assert ((st["commands"], st["matrices"], st["peak_bytes"])
+            == (case["commands"], case["matrices"], case["peak_bytes"])), (model_dir.name, case)
