@@ -316,6 +316,8 @@ def _load_npy(path: str, what: str):
 @click.option("--extra-left-context-initial", type=int, default=-1, show_default=True)
 @click.option("--extra-right-context-final", type=int, default=-1, show_default=True)
 @click.option("--frame-subsampling-factor", type=int, default=1, show_default=True)
+@click.option("--acoustic-scale", type=float, default=1.0, show_default=True,
+              help="Scale the output by this (after the priors, before --apply-exp).")
 @click.option("--apply-exp", is_flag=True, help="Exponentiate the output.")
 @click.option("--use-priors", is_flag=True, help="Subtract the log priors of a .mdl.")
 @click.option("--output", "output_name", default="output", show_default=True,
@@ -330,7 +332,7 @@ def _load_npy(path: str, what: str):
 def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivector_period,
               frames_per_chunk, extra_left_context, extra_right_context,
               extra_left_context_initial, extra_right_context_final, frame_subsampling_factor,
-              apply_exp, use_priors, output_name, out_path, threads) -> None:
+              acoustic_scale, apply_exp, use_priors, output_name, out_path, threads) -> None:
     """Whole-utterance inference with the semantics of Kaldi's nnet3-compute."""
     import numpy as np  # noqa: PLC0415
 
@@ -346,8 +348,8 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
                             extra_left_context_initial=extra_left_context_initial,
                             extra_right_context_final=extra_right_context_final,
                             frame_subsampling_factor=frame_subsampling_factor,
-                            apply_exp=apply_exp, use_priors=use_priors, output=output_name,
-                            threads=threads)
+                            acoustic_scale=acoustic_scale, apply_exp=apply_exp,
+                            use_priors=use_priors, output=output_name, threads=threads)
     feats = _load_npy(features_path, "--features")
     ivector = _load_npy(ivector_path, "--ivector") if ivector_path else None
     online = _load_npy(online_path, "--online-ivectors") if online_path else None

@@ -285,3 +285,11 @@ def test_cli_infer(tmp_path):
                                   str(tmp_path / "f.npy"), "--threads", "0", "--out",
                                   str(tmp_path / "o2.npy")])
     assert r.exit_code == 2 and "--threads" in r.output
+    # --acoustic-scale (nnet3-compute's): the output scaled before --apply-exp
+    r = CliRunner().invoke(main, ["infer", str(tmp_path / "m.raw"), "--features",
+                                  str(tmp_path / "f.npy"), "--ivector", str(tmp_path / "iv.npy"),
+                                  "--frames-per-chunk", "8", "--acoustic-scale", "0.5",
+                                  "--out", str(tmp_path / "o3.npy")])
+    assert r.exit_code == 0, r.output
+    plain = Inferencer(nnet, InferenceOptions(frames_per_chunk=8)).infer(x, iv)
+    np.testing.assert_array_equal(np.load(tmp_path / "o3.npy"), plain * np.float32(0.5))
