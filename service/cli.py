@@ -370,10 +370,14 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
                    "pushed with the frames they describe; each chunk reads the row of its "
                    "last input frame, as Kaldi's looped decodable.")
 @click.option("--online-ivector-period", type=int, default=0, show_default=True)
-@click.option("--chunk-size", type=int, default=20, show_default=True,
+@click.option("--frames-per-chunk", "--chunk-size", "chunk_size", type=int, default=20,
+              show_default=True,
               help="Frames per chunk (rounded up to the modulus and subsampling factor).")
 @click.option("--frame-subsampling-factor", type=int, default=1, show_default=True)
 @click.option("--extra-left-context-initial", type=int, default=0, show_default=True)
+@click.option("--acoustic-scale", type=float, default=1.0, show_default=True,
+              help="Scale the output by this (after the priors).")
+@click.option("--use-priors", is_flag=True, help="Subtract the log priors of a .mdl.")
 @click.option("--truncate-future-recurrence", is_flag=True,
               help="Stream a network with a recurrence reading later frames (a BLSTM) as "
                    "Kaldi's looped decodable does: that recurrence cut at each chunk's end.")
@@ -382,7 +386,7 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
 @_typed_errors
 def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivector_period,
                chunk_size, frame_subsampling_factor, extra_left_context_initial,
-               truncate_future_recurrence, out_path) -> None:
+               acoustic_scale, use_priors, truncate_future_recurrence, out_path) -> None:
     """Streaming inference with Kaldi's looped decodable (state carried across chunks)."""
     import numpy as np  # noqa: PLC0415
 
@@ -397,9 +401,11 @@ def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivec
     if (online_path is None) != (not online_ivector_period):
         raise InferenceError("--online-ivectors and --online-ivector-period go together")
     online = _load_npy(online_path, "--online-ivectors") if online_path else None
+    from engine.inference.common import model_priors  # noqa: PLC0415
     looped = LoopedModel(model.nnet, LoopedConfig(chunk_size, extra_left_context_initial,
                                                   frame_subsampling_factor,
-                                                  truncate_future_recurrence))
+                                                  truncate_future_recurrence),
+                         priors=model_priors(model), use_priors=use_priors)
     stream = looped.stream(ivector, online_ivector_period or None)
     if np.ndim(feats) != 2:
         stream.push(feats)  # raises the typed error for a malformed matrix
@@ -417,7 +423,10 @@ def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivec
     if online is not None and sent < len(online):
         pieces.append(stream.push(feats[:0], online_ivectors=online[sent:]))
     pieces.append(stream.finish())
-    np.save(out_path, np.concatenate(pieces, axis=0).astype(np.float32, copy=False))
+    out = np.concatenate(pieces, axis=0).astype(np.float32, copy=False)
+    if acoustic_scale != 1.0:
+        out *= np.float32(acoustic_scale)
+    np.save(out_path, out)
 
 
 @main.command("serve")

@@ -230,6 +230,16 @@ def test_cli_stream(tmp_path):
     assert_close(np.load(tmp_path / "o.npy"), ref, "nnetc stream")
     r = CliRunner().invoke(main, args[:4] + ["--out", str(tmp_path / "o.npy")])
     assert r.exit_code == 2 and "i-vector" in r.output
+    # Kaldi's option names and output options: --frames-per-chunk, --acoustic-scale;
+    # --use-priors needs a .mdl
+    scaled = [a if a != "--chunk-size" else "--frames-per-chunk" for a in args[:-2]] + [
+        "--acoustic-scale", "0.25", "--out", str(tmp_path / "o2.npy")]
+    r = CliRunner().invoke(main, scaled)
+    assert r.exit_code == 0, r.output
+    np.testing.assert_array_equal(np.load(tmp_path / "o2.npy"),
+                                  np.load(tmp_path / "o.npy") * np.float32(0.25))
+    r = CliRunner().invoke(main, args[:-2] + ["--use-priors", "--out", str(tmp_path / "o3.npy")])
+    assert r.exit_code == 2 and "priors" in r.output
 
 
 def test_stream_batch_equals_single_streams():
