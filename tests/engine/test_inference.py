@@ -4,6 +4,7 @@ nnet3-compute references and against a plain one-request computation."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -133,6 +134,26 @@ def test_kaldi_request_reference(model_dir, tmp_path):
     for k in expected:
         assert k in ours.files, f"{k} missing from nnetc compute's output ({ours.files})"
         assert_close(ours[k], z[k], f"{model_dir.name} {k}")
+
+
+_ONLINE = DATA / "inference" / "online_ivectors"
+_OFFLINE = json.loads((_ONLINE / "offline.json").read_text())["settings"]
+
+
+@pytest.mark.parametrize("s", _OFFLINE, ids=lambda s: s["key"])
+def test_online_ivectors_offline_match_kaldi(s):
+    """Whole-utterance inference with an online i-vector matrix (nnet3-compute's
+    --online-ivectors: each chunk reads the row of its middle frame) against Kaldi's
+    DecodableNnetSimple on a small recurrent network; rows too few and too many
+    included (tests/kaldi_oracle/make_online_ivector_case.py --offline)."""
+    z = np.load(_ONLINE / "offline.npz")
+    feats = np.load(_ONLINE / "case.npz")["features"]
+    fields = {f.name for f in dataclasses.fields(InferenceOptions)}
+    opts = InferenceOptions(**{k: v for k, v in s.items() if k in fields})
+    out = Inferencer(load_model(_ONLINE / "model.raw").nnet, opts).infer(
+        feats, online_ivectors=z[f"online.{s['key']}"],
+        online_ivector_period=s["online_ivector_period"])
+    assert_close(out, z[f"output.{s['key']}"], s["key"])
 
 
 # -- semantics on small networks ----------------------------------------------------------------

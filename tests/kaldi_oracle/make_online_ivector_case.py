@@ -1,12 +1,15 @@
 """Kaldi's looped decodable with an online i-vector matrix, as a fixed test case.
 
-    python tests/kaldi_oracle/make_online_ivector_case.py BIN_DIR OUT_DIR
+    python tests/kaldi_oracle/make_online_ivector_case.py BIN_DIR OUT_DIR [--offline]
 
 Writes OUT_DIR/model.raw (a small recurrent network with an 'ivector' input, random
 parameters), OUT_DIR/case.npz (features; per setting the online i-vector rows and
 the output of BIN_DIR/geninfer, i.e. DecodableNnetSimpleLooped) and OUT_DIR/case.json
 (the settings).  tests/data/inference/online_ivectors was made with it; CI reads that
-copy (tests/engine/test_stream_online_ivectors.py)."""
+copy (tests/engine/test_stream_online_ivectors.py).  With --offline it reads the
+model.raw and features already in OUT_DIR and writes offline.npz / offline.json: the
+same with Kaldi's DecodableNnetSimple (nnet3-compute's --online-ivectors), for
+tests/engine/test_inference.py."""
 
 from __future__ import annotations
 
@@ -47,9 +50,44 @@ SETTINGS = [("fpc20_elci0_fsf1_p10", 20, 0, 1, 10, 0),
             ("fpc1_elci0_fsf1_p4", 1, 0, 1, 4, 0)]
 T = 90
 
+# offline (nnet3-compute): (key, frames per chunk, extra left/right context, extra left
+# context initial, extra right context final, subsampling, period, rows beyond ceil(T / period))
+OFFLINE = [("fpc50_p10", 50, 0, 0, -1, -1, 1, 10, 0),
+           ("fpc7_elc3_erc2_p3_short", 7, 3, 2, -1, -1, 1, 3, -5),
+           ("fpc21_elci0_ercf4_fsf3_p1_long", 21, 0, 0, 0, 4, 3, 1, 4),
+           ("fpc1_p4", 1, 0, 0, -1, -1, 1, 4, 0),
+           ("fpc150_elc10_p7", 150, 10, 0, -1, -1, 1, 7, 0)]
+
+
+def offline(bin_dir: Path, out: Path) -> None:
+    feats = np.load(out / "case.npz")["features"]
+    rng = np.random.default_rng(20261127)
+    arrays, settings = {}, []
+    for key, fpc, elc, erc, elci, ercf, fsf, period, extra in OFFLINE:
+        online = rng.standard_normal((-(-T // period) + extra, 8)).astype(np.float32)
+        o = dict(frames_per_chunk=fpc, extra_left_context=elc, extra_right_context=erc,
+                 extra_left_context_initial=elci, extra_right_context_final=ercf,
+                 frame_subsampling_factor=fsf)
+        ref, err = kaldi(bin_dir / "geninfer", str(out / "model.raw"),
+                         {"features": feats, "online": online}, False, o, period)
+        if ref is None:
+            raise SystemExit(f"{key}: Kaldi refused: {err}")
+        arrays[f"online.{key}"] = online
+        arrays[f"output.{key}"] = ref
+        settings.append({"key": key, "online_ivector_period": period, **o})
+    np.savez_compressed(out / "offline.npz", **arrays)
+    (out / "offline.json").write_text(json.dumps({
+        "what": "Kaldi DecodableNnetSimple (geninfer, reference commit; nnet3-compute with "
+                "--online-ivectors) on case.npz's features", "num_frames": T,
+        "settings": settings}, indent=1) + "\n")
+    print(f"wrote {out}/offline.*")
+
 
 def main() -> None:
     bin_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    if "--offline" in sys.argv:
+        offline(bin_dir, out)
+        return
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(20261126)
     nnet = Nnet.from_config(CONFIG, rng=np.random.default_rng(7))
