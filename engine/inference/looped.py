@@ -241,9 +241,9 @@ def check_loopable(nnet, output_name: str = "output") -> None:
     """InferenceError naming the reason when ``nnet`` cannot be streamed."""
     why = find_future_recurrence(nnet, output_name)
     if why is not None:
+        # (whole-utterance inference: engine.inference.Inferencer, the service's /infer)
         raise InferenceError(f"looped compilation is not possible: {why}; use "
-                             f"whole-utterance inference (engine.inference.Inferencer) "
-                             f"instead, or, for what "
+                             f"whole-utterance inference instead, or, for what "
                              f"Kaldi's looped decodable computes (that recurrence cut at "
                              f"each chunk's end, the output then depending on the chunk "
                              f"size), set truncate_future_recurrence")
