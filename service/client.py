@@ -59,10 +59,12 @@ def _request_json(request) -> dict:
 class NnetcClient:
     def __init__(self, base_url: str | httpx.Client = "http://127.0.0.1:8000",
                  token: str | None = None, timeout: float = 600.0):
-        if isinstance(base_url, httpx.Client):
-            self.http = base_url
-        else:
+        if isinstance(base_url, (str, httpx.URL)):
             self.http = httpx.Client(base_url=base_url, timeout=timeout)
+        else:
+            # a client object of the httpx interface: httpx's, or one built on its
+            # successor httpx2 (Starlette's TestClient is, once httpx2 is installed)
+            self.http = base_url
         self.headers = {"Accept": MSGPACK}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
