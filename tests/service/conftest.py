@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.runtime.backend import get_backend
 from service.app import create_app
 from service.settings import Settings
 from tests.service.redis_server import RedisServer, redis_server_binary
@@ -27,6 +28,13 @@ component name=affine2 type=AffineComponent input-dim=5 output-dim=3
 component-node name=affine2 component=affine2 input=relu1
 output-node name=output input=affine2
 """
+
+
+def service_backend():
+    """The array backend the service under test computes on (its settings read
+    NNETC_BACKEND): engine references that a test compares bit for bit with the
+    service's output must use it too (cuBLAS and OpenBLAS round differently)."""
+    return get_backend(Settings().backend)
 
 
 def make_client(**settings) -> TestClient:

@@ -12,7 +12,8 @@ from engine.inference.stream import LoopedModel
 from engine.nnet.model_io import load_model
 from service.client import NnetcClient, ServiceCallError
 from tests.engine.inference_nets import RECURRENT
-from tests.service.conftest import BLSTM, TINY_CONFIG, make_client, request_for
+from tests.service.conftest import (BLSTM, TINY_CONFIG, make_client, request_for,
+                                   service_backend)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_stream(nc):
         rows = [s.push(x[:13]), s.push(x[13:13]), s.push(x[13:])]
         rows.append(s.finish())
     ref = LoopedModel(Nnet.from_config(RECURRENT, rng=np.random.default_rng(3)),
-                      LoopedConfig(7, 0, 1)).stream()
+                      LoopedConfig(7, 0, 1), backend=service_backend()).stream()
     want = np.concatenate([ref.push(x), ref.finish()])
     np.testing.assert_array_equal(np.concatenate(rows), want)
     with nc.stream(mid) as s:        # closed on exit without finishing

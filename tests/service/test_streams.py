@@ -20,7 +20,7 @@ from engine.inference.looped import LoopedConfig
 from engine.inference.stream import LoopedModel
 from engine.nnet.model_io import load_model
 from tests.engine.inference_nets import RECURRENT, TDNN_IVECTOR, make_nnet
-from tests.service.conftest import decode, make_client, needs_redis
+from tests.service.conftest import decode, make_client, needs_redis, service_backend
 
 SHARED_REF = Path(__file__).resolve().parents[3] / "shared" / "kaldi-ref" / "models"
 
@@ -40,7 +40,7 @@ def _engine_stream(config: str, seed: int, x, fpc: int, ivector=None, elc: int =
     """The engine's looped output for the whole of x (one push, then finish)."""
     from engine.nnet.nnet import Nnet  # noqa: PLC0415
     nnet = Nnet.from_config(config, rng=np.random.default_rng(seed))
-    s = LoopedModel(nnet, LoopedConfig(fpc, elc, 1)).stream(ivector)
+    s = LoopedModel(nnet, LoopedConfig(fpc, elc, 1), backend=service_backend()).stream(ivector)
     return np.concatenate([s.push(x), s.finish()])
 
 
@@ -662,7 +662,7 @@ def test_online_pushes_of_any_shape_get_200_or_422_and_the_good_ones_count(clien
     assert r.json()["frames_output"] == len(x_all)
     outs.append(decode(r.json()["output"]).reshape(-1, 10))
     if len(x_all):
-        s = LoopedModel(load_model(str(ONLINE / "model.raw")).nnet,
-                        LoopedConfig(20, 0, 1)).stream(online_ivector_period=10)
+        s = LoopedModel(load_model(str(ONLINE / "model.raw")).nnet, LoopedConfig(20, 0, 1),
+                        backend=service_backend()).stream(online_ivector_period=10)
         want = np.concatenate([s.push(x_all, online_ivectors=rows_all), s.finish()])
         np.testing.assert_array_equal(np.concatenate(outs), want)
