@@ -77,6 +77,15 @@ def model_dirs(shared: Path | None, filename: str) -> list[Path]:
     return sorted(p.parent for p in (shared / "models").glob(f"*/{filename}"))
 
 
+def model_file(model_dir: Path) -> Path:
+    """A reference model folder's network: model.raw, or else its one .mdl / .raw."""
+    if (model_dir / "model.raw").exists():
+        return model_dir / "model.raw"
+    found = sorted(model_dir.glob("*.mdl")) + sorted(model_dir.glob("*.raw"))
+    assert found, f"{model_dir}: no model.raw, .mdl or .raw"
+    return found[0]
+
+
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 

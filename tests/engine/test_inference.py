@@ -18,7 +18,7 @@ from engine.inference import InferenceOptions, Inferencer, infer
 from engine.nnet.model_io import Model, load_model, save_model
 from engine.runtime.executor import run_computation
 from inference_nets import (RECURRENT, TDNN_IVECTOR, TDNN_PLAIN, assert_close, feats, make_nnet,
-                            model_dirs, read_json)
+                            model_dirs, model_file, read_json)
 
 SHARED = shared_ref()
 LOCAL = DATA / "inference"
@@ -96,7 +96,7 @@ def test_kaldi_infer_reference(model_dir):
     o.update(_nnet3_compute_flags(o.pop("extra", None) or []))
     fields = {f.name for f in dataclasses.fields(InferenceOptions)}
     opts = InferenceOptions(**{k: v for k, v in o.items() if k in fields})
-    model = load_model(model_dir / "model.raw")
+    model = load_model(model_file(model_dir))
     z = np.load(model_dir / "infer.npz")
     utts = sorted(k.split(".", 1)[1] for k in z.files if k.startswith("features."))
     inf = Inferencer(model.nnet, opts, priors=model.priors)
@@ -124,7 +124,7 @@ def test_kaldi_request_reference(model_dir, tmp_path):
     from service.cli import main
     z = np.load(model_dir / "request_arrays.npz")
     np.savez(tmp_path / "in.npz", **{k: z[k] for k in z.files if k.startswith("input.")})
-    r = CliRunner().invoke(main, ["compute", str(model_dir / "model.raw"), "--request",
+    r = CliRunner().invoke(main, ["compute", str(model_file(model_dir)), "--request",
                                   str(model_dir / "request.json"), "--inputs",
                                   str(tmp_path / "in.npz"), "--out", str(tmp_path / "out.npz")])
     assert r.exit_code == 0, r.output

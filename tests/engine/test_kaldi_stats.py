@@ -39,6 +39,7 @@ from engine.optimizer.collapse import set_batchnorm_test_mode, set_dropout_test_
 from service.cli import main
 
 from compiler_ref import CASES_DIR, first_difference, load_case
+from inference_nets import model_file
 from refdata import DATA, shared_ref
 
 CT = CommandType
@@ -217,7 +218,7 @@ def test_model_chunk_requests_match_kaldi_stats(model_dir, case):
     t in [0, chunk), n in [0, batch), i-vector at t=0 per n) on the decoding network (test
     mode, collapsed): commands, matrices and peak bytes as Kaldi's optimized computation."""
     from bench import common  # noqa: PLC0415
-    nnet = common.load_for_inference(model_dir / "model.raw")
+    nnet = common.load_for_inference(model_file(model_dir))
     st = common.compile_cold(nnet, common.chunk_request(nnet, case["chunk"], case["batch"])).stats()
     assert ((st["commands"], st["matrices"], st["peak_bytes"])
             == (case["commands"], case["matrices"], case["peak_bytes"])), (model_dir.name, case)

@@ -17,7 +17,7 @@ from engine.inference.looped import LoopedConfig
 from engine.inference.stream import LoopedModel
 from engine.nnet.model_io import load_model
 from inference_nets import (RECURRENT, TDNN_IVECTOR, TDNN_PLAIN, assert_close, feats,
-                            kaldi_looped_config, make_nnet, model_dirs, read_json)
+                            kaldi_looped_config, make_nnet, model_dirs, model_file, read_json)
 
 SHARED = shared_ref()
 
@@ -323,7 +323,7 @@ def test_kaldi_looped_reference_batched(model_dir):
     stream exported and imported mid-way: Kaldi's looped-decodable outputs."""
     js = read_json(model_dir / "looped.json")
     z = np.load(model_dir / "looped.npz")
-    nnet = load_model(model_dir / "model.raw").nnet
+    nnet = load_model(model_file(model_dir)).nnet
     rng = np.random.default_rng(11)
     for setting in js["settings"]:
         model = LoopedModel(nnet, kaldi_looped_config(nnet, setting))

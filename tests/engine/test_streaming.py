@@ -19,7 +19,7 @@ from engine.inference.looped import (LoopedConfig, create_looped_requests, extra
 from engine.inference.stream import LoopedModel
 from engine.nnet.model_io import Model, load_model, save_model
 from inference_nets import (RECURRENT, TDNN_IVECTOR, TDNN_PLAIN, assert_close, feats,
-                            kaldi_looped_config, make_nnet, model_dirs, read_json)
+                            kaldi_looped_config, make_nnet, model_dirs, model_file, read_json)
 
 SHARED = shared_ref()
 
@@ -76,7 +76,7 @@ def drive_batch(sb, xs, piece: int, after_advance=None) -> list[np.ndarray]:
 def test_kaldi_looped_reference(model_dir):
     js = read_json(model_dir / "looped.json")
     z = np.load(model_dir / "looped.npz")
-    nnet = load_model(model_dir / "model.raw").nnet
+    nnet = load_model(model_file(model_dir)).nnet
     rng = np.random.default_rng(7)
     for s in js["settings"]:
         model = LoopedModel(nnet, kaldi_looped_config(nnet, s))
