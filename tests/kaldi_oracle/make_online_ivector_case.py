@@ -59,6 +59,17 @@ OFFLINE = [("fpc50_p10", 50, 0, 0, -1, -1, 1, 10, 0),
            ("fpc150_elc10_p7", 150, 10, 0, -1, -1, 1, 7, 0)]
 
 
+def _kaldi_output(bin_dir: Path, out: Path, key: str, feats, online, o: dict, period: int,
+                  looped: bool) -> np.ndarray:
+    """BIN_DIR/geninfer's output for OUT_DIR/model.raw on these inputs (exits if Kaldi
+    refuses)."""
+    ref, err = kaldi(bin_dir / "geninfer", str(out / "model.raw"),
+                     {"features": feats, "online": online}, looped, o, period)
+    if ref is None:
+        raise SystemExit(f"{key}: Kaldi refused: {err}")
+    return ref
+
+
 def offline(bin_dir: Path, out: Path) -> None:
     feats = np.load(out / "case.npz")["features"]
     rng = np.random.default_rng(20261127)
@@ -68,12 +79,9 @@ def offline(bin_dir: Path, out: Path) -> None:
         o = dict(frames_per_chunk=fpc, extra_left_context=elc, extra_right_context=erc,
                  extra_left_context_initial=elci, extra_right_context_final=ercf,
                  frame_subsampling_factor=fsf)
-        ref, err = kaldi(bin_dir / "geninfer", str(out / "model.raw"),
-                         {"features": feats, "online": online}, False, o, period)
-        if ref is None:
-            raise SystemExit(f"{key}: Kaldi refused: {err}")
         arrays[f"online.{key}"] = online
-        arrays[f"output.{key}"] = ref
+        arrays[f"output.{key}"] = _kaldi_output(bin_dir, out, key, feats, online, o, period,
+                                                looped=False)
         settings.append({"key": key, "online_ivector_period": period, **o})
     np.savez_compressed(out / "offline.npz", **arrays)
     (out / "offline.json").write_text(json.dumps({
@@ -100,12 +108,9 @@ def main() -> None:
         o = dict(frames_per_chunk=fpc, extra_left_context=0, extra_right_context=0,
                  extra_left_context_initial=elci, extra_right_context_final=-1,
                  frame_subsampling_factor=fsf)
-        ref, err = kaldi(bin_dir / "geninfer", str(out / "model.raw"),
-                         {"features": feats, "online": online}, True, o, period)
-        if ref is None:
-            raise SystemExit(f"{key}: Kaldi refused: {err}")
         arrays[f"online.{key}"] = online
-        arrays[f"output.{key}"] = ref
+        arrays[f"output.{key}"] = _kaldi_output(bin_dir, out, key, feats, online, o, period,
+                                                looped=True)
         settings.append({"key": key, "frames_per_chunk": fpc, "extra_left_context_initial": elci,
                          "frame_subsampling_factor": fsf, "online_ivector_period": period})
     np.savez_compressed(out / "case.npz", **arrays)
