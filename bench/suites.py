@@ -123,10 +123,13 @@ def _norm(ours: float, our_work: float, theirs: float | None, their_work: float 
 def suite_compile(r: Runner) -> list[dict]:
     """Cold compile + optimize per model and chunk case, in CPU seconds of this process
     (compiling is single-threaded; CPU time leaves out what a shared machine gives to
-    other processes) normalised by the python_s workload on the same clock."""
+    other processes) normalised by the python_s workload on the same clock, measured
+    right before and right after each model's cases (their mean is that model's
+    normaliser: a shared machine's speed drifts by tens of percent within an hour, and
+    a workload timed once at the start of the run would not follow it)."""
     rows = []
     clock = time.process_time
-    py_cpu = common.python_s_on(clock)
+    py_before = common.python_s_on(clock)
     for name, path in r.models(with_vosk=True):
         nnet = r.nnet(name, path)
         figs = common.kaldi_figures(name)
@@ -137,6 +140,7 @@ def suite_compile(r: Runner) -> list[dict]:
         t = clock()
         common.compile_cold(nnet, common.chunk_request(nnet, 21, 1))
         first_ms = (clock() - t) * 1e3
+        model_rows = []
         for chunk, batch in COMPILE_CASES:
             request = common.chunk_request(nnet, chunk, batch)
             runs, comp = [], None
@@ -150,18 +154,27 @@ def suite_compile(r: Runner) -> list[dict]:
                     common.compile_cold(nnet, request)
                     runs.append(clock() - t)
                     break
-            ms = statistics.median(runs) * 1e3
             k = figs[0].get((chunk, batch)) if figs else None
-            k_ms = k["compile_ms"] if k else None
-            rows.append({"model": name, "chunk": chunk, "batch": batch, "runs": len(runs),
-                         "ours_ms": ms, "per_python_s": ms / 1e3 / py_cpu,
-                         "kaldi_ms": k_ms,
+            model_rows.append({"model": name, "chunk": chunk, "batch": batch,
+                               "runs": len(runs), "ours_ms": statistics.median(runs) * 1e3,
+                               "kaldi_ms": k["compile_ms"] if k else None,
+                               "commands": comp.stats()["commands"],
+                               "kaldi_commands": k["commands"] if k else None,
+                               "network_first_ms": first_ms})
+        py_after = common.python_s_on(clock)
+        py_cpu = (py_before + py_after) / 2
+        for row in model_rows:
+            ms, k_ms = row["ours_ms"], row["kaldi_ms"]
+            rows.append({**{k: row[k] for k in ("model", "chunk", "batch", "runs", "ours_ms")},
+                         "per_python_s": ms / 1e3 / py_cpu, "kaldi_ms": k_ms,
                          "ratio_vs_kaldi": _norm(ms, py_cpu, k_ms,
                                                  figs[1]["python_s"] if figs else None),
                          "ratio_raw": ms / k_ms if k_ms else None,
-                         "commands": comp.stats()["commands"],
-                         "kaldi_commands": k["commands"] if k else None,
-                         "network_first_ms": first_ms, "python_cpu_s": py_cpu})
+                         **{k: row[k] for k in ("commands", "kaldi_commands",
+                                                "network_first_ms")},
+                         "python_cpu_s": py_cpu,
+                         "python_cpu_s_before_after": [py_before, py_after]})
+        py_before = py_after
     return rows
 
 
