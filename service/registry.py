@@ -42,9 +42,13 @@ class ModelEntry:
 
 
 def _structural_copy(comp):
-    c = copy.copy(comp)
-    for p in tuple(comp.PARAMS) + tuple(comp.ARRAYS):
-        v = getattr(comp, p, None)
+    """A copy of ``comp`` with its float parameters and arrays zeroed.  A deep copy: a
+    component may hold its parameters in sub-components (a CompositeComponent's PARAMS
+    set its members' arrays), which a shallow copy would share with the model -- zeroing
+    them there zeroed the registered model's weights."""
+    c = copy.deepcopy(comp)
+    for p in tuple(c.PARAMS) + tuple(c.ARRAYS):
+        v = getattr(c, p, None)
         if isinstance(v, np.ndarray) and v.dtype.kind in "fc":
             setattr(c, p, np.zeros_like(v))
     return c
