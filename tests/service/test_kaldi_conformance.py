@@ -1,10 +1,13 @@
-"""Kaldi's reference networks through the HTTP API, end to end: a client registers the
+"""Kaldi's references through the HTTP API, end to end.  Networks: a client registers the
 model text (POST /models), compiles the reference request (POST /compile with the
 listing) and runs it (POST /compute with Kaldi's inputs and output derivatives).  The
 statistics and listing must be Kaldi's (stats.json, computation.txt) and the outputs,
 input derivatives and model gradients Kaldi's to float32 rounding (arrays.npz,
 model_grad.txt).  Always on the 14 Kaldi-made cases of tests/data/networks_kaldi_gen;
-on every case of ../shared/kaldi-ref/networks when it is there."""
+on every case of ../shared/kaldi-ref/networks when it is there.  Models: POST /infer
+against nnet3-compute (infer.json) and streams against the looped decodable
+(looped.json), on the Kaldi-made online-i-vector case always and the reference models of
+../shared when present."""
 
 from __future__ import annotations
 
@@ -108,3 +111,137 @@ def test_structure_hash_leaves_the_model_alone(case: Path):
     after = [a for c in nnet.components for a in c.param_arrays()]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
     assert structure_hash(nnet) == first
+
+
+# -- models: nnet3-compute (POST /infer) and the looped decodable (streams) -----------------
+
+
+def _upload(client, path: Path) -> str:
+    r = client.post("/models/upload", content=path.read_bytes(),
+                    headers={"Content-Type": "application/octet-stream"})
+    assert r.status_code in (200, 201), r.text
+    return r.json()["model_id"]
+
+
+def _infer_cases() -> list:
+    from tests.engine.inference_nets import model_dirs  # noqa: PLC0415
+    online = DATA / "inference" / "online_ivectors"
+    out = [pytest.param("online", online, s, id=f"online-{s['key']}")
+           for s in json.loads((online / "offline.json").read_text())["settings"]]
+    for d in model_dirs(shared_ref(), "infer.json"):
+        out.append(pytest.param("ref", d, None, id=f"ref-{d.name}",
+                                marks=pytest.mark.conformance))
+    return out
+
+
+@pytest.mark.parametrize("kind,folder,setting", _infer_cases())
+def test_reference_inference_over_http(client, kind, folder: Path, setting):
+    """POST /infer against Kaldi's nnet3-compute: the reference models' utterances with
+    their options (../shared), and the Kaldi-made online-i-vector case (always)."""
+    from tests.engine.inference_nets import model_file  # noqa: PLC0415
+    fields = ("frames_per_chunk", "extra_left_context", "extra_right_context",
+              "extra_left_context_initial", "extra_right_context_final",
+              "frame_subsampling_factor", "acoustic_scale", "apply_exp", "use_priors")
+    if kind == "online":
+        mid = _upload(client, folder / "model.raw")
+        z = np.load(folder / "offline.npz")
+        feats = np.load(folder / "case.npz")["features"]
+        jobs = [(feats, None, z[f"online.{setting['key']}"],
+                 z[f"output.{setting['key']}"])]
+        opts, period = {k: setting[k] for k in fields if k in setting}, \
+            setting["online_ivector_period"]
+    else:
+        mid = _upload(client, model_file(folder))
+        o = json.loads((folder / "infer.json").read_text())["nnet3_compute_options"]
+        assert not o.get("extra"), f"options not understood by this test: {o['extra']}"
+        opts, period = {k: o[k] for k in fields if k in o}, 0
+        z = np.load(folder / "infer.npz")
+        utts = sorted(k.split(".", 1)[1] for k in z.files if k.startswith("features."))
+        jobs = [(z[f"features.{u}"], z.get(f"ivector.{u}"), None, z[f"output.{u}"])
+                for u in utts]
+    for feats, ivector, online, want in jobs:
+        body = {"model_id": mid, "features": _b64(feats), "options": opts,
+                "encoding": "base64"}
+        if ivector is not None:
+            body["ivector"] = np.asarray(ivector, np.float32).tolist()
+        if online is not None:
+            body["online_ivectors"] = _b64(online)
+            body["online_ivector_period"] = period
+        r = client.post("/infer", json=body)
+        assert r.status_code == 200, r.text
+        _close(f"{folder.name} /infer", decode(r.json()["output"]), want)
+
+
+def _stream_cases() -> list:
+    from tests.engine.inference_nets import model_dirs  # noqa: PLC0415
+    online = DATA / "inference" / "online_ivectors"
+    out = [pytest.param("online", online, s, id=f"online-{s['key']}")
+           for s in json.loads((online / "case.json").read_text())["settings"]]
+    for d in model_dirs(shared_ref(), "looped.json"):
+        for s in json.loads((d / "looped.json").read_text())["settings"]:
+            out.append(pytest.param("ref", d, s, id=f"ref-{d.name}-{s['key']}",
+                                    marks=pytest.mark.conformance))
+    return out
+
+
+@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+def test_reference_streams_over_http(client, kind, folder: Path, setting):
+    """POST /streams, frames pushed in pieces of 1-40 (online i-vector rows with the
+    frames they describe), finish: Kaldi's looped decodable output (its looped.json
+    references in ../shared, and the Kaldi-made online-i-vector case always).  A network
+    with a recurrence reading later frames is opened as Kaldi runs it, cut at each
+    chunk's end (truncate_future_recurrence)."""
+    from engine.inference.looped import find_future_recurrence  # noqa: PLC0415
+    from tests.engine.inference_nets import model_file  # noqa: PLC0415
+    path = folder / "model.raw" if kind == "online" else model_file(folder)
+    mid = _upload(client, path)
+    options = {"frames_per_chunk": setting.get("frames_per_chunk", 20),
+               "extra_left_context_initial": setting.get("extra_left_context_initial", 0),
+               "frame_subsampling_factor": setting.get("frame_subsampling_factor", 1),
+               "truncate_future_recurrence":
+                   find_future_recurrence(load_nnet(path)) is not None}
+    if kind == "online":
+        z = np.load(folder / "case.npz")
+        jobs = [(z["features"], None, z[f"online.{setting['key']}"],
+                 z[f"output.{setting['key']}"])]
+        period = setting["online_ivector_period"]
+    else:
+        z = np.load(folder / "looped.npz")
+        prefix = f"output.{setting['key']}."
+        jobs = [(z[f"features.{k[len(prefix):]}"], z.get(f"ivector.{k[len(prefix):]}"), None,
+                 z[k]) for k in z.files if k.startswith(prefix)]
+        period = None
+    rng = np.random.default_rng(5)
+    for feats, ivector, online, want in jobs:
+        body = {"model_id": mid, "options": options}
+        if ivector is not None:
+            body["ivector"] = np.asarray(ivector, np.float32).tolist()
+        if online is not None:
+            body["online_ivector_period"] = period
+        r = client.post("/streams", json=body)
+        assert r.status_code == 201, r.text
+        sid = r.json()["stream_id"]
+        outs, pos, sent = [], 0, 0
+        while pos < len(feats):
+            n = int(rng.integers(1, 41))
+            push = {"features": _b64(feats[pos:pos + n]), "encoding": "base64"}
+            if online is not None:
+                want_rows = min(len(online), -(-(pos + n) // period))
+                if want_rows > sent:
+                    push["online_ivectors"] = _b64(online[sent:want_rows])
+                    sent = want_rows
+            r = client.post(f"/streams/{sid}/frames", json=push)
+            assert r.status_code == 200, r.text
+            outs.append(decode(r.json()["output"]))
+            pos += n
+        if online is not None and sent < len(online):
+            r = client.post(f"/streams/{sid}/frames", json={
+                "features": _b64(feats[:0]), "online_ivectors": _b64(online[sent:]),
+                "encoding": "base64"})
+            assert r.status_code == 200, r.text
+            outs.append(decode(r.json()["output"]))
+        r = client.post(f"/streams/{sid}/finish", json={"encoding": "base64"})
+        assert r.status_code == 200, r.text
+        outs.append(decode(r.json()["output"]))
+        got = np.concatenate([o.reshape(-1, want.shape[1]) for o in outs])
+        _close(f"{folder.name} {setting['key']} stream", got, want)
