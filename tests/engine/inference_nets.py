@@ -100,3 +100,35 @@ def kaldi_looped_config(nnet: Nnet, setting: dict):
                         setting.get("extra_left_context_initial", 0),
                         setting.get("frame_subsampling_factor", 1),
                         truncate_future_recurrence=find_future_recurrence(nnet) is not None)
+
+
+# nnet3-compute options an infer.json may list in "extra" (as command-line flags) besides
+# the ones it names as fields
+NNET3_COMPUTE = {"acoustic-scale": float, "apply-exp": bool, "use-priors": bool,
+                 "extra-left-context-initial": int, "extra-right-context-final": int,
+                 "online-ivector-period": int, "frames-per-chunk": int,
+                 "extra-left-context": int, "extra-right-context": int,
+                 "frame-subsampling-factor": int}
+
+
+def nnet3_compute_flags(extra: list[str]) -> dict:
+    """``["--acoustic-scale=0.1", "--apply-exp"]`` as InferenceOptions fields; an
+    option the tests do not know fails them (rather than being ignored)."""
+    out = {}
+    for flag in extra:
+        name, _, value = flag.lstrip("-").partition("=")
+        kind = NNET3_COMPUTE.get(name)
+        assert kind is not None, f"nnet3-compute option not understood by this test: {flag}"
+        if kind is bool:
+            out[name.replace("-", "_")] = value.lower() not in ("false", "0") if value else True
+        else:
+            out[name.replace("-", "_")] = kind(value)
+    return out
+
+
+def nnet3_compute_options(infer_json: dict) -> dict:
+    """An infer.json's nnet3-compute options as one dict: its named fields and the flags
+    listed in its "extra" (``nnet3_compute_flags``)."""
+    o = dict(infer_json["nnet3_compute_options"])
+    o.update(nnet3_compute_flags(o.pop("extra", None) or []))
+    return o

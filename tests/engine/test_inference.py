@@ -18,7 +18,8 @@ from engine.inference import InferenceOptions, Inferencer, infer
 from engine.nnet.model_io import Model, load_model, save_model
 from engine.runtime.executor import run_computation
 from inference_nets import (RECURRENT, TDNN_IVECTOR, TDNN_PLAIN, assert_close, feats, make_nnet,
-                            model_dirs, model_file, read_json)
+                            model_dirs, model_file, nnet3_compute_flags,
+                            nnet3_compute_options, read_json)
 
 SHARED = shared_ref()
 LOCAL = DATA / "inference"
@@ -55,45 +56,20 @@ def test_local_blstm_reference():
     assert_close(out[:100], z["output"], "blstm utt1[:100]")
 
 
-# nnet3-compute options an infer.json may list in "extra" (as command-line flags) besides
-# the ones it names as fields
-_NNET3_COMPUTE = {"acoustic-scale": float, "apply-exp": bool, "use-priors": bool,
-                  "extra-left-context-initial": int, "extra-right-context-final": int,
-                  "online-ivector-period": int, "frames-per-chunk": int,
-                  "extra-left-context": int, "extra-right-context": int,
-                  "frame-subsampling-factor": int}
-
-
-def _nnet3_compute_flags(extra: list[str]) -> dict:
-    """``["--acoustic-scale=0.1", "--apply-exp"]`` as InferenceOptions fields; an
-    option this test does not know fails it (rather than being ignored)."""
-    out = {}
-    for flag in extra:
-        name, _, value = flag.lstrip("-").partition("=")
-        kind = _NNET3_COMPUTE.get(name)
-        assert kind is not None, f"nnet3-compute option not understood by this test: {flag}"
-        if kind is bool:
-            out[name.replace("-", "_")] = value.lower() not in ("false", "0") if value else True
-        else:
-            out[name.replace("-", "_")] = kind(value)
-    return out
-
-
 def test_nnet3_compute_flags():
-    assert _nnet3_compute_flags(["--acoustic-scale=0.1", "--apply-exp", "--use-priors=false",
+    assert nnet3_compute_flags(["--acoustic-scale=0.1", "--apply-exp", "--use-priors=false",
                                  "--online-ivector-period=10"]) == {
         "acoustic_scale": 0.1, "apply_exp": True, "use_priors": False,
         "online_ivector_period": 10}
     with pytest.raises(AssertionError, match="not understood"):
-        _nnet3_compute_flags(["--minimize=true"])
+        nnet3_compute_flags(["--minimize=true"])
 
 
 @pytest.mark.skipif(SHARED is None, reason="../shared/kaldi-ref not present (full set)")
 @pytest.mark.parametrize("model_dir", model_dirs(SHARED, "infer.json"), ids=lambda p: p.name)
 def test_kaldi_infer_reference(model_dir):
     js = read_json(model_dir / "infer.json")
-    o = dict(js["nnet3_compute_options"])
-    o.update(_nnet3_compute_flags(o.pop("extra", None) or []))
+    o = nnet3_compute_options(js)
     fields = {f.name for f in dataclasses.fields(InferenceOptions)}
     opts = InferenceOptions(**{k: v for k, v in o.items() if k in fields})
     model = load_model(model_file(model_dir))

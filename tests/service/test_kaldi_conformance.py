@@ -138,7 +138,7 @@ def _infer_cases() -> list:
 def test_reference_inference_over_http(client, kind, folder: Path, setting):
     """POST /infer against Kaldi's nnet3-compute: the reference models' utterances with
     their options (../shared), and the Kaldi-made online-i-vector case (always)."""
-    from tests.engine.inference_nets import model_file  # noqa: PLC0415
+    from tests.engine.inference_nets import model_file, nnet3_compute_options  # noqa: PLC0415
     fields = ("frames_per_chunk", "extra_left_context", "extra_right_context",
               "extra_left_context_initial", "extra_right_context_final",
               "frame_subsampling_factor", "acoustic_scale", "apply_exp", "use_priors")
@@ -152,13 +152,17 @@ def test_reference_inference_over_http(client, kind, folder: Path, setting):
             setting["online_ivector_period"]
     else:
         mid = _upload(client, model_file(folder))
-        o = json.loads((folder / "infer.json").read_text())["nnet3_compute_options"]
-        assert not o.get("extra"), f"options not understood by this test: {o['extra']}"
-        opts, period = {k: o[k] for k in fields if k in o}, 0
+        o = nnet3_compute_options(json.loads((folder / "infer.json").read_text()))
+        opts = {k: o[k] for k in fields if k in o}
+        period = int(o.get("online_ivector_period", 0) or 0)
         z = np.load(folder / "infer.npz")
         utts = sorted(k.split(".", 1)[1] for k in z.files if k.startswith("features."))
-        jobs = [(z[f"features.{u}"], z.get(f"ivector.{u}"), None, z[f"output.{u}"])
-                for u in utts]
+        jobs = []
+        for u in utts:
+            iv = z.get(f"online_ivectors.{u}", z.get(f"ivector.{u}"))
+            online = iv is not None and (o.get("ivectors") == "online" or iv.ndim == 2)
+            jobs.append((z[f"features.{u}"], None if online else iv, iv if online else None,
+                         z[f"output.{u}"]))
     for feats, ivector, online, want in jobs:
         body = {"model_id": mid, "features": _b64(feats), "options": opts,
                 "encoding": "base64"}
