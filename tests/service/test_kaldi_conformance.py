@@ -249,3 +249,56 @@ def test_reference_streams_over_http(client, kind, folder: Path, setting):
         outs.append(decode(r.json()["output"]))
         got = np.concatenate([o.reshape(-1, want.shape[1]) for o in outs])
         _close(f"{folder.name} {setting['key']} stream", got, want)
+
+
+# -- components: each Kaldi reference component in a one-component network over HTTP ------
+
+
+def _component_cases() -> list:
+    from tests.engine.component_harness import reference_cases  # noqa: PLC0415
+    local = reference_cases()
+    out = [pytest.param(c, id=f"{c.parent.name}-{c.name}") for c in local]
+    out += [pytest.param(c, id=f"ref-{c.parent.name}-{c.name}", marks=pytest.mark.conformance)
+            for c in reference_cases(full=True) if c not in local]
+    return out
+
+
+@pytest.mark.parametrize("case", _component_cases())
+def test_reference_component_over_http(client, case: Path):
+    """Kaldi's component case wrapped as input -> component -> output (its model text
+    written around component.txt), registered and run through POST /compute, one row
+    per frame: output, input derivative and parameter gradient as Kaldi's.  Every
+    component type goes through the service's registration (structure hash), cache and
+    executor this way."""
+    arrays = np.load(case / "arrays.npz")
+    x, dy = arrays["input"].astype(np.float32), arrays["output_deriv"].astype(np.float32)
+    text = (case / "component.txt").read_text().strip()
+    model = (f"<Nnet3> \ninput-node name=input dim={x.shape[1]}\n"
+             "component-node name=c component=c input=input\n"
+             "output-node name=output input=c\n\n"
+             f"<NumComponents> 1 \n<ComponentName> c {text} \n</Nnet3> \n")
+    r = client.post("/models", json={"text": model})
+    assert r.status_code in (200, 201), r.text
+    mid = r.json()["model_id"]
+    rows = [[0, t, 0] for t in range(x.shape[0])]
+    grad = (case / "gradient.txt").exists()
+    request = {"inputs": [{"name": "input", "indexes": rows, "has_deriv": True}],
+               "outputs": [{"name": "output", "indexes": rows, "has_deriv": True}],
+               "need_model_derivative": grad}
+    r = client.post("/compute", json={"model_id": mid, "request": request, "encoding": "base64",
+                                      "inputs": {"input": _b64(x)},
+                                      "output_derivs": {"output": _b64(dy)}})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    _close(f"{case.name} output", decode(res["outputs"]["output"]), arrays["output"])
+    _close(f"{case.name} input derivative", decode(res["input_derivs"]["input"]),
+           arrays["input_deriv"])
+    if grad:
+        from tests.engine.component_harness import load_component_text  # noqa: PLC0415
+        ref = load_component_text(case / "gradient.txt")
+        orig = load_component_text(case / "component.txt")
+        got = (res["model_gradient"] or {}).get("c", {})
+        for p, theirs, o in zip(ref.PARAMS, ref.param_arrays(), orig.param_arrays()):
+            assert p in got, f"{case.name}: no gradient for {p} ({sorted(got)})"
+            _close(f"{case.name} gradient {p}", decode(got[p]).reshape(np.shape(theirs)),
+                   np.asarray(theirs, np.float64) - np.asarray(o, np.float64))
