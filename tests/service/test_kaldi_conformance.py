@@ -302,3 +302,26 @@ def test_reference_component_over_http(client, case: Path):
             assert p in got, f"{case.name}: no gradient for {p} ({sorted(got)})"
             _close(f"{case.name} gradient {p}", decode(got[p]).reshape(np.shape(theirs)),
                    np.asarray(theirs, np.float64) - np.asarray(o, np.float64))
+
+
+def _request_cases() -> list:
+    from tests.engine.inference_nets import model_dirs  # noqa: PLC0415
+    return [pytest.param(d, id=f"ref-{d.name}", marks=pytest.mark.conformance)
+            for d in model_dirs(shared_ref(), "request.json")]
+
+
+@pytest.mark.parametrize("folder", _request_cases())
+def test_reference_model_request_over_http(client, folder: Path):
+    """A reference model's explicit request (the x-vector's: output at t=0 per sequence)
+    through POST /compute: every output Kaldi gave."""
+    from tests.engine.inference_nets import model_file  # noqa: PLC0415
+    mid = _upload(client, model_file(folder))
+    request = json.loads((folder / "request.json").read_text())
+    z = np.load(folder / "request_arrays.npz")
+    r = client.post("/compute", json={"model_id": mid, "request": request, "encoding": "base64",
+                                      "inputs": {s["name"]: _b64(z[f"input.{s['name']}"])
+                                                 for s in request["inputs"]}})
+    assert r.status_code == 200, r.text
+    outs = r.json()["outputs"]
+    for k in (k for k in z.files if k.startswith("output.")):
+        _close(f"{folder.name} {k}", decode(outs[k.split(".", 1)[1]]), z[k])
