@@ -1,9 +1,11 @@
-"""Kaldi's reference networks through the command line, end to end: ``nnetc compile
+"""Kaldi's references through the command line, end to end.  Networks: ``nnetc compile
 --stats`` and ``--print`` give Kaldi's statistics and printout (stats.json,
 computation.txt), ``nnetc compute --model-grad`` Kaldi's outputs, input derivatives and
-model gradients (arrays.npz, model_grad.txt).  Always on the 14 Kaldi-made cases of
-tests/data/networks_kaldi_gen; on every case of ../shared/kaldi-ref/networks when it is
-there."""
+model gradients (arrays.npz, model_grad.txt); always on the 14 Kaldi-made cases of
+tests/data/networks_kaldi_gen, on every case of ../shared/kaldi-ref/networks when it is
+there.  Models: ``nnetc infer`` against nnet3-compute (infer.json) and ``nnetc stream``
+against the looped decodable (looped.json), on the Kaldi-made online-i-vector cases always
+and the reference models of ../shared when present."""
 
 from __future__ import annotations
 
@@ -83,3 +85,101 @@ def test_reference_network_through_the_cli(case: Path, tmp_path):
                                      o.param_arrays()):
                 assert_close(pa, np.asarray(pb, np.float64) - np.asarray(po, np.float64),
                              f"{case.name} gradient {name}.{p}")
+
+
+# -- models: nnetc infer (nnet3-compute) and nnetc stream (the looped decodable) ------------
+
+_ONLINE = DATA / "inference" / "online_ivectors"
+_FLAGS = {"frames_per_chunk": "--frames-per-chunk", "extra_left_context": "--extra-left-context",
+          "extra_right_context": "--extra-right-context",
+          "extra_left_context_initial": "--extra-left-context-initial",
+          "extra_right_context_final": "--extra-right-context-final",
+          "frame_subsampling_factor": "--frame-subsampling-factor",
+          "acoustic_scale": "--acoustic-scale"}
+
+
+def _infer_cases() -> list:
+    from inference_nets import model_dirs  # noqa: PLC0415
+    out = [pytest.param("online", _ONLINE, s, id=f"online-{s['key']}")
+           for s in json.loads((_ONLINE / "offline.json").read_text())["settings"]]
+    out += [pytest.param("ref", d, None, id=f"ref-{d.name}", marks=pytest.mark.conformance)
+            for d in model_dirs(shared_ref(), "infer.json")]
+    return out
+
+
+@pytest.mark.parametrize("kind,folder,setting", _infer_cases())
+def test_reference_inference_through_the_cli(kind, folder: Path, setting, tmp_path):
+    from inference_nets import model_file, nnet3_compute_options  # noqa: PLC0415
+    if kind == "online":
+        o, model = dict(setting), folder / "model.raw"
+        z = np.load(folder / "offline.npz")
+        jobs = [(np.load(folder / "case.npz")["features"], None, z[f"online.{setting['key']}"],
+                 z[f"output.{setting['key']}"])]
+    else:
+        o = nnet3_compute_options(json.loads((folder / "infer.json").read_text()))
+        model, z = model_file(folder), np.load(folder / "infer.npz")
+        jobs = []
+        for u in sorted(k.split(".", 1)[1] for k in z.files if k.startswith("features.")):
+            iv = z.get(f"online_ivectors.{u}", z.get(f"ivector.{u}"))
+            online = iv is not None and (o.get("ivectors") == "online" or iv.ndim == 2)
+            jobs.append((z[f"features.{u}"], None if online else iv, iv if online else None,
+                         z[f"output.{u}"]))
+    flags = [a for k, f in _FLAGS.items() if k in o for a in (f, o[k])]
+    flags += [f"--{k.replace('_', '-')}" for k in ("apply_exp", "use_priors") if o.get(k)]
+    for j, (feats, ivector, online, want) in enumerate(jobs):
+        args = ["infer", model, "--features", tmp_path / f"f{j}.npy", "--out",
+                tmp_path / f"o{j}.npy", *flags]
+        np.save(tmp_path / f"f{j}.npy", feats)
+        if ivector is not None:
+            np.save(tmp_path / f"iv{j}.npy", ivector)
+            args += ["--ivector", tmp_path / f"iv{j}.npy"]
+        if online is not None:
+            np.save(tmp_path / f"on{j}.npy", online)
+            args += ["--online-ivectors", tmp_path / f"on{j}.npy", "--online-ivector-period",
+                     o["online_ivector_period"]]
+        _run(*args)
+        assert_close(np.load(tmp_path / f"o{j}.npy"), want, f"{folder.name} nnetc infer")
+
+
+def _stream_cases() -> list:
+    from inference_nets import model_dirs  # noqa: PLC0415
+    out = [pytest.param("online", _ONLINE, s, id=f"online-{s['key']}")
+           for s in json.loads((_ONLINE / "case.json").read_text())["settings"]]
+    for d in model_dirs(shared_ref(), "looped.json"):
+        out += [pytest.param("ref", d, s, id=f"ref-{d.name}-{s['key']}",
+                             marks=pytest.mark.conformance)
+                for s in json.loads((d / "looped.json").read_text())["settings"]]
+    return out
+
+
+@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+def test_reference_streams_through_the_cli(kind, folder: Path, setting, tmp_path):
+    from engine.inference.looped import find_future_recurrence  # noqa: PLC0415
+    from inference_nets import model_file  # noqa: PLC0415
+    model = folder / "model.raw" if kind == "online" else model_file(folder)
+    flags = ["--frames-per-chunk", setting.get("frames_per_chunk", 20),
+             "--extra-left-context-initial", setting.get("extra_left_context_initial", 0),
+             "--frame-subsampling-factor", setting.get("frame_subsampling_factor", 1)]
+    if find_future_recurrence(load_nnet(model)) is not None:
+        flags.append("--truncate-future-recurrence")     # as Kaldi's looped decodable runs it
+    if kind == "online":
+        z = np.load(folder / "case.npz")
+        jobs = [(z["features"], None, z[f"online.{setting['key']}"],
+                 z[f"output.{setting['key']}"])]
+    else:
+        z, prefix = np.load(folder / "looped.npz"), f"output.{setting['key']}."
+        jobs = [(z[f"features.{k[len(prefix):]}"], z.get(f"ivector.{k[len(prefix):]}"), None,
+                 z[k]) for k in z.files if k.startswith(prefix)]
+    for j, (feats, ivector, online, want) in enumerate(jobs):
+        np.save(tmp_path / f"f{j}.npy", feats)
+        args = ["stream", model, "--features", tmp_path / f"f{j}.npy", "--out",
+                tmp_path / f"o{j}.npy", *flags]
+        if ivector is not None:
+            np.save(tmp_path / f"iv{j}.npy", ivector)
+            args += ["--ivector", tmp_path / f"iv{j}.npy"]
+        if online is not None:
+            np.save(tmp_path / f"on{j}.npy", online)
+            args += ["--online-ivectors", tmp_path / f"on{j}.npy", "--online-ivector-period",
+                     setting["online_ivector_period"]]
+        _run(*args)
+        assert_close(np.load(tmp_path / f"o{j}.npy"), want, f"{folder.name} nnetc stream")
