@@ -4,7 +4,8 @@ listing) and runs it (POST /compute with Kaldi's inputs and output derivatives).
 statistics and listing must be Kaldi's (stats.json, computation.txt) and the outputs,
 input derivatives and model gradients Kaldi's to float32 rounding (arrays.npz,
 model_grad.txt).  Always on the 14 Kaldi-made cases of tests/data/networks_kaldi_gen;
-on every case of ../shared/kaldi-ref/networks when it is there.  Models: POST /infer
+on every case of ../shared/kaldi-ref/networks when it is there, also through Redis (one
+service stores the model and the computation, another runs them).  Models: POST /infer
 against nnet3-compute (infer.json) and streams against the looped decodable
 (looped.json), on the Kaldi-made online-i-vector case always and the reference models of
 ../shared when present."""
@@ -20,7 +21,7 @@ import pytest
 
 from engine.nnet.model_io import load_nnet
 from refdata import DATA, shared_ref
-from tests.service.conftest import decode
+from tests.service.conftest import decode, make_client, needs_redis
 
 LOCAL = sorted((DATA / "networks_kaldi_gen").iterdir())
 
@@ -325,3 +326,40 @@ def test_reference_model_request_over_http(client, folder: Path):
     outs = r.json()["outputs"]
     for k in (k for k in z.files if k.startswith("output.")):
         _close(f"{folder.name} {k}", decode(outs[k.split(".", 1)[1]]), z[k])
+
+
+# -- through Redis: the model and the computation another process stored ------------------
+
+
+@needs_redis
+@pytest.mark.parametrize("case", _cases())
+def test_reference_network_through_redis(server, case: Path):
+    """Two service processes sharing one Redis: the first registers the model and
+    compiles the request (both stored in Redis), the second -- nothing in memory --
+    loads the model and the cached computation from Redis and runs it: Kaldi's numbers."""
+    request = json.loads((case / "request.json").read_text())
+    url = server.url
+    with make_client(redis_url=url) as a:
+        r = a.post("/models", json={"text": (case / "model.txt").read_text()})
+        assert r.status_code in (200, 201), r.text
+        mid = r.json()["model_id"]
+        r = a.post("/compile", json={"model_id": mid, "request": request})
+        assert r.status_code == 200, r.text
+    arrays = np.load(case / "arrays.npz")
+    with make_client(redis_url=url) as b:
+        r = b.post("/compile", json={"model_id": mid, "request": request})
+        assert r.status_code == 200 and r.json()["cached"] is True, r.text   # from Redis
+        r = b.post("/compute", json={
+            "model_id": mid, "request": request, "encoding": "base64",
+            "inputs": {s["name"]: _b64(arrays[f"input.{s['name']}"]) for s in request["inputs"]},
+            "output_derivs": {s["name"]: _b64(arrays[f"output_deriv.{s['name']}"])
+                              for s in request["outputs"] if s.get("has_deriv")}})
+        assert r.status_code == 200, r.text
+        res = r.json()
+    for s in request["outputs"]:
+        _close(f"output {s['name']}", decode(res["outputs"][s["name"]]),
+               arrays[f"output.{s['name']}"])
+    for s in request["inputs"]:
+        if s.get("has_deriv") and any(o.get("has_deriv") for o in request["outputs"]):
+            _close(f"input derivative {s['name']}", decode(res["input_derivs"][s["name"]]),
+                   arrays[f"input_deriv.{s['name']}"])
