@@ -363,3 +363,30 @@ def test_reference_network_through_redis(server, case: Path):
         if s.get("has_deriv") and any(o.get("has_deriv") for o in request["outputs"]):
             _close(f"input derivative {s['name']}", decode(res["input_derivs"][s["name"]]),
                    arrays[f"input_deriv.{s['name']}"])
+
+
+@needs_redis
+def test_reference_networks_through_the_job_queue(server):
+    """NNETC_QUEUE=redis: the API puts each job on the Redis Stream and a worker (with
+    services of its own, as a separate process has) registers nothing itself -- it
+    loads the model from Redis -- compiles and computes: Kaldi's numbers for every case."""
+    from tests.service.test_redis_queue import ThreadWorker, _api  # noqa: PLC0415
+    cases = [p.values[0] for p in _cases()]
+    with _api(server.url) as api, ThreadWorker(server.url):
+        for case in cases:
+            request = json.loads((case / "request.json").read_text())
+            r = api.post("/models", json={"text": (case / "model.txt").read_text()})
+            assert r.status_code in (200, 201), r.text
+            mid = r.json()["model_id"]
+            arrays = np.load(case / "arrays.npz")
+            r = api.post("/compute", json={
+                "model_id": mid, "request": request, "encoding": "base64",
+                "inputs": {s["name"]: _b64(arrays[f"input.{s['name']}"])
+                           for s in request["inputs"]},
+                "output_derivs": {s["name"]: _b64(arrays[f"output_deriv.{s['name']}"])
+                                  for s in request["outputs"] if s.get("has_deriv")}})
+            assert r.status_code == 200, f"{case.name}: {r.text}"
+            res = r.json()
+            for s in request["outputs"]:
+                _close(f"{case.name} output {s['name']}", decode(res["outputs"][s["name"]]),
+                       arrays[f"output.{s['name']}"])
