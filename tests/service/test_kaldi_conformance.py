@@ -311,6 +311,8 @@ def _request_cases() -> list:
             for d in model_dirs(shared_ref(), "request.json")]
 
 
+@pytest.mark.skipif(shared_ref() is None, reason="../shared/kaldi-ref not present (its "
+                    "models' request.json cases)")
 @pytest.mark.parametrize("folder", _request_cases())
 def test_reference_model_request_over_http(client, folder: Path):
     """A reference model's explicit request (the x-vector's: output at t=0 per sequence)
