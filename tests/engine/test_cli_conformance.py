@@ -18,19 +18,8 @@ from click.testing import CliRunner
 
 from engine.nnet.model_io import load_nnet
 from inference_nets import assert_close
-from refdata import DATA, shared_ref
+from refdata import DATA, network_case_params, shared_ref
 from service.cli import main
-
-LOCAL = sorted((DATA / "networks_kaldi_gen").iterdir())
-
-
-def _cases() -> list:
-    out = [pytest.param(p, id=f"gen-{p.name}") for p in LOCAL]
-    ref = shared_ref()
-    if ref is not None:
-        out += [pytest.param(p, id=f"ref-{p.name}", marks=pytest.mark.conformance)
-                for p in sorted((ref / "networks").iterdir()) if (p / "request.json").exists()]
-    return out
 
 
 def _run(*args) -> str:
@@ -39,7 +28,7 @@ def _run(*args) -> str:
     return r.output
 
 
-@pytest.mark.parametrize("case", _cases())
+@pytest.mark.parametrize("case", network_case_params())
 def test_reference_network_through_the_cli(case: Path, tmp_path):
     model, request = case / "model.txt", case / "request.json"
     stats = json.loads(_run("compile", model, "--request", request, "--stats"))
@@ -98,6 +87,20 @@ _FLAGS = {"frames_per_chunk": "--frames-per-chunk", "extra_left_context": "--ext
           "acoustic_scale": "--acoustic-scale"}
 
 
+def _io_args(tmp_path: Path, j: int, feats, ivector, online, period) -> list:
+    """The .npy files of job ``j`` written and their options: --features, --out, and
+    --ivector or --online-ivectors with --online-ivector-period."""
+    np.save(tmp_path / f"f{j}.npy", feats)
+    args = ["--features", tmp_path / f"f{j}.npy", "--out", tmp_path / f"o{j}.npy"]
+    if ivector is not None:
+        np.save(tmp_path / f"iv{j}.npy", ivector)
+        args += ["--ivector", tmp_path / f"iv{j}.npy"]
+    if online is not None:
+        np.save(tmp_path / f"on{j}.npy", online)
+        args += ["--online-ivectors", tmp_path / f"on{j}.npy", "--online-ivector-period", period]
+    return args
+
+
 def _infer_cases() -> list:
     from inference_nets import model_dirs  # noqa: PLC0415
     out = [pytest.param("online", _ONLINE, s, id=f"online-{s['key']}")
@@ -127,17 +130,8 @@ def test_reference_inference_through_the_cli(kind, folder: Path, setting, tmp_pa
     flags = [a for k, f in _FLAGS.items() if k in o for a in (f, o[k])]
     flags += [f"--{k.replace('_', '-')}" for k in ("apply_exp", "use_priors") if o.get(k)]
     for j, (feats, ivector, online, want) in enumerate(jobs):
-        args = ["infer", model, "--features", tmp_path / f"f{j}.npy", "--out",
-                tmp_path / f"o{j}.npy", *flags]
-        np.save(tmp_path / f"f{j}.npy", feats)
-        if ivector is not None:
-            np.save(tmp_path / f"iv{j}.npy", ivector)
-            args += ["--ivector", tmp_path / f"iv{j}.npy"]
-        if online is not None:
-            np.save(tmp_path / f"on{j}.npy", online)
-            args += ["--online-ivectors", tmp_path / f"on{j}.npy", "--online-ivector-period",
-                     o["online_ivector_period"]]
-        _run(*args)
+        _run("infer", model, *_io_args(tmp_path, j, feats, ivector, online,
+                                       o.get("online_ivector_period")), *flags)
         assert_close(np.load(tmp_path / f"o{j}.npy"), want, f"{folder.name} nnetc infer")
 
 
@@ -171,15 +165,6 @@ def test_reference_streams_through_the_cli(kind, folder: Path, setting, tmp_path
         jobs = [(z[f"features.{k[len(prefix):]}"], z.get(f"ivector.{k[len(prefix):]}"), None,
                  z[k]) for k in z.files if k.startswith(prefix)]
     for j, (feats, ivector, online, want) in enumerate(jobs):
-        np.save(tmp_path / f"f{j}.npy", feats)
-        args = ["stream", model, "--features", tmp_path / f"f{j}.npy", "--out",
-                tmp_path / f"o{j}.npy", *flags]
-        if ivector is not None:
-            np.save(tmp_path / f"iv{j}.npy", ivector)
-            args += ["--ivector", tmp_path / f"iv{j}.npy"]
-        if online is not None:
-            np.save(tmp_path / f"on{j}.npy", online)
-            args += ["--online-ivectors", tmp_path / f"on{j}.npy", "--online-ivector-period",
-                     setting["online_ivector_period"]]
-        _run(*args)
+        _run("stream", model, *_io_args(tmp_path, j, feats, ivector, online,
+                                        setting.get("online_ivector_period")), *flags)
         assert_close(np.load(tmp_path / f"o{j}.npy"), want, f"{folder.name} nnetc stream")

@@ -20,19 +20,11 @@ import numpy as np
 import pytest
 
 from engine.nnet.model_io import load_nnet
-from refdata import DATA, shared_ref
+from refdata import DATA, network_case_params, shared_ref
+from tests.engine.inference_nets import assert_close
 from tests.service.conftest import decode, make_client, needs_redis
 
 LOCAL = sorted((DATA / "networks_kaldi_gen").iterdir())
-
-
-def _cases() -> list:
-    out = [pytest.param(p, id=f"gen-{p.name}") for p in LOCAL]
-    ref = shared_ref()
-    if ref is not None:
-        out += [pytest.param(p, id=f"ref-{p.name}", marks=pytest.mark.conformance)
-                for p in sorted((ref / "networks").iterdir()) if (p / "request.json").exists()]
-    return out
 
 
 def _b64(a: np.ndarray) -> dict:
@@ -40,16 +32,31 @@ def _b64(a: np.ndarray) -> dict:
     return {"shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
 
 
-def _close(what: str, ours: np.ndarray, ref: np.ndarray) -> None:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape, f"{what}: shape {ours.shape} vs {ref.shape}"
-    if ref.size:
-        err = float(np.max(np.abs(ours - ref)))
-        tol = 1e-4 + 2e-3 * float(np.max(np.abs(ref)))
-        assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
+def _close(what: str, ours, ref) -> None:
+    assert_close(np.asarray(ours, np.float64), np.asarray(ref, np.float64), what)
 
 
-@pytest.mark.parametrize("case", _cases())
+def _compute_body(mid: str, request: dict, arrays) -> dict:
+    """POST /compute's body for a reference case: Kaldi's inputs and output derivatives."""
+    return {"model_id": mid, "request": request, "encoding": "base64",
+            "inputs": {s["name"]: _b64(arrays[f"input.{s['name']}"]) for s in request["inputs"]},
+            "output_derivs": {s["name"]: _b64(arrays[f"output_deriv.{s['name']}"])
+                              for s in request["outputs"] if s.get("has_deriv")}}
+
+
+def _check_compute(res: dict, request: dict, arrays, what: str) -> None:
+    """Outputs and (when output derivatives were given) input derivatives as Kaldi's."""
+    for s in request["outputs"]:
+        _close(f"{what} output {s['name']}", decode(res["outputs"][s["name"]]),
+               arrays[f"output.{s['name']}"])
+    if any(s.get("has_deriv") for s in request["outputs"]):
+        for s in request["inputs"]:
+            if s.get("has_deriv"):
+                _close(f"{what} input derivative {s['name']}",
+                       decode(res["input_derivs"][s["name"]]), arrays[f"input_deriv.{s['name']}"])
+
+
+@pytest.mark.parametrize("case", network_case_params())
 def test_reference_network_over_http(client, case: Path):
     r = client.post("/models", json={"text": (case / "model.txt").read_text()})
     assert r.status_code in (200, 201), r.text
@@ -66,23 +73,10 @@ def test_reference_network_over_http(client, case: Path):
         assert got["listing"] == (case / "computation.txt").read_text()
 
     arrays = np.load(case / "arrays.npz")
-    body = {"model_id": mid, "request": request, "encoding": "base64",
-            "inputs": {s["name"]: _b64(arrays[f"input.{s['name']}"])
-                       for s in request["inputs"]},
-            "output_derivs": {s["name"]: _b64(arrays[f"output_deriv.{s['name']}"])
-                              for s in request["outputs"] if s.get("has_deriv")}}
-    r = client.post("/compute", json=body)
+    r = client.post("/compute", json=_compute_body(mid, request, arrays))
     assert r.status_code == 200, r.text
     res = r.json()
-    for s in request["outputs"]:
-        _close(f"output {s['name']}", decode(res["outputs"][s["name"]]),
-               arrays[f"output.{s['name']}"])
-    if any(s.get("has_deriv") for s in request["outputs"]):
-        for s in request["inputs"]:
-            if s.get("has_deriv"):
-                _close(f"input derivative {s['name']}",
-                       decode(res["input_derivs"][s["name"]]),
-                       arrays[f"input_deriv.{s['name']}"])
+    _check_compute(res, request, arrays, case.name)
     if request.get("need_model_derivative") and (case / "model_grad.txt").exists():
         # Kaldi's SetNnetAsGradient convention: model_grad.txt holds parameters + gradient
         ref, orig = load_nnet(case / "model_grad.txt"), load_nnet(case / "model.txt")
@@ -334,7 +328,7 @@ def test_reference_model_request_over_http(client, folder: Path):
 
 
 @needs_redis
-@pytest.mark.parametrize("case", _cases())
+@pytest.mark.parametrize("case", network_case_params())
 def test_reference_network_through_redis(server, case: Path):
     """Two service processes sharing one Redis: the first registers the model and
     compiles the request (both stored in Redis), the second -- nothing in memory --
@@ -351,20 +345,9 @@ def test_reference_network_through_redis(server, case: Path):
     with make_client(redis_url=url) as b:
         r = b.post("/compile", json={"model_id": mid, "request": request})
         assert r.status_code == 200 and r.json()["cached"] is True, r.text   # from Redis
-        r = b.post("/compute", json={
-            "model_id": mid, "request": request, "encoding": "base64",
-            "inputs": {s["name"]: _b64(arrays[f"input.{s['name']}"]) for s in request["inputs"]},
-            "output_derivs": {s["name"]: _b64(arrays[f"output_deriv.{s['name']}"])
-                              for s in request["outputs"] if s.get("has_deriv")}})
+        r = b.post("/compute", json=_compute_body(mid, request, arrays))
         assert r.status_code == 200, r.text
-        res = r.json()
-    for s in request["outputs"]:
-        _close(f"output {s['name']}", decode(res["outputs"][s["name"]]),
-               arrays[f"output.{s['name']}"])
-    for s in request["inputs"]:
-        if s.get("has_deriv") and any(o.get("has_deriv") for o in request["outputs"]):
-            _close(f"input derivative {s['name']}", decode(res["input_derivs"][s["name"]]),
-                   arrays[f"input_deriv.{s['name']}"])
+    _check_compute(r.json(), request, arrays, case.name)
 
 
 @needs_redis
@@ -373,7 +356,7 @@ def test_reference_networks_through_the_job_queue(server):
     services of its own, as a separate process has) registers nothing itself -- it
     loads the model from Redis -- compiles and computes: Kaldi's numbers for every case."""
     from tests.service.test_redis_queue import ThreadWorker, _api  # noqa: PLC0415
-    cases = [p.values[0] for p in _cases()]
+    cases = [p.values[0] for p in network_case_params()]
     with _api(server.url) as api, ThreadWorker(server.url):
         for case in cases:
             request = json.loads((case / "request.json").read_text())
@@ -381,14 +364,6 @@ def test_reference_networks_through_the_job_queue(server):
             assert r.status_code in (200, 201), r.text
             mid = r.json()["model_id"]
             arrays = np.load(case / "arrays.npz")
-            r = api.post("/compute", json={
-                "model_id": mid, "request": request, "encoding": "base64",
-                "inputs": {s["name"]: _b64(arrays[f"input.{s['name']}"])
-                           for s in request["inputs"]},
-                "output_derivs": {s["name"]: _b64(arrays[f"output_deriv.{s['name']}"])
-                                  for s in request["outputs"] if s.get("has_deriv")}})
+            r = api.post("/compute", json=_compute_body(mid, request, arrays))
             assert r.status_code == 200, f"{case.name}: {r.text}"
-            res = r.json()
-            for s in request["outputs"]:
-                _close(f"{case.name} output {s['name']}", decode(res["outputs"][s["name"]]),
-                       arrays[f"output.{s['name']}"])
+            _check_compute(r.json(), request, arrays, case.name)
