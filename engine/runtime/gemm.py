@@ -171,12 +171,14 @@ def _decide(x, w, out, is_frozen: bool = False) -> int:
     np.matmul(xs, ws.T, out=o1)
     calls = {DIRECT: lambda: add(np.matmul(xs, ws.T, out=o1), bias, out=o1)}
     if out.flags.c_contiguous:
-        o3 = np.empty((rows, n), dtype=out.dtype)
+        # (zeros, not empty: some BLAS kernels scale the output they overwrite by beta = 0,
+        # and NaN bit patterns in uninitialised memory then raise a spurious FP warning)
+        o3 = np.zeros((rows, n), dtype=out.dtype)
         np.dot(xs, ws.T, out=o3)
         if np.array_equal(o1, o3):
             calls[DOT] = lambda: add(np.dot(xs, ws.T, out=o3), bias, out=o3)
     if rows > 1:
-        o2 = np.empty((n, rows), dtype=out.dtype)
+        o2 = np.zeros((n, rows), dtype=out.dtype)
         np.matmul(ws, xs.T, out=o2)
         if np.array_equal(o1, o2.T):
             o2_out = _like(out, rng)
