@@ -7,12 +7,14 @@ model_grad.txt).  Always on the 14 Kaldi-made cases of tests/data/networks_kaldi
 on every case of ../shared/kaldi-ref/networks when it is there, also through Redis (one
 service stores the model and the computation, another runs them).  Models: POST /infer
 against nnet3-compute (infer.json) and streams against the looped decodable
-(looped.json), on the Kaldi-made online-i-vector case always and the reference models of
-../shared when present."""
+(looped.json), also with two services taking turns on each stream through Redis, on the
+Kaldi-made online-i-vector case always and the reference models of ../shared when
+present."""
 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 from pathlib import Path
 
@@ -190,10 +192,29 @@ def test_reference_streams_over_http(client, kind, folder: Path, setting):
     references in ../shared, and the Kaldi-made online-i-vector case always).  A network
     with a recurrence reading later frames is opened as Kaldi runs it, cut at each
     chunk's end (truncate_future_recurrence)."""
+    _reference_streams([client], kind, folder, setting)
+
+
+@needs_redis
+@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+def test_reference_streams_through_redis(server, kind, folder: Path, setting):
+    """The same with two services sharing one Redis taking turns on each stream (every
+    push goes to the other one, which takes the stream over from its checkpoint)."""
+    with make_client(redis_url=server.url) as a, make_client(redis_url=server.url) as b:
+        _reference_streams([a, b], kind, folder, setting)
+        restored = sum(float(line.rsplit(" ", 1)[1]) for c in (a, b)
+                       for line in c.get("/metrics").text.splitlines()
+                       if line.startswith('nnetc_stream_events_total{event="restored"}'))
+        assert restored > 0, "no stream was taken over from its checkpoint"
+
+
+def _reference_streams(clients: list, kind: str, folder: Path, setting: dict) -> None:
+    """Each utterance of the case streamed, push k going to clients[k % len(clients)]
+    (the model registered on the first), against Kaldi's output."""
     from engine.inference.looped import find_future_recurrence  # noqa: PLC0415
     from tests.engine.inference_nets import model_file  # noqa: PLC0415
     path = folder / "model.raw" if kind == "online" else model_file(folder)
-    mid = _upload(client, path)
+    mid = _upload(clients[0], path)
     options = {"frames_per_chunk": setting.get("frames_per_chunk", 20),
                "extra_left_context_initial": setting.get("extra_left_context_initial", 0),
                "frame_subsampling_factor": setting.get("frame_subsampling_factor", 1),
@@ -211,16 +232,17 @@ def test_reference_streams_over_http(client, kind, folder: Path, setting):
                  z[k]) for k in z.files if k.startswith(prefix)]
         period = None
     rng = np.random.default_rng(5)
+    turn = itertools.cycle(clients)
     for feats, ivector, online, want in jobs:
         body = {"model_id": mid, "options": options}
         if ivector is not None:
             body["ivector"] = np.asarray(ivector, np.float32).tolist()
         if online is not None:
             body["online_ivector_period"] = period
-        r = client.post("/streams", json=body)
+        r = next(turn).post("/streams", json=body)
         assert r.status_code == 201, r.text
         sid = r.json()["stream_id"]
-        outs, pos, sent = [], 0, 0
+        pushes, pos, sent = [], 0, 0
         while pos < len(feats):
             n = int(rng.integers(1, 41))
             push = {"features": _b64(feats[pos:pos + n]), "encoding": "base64"}
@@ -229,17 +251,17 @@ def test_reference_streams_over_http(client, kind, folder: Path, setting):
                 if want_rows > sent:
                     push["online_ivectors"] = _b64(online[sent:want_rows])
                     sent = want_rows
-            r = client.post(f"/streams/{sid}/frames", json=push)
-            assert r.status_code == 200, r.text
-            outs.append(decode(r.json()["output"]))
+            pushes.append(push)
             pos += n
         if online is not None and sent < len(online):
-            r = client.post(f"/streams/{sid}/frames", json={
-                "features": _b64(feats[:0]), "online_ivectors": _b64(online[sent:]),
-                "encoding": "base64"})
+            pushes.append({"features": _b64(feats[:0]), "online_ivectors": _b64(online[sent:]),
+                           "encoding": "base64"})
+        outs = []
+        for push in pushes:
+            r = next(turn).post(f"/streams/{sid}/frames", json=push)
             assert r.status_code == 200, r.text
             outs.append(decode(r.json()["output"]))
-        r = client.post(f"/streams/{sid}/finish", json={"encoding": "base64"})
+        r = next(turn).post(f"/streams/{sid}/finish", json={"encoding": "base64"})
         assert r.status_code == 200, r.text
         outs.append(decode(r.json()["output"]))
         got = np.concatenate([o.reshape(-1, want.shape[1]) for o in outs])
