@@ -7,9 +7,9 @@ model_grad.txt).  Always on the 14 Kaldi-made cases of tests/data/networks_kaldi
 on every case of ../shared/kaldi-ref/networks when it is there, also through Redis (one
 service stores the model and the computation, another runs them).  Models: POST /infer
 against nnet3-compute (infer.json) and streams against the looped decodable
-(looped.json), also with two services taking turns on each stream through Redis, on the
-Kaldi-made online-i-vector case always and the reference models of ../shared when
-present."""
+(looped.json), also over WebSocket and with two services taking turns on each stream
+through Redis, on the Kaldi-made online-i-vector case always and the reference models of
+../shared when present."""
 
 from __future__ import annotations
 
@@ -195,6 +195,12 @@ def test_reference_streams_over_http(client, kind, folder: Path, setting):
     _reference_streams([client], kind, folder, setting)
 
 
+@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+def test_reference_streams_over_websocket(client, kind, folder: Path, setting):
+    """The same pushes and finish as WebSocket messages (/streams/{id}/ws)."""
+    _reference_streams([client], kind, folder, setting, websocket=True)
+
+
 @needs_redis
 @pytest.mark.parametrize("kind,folder,setting", _stream_cases())
 def test_reference_streams_through_redis(server, kind, folder: Path, setting):
@@ -208,9 +214,11 @@ def test_reference_streams_through_redis(server, kind, folder: Path, setting):
         assert restored > 0, "no stream was taken over from its checkpoint"
 
 
-def _reference_streams(clients: list, kind: str, folder: Path, setting: dict) -> None:
+def _reference_streams(clients: list, kind: str, folder: Path, setting: dict,
+                       websocket: bool = False) -> None:
     """Each utterance of the case streamed, push k going to clients[k % len(clients)]
-    (the model registered on the first), against Kaldi's output."""
+    (the model registered on the first), or with ``websocket`` as messages on one
+    socket, against Kaldi's output."""
     from engine.inference.looped import find_future_recurrence  # noqa: PLC0415
     from tests.engine.inference_nets import model_file  # noqa: PLC0415
     path = folder / "model.raw" if kind == "online" else model_file(folder)
@@ -257,13 +265,21 @@ def _reference_streams(clients: list, kind: str, folder: Path, setting: dict) ->
             pushes.append({"features": _b64(feats[:0]), "online_ivectors": _b64(online[sent:]),
                            "encoding": "base64"})
         outs = []
-        for push in pushes:
-            r = next(turn).post(f"/streams/{sid}/frames", json=push)
+        if websocket:
+            with clients[0].websocket_connect(f"/streams/{sid}/ws") as ws:
+                for push in [*pushes, {"finish": True, "encoding": "base64"}]:
+                    ws.send_json(push)
+                    j = ws.receive_json()
+                    assert "error" not in j, j
+                    outs.append(decode(j["output"]))
+        else:
+            for push in pushes:
+                r = next(turn).post(f"/streams/{sid}/frames", json=push)
+                assert r.status_code == 200, r.text
+                outs.append(decode(r.json()["output"]))
+            r = next(turn).post(f"/streams/{sid}/finish", json={"encoding": "base64"})
             assert r.status_code == 200, r.text
             outs.append(decode(r.json()["output"]))
-        r = next(turn).post(f"/streams/{sid}/finish", json={"encoding": "base64"})
-        assert r.status_code == 200, r.text
-        outs.append(decode(r.json()["output"]))
         got = np.concatenate([o.reshape(-1, want.shape[1]) for o in outs])
         _close(f"{folder.name} {setting['key']} stream", got, want)
 
