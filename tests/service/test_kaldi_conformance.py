@@ -7,8 +7,8 @@ model_grad.txt).  Always on the 14 Kaldi-made cases of tests/data/networks_kaldi
 on every case of ../shared/kaldi-ref/networks when it is there, also through Redis (one
 service stores the model and the computation, another runs them).  Models: POST /infer
 against nnet3-compute (infer.json) and streams against the looped decodable
-(looped.json), also over WebSocket and with two services taking turns on each stream
-through Redis, on the Kaldi-made online-i-vector case always and the reference models of
+(looped.json), also over WebSocket, through the job queue and with two services taking
+turns on each stream through Redis, on the Kaldi-made online-i-vector case always and the reference models of
 ../shared when present."""
 
 from __future__ import annotations
@@ -212,6 +212,15 @@ def test_reference_streams_through_redis(server, kind, folder: Path, setting):
                        for line in c.get("/metrics").text.splitlines()
                        if line.startswith('nnetc_stream_events_total{event="restored"}'))
         assert restored > 0, "no stream was taken over from its checkpoint"
+
+
+@needs_redis
+@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+def test_reference_streams_through_the_job_queue(server, kind, folder: Path, setting):
+    """The same with NNETC_QUEUE=redis: every stream request is a job a worker runs."""
+    from tests.service.test_redis_queue import ThreadWorker, _api  # noqa: PLC0415
+    with _api(server.url) as api, ThreadWorker(server.url):
+        _reference_streams([api], kind, folder, setting)
 
 
 def _reference_streams(clients: list, kind: str, folder: Path, setting: dict,
