@@ -8,8 +8,8 @@ on every case of ../shared/kaldi-ref/networks when it is there, also through Red
 service stores the model and the computation, another runs them).  Models: POST /infer
 against nnet3-compute (infer.json) and streams against the looped decodable
 (looped.json), also over WebSocket, through the job queue and with two services taking
-turns on each stream through Redis, on the Kaldi-made online-i-vector case always and the reference models of
-../shared when present."""
+turns on each stream through Redis, on the Kaldi-made online-i-vector case always and the
+reference models of ../shared when present."""
 
 from __future__ import annotations
 
