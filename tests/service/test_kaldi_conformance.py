@@ -1,15 +1,16 @@
-"""Kaldi's references through the HTTP API, end to end.  Networks: a client registers the
-model text (POST /models), compiles the reference request (POST /compile with the
-listing) and runs it (POST /compute with Kaldi's inputs and output derivatives).  The
-statistics and listing must be Kaldi's (stats.json, computation.txt) and the outputs,
-input derivatives and model gradients Kaldi's to float32 rounding (arrays.npz,
-model_grad.txt).  Always on the 14 Kaldi-made cases of tests/data/networks_kaldi_gen;
-on every case of ../shared/kaldi-ref/networks when it is there, also through Redis (one
-service stores the model and the computation, another runs them).  Models: POST /infer
-against nnet3-compute (infer.json) and streams against the looped decodable
-(looped.json), also over WebSocket, through the job queue and with two services taking
-turns on each stream through Redis, on the Kaldi-made online-i-vector case always and the
-reference models of ../shared when present."""
+"""Kaldi's references through the HTTP API, end to end.
+
+Networks: a client registers the model text (POST /models), compiles the reference request
+(POST /compile with the listing) and runs it (POST /compute with Kaldi's inputs and output
+derivatives); the statistics and listing must be Kaldi's (stats.json, computation.txt) and
+the outputs, input derivatives and model gradients Kaldi's to float32 rounding (arrays.npz,
+model_grad.txt); also through Redis (one service stores the model and the computation,
+another runs them) and through the job queue.  Components: each reference component as a
+one-component network through POST /compute.  Models: POST /infer against nnet3-compute
+(infer.json; also through the job queue) and streams against the looped decodable
+(looped.json; over HTTP, WebSocket, the job queue, and two services taking turns through
+Redis).  Always on the Kaldi-made cases of tests/data (14 networks, 33 components, the
+online-i-vector cases); on everything in ../shared/kaldi-ref when it is there."""
 
 from __future__ import annotations
 
@@ -135,6 +136,19 @@ def _infer_cases() -> list:
 def test_reference_inference_over_http(client, kind, folder: Path, setting):
     """POST /infer against Kaldi's nnet3-compute: the reference models' utterances with
     their options (../shared), and the Kaldi-made online-i-vector case (always)."""
+    _reference_inference(client, kind, folder, setting)
+
+
+@needs_redis
+@pytest.mark.parametrize("kind,folder,setting", _infer_cases())
+def test_reference_inference_through_the_job_queue(server, kind, folder: Path, setting):
+    """The same with NNETC_QUEUE=redis: each /infer is a job a worker runs."""
+    from tests.service.test_redis_queue import ThreadWorker, _api  # noqa: PLC0415
+    with _api(server.url) as api, ThreadWorker(server.url):
+        _reference_inference(api, kind, folder, setting)
+
+
+def _reference_inference(client, kind: str, folder: Path, setting) -> None:
     from tests.engine.inference_nets import model_file, nnet3_compute_options  # noqa: PLC0415
     fields = ("frames_per_chunk", "extra_left_context", "extra_right_context",
               "extra_left_context_initial", "extra_right_context_final",
