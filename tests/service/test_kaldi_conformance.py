@@ -5,7 +5,8 @@ Networks: a client registers the model text (POST /models), compiles the referen
 derivatives); the statistics and listing must be Kaldi's (stats.json, computation.txt) and
 the outputs, input derivatives and model gradients Kaldi's to float32 rounding (arrays.npz,
 model_grad.txt); also through Redis (one service stores the model and the computation,
-another runs them) and through the job queue.  Components: each reference component as a
+another runs them), through the job queue, and batched (four concurrent one-sequence jobs
+merged along n).  Components: each reference component as a
 one-component network through POST /compute.  Models: POST /infer against nnet3-compute
 (infer.json; also through the job queue) and streams against the looped decodable
 (looped.json; over HTTP, WebSocket, the job queue, and two services taking turns through
@@ -428,3 +429,40 @@ def test_reference_networks_through_the_job_queue(server):
             r = api.post("/compute", json=_compute_body(mid, request, arrays))
             assert r.status_code == 200, f"{case.name}: {r.text}"
             _check_compute(r.json(), request, arrays, case.name)
+
+
+@pytest.mark.parametrize("case", network_case_params())
+def test_reference_network_batched(case: Path):
+    """Dynamic batching against Kaldi: the case's first sequence alone (the rows of its
+    lowest n, renumbered n = 0: nnet3 never mixes sequences, so Kaldi's rows for it are
+    the answer), sent as four concurrent jobs that the service merges along n into one
+    computation."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+    request = json.loads((case / "request.json").read_text())
+    arrays = np.load(case / "arrays.npz")
+    first = min(ix[0] for s in request["outputs"] for ix in s["indexes"])
+    sub: dict = {"inputs": [], "outputs": []}
+    inputs, want = {}, {}
+    for key, part, into in (("inputs", "input", inputs), ("outputs", "output", want)):
+        for s in request[key]:
+            rows = [i for i, ix in enumerate(s["indexes"]) if ix[0] == first]
+            if not rows:
+                pytest.skip(f"{s['name']} has no row of sequence {first}")
+            sub[key].append({"name": s["name"],
+                             "indexes": [[0, *s["indexes"][i][1:]] for i in rows]})
+            into[s["name"]] = arrays[f"{part}.{s['name']}"][rows]
+    with make_client(max_batch=8, batch_delay_ms=50) as client:
+        r = client.post("/models", json={"text": (case / "model.txt").read_text()})
+        body = {"model_id": r.json()["model_id"], "request": sub, "encoding": "base64",
+                "inputs": {k: _b64(v) for k, v in inputs.items()}}
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: client.post("/compute", json=body), range(4)))
+        sizes = {line.split(" ")[0]: float(line.split(" ")[1])
+                 for line in client.get("/metrics").text.splitlines()
+                 if line.startswith(("nnetc_batch_size_count", "nnetc_batch_size_sum"))}
+    for r in answers:
+        assert r.status_code == 200, r.text
+        for name, ref in want.items():
+            _close(f"{case.name} {name}", decode(r.json()["outputs"][name]), ref)
+    # four jobs, fewer batches: at least two of them ran as one computation
+    assert sizes["nnetc_batch_size_sum"] == 4 and sizes["nnetc_batch_size_count"] < 4, sizes
