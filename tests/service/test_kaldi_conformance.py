@@ -238,6 +238,17 @@ def test_reference_streams_through_the_job_queue(server, kind, folder: Path, set
         _reference_streams([api], kind, folder, setting)
 
 
+def test_reference_streams_at_once(client):
+    """Every reference stream case at the same time on one service (a thread each):
+    each still gives Kaldi's output (streams share the service's models, compiled
+    looped computations and worker)."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+    cases = [p.values for p in _stream_cases()]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        for f in [pool.submit(_reference_streams, [client], *v) for v in cases]:
+            f.result()
+
+
 def _reference_streams(clients: list, kind: str, folder: Path, setting: dict,
                        websocket: bool = False) -> None:
     """Each utterance of the case streamed, push k going to clients[k % len(clients)]
