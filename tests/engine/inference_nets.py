@@ -132,3 +132,78 @@ def nnet3_compute_options(infer_json: dict) -> dict:
     o = dict(infer_json["nnet3_compute_options"])
     o.update(nnet3_compute_flags(o.pop("extra", None) or []))
     return o
+
+
+# -- Kaldi's model references, read once for every end-to-end test (CLI and service) -------
+#
+# Cases: ("online", tests/data/inference/online_ivectors, setting) -- the Kaldi-made
+# online-i-vector case, always -- and ("ref", ../shared/kaldi-ref/models/<arch>, ...) when
+# ../shared is there.  A case reads as (model file, options, jobs): options as
+# nnet3-compute's or the looped decodable's fields (online_ivector_period included), jobs
+# (features, i-vector or None, online i-vector rows or None, Kaldi's output) per utterance.
+
+ONLINE_CASE = Path(__file__).resolve().parents[1] / "data" / "inference" / "online_ivectors"
+
+
+def _reference_params(local_json: str, shared_json: str, per_setting: bool) -> list:
+    import pytest  # noqa: PLC0415
+    from refdata import shared_ref  # noqa: PLC0415
+    out = [pytest.param("online", ONLINE_CASE, s, id=f"online-{s['key']}")
+           for s in read_json(ONLINE_CASE / local_json)["settings"]]
+    for d in model_dirs(shared_ref(), shared_json):
+        settings = read_json(d / shared_json)["settings"] if per_setting else [None]
+        out += [pytest.param("ref", d, s, id=f"ref-{d.name}" + (f"-{s['key']}" if s else ""),
+                             marks=pytest.mark.conformance) for s in settings]
+    return out
+
+
+def infer_reference_params() -> list:
+    """(kind, folder, setting) of every nnet3-compute reference (infer.json)."""
+    return _reference_params("offline.json", "infer.json", per_setting=False)
+
+
+def looped_reference_params() -> list:
+    """(kind, folder, setting) of every looped-decodable reference (looped.json)."""
+    return _reference_params("case.json", "looped.json", per_setting=True)
+
+
+def infer_reference(kind: str, folder: Path, setting) -> tuple[Path, dict, list]:
+    """(model file, nnet3-compute options, jobs) of an infer_reference_params case."""
+    if kind == "online":
+        z = np.load(folder / "offline.npz")
+        return folder / "model.raw", dict(setting), [
+            (np.load(folder / "case.npz")["features"], None, z[f"online.{setting['key']}"],
+             z[f"output.{setting['key']}"])]
+    o = nnet3_compute_options(read_json(folder / "infer.json"))
+    z = np.load(folder / "infer.npz")
+    jobs = []
+    for u in sorted(k.split(".", 1)[1] for k in z.files if k.startswith("features.")):
+        # a per-utterance i-vector, or online ones (a matrix, one row per
+        # online_ivector_period frames, as nnet3-compute's --online-ivectors)
+        iv = z.get(f"online_ivectors.{u}", z.get(f"ivector.{u}"))
+        online = iv is not None and (o.get("ivectors") == "online" or iv.ndim == 2)
+        jobs.append((z[f"features.{u}"], None if online else iv, iv if online else None,
+                     z[f"output.{u}"]))
+    return model_file(folder), o, jobs
+
+
+def looped_reference(kind: str, folder: Path, setting: dict) -> tuple[Path, dict, list]:
+    """(model file, looped options, jobs) of a looped_reference_params case; the options
+    carry Kaldi's defaults where the setting omits one and truncate_future_recurrence for
+    a network with a recurrence reading later frames (as Kaldi's looped decodable runs
+    it)."""
+    from engine.inference.looped import find_future_recurrence  # noqa: PLC0415
+    from engine.nnet.model_io import load_nnet  # noqa: PLC0415
+    path = folder / "model.raw" if kind == "online" else model_file(folder)
+    o = {"frames_per_chunk": setting.get("frames_per_chunk", 20),
+         "extra_left_context_initial": setting.get("extra_left_context_initial", 0),
+         "frame_subsampling_factor": setting.get("frame_subsampling_factor", 1),
+         "online_ivector_period": setting.get("online_ivector_period"),
+         "truncate_future_recurrence": find_future_recurrence(load_nnet(path)) is not None}
+    if kind == "online":
+        z = np.load(folder / "case.npz")
+        return path, o, [(z["features"], None, z[f"online.{setting['key']}"],
+                          z[f"output.{setting['key']}"])]
+    z, prefix = np.load(folder / "looped.npz"), f"output.{setting['key']}."
+    return path, o, [(z[f"features.{k[len(prefix):]}"], z.get(f"ivector.{k[len(prefix):]}"),
+                      None, z[k]) for k in z.files if k.startswith(prefix)]

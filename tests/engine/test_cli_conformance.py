@@ -17,8 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from engine.nnet.model_io import load_nnet
-from inference_nets import assert_close
-from refdata import DATA, network_case_params, shared_ref
+from inference_nets import (assert_close, infer_reference, infer_reference_params,
+                            looped_reference, looped_reference_params)
+from refdata import network_case_params
 from service.cli import main
 
 
@@ -78,7 +79,6 @@ def test_reference_network_through_the_cli(case: Path, tmp_path):
 
 # -- models: nnetc infer (nnet3-compute) and nnetc stream (the looped decodable) ------------
 
-_ONLINE = DATA / "inference" / "online_ivectors"
 _FLAGS = {"frames_per_chunk": "--frames-per-chunk", "extra_left_context": "--extra-left-context",
           "extra_right_context": "--extra-right-context",
           "extra_left_context_initial": "--extra-left-context-initial",
@@ -101,32 +101,9 @@ def _io_args(tmp_path: Path, j: int, feats, ivector, online, period) -> list:
     return args
 
 
-def _infer_cases() -> list:
-    from inference_nets import model_dirs  # noqa: PLC0415
-    out = [pytest.param("online", _ONLINE, s, id=f"online-{s['key']}")
-           for s in json.loads((_ONLINE / "offline.json").read_text())["settings"]]
-    out += [pytest.param("ref", d, None, id=f"ref-{d.name}", marks=pytest.mark.conformance)
-            for d in model_dirs(shared_ref(), "infer.json")]
-    return out
-
-
-@pytest.mark.parametrize("kind,folder,setting", _infer_cases())
+@pytest.mark.parametrize("kind,folder,setting", infer_reference_params())
 def test_reference_inference_through_the_cli(kind, folder: Path, setting, tmp_path):
-    from inference_nets import model_file, nnet3_compute_options  # noqa: PLC0415
-    if kind == "online":
-        o, model = dict(setting), folder / "model.raw"
-        z = np.load(folder / "offline.npz")
-        jobs = [(np.load(folder / "case.npz")["features"], None, z[f"online.{setting['key']}"],
-                 z[f"output.{setting['key']}"])]
-    else:
-        o = nnet3_compute_options(json.loads((folder / "infer.json").read_text()))
-        model, z = model_file(folder), np.load(folder / "infer.npz")
-        jobs = []
-        for u in sorted(k.split(".", 1)[1] for k in z.files if k.startswith("features.")):
-            iv = z.get(f"online_ivectors.{u}", z.get(f"ivector.{u}"))
-            online = iv is not None and (o.get("ivectors") == "online" or iv.ndim == 2)
-            jobs.append((z[f"features.{u}"], None if online else iv, iv if online else None,
-                         z[f"output.{u}"]))
+    model, o, jobs = infer_reference(kind, folder, setting)
     flags = [a for k, f in _FLAGS.items() if k in o for a in (f, o[k])]
     flags += [f"--{k.replace('_', '-')}" for k in ("apply_exp", "use_priors") if o.get(k)]
     for j, (feats, ivector, online, want) in enumerate(jobs):
@@ -135,36 +112,15 @@ def test_reference_inference_through_the_cli(kind, folder: Path, setting, tmp_pa
         assert_close(np.load(tmp_path / f"o{j}.npy"), want, f"{folder.name} nnetc infer")
 
 
-def _stream_cases() -> list:
-    from inference_nets import model_dirs  # noqa: PLC0415
-    out = [pytest.param("online", _ONLINE, s, id=f"online-{s['key']}")
-           for s in json.loads((_ONLINE / "case.json").read_text())["settings"]]
-    for d in model_dirs(shared_ref(), "looped.json"):
-        out += [pytest.param("ref", d, s, id=f"ref-{d.name}-{s['key']}",
-                             marks=pytest.mark.conformance)
-                for s in json.loads((d / "looped.json").read_text())["settings"]]
-    return out
-
-
-@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+@pytest.mark.parametrize("kind,folder,setting", looped_reference_params())
 def test_reference_streams_through_the_cli(kind, folder: Path, setting, tmp_path):
-    from engine.inference.looped import find_future_recurrence  # noqa: PLC0415
-    from inference_nets import model_file  # noqa: PLC0415
-    model = folder / "model.raw" if kind == "online" else model_file(folder)
-    flags = ["--frames-per-chunk", setting.get("frames_per_chunk", 20),
-             "--extra-left-context-initial", setting.get("extra_left_context_initial", 0),
-             "--frame-subsampling-factor", setting.get("frame_subsampling_factor", 1)]
-    if find_future_recurrence(load_nnet(model)) is not None:
-        flags.append("--truncate-future-recurrence")     # as Kaldi's looped decodable runs it
-    if kind == "online":
-        z = np.load(folder / "case.npz")
-        jobs = [(z["features"], None, z[f"online.{setting['key']}"],
-                 z[f"output.{setting['key']}"])]
-    else:
-        z, prefix = np.load(folder / "looped.npz"), f"output.{setting['key']}."
-        jobs = [(z[f"features.{k[len(prefix):]}"], z.get(f"ivector.{k[len(prefix):]}"), None,
-                 z[k]) for k in z.files if k.startswith(prefix)]
+    model, o, jobs = looped_reference(kind, folder, setting)
+    flags = ["--frames-per-chunk", o["frames_per_chunk"],
+             "--extra-left-context-initial", o["extra_left_context_initial"],
+             "--frame-subsampling-factor", o["frame_subsampling_factor"]]
+    if o["truncate_future_recurrence"]:
+        flags.append("--truncate-future-recurrence")
     for j, (feats, ivector, online, want) in enumerate(jobs):
         _run("stream", model, *_io_args(tmp_path, j, feats, ivector, online,
-                                        setting.get("online_ivector_period")), *flags)
+                                        o["online_ivector_period"]), *flags)
         assert_close(np.load(tmp_path / f"o{j}.npy"), want, f"{folder.name} nnetc stream")

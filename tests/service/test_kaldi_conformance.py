@@ -25,7 +25,9 @@ import pytest
 
 from engine.nnet.model_io import load_nnet
 from refdata import DATA, network_case_params, shared_ref
-from tests.engine.inference_nets import assert_close
+from tests.engine.inference_nets import (assert_close, infer_reference,
+                                         infer_reference_params, looped_reference,
+                                         looped_reference_params)
 from tests.service.conftest import decode, make_client, needs_redis
 
 LOCAL = sorted((DATA / "networks_kaldi_gen").iterdir())
@@ -122,18 +124,7 @@ def _upload(client, path: Path) -> str:
     return r.json()["model_id"]
 
 
-def _infer_cases() -> list:
-    from tests.engine.inference_nets import model_dirs  # noqa: PLC0415
-    online = DATA / "inference" / "online_ivectors"
-    out = [pytest.param("online", online, s, id=f"online-{s['key']}")
-           for s in json.loads((online / "offline.json").read_text())["settings"]]
-    for d in model_dirs(shared_ref(), "infer.json"):
-        out.append(pytest.param("ref", d, None, id=f"ref-{d.name}",
-                                marks=pytest.mark.conformance))
-    return out
-
-
-@pytest.mark.parametrize("kind,folder,setting", _infer_cases())
+@pytest.mark.parametrize("kind,folder,setting", infer_reference_params())
 def test_reference_inference_over_http(client, kind, folder: Path, setting):
     """POST /infer against Kaldi's nnet3-compute: the reference models' utterances with
     their options (../shared), and the Kaldi-made online-i-vector case (always)."""
@@ -141,7 +132,7 @@ def test_reference_inference_over_http(client, kind, folder: Path, setting):
 
 
 @needs_redis
-@pytest.mark.parametrize("kind,folder,setting", _infer_cases())
+@pytest.mark.parametrize("kind,folder,setting", infer_reference_params())
 def test_reference_inference_through_the_job_queue(server, kind, folder: Path, setting):
     """The same with NNETC_QUEUE=redis: each /infer is a job a worker runs."""
     from tests.service.test_redis_queue import ThreadWorker, _api  # noqa: PLC0415
@@ -150,31 +141,12 @@ def test_reference_inference_through_the_job_queue(server, kind, folder: Path, s
 
 
 def _reference_inference(client, kind: str, folder: Path, setting) -> None:
-    from tests.engine.inference_nets import model_file, nnet3_compute_options  # noqa: PLC0415
     fields = ("frames_per_chunk", "extra_left_context", "extra_right_context",
               "extra_left_context_initial", "extra_right_context_final",
               "frame_subsampling_factor", "acoustic_scale", "apply_exp", "use_priors")
-    if kind == "online":
-        mid = _upload(client, folder / "model.raw")
-        z = np.load(folder / "offline.npz")
-        feats = np.load(folder / "case.npz")["features"]
-        jobs = [(feats, None, z[f"online.{setting['key']}"],
-                 z[f"output.{setting['key']}"])]
-        opts, period = {k: setting[k] for k in fields if k in setting}, \
-            setting["online_ivector_period"]
-    else:
-        mid = _upload(client, model_file(folder))
-        o = nnet3_compute_options(json.loads((folder / "infer.json").read_text()))
-        opts = {k: o[k] for k in fields if k in o}
-        period = int(o.get("online_ivector_period", 0) or 0)
-        z = np.load(folder / "infer.npz")
-        utts = sorted(k.split(".", 1)[1] for k in z.files if k.startswith("features."))
-        jobs = []
-        for u in utts:
-            iv = z.get(f"online_ivectors.{u}", z.get(f"ivector.{u}"))
-            online = iv is not None and (o.get("ivectors") == "online" or iv.ndim == 2)
-            jobs.append((z[f"features.{u}"], None if online else iv, iv if online else None,
-                         z[f"output.{u}"]))
+    model, o, jobs = infer_reference(kind, folder, setting)
+    mid = _upload(client, model)
+    opts, period = {k: o[k] for k in fields if k in o}, o.get("online_ivector_period")
     for feats, ivector, online, want in jobs:
         body = {"model_id": mid, "features": _b64(feats), "options": opts,
                 "encoding": "base64"}
@@ -188,19 +160,7 @@ def _reference_inference(client, kind: str, folder: Path, setting) -> None:
         _close(f"{folder.name} /infer", decode(r.json()["output"]), want)
 
 
-def _stream_cases() -> list:
-    from tests.engine.inference_nets import model_dirs  # noqa: PLC0415
-    online = DATA / "inference" / "online_ivectors"
-    out = [pytest.param("online", online, s, id=f"online-{s['key']}")
-           for s in json.loads((online / "case.json").read_text())["settings"]]
-    for d in model_dirs(shared_ref(), "looped.json"):
-        for s in json.loads((d / "looped.json").read_text())["settings"]:
-            out.append(pytest.param("ref", d, s, id=f"ref-{d.name}-{s['key']}",
-                                    marks=pytest.mark.conformance))
-    return out
-
-
-@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+@pytest.mark.parametrize("kind,folder,setting", looped_reference_params())
 def test_reference_streams_over_http(client, kind, folder: Path, setting):
     """POST /streams, frames pushed in pieces of 1-40 (online i-vector rows with the
     frames they describe), finish: Kaldi's looped decodable output (its looped.json
@@ -210,14 +170,14 @@ def test_reference_streams_over_http(client, kind, folder: Path, setting):
     _reference_streams([client], kind, folder, setting)
 
 
-@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+@pytest.mark.parametrize("kind,folder,setting", looped_reference_params())
 def test_reference_streams_over_websocket(client, kind, folder: Path, setting):
     """The same pushes and finish as WebSocket messages (/streams/{id}/ws)."""
     _reference_streams([client], kind, folder, setting, websocket=True)
 
 
 @needs_redis
-@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+@pytest.mark.parametrize("kind,folder,setting", looped_reference_params())
 def test_reference_streams_through_redis(server, kind, folder: Path, setting):
     """The same with two services sharing one Redis taking turns on each stream (every
     push goes to the other one, which takes the stream over from its checkpoint)."""
@@ -230,7 +190,7 @@ def test_reference_streams_through_redis(server, kind, folder: Path, setting):
 
 
 @needs_redis
-@pytest.mark.parametrize("kind,folder,setting", _stream_cases())
+@pytest.mark.parametrize("kind,folder,setting", looped_reference_params())
 def test_reference_streams_through_the_job_queue(server, kind, folder: Path, setting):
     """The same with NNETC_QUEUE=redis: every stream request is a job a worker runs."""
     from tests.service.test_redis_queue import ThreadWorker, _api  # noqa: PLC0415
@@ -243,7 +203,7 @@ def test_reference_streams_at_once(client):
     each still gives Kaldi's output (streams share the service's models, compiled
     looped computations and worker)."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
-    cases = [p.values for p in _stream_cases()]
+    cases = [p.values for p in looped_reference_params()]
     with ThreadPoolExecutor(len(cases)) as pool:
         for f in [pool.submit(_reference_streams, [client], *v) for v in cases]:
             f.result()
@@ -254,26 +214,11 @@ def _reference_streams(clients: list, kind: str, folder: Path, setting: dict,
     """Each utterance of the case streamed, push k going to clients[k % len(clients)]
     (the model registered on the first), or with ``websocket`` as messages on one
     socket, against Kaldi's output."""
-    from engine.inference.looped import find_future_recurrence  # noqa: PLC0415
-    from tests.engine.inference_nets import model_file  # noqa: PLC0415
-    path = folder / "model.raw" if kind == "online" else model_file(folder)
+    path, o, jobs = looped_reference(kind, folder, setting)
     mid = _upload(clients[0], path)
-    options = {"frames_per_chunk": setting.get("frames_per_chunk", 20),
-               "extra_left_context_initial": setting.get("extra_left_context_initial", 0),
-               "frame_subsampling_factor": setting.get("frame_subsampling_factor", 1),
-               "truncate_future_recurrence":
-                   find_future_recurrence(load_nnet(path)) is not None}
-    if kind == "online":
-        z = np.load(folder / "case.npz")
-        jobs = [(z["features"], None, z[f"online.{setting['key']}"],
-                 z[f"output.{setting['key']}"])]
-        period = setting["online_ivector_period"]
-    else:
-        z = np.load(folder / "looped.npz")
-        prefix = f"output.{setting['key']}."
-        jobs = [(z[f"features.{k[len(prefix):]}"], z.get(f"ivector.{k[len(prefix):]}"), None,
-                 z[k]) for k in z.files if k.startswith(prefix)]
-        period = None
+    options = {k: o[k] for k in ("frames_per_chunk", "extra_left_context_initial",
+                                 "frame_subsampling_factor", "truncate_future_recurrence")}
+    period = o["online_ivector_period"]
     rng = np.random.default_rng(5)
     turn = itertools.cycle(clients)
     for feats, ivector, online, want in jobs:
