@@ -140,7 +140,7 @@ def suite_compile(r: Runner) -> list[dict]:
         t = clock()
         common.compile_cold(nnet, common.chunk_request(nnet, 21, 1))
         first_ms = (clock() - t) * 1e3
-        model_rows = []
+        measured = []      # (chunk, batch, runs, commands), normalised once py_after is known
         for chunk, batch in COMPILE_CASES:
             request = common.chunk_request(nnet, chunk, batch)
             runs, comp = [], None
@@ -154,25 +154,22 @@ def suite_compile(r: Runner) -> list[dict]:
                     common.compile_cold(nnet, request)
                     runs.append(clock() - t)
                     break
-            k = figs[0].get((chunk, batch)) if figs else None
-            model_rows.append({"model": name, "chunk": chunk, "batch": batch,
-                               "runs": len(runs), "ours_ms": statistics.median(runs) * 1e3,
-                               "kaldi_ms": k["compile_ms"] if k else None,
-                               "commands": comp.stats()["commands"],
-                               "kaldi_commands": k["commands"] if k else None,
-                               "network_first_ms": first_ms})
+            measured.append((chunk, batch, runs, comp.stats()["commands"]))
         py_after = common.python_s_on(clock)
         py_cpu = (py_before + py_after) / 2
-        for row in model_rows:
-            ms, k_ms = row["ours_ms"], row["kaldi_ms"]
-            rows.append({**{k: row[k] for k in ("model", "chunk", "batch", "runs", "ours_ms")},
-                         "per_python_s": ms / 1e3 / py_cpu, "kaldi_ms": k_ms,
+        for chunk, batch, runs, commands in measured:
+            ms = statistics.median(runs) * 1e3
+            k = figs[0].get((chunk, batch)) if figs else None
+            k_ms = k["compile_ms"] if k else None
+            rows.append({"model": name, "chunk": chunk, "batch": batch, "runs": len(runs),
+                         "ours_ms": ms, "per_python_s": ms / 1e3 / py_cpu,
+                         "kaldi_ms": k_ms,
                          "ratio_vs_kaldi": _norm(ms, py_cpu, k_ms,
                                                  figs[1]["python_s"] if figs else None),
                          "ratio_raw": ms / k_ms if k_ms else None,
-                         **{k: row[k] for k in ("commands", "kaldi_commands",
-                                                "network_first_ms")},
-                         "python_cpu_s": py_cpu,
+                         "commands": commands,
+                         "kaldi_commands": k["commands"] if k else None,
+                         "network_first_ms": first_ms, "python_cpu_s": py_cpu,
                          "python_cpu_s_before_after": [py_before, py_after]})
         py_before = py_after
     return rows
