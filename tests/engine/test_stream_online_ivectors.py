@@ -202,20 +202,23 @@ def test_lock_step_stream_batch_with_online_ivectors():
     lengths = [90, 61, 90]
     sb = StreamBatch(batch_model, online_ivector_period=period)
     got: list[list] = [[] for _ in sets]
+
+    def finish(j: int, r, n: int) -> None:
+        """Stream j's remaining rows, then its end (once)."""
+        if not sb.finished[j]:
+            sb.push(j, FEATS[:0], online_ivectors=r[n // period:])
+            sb.finish(j)
     for start in range(0, 90, 15):
         for j, (r, n) in enumerate(zip(sets, lengths)):
             if start < n:
                 sb.push(j, FEATS[start:min(start + 15, n)],
                         online_ivectors=r[start // period:min(start + 15, n) // period])
-            elif not sb.finished[j]:
-                sb.push(j, FEATS[:0], online_ivectors=r[n // period:])
-                sb.finish(j)
+            else:
+                finish(j, r, n)
         for j, o in enumerate(sb.advance()):
             got[j].append(o)
     for j, (r, n) in enumerate(zip(sets, lengths)):
-        if not sb.finished[j]:
-            sb.push(j, FEATS[:0], online_ivectors=r[n // period:])
-            sb.finish(j)
+        finish(j, r, n)
     for j, o in enumerate(sb.advance()):
         got[j].append(o)
     for j, (r, n) in enumerate(zip(sets, lengths)):
