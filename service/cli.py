@@ -406,7 +406,7 @@ def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivec
                                                   frame_subsampling_factor,
                                                   truncate_future_recurrence),
                          priors=model_priors(model), use_priors=use_priors)
-    stream = looped.stream(ivector, online_ivector_period or None)
+    stream = looped.stream(ivector, online_ivector_period or None, acoustic_scale)
     if np.ndim(feats) != 2:
         stream.push(feats)  # raises the typed error for a malformed matrix
     rng = np.random.default_rng()
@@ -423,10 +423,7 @@ def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivec
     if online is not None and sent < len(online):
         pieces.append(stream.push(feats[:0], online_ivectors=online[sent:]))
     pieces.append(stream.finish())
-    out = np.concatenate(pieces, axis=0).astype(np.float32, copy=False)
-    if acoustic_scale != 1.0:
-        out *= np.float32(acoustic_scale)
-    np.save(out_path, out)
+    np.save(out_path, np.concatenate(pieces, axis=0).astype(np.float32, copy=False))
 
 
 @main.command("serve")

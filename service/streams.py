@@ -310,7 +310,7 @@ class StreamManager:
                                f"(same bytes, same id) and retry", "model_id") from None
         looped = self.looped_model(entry, rec["options"])
         try:
-            stream = looped.import_stream(rec["state"])
+            stream = looped.import_stream(rec["state"], rec["options"]["acoustic_scale"])
         except NnetcError as e:
             raise ServiceError(500, "CorruptCheckpoint",
                                f"the checkpoint of stream {sid} cannot be restored: {e}") from None
@@ -384,7 +384,8 @@ class StreamManager:
                                    f"max_streams); finish or close some, or retry later")
         entry, options = p["entry"], p["options"]
         looped = self.looped_model(entry, options)
-        stream = looped.stream(p["ivector"], p.get("online_ivector_period"))
+        stream = looped.stream(p["ivector"], p.get("online_ivector_period"),
+                               options["acoustic_scale"])
         sid = "s-" + secrets.token_urlsafe(18)
         live = LiveStream(sid, entry.model_id, options, looped, stream)
         self._checkpoint(live)
@@ -428,7 +429,7 @@ class StreamManager:
                                        f"frames", "features")
             out = s.push(p["features"], p.get("ivector"), rows)
             self._checkpoint(live)
-        return self._scaled(live, out), first, live.summary()
+        return out, first, live.summary()
 
     def finish(self, p: dict) -> tuple[np.ndarray, int, dict]:
         live = self.get(p["stream_id"])
@@ -437,7 +438,7 @@ class StreamManager:
             out = live.stream.finish()
             self._forget(live.stream_id)
         self._event("finished")
-        return self._scaled(live, out), first, live.summary()
+        return out, first, live.summary()
 
     def close(self, p: dict) -> None:
         sid = p["stream_id"]
@@ -468,11 +469,6 @@ class StreamManager:
         except StoreUnavailable:
             pass     # the checkpoint expires on its own
         self._gauge()
-
-    @staticmethod
-    def _scaled(live: LiveStream, out: np.ndarray) -> np.ndarray:
-        scale = live.options["acoustic_scale"]
-        return out if scale == 1.0 else (out * np.float32(scale)).astype(np.float32)
 
     def __len__(self) -> int:
         with self._lock:

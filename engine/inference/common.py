@@ -192,6 +192,19 @@ def model_priors(model):
     return priors
 
 
+def check_acoustic_scale(scale) -> float:
+    """The acoustic scale as a finite float."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(scale):
+        raise InferenceError(f"acoustic_scale: must be a finite number, got {scale!r}")
+    return float(scale)
+
+
+def scale_output(out: np.ndarray, scale: float) -> np.ndarray:
+    """``out`` times the acoustic scale (float32, as Kaldi's CuMatrix::Scale)."""
+    return out if scale == 1.0 else out * np.float32(scale)
+
+
 def log_priors(priors, output_dim: int) -> np.ndarray | None:
     """log(priors) as float32 (Kaldi applies the log in float), checked against the
     output dimension; None when there are no priors."""

@@ -31,9 +31,9 @@ import numpy as np
 from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.core.errors import InferenceError
 from engine.core.index import Index
-from engine.inference.common import (CachingCompiler, as_features, check_ivectors,
-                                     check_simple, lcm, log_priors, prepare_nnet,
-                                     simple_context)
+from engine.inference.common import (CachingCompiler, as_features, check_acoustic_scale,
+                                     check_ivectors, check_simple, lcm, log_priors,
+                                     prepare_nnet, simple_context)
 from engine.runtime.parallel import run_concurrently
 
 
@@ -78,6 +78,7 @@ class InferenceOptions:
             raise InferenceError(f"max_batch must be >= 1, got {self.max_batch}")
         if not 1 <= self.threads <= 64:
             raise InferenceError(f"threads must be in [1, 64], got {self.threads}")
+        check_acoustic_scale(self.acoustic_scale)
 
 
 @dataclass

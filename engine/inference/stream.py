@@ -43,8 +43,8 @@ import threading
 import numpy as np
 
 from engine.core.errors import InferenceError, StreamError
-from engine.inference.common import (as_features, check_simple, log_priors, prepare_nnet,
-                                     simple_context)
+from engine.inference.common import (as_features, check_acoustic_scale, check_simple,
+                                     log_priors, prepare_nnet, scale_output, simple_context)
 from engine.inference.looped import (LoopedConfig, compile_looped, create_looped_requests,
                                      find_future_recurrence, get_chunk_size,
                                      modify_nnet_ivector_period)
@@ -126,17 +126,23 @@ class LoopedModel:
         b = k * self.chunk_size + self.frames_right_context
         return b, b + self.chunk_size
 
-    def stream(self, ivector=None, online_ivector_period: int | None = None) -> "Stream":
+    def stream(self, ivector=None, online_ivector_period: int | None = None,
+               acoustic_scale: float = 1.0) -> "Stream":
         """A new stream: with a per-utterance ``ivector``, or with online i-vector rows
-        pushed every ``online_ivector_period`` input frames (see the module docstring)."""
+        pushed every ``online_ivector_period`` input frames (see the module docstring);
+        its outputs (log priors subtracted first when the model uses them) are
+        multiplied by ``acoustic_scale``, as in Kaldi's looped decodable."""
         if self.num_sequences != 1:
             raise InferenceError(f"this LoopedModel runs {self.num_sequences} sequences at "
                                  f"once; use StreamBatch")
-        return Stream(self, ivector, online_ivector_period)
+        return Stream(self, ivector, online_ivector_period, acoustic_scale)
 
-    def import_stream(self, state: bytes) -> "Stream":
-        """A Stream continuing from ``state`` (written by Stream.export_state)."""
-        return Stream._from_state(self, state)
+    def import_stream(self, state: bytes, acoustic_scale: float | None = None) -> "Stream":
+        """A Stream continuing from ``state`` (written by Stream.export_state), with the
+        acoustic scale the state records.  A caller that knows the scale the stream was
+        opened with may pass it: a state that records another one is refused, and a
+        state written without one (an earlier version) takes it."""
+        return Stream._from_state(self, state, acoustic_scale)
 
 
 def check_online_period(model: LoopedModel, period, ivector) -> int:
@@ -203,9 +209,11 @@ class Stream:
     """One utterance fed in pieces: ``push(frames)`` returns the output rows that
     became computable, ``finish()`` the rest."""
 
-    def __init__(self, model: LoopedModel, ivector=None, online_ivector_period=None):
+    def __init__(self, model: LoopedModel, ivector=None, online_ivector_period=None,
+                 acoustic_scale: float = 1.0):
         from engine.runtime.executor import Executor  # noqa: PLC0415
         self.model = model
+        self.acoustic_scale = check_acoustic_scale(acoustic_scale)
         # online i-vectors: the period, the rows kept (from row ``online_start`` on)
         self.online_period = check_online_period(model, online_ivector_period, ivector)
         self.online_rows = (np.zeros((0, model.ivector_dim), dtype=np.float32)
@@ -379,11 +387,12 @@ class Stream:
 
     def take_output(self, out: np.ndarray) -> np.ndarray:
         """Book-keeping after the next chunk was computed (here or in a batch) with
-        raw network output ``out``: priors, counters, the input buffer; returns the
-        rows to give to the caller (the right edge's surplus rows dropped)."""
+        raw network output ``out``: priors, acoustic scale, counters, the input buffer;
+        returns the rows to give to the caller (the right edge's surplus rows dropped)."""
         m = self.model
         if m.log_priors is not None:
             out = out - m.log_priors
+        out = scale_output(out, self.acoustic_scale)
         self.chunks_computed += 1
         if self.input_ended:
             total_sub = (self.num_received + m.fsf - 1) // m.fsf
@@ -422,7 +431,8 @@ class Stream:
                 "num_received": self.num_received, "chunks_computed": self.chunks_computed,
                 "num_emitted": self.num_emitted, "input_ended": self.input_ended,
                 "online_period": self.online_period, "online_start": self.online_start,
-                "online_received": self.online_received}
+                "online_received": self.online_received,
+                "acoustic_scale": self.acoustic_scale}
         arrays = dict(mats)
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
         arrays["buffer"] = self.buffer
@@ -435,7 +445,8 @@ class Stream:
         return bio.getvalue()
 
     @classmethod
-    def _from_state(cls, model: LoopedModel, state: bytes) -> "Stream":
+    def _from_state(cls, model: LoopedModel, state: bytes,
+                    acoustic_scale: float | None = None) -> "Stream":
         try:
             with np.load(io.BytesIO(state), allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
@@ -448,11 +459,18 @@ class Stream:
         if meta.get("fingerprint") != model.fingerprint:
             raise StreamError("stream state belongs to another model or chunk configuration")
         comp = model.computation
+        recorded = meta.get("acoustic_scale")
+        if acoustic_scale is None:
+            acoustic_scale = 1.0 if recorded is None else recorded
+        elif recorded is not None and recorded != acoustic_scale:
+            raise StreamError(f"stream state was written with acoustic_scale {recorded!r}, "
+                              f"not {acoustic_scale!r}")
         try:
+            scale = check_acoustic_scale(acoustic_scale)
             period = int(meta.get("online_period", 0))
             online = arrays.pop("online_rows", None)
             if period:
-                s = cls(model, None, period)
+                s = cls(model, None, period, scale)
                 if online is None or online.ndim != 2 or online.shape[1] != model.ivector_dim:
                     raise ValueError("bad online i-vector rows")
                 s.online_rows = online.astype(np.float32)
@@ -461,7 +479,7 @@ class Stream:
                 if s.online_start + s.online_rows.shape[0] != s.online_received:
                     raise ValueError("online i-vector rows do not end at the last row received")
             else:
-                s = cls(model, arrays.pop("ivector", None))
+                s = cls(model, arrays.pop("ivector", None), None, scale)
         except (InferenceError, KeyError, ValueError, TypeError) as e:
             raise StreamError(f"stream state is inconsistent: {e}") from None
         buf = arrays.pop("buffer", None)
@@ -506,9 +524,11 @@ class StreamBatch:
     first chunks next to steady-state ones, export/import in between) use
     engine.inference.batch.StreamBatcher."""
 
-    def __init__(self, model: LoopedModel, ivectors=None, online_ivector_period=None):
+    def __init__(self, model: LoopedModel, ivectors=None, online_ivector_period=None,
+                 acoustic_scale: float = 1.0):
         from engine.runtime.executor import Executor  # noqa: PLC0415
         self.model = model
+        self.acoustic_scale = check_acoustic_scale(acoustic_scale)
         b = model.num_sequences
         # online i-vectors (as Stream): the period, and per stream the rows pushed
         self.online_period = check_online_period(model, online_ivector_period, ivectors)
@@ -600,6 +620,7 @@ class StreamBatch:
             out = np.array(to_host(self.executor.get_output("output")), np.float32, copy=True)
             if m.log_priors is not None:
                 out -= m.log_priors
+            out = scale_output(out, self.acoustic_scale)
             self.chunks_computed += 1
             self._drop_frames_before(m.input_range(k + 1)[0])
             for j in range(b):

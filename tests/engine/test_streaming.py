@@ -179,6 +179,73 @@ def test_export_import_continues_bit_identically(cut):
     assert first.shape[0] + rest[0].shape[0] == 41
 
 
+def test_acoustic_scale_after_priors_kept_through_export_import():
+    """The acoustic scale multiplies each output row after the log priors are taken
+    off (Kaldi's looped decodable), in Stream, StreamBatch and the StreamBatcher, and
+    travels with the stream's state."""
+    from engine.inference.batch import StreamBatcher  # noqa: PLC0415
+    from engine.inference.stream import STATE_VERSION, StreamBatch  # noqa: PLC0415
+    nnet = make_nnet(RECURRENT)
+    priors = np.linspace(0.05, 0.3, nnet.output_dim("output")).astype(np.float32)
+    model = LoopedModel(nnet, LoopedConfig(5, 0, 1), priors=priors, use_priors=True)
+    x = feats(33)
+    plain = run_stream(model, x, [4, 9, 6])
+    scale = 0.37
+    want = plain * np.float32(scale)
+    s = model.stream(acoustic_scale=scale)
+    got = [s.push(x[:11])]
+    state = s.export_state()
+    clone = model.import_stream(state)
+    assert clone.acoustic_scale == scale
+    rest = [np.concatenate([t.push(x[11:]), t.finish()]) for t in (s, clone)]
+    np.testing.assert_array_equal(np.concatenate([got[0], rest[0]]), want)
+    np.testing.assert_array_equal(np.concatenate([got[0], rest[1]]), want)
+    # the priors are subtracted before scaling: scaled output != (raw * scale) - priors
+    raw = run_stream(LoopedModel(nnet, LoopedConfig(5, 0, 1)), x, [33])
+    np.testing.assert_allclose(want, (raw - np.log(priors)) * scale, rtol=1e-5, atol=1e-6)
+    # a caller that knows the scale: the same one is accepted, another refused
+    assert model.import_stream(state, scale).acoustic_scale == scale
+    with pytest.raises(StreamError, match="acoustic_scale 0.37, not 0.5"):
+        model.import_stream(state, 0.5)
+    # a state written before the scale was recorded takes the caller's (or 1)
+    import io, json  # noqa: E401, PLC0415
+    with np.load(io.BytesIO(state)) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(arrays["meta"].tobytes())
+    assert meta["version"] == STATE_VERSION
+    del meta["acoustic_scale"]
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    bio = io.BytesIO()
+    np.savez(bio, **arrays)
+    assert model.import_stream(bio.getvalue()).acoustic_scale == 1.0
+    old = model.import_stream(bio.getvalue(), scale)
+    np.testing.assert_array_equal(np.concatenate([old.push(x[11:]), old.finish()]), rest[0])
+    # StreamBatch and the StreamBatcher scale as the Stream does
+    model3 = LoopedModel(nnet, LoopedConfig(5, 0, 1), priors=priors, use_priors=True,
+                         num_sequences=2)
+    sb = StreamBatch(model3, acoustic_scale=scale)
+    out = drive_batch(sb, [x, x[:20]], 7)
+    # (two sequences per product: float32 rounding apart from one)
+    np.testing.assert_allclose(out[0], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[1], run_stream(model, x[:20], [20]) * np.float32(scale),
+                               rtol=1e-5, atol=1e-6)
+    streams = [model.stream(acoustic_scale=scale), model.stream()]
+    batcher = StreamBatcher(model)
+    pieces: list[list] = [[], []]
+    for st_ in streams:
+        st_.feed(x)
+        st_.end_input()
+    for j, o in enumerate(batcher.advance(streams)):
+        pieces[j].append(o)
+    np.testing.assert_allclose(np.concatenate(pieces[0]), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.concatenate(pieces[1]), plain, rtol=1e-5, atol=1e-6)
+    for bad in (float("nan"), float("inf"), "2", True):
+        with pytest.raises(InferenceError, match="acoustic_scale: must be a finite number"):
+            model.stream(acoustic_scale=bad)
+    with pytest.raises(InferenceError, match="acoustic_scale"):
+        InferenceOptions(acoustic_scale=float("nan")).check()
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 
@@ -228,6 +295,11 @@ def test_cli_stream(tmp_path):
     assert r.exit_code == 0, r.output
     ref = Inferencer(nnet, InferenceOptions(frame_subsampling_factor=3)).infer(x, iv)
     assert_close(np.load(tmp_path / "o.npy"), ref, "nnetc stream")
+    r = CliRunner().invoke(main, args[:-2] + ["--acoustic-scale", "0.25", "--out",
+                                              str(tmp_path / "o4.npy")])
+    assert r.exit_code == 0, r.output
+    np.testing.assert_array_equal(np.load(tmp_path / "o4.npy"),
+                                  np.load(tmp_path / "o.npy") * np.float32(0.25))
     r = CliRunner().invoke(main, args[:4] + ["--out", str(tmp_path / "o.npy")])
     assert r.exit_code == 2 and "i-vector" in r.output
     # Kaldi's option names and output options: --frames-per-chunk, --acoustic-scale;
