@@ -114,6 +114,13 @@ def test_ivector_acoustic_scale_and_use_of_options(client):
     # the i-vector is required by this network
     r = client.post("/streams", json={"model_id": mid})
     assert r.status_code == 422 and "i-vector" in r.json()["error"]["message"]
+    # a scale JSON cannot carry (NaN, infinity) comes in msgpack: refused, field named
+    import msgpack  # noqa: PLC0415
+    for bad in (float("nan"), float("inf")):
+        r = client.post("/streams", content=msgpack.packb(
+            {"model_id": mid, "ivector": iv.tolist(), "options": {"acoustic_scale": bad}}),
+            headers={"content-type": "application/msgpack"})
+        assert 400 <= r.status_code < 500 and "acoustic_scale" in r.text, r.text
 
 
 def test_offsets_protect_against_double_pushes(client):
