@@ -3,7 +3,10 @@ scale_offset.py, constant.py, tdnn.py): Kaldi's ReadKaldiObject for ``matrix=`` 
 ``vector=`` style options, InitLearningRatesFromConfig's checks, config errors that
 name the component, the token checks after ReadUpdatableCommon, UpdatableComponent::Info
 and the summaries of PrintParameterStats (nnet-parse.cc), and shape checks that raise
-DimensionError naming the component.
+DimensionError naming the component; the start of an updatable component's read, the
+``<LinearParams>`` / ``<BiasParams>`` pair, and the natural-gradient options these
+components read, keep and write (the preconditioner itself is not implemented; see
+affine.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from engine.core.xp import to_numpy
 from engine.nnet.components.base import updatable_info  # noqa: F401  (re-exported)
 from engine.nnet.components.base import Component, UpdatableComponent
 from engine.nnet.config_line import ConfigLine
-from engine.nnet.kaldi_io import KaldiReader
+from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
 # --------------------------------------------------------------------------------------
 # shared helpers
@@ -172,3 +175,95 @@ def check_backprop_shapes(comp: Component, out_deriv, in_deriv, in_value=None) -
         comp.check_shape("input derivative", in_deriv, rows, comp.input_dim())
     if in_value is not None:
         comp.check_shape("input value", in_value, rows, comp.input_dim())
+
+# --------------------------------------------------------------------------------------
+# reading and writing parameters
+
+
+def begin_updatable_read(cls, reader: KaldiReader, first_token: str):
+    """A new ``cls`` with its UpdatableComponent header read and ``first_token`` after it."""
+    c = cls()
+    pending = c.read_updatable_common(reader)
+    expect_after_common(reader, pending, first_token)
+    return c
+
+
+def read_linear_and_bias(reader: KaldiReader, pending: str = ""):
+    """``<LinearParams>`` matrix ``<BiasParams>`` vector, as (linear, bias); ``pending``
+    is the token read_updatable_common already consumed, if any."""
+    expect_after_common(reader, pending, "<LinearParams>")
+    linear = reader.read_matrix()
+    reader.expect_token("<BiasParams>")
+    return linear, reader.read_vector()
+
+
+def write_linear_and_bias(writer: KaldiWriter, linear, bias) -> None:
+    """``<LinearParams>`` matrix ``<BiasParams>`` vector."""
+    writer.write_token("<LinearParams>")
+    writer.write_matrix(linear)
+    writer.write_token("<BiasParams>")
+    writer.write_vector(bias)
+
+
+def linear_and_bias_stats(comp) -> str:
+    """The info() summaries of a component's linear_params and bias_params."""
+    return (param_stats("linear-params", comp.linear_params, False)
+            + param_stats("bias", comp.bias_params, True))
+
+
+# --------------------------------------------------------------------------------------
+# natural-gradient options
+
+
+def rank_default(rank: int, dim: int, cap: int) -> int:
+    """A natural-gradient rank option: as given, or if negative min(cap, (dim + 1) // 2)."""
+    return rank if rank >= 0 else min(cap, (dim + 1) // 2)
+
+
+def read_period_history_alpha(reader: KaldiReader, comp) -> None:
+    """``<UpdatePeriod>``, ``<NumSamplesHistory>`` and ``<Alpha>`` into ``comp``."""
+    reader.expect_token("<UpdatePeriod>")
+    comp.update_period = reader.read_int()
+    reader.expect_token("<NumSamplesHistory>")
+    comp.num_samples_history = reader.read_float()
+    reader.expect_token("<Alpha>")
+    comp.alpha = reader.read_float()
+
+
+def write_period_history_alpha(writer: KaldiWriter, comp) -> None:
+    """``<UpdatePeriod>``, ``<NumSamplesHistory>`` and ``<Alpha>`` of ``comp``."""
+    writer.write_token("<UpdatePeriod>")
+    writer.write_int(comp.update_period)
+    writer.write_token("<NumSamplesHistory>")
+    writer.write_float(comp.num_samples_history)
+    writer.write_token("<Alpha>")
+    writer.write_float(comp.alpha)
+
+
+def init_in_out_options(comp, cfg: ConfigLine, dim_in: int, dim_out: int,
+                        rank_in_cap: int) -> None:
+    """The config options use-natural-gradient, rank-in, rank-out, alpha-in, alpha-out of
+    a component with an input and an output preconditioner (ranks from rank_default)."""
+    comp.use_natural_gradient = cfg.get_bool("use-natural-gradient", True)
+    rank_in = cfg.get_int("rank-in", -1)
+    rank_out = cfg.get_int("rank-out", -1)
+    comp.alpha_in = cfg.get_float("alpha-in", 4.0)
+    comp.alpha_out = cfg.get_float("alpha-out", 4.0)
+    comp.rank_in = rank_default(rank_in, dim_in, rank_in_cap)
+    comp.rank_out = rank_default(rank_out, dim_out, 80)
+
+
+def write_in_out_options(writer: KaldiWriter, comp, history_token: str,
+                         history: float) -> None:
+    """``<UseNaturalGradient>``, the history option, ``<AlphaInOut>`` and ``<RankInOut>``
+    of a component with an input and an output preconditioner."""
+    writer.write_token("<UseNaturalGradient>")
+    writer.write_bool(comp.use_natural_gradient)
+    writer.write_token(history_token)
+    writer.write_float(history)
+    writer.write_token("<AlphaInOut>")
+    writer.write_float(comp.alpha_in)
+    writer.write_float(comp.alpha_out)
+    writer.write_token("<RankInOut>")
+    writer.write_int(comp.rank_in)
+    writer.write_int(comp.rank_out)

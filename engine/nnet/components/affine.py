@@ -16,17 +16,23 @@ import math
 import numpy as np
 
 from engine.nnet.components._param_utils import (
+    begin_updatable_read,
     check_backprop_shapes,
     check_rows,
     config_errors,
-    expect_after_common,
     gaussian,
     init_learning_rates,
+    linear_and_bias_stats,
     param_stats,
+    rank_default,
+    read_linear_and_bias,
     read_matrix_option,
+    read_period_history_alpha,
     require_positive,
     skip_old_is_gradient,
     updatable_info,
+    write_linear_and_bias,
+    write_period_history_alpha,
 )
 from engine.nnet.components.base import (
     Component,
@@ -38,11 +44,77 @@ from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
 # --------------------------------------------------------------------------------------
+# helpers of this module
+
+
+class _AffineMap:
+    """y = x W^T + b with W = linear_params (output-dim x input-dim), b = bias_params:
+    the arrays, dimensions and propagation of AffineComponent and FixedAffineComponent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_params = np.zeros((0, 0), np.float32)
+        self.bias_params = np.zeros(0, np.float32)
+
+    def input_dim(self) -> int:
+        return int(self.linear_params.shape[1])
+
+    def output_dim(self) -> int:
+        return int(self.linear_params.shape[0])
+
+    def propagate(self, indexes, in_value, out):
+        check_rows(self, in_value, out)
+        out[...] = in_value @ self.linear_params.T
+        out += self.bias_params
+        return None
+
+    def _backprop_input(self, out_deriv, in_deriv) -> None:
+        """Check the backprop shapes and add the input derivative dy W to in_deriv."""
+        check_backprop_shapes(self, out_deriv, in_deriv)
+        if in_deriv is not None:
+            in_deriv += out_deriv @ self.linear_params
+
+
+def _check_matrix_dims(comp, cfg: ConfigLine, matrix: str) -> None:
+    """Options input-dim / output-dim, when given, must match the matrix read from a file."""
+    for opt, dim in (("input-dim", comp.input_dim()), ("output-dim", comp.output_dim())):
+        given = cfg.get_int(opt)
+        if given is not None and given != dim:
+            raise cfg.error(f"option {opt}={given} does not match the matrix in "
+                            f"{matrix!r} ({opt} {dim})")
+
+
+def _read_orthonormal_constraint(reader: KaldiReader) -> float:
+    """The optional ``<OrthonormalConstraint>`` (0 when absent)."""
+    return reader.read_float() if reader.try_token("<OrthonormalConstraint>") else 0.0
+
+
+def _write_orthonormal_constraint(writer: KaldiWriter, value: float) -> None:
+    """``<OrthonormalConstraint>``, written only when not 0."""
+    if value != 0.0:
+        writer.write_token("<OrthonormalConstraint>")
+        writer.write_float(value)
+
+
+def _init_natural_gradient(comp, cfg: ConfigLine) -> None:
+    """The options num-samples-history, alpha, rank-in, rank-out and update-period of
+    NaturalGradientAffineComponent and LinearComponent."""
+    comp.num_samples_history = cfg.get_float("num-samples-history", 2000.0)
+    comp.alpha = cfg.get_float("alpha", 4.0)
+    comp.rank_in = rank_default(cfg.get_int("rank-in", -1), comp.input_dim(), 20)
+    comp.rank_out = rank_default(cfg.get_int("rank-out", -1), comp.output_dim(), 80)
+    comp.update_period = cfg.get_int("update-period", 4)
+
+
+def _natural_gradient_info(comp) -> str:
+    """The info() part of NaturalGradientAffineComponent's and LinearComponent's options."""
+    return (f", rank-in={comp.rank_in}, rank-out={comp.rank_out}, "
+            f"num-samples-history={comp.num_samples_history:g}, "
+            f"update-period={comp.update_period}, alpha={comp.alpha:g}")
+
+
+# --------------------------------------------------------------------------------------
 # AffineComponent and NaturalGradientAffineComponent
-
-
-def _rank_default(rank: int, dim: int, cap: int) -> int:
-    return rank if rank >= 0 else min(cap, (dim + 1) // 2)
 
 
 _AFFINE_PROPS = (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
@@ -50,7 +122,7 @@ _AFFINE_PROPS = (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPROP_NEEDS_I
 
 
 @register_component
-class AffineComponent(UpdatableComponent):
+class AffineComponent(_AffineMap, UpdatableComponent):
     """y = x W^T + b; options input-dim, output-dim, param-stddev, bias-stddev,
     orthonormal-constraint, or matrix=FILE (last column is the bias)."""
 
@@ -59,25 +131,16 @@ class AffineComponent(UpdatableComponent):
 
     def __init__(self) -> None:
         super().__init__()
-        self.linear_params = np.zeros((0, 0), np.float32)
-        self.bias_params = np.zeros(0, np.float32)
         self.orthonormal_constraint = 0.0
 
     def properties(self) -> P:
         return _AFFINE_PROPS
 
-    def input_dim(self) -> int:
-        return int(self.linear_params.shape[1])
-
-    def output_dim(self) -> int:
-        return int(self.linear_params.shape[0])
-
     def info(self) -> str:
         s = updatable_info(self)
         if self.orthonormal_constraint != 0.0:
             s += f", orthonormal-constraint={self.orthonormal_constraint:g}"
-        return (s + param_stats("linear-params", self.linear_params, False)
-                + param_stats("bias", self.bias_params, True))
+        return s + linear_and_bias_stats(self)
 
     # -- config ------------------------------------------------------------------------
     def _init_params(self, cfg: ConfigLine, rng, with_bias_mean: bool) -> None:
@@ -89,11 +152,7 @@ class AffineComponent(UpdatableComponent):
                                 f"columns (linear part and bias), it has {mat.shape[1]}")
             self.linear_params = np.ascontiguousarray(mat[:, :-1])
             self.bias_params = np.ascontiguousarray(mat[:, -1])
-            for opt, dim in (("input-dim", self.input_dim()), ("output-dim", self.output_dim())):
-                given = cfg.get_int(opt)
-                if given is not None and given != dim:
-                    raise cfg.error(f"option {opt}={given} does not match the matrix in "
-                                    f"{matrix!r} ({opt} {dim})")
+            _check_matrix_dims(self, cfg, matrix)
             return
         input_dim = require_positive(cfg, "input-dim", cfg.get_int("input-dim"))
         output_dim = require_positive(cfg, "output-dim", cfg.get_int("output-dim"))
@@ -116,10 +175,7 @@ class AffineComponent(UpdatableComponent):
     # -- I/O ---------------------------------------------------------------------------
     def _read_params(self, reader: KaldiReader) -> None:
         pending = self.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<LinearParams>")
-        self.linear_params = reader.read_matrix()
-        reader.expect_token("<BiasParams>")
-        self.bias_params = reader.read_vector()
+        self.linear_params, self.bias_params = read_linear_and_bias(reader, pending)
 
     def _check_dims(self, reader: KaldiReader) -> None:
         if self.bias_params.shape[0] != self.linear_params.shape[0]:
@@ -131,36 +187,21 @@ class AffineComponent(UpdatableComponent):
         c = cls()
         c._read_params(reader)
         skip_old_is_gradient(c, reader)
-        c.orthonormal_constraint = 0.0
-        if reader.try_token("<OrthonormalConstraint>"):
-            c.orthonormal_constraint = reader.read_float()
+        c.orthonormal_constraint = _read_orthonormal_constraint(reader)
         reader.expect_token(f"</{cls.type_name}>")
         c._check_dims(reader)
         return c
 
     def write(self, writer: KaldiWriter) -> None:
         self.write_updatable_common(writer)
-        writer.write_token("<LinearParams>")
-        writer.write_matrix(self.linear_params)
-        writer.write_token("<BiasParams>")
-        writer.write_vector(self.bias_params)
-        if self.orthonormal_constraint != 0.0:
-            writer.write_token("<OrthonormalConstraint>")
-            writer.write_float(self.orthonormal_constraint)
+        write_linear_and_bias(writer, self.linear_params, self.bias_params)
+        _write_orthonormal_constraint(writer, self.orthonormal_constraint)
         writer.write_token(f"</{self.type_name}>")
 
-    # -- maths -------------------------------------------------------------------------
-    def propagate(self, indexes, in_value, out):
-        check_rows(self, in_value, out)
-        out[...] = in_value @ self.linear_params.T
-        out += self.bias_params
-        return None
-
+    # -- maths (propagate: _AffineMap) ---------------------------------------------------
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
                  to_update, in_deriv) -> None:
-        check_backprop_shapes(self, out_deriv, in_deriv)
-        if in_deriv is not None:
-            in_deriv += out_deriv @ self.linear_params
+        self._backprop_input(out_deriv, in_deriv)
         if to_update is not None:
             # after the input derivative, so that an in-place update (to_update is
             # self) does not change the derivative we propagate.
@@ -186,9 +227,7 @@ class NaturalGradientAffineComponent(AffineComponent):
         self.alpha = 4.0
 
     def info(self) -> str:
-        return (super().info() + f", rank-in={self.rank_in}, rank-out={self.rank_out}, "
-                f"num-samples-history={self.num_samples_history:g}, "
-                f"update-period={self.update_period}, alpha={self.alpha:g}")
+        return super().info() + _natural_gradient_info(self)
 
     def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
         with config_errors(self, cfg):
@@ -196,11 +235,7 @@ class NaturalGradientAffineComponent(AffineComponent):
             init_learning_rates(self, cfg)
             self._init_params(cfg, rng, with_bias_mean=True)
             self.orthonormal_constraint = cfg.get_float("orthonormal-constraint", 0.0)
-            self.num_samples_history = cfg.get_float("num-samples-history", 2000.0)
-            self.alpha = cfg.get_float("alpha", 4.0)
-            self.rank_in = _rank_default(cfg.get_int("rank-in", -1), self.input_dim(), 20)
-            self.rank_out = _rank_default(cfg.get_int("rank-out", -1), self.output_dim(), 80)
-            self.update_period = cfg.get_int("update-period", 4)
+            _init_natural_gradient(self, cfg)
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "NaturalGradientAffineComponent":
@@ -210,15 +245,8 @@ class NaturalGradientAffineComponent(AffineComponent):
         c.rank_in = reader.read_int()
         reader.expect_token("<RankOut>")
         c.rank_out = reader.read_int()
-        c.orthonormal_constraint = 0.0
-        if reader.try_token("<OrthonormalConstraint>"):
-            c.orthonormal_constraint = reader.read_float()
-        reader.expect_token("<UpdatePeriod>")
-        c.update_period = reader.read_int()
-        reader.expect_token("<NumSamplesHistory>")
-        c.num_samples_history = reader.read_float()
-        reader.expect_token("<Alpha>")
-        c.alpha = reader.read_float()
+        c.orthonormal_constraint = _read_orthonormal_constraint(reader)
+        read_period_history_alpha(reader, c)
         if reader.try_token("<MaxChangePerSample>"):  # long-removed option
             reader.read_float()
         skip_old_is_gradient(c, reader)
@@ -239,23 +267,13 @@ class NaturalGradientAffineComponent(AffineComponent):
 
     def write(self, writer: KaldiWriter) -> None:
         self.write_updatable_common(writer)
-        writer.write_token("<LinearParams>")
-        writer.write_matrix(self.linear_params)
-        writer.write_token("<BiasParams>")
-        writer.write_vector(self.bias_params)
+        write_linear_and_bias(writer, self.linear_params, self.bias_params)
         writer.write_token("<RankIn>")
         writer.write_int(self.rank_in)
         writer.write_token("<RankOut>")
         writer.write_int(self.rank_out)
-        if self.orthonormal_constraint != 0.0:
-            writer.write_token("<OrthonormalConstraint>")
-            writer.write_float(self.orthonormal_constraint)
-        writer.write_token("<UpdatePeriod>")
-        writer.write_int(self.update_period)
-        writer.write_token("<NumSamplesHistory>")
-        writer.write_float(self.num_samples_history)
-        writer.write_token("<Alpha>")
-        writer.write_float(self.alpha)
+        _write_orthonormal_constraint(writer, self.orthonormal_constraint)
+        write_period_history_alpha(writer, self)
         writer.write_token("</NaturalGradientAffineComponent>")
 
 
@@ -300,9 +318,7 @@ class LinearComponent(UpdatableComponent):
         if self.orthonormal_constraint != 0.0:
             s += f", orthonormal-constraint={self.orthonormal_constraint:g}"
         return (s + f", use-natural-gradient={'true' if self.use_natural_gradient else 'false'}"
-                f", rank-in={self.rank_in}, rank-out={self.rank_out}, "
-                f"num-samples-history={self.num_samples_history:g}, "
-                f"update-period={self.update_period}, alpha={self.alpha:g}")
+                + _natural_gradient_info(self))
 
     def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
         with config_errors(self, cfg):
@@ -313,12 +329,7 @@ class LinearComponent(UpdatableComponent):
                 self.params = read_matrix_option(cfg, "matrix", matrix)
                 if self.params.shape[0] == 0:
                     raise cfg.error(f"option matrix={matrix!r}: the matrix is empty")
-                for opt, dim in (("input-dim", self.input_dim()),
-                                 ("output-dim", self.output_dim())):
-                    given = cfg.get_int(opt)
-                    if given is not None and given != dim:
-                        raise cfg.error(f"option {opt}={given} does not match the matrix in "
-                                        f"{matrix!r} ({opt} {dim})")
+                _check_matrix_dims(self, cfg, matrix)
             else:
                 input_dim = require_positive(cfg, "input-dim", cfg.get_int("input-dim"))
                 output_dim = require_positive(cfg, "output-dim", cfg.get_int("output-dim"))
@@ -326,25 +337,15 @@ class LinearComponent(UpdatableComponent):
                 if stddev < 0.0:
                     raise cfg.error(f"option param-stddev={stddev:g} must not be negative")
                 self.params = gaussian(rng, (output_dim, input_dim), stddev)
-            self.num_samples_history = cfg.get_float("num-samples-history", 2000.0)
-            self.alpha = cfg.get_float("alpha", 4.0)
-            rank_in = cfg.get_int("rank-in", -1)
-            rank_out = cfg.get_int("rank-out", -1)
-            self.update_period = cfg.get_int("update-period", 4)
+            _init_natural_gradient(self, cfg)
             self.use_natural_gradient = cfg.get_bool("use-natural-gradient", True)
-            self.rank_in = _rank_default(rank_in, self.input_dim(), 20)
-            self.rank_out = _rank_default(rank_out, self.output_dim(), 80)
             self.orthonormal_constraint = cfg.get_float("orthonormal-constraint", 0.0)
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "LinearComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<Params>")
+        c = begin_updatable_read(cls, reader, "<Params>")
         c.params = reader.read_matrix()
-        c.orthonormal_constraint = 0.0
-        if reader.try_token("<OrthonormalConstraint>"):
-            c.orthonormal_constraint = reader.read_float()
+        c.orthonormal_constraint = _read_orthonormal_constraint(reader)
         reader.expect_token("<UseNaturalGradient>")
         c.use_natural_gradient = reader.read_bool()
         reader.expect_token("<RankInOut>")
@@ -363,9 +364,7 @@ class LinearComponent(UpdatableComponent):
         self.write_updatable_common(writer)
         writer.write_token("<Params>")
         writer.write_matrix(self.params)
-        if self.orthonormal_constraint != 0.0:
-            writer.write_token("<OrthonormalConstraint>")
-            writer.write_float(self.orthonormal_constraint)
+        _write_orthonormal_constraint(writer, self.orthonormal_constraint)
         writer.write_token("<UseNaturalGradient>")
         writer.write_bool(self.use_natural_gradient)
         writer.write_token("<RankInOut>")
@@ -402,30 +401,18 @@ _FIXED_AFFINE_PROPS = P.SIMPLE_COMPONENT | P.BACKPROP_ADDS
 
 
 @register_component
-class FixedAffineComponent(Component):
+class FixedAffineComponent(_AffineMap, Component):
     """A non-trainable affine transform: matrix=FILE (Kaldi matrix whose last column is
     the bias) or, for testing, input-dim/output-dim with random parameters."""
 
     type_name = "FixedAffineComponent"
     ARRAYS = ("linear_params", "bias_params")
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear_params = np.zeros((0, 0), np.float32)
-        self.bias_params = np.zeros(0, np.float32)
-
     def properties(self) -> P:
         return _FIXED_AFFINE_PROPS
 
-    def input_dim(self) -> int:
-        return int(self.linear_params.shape[1])
-
-    def output_dim(self) -> int:
-        return int(self.linear_params.shape[0])
-
     def info(self) -> str:
-        return (super().info() + param_stats("linear-params", self.linear_params, False)
-                + param_stats("bias", self.bias_params, True))
+        return super().info() + linear_and_bias_stats(self)
 
     def _set_from_matrix(self, cfg: ConfigLine, mat: np.ndarray, what: str) -> None:
         if mat.shape[1] < 2 or mat.shape[0] == 0:
@@ -451,10 +438,7 @@ class FixedAffineComponent(Component):
     def read(cls, reader: KaldiReader) -> "FixedAffineComponent":
         c = cls()
         reader.try_token("<FixedAffineComponent>")
-        reader.expect_token("<LinearParams>")
-        c.linear_params = reader.read_matrix()
-        reader.expect_token("<BiasParams>")
-        c.bias_params = reader.read_vector()
+        c.linear_params, c.bias_params = read_linear_and_bias(reader)
         reader.expect_token("</FixedAffineComponent>")
         if c.bias_params.shape[0] != c.linear_params.shape[0]:
             raise reader.error("FixedAffineComponent: bias and linear-params dimensions differ")
@@ -462,20 +446,9 @@ class FixedAffineComponent(Component):
 
     def write(self, writer: KaldiWriter) -> None:
         writer.write_token("<FixedAffineComponent>")
-        writer.write_token("<LinearParams>")
-        writer.write_matrix(self.linear_params)
-        writer.write_token("<BiasParams>")
-        writer.write_vector(self.bias_params)
+        write_linear_and_bias(writer, self.linear_params, self.bias_params)
         writer.write_token("</FixedAffineComponent>")
-
-    def propagate(self, indexes, in_value, out):
-        check_rows(self, in_value, out)
-        out[...] = in_value @ self.linear_params.T
-        out += self.bias_params
-        return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
                  to_update, in_deriv) -> None:
-        check_backprop_shapes(self, out_deriv, in_deriv)
-        if in_deriv is not None:
-            in_deriv += out_deriv @ self.linear_params
+        self._backprop_input(out_deriv, in_deriv)

@@ -39,13 +39,19 @@ from engine.nnet.components._nonsimple_utils import (
     write_double_matrix,
     write_double_vector,
 )
+from engine.nnet.components._fields import (
+    BOOL,
+    FLOAT,
+    INT,
+    FieldKind,
+    TokenFieldsComponent,
+)
 from engine.nnet.components.base import (
     Component,
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
     register_component,
 )
-from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
 
 class RestrictedAttentionIndexes(ComponentPrecomputedIndexes):
@@ -74,10 +80,29 @@ def _softmax_last(xp, b):
     return e / e.sum(axis=-1, keepdims=True)
 
 
+# the stats' fields: the count is read with read_float and written with write_double;
+# the double-precision arrays are written from the host
+_STATS_COUNT = FieldKind(lambda r: r.read_float(), write_double)
+_DOUBLE_VECTOR = FieldKind(read_double_vector,
+                           lambda w, v: write_double_vector(w, np.asarray(_host(v))))
+_DOUBLE_MATRIX = FieldKind(read_double_matrix,
+                           lambda w, v: write_double_matrix(w, np.asarray(_host(v))))
+
+
 @register_component
-class RestrictedAttentionComponent(Component):
+class RestrictedAttentionComponent(TokenFieldsComponent):
     type_name = "RestrictedAttentionComponent"
     ARRAYS = ("entropy_stats", "posterior_stats")
+    FIELDS = (("<NumHeads>", "num_heads", INT), ("<KeyDim>", "key_dim", INT),
+              ("<ValueDim>", "value_dim", INT), ("<NumLeftInputs>", "num_left_inputs", INT),
+              ("<NumRightInputs>", "num_right_inputs", INT),
+              ("<TimeStride>", "time_stride", INT),
+              ("<NumLeftInputsRequired>", "num_left_inputs_required", INT),
+              ("<NumRightInputsRequired>", "num_right_inputs_required", INT),
+              ("<OutputContext>", "output_context", BOOL), ("<KeyScale>", "key_scale", FLOAT),
+              ("<StatsCount>", "stats_count", _STATS_COUNT),
+              ("<EntropyStats>", "entropy_stats", _DOUBLE_VECTOR),
+              ("<PosteriorStats>", "posterior_stats", _DOUBLE_MATRIX))
 
     def __init__(self) -> None:
         super().__init__()
@@ -184,65 +209,7 @@ class RestrictedAttentionComponent(Component):
         if self.num_right_inputs_required < 0:
             self.num_right_inputs_required = self.num_right_inputs
         self.stats_count = 0.0
-        bad = self._problems()
-        if bad:
-            raise cfg.error(f"{self.type_name}: " + "; ".join(bad))
-
-    @classmethod
-    def read(cls, reader: KaldiReader):
-        c = cls()
-        tok = reader.read_token()
-        if tok == f"<{cls.type_name}>":
-            tok = reader.read_token()
-        if tok != "<NumHeads>":
-            raise reader.error(f"expected <NumHeads>, got {tok!r}")
-        c.num_heads = reader.read_int()
-        for token, attr in (("<KeyDim>", "key_dim"), ("<ValueDim>", "value_dim"),
-                            ("<NumLeftInputs>", "num_left_inputs"),
-                            ("<NumRightInputs>", "num_right_inputs"),
-                            ("<TimeStride>", "time_stride"),
-                            ("<NumLeftInputsRequired>", "num_left_inputs_required"),
-                            ("<NumRightInputsRequired>", "num_right_inputs_required")):
-            reader.expect_token(token)
-            setattr(c, attr, reader.read_int())
-        reader.expect_token("<OutputContext>")
-        c.output_context = reader.read_bool()
-        reader.expect_token("<KeyScale>")
-        c.key_scale = reader.read_float()
-        reader.expect_token("<StatsCount>")
-        c.stats_count = reader.read_float()
-        reader.expect_token("<EntropyStats>")
-        c.entropy_stats = read_double_vector(reader)
-        reader.expect_token("<PosteriorStats>")
-        c.posterior_stats = read_double_matrix(reader)
-        reader.expect_token(f"</{cls.type_name}>")
-        bad = c._problems()
-        if bad:
-            raise reader.error(f"{cls.type_name}: " + "; ".join(bad))
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token(f"<{self.type_name}>")
-        for token, v in (("<NumHeads>", self.num_heads), ("<KeyDim>", self.key_dim),
-                         ("<ValueDim>", self.value_dim),
-                         ("<NumLeftInputs>", self.num_left_inputs),
-                         ("<NumRightInputs>", self.num_right_inputs),
-                         ("<TimeStride>", self.time_stride),
-                         ("<NumLeftInputsRequired>", self.num_left_inputs_required),
-                         ("<NumRightInputsRequired>", self.num_right_inputs_required)):
-            writer.write_token(token)
-            writer.write_int(v)
-        writer.write_token("<OutputContext>")
-        writer.write_bool(self.output_context)
-        writer.write_token("<KeyScale>")
-        writer.write_float(self.key_scale)
-        writer.write_token("<StatsCount>")
-        write_double(writer, self.stats_count)
-        writer.write_token("<EntropyStats>")
-        write_double_vector(writer, np.asarray(_host(self.entropy_stats)))
-        writer.write_token("<PosteriorStats>")
-        write_double_matrix(writer, np.asarray(_host(self.posterior_stats)))
-        writer.write_token(f"</{self.type_name}>")
+        self._raise_problems(cfg)
 
     # -- indexes ---------------------------------------------------------------------
     def get_input_indexes(self, misc_info, output_index):

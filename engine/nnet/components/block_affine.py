@@ -12,16 +12,18 @@ import math
 import numpy as np
 
 from engine.nnet.components._param_utils import (
+    begin_updatable_read,
     check_backprop_shapes,
     check_rows,
     config_errors,
-    expect_after_common,
     gaussian,
     init_learning_rates,
-    param_stats,
+    linear_and_bias_stats,
+    read_linear_and_bias,
     require_positive,
     skip_old_is_gradient,
     updatable_info,
+    write_linear_and_bias,
 )
 from engine.nnet.components.base import (
     ComponentProperty as P,
@@ -61,8 +63,7 @@ class BlockAffineComponent(UpdatableComponent):
 
     def info(self) -> str:
         return (updatable_info(self) + f", num-blocks={self.num_blocks}"
-                + param_stats("linear-params", self.linear_params, False)
-                + param_stats("bias", self.bias_params, True))
+                + linear_and_bias_stats(self))
 
     def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
         with config_errors(self, cfg):
@@ -84,14 +85,9 @@ class BlockAffineComponent(UpdatableComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "BlockAffineComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<NumBlocks>")
+        c = begin_updatable_read(cls, reader, "<NumBlocks>")
         c.num_blocks = reader.read_int()
-        reader.expect_token("<LinearParams>")
-        c.linear_params = reader.read_matrix()
-        reader.expect_token("<BiasParams>")
-        c.bias_params = reader.read_vector()
+        c.linear_params, c.bias_params = read_linear_and_bias(reader)
         skip_old_is_gradient(c, reader)
         reader.expect_token("</BlockAffineComponent>")
         if c.num_blocks <= 0 or c.linear_params.shape[0] % c.num_blocks:
@@ -103,10 +99,7 @@ class BlockAffineComponent(UpdatableComponent):
         self.write_updatable_common(writer)
         writer.write_token("<NumBlocks>")
         writer.write_int(self.num_blocks)
-        writer.write_token("<LinearParams>")
-        writer.write_matrix(self.linear_params)
-        writer.write_token("<BiasParams>")
-        writer.write_vector(self.bias_params)
+        write_linear_and_bias(writer, self.linear_params, self.bias_params)
         writer.write_token("</BlockAffineComponent>")
 
     def _blocks(self, linear):
@@ -170,8 +163,7 @@ class RepeatedAffineComponent(UpdatableComponent):
 
     def info(self) -> str:
         return (updatable_info(self) + f", num-repeats={self.num_repeats}"
-                + param_stats("linear-params", self.linear_params, False)
-                + param_stats("bias", self.bias_params, True))
+                + linear_and_bias_stats(self))
 
     def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
         with config_errors(self, cfg):
@@ -193,14 +185,9 @@ class RepeatedAffineComponent(UpdatableComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "RepeatedAffineComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<NumRepeats>")
+        c = begin_updatable_read(cls, reader, "<NumRepeats>")
         c.num_repeats = reader.read_int()
-        reader.expect_token("<LinearParams>")
-        c.linear_params = reader.read_matrix()
-        reader.expect_token("<BiasParams>")
-        c.bias_params = reader.read_vector()
+        c.linear_params, c.bias_params = read_linear_and_bias(reader)
         skip_old_is_gradient(c, reader)
         reader.expect_token(f"</{cls.type_name}>")
         if c.num_repeats <= 0:
@@ -211,10 +198,7 @@ class RepeatedAffineComponent(UpdatableComponent):
         self.write_updatable_common(writer)
         writer.write_token("<NumRepeats>")
         writer.write_int(self.num_repeats)
-        writer.write_token("<LinearParams>")
-        writer.write_matrix(self.linear_params)
-        writer.write_token("<BiasParams>")
-        writer.write_vector(self.bias_params)
+        write_linear_and_bias(writer, self.linear_params, self.bias_params)
         writer.write_token(f"</{self.type_name}>")
 
     def propagate(self, indexes, in_value, out):

@@ -17,13 +17,12 @@ import numpy as np
 from engine.core.errors import ComponentError
 from engine.core.index import Index
 from engine.nnet.components._nonsimple_utils import config_errors_name_type
+from engine.nnet.components._fields import INT, TokenFieldsComponent
 from engine.nnet.components.base import (
-    Component,
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
     register_component,
 )
-from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
 
 class DistributeIndexes(ComponentPrecomputedIndexes):
@@ -36,8 +35,9 @@ class DistributeIndexes(ComponentPrecomputedIndexes):
 
 
 @register_component
-class DistributeComponent(Component):
+class DistributeComponent(TokenFieldsComponent):
     type_name = "DistributeComponent"
+    FIELDS = (("<InputDim>", "input_dim_", INT), ("<OutputDim>", "output_dim_", INT))
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,46 +57,19 @@ class DistributeComponent(Component):
     def num_blocks(self) -> int:
         return self.input_dim_ // self.output_dim_
 
-    def _check(self) -> str | None:
+    def _problems(self) -> list[str]:
         if self.input_dim_ <= 0 or self.output_dim_ <= 0:
-            return "input-dim and output-dim must be > 0"
+            return ["input-dim and output-dim must be > 0"]
         if self.input_dim_ % self.output_dim_ != 0:
-            return (f"input-dim={self.input_dim_} is not a multiple of "
-                    f"output-dim={self.output_dim_}")
-        return None
+            return [f"input-dim={self.input_dim_} is not a multiple of "
+                    f"output-dim={self.output_dim_}"]
+        return []
 
     @config_errors_name_type
     def init_from_config(self, cfg, rng) -> None:
         self.input_dim_ = cfg.get_int("input-dim", required=True)
         self.output_dim_ = cfg.get_int("output-dim", required=True)
-        bad = self._check()
-        if bad:
-            raise cfg.error(f"{self.type_name}: {bad}")
-
-    @classmethod
-    def read(cls, reader: KaldiReader):
-        c = cls()
-        tok = reader.read_token()
-        if tok == f"<{cls.type_name}>":
-            tok = reader.read_token()
-        if tok != "<InputDim>":
-            raise reader.error(f"expected <InputDim>, got {tok!r}")
-        c.input_dim_ = reader.read_int()
-        reader.expect_token("<OutputDim>")
-        c.output_dim_ = reader.read_int()
-        reader.expect_token(f"</{cls.type_name}>")
-        bad = c._check()
-        if bad:
-            raise reader.error(f"{cls.type_name}: {bad}")
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token(f"<{self.type_name}>")
-        writer.write_token("<InputDim>")
-        writer.write_int(self.input_dim_)
-        writer.write_token("<OutputDim>")
-        writer.write_int(self.output_dim_)
-        writer.write_token(f"</{self.type_name}>")
+        self._raise_problems(cfg)
 
     # -- indexes ---------------------------------------------------------------------
     def _input_index_and_block(self, output_index: Index) -> tuple[Index, int]:

@@ -29,7 +29,15 @@ from engine.nnet.components.base import (
     MiscComputationInfo,
     register_component,
 )
-from engine.nnet.components.nonlinear import expect_open_token, get_rng
+from engine.nnet.components._fields import (
+    BOOL,
+    FLOAT,
+    INT,
+    SameDimComponent,
+    read_fields,
+    write_fields,
+)
+from engine.nnet.components.nonlinear import get_rng
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
@@ -53,8 +61,12 @@ class RandomComponent(Component):
 
 
 @register_component
-class DropoutComponent(RandomComponent):
+class DropoutComponent(RandomComponent, SameDimComponent):
     type_name = "DropoutComponent"
+    # <DropoutPerFrame> and <TestMode> may be absent from old models
+    _FIELDS = (("<Dim>", "dim", INT), ("<DropoutProportion>", "dropout_proportion", FLOAT),
+               ("<DropoutPerFrame>", "dropout_per_frame", BOOL),
+               ("<TestMode>", "test_mode", BOOL))
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,12 +77,6 @@ class DropoutComponent(RandomComponent):
     def properties(self) -> P:
         return (P.BACKPROP_IN_PLACE | P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
                 | P.BACKPROP_NEEDS_OUTPUT | P.RANDOM_COMPONENT)
-
-    def input_dim(self) -> int:
-        return self.dim
-
-    def output_dim(self) -> int:
-        return self.dim
 
     def info(self) -> str:
         return (f"{self.type_name}, dim={self.dim}, dropout-proportion="
@@ -91,10 +97,7 @@ class DropoutComponent(RandomComponent):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        expect_open_token(reader, cls.type_name, "<Dim>")
-        c.dim = reader.read_int()
-        reader.expect_token("<DropoutProportion>")
-        c.dropout_proportion = reader.read_float()
+        read_fields(reader, c, cls._FIELDS[:2], opening=True)
         tok = reader.read_token()
         if tok == "<DropoutPerFrame>":
             c.dropout_per_frame = reader.read_bool()
@@ -107,15 +110,7 @@ class DropoutComponent(RandomComponent):
         return c
 
     def write(self, writer: KaldiWriter) -> None:
-        writer.write_token("<DropoutComponent>")
-        writer.write_token("<Dim>")
-        writer.write_int(self.dim)
-        writer.write_token("<DropoutProportion>")
-        writer.write_float(self.dropout_proportion)
-        writer.write_token("<DropoutPerFrame>")
-        writer.write_bool(self.dropout_per_frame)
-        writer.write_token("<TestMode>")
-        writer.write_bool(self.test_mode)
+        write_fields(writer, self, self._FIELDS, opening=True)
         writer.write_token("</DropoutComponent>")
 
     def propagate(self, indexes, in_value, out):
@@ -149,6 +144,10 @@ class DropoutMaskComponent(RandomComponent):
     """Outputs a dropout mask (no input rows); used by LSTM-style dropout."""
 
     type_name = "DropoutMaskComponent"
+    # <TestMode> may be absent from old models
+    _FIELDS = (("<OutputDim>", "out_dim", INT),
+               ("<DropoutProportion>", "dropout_proportion", FLOAT),
+               ("<TestMode>", "test_mode", BOOL))
 
     def __init__(self) -> None:
         super().__init__()
@@ -182,10 +181,7 @@ class DropoutMaskComponent(RandomComponent):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        expect_open_token(reader, cls.type_name, "<OutputDim>")
-        c.out_dim = reader.read_int()
-        reader.expect_token("<DropoutProportion>")
-        c.dropout_proportion = reader.read_float()
+        read_fields(reader, c, cls._FIELDS[:2], opening=True)
         if reader.peek_token() == "<TestMode>":
             reader.read_token()
             c.test_mode = reader.read_bool()
@@ -194,13 +190,7 @@ class DropoutMaskComponent(RandomComponent):
         return c
 
     def write(self, writer: KaldiWriter) -> None:
-        writer.write_token("<DropoutMaskComponent>")
-        writer.write_token("<OutputDim>")
-        writer.write_int(self.out_dim)
-        writer.write_token("<DropoutProportion>")
-        writer.write_float(self.dropout_proportion)
-        writer.write_token("<TestMode>")
-        writer.write_bool(self.test_mode)
+        write_fields(writer, self, self._FIELDS, opening=True)
         if self.continuous:
             writer.write_token("<Continuous>")
         writer.write_token("</DropoutMaskComponent>")
@@ -255,6 +245,46 @@ class DropoutMaskComponent(RandomComponent):
         return None
 
 
+class IndexedMaskComponent(RandomComponent, SameDimComponent):
+    """Base of the non-simple random components: the output is the input times, in
+    training, a mask laid out by the precomputed indexes; the mask is backprop's memo.
+
+    Subclasses give PRECOMPUTED (their precomputed-indexes class), ``_inactive()`` (no
+    mask: test mode or nothing to drop), ``_get_mask(indexes)``, ``_apply(mat, mask,
+    indexes)`` (multiplies ``mat`` in place) and ``_check_memo(memo, indexes)``.
+    """
+
+    PRECOMPUTED: type[ComponentPrecomputedIndexes]
+
+    def _check_identical(self, identical: bool) -> None:
+        """Raises unless the input and output indexes are identical (as Kaldi asks)."""
+        if not identical:
+            raise ComponentError("input and output indexes must be identical",
+                                 component=self.label())
+
+    def propagate(self, indexes, in_value, out):
+        self.copy_input(in_value, out)
+        if self._inactive():
+            return None
+        if not isinstance(indexes, self.PRECOMPUTED):
+            raise ComponentError("training-mode propagate needs the precomputed indexes",
+                                 component=self.label())
+        xp = array_module(out)
+        mask = xp.asarray(self._get_mask(indexes), dtype=out.dtype)
+        self._apply(out, mask, indexes)
+        return mask
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        if in_deriv is None:
+            return
+        in_deriv[...] = out_deriv
+        if self._inactive():
+            return
+        self._check_memo(memo, indexes)
+        self._apply(in_deriv, memo, indexes)
+
+
 class GeneralDropoutComponentPrecomputedIndexes(ComponentPrecomputedIndexes):
     """``indexes[r]``: the mask row for row r of the (block-reshaped) matrix;
     ``num_mask_rows``: how many mask rows to draw."""
@@ -272,11 +302,15 @@ _GENERAL_PROPS_BLOCKS = _GENERAL_PROPS | P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOU
 
 
 @register_component
-class GeneralDropoutComponent(RandomComponent):
+class GeneralDropoutComponent(IndexedMaskComponent):
     """Dropout with one mask per sequence (n), or per block of time-period frames;
     optionally continuous, or SpecAugment's frequency masking."""
 
     type_name = "GeneralDropoutComponent"
+    PRECOMPUTED = GeneralDropoutComponentPrecomputedIndexes
+    _FIELDS = (("<Dim>", "dim", INT), ("<BlockDim>", "block_dim", INT),
+               ("<TimePeriod>", "time_period", INT),
+               ("<DropoutProportion>", "dropout_proportion", FLOAT))
 
     def __init__(self) -> None:
         super().__init__()
@@ -290,12 +324,6 @@ class GeneralDropoutComponent(RandomComponent):
 
     def properties(self) -> P:
         return _GENERAL_PROPS if self.block_dim == self.dim else _GENERAL_PROPS_BLOCKS
-
-    def input_dim(self) -> int:
-        return self.dim
-
-    def output_dim(self) -> int:
-        return self.dim
 
     def info(self) -> str:
         s = (f"{self.type_name}, dim={self.dim}, block-dim={self.block_dim}, "
@@ -334,14 +362,7 @@ class GeneralDropoutComponent(RandomComponent):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        expect_open_token(reader, cls.type_name, "<Dim>")
-        c.dim = reader.read_int()
-        reader.expect_token("<BlockDim>")
-        c.block_dim = reader.read_int()
-        reader.expect_token("<TimePeriod>")
-        c.time_period = reader.read_int()
-        reader.expect_token("<DropoutProportion>")
-        c.dropout_proportion = reader.read_float()
+        read_fields(reader, c, cls._FIELDS, opening=True)
         if reader.try_token("<SpecAugmentMaxProportion>"):
             c.specaugment_max_proportion = reader.read_float()
             if reader.try_token("<SpecAugmentMaxRegions>"):
@@ -353,15 +374,7 @@ class GeneralDropoutComponent(RandomComponent):
 
     def write(self, writer: KaldiWriter) -> None:
         w = writer
-        w.write_token("<GeneralDropoutComponent>")
-        w.write_token("<Dim>")
-        w.write_int(self.dim)
-        w.write_token("<BlockDim>")
-        w.write_int(self.block_dim)
-        w.write_token("<TimePeriod>")
-        w.write_int(self.time_period)
-        w.write_token("<DropoutProportion>")
-        w.write_float(self.dropout_proportion)
+        write_fields(w, self, self._FIELDS, opening=True)
         if self.specaugment_max_proportion:
             w.write_token("<SpecAugmentMaxProportion>")
             w.write_float(self.specaugment_max_proportion)
@@ -378,18 +391,15 @@ class GeneralDropoutComponent(RandomComponent):
     def precompute_indexes(self, misc_info: MiscComputationInfo | None,
                            input_indexes: list[Index], output_indexes: list[Index],
                            need_backprop: bool) -> GeneralDropoutComponentPrecomputedIndexes:
-        if list(input_indexes) != list(output_indexes):
-            raise ComponentError("input and output indexes must be identical",
-                                 component=self.label())
+        self._check_identical(list(input_indexes) == list(output_indexes))
         return self._mask_rows(indexes_to_array(input_indexes).astype(np.int64))
 
     def precompute_index_arrays(self, misc_info: MiscComputationInfo | None,
                                 input_rows: np.ndarray, output_rows: np.ndarray,
                                 need_backprop: bool) -> GeneralDropoutComponentPrecomputedIndexes:
         """precompute_indexes on (k, 3) n, t, x int64 arrays."""
-        if input_rows.shape != output_rows.shape or not np.array_equal(input_rows, output_rows):
-            raise ComponentError("input and output indexes must be identical",
-                                 component=self.label())
+        self._check_identical(input_rows.shape == output_rows.shape
+                              and np.array_equal(input_rows, output_rows))
         return self._mask_rows(input_rows)
 
     def _mask_rows(self, arr: np.ndarray) -> GeneralDropoutComponentPrecomputedIndexes:
@@ -441,7 +451,8 @@ class GeneralDropoutComponent(RandomComponent):
         return GeneralDropoutComponentPrecomputedIndexes(num_mask_rows,
                                                          np.repeat(rows, multiple))
 
-    def _get_mask(self, num_mask_rows: int) -> np.ndarray:
+    def _get_mask(self, indexes: GeneralDropoutComponentPrecomputedIndexes) -> np.ndarray:
+        num_mask_rows = indexes.num_mask_rows
         bd = self.block_dim
         rng = get_rng(self)
         if self.specaugment_max_proportion != 0.0:
@@ -482,30 +493,10 @@ class GeneralDropoutComponent(RandomComponent):
         view = mat.reshape(rows * (self.dim // self.block_dim), self.block_dim)
         mat[...] = (view * m).reshape(rows, self.dim)
 
-    def propagate(self, indexes, in_value, out):
-        self.check_shape("input", in_value, None, self.dim)
-        out[...] = in_value
-        if self._inactive():
-            return None
-        if not isinstance(indexes, GeneralDropoutComponentPrecomputedIndexes):
-            raise ComponentError("training-mode propagate needs the precomputed indexes",
-                                 component=self.label())
-        xp = array_module(out)
-        mask = xp.asarray(self._get_mask(indexes.num_mask_rows), dtype=out.dtype)
-        self._apply(out, mask, indexes)
-        return mask
-
-    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
-                 to_update, in_deriv) -> None:
-        if in_deriv is None:
-            return
-        in_deriv[...] = out_deriv
-        if self._inactive():
-            return
+    def _check_memo(self, memo, indexes) -> None:
         if memo is None or not isinstance(indexes, GeneralDropoutComponentPrecomputedIndexes):
             raise ComponentError("training-mode backprop needs the memo and the "
                                  "precomputed indexes", component=self.label())
-        self._apply(in_deriv, memo, indexes)
 
 
 class SpecAugmentTimeMaskComponentPrecomputedIndexes(ComponentPrecomputedIndexes):
@@ -519,10 +510,13 @@ class SpecAugmentTimeMaskComponentPrecomputedIndexes(ComponentPrecomputedIndexes
 
 
 @register_component
-class SpecAugmentTimeMaskComponent(RandomComponent):
+class SpecAugmentTimeMaskComponent(IndexedMaskComponent):
     """SpecAugment's time masking: alternating kept and zeroed runs of frames."""
 
     type_name = "SpecAugmentTimeMaskComponent"
+    PRECOMPUTED = SpecAugmentTimeMaskComponentPrecomputedIndexes
+    _FIELDS = (("<Dim>", "dim", INT), ("<ZeroedProportion>", "zeroed_proportion", FLOAT),
+               ("<TimeMaskMaxFrames>", "time_mask_max_frames", INT))
 
     def __init__(self) -> None:
         super().__init__()
@@ -532,12 +526,6 @@ class SpecAugmentTimeMaskComponent(RandomComponent):
 
     def properties(self) -> P:
         return P.RANDOM_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE | P.USES_MEMO
-
-    def input_dim(self) -> int:
-        return self.dim
-
-    def output_dim(self) -> int:
-        return self.dim
 
     def info(self) -> str:
         return (f"{self.type_name}, dim={self.dim}, zeroed-proportion="
@@ -556,32 +544,19 @@ class SpecAugmentTimeMaskComponent(RandomComponent):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        expect_open_token(reader, cls.type_name, "<Dim>")
-        c.dim = reader.read_int()
-        reader.expect_token("<ZeroedProportion>")
-        c.zeroed_proportion = reader.read_float()
-        reader.expect_token("<TimeMaskMaxFrames>")
-        c.time_mask_max_frames = reader.read_int()
+        read_fields(reader, c, cls._FIELDS, opening=True)
         c.test_mode = reader.try_token("<TestMode>")
         reader.expect_token("</SpecAugmentTimeMaskComponent>")
         return c
 
     def write(self, writer: KaldiWriter) -> None:
-        writer.write_token("<SpecAugmentTimeMaskComponent>")
-        writer.write_token("<Dim>")
-        writer.write_int(self.dim)
-        writer.write_token("<ZeroedProportion>")
-        writer.write_float(self.zeroed_proportion)
-        writer.write_token("<TimeMaskMaxFrames>")
-        writer.write_int(self.time_mask_max_frames)
+        write_fields(writer, self, self._FIELDS, opening=True)
         if self.test_mode:
             writer.write_token("<TestMode>")
         writer.write_token("</SpecAugmentTimeMaskComponent>")
 
     def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        if list(input_indexes) != list(output_indexes):
-            raise ComponentError("input and output indexes must be identical",
-                                 component=self.label())
+        self._check_identical(list(input_indexes) == list(output_indexes))
         if not input_indexes:
             raise ComponentError("no indexes", component=self.label())
         arr = indexes_to_array(input_indexes).astype(np.int64)
@@ -617,28 +592,14 @@ class SpecAugmentTimeMaskComponent(RandomComponent):
             mask[rows] = seq_mask
         return mask
 
-    def propagate(self, indexes, in_value, out):
-        self.check_shape("input", in_value, None, self.dim)
-        out[...] = in_value
-        if self.test_mode or self.zeroed_proportion == 0.0:
-            return None
-        if not isinstance(indexes, SpecAugmentTimeMaskComponentPrecomputedIndexes):
-            raise ComponentError("training-mode propagate needs the precomputed indexes",
-                                 component=self.label())
-        xp = array_module(out)
-        mask = xp.asarray(self._get_mask(indexes), dtype=out.dtype)
-        out *= mask[:, None]
-        return mask
+    def _inactive(self) -> bool:
+        return self.test_mode or self.zeroed_proportion == 0.0
 
-    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
-                 to_update, in_deriv) -> None:
-        if in_deriv is None:
-            return
-        in_deriv[...] = out_deriv
-        if self.test_mode or self.zeroed_proportion == 0.0:
-            return
+    def _apply(self, mat, mask, indexes) -> None:
+        xp = array_module(mat)
+        mat *= xp.asarray(mask, dtype=mat.dtype)[:, None]
+
+    def _check_memo(self, memo, indexes) -> None:
         if memo is None:
             raise ComponentError("training-mode backprop needs the memo",
                                  component=self.label())
-        xp = array_module(in_deriv)
-        in_deriv *= xp.asarray(memo, dtype=in_deriv.dtype)[:, None]

@@ -22,12 +22,16 @@ from engine.nnet.components.base import (
     MiscComputationInfo,
     register_component,
 )
-from engine.nnet.components.nonlinear import (
-    expect_open_token,
-    get_rng,
-    read_double,
-    write_double,
+from engine.nnet.components._fields import (
+    BOOL,
+    DOUBLE,
+    FLOAT,
+    INT,
+    SameDimComponent,
+    read_fields,
+    write_fields,
 )
+from engine.nnet.components.nonlinear import get_rng
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
@@ -46,8 +50,19 @@ def _row_norms(deriv):
 
 
 @register_component
-class ClipGradientComponent(Component):
+class ClipGradientComponent(SameDimComponent):
     type_name = "ClipGradientComponent"
+    # in groups, as old models lack the self-repair ones
+    _FIELDS = (("<Dim>", "dim", INT), ("<ClippingThreshold>", "clipping_threshold", FLOAT),
+               ("<NormBasedClipping>", "norm_based_clipping", BOOL))
+    _REPAIR_FIELDS = (("<SelfRepairClippedProportionThreshold>",
+                       "self_repair_clipped_proportion_threshold", FLOAT),
+                      ("<SelfRepairTarget>", "self_repair_target", FLOAT),
+                      ("<SelfRepairScale>", "self_repair_scale", FLOAT))
+    _COUNT_FIELDS = (("<NumElementsClipped>", "num_clipped", INT),
+                     ("<NumElementsProcessed>", "count", INT))
+    _REPAIR_COUNT_FIELDS = (("<NumSelfRepaired>", "num_self_repaired", INT),
+                            ("<NumBackpropped>", "num_backpropped", INT))
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,12 +81,6 @@ class ClipGradientComponent(Component):
     def properties(self) -> P:
         return (P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
                 | P.BACKPROP_NEEDS_INPUT)
-
-    def input_dim(self) -> int:
-        return self.dim
-
-    def output_dim(self) -> int:
-        return self.dim
 
     def info(self) -> str:
         prop = self.num_clipped / self.count if self.count > 0 else 0
@@ -103,20 +112,13 @@ class ClipGradientComponent(Component):
 
     @classmethod
     def read(cls, reader: KaldiReader):
+        # (where a group is optional its first token is read here, to see which follows)
         c = cls()
-        expect_open_token(reader, cls.type_name, "<Dim>")
-        c.dim = reader.read_int()
-        reader.expect_token("<ClippingThreshold>")
-        c.clipping_threshold = reader.read_float()
-        reader.expect_token("<NormBasedClipping>")
-        c.norm_based_clipping = reader.read_bool()
+        read_fields(reader, c, cls._FIELDS, opening=True)
         tok = reader.read_token()
         if tok == "<SelfRepairClippedProportionThreshold>":
             c.self_repair_clipped_proportion_threshold = reader.read_float()
-            reader.expect_token("<SelfRepairTarget>")
-            c.self_repair_target = reader.read_float()
-            reader.expect_token("<SelfRepairScale>")
-            c.self_repair_scale = reader.read_float()
+            read_fields(reader, c, cls._REPAIR_FIELDS[1:])
             reader.expect_token("<NumElementsClipped>")
         else:
             c.self_repair_clipped_proportion_threshold = 1.0
@@ -125,42 +127,20 @@ class ClipGradientComponent(Component):
             if tok != "<NumElementsClipped>":
                 raise reader.error(f"expected <NumElementsClipped>, got {tok!r}")
         c.num_clipped = reader.read_int()
-        reader.expect_token("<NumElementsProcessed>")
-        c.count = reader.read_int()
+        read_fields(reader, c, cls._COUNT_FIELDS[1:])
         tok = reader.read_token()
         if tok == "<NumSelfRepaired>":
             c.num_self_repaired = reader.read_int()
-            reader.expect_token("<NumBackpropped>")
-            c.num_backpropped = reader.read_int()
+            read_fields(reader, c, cls._REPAIR_COUNT_FIELDS[1:])
             reader.expect_token("</ClipGradientComponent>")
         elif tok != "</ClipGradientComponent>":
             raise reader.error(f"expected </ClipGradientComponent>, got {tok!r}")
         return c
 
     def write(self, writer: KaldiWriter) -> None:
-        w = writer
-        w.write_token("<ClipGradientComponent>")
-        w.write_token("<Dim>")
-        w.write_int(self.dim)
-        w.write_token("<ClippingThreshold>")
-        w.write_float(self.clipping_threshold)
-        w.write_token("<NormBasedClipping>")
-        w.write_bool(self.norm_based_clipping)
-        w.write_token("<SelfRepairClippedProportionThreshold>")
-        w.write_float(self.self_repair_clipped_proportion_threshold)
-        w.write_token("<SelfRepairTarget>")
-        w.write_float(self.self_repair_target)
-        w.write_token("<SelfRepairScale>")
-        w.write_float(self.self_repair_scale)
-        w.write_token("<NumElementsClipped>")
-        w.write_int(self.num_clipped)
-        w.write_token("<NumElementsProcessed>")
-        w.write_int(self.count)
-        w.write_token("<NumSelfRepaired>")
-        w.write_int(self.num_self_repaired)
-        w.write_token("<NumBackpropped>")
-        w.write_int(self.num_backpropped)
-        w.write_token("</ClipGradientComponent>")
+        fields = self._FIELDS + self._REPAIR_FIELDS + self._COUNT_FIELDS + self._REPAIR_COUNT_FIELDS
+        write_fields(writer, self, fields, opening=True)
+        writer.write_token("</ClipGradientComponent>")
 
     def zero_stats(self) -> None:
         self.count = 0
@@ -179,8 +159,7 @@ class ClipGradientComponent(Component):
         self.num_clipped = int(self.num_clipped + alpha * other.num_clipped)
 
     def propagate(self, indexes, in_value, out):
-        self.check_shape("input", in_value, None, self.dim)
-        out[...] = in_value
+        self.copy_input(in_value, out)
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
@@ -255,8 +234,18 @@ _BACKPROP_TRUNCATION_PROPS = P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
 
 
 @register_component
-class BackpropTruncationComponent(Component):
+class BackpropTruncationComponent(SameDimComponent):
     type_name = "BackpropTruncationComponent"
+    # <Scale> may be absent from old models
+    _FIELDS = (("<Dim>", "dim", INT), ("<Scale>", "scale_value", FLOAT),
+               ("<ClippingThreshold>", "clipping_threshold", FLOAT),
+               ("<ZeroingThreshold>", "zeroing_threshold", FLOAT),
+               ("<ZeroingInterval>", "zeroing_interval", INT),
+               ("<RecurrenceInterval>", "recurrence_interval", INT),
+               ("<NumElementsClipped>", "num_clipped", DOUBLE),
+               ("<NumElementsZeroed>", "num_zeroed", DOUBLE),
+               ("<NumElementsProcessed>", "count", DOUBLE),
+               ("<NumZeroingBoundaries>", "count_zeroing_boundaries", DOUBLE))
 
     def __init__(self) -> None:
         super().__init__()
@@ -273,12 +262,6 @@ class BackpropTruncationComponent(Component):
 
     def properties(self) -> P:
         return _BACKPROP_TRUNCATION_PROPS
-
-    def input_dim(self) -> int:
-        return self.dim
-
-    def output_dim(self) -> int:
-        return self.dim
 
     def info(self) -> str:
         clipped = self.num_clipped / self.count if self.count > 0 else 0
@@ -311,8 +294,7 @@ class BackpropTruncationComponent(Component):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        expect_open_token(reader, cls.type_name, "<Dim>")
-        c.dim = reader.read_int()
+        read_fields(reader, c, cls._FIELDS[:1], opening=True)
         tok = reader.read_token()
         if tok == "<Scale>":
             c.scale_value = reader.read_float()
@@ -322,47 +304,13 @@ class BackpropTruncationComponent(Component):
         if tok != "<ClippingThreshold>":
             raise reader.error(f"expected <ClippingThreshold>, got {tok!r}")
         c.clipping_threshold = reader.read_float()
-        reader.expect_token("<ZeroingThreshold>")
-        c.zeroing_threshold = reader.read_float()
-        reader.expect_token("<ZeroingInterval>")
-        c.zeroing_interval = reader.read_int()
-        reader.expect_token("<RecurrenceInterval>")
-        c.recurrence_interval = reader.read_int()
-        reader.expect_token("<NumElementsClipped>")
-        c.num_clipped = read_double(reader)
-        reader.expect_token("<NumElementsZeroed>")
-        c.num_zeroed = read_double(reader)
-        reader.expect_token("<NumElementsProcessed>")
-        c.count = read_double(reader)
-        reader.expect_token("<NumZeroingBoundaries>")
-        c.count_zeroing_boundaries = read_double(reader)
+        read_fields(reader, c, cls._FIELDS[3:])
         reader.expect_token("</BackpropTruncationComponent>")
         return c
 
     def write(self, writer: KaldiWriter) -> None:
-        w = writer
-        w.write_token("<BackpropTruncationComponent>")
-        w.write_token("<Dim>")
-        w.write_int(self.dim)
-        w.write_token("<Scale>")
-        w.write_float(self.scale_value)
-        w.write_token("<ClippingThreshold>")
-        w.write_float(self.clipping_threshold)
-        w.write_token("<ZeroingThreshold>")
-        w.write_float(self.zeroing_threshold)
-        w.write_token("<ZeroingInterval>")
-        w.write_int(self.zeroing_interval)
-        w.write_token("<RecurrenceInterval>")
-        w.write_int(self.recurrence_interval)
-        w.write_token("<NumElementsClipped>")
-        write_double(w, self.num_clipped)
-        w.write_token("<NumElementsZeroed>")
-        write_double(w, self.num_zeroed)
-        w.write_token("<NumElementsProcessed>")
-        write_double(w, self.count)
-        w.write_token("<NumZeroingBoundaries>")
-        write_double(w, self.count_zeroing_boundaries)
-        w.write_token("</BackpropTruncationComponent>")
+        write_fields(writer, self, self._FIELDS, opening=True)
+        writer.write_token("</BackpropTruncationComponent>")
 
     def zero_stats(self) -> None:
         self.num_clipped = self.num_zeroed = self.count = self.count_zeroing_boundaries = 0.0
@@ -418,11 +366,7 @@ class BackpropTruncationComponent(Component):
         return BackpropTruncationComponentPrecomputedIndexes(zeroing, float(-zeroing.sum()))
 
     def propagate(self, indexes, in_value, out):
-        self.check_shape("input", in_value, None, self.dim)
-        if self.scale_value != 1.0:
-            out[...] = in_value * self.scale_value
-        else:
-            out[...] = in_value
+        self.copy_input(in_value, out, self.scale_value)
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,

@@ -14,8 +14,9 @@ import numpy as np
 from engine.core.errors import ComponentError
 from engine.core.xp import array_module
 from engine.nnet.components._param_utils import gaussian
-from engine.nnet.components.base import P, UpdatableComponent, register_component
+from engine.nnet.components.base import P, register_component
 from engine.nnet.components.recurrent import (
+    RecurrentNonlinearityBase,
     option_error,
     read_double,
     rms,
@@ -25,10 +26,12 @@ from engine.nnet.components.recurrent import (
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
-class _GruBase(UpdatableComponent):
+class _GruBase(RecurrentNonlinearityBase):
     """Stats, self-repair and the shared part of the file format of the two GRUs."""
 
     ARRAYS = ("value_sum", "deriv_sum")
+    STAT_ARRAYS = ("value_sum", "deriv_sum")
+    STAT_SCALARS = ("self_repair_total", "count")
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +59,33 @@ class _GruBase(UpdatableComponent):
             s += (f", count={self.count:.3g}, self-repaired-proportion="
                   f"{self.self_repair_total / (self.count * self.cell_dim):g}")
         return s
+
+    @classmethod
+    def _read_start(cls, reader: KaldiReader) -> "_GruBase":
+        """A new GRU with the learning-rate header and ``<CellDim>`` read."""
+        g = cls._read_learning_rate_header(reader)
+        reader.expect_token("<CellDim>")
+        g.cell_dim = reader.read_int()
+        return g
+
+    def _read_end(self, reader: KaldiReader) -> None:
+        """``<UpdatePeriod>`` and the closing token, then the checks both GRUs make."""
+        reader.expect_token("<UpdatePeriod>")
+        self.update_period = reader.read_int()
+        reader.expect_token(f"</{self.type_name}>")
+        self._check("while reading")
+
+    def _write_start(self, writer: KaldiWriter) -> None:
+        """The learning-rate header and ``<CellDim>``."""
+        self.write_updatable_common(writer)
+        writer.write_token("<CellDim>")
+        writer.write_int(self.cell_dim)
+
+    def _write_end(self, writer: KaldiWriter) -> None:
+        """``<UpdatePeriod>`` and the closing token."""
+        writer.write_token("<UpdatePeriod>")
+        writer.write_int(self.update_period)
+        writer.write_token(f"</{self.type_name}>")
 
     def _read_stats(self, reader: KaldiReader) -> None:
         reader.expect_token("<ValueAvg>")
@@ -101,33 +131,6 @@ class _GruBase(UpdatableComponent):
             raise ComponentError(f"{where}: value/deriv stats do not have dim "
                                  f"{self.cell_dim}", component=self.label())
 
-    def zero_stats(self) -> None:
-        self.value_sum[...] = 0
-        self.deriv_sum[...] = 0
-        self.self_repair_total = 0.0
-        self.count = 0.0
-
-    def set_zero(self) -> None:
-        self.w_h[...] = 0
-        self.zero_stats()
-
-    def scale(self, alpha: float) -> None:
-        if alpha == 0.0:
-            self.set_zero()
-            return
-        self.w_h[...] *= alpha
-        self.value_sum[...] *= alpha
-        self.deriv_sum[...] *= alpha
-        self.self_repair_total *= alpha
-        self.count *= alpha
-
-    def add(self, alpha: float, other: "_GruBase") -> None:
-        self.w_h[...] += alpha * other.w_h
-        self.value_sum[...] += alpha * other.value_sum
-        self.deriv_sum[...] += alpha * other.deriv_sum
-        self.self_repair_total += alpha * other.self_repair_total
-        self.count += alpha * other.count
-
     def _init_common(self, cfg: ConfigLine) -> None:
         self.init_learning_rate_common(cfg)
         cell_dim = cfg.get_int("cell-dim")
@@ -157,6 +160,20 @@ class _GruBase(UpdatableComponent):
         below = (self.self_repair_threshold * self.count - self.deriv_sum) > 0
         self.self_repair_total += float(below.sum())
         return h_t_deriv - self.self_repair_scale * h_t * below.astype(h_t.dtype)
+
+    def _forward_parts(self, xp, in_value):
+        """``(z_t, h_t, c_{t-1})``: the gate, the new value and the previous cell."""
+        raise NotImplementedError
+
+    def propagate(self, indexes, in_value, out):
+        xp = array_module(in_value)
+        self.check_shape("input", in_value, None, self.input_dim())
+        self.check_shape("output", out, in_value.shape[0], self.output_dim())
+        c = self.cell_dim
+        z_t, h_t, c_t1 = self._forward_parts(xp, in_value)
+        out[:, :c] = h_t
+        out[:, c:] = h_t - z_t * h_t + z_t * c_t1
+        return None
 
     def _check_backprop_shapes(self, in_value, out_value, out_deriv, in_deriv):
         self.check_shape("input value", in_value, None, self.input_dim())
@@ -227,12 +244,7 @@ class GruNonlinearityComponent(_GruBase):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "GruNonlinearityComponent":
-        g = cls()
-        tok = g.read_updatable_common(reader)
-        if tok:
-            raise reader.error(f"expected <LearningRate> in {cls.type_name}, got {tok!r}")
-        reader.expect_token("<CellDim>")
-        g.cell_dim = reader.read_int()
+        g = cls._read_start(reader)
         reader.expect_token("<RecurrentDim>")
         g.recurrent_dim = reader.read_int()
         reader.expect_token("<w_h>")
@@ -241,10 +253,7 @@ class GruNonlinearityComponent(_GruBase):
         reader.expect_token("<RankInOut>")
         g.rank_in = reader.read_int()
         g.rank_out = reader.read_int()
-        reader.expect_token("<UpdatePeriod>")
-        g.update_period = reader.read_int()
-        reader.expect_token(f"</{cls.type_name}>")
-        g._check("while reading")
+        g._read_end(reader)
         if not 0 < g.recurrent_dim <= g.cell_dim or \
                 g.w_h.shape != (g.cell_dim, g.recurrent_dim):
             raise ComponentError(f"w_h has shape {g.w_h.shape}, expected (cell-dim, "
@@ -253,9 +262,7 @@ class GruNonlinearityComponent(_GruBase):
         return g
 
     def write(self, writer: KaldiWriter) -> None:
-        self.write_updatable_common(writer)
-        writer.write_token("<CellDim>")
-        writer.write_int(self.cell_dim)
+        self._write_start(writer)
         writer.write_token("<RecurrentDim>")
         writer.write_int(self.recurrent_dim)
         writer.write_token("<w_h>")
@@ -264,9 +271,7 @@ class GruNonlinearityComponent(_GruBase):
         writer.write_token("<RankInOut>")
         writer.write_int(self.rank_in)
         writer.write_int(self.rank_out)
-        writer.write_token("<UpdatePeriod>")
-        writer.write_int(self.update_period)
-        writer.write_token(f"</{self.type_name}>")
+        self._write_end(writer)
 
     def _slices(self):
         c, r = self.cell_dim, self.recurrent_dim
@@ -274,19 +279,12 @@ class GruNonlinearityComponent(_GruBase):
         return (slice(0, c), slice(c, c + r), slice(c + r, 2 * c + r),
                 slice(2 * c + r, 3 * c + r), slice(d - r, d))
 
-    def propagate(self, indexes, in_value, out):
-        xp = array_module(in_value)
-        self.check_shape("input", in_value, None, self.input_dim())
-        self.check_shape("output", out, in_value.shape[0], self.output_dim())
+    def _forward_parts(self, xp, in_value):
         z_sl, r_sl, hp_sl, c1_sl, s1_sl = self._slices()
-        c = self.cell_dim
-        z_t, c_t1 = in_value[:, z_sl], in_value[:, c1_sl]
         w_h = xp.asarray(self.w_h).astype(in_value.dtype, copy=False)
         sdotr = in_value[:, r_sl] * in_value[:, s1_sl]
         h_t = xp.tanh(in_value[:, hp_sl] + sdotr @ w_h.T)
-        out[:, :c] = h_t
-        out[:, c:] = h_t - z_t * h_t + z_t * c_t1
-        return None
+        return in_value[:, z_sl], h_t, in_value[:, c1_sl]
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
                  to_update, in_deriv):
@@ -343,50 +341,32 @@ class OutputGruNonlinearityComponent(_GruBase):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "OutputGruNonlinearityComponent":
-        g = cls()
-        tok = g.read_updatable_common(reader)
-        if tok:
-            raise reader.error(f"expected <LearningRate> in {cls.type_name}, got {tok!r}")
-        reader.expect_token("<CellDim>")
-        g.cell_dim = reader.read_int()
+        g = cls._read_start(reader)
         reader.expect_token("<w_h>")
         g.w_h = reader.read_vector()
         g._read_stats(reader)
         reader.expect_token("<Rank>")
         g.rank = reader.read_int()
-        reader.expect_token("<UpdatePeriod>")
-        g.update_period = reader.read_int()
-        reader.expect_token(f"</{cls.type_name}>")
-        g._check("while reading")
+        g._read_end(reader)
         if g.w_h.shape != (g.cell_dim,):
             raise ComponentError(f"w_h has dim {g.w_h.shape}, expected cell-dim {g.cell_dim}",
                                  component=cls.type_name)
         return g
 
     def write(self, writer: KaldiWriter) -> None:
-        self.write_updatable_common(writer)
-        writer.write_token("<CellDim>")
-        writer.write_int(self.cell_dim)
+        self._write_start(writer)
         writer.write_token("<w_h>")
         writer.write_vector(self.w_h)
         self._write_stats(writer)
         writer.write_token("<Rank>")
         writer.write_int(self.rank)
-        writer.write_token("<UpdatePeriod>")
-        writer.write_int(self.update_period)
-        writer.write_token(f"</{self.type_name}>")
+        self._write_end(writer)
 
-    def propagate(self, indexes, in_value, out):
-        xp = array_module(in_value)
-        self.check_shape("input", in_value, None, self.input_dim())
-        self.check_shape("output", out, in_value.shape[0], self.output_dim())
+    def _forward_parts(self, xp, in_value):
         c = self.cell_dim
         z_t, hpart_t, c_t1 = in_value[:, :c], in_value[:, c:2 * c], in_value[:, 2 * c:]
         w_h = xp.asarray(self.w_h).astype(in_value.dtype, copy=False)
-        h_t = xp.tanh(c_t1 * w_h + hpart_t)
-        out[:, :c] = h_t
-        out[:, c:] = h_t - z_t * h_t + z_t * c_t1
-        return None
+        return z_t, xp.tanh(c_t1 * w_h + hpart_t), c_t1
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
                  to_update, in_deriv):

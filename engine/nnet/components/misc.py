@@ -12,13 +12,25 @@ import numpy as np
 from engine.core.errors import ComponentError
 from engine.core.xp import array_module
 from engine.nnet.components.base import Component, ComponentProperty as P, register_component
+from engine.nnet.components._fields import (
+    FLOAT,
+    INT,
+    SameDimComponent,
+    read_fields,
+    skip_old_stats,
+    write_fields,
+    write_scaled,
+)
 from engine.nnet.components.nonlinear import expect_open_token, read_double
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
 
 class _InOutDims(Component):
-    """Components whose file format is just <InputDim> <OutputDim>."""
+    """Components whose file format is just <InputDim> <OutputDim> (and, in a subclass,
+    the further _FIELDS it lists)."""
+
+    _FIELDS = (("<InputDim>", "in_dim", INT), ("<OutputDim>", "out_dim", INT))
 
     def __init__(self) -> None:
         super().__init__()
@@ -34,19 +46,12 @@ class _InOutDims(Component):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        expect_open_token(reader, cls.type_name, "<InputDim>")
-        c.in_dim = reader.read_int()
-        reader.expect_token("<OutputDim>")
-        c.out_dim = reader.read_int()
+        read_fields(reader, c, cls._FIELDS, opening=True)
         reader.expect_token(f"</{cls.type_name}>")
         return c
 
     def write(self, writer: KaldiWriter) -> None:
-        writer.write_token(f"<{self.type_name}>")
-        writer.write_token("<InputDim>")
-        writer.write_int(self.in_dim)
-        writer.write_token("<OutputDim>")
-        writer.write_int(self.out_dim)
+        write_fields(writer, self, self._FIELDS, opening=True)
         writer.write_token(f"</{self.type_name}>")
 
 
@@ -150,6 +155,7 @@ class SumBlockComponent(_InOutDims):
     """out = scale * sum of the input-dim/output-dim consecutive column blocks."""
 
     type_name = "SumBlockComponent"
+    _FIELDS = _InOutDims._FIELDS + (("<Scale>", "scale_value", FLOAT),)
 
     def __init__(self) -> None:
         super().__init__()
@@ -169,28 +175,6 @@ class SumBlockComponent(_InOutDims):
             raise cfg.error(f"SumBlockComponent: invalid values input-dim={self.in_dim} "
                             f"output-dim={self.out_dim}")
         self.scale_value = cfg.get_float("scale", 1.0)
-
-    @classmethod
-    def read(cls, reader: KaldiReader):
-        c = cls()
-        expect_open_token(reader, cls.type_name, "<InputDim>")
-        c.in_dim = reader.read_int()
-        reader.expect_token("<OutputDim>")
-        c.out_dim = reader.read_int()
-        reader.expect_token("<Scale>")
-        c.scale_value = reader.read_float()
-        reader.expect_token(f"</{cls.type_name}>")
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token(f"<{self.type_name}>")
-        writer.write_token("<InputDim>")
-        writer.write_int(self.in_dim)
-        writer.write_token("<OutputDim>")
-        writer.write_int(self.out_dim)
-        writer.write_token("<Scale>")
-        writer.write_float(self.scale_value)
-        writer.write_token(f"</{self.type_name}>")
 
     def propagate(self, indexes, in_value, out):
         self.check_shape("input", in_value, None, self.in_dim)
@@ -371,10 +355,11 @@ _NO_OP_PROPS = P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
 
 
 @register_component
-class NoOpComponent(Component):
+class NoOpComponent(SameDimComponent):
     """Identity forward; backprop scaled by backprop-scale."""
 
     type_name = "NoOpComponent"
+    _FIELDS = (("<Dim>", "dim", INT), ("<BackpropScale>", "backprop_scale", FLOAT))
 
     def __init__(self) -> None:
         super().__init__()
@@ -383,12 +368,6 @@ class NoOpComponent(Component):
 
     def properties(self) -> P:
         return _NO_OP_PROPS
-
-    def input_dim(self) -> int:
-        return self.dim
-
-    def output_dim(self) -> int:
-        return self.dim
 
     def info(self) -> str:
         s = f"{self.type_name}, dim={self.dim}"
@@ -405,16 +384,11 @@ class NoOpComponent(Component):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        expect_open_token(reader, cls.type_name, "<Dim>")
-        c.dim = reader.read_int()
+        read_fields(reader, c, cls._FIELDS[:1], opening=True)
         if reader.peek_token() == "<ValueAvg>":
             # old format, from when NoOpComponent was a NonlinearComponent: skip stats
             reader.read_token()
-            reader.read_vector()
-            reader.expect_token("<DerivAvg>")
-            reader.read_vector()
-            reader.expect_token("<Count>")
-            read_double(reader)
+            skip_old_stats(reader)
             if reader.peek_token() == "<OderivRms>":
                 reader.read_token()
                 reader.read_vector()
@@ -430,29 +404,20 @@ class NoOpComponent(Component):
             if tok != "</NoOpComponent>":
                 raise reader.error(f"expected </NoOpComponent>, got {tok!r}")
             return c
-        reader.expect_token("<BackpropScale>")
-        c.backprop_scale = reader.read_float()
+        read_fields(reader, c, cls._FIELDS[1:])
         reader.expect_token("</NoOpComponent>")
         return c
 
     def write(self, writer: KaldiWriter) -> None:
-        writer.write_token("<NoOpComponent>")
-        writer.write_token("<Dim>")
-        writer.write_int(self.dim)
-        writer.write_token("<BackpropScale>")
-        writer.write_float(self.backprop_scale)
+        write_fields(writer, self, self._FIELDS, opening=True)
         writer.write_token("</NoOpComponent>")
 
     def propagate(self, indexes, in_value, out):
-        self.check_shape("input", in_value, None, self.dim)
-        out[...] = in_value
+        self.copy_input(in_value, out)
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
                  to_update, in_deriv) -> None:
         if in_deriv is None:
             return
-        if self.backprop_scale != 1.0:
-            in_deriv[...] = out_deriv * self.backprop_scale
-        else:
-            in_deriv[...] = out_deriv
+        write_scaled(in_deriv, out_deriv, self.backprop_scale)

@@ -300,18 +300,37 @@ def _sigmoid(xp, x):
 _ACTIVATION_PROPS = (P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_OUTPUT | P.PROPAGATE_IN_PLACE
                      | P.STORES_STATS)
 
+# self-repair happens on about half of the minibatches, its scale divided by this
+_REPAIR_PROBABILITY = 0.5
 
-@register_component
-class SigmoidComponent(NonlinearComponent):
-    type_name = "SigmoidComponent"
+
+class _SelfRepairingActivation(NonlinearComponent):
+    """Sigmoid, tanh and ReLU: an elementwise function whose derivative comes from the
+    output, stats on about every other minibatch, self-repair in backprop."""
 
     def properties(self) -> P:
         return _ACTIVATION_PROPS
 
+    def _function(self, xp, x):
+        """The nonlinearity, elementwise."""
+        raise NotImplementedError
+
+    def _output_deriv(self, out_value):
+        """The nonlinearity's derivative, as a function of its output."""
+        raise NotImplementedError
+
+    def _input_deriv(self, out_value, out_deriv):
+        """The input derivative from the output and the output derivative."""
+        return out_deriv * self._output_deriv(out_value)
+
+    def _repair_gradients(self, out_value, in_deriv, to_update) -> None:
+        """Self-repair: adds to ``in_deriv``, counts in ``to_update``."""
+        raise NotImplementedError
+
     def propagate(self, indexes, in_value, out):
         self.check_shape("input", in_value, None, self.dim)
         xp = array_module(in_value)
-        out[...] = _sigmoid(xp, in_value)
+        out[...] = self._function(xp, in_value)
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
@@ -319,127 +338,106 @@ class SigmoidComponent(NonlinearComponent):
         if in_deriv is None:
             return
         self.check_shape("output derivative", out_deriv, out_value.shape[0], self.dim)
-        in_deriv[...] = out_deriv * out_value * (1.0 - out_value)
-        if isinstance(to_update, SigmoidComponent):
+        in_deriv[...] = self._input_deriv(out_value, out_deriv)
+        if isinstance(to_update, type(self)):
             self._repair_gradients(out_value, in_deriv, to_update)
             to_update._store_backprop_stats(out_deriv)
+
+    def store_stats(self, in_value, out_value, memo) -> None:
+        if self._skip_this_stats_minibatch():
+            return
+        self._store_stats_internal(out_value, self._output_deriv(out_value))
+
+    def _below_lower_threshold(self, in_deriv, to_update, default_lower: float, name: str):
+        """The first half of sigmoid and tanh self-repair: counts the dimensions processed
+        and, if repair happens this time, returns the 0/1 mask (like ``in_deriv``) of the
+        dimensions whose average derivative is below the lower threshold; else None."""
+        to_update.num_dims_processed += self.dim
+        if (self.self_repair_scale == 0.0 or self.count == 0.0
+                or self.deriv_sum.size != self.dim
+                or get_rng(to_update).random() > _REPAIR_PROBABILITY):
+            return None
+        self._check_self_repair_scale()
+        if self.self_repair_upper_threshold != UNSET_THRESHOLD:
+            from engine.core.errors import ComponentError  # noqa: PLC0415
+            raise ComponentError(f"do not set self-repair-upper-threshold for {name} "
+                                 "components, it does nothing", component=self.label())
+        lower = (default_lower if self.self_repair_lower_threshold == UNSET_THRESHOLD
+                 else self.self_repair_lower_threshold)
+        lower = np.float32(lower) * np.float32(self.count)
+        mask = ((lower - self.deriv_sum.astype(np.float32)) > 0).astype(np.float32)
+        to_update.num_dims_self_repaired += float(mask.sum())
+        xp = array_module(in_deriv)
+        return xp.asarray(mask, dtype=in_deriv.dtype)
+
+
+@register_component
+class SigmoidComponent(_SelfRepairingActivation):
+    type_name = "SigmoidComponent"
+
+    def _function(self, xp, x):
+        return _sigmoid(xp, x)
+
+    def _output_deriv(self, out_value):
+        return out_value * (1.0 - out_value)
+
+    def _input_deriv(self, out_value, out_deriv):
+        # in this order (out_deriv * _output_deriv would round differently)
+        return out_deriv * out_value * (1.0 - out_value)
 
     def _repair_gradients(self, out_value, in_deriv, to_update) -> None:
         # the derivative is at most 0.25; dimensions whose average derivative is
         # below the threshold get a term that pushes the input towards zero.
-        repair_probability = 0.5
-        to_update.num_dims_processed += self.dim
-        if (self.self_repair_scale == 0.0 or self.count == 0.0
-                or self.deriv_sum.size != self.dim
-                or get_rng(to_update).random() > repair_probability):
-            return
-        self._check_self_repair_scale()
-        if self.self_repair_upper_threshold != UNSET_THRESHOLD:
-            from engine.core.errors import ComponentError  # noqa: PLC0415
-            raise ComponentError("do not set self-repair-upper-threshold for sigmoid "
-                                 "components, it does nothing", component=self.label())
-        lower = (0.05 if self.self_repair_lower_threshold == UNSET_THRESHOLD
-                 else self.self_repair_lower_threshold)
-        lower = np.float32(lower) * np.float32(self.count)
-        mask = ((lower - self.deriv_sum.astype(np.float32)) > 0).astype(np.float32)
-        to_update.num_dims_self_repaired += float(mask.sum())
-        xp = array_module(in_deriv)
-        m = xp.asarray(mask, dtype=in_deriv.dtype)
-        s = self.self_repair_scale / repair_probability
-        in_deriv += (-2.0 * s) * out_value * m + s * m
-
-    def store_stats(self, in_value, out_value, memo) -> None:
-        if self._skip_this_stats_minibatch():
-            return
-        self._store_stats_internal(out_value, out_value * (1.0 - out_value))
+        m = self._below_lower_threshold(in_deriv, to_update, 0.05, "sigmoid")
+        if m is not None:
+            s = self.self_repair_scale / _REPAIR_PROBABILITY
+            in_deriv += (-2.0 * s) * out_value * m + s * m
 
 
 @register_component
-class TanhComponent(NonlinearComponent):
+class TanhComponent(_SelfRepairingActivation):
     type_name = "TanhComponent"
 
-    def properties(self) -> P:
-        return _ACTIVATION_PROPS
+    def _function(self, xp, x):
+        return xp.tanh(x)
 
-    def propagate(self, indexes, in_value, out):
-        self.check_shape("input", in_value, None, self.dim)
-        xp = array_module(in_value)
-        out[...] = xp.tanh(in_value)
-        return None
-
-    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
-                 to_update, in_deriv) -> None:
-        if in_deriv is None:
-            return
-        self.check_shape("output derivative", out_deriv, out_value.shape[0], self.dim)
-        in_deriv[...] = out_deriv * (1.0 - out_value * out_value)
-        if isinstance(to_update, TanhComponent):
-            self._repair_gradients(out_value, in_deriv, to_update)
-            to_update._store_backprop_stats(out_deriv)
+    def _output_deriv(self, out_value):
+        return 1.0 - out_value * out_value
 
     def _repair_gradients(self, out_value, in_deriv, to_update) -> None:
-        repair_probability = 0.5
-        to_update.num_dims_processed += self.dim
-        if (self.self_repair_scale == 0.0 or self.count == 0.0
-                or self.deriv_sum.size != self.dim
-                or get_rng(to_update).random() > repair_probability):
-            return
-        self._check_self_repair_scale()
-        if self.self_repair_upper_threshold != UNSET_THRESHOLD:
-            from engine.core.errors import ComponentError  # noqa: PLC0415
-            raise ComponentError("do not set self-repair-upper-threshold for tanh "
-                                 "components, it does nothing", component=self.label())
-        lower = (0.2 if self.self_repair_lower_threshold == UNSET_THRESHOLD
-                 else self.self_repair_lower_threshold)
-        lower = np.float32(lower) * np.float32(self.count)
-        mask = ((lower - self.deriv_sum.astype(np.float32)) > 0).astype(np.float32)
-        to_update.num_dims_self_repaired += float(mask.sum())
-        xp = array_module(in_deriv)
-        m = xp.asarray(mask, dtype=in_deriv.dtype)
-        in_deriv += (-self.self_repair_scale / repair_probability) * out_value * m
-
-    def store_stats(self, in_value, out_value, memo) -> None:
-        if self._skip_this_stats_minibatch():
-            return
-        self._store_stats_internal(out_value, 1.0 - out_value * out_value)
+        m = self._below_lower_threshold(in_deriv, to_update, 0.2, "tanh")
+        if m is not None:
+            in_deriv += (-self.self_repair_scale / _REPAIR_PROBABILITY) * out_value * m
 
 
 _RELU_BLOCKS_PROPS = _ACTIVATION_PROPS | P.INPUT_CONTIGUOUS
 
 
 @register_component
-class RectifiedLinearComponent(NonlinearComponent):
+class RectifiedLinearComponent(_SelfRepairingActivation):
     type_name = "RectifiedLinearComponent"
 
     def properties(self) -> P:
         return _ACTIVATION_PROPS if self.block_dim == self.dim else _RELU_BLOCKS_PROPS
 
-    def propagate(self, indexes, in_value, out):
-        self.check_shape("input", in_value, None, self.dim)
-        xp = array_module(in_value)
-        out[...] = xp.maximum(in_value, 0)
-        return None
+    def _function(self, xp, x):
+        return xp.maximum(x, 0)
 
-    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
-                 to_update, in_deriv) -> None:
-        if in_deriv is None:
-            return
-        self.check_shape("output derivative", out_deriv, out_value.shape[0], self.dim)
-        in_deriv[...] = out_deriv * (out_value > 0)
-        if isinstance(to_update, RectifiedLinearComponent):
-            self._repair_gradients(in_deriv, to_update)
-            to_update._store_backprop_stats(out_deriv)
+    def _output_deriv(self, out_value):
+        return (out_value > 0).astype(out_value.dtype)
 
-    def _repair_gradients(self, in_deriv, to_update) -> None:
+    def _input_deriv(self, out_value, out_deriv):
+        return out_deriv * (out_value > 0)   # the boolean mask, no float copy
+
+    def _repair_gradients(self, out_value, in_deriv, to_update) -> None:
         # Dimensions that are almost never active (average derivative below the lower
         # threshold) are pushed up, almost always active ones pushed down.  With
         # block-dim < dim, the statistics are averaged over the blocks and the term is
         # added per block.
         dim, block_dim = self.dim, self.block_dim
-        repair_probability = 0.5
         if self.self_repair_scale == 0.0 or self.count == 0.0 or self.deriv_sum.size != dim:
             return
-        if get_rng(to_update).random() > repair_probability:
+        if get_rng(to_update).random() > _REPAIR_PROBABILITY:
             return
         to_update.num_dims_processed += block_dim
         self._check_self_repair_scale()
@@ -457,16 +455,11 @@ class RectifiedLinearComponent(NonlinearComponent):
         above_upper = (stats - upper > 0).astype(np.float32)
         direction = above_lower + above_upper - 1.0  # -1 below lower, +1 above upper
         to_update.num_dims_self_repaired += float((direction * direction).sum())
-        term = direction * np.float32(-self.self_repair_scale / repair_probability)
+        term = direction * np.float32(-self.self_repair_scale / _REPAIR_PROBABILITY)
         xp = array_module(in_deriv)
         t = xp.asarray(term, dtype=in_deriv.dtype)
         # the same per-block term for every block of the row
         in_deriv += xp.tile(t, dim // block_dim)
-
-    def store_stats(self, in_value, out_value, memo) -> None:
-        if self._skip_this_stats_minibatch():
-            return
-        self._store_stats_internal(out_value, (out_value > 0).astype(out_value.dtype))
 
 
 @register_component

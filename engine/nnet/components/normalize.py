@@ -18,13 +18,17 @@ import numpy as np
 from engine.core.errors import ComponentError
 from engine.core.xp import array_module, to_numpy
 from engine.nnet.components.base import Component, ComponentProperty as P, register_component
-from engine.nnet.components.nonlinear import (
-    expect_open_token,
-    get_rng,
-    read_double,
-    same_buffer,
-    write_double,
+from engine.nnet.components._fields import (
+    BOOL,
+    DOUBLE,
+    FLOAT,
+    INT,
+    SameDimComponent,
+    read_fields,
+    skip_old_stats,
+    write_fields,
 )
+from engine.nnet.components.nonlinear import get_rng, same_buffer
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
@@ -107,11 +111,7 @@ class NormalizeComponent(Component):
             tok = reader.read_token()
         if tok == "<ValueAvg>":
             # old models stored (unused) statistics here
-            reader.read_vector()
-            reader.expect_token("<DerivAvg>")
-            reader.read_vector()
-            reader.expect_token("<Count>")
-            read_double(reader)
+            skip_old_stats(reader)
             tok = reader.read_token()
         if tok != "</NormalizeComponent>":
             raise reader.error(f"expected </NormalizeComponent>, got {tok!r}")
@@ -199,9 +199,13 @@ _BATCHNORM_PROPS = [[p, p | P.USES_MEMO | P.STORES_STATS]
 
 
 @register_component
-class BatchNormComponent(Component):
+class BatchNormComponent(SameDimComponent):
     type_name = "BatchNormComponent"
     ARRAYS = ("offset_vec", "scale_vec")
+    # then the statistics: <StatsMean> and <StatsVar> vectors
+    _FIELDS = (("<Dim>", "dim", INT), ("<BlockDim>", "block_dim", INT),
+               ("<Epsilon>", "epsilon", FLOAT), ("<TargetRms>", "target_rms", FLOAT),
+               ("<TestMode>", "test_mode", BOOL), ("<Count>", "count", DOUBLE))
 
     def __init__(self) -> None:
         super().__init__()
@@ -220,12 +224,6 @@ class BatchNormComponent(Component):
 
     def properties(self) -> P:
         return _BATCHNORM_PROPS[self.block_dim < self.dim][not self.test_mode]
-
-    def input_dim(self) -> int:
-        return self.dim
-
-    def output_dim(self) -> int:
-        return self.dim
 
     def info(self) -> str:
         s = (f"{self.type_name}, dim={self.dim}, block-dim={self.block_dim}, "
@@ -295,18 +293,7 @@ class BatchNormComponent(Component):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        expect_open_token(reader, cls.type_name, "<Dim>")
-        c.dim = reader.read_int()
-        reader.expect_token("<BlockDim>")
-        c.block_dim = reader.read_int()
-        reader.expect_token("<Epsilon>")
-        c.epsilon = reader.read_float()
-        reader.expect_token("<TargetRms>")
-        c.target_rms = reader.read_float()
-        reader.expect_token("<TestMode>")
-        c.test_mode = reader.read_bool()
-        reader.expect_token("<Count>")
-        c.count = read_double(reader)
+        read_fields(reader, c, cls._FIELDS, opening=True)
         reader.expect_token("<StatsMean>")
         mean = reader.read_vector().astype(np.float64)
         reader.expect_token("<StatsVar>")
@@ -321,19 +308,7 @@ class BatchNormComponent(Component):
     def write(self, writer: KaldiWriter) -> None:
         self._check()
         w = writer
-        w.write_token("<BatchNormComponent>")
-        w.write_token("<Dim>")
-        w.write_int(self.dim)
-        w.write_token("<BlockDim>")
-        w.write_int(self.block_dim)
-        w.write_token("<Epsilon>")
-        w.write_float(self.epsilon)
-        w.write_token("<TargetRms>")
-        w.write_float(self.target_rms)
-        w.write_token("<TestMode>")
-        w.write_bool(self.test_mode)
-        w.write_token("<Count>")
-        write_double(w, self.count)
+        write_fields(w, self, self._FIELDS, opening=True)
         # Kaldi converts the sums to float before normalising them
         f32 = np.float32
         mean = self.stats_sum.astype(f32)

@@ -28,6 +28,7 @@ they are averages (divided by the count), as in Kaldi.
 
 from __future__ import annotations
 
+from typing import ClassVar
 
 import numpy as np
 
@@ -68,6 +69,49 @@ def option_error(cfg: ConfigLine, comp, option: str, message: str) -> ConfigErro
     return cfg.error(f"component {comp.name!r} ({comp.type_name}): option {option}: {message}")
 
 
+class RecurrentNonlinearityBase(UpdatableComponent):
+    """The recurrent nonlinearities' common ground: Kaldi's SetZero, Scale and Add act on
+    the parameters (``PARAMS``) and the stats (``STAT_ARRAYS``, ``STAT_SCALARS``), and
+    their files start with the learning-rate header."""
+
+    STAT_ARRAYS: ClassVar[tuple[str, ...]] = ()
+    STAT_SCALARS: ClassVar[tuple[str, ...]] = ("count",)
+
+    @classmethod
+    def _read_learning_rate_header(cls, reader: KaldiReader):
+        """A new component with the learning-rate header read (it must be there)."""
+        c = cls()
+        tok = c.read_updatable_common(reader)
+        if tok:
+            raise reader.error(f"expected <LearningRate> in {cls.type_name}, got {tok!r}")
+        return c
+
+    def zero_stats(self) -> None:
+        for n in self.STAT_ARRAYS:
+            getattr(self, n)[...] = 0
+        for n in self.STAT_SCALARS:
+            setattr(self, n, 0.0)
+
+    def set_zero(self) -> None:
+        super().set_zero()
+        self.zero_stats()
+
+    def scale(self, alpha: float) -> None:
+        if alpha == 0.0:
+            self.set_zero()
+            return
+        for n in self.PARAMS + self.STAT_ARRAYS:
+            getattr(self, n)[...] *= alpha
+        for n in self.STAT_SCALARS:
+            setattr(self, n, getattr(self, n) * alpha)
+
+    def add(self, alpha: float, other: "RecurrentNonlinearityBase") -> None:
+        for n in self.PARAMS + self.STAT_ARRAYS:
+            getattr(self, n)[...] += alpha * getattr(other, n)
+        for n in self.STAT_SCALARS:
+            setattr(self, n, getattr(self, n) + alpha * getattr(other, n))
+
+
 # ----------------------------------------------------------------------------------
 # LSTM
 
@@ -76,7 +120,7 @@ _LSTM_NONLINEARITY_PROPS = P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKPR
 
 
 @register_component
-class LstmNonlinearityComponent(UpdatableComponent):
+class LstmNonlinearityComponent(RecurrentNonlinearityBase):
     """Input ``[i_part f_part c_part o_part c_prev]`` (5C, plus 3 dropout-mask
     columns with use-dropout), output ``[c_t m_t]`` (2C); params are the
     diagonal peephole weights ``w_ic, w_fc, w_oc`` (a 3 x C matrix)."""
@@ -84,6 +128,7 @@ class LstmNonlinearityComponent(UpdatableComponent):
     type_name = "LstmNonlinearityComponent"
     PARAMS = ("params",)
     ARRAYS = ("value_sum", "deriv_sum", "self_repair_config", "self_repair_total")
+    STAT_ARRAYS = ("value_sum", "deriv_sum", "self_repair_total")
 
     def __init__(self) -> None:
         super().__init__()
@@ -156,10 +201,7 @@ class LstmNonlinearityComponent(UpdatableComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "LstmNonlinearityComponent":
-        c = cls()
-        tok = c.read_updatable_common(reader)
-        if tok:
-            raise reader.error(f"expected <LearningRate> in {cls.type_name}, got {tok!r}")
+        c = cls._read_learning_rate_header(reader)
         reader.expect_token("<Params>")
         c.params = reader.read_matrix()
         reader.expect_token("<ValueAvg>")
@@ -212,29 +254,6 @@ class LstmNonlinearityComponent(UpdatableComponent):
         writer.write_token("<Count>")
         write_double(writer, self.count)
         writer.write_token(f"</{self.type_name}>")
-
-    # -- parameters and stats (Kaldi's Scale/Add touch the stats too) --------------------
-    def zero_stats(self) -> None:
-        for n in ("value_sum", "deriv_sum", "self_repair_total"):
-            getattr(self, n)[...] = 0
-        self.count = 0.0
-
-    def set_zero(self) -> None:
-        self.params[...] = 0
-        self.zero_stats()
-
-    def scale(self, alpha: float) -> None:
-        if alpha == 0.0:
-            self.set_zero()
-            return
-        for n in ("params", "value_sum", "deriv_sum", "self_repair_total"):
-            getattr(self, n)[...] *= alpha
-        self.count *= alpha
-
-    def add(self, alpha: float, other: "LstmNonlinearityComponent") -> None:
-        for n in ("params", "value_sum", "deriv_sum", "self_repair_total"):
-            getattr(self, n)[...] += alpha * getattr(other, n)
-        self.count += alpha * other.count
 
     # -- maths -------------------------------------------------------------------------
     def _split(self, xp, x):

@@ -12,21 +12,25 @@ implemented: gradients are exact and other updates use the plain direction.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
 from engine.core.xp import array_module
 from engine.nnet.components._param_utils import (
+    begin_updatable_read,
     check_backprop_shapes,
     check_rows,
     config_errors,
-    expect_after_common,
     gaussian,
     init_learning_rates,
     param_stats,
+    read_period_history_alpha,
     read_vector_option,
     require_positive,
     skip_old_is_gradient,
     updatable_info,
+    write_period_history_alpha,
 )
 from engine.nnet.components.base import (
     Component,
@@ -42,6 +46,13 @@ def _copy_unless_same(dst, src) -> None:
     """Kaldi's CopyFromMat, a no-op when the operation runs in place."""
     if dst is not src:
         dst[...] = src
+
+
+def _min_max_info(name: str, arr) -> str:
+    """The ", NAME-min=..., NAME-max=..." part of info() (nothing for an empty array)."""
+    if not arr.size:
+        return ""
+    return f", {name}-min={float(arr.min()):g}, {name}-max={float(arr.max()):g}"
 
 
 def _block_rows(mat, block: int):
@@ -78,11 +89,8 @@ class PerElementScaleComponent(UpdatableComponent):
     output_dim = input_dim
 
     def info(self) -> str:
-        s = updatable_info(self)
-        if self.scales.size:
-            s += (f", scales-min={float(self.scales.min()):g}, "
-                  f"scales-max={float(self.scales.max()):g}")
-        return s + param_stats("scales", self.scales, True)
+        return (updatable_info(self) + _min_max_info("scales", self.scales)
+                + param_stats("scales", self.scales, True))
 
     def _init_scales(self, cfg: ConfigLine, rng, file_option: str) -> None:
         filename = cfg.get_str(file_option)
@@ -108,9 +116,7 @@ class PerElementScaleComponent(UpdatableComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "PerElementScaleComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<Params>")
+        c = begin_updatable_read(cls, reader, "<Params>")
         c.scales = reader.read_vector()
         skip_old_is_gradient(c, reader)
         reader.expect_token("</PerElementScaleComponent>")
@@ -169,21 +175,14 @@ class NaturalGradientPerElementScaleComponent(PerElementScaleComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "NaturalGradientPerElementScaleComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<Params>")
+        c = begin_updatable_read(cls, reader, "<Params>")
         c.scales = reader.read_vector()
         # Kaldi writes <IsGradient> here unconditionally (besides the common header).
         reader.expect_token("<IsGradient>")
         c.is_gradient = reader.read_bool()
         reader.expect_token("<Rank>")
         c.rank = reader.read_int()
-        reader.expect_token("<UpdatePeriod>")
-        c.update_period = reader.read_int()
-        reader.expect_token("<NumSamplesHistory>")
-        c.num_samples_history = reader.read_float()
-        reader.expect_token("<Alpha>")
-        c.alpha = reader.read_float()
+        read_period_history_alpha(reader, c)
         if reader.try_token("<MaxChangePerMinibatch>"):  # removed option, old files
             reader.read_float()
         reader.expect_token("</NaturalGradientPerElementScaleComponent>")
@@ -197,12 +196,7 @@ class NaturalGradientPerElementScaleComponent(PerElementScaleComponent):
         writer.write_bool(self.is_gradient)
         writer.write_token("<Rank>")
         writer.write_int(self.rank)
-        writer.write_token("<UpdatePeriod>")
-        writer.write_int(self.update_period)
-        writer.write_token("<NumSamplesHistory>")
-        writer.write_float(self.num_samples_history)
-        writer.write_token("<Alpha>")
-        writer.write_float(self.alpha)
+        write_period_history_alpha(writer, self)
         writer.write_token("</NaturalGradientPerElementScaleComponent>")
 
 
@@ -238,10 +232,7 @@ class PerElementOffsetComponent(UpdatableComponent):
     output_dim = input_dim
 
     def info(self) -> str:
-        s = updatable_info(self)
-        if self.offsets.size:
-            s += (f", offsets-min={float(self.offsets.min()):g}, "
-                  f"offsets-max={float(self.offsets.max()):g}")
+        s = updatable_info(self) + _min_max_info("offsets", self.offsets)
         s += (f", block-dim={self.offsets.shape[0]}, use-natural-gradient="
               f"{'true' if self.use_natural_gradient else 'false'}")
         return s + param_stats("offsets", self.offsets, True)
@@ -274,9 +265,7 @@ class PerElementOffsetComponent(UpdatableComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "PerElementOffsetComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<Offsets>")
+        c = begin_updatable_read(cls, reader, "<Offsets>")
         c.offsets = reader.read_vector()
         skip_old_is_gradient(c, reader)
         if reader.try_token("<Dim>"):
@@ -380,9 +369,7 @@ class ScaleAndOffsetComponent(UpdatableComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "ScaleAndOffsetComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<Dim>")
+        c = begin_updatable_read(cls, reader, "<Dim>")
         c.dim = reader.read_int()
         reader.expect_token("<Scales>")
         c.scales = reader.read_vector()
@@ -449,128 +436,113 @@ class ScaleAndOffsetComponent(UpdatableComponent):
 # FixedScaleComponent and FixedBiasComponent
 
 
+class _FixedVectorComponent(Component):
+    """A fixed vector applied to every row, in place (FixedScaleComponent,
+    FixedBiasComponent).  ``ARRAYS[0]`` names the vector's attribute, its config option
+    (a vector file) and its info() summary; ``VECTOR_TOKEN`` its token on disk."""
+
+    VECTOR_TOKEN: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        setattr(self, self.ARRAYS[0], np.zeros(0, np.float32))
+
+    def properties(self) -> P:
+        return P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
+
+    def input_dim(self) -> int:
+        return int(getattr(self, self.ARRAYS[0]).shape[0])
+
+    output_dim = input_dim
+
+    def info(self) -> str:
+        name = self.ARRAYS[0]
+        return super().info() + param_stats(name, getattr(self, name), True)
+
+    def _vector_from_config(self, cfg: ConfigLine, rng: np.random.Generator):
+        """The vector when no file is given: option dim, random values."""
+        dim = require_positive(cfg, "dim", cfg.get_int("dim"))
+        return gaussian(rng, (dim,), 1.0)
+
+    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
+        with config_errors(self, cfg):
+            name = self.ARRAYS[0]
+            filename = cfg.get_str(name)
+            if filename is not None:
+                vector = read_vector_option(cfg, name, filename)
+                setattr(self, name, vector)
+                if vector.shape[0] == 0:
+                    raise cfg.error(f"option {name}={filename!r}: the vector is empty")
+                return
+            setattr(self, name, self._vector_from_config(cfg, rng))
+
+    @classmethod
+    def read(cls, reader: KaldiReader) -> "_FixedVectorComponent":
+        c = cls()
+        reader.try_token(f"<{cls.type_name}>")
+        reader.expect_token(cls.VECTOR_TOKEN)
+        setattr(c, cls.ARRAYS[0], reader.read_vector())
+        reader.expect_token(f"</{cls.type_name}>")
+        return c
+
+    def write(self, writer: KaldiWriter) -> None:
+        writer.write_token(f"<{self.type_name}>")
+        writer.write_token(self.VECTOR_TOKEN)
+        writer.write_vector(getattr(self, self.ARRAYS[0]))
+        writer.write_token(f"</{self.type_name}>")
+
+    def _apply(self, mat) -> None:
+        """Apply the vector to ``mat`` in place (propagation)."""
+        raise NotImplementedError
+
+    def _apply_to_deriv(self, deriv) -> None:
+        """Turn the output derivative into the input derivative, in place."""
+        raise NotImplementedError
+
+    def propagate(self, indexes, in_value, out):
+        check_rows(self, in_value, out)
+        _copy_unless_same(out, in_value)
+        self._apply(out)
+        return None
+
+    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
+                 to_update, in_deriv) -> None:
+        check_backprop_shapes(self, out_deriv, in_deriv)
+        if in_deriv is not None:
+            _copy_unless_same(in_deriv, out_deriv)
+            self._apply_to_deriv(in_deriv)
+
+
 @register_component
-class FixedScaleComponent(Component):
+class FixedScaleComponent(_FixedVectorComponent):
     """y = x * scales, fixed: scales=FILE, or dim with scale=S (all S) or random."""
 
     type_name = "FixedScaleComponent"
     ARRAYS = ("scales",)
+    VECTOR_TOKEN = "<Scales>"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.scales = np.zeros(0, np.float32)
+    def _vector_from_config(self, cfg: ConfigLine, rng: np.random.Generator):
+        scale = cfg.get_float("scale")
+        if scale is None:
+            return super()._vector_from_config(cfg, rng)
+        return np.full(require_positive(cfg, "dim", cfg.get_int("dim")), scale, np.float32)
 
-    def properties(self) -> P:
-        return P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
+    def _apply(self, mat) -> None:
+        mat *= self.scales
 
-    def input_dim(self) -> int:
-        return int(self.scales.shape[0])
-
-    output_dim = input_dim
-
-    def info(self) -> str:
-        return super().info() + param_stats("scales", self.scales, True)
-
-    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
-        with config_errors(self, cfg):
-            filename = cfg.get_str("scales")
-            if filename is not None:
-                self.scales = read_vector_option(cfg, "scales", filename)
-                if self.scales.shape[0] == 0:
-                    raise cfg.error(f"option scales={filename!r}: the vector is empty")
-                return
-            scale = cfg.get_float("scale")
-            dim = require_positive(cfg, "dim", cfg.get_int("dim"))
-            if scale is not None:
-                self.scales = np.full(dim, scale, np.float32)
-            else:
-                self.scales = gaussian(rng, (dim,), 1.0)
-
-    @classmethod
-    def read(cls, reader: KaldiReader) -> "FixedScaleComponent":
-        c = cls()
-        reader.try_token("<FixedScaleComponent>")
-        reader.expect_token("<Scales>")
-        c.scales = reader.read_vector()
-        reader.expect_token("</FixedScaleComponent>")
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token("<FixedScaleComponent>")
-        writer.write_token("<Scales>")
-        writer.write_vector(self.scales)
-        writer.write_token("</FixedScaleComponent>")
-
-    def propagate(self, indexes, in_value, out):
-        check_rows(self, in_value, out)
-        _copy_unless_same(out, in_value)
-        out *= self.scales
-        return None
-
-    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
-                 to_update, in_deriv) -> None:
-        check_backprop_shapes(self, out_deriv, in_deriv)
-        if in_deriv is not None:
-            _copy_unless_same(in_deriv, out_deriv)
-            in_deriv *= self.scales
+    _apply_to_deriv = _apply  # the derivative of x * scales is scaled the same way
 
 
 @register_component
-class FixedBiasComponent(Component):
+class FixedBiasComponent(_FixedVectorComponent):
     """y = x + bias, fixed: bias=FILE, or dim with a random bias."""
 
     type_name = "FixedBiasComponent"
     ARRAYS = ("bias",)
+    VECTOR_TOKEN = "<Bias>"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.bias = np.zeros(0, np.float32)
+    def _apply(self, mat) -> None:
+        mat += self.bias
 
-    def properties(self) -> P:
-        return P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
-
-    def input_dim(self) -> int:
-        return int(self.bias.shape[0])
-
-    output_dim = input_dim
-
-    def info(self) -> str:
-        return super().info() + param_stats("bias", self.bias, True)
-
-    def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
-        with config_errors(self, cfg):
-            filename = cfg.get_str("bias")
-            if filename is not None:
-                self.bias = read_vector_option(cfg, "bias", filename)
-                if self.bias.shape[0] == 0:
-                    raise cfg.error(f"option bias={filename!r}: the vector is empty")
-                return
-            dim = require_positive(cfg, "dim", cfg.get_int("dim"))
-            self.bias = gaussian(rng, (dim,), 1.0)
-
-    @classmethod
-    def read(cls, reader: KaldiReader) -> "FixedBiasComponent":
-        c = cls()
-        reader.try_token("<FixedBiasComponent>")
-        reader.expect_token("<Bias>")
-        c.bias = reader.read_vector()
-        reader.expect_token("</FixedBiasComponent>")
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token("<FixedBiasComponent>")
-        writer.write_token("<Bias>")
-        writer.write_vector(self.bias)
-        writer.write_token("</FixedBiasComponent>")
-
-    def propagate(self, indexes, in_value, out):
-        check_rows(self, in_value, out)
-        _copy_unless_same(out, in_value)
-        out += self.bias
-        return None
-
-    def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
-                 to_update, in_deriv) -> None:
-        check_backprop_shapes(self, out_deriv, in_deriv)
-        if in_deriv is not None:
-            _copy_unless_same(in_deriv, out_deriv)
+    def _apply_to_deriv(self, deriv) -> None:
+        pass  # the derivative of x + bias is the identity

@@ -21,13 +21,13 @@ from engine.core.errors import ComponentError
 from engine.core.index import Index, index_rows
 from engine.core.xp import array_module
 from engine.nnet.components._nonsimple_utils import add_row_ranges, config_errors_name_type
+from engine.nnet.components._fields import BOOL, FLOAT, INT, TokenFieldsComponent
 from engine.nnet.components.base import (
-    Component,
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
     register_component,
 )
-from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
+from engine.nnet.kaldi_io import KaldiReader
 
 
 def _sort_nxt(indexes: list[Index]) -> list[Index]:
@@ -102,6 +102,33 @@ def _range_lookup(input_indexes, output_indexes, lo_t: np.ndarray, hi_t: np.ndar
 # --------------------------------------------------------------------------------------
 
 
+class _StatisticsComponent(TokenFieldsComponent):
+    """What extraction and pooling share: input-dim and input-period, the info line,
+    the (n, x, t) index order and computability (any of the inputs present)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_dim_ = -1
+        self.input_period = 1
+
+    def input_dim(self) -> int:
+        return self.input_dim_
+
+    def info(self) -> str:
+        return (f"{self.type_name}, input-dim={self.input_dim()}, "
+                f"output-dim={self.output_dim()}")
+
+    def is_computable(self, misc_info, output_index, input_index_set, used_inputs):
+        present = [i for i in self.get_input_indexes(misc_info, output_index)
+                   if input_index_set(i)]
+        if used_inputs is not None:
+            used_inputs[:] = present
+        return bool(present)
+
+    def reorder_indexes(self, input_indexes, output_indexes):
+        return _sort_nxt(input_indexes), _sort_nxt(output_indexes)
+
+
 class StatisticsExtractionIndexes(ComponentPrecomputedIndexes):
     """forward_begin/end: row range of inputs per output row; counts: its size (float);
     backward: for each input row, the output row it contributes to."""
@@ -114,13 +141,14 @@ class StatisticsExtractionIndexes(ComponentPrecomputedIndexes):
 
 
 @register_component
-class StatisticsExtractionComponent(Component):
+class StatisticsExtractionComponent(_StatisticsComponent):
     type_name = "StatisticsExtractionComponent"
+    FIELDS = (("<InputDim>", "input_dim_", INT), ("<InputPeriod>", "input_period", INT),
+              ("<OutputPeriod>", "output_period", INT),
+              ("<IncludeVarinance>", "include_variance", BOOL))  # sic: Kaldi's spelling
 
     def __init__(self) -> None:
         super().__init__()
-        self.input_dim_ = -1
-        self.input_period = 1
         self.output_period = 1
         self.include_variance = True
 
@@ -128,15 +156,8 @@ class StatisticsExtractionComponent(Component):
         return P.PROPAGATE_ADDS | P.REORDERS_INDEXES | (
             P.BACKPROP_NEEDS_INPUT if self.include_variance else P.NONE)
 
-    def input_dim(self) -> int:
-        return self.input_dim_
-
     def output_dim(self) -> int:
         return 1 + self.input_dim_ + (self.input_dim_ if self.include_variance else 0)
-
-    def info(self) -> str:
-        return (f"{self.type_name}, input-dim={self.input_dim()}, "
-                f"output-dim={self.output_dim()}")
 
     def _check(self) -> None:
         if not (self.input_dim_ > 0 and self.input_period > 0 and self.output_period > 0
@@ -161,36 +182,9 @@ class StatisticsExtractionComponent(Component):
             raise cfg.error(f"{self.type_name}: output-period={self.output_period} is not a "
                             f"multiple of input-period={self.input_period}")
 
-    @classmethod
-    def read(cls, reader: KaldiReader):
-        c = cls()
-        tok = reader.read_token()
-        if tok == f"<{cls.type_name}>":
-            tok = reader.read_token()
-        if tok != "<InputDim>":
-            raise reader.error(f"expected <InputDim>, got {tok!r}")
-        c.input_dim_ = reader.read_int()
-        reader.expect_token("<InputPeriod>")
-        c.input_period = reader.read_int()
-        reader.expect_token("<OutputPeriod>")
-        c.output_period = reader.read_int()
-        reader.expect_token("<IncludeVarinance>")  # sic: Kaldi's spelling
-        c.include_variance = reader.read_bool()
-        reader.expect_token(f"</{cls.type_name}>")
-        c._check()
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token(f"<{self.type_name}>")
-        writer.write_token("<InputDim>")
-        writer.write_int(self.input_dim_)
-        writer.write_token("<InputPeriod>")
-        writer.write_int(self.input_period)
-        writer.write_token("<OutputPeriod>")
-        writer.write_int(self.output_period)
-        writer.write_token("<IncludeVarinance>")
-        writer.write_bool(self.include_variance)
-        writer.write_token(f"</{self.type_name}>")
+    def _check_read(self, reader: KaldiReader) -> None:
+        """After reading, a bad configuration is a ComponentError (as ``_check``)."""
+        self._check()
 
     # -- indexes ---------------------------------------------------------------------
     def _block(self, t: int) -> tuple[int, int]:
@@ -202,16 +196,6 @@ class StatisticsExtractionComponent(Component):
         start, end = self._block(output_index.t)
         n, x = output_index.n, output_index.x
         return [Index(n, t, x) for t in range(start, end, self.input_period)]
-
-    def is_computable(self, misc_info, output_index, input_index_set, used_inputs):
-        present = [i for i in self.get_input_indexes(misc_info, output_index)
-                   if input_index_set(i)]
-        if used_inputs is not None:
-            used_inputs[:] = present
-        return bool(present)
-
-    def reorder_indexes(self, input_indexes, output_indexes):
-        return _sort_nxt(input_indexes), _sort_nxt(output_indexes)
 
     def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
         out_t = np.asarray([i[1] for i in output_indexes], dtype=np.int64)
@@ -289,13 +273,16 @@ class StatisticsPoolingIndexes(ComponentPrecomputedIndexes):
 
 
 @register_component
-class StatisticsPoolingComponent(Component):
+class StatisticsPoolingComponent(_StatisticsComponent):
     type_name = "StatisticsPoolingComponent"
+    FIELDS = (("<InputDim>", "input_dim_", INT), ("<InputPeriod>", "input_period", INT),
+              ("<LeftContext>", "left_context", INT), ("<RightContext>", "right_context", INT),
+              ("<NumLogCountFeatures>", "num_log_count_features", INT),
+              ("<OutputStddevs>", "output_stddevs", BOOL),
+              ("<VarianceFloor>", "variance_floor", FLOAT))
 
     def __init__(self) -> None:
         super().__init__()
-        self.input_dim_ = -1
-        self.input_period = 1
         self.left_context = -1
         self.right_context = -1
         self.num_log_count_features = 0
@@ -310,15 +297,8 @@ class StatisticsPoolingComponent(Component):
             p |= P.BACKPROP_NEEDS_INPUT
         return p
 
-    def input_dim(self) -> int:
-        return self.input_dim_
-
     def output_dim(self) -> int:
         return self.input_dim_ + self.num_log_count_features - 1
-
-    def info(self) -> str:
-        return (f"{self.type_name}, input-dim={self.input_dim()}, "
-                f"output-dim={self.output_dim()}")
 
     def _problems(self) -> list[str]:
         bad = []
@@ -349,54 +329,7 @@ class StatisticsPoolingComponent(Component):
         self.num_log_count_features = cfg.get_int("num-log-count-features", 0)
         self.output_stddevs = cfg.get_bool("output-stddevs", False)
         self.variance_floor = cfg.get_float("variance-floor", 1.0e-10)
-        bad = self._problems()
-        if bad:
-            raise cfg.error(f"{self.type_name}: " + "; ".join(bad))
-
-    @classmethod
-    def read(cls, reader: KaldiReader):
-        c = cls()
-        tok = reader.read_token()
-        if tok == f"<{cls.type_name}>":
-            tok = reader.read_token()
-        if tok != "<InputDim>":
-            raise reader.error(f"expected <InputDim>, got {tok!r}")
-        c.input_dim_ = reader.read_int()
-        reader.expect_token("<InputPeriod>")
-        c.input_period = reader.read_int()
-        reader.expect_token("<LeftContext>")
-        c.left_context = reader.read_int()
-        reader.expect_token("<RightContext>")
-        c.right_context = reader.read_int()
-        reader.expect_token("<NumLogCountFeatures>")
-        c.num_log_count_features = reader.read_int()
-        reader.expect_token("<OutputStddevs>")
-        c.output_stddevs = reader.read_bool()
-        reader.expect_token("<VarianceFloor>")
-        c.variance_floor = reader.read_float()
-        reader.expect_token(f"</{cls.type_name}>")
-        bad = c._problems()
-        if bad:
-            raise reader.error(f"{cls.type_name}: " + "; ".join(bad))
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token(f"<{self.type_name}>")
-        writer.write_token("<InputDim>")
-        writer.write_int(self.input_dim_)
-        writer.write_token("<InputPeriod>")
-        writer.write_int(self.input_period)
-        writer.write_token("<LeftContext>")
-        writer.write_int(self.left_context)
-        writer.write_token("<RightContext>")
-        writer.write_int(self.right_context)
-        writer.write_token("<NumLogCountFeatures>")
-        writer.write_int(self.num_log_count_features)
-        writer.write_token("<OutputStddevs>")
-        writer.write_bool(self.output_stddevs)
-        writer.write_token("<VarianceFloor>")
-        writer.write_float(self.variance_floor)
-        writer.write_token(f"</{self.type_name}>")
+        self._raise_problems(cfg)
 
     # -- indexes ---------------------------------------------------------------------
     def get_input_indexes(self, misc_info, output_index):
@@ -413,14 +346,7 @@ class StatisticsPoolingComponent(Component):
         # outputs are only defined at multiples of the input period
         if output_index.t % self.input_period != 0:
             return False
-        present = [i for i in self.get_input_indexes(misc_info, output_index)
-                   if input_index_set(i)]
-        if used_inputs is not None:
-            used_inputs[:] = present
-        return bool(present)
-
-    def reorder_indexes(self, input_indexes, output_indexes):
-        return _sort_nxt(input_indexes), _sort_nxt(output_indexes)
+        return super().is_computable(misc_info, output_index, input_index_set, used_inputs)
 
     def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
         out_t = np.asarray([i[1] for i in output_indexes], dtype=np.int64)

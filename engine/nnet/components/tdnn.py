@@ -22,12 +22,16 @@ import numpy as np
 from engine.core.errors import ComponentError, DimensionError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components._param_utils import (
+    begin_updatable_read,
     config_errors,
-    expect_after_common,
     gaussian,
+    init_in_out_options,
     init_learning_rates,
     param_stats,
+    read_linear_and_bias,
     updatable_info,
+    write_in_out_options,
+    write_linear_and_bias,
 )
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
@@ -406,25 +410,14 @@ class TdnnComponent(UpdatableComponent):
             self.linear_params = gaussian(rng, (output_dim, input_dim * k), param_stddev)
             self.bias_params = (gaussian(rng, (output_dim,), bias_stddev, bias_mean)
                                 if use_bias else np.zeros(0, np.float32))
-            self.use_natural_gradient = cfg.get_bool("use-natural-gradient", True)
-            rank_in = cfg.get_int("rank-in", -1)
-            rank_out = cfg.get_int("rank-out", -1)
-            self.alpha_in = cfg.get_float("alpha-in", 4.0)
-            self.alpha_out = cfg.get_float("alpha-out", 4.0)
+            init_in_out_options(self, cfg, input_dim * k, output_dim, 20)
             self.num_samples_history = cfg.get_float("num-samples-history", 2000.0)
-            self.rank_in = rank_in if rank_in >= 0 else min(20, (input_dim * k + 1) // 2)
-            self.rank_out = rank_out if rank_out >= 0 else min(80, (output_dim + 1) // 2)
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "TdnnComponent":
-        c = cls()
-        pending = c.read_updatable_common(reader)
-        expect_after_common(reader, pending, "<TimeOffsets>")
+        c = begin_updatable_read(cls, reader, "<TimeOffsets>")
         c.time_offsets = reader.read_int_vector()
-        reader.expect_token("<LinearParams>")
-        c.linear_params = reader.read_matrix()
-        reader.expect_token("<BiasParams>")
-        c.bias_params = reader.read_vector()
+        c.linear_params, c.bias_params = read_linear_and_bias(reader)
         reader.expect_token("<OrthonormalConstraint>")
         c.orthonormal_constraint = reader.read_float()
         reader.expect_token("<UseNaturalGradient>")
@@ -451,22 +444,10 @@ class TdnnComponent(UpdatableComponent):
         self.write_updatable_common(writer)
         writer.write_token("<TimeOffsets>")
         writer.write_int_vector(self.time_offsets)
-        writer.write_token("<LinearParams>")
-        writer.write_matrix(self.linear_params)
-        writer.write_token("<BiasParams>")
-        writer.write_vector(self.bias_params)
+        write_linear_and_bias(writer, self.linear_params, self.bias_params)
         writer.write_token("<OrthonormalConstraint>")
         writer.write_float(self.orthonormal_constraint)
-        writer.write_token("<UseNaturalGradient>")
-        writer.write_bool(self.use_natural_gradient)
-        writer.write_token("<NumSamplesHistory>")
-        writer.write_float(self.num_samples_history)
-        writer.write_token("<AlphaInOut>")
-        writer.write_float(self.alpha_in)
-        writer.write_float(self.alpha_out)
-        writer.write_token("<RankInOut>")
-        writer.write_int(self.rank_in)
-        writer.write_int(self.rank_out)
+        write_in_out_options(writer, self, "<NumSamplesHistory>", self.num_samples_history)
         writer.write_token("</TdnnComponent>")
 
     # -- index functions -------------------------------------------------------------------
@@ -599,7 +580,8 @@ class TdnnComponent(UpdatableComponent):
         if self.bias_params.shape[0] != 0:
             out[...] = self.bias_params
         for i, off in enumerate(offsets):
-            out += self._part(in_value, off, stride, rows) @ self.linear_params[:, i * d:(i + 1) * d].T
+            out += (self._part(in_value, off, stride, rows)
+                    @ self.linear_params[:, i * d:(i + 1) * d].T)
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,

@@ -37,7 +37,13 @@ from engine.nnet.components._nonsimple_utils import (
     read_int_pair_vector,
     write_int_pair_vector,
 )
-from engine.nnet.components._param_utils import gaussian
+from engine.nnet.components._param_utils import (
+    gaussian,
+    init_in_out_options,
+    read_linear_and_bias,
+    write_in_out_options,
+    write_linear_and_bias,
+)
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
@@ -206,15 +212,8 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
             f = m.num_filters_in
             self.linear_params[:, k * f:(k + 1) * f] += np.eye(f, dtype=np.float32)
         self.bias_params = gaussian(rng, (m.num_filters_out,), bias_stddev)
-        self.use_natural_gradient = cfg.get_bool("use-natural-gradient", True)
-        rank_in = cfg.get_int("rank-in", -1)
-        rank_out = cfg.get_int("rank-out", -1)
-        self.alpha_in = cfg.get_float("alpha-in", 4.0)
-        self.alpha_out = cfg.get_float("alpha-out", 4.0)
+        init_in_out_options(self, cfg, cols + 1, rows, 80)
         self.num_minibatches_history = cfg.get_float("num-minibatches-history", 4.0)
-        dim_in, dim_out = cols + 1, rows
-        self.rank_in = rank_in if rank_in >= 0 else min(80, (dim_in + 1) // 2)
-        self.rank_out = rank_out if rank_out >= 0 else min(80, (dim_out + 1) // 2)
 
     # -- files -------------------------------------------------------------------------
     @classmethod
@@ -246,10 +245,7 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         m.required_time_offsets = set(reader.read_int_vector())
         reader.expect_token("</ConvolutionModel>")
         c.model = m
-        reader.expect_token("<LinearParams>")
-        c.linear_params = reader.read_matrix()
-        reader.expect_token("<BiasParams>")
-        c.bias_params = reader.read_vector()
+        c.linear_params, c.bias_params = read_linear_and_bias(reader)
         reader.expect_token("<MaxMemoryMb>")
         c.max_memory_mb = reader.read_float()
         reader.expect_token("<UseNaturalGradient>")
@@ -288,22 +284,11 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         writer.write_token("<RequiredTimeOffsets>")
         writer.write_int_vector(sorted(m.required_time_offsets))
         writer.write_token("</ConvolutionModel>")
-        writer.write_token("<LinearParams>")
-        writer.write_matrix(_host(self.linear_params))
-        writer.write_token("<BiasParams>")
-        writer.write_vector(_host(self.bias_params))
+        write_linear_and_bias(writer, _host(self.linear_params), _host(self.bias_params))
         writer.write_token("<MaxMemoryMb>")
         writer.write_float(self.max_memory_mb)
-        writer.write_token("<UseNaturalGradient>")
-        writer.write_bool(self.use_natural_gradient)
-        writer.write_token("<NumMinibatchesHistory>")
-        writer.write_float(self.num_minibatches_history)
-        writer.write_token("<AlphaInOut>")
-        writer.write_float(self.alpha_in)
-        writer.write_float(self.alpha_out)
-        writer.write_token("<RankInOut>")
-        writer.write_int(self.rank_in)
-        writer.write_int(self.rank_out)
+        write_in_out_options(writer, self, "<NumMinibatchesHistory>",
+                             self.num_minibatches_history)
         writer.write_token(f"</{self.type_name}>")
 
     # -- indexes ---------------------------------------------------------------------
