@@ -172,7 +172,7 @@ def main() -> None:
             ratio = (ours_ms / ours_py) / (k_ms / their_py) if k else float("nan")
             k_cmds = k["commands"] if k else "-"
             print(f"{d.name:10} {chunk:5d} {batch:5d} {ours_ms:9.1f} {k_ms:9.3f} "
-                  f"{ours_py:8.4f} {their_py:7.3f} {ratio:7.1f} {len(comp.commands):6d} "
+                  f"{ours_py:8.4f} {their_py:7.3f} {ratio:7.1f} {comp.stats()['commands']:6d} "
                   f"{k_cmds!s:>6}", flush=True)
             if args.split:
                 print("    split: " + ", ".join(f"{k}={v * 1000:.1f}ms"
@@ -184,7 +184,7 @@ def main() -> None:
             req = ComputationRequest.from_json((d / "request.json").read_bytes())
             secs, parts, comp = timed_compile(nnet, req, args.split)
             print(f"xvector request: {secs * 1000:.0f} ms cold compile+optimize, "
-                  f"{len(comp.commands)} commands; "
+                  f"{comp.stats()['commands']} commands; "
                   + ", ".join(f"{k}={v * 1000:.0f}ms" for k, v in parts.items()))
 
 
