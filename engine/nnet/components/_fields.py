@@ -88,10 +88,10 @@ class SameDimComponent(Component):
 
 
 class TokenFieldsComponent(Component):
-    """A component whose file is ``<Type>``, then ``FIELDS`` (token, attribute, kind)
+    """A component whose file is ``<Type>``, then ``_FIELDS`` (token, attribute, kind)
     in order, then ``</Type>``; ``_problems()`` lists what is wrong with its options."""
 
-    FIELDS: ClassVar[tuple[tuple[str, str, FieldKind], ...]] = ()
+    _FIELDS: ClassVar[tuple[tuple[str, str, FieldKind], ...]] = ()
 
     def _problems(self) -> list[str]:
         return []
@@ -109,11 +109,11 @@ class TokenFieldsComponent(Component):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        read_fields(reader, c, cls.FIELDS, opening=True)
+        read_fields(reader, c, cls._FIELDS, opening=True)
         reader.expect_token(f"</{cls.type_name}>")
         c._check_read(reader)
         return c
 
     def write(self, writer: KaldiWriter) -> None:
-        write_fields(writer, self, self.FIELDS, opening=True)
+        write_fields(writer, self, self._FIELDS, opening=True)
         writer.write_token(f"</{self.type_name}>")

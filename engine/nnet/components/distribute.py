@@ -37,7 +37,7 @@ class DistributeIndexes(ComponentPrecomputedIndexes):
 @register_component
 class DistributeComponent(TokenFieldsComponent):
     type_name = "DistributeComponent"
-    FIELDS = (("<InputDim>", "input_dim_", INT), ("<OutputDim>", "output_dim_", INT))
+    _FIELDS = (("<InputDim>", "input_dim_", INT), ("<OutputDim>", "output_dim_", INT))
 
     def __init__(self) -> None:
         super().__init__()

@@ -143,7 +143,7 @@ class StatisticsExtractionIndexes(ComponentPrecomputedIndexes):
 @register_component
 class StatisticsExtractionComponent(_StatisticsComponent):
     type_name = "StatisticsExtractionComponent"
-    FIELDS = (("<InputDim>", "input_dim_", INT), ("<InputPeriod>", "input_period", INT),
+    _FIELDS = (("<InputDim>", "input_dim_", INT), ("<InputPeriod>", "input_period", INT),
               ("<OutputPeriod>", "output_period", INT),
               ("<IncludeVarinance>", "include_variance", BOOL))  # sic: Kaldi's spelling
 
@@ -275,7 +275,7 @@ class StatisticsPoolingIndexes(ComponentPrecomputedIndexes):
 @register_component
 class StatisticsPoolingComponent(_StatisticsComponent):
     type_name = "StatisticsPoolingComponent"
-    FIELDS = (("<InputDim>", "input_dim_", INT), ("<InputPeriod>", "input_period", INT),
+    _FIELDS = (("<InputDim>", "input_dim_", INT), ("<InputPeriod>", "input_period", INT),
               ("<LeftContext>", "left_context", INT), ("<RightContext>", "right_context", INT),
               ("<NumLogCountFeatures>", "num_log_count_features", INT),
               ("<OutputStddevs>", "output_stddevs", BOOL),
