@@ -33,7 +33,7 @@ from engine.core.errors import InferenceError
 from engine.core.index import Index
 from engine.inference.common import (CachingCompiler, as_features, check_acoustic_scale,
                                      check_ivectors, check_simple, lcm, log_priors,
-                                     prepare_nnet, simple_context)
+                                     prepare_nnet, scale_output, simple_context)
 from engine.runtime.parallel import run_concurrently
 
 
@@ -270,8 +270,7 @@ class Inferencer:
     def _finish(self, out: np.ndarray) -> np.ndarray:
         if self.log_priors is not None:
             out -= self.log_priors
-        if self.options.acoustic_scale != 1.0:
-            out *= np.float32(self.options.acoustic_scale)
+        out = scale_output(out, self.options.acoustic_scale)
         if self.options.apply_exp:
             np.exp(out, out=out)
         return out

@@ -466,11 +466,10 @@ class Stream:
             raise StreamError(f"stream state was written with acoustic_scale {recorded!r}, "
                               f"not {acoustic_scale!r}")
         try:
-            scale = check_acoustic_scale(acoustic_scale)
             period = int(meta.get("online_period", 0))
             online = arrays.pop("online_rows", None)
             if period:
-                s = cls(model, None, period, scale)
+                s = cls(model, None, period, acoustic_scale)
                 if online is None or online.ndim != 2 or online.shape[1] != model.ivector_dim:
                     raise ValueError("bad online i-vector rows")
                 s.online_rows = online.astype(np.float32)
@@ -479,7 +478,7 @@ class Stream:
                 if s.online_start + s.online_rows.shape[0] != s.online_received:
                     raise ValueError("online i-vector rows do not end at the last row received")
             else:
-                s = cls(model, arrays.pop("ivector", None), None, scale)
+                s = cls(model, arrays.pop("ivector", None), None, acoustic_scale)
         except (InferenceError, KeyError, ValueError, TypeError) as e:
             raise StreamError(f"stream state is inconsistent: {e}") from None
         buf = arrays.pop("buffer", None)

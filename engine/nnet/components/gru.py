@@ -30,7 +30,7 @@ class _GruBase(RecurrentNonlinearityBase):
     """Stats, self-repair and the shared part of the file format of the two GRUs."""
 
     ARRAYS = ("value_sum", "deriv_sum")
-    STAT_ARRAYS = ("value_sum", "deriv_sum")
+    STAT_ARRAYS = ARRAYS
     STAT_SCALARS = ("self_repair_total", "count")
 
     def __init__(self) -> None:
