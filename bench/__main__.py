@@ -13,7 +13,7 @@ import platform
 import sys
 import time
 
-from bench.common import blas_threads
+from bench.common import NETWORKS, blas_threads
 from bench.suites import SUITES, Runner, format_table
 
 
@@ -57,6 +57,11 @@ def main(argv=None) -> int:
                          "computed as K computations of B/K in K threads with one BLAS "
                          "thread each (batch cases only; PyTorch then gets K threads); each "
                          "forward case runs under each (needs threadpoolctl)")
+    ap.add_argument("--network", default="decoding", choices=list(NETWORKS),
+                    help="the form of each network timed: 'decoding' (what the inference "
+                         "front-end runs: Kaldi's CollapseModel, then sibling-affine fusion) "
+                         "or 'as-stored' (test mode only: the structure Kaldi's "
+                         "kaldi_stats.json figures were measured on)")
     ap.add_argument("--json", dest="json_path", default=None, help="also write JSON here")
     ap.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
     args = ap.parse_args(argv)
@@ -67,13 +72,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     runner = Runner(repeat=args.repeat, compile_repeat=args.compile_repeat,
                     models=[m for m in args.models.split(",") if m], backend=args.backend,
-                    blas_threads=_thread_settings(ap, args.blas_threads))
+                    blas_threads=_thread_settings(ap, args.blas_threads),
+                    network=args.network)
     import numpy as np  # noqa: PLC0415
     machine = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version(), "numpy": np.__version__,
                "load_average": os.getloadavg(), "gemm_s": runner.gemm_s,
-               "python_s": runner.python_s, "gemm_s_runs": runner.gemm_runs,
+               "python_s": runner.python_s, "network": runner.network,
+               "gemm_s_runs": runner.gemm_runs,
                "python_s_runs": runner.python_runs,
                "gemm_s_same_threads": {runner.threads_label(n): s
                                        for n, s in runner.gemm_same_threads_s.items()},

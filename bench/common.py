@@ -102,15 +102,26 @@ def kaldi_figures(name: str) -> tuple[dict, dict] | None:
 # -- the chunk request ------------------------------------------------------------------------------
 
 
-def load_for_inference(path):
-    """The network ready for decoding (test mode, collapsed), as nnet3-compute runs it."""
+NETWORKS = ("decoding", "as-stored")
+
+
+def load_for_inference(path, network: str = "decoding"):
+    """The network in test mode, read-only, as the engine decodes it (``decoding``:
+    Kaldi's CollapseModel, as nnet3-compute runs it, then nnetc's sibling-affine
+    fusion: engine.inference.common.prepare_nnet) or with its structure as stored
+    (``as-stored``: test mode only -- the network Kaldi's kaldi_stats.json figures
+    were measured on, command for command)."""
     from engine.inference.common import prepare_nnet  # noqa: PLC0415
     from engine.nnet.model_io import load_model  # noqa: PLC0415
+    if network not in NETWORKS:
+        raise ValueError(f"network {network!r}: choose from {', '.join(NETWORKS)}")
     if str(path).endswith(".cfg"):
         from engine.nnet.nnet import Nnet  # noqa: PLC0415
-        return prepare_nnet(Nnet.from_config(Path(path).read_text(), source=str(path),
-                                             rng=np.random.default_rng(0)))
-    return prepare_nnet(load_model(str(path)).nnet)
+        nnet = Nnet.from_config(Path(path).read_text(), source=str(path),
+                                rng=np.random.default_rng(0))
+    else:
+        nnet = load_model(str(path)).nnet
+    return prepare_nnet(nnet, collapse=network == "decoding")
 
 
 def chunk_request(nnet, chunk: int, batch: int):

@@ -38,8 +38,10 @@ def _sync(xp) -> None:
 
 def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str = "numpy",
                     compile_repeat: int | None = None, shortcut: bool = True,
-                    workloads: dict | None = None, split: int = 1) -> dict:
-    """``model``: a path or an already prepared Nnet.  ``workloads``: gemm_s/python_s
+                    workloads: dict | None = None, split: int = 1,
+                    network: str = "decoding") -> dict:
+    """``model``: a path (loaded as ``network``: bench.common.load_for_inference) or an
+    already prepared Nnet.  ``workloads``: gemm_s/python_s
     already measured in this process (measured here when None).  ``split``: see the
     module docstring."""
     from engine.runtime.backend import get_backend  # noqa: PLC0415
@@ -49,7 +51,8 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
     if split > 1 and backend != "numpy":
         raise ValueError("split runs are for the CPU (numpy backend)")
     xp = get_backend(backend)
-    nnet = common.load_for_inference(model) if not hasattr(model, "components") else model
+    nnet = (common.load_for_inference(model, network) if not hasattr(model, "components")
+            else model)
     full_request = common.chunk_request(nnet, chunk, batch)
     # the computation that runs: all B sequences, or B/K of them per thread
     request = common.chunk_request(nnet, chunk, batch // split)

@@ -44,8 +44,10 @@ class Runner:
     forward measurements (measured once per case)."""
 
     def __init__(self, repeat: int = 7, compile_repeat: int = 5, models: list[str] | None = None,
-                 backend: str = "numpy", blas_threads=(1, None)):
+                 backend: str = "numpy", blas_threads=(1, None), network: str = "decoding"):
         self.repeat = repeat
+        # which form of each network the suites time (bench.common.load_for_inference)
+        self.network = network
         self.compile_repeat = compile_repeat
         self.backend = backend
         # BLAS thread settings the forward suites run under (None: the library default, as
@@ -86,10 +88,13 @@ class Runner:
                     if not self.wanted or n in self.wanted]
         return out
 
-    def nnet(self, name, path):
-        if name not in self._nnets:
-            self._nnets[name] = common.load_for_inference(path)
-        return self._nnets[name]
+    def nnet(self, name, path, network: str | None = None):
+        """The network the suites time (``network``: another form of it, e.g. the
+        stored structure the PyTorch models are built from)."""
+        key = (name, network or self.network)
+        if key not in self._nnets:
+            self._nnets[key] = common.load_for_inference(path, key[1])
+        return self._nnets[key]
 
     @staticmethod
     def threads_label(n) -> str:
@@ -121,14 +126,16 @@ def _norm(ours: float, our_work: float, theirs: float | None, their_work: float 
 
 
 def suite_compile(r: Runner) -> list[dict]:
-    """Cold compile + optimize per model and chunk case, in CPU seconds of this process
-    (compiling is single-threaded; CPU time leaves out what a shared machine gives to
-    other processes) normalised by the python_s workload on the same clock, measured
+    """Cold compile + optimize per model and chunk case, in CPU seconds of the compiling
+    thread (compiling is single-threaded; CPU time leaves out what a shared machine
+    gives to other processes, and the thread's own clock what other threads of this
+    process do meanwhile: OpenBLAS's workers spin for a while after a product, e.g.
+    those of loading a network, whose collapse multiplies matrices) normalised by the python_s workload on the same clock, measured
     right before and right after each model's cases (their mean is that model's
     normaliser: a shared machine's speed drifts by tens of percent within an hour, and
     a workload timed once at the start of the run would not follow it)."""
     rows = []
-    clock = time.process_time
+    clock = time.thread_time
     py_before = common.python_s_on(clock)
     for name, path in r.models(with_vosk=True):
         nnet = r.nnet(name, path)

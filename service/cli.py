@@ -495,9 +495,15 @@ def bench_group() -> None:
 @click.option("--split", type=int, default=1, show_default=True,
               help="Compute the batch as K computations of batch/K sequences at the same "
                    "time, one BLAS thread each (engine/runtime/parallel.py; numpy backend).")
+@click.option("--network", type=click.Choice(["decoding", "as-stored"]), default="decoding",
+              show_default=True,
+              help="The network timed: as the inference front-end runs it (Kaldi's "
+                   "CollapseModel, then sibling-affine fusion) or as stored (test mode "
+                   "only: the structure of Kaldi's kaldi_stats.json figures).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_typed_errors
-def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, as_json) -> None:
+def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, network,
+                      as_json) -> None:
     """Cold compile and forward time of MODEL on the chunk request of kaldi_stats.json."""
     from bench.forward import measure_forward  # noqa: PLC0415
     if chunk < 1 or batch < 1 or repeat < 1:
@@ -507,7 +513,8 @@ def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, as_json)
     if split > 1 and backend != "numpy":
         raise click.UsageError("--split is for the numpy backend")
     figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend,
-                              split=split)
+                              split=split, network=network)
+    figures["network"] = network
     if backend == "numpy":
         # what the products ran on (library, kernel set, threads, overrides): figures
         # from machines or settings that differ here are not comparable

@@ -6,8 +6,9 @@ small caching compiler (CachingOptimizingCompiler: compile + optimize once per
 distinct request), the input checks of DecodableNnetSimple::EnsureFrameIsComputed
 and the log-prior handling of DecodableNnetSimple.
 
-The optimizer (engine.optimizer) and model collapsing are used when present;
-the engine works, unoptimized, without them (the numbers agree either way).
+Decoding networks are collapsed (engine.optimizer.collapse) and their sibling
+affines fused (engine.optimizer.fuse) unless the caller asks for the network as it
+is (``collapse=False``); the numbers agree either way to float32 rounding.
 """
 
 from __future__ import annotations
@@ -26,28 +27,24 @@ def lcm(a: int, b: int) -> int:
     return a * b // gcd(a, b)
 
 
-def prepare_nnet(nnet, collapse: bool = True):
-    """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode,
-    when the optimizer provides ``collapse_model`` collapsed, and its parameters
-    read-only (``Nnet.freeze_parameters``).  The caller's network is never modified."""
+def prepare_nnet(nnet, collapse: bool = True, fuse: bool | None = None):
+    """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode;
+    with ``collapse``, Kaldi's CollapseModel with its default CollapseModelConfig (as
+    nnet3-compute and Kaldi's looped decoders run it); with ``fuse`` (default: as
+    ``collapse``), sibling affines fused (engine.optimizer.fuse: one product per
+    step for the gate affines of an LSTM that reads one input four times); its
+    parameters read-only (``Nnet.freeze_parameters``).  The caller's network is never
+    modified."""
+    from engine.optimizer.collapse import collapse_model  # noqa: PLC0415
+    from engine.optimizer.fuse import fuse_sibling_affines_in_place  # noqa: PLC0415
     nnet = nnet.copy()
     nnet.set_test_mode(True)
     if collapse:
-        fn = _optimizer_attr("collapse_model")
-        if fn is not None:
-            result = fn(nnet)
-            if result is not None and not isinstance(result, bool):
-                nnet = result
+        nnet = collapse_model(nnet)
+    if collapse if fuse is None else fuse:
+        fuse_sibling_affines_in_place(nnet)
     # read-only weights: the executor may use its contiguous transposed copies
     return nnet.freeze_parameters()
-
-
-def _optimizer_attr(name: str):
-    try:
-        from engine import optimizer as opt  # noqa: PLC0415
-    except ImportError:
-        return None
-    return getattr(opt, name, None)
 
 
 def check_simple(nnet, output_name: str = "output") -> None:

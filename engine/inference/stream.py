@@ -457,7 +457,11 @@ class Stream:
             raise StreamError(f"stream state has version {meta.get('version')!r} "
                               f"(expected {STATE_VERSION})")
         if meta.get("fingerprint") != model.fingerprint:
-            raise StreamError("stream state belongs to another model or chunk configuration")
+            # (or to an engine that prepared the network otherwise: the fingerprint covers
+            # the decoding network, collapsed and fused as engine.inference.common does)
+            raise StreamError("stream state belongs to another model or chunk configuration "
+                              "(or was written by an engine version that prepares the "
+                              "network differently)")
         comp = model.computation
         recorded = meta.get("acoustic_scale")
         if acoustic_scale is None:

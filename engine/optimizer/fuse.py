@@ -1,0 +1,184 @@
+"""Sibling-affine fusion for inference (an nnetc model simplification; Kaldi has no
+counterpart).
+
+Several affine component nodes that read the same input descriptor -- the four gate
+affines of a Kaldi "lstmp-layer" (W_i, W_f, W_o, W_c, each reading
+``Append(x(t), IfDefined(Offset(r, -d)))``), for example -- compute four products of
+one input matrix, each with its own copy of that input.  Fused, they are one
+component node whose parameters are the members' stacked (rows of W, entries of b)
+and one input descriptor; each member becomes a dim-range node of the same name over
+its column block, which the compiler turns into a column range of the fused node's
+matrix (no copy).  Consumers, offsets and recurrences are unchanged, because they
+refer to the members by name.  One product and one input assembly per step replace
+K of each: on the BLSTM of the reference set, 30% fewer commands and the same peak
+bytes (bench/RESULTS.md).
+
+A group is fused when its members
+- are component nodes of AffineComponent, NaturalGradientAffineComponent or
+  FixedAffineComponent (exactly these types; the fused component is an
+  AffineComponent, which propagates as they all do), float32 parameters;
+- have input descriptors that write the same text (the same expression);
+- lie on one recurrence (one strongly connected component of the node graph).
+  That is where fusing pays: a recurrence is computed frame by frame, a few small
+  commands per node and frame, while elsewhere a node's product covers the whole
+  chunk at once.  It is also what keeps the fused node from computing rows nobody
+  asked for: every node of a recurrence is needed at the frames the recurrence runs
+  at, and reaches the same outputs.  Siblings outside a recurrence stay apart (a
+  clockwork RNN's final affines read Offset(h, -1) at one frame in three; a chain
+  model's output and output-xent branches read one input for different outputs).
+
+Each row of a member's output is its own dot product in either form, so outputs are
+those of the unfused network to float32 rounding (the same bits where the BLAS takes
+the same blocking).  Memory: a step's fused matrix lives until its last member is
+read, where the members' own matrices could go one by one, and the in-place merges
+see column ranges instead of whole matrices; on random Kaldi-style LSTMs (Kaldi's
+GenerateConfigSequence, 25 networks) peak bytes went from 26% lower to 18% higher
+(commands 22-39% fewer), on the reference BLSTM's chunk requests they are equal.  Meant for
+decoding networks (``engine.inference.common.prepare_nnet`` applies it after
+``collapse_model``): the fused AffineComponent trains as a plain affine, not with the
+members' natural-gradient options.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent,
+                                           NaturalGradientAffineComponent)
+from engine.nnet.descriptor_parse import parse_descriptor
+from engine.nnet.graph import find_sccs, nnet_to_directed_graph
+from engine.nnet.nnet import NetworkNode, Nnet, NodeType
+
+_FUSABLE = (AffineComponent, NaturalGradientAffineComponent, FixedAffineComponent)
+
+
+def fuse_sibling_affines(nnet: Nnet) -> Nnet:
+    """A copy of ``nnet`` with its sibling affine nodes fused (see the module
+    docstring); ``nnet`` is left unchanged.  A network without such siblings comes
+    back as an unchanged copy."""
+    out = nnet.copy()
+    fuse_sibling_affines_in_place(out)
+    return out
+
+
+def fuse_sibling_affines_in_place(nnet: Nnet) -> int:
+    """Fuse in place; returns the number of member nodes that became dim-range nodes."""
+    groups = _groups(nnet)
+    if not groups:
+        return 0
+    _rewrite(nnet, groups)
+    nnet.validate()
+    return sum(len(g) for g in groups)
+
+
+def _recurrences(nnet: Nnet) -> list[int]:
+    """Per node, the number of its recurrence (strongly connected component of the
+    node graph with more than one node), or -1."""
+    of = [-1] * nnet.num_nodes()
+    for k, scc in enumerate(find_sccs(nnet_to_directed_graph(nnet))):
+        if len(scc) > 1:
+            for i in scc:
+                of[i] = k
+    return of
+
+
+def _groups(nnet: Nnet) -> list[list[int]]:
+    """Lists (two or more, in node order) of the component nodes to fuse."""
+    names = nnet.node_names
+    recurrence = _recurrences(nnet)
+    by_key: dict = {}
+    for n, node in enumerate(nnet.nodes):
+        if node.type != NodeType.COMPONENT or n == 0 or recurrence[n] < 0:
+            continue
+        comp = nnet.components[node.component_index]
+        desc_node = nnet.nodes[n - 1]
+        if (type(comp) not in _FUSABLE or desc_node.type != NodeType.DESCRIPTOR
+                or comp.linear_params.dtype != np.float32
+                or comp.bias_params.dtype != np.float32):
+            continue
+        key = (recurrence[n], desc_node.descriptor.write(names))
+        by_key.setdefault(key, []).append(n)
+    return sorted(g for g in by_key.values() if len(g) > 1)
+
+
+def _unique(name: str, taken: set) -> str:
+    candidate, k = name, 1
+    while candidate in taken or f"{candidate}_input" in taken:
+        k += 1
+        candidate = f"{name}{k}"
+    return candidate
+
+
+def _rewrite(nnet: Nnet, groups: list[list[int]]) -> None:
+    old_nodes, old_names = nnet.nodes, nnet.node_names
+    texts = {i: node.descriptor.write(old_names) for i, node in enumerate(old_nodes)
+             if node.type == NodeType.DESCRIPTOR}
+    taken = set(old_names) | set(nnet.component_names)
+    # member node -> (fused node name, column offset); first member -> its group
+    block: dict[int, tuple[str, int]] = {}
+    first_of: dict[int, tuple[str, int]] = {}
+    for members in groups:
+        comps = [nnet.components[old_nodes[n].component_index] for n in members]
+        fused = AffineComponent()
+        fused.linear_params = np.ascontiguousarray(
+            np.concatenate([c.linear_params for c in comps], axis=0))
+        fused.bias_params = np.ascontiguousarray(
+            np.concatenate([c.bias_params for c in comps]))
+        name = _unique(f"{old_names[members[0]]}.fused", taken)
+        taken.update((name, f"{name}_input"))
+        fused.name = name
+        nnet.components.append(fused)
+        nnet.component_names.append(name)
+        first_of[members[0]] = (name, len(nnet.components) - 1)
+        offset = 0
+        for n, comp in zip(members, comps):
+            block[n] = (name, offset)
+            offset += comp.linear_params.shape[0]
+    # the new node list: each group's fused pair where its first member's input
+    # descriptor was; members as dim-range nodes; their input descriptors dropped
+    new_nodes: list[NetworkNode] = []
+    dim_range_src: dict[int, str] = {}      # new node position -> source node name
+    pending: dict[int, str] = {}            # new node position -> descriptor text
+    for i, node in enumerate(old_nodes):
+        if i + 1 in block:                  # a member's input descriptor
+            if i + 1 in first_of:
+                name, ci = first_of[i + 1]
+                new_nodes.append(NetworkNode(f"{name}_input", NodeType.DESCRIPTOR,
+                                             origin=node.origin))
+                pending[len(new_nodes) - 1] = texts[i]
+                new_nodes.append(NetworkNode(name, NodeType.COMPONENT, component_index=ci,
+                                             origin=old_nodes[i + 1].origin))
+            continue
+        if i in block:                      # a member: a dim-range node of its block
+            name, offset = block[i]
+            new_nodes.append(NetworkNode(node.name, NodeType.DIM_RANGE, dim_offset=offset,
+                                         dim=nnet.components[node.component_index]
+                                         .linear_params.shape[0], origin=node.origin))
+            dim_range_src[len(new_nodes) - 1] = name
+            continue
+        copy = node.copy()
+        if node.type == NodeType.DESCRIPTOR:
+            pending[len(new_nodes)] = texts[i]
+        elif node.type == NodeType.DIM_RANGE:
+            src = node.node_index
+            if src in block:                # over a member: over the fused node
+                name, offset = block[src]
+                copy.dim_offset += offset
+                dim_range_src[len(new_nodes)] = name
+            else:
+                dim_range_src[len(new_nodes)] = old_names[src]
+        new_nodes.append(copy)
+    nnet.nodes = new_nodes
+    names, referable = nnet.node_names, nnet.referable_names()
+    index = {name: i for i, name in enumerate(names)}
+    for i, node in enumerate(new_nodes):
+        if node.type == NodeType.DESCRIPTOR:
+            node.descriptor = parse_descriptor(pending[i], referable, names)
+        elif node.type == NodeType.DIM_RANGE:
+            node.node_index = index[dim_range_src[i]]
+    # the members' components are used by no node now
+    from engine.optimizer.collapse import remove_orphan_components  # noqa: PLC0415
+    remove_orphan_components(nnet)
+
+
+__all__ = ["fuse_sibling_affines", "fuse_sibling_affines_in_place"]

@@ -1,0 +1,210 @@
+"""Sibling-affine fusion (engine/optimizer/fuse.py) and the decoding network that
+prepare_nnet builds with it: which nodes are fused and which are not, outputs and
+input derivatives equal to the unfused network's on random networks, the BLSTM of
+the test data (fewer commands, the same peak bytes, the same decode), streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.compiler.shortcut import compile_request
+from engine.core.index import Index
+from engine.inference.common import prepare_nnet
+from engine.nnet.model_io import load_model
+from engine.nnet.nnet import Nnet, NodeType
+from engine.nnet.random_config import (GENERATOR_NAMES, generate_config_sequence,
+                                       random_inputs, random_output_derivs, random_request)
+from engine.optimizer.fuse import fuse_sibling_affines
+from engine.runtime.executor import run_computation
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+BLSTM = DATA / "inference" / "blstm" / "model.raw"
+
+# A recurrence h(t) <- h(t-1) through three gate-like affines on one input (one of
+# them Fixed), an affine on another descriptor, a linear on the same input (not a
+# fusable type), and a dim-range node over a member; outside the recurrence, an affine
+# on the same input for a second output (not fused: no recurrence, another output).
+SIBLINGS = """
+input-node name=input dim=6
+component name=a type=AffineComponent input-dim=28 output-dim=5
+component name=b type=NaturalGradientAffineComponent input-dim=28 output-dim=4
+component name=c type=FixedAffineComponent input-dim=28 output-dim=3
+component name=d type=AffineComponent input-dim=28 output-dim=4
+component name=lin type=LinearComponent input-dim=28 output-dim=4
+component name=x type=AffineComponent input-dim=28 output-dim=2
+component name=tanh type=TanhComponent dim=22
+component-node name=a component=a input=Append(input, IfDefined(Offset(h, -1)))
+component-node name=b component=b input=Append(input, IfDefined(Offset(h, -1)))
+component-node name=c component=c input=Append(input, IfDefined(Offset(h, -1)))
+component-node name=d component=d input=Append(input, IfDefined(Offset(h, -2)))
+component-node name=lin component=lin input=Append(input, IfDefined(Offset(h, -1)))
+dim-range-node name=b_tail input-node=b dim-offset=1 dim=2
+component-node name=h component=tanh input=Append(a, IfDefined(Offset(b, -2)), c, b_tail, lin, d)
+component-node name=x component=x input=Append(input, IfDefined(Offset(h, -1)))
+output-node name=output input=h
+output-node name=output-x input=x
+"""
+
+
+def _nnet(text: str, seed: int = 0) -> Nnet:
+    nnet = Nnet.from_config(text, rng=np.random.default_rng(seed))
+    nnet.set_test_mode(True)
+    return nnet
+
+
+def _request(nnet: Nnet, frames: int = 5, seqs: int = 2, deriv: bool = False,
+             outputs=("output",)) -> ComputationRequest:
+    ins = [Index(n, t, 0) for n in range(seqs) for t in range(-4, frames + 4)]
+    outs = [Index(n, t, 0) for n in range(seqs) for t in range(frames)]
+    return ComputationRequest([IoSpecification("input", ins, deriv)],
+                              [IoSpecification(o, outs, deriv) for o in outputs])
+
+
+def _run(nnet, request, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    inputs = random_inputs(nnet, request, rng)
+    derivs = random_output_derivs(nnet, request, rng) or None
+    comp = compile_request(nnet, request, None)
+    outs, in_derivs, _ = run_computation(comp, nnet, inputs, derivs)
+    return outs, in_derivs, comp.stats()
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        scale = 1.0 + float(np.abs(a[k]).max()) if a[k].size else 1.0
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
+
+
+def test_groups_fused_and_kept_apart():
+    nnet = _nnet(SIBLINGS)
+    before = nnet.config_text()
+    fused = fuse_sibling_affines(nnet)
+    assert nnet.config_text() == before            # the caller's network is untouched
+    kinds = {node.name: node.type for node in fused.nodes}
+    # a, b, c (Affine, NG-Affine, FixedAffine on one input, one recurrence) fused
+    for name in ("a", "b", "c"):
+        assert kinds[name] == NodeType.DIM_RANGE, name
+    # another descriptor, another type, outside the recurrence: unchanged
+    for name in ("d", "lin", "x"):
+        assert kinds[name] == NodeType.COMPONENT, name
+    f = fused.get_node_index("a.fused")
+    assert fused.nodes[f].type == NodeType.COMPONENT
+    comp = fused.get_component(fused.nodes[f].component_index)
+    assert type(comp).__name__ == "AffineComponent" and comp.linear_params.shape == (12, 28)
+    offsets = {name: (fused.nodes[fused.get_node_index(name)].node_index,
+                      fused.nodes[fused.get_node_index(name)].dim_offset,
+                      fused.nodes[fused.get_node_index(name)].dim)
+               for name in ("a", "b", "c", "b_tail")}
+    assert offsets == {"a": (f, 0, 5), "b": (f, 5, 4), "c": (f, 9, 3), "b_tail": (f, 6, 2)}
+    # the parameters are the members', stacked in node order
+    np.testing.assert_array_equal(comp.linear_params[5:9],
+                                  nnet.get_component_by_name("b").linear_params)
+    np.testing.assert_array_equal(comp.bias_params[9:],
+                                  nnet.get_component_by_name("c").bias_params)
+    assert fused.get_component_index("a") == -1 and fused.get_component_index("b") == -1
+    fused.validate(allow_orphans=False)
+
+
+@pytest.mark.parametrize("deriv", [False, True])
+def test_siblings_same_outputs_and_input_derivatives(deriv):
+    nnet = _nnet(SIBLINGS)
+    fused = fuse_sibling_affines(nnet)
+    req = _request(nnet, deriv=deriv, outputs=("output", "output-x"))
+    o1, d1, s1 = _run(nnet, req)
+    o2, d2, s2 = _run(fused, req)
+    _close(o1, o2)
+    _close(d1, d2)
+    assert s2["commands"] < s1["commands"]
+
+
+def test_fused_name_is_unique():
+    text = SIBLINGS.replace("component name=x type", "component name=a.fused type").replace(
+        "component-node name=x component=x", "component-node name=a.fused component=a.fused"
+    ).replace("output-node name=output-x input=x", "output-node name=output-x input=a.fused")
+    fused = fuse_sibling_affines(_nnet(text))
+    assert fused.get_node_index("a.fused2") >= 0
+    assert fused.nodes[fused.get_node_index("a.fused")].type == NodeType.COMPONENT
+    assert fused.get_component_by_name("a.fused").linear_params.shape == (2, 28)
+
+
+def test_nothing_to_fuse_leaves_the_structure():
+    nnet = _nnet(SIBLINGS.replace("name=a component=a input=Append(input, IfDefined(Offset("
+                                  "h, -1)))", "name=a component=a input=Append(input, "
+                                  "IfDefined(Offset(h, -3)))"))
+    # a no longer shares b's and c's input: b and c still are siblings
+    fused = fuse_sibling_affines(nnet)
+    assert fused.nodes[fused.get_node_index("a")].type == NodeType.COMPONENT
+    assert fused.nodes[fused.get_node_index("b")].type == NodeType.DIM_RANGE
+    plain = _nnet("input-node name=input dim=3\ncomponent name=a type=AffineComponent "
+                  "input-dim=3 output-dim=2\ncomponent-node name=a component=a input=input\n"
+                  "output-node name=output input=a\n")
+    assert fuse_sibling_affines(plain).config_text() == plain.config_text()
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_networks_fused_equal_unfused(seed):
+    """Every generator's networks (the LSTMs have four gate affines on one input):
+    outputs and input derivatives of the fused network equal the network's own;
+    fewer commands wherever something was fused, and peak bytes within the range
+    measured on such networks (engine/optimizer/fuse.py: -26% to +18%)."""
+    rng = np.random.default_rng(7000 + seed)
+    kind = ("lstm", "lstm_truncation")[seed % 2] if seed < 20 else \
+        GENERATOR_NAMES[seed % len(GENERATOR_NAMES)]
+    net = generate_config_sequence(rng, kind=kind)
+    nnet = net.build(np.random.default_rng(seed))
+    fused = fuse_sibling_affines(nnet)
+    if kind.startswith("lstm"):
+        assert fused.num_nodes() < nnet.num_nodes(), "the LSTM's gate affines were not fused"
+    req = random_request(nnet, rng, need_deriv=True)
+    o1, d1, s1 = _run(nnet, req, seed)
+    o2, d2, s2 = _run(fused, req, seed)
+    _close(o1, o2)
+    _close(d1, d2)
+    if fused.num_nodes() < nnet.num_nodes():
+        assert s2["commands"] < s1["commands"], (s1, s2)
+        assert s2["peak_bytes"] <= 1.2 * s1["peak_bytes"], (s1, s2)
+    else:
+        assert s2 == s1
+
+
+def test_blstm_decoding_network():
+    """The reference BLSTM's forward and backward gate affines are fused (two groups of
+    four); chunk requests: 30% fewer commands, the same peak bytes, the same output."""
+    raw = load_model(str(BLSTM)).nnet
+    stored, decoding = prepare_nnet(raw, collapse=False), prepare_nnet(raw)
+    fused = [n.name for n in decoding.nodes if n.name.endswith(".fused")]
+    assert len(fused) == 2, fused
+    assert decoding.num_components() == stored.num_components() - 6
+    for frames, seqs in ((21, 1), (30, 2)):
+        left, right = 24, 24
+        ins = [Index(n, t, 0) for n in range(seqs) for t in range(-left, frames + right)]
+        outs = [Index(n, t, 0) for n in range(seqs) for t in range(frames)]
+        req = ComputationRequest([IoSpecification("input", ins)],
+                                 [IoSpecification("output", outs)])
+        o1, _, s1 = _run(stored, req)
+        o2, _, s2 = _run(decoding, req)
+        _close(o1, o2)
+        assert s2["commands"] < 0.75 * s1["commands"], (s1, s2)
+        assert s2["peak_bytes"] == s1["peak_bytes"]
+
+
+def test_streaming_fused_and_unfused():
+    """A looped stream on the decoding network (siblings on the recurrence fused)
+    gives the stream of the network as stored."""
+    from engine.inference import LoopedConfig, LoopedModel  # noqa: PLC0415
+    rng = np.random.default_rng(3)
+    nnet = _nnet(SIBLINGS)
+    x = rng.standard_normal((37, nnet.input_dim("input"))).astype(np.float32)
+    got = {}
+    for collapse in (False, True):
+        model = LoopedModel(nnet, LoopedConfig(5, 0, 1), collapse=collapse)
+        s = model.stream()
+        got[collapse] = np.concatenate([s.push(x[:13]), s.push(x[13:]), s.finish()])
+        if collapse:
+            assert any(n.name.endswith(".fused") for n in model.nnet.nodes)
+    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
