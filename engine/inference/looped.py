@@ -286,11 +286,8 @@ def check_looped_computation(computation, nnet) -> None:
                 f"reads {what}{made}.  An optional input (IfDefined/Failover, or a "
                 f"component that accepts missing inputs) of one chunk was resolved to "
                 f"something only a later chunk computes.")
-    try:
-        from engine.optimizer.checker import check_computation  # noqa: PLC0415
-    except ImportError:
-        return
     from engine.core.errors import CheckError  # noqa: PLC0415
+    from engine.optimizer.checker import check_computation  # noqa: PLC0415
     try:
         check_computation(nnet, computation)
     except CheckError as e:
@@ -304,16 +301,13 @@ def compile_looped(nnet, request1, request2, request3, optimize_options=None,
     optimize with ``optimize_looped_computation`` until the computation ends in a
     goto.  Raises InferenceError up front for a network that cannot be looped
     (``check_loopable``, unless ``truncate_future_recurrence``: see the module
-    docstring), when no loop forms (or there is no optimizer), and when the looped
+    docstring), when no loop forms, and when the looped
     computation is invalid (``check_looped_computation``)."""
     from dataclasses import replace  # noqa: PLC0415
 
     from engine.compiler.compiler import compile_computation  # noqa: PLC0415
     from engine.compiler.computation import CommandType as CT  # noqa: PLC0415
-    try:
-        from engine.optimizer import OptimizeOptions, optimize  # noqa: PLC0415
-    except ImportError as e:
-        raise InferenceError(f"looped compilation needs engine.optimizer: {e}") from None
+    from engine.optimizer import OptimizeOptions, optimize  # noqa: PLC0415
     if not truncate_future_recurrence:
         check_loopable(nnet)
     opts = replace(optimize_options or OptimizeOptions(), optimize_looped_computation=True)
