@@ -247,20 +247,29 @@ def _linear(comp, pre, x, out):
     return None
 
 
-def _bind_linear(x, out, scratch):
+def _bind_linear(x, out, scratch, write: bool = False):
+    """``write``: ``out`` holds nothing to add to (the zeroing before it is dropped,
+    see bind_propagate_write): the product is written into it."""
     if x.ndim != 2 or out.ndim != 2 or out.shape[0] != x.shape[0]:
         return None
     nin, nout = x.shape[1], out.shape[1]
     if x.dtype != _F32 or out.dtype != _F32:
         return None
-    tmp = scratch.get(out.shape, 0)
+    tmp = None if write else scratch.get(out.shape, 0)
     prod = _BoundNT(x, out.shape, scratch, 20)
 
     def f(comp, pre):
         w = comp.params
         if w.shape[1] != nin or w.shape[0] != nout or w.dtype != _F32:
+            if write:
+                out.fill(0.0)
             return comp.propagate(pre, x, out)
-        _add(out, prod(w, tmp), out=out)
+        if write:
+            r = prod(w, out)
+            if r is not out:
+                _copyto(out, r)
+        else:
+            _add(out, prod(w, tmp), out=out)
         return None
     return f
 
@@ -292,7 +301,8 @@ def _tdnn(comp, pre, x, out):
     return None
 
 
-def _bind_tdnn(x, out, scratch):
+def _bind_tdnn(x, out, scratch, write: bool = False):
+    """``write``: as _bind_linear's (a TDNN without bias adds to its output)."""
     if x.ndim != 2 or out.ndim != 2 or x.dtype != _F32 or out.dtype != _F32:
         return None
     tmp = scratch.get(out.shape, 0, out.dtype)
@@ -310,6 +320,8 @@ def _bind_tdnn(x, out, scratch):
         w = comp.linear_params
         if w is not last[0] or comp is not last[1] or pre is not last[2]:
             if not _tdnn_ok(comp, x, out):
+                if write:
+                    out.fill(0.0)
                 return comp.propagate(pre, x, out)
             last[:] = w, comp, pre, comp._layout(pre, x.shape[0], rows)
         stride, offsets = last[3]
@@ -331,6 +343,12 @@ def _bind_tdnn(x, out, scratch):
                     add_bias(bias)
                 else:
                     _add(r, bias, out=out)
+            elif i == 0 and write:
+                # no bias, nothing to add to: 0 + product is the product (but for the
+                # sign of a zero)
+                r = prod(wb[i], out)
+                if r is not out:
+                    _copyto(out, r)
             else:
                 _add(out, prod(wb[i], tmp), out=out)
         return None
@@ -885,6 +903,24 @@ def fast_propagate(component_type):
     ``component_type``, or None."""
     entry = _entry(component_type)
     return None if entry is None else entry[1]
+
+
+# the bound forms that can write their output instead of adding to it
+_WRITE_FORMS = frozenset((LinearComponent, TdnnComponent))
+
+
+def bind_propagate_write(component_type, x, out, scratch):
+    """Like ``bind_propagate``, for a propagate whose output was zeroed by the command
+    right before it (kSetConst 0, which Kaldi's compiler puts before a component that
+    adds to its output: a Linear, a TDNN without bias): ``f(comp, indexes)`` writes
+    the result into ``out`` -- one pass over the output instead of the zeroing and
+    the addition; the same numbers (0 + p is p, up to the sign of a zero).  When it
+    falls back to the component's own propagate, it zeroes ``out`` first.  None when
+    the type has no such form."""
+    entry = _entry(component_type)
+    if (entry is None or component_type not in _WRITE_FORMS or x is None or out is None):
+        return None
+    return entry[2](x, out, scratch, write=True)
 
 
 def bind_propagate(component_type, x, out, scratch):

@@ -42,7 +42,7 @@ import numpy as np
 from engine.compiler.computation import CommandType as CT
 from engine.runtime import kernels as K
 from engine.runtime.arena import BoundProgram, Scratch, StaticLayout
-from engine.runtime.fastpaths import bind_propagate, fast_propagate
+from engine.runtime.fastpaths import bind_propagate, bind_propagate_write, fast_propagate
 
 
 def _views(computation):
@@ -701,6 +701,52 @@ _BINDERS = {
 }
 
 _MATRIX_LIST_OPS = (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX, CT.SWAP_MATRIX)
+
+
+def write_after_zeroing(program: Program, bound: BoundProgram, ops: list) -> int:
+    """Kaldi's compiler zeroes the output of a component that adds to it (a Linear, a
+    TDNN without bias: kPropagateAdds) with a kSetConst 0 right before the propagate.
+    On the arena, where both commands see the same array, such a pair becomes one
+    closure that writes the product into the output (fastpaths.bind_propagate_write):
+    the zeroing pass and the addition pass go (TDNN-F: two of its products per layer).
+    Edits ``ops`` (the zeroing becomes ``no_op``); returns the number of pairs."""
+    if program.xp is not np:
+        return 0
+    cmds = program.computation.commands
+    inst = program.layout.cmd_inst
+    pairs = 0
+    for k in range(len(cmds) - 1):
+        z, c = cmds[k], cmds[k + 1]
+        if (z.command_type != CT.SET_CONST or z.alpha != 0.0 or z.arg1 <= 0
+                or c.command_type != CT.PROPAGATE or c.arg4 != z.arg1 or c.arg3 <= 0
+                or c.arg5 > 0 or c.arg6 or ops[k] is None or ops[k + 1] is None
+                or inst[k][0] != inst[k + 1][3]):
+            continue
+        ctype = program.ctypes.get(k + 1)
+        if ctype is None:
+            continue
+        x = _bview(program, bound, k + 1, 2, c.arg3)
+        y = _bview(program, bound, k + 1, 3, c.arg4)
+        if x is None or y is None or _bview(program, bound, k, 0, z.arg1) is not y:
+            continue
+        f = bind_propagate_write(ctype, x, y, bound.scratch)
+        if f is None:
+            continue
+        ops[k + 1] = _written(f, ctype, c.arg1, c.arg2, x, y)
+        ops[k] = _nop
+        pairs += 1
+    return pairs
+
+
+def _written(f, ctype, ci: int, pi: int, x, y):
+    def op(ex, mats):
+        comp = ex._components[ci]
+        if type(comp) is ctype:
+            f(comp, ex._precomputed[pi])
+        else:       # another component: its own propagate adds, to the zeros it needs
+            y.fill(0.0)
+            comp.propagate(ex._precomputed[pi], x, y)
+    return op
 
 
 def matrices_read_dynamically(program: Program, ops: list) -> set[int]:

@@ -800,3 +800,72 @@ def test_bias_added_on_wide_rows_gives_the_components_bits():
         add(v)
         add(v)
         assert _same_bits(out, want + v + v)
+
+
+# A Linear and a TDNN without bias (both add to their output: Kaldi's compiler zeroes it
+# right before), then a TDNN with bias (writes its output: no zeroing before it).
+_ADDS_TO_OUTPUT = """
+input-node name=input dim=12
+component name=lin type=LinearComponent input-dim=24 output-dim=7
+component-node name=lin component=lin input=Append(Offset(input, -1), input)
+component name=tdnn type=TdnnComponent input-dim=7 output-dim=9 time-offsets=-2,0 use-bias=false
+component-node name=tdnn component=tdnn input=lin
+component name=tdnnb type=TdnnComponent input-dim=9 output-dim=5 time-offsets=0,1
+component-node name=tdnnb component=tdnnb input=tdnn
+output-node name=output input=tdnnb
+"""
+
+
+def test_zeroing_and_adding_propagate_become_one_write():
+    """The kSetConst 0 before a Linear / bias-less TDNN is dropped on the arena and the
+    product written into the output (program.write_after_zeroing): the same numbers as
+    the interpreted executor, also when the component at run time is of another type
+    (its own propagate then adds to zeros) or its weights changed shape."""
+    from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    from engine.nnet.components.affine import LinearComponent  # noqa: PLC0415
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    nnet = Nnet.from_config(_ADDS_TO_OUTPUT, rng=np.random.default_rng(3))
+    for seqs, frames in ((1, 1), (2, 9), (3, 40)):
+        req = ComputationRequest(
+            [IoSpecification("input", [Index(n, t, 0) for n in range(seqs)
+                                       for t in range(-3, frames + 1)])],
+            [IoSpecification("output", [Index(n, t, 0) for n in range(seqs)
+                                        for t in range(frames)])])
+        comp = compile_request(nnet, req, True)
+        text = comp.to_text(nnet)
+        assert text.count(".set(0)") == 2, text          # before lin and before tdnn
+        x = {"input": np.random.default_rng(frames).standard_normal(
+            (len(req.inputs[0].indexes), 12)).astype(np.float32)}
+        ex = Executor(comp, nnet)
+        ex.accept_input("input", x["input"])
+        ex.run()
+        assert ex._bound is not None and ex._bound.zeroings_dropped == 2
+        got = ex.get_output("output")
+        ex.release()
+        want = _run_with(InterpretedExecutor, nnet, req, x, None, comp).outputs["output"]
+        assert np.array_equal(got, want)
+        assert np.array_equal(run_network(nnet, req, x, None, computation=comp)
+                              .outputs["output"], want)
+        # another component type at run time (a subclass: no bound form for it), whose
+        # own propagate adds to the output: the executor zeroes it first (two runs: the
+        # arena holds the first run's numbers when the second starts)
+        class OtherLinear(LinearComponent):
+            pass
+        swapped = nnet.copy()
+        ci = nnet.get_component_index("lin")
+        sub = OtherLinear()
+        sub.__dict__.update(swapped.components[ci].__dict__)
+        swapped.components[ci] = sub
+        for _ in range(2):
+            got2 = run_network(swapped, req, x, None, computation=comp).outputs["output"]
+            assert np.array_equal(got2, want)
+        # a TDNN whose weights the bound form does not take (float64 now) falls back to
+        # the component (which adds, to the zeros written first): compared with the
+        # interpreted executor
+        other = nnet.copy()
+        t = other.get_component_by_name("tdnn")
+        t.linear_params = t.linear_params.astype(np.float64)
+        want3 = _run_with(InterpretedExecutor, other, req, x, None, comp).outputs["output"]
+        got3 = run_network(other, req, x, None, computation=comp).outputs["output"]
+        assert np.array_equal(got3, want3)
