@@ -77,3 +77,23 @@ def test_bench_forward_split(tmp_path):
     assert abs(figures["frames_per_s"] * figures["exec_ms"] / 1e3 - 12) < 1e-6 * 12
     r = _run(["bench", "forward", cfg, "--chunk", 6, "--batch", 3, "--split", 2])
     assert r.exit_code != 0 and "divide --batch 3" in r.output
+
+
+def test_bench_forward_network_forms():
+    """--network: the decoding form (collapsed, sibling affines fused: the BLSTM's gate
+    affines) against the stored structure, which gives Kaldi's command count for the
+    kaldi_stats chunk request (1961 at 21x1); the same number of output frames."""
+    from pathlib import Path  # noqa: PLC0415
+    blstm = Path(__file__).resolve().parents[1] / "data" / "inference" / "blstm" / "model.raw"
+    figs = {}
+    for net in ("as-stored", "decoding"):
+        r = _run(["bench", "forward", blstm, "--chunk", 21, "--repeat", 1, "--network", net,
+                  "--json"])
+        assert r.exit_code == 0, r.output
+        figs[net] = json.loads(r.output)
+        assert figs[net]["network"] == net
+    assert figs["as-stored"]["commands"] == 1961
+    assert figs["decoding"]["commands"] == 1371
+    assert figs["decoding"]["peak_bytes"] == figs["as-stored"]["peak_bytes"]
+    r = _run(["bench", "forward", blstm, "--chunk", 21, "--network", "raw"])
+    assert r.exit_code != 0 and "raw" in r.output
