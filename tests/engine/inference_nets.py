@@ -54,6 +54,36 @@ component-node name=a2 component=a2 input=Append(Offset(t1, -1), t1, Offset(t1, 
 output-node name=output input=a2
 """
 
+# A gated recurrence as Kaldi's (non-fast) LSTM layers have it: three affines read the same
+# Append(input, r(t-1)) (decoding fuses them into one product: engine/optimizer/fuse.py),
+# sigmoid gates, a tanh candidate, r(t) = o * tanh(i * g) projected back.
+GATED = """
+input-node name=input dim=8
+component name=Wi type=NaturalGradientAffineComponent input-dim=14 output-dim=10
+component name=Wo type=NaturalGradientAffineComponent input-dim=14 output-dim=10
+component name=Wg type=NaturalGradientAffineComponent input-dim=14 output-dim=10
+component-node name=i1 component=Wi input=Append(input, IfDefined(Offset(r, -1)))
+component-node name=o1 component=Wo input=Append(input, IfDefined(Offset(r, -1)))
+component-node name=g1 component=Wg input=Append(input, IfDefined(Offset(r, -1)))
+component name=sig_i type=SigmoidComponent dim=10
+component-node name=i component=sig_i input=i1
+component name=sig_o type=SigmoidComponent dim=10
+component-node name=o component=sig_o input=o1
+component name=tanh_g type=TanhComponent dim=10
+component-node name=g component=tanh_g input=g1
+component name=c type=ElementwiseProductComponent input-dim=20 output-dim=10
+component-node name=c component=c input=Append(i, g)
+component name=tanh_c type=TanhComponent dim=10
+component-node name=h component=tanh_c input=c
+component name=m type=ElementwiseProductComponent input-dim=20 output-dim=10
+component-node name=m component=m input=Append(o, h)
+component name=proj type=AffineComponent input-dim=10 output-dim=6
+component-node name=r component=proj input=m
+component name=out type=AffineComponent input-dim=6 output-dim=5
+component-node name=out component=out input=r
+output-node name=output input=out
+"""
+
 
 def make_nnet(config: str, seed: int = 0) -> Nnet:
     return Nnet.from_config(config, rng=np.random.default_rng(seed))

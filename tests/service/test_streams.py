@@ -19,7 +19,7 @@ from starlette.websockets import WebSocketDisconnect
 from engine.inference.looped import LoopedConfig
 from engine.inference.stream import LoopedModel
 from engine.nnet.model_io import load_model
-from tests.engine.inference_nets import RECURRENT, TDNN_IVECTOR, make_nnet
+from tests.engine.inference_nets import GATED, RECURRENT, TDNN_IVECTOR, make_nnet
 from tests.service.conftest import decode, make_client, needs_redis, service_backend
 
 SHARED_REF = Path(__file__).resolve().parents[3] / "shared" / "kaldi-ref" / "models"
@@ -267,17 +267,21 @@ def test_kaldi_looped_reference_through_the_service(client):
 
 
 @needs_redis
-def test_stream_survives_the_loss_of_its_server(server):
+@pytest.mark.parametrize("config", [RECURRENT, GATED], ids=["recurrent", "gated-fused"])
+def test_stream_survives_the_loss_of_its_server(server, config):
+    """Also for a network whose decoding form differs from the stored one (GATED: its
+    gate affines fused): the second server prepares the same network, so the checkpoint
+    fits it."""
     server.client().flushall()
     cuts = [5, 9, 20, 11, 30, 22]
     with make_client(redis_url=server.url) as a:
-        mid = _register_config(a, RECURRENT, 3)
+        mid = _register_config(a, config, 3)
         sid = a.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 7}}
                      ).json()["stream_id"]
         outs, pos = _push_all(a, sid, X_REC, cuts[:3])
     # a is gone (its process state with it); b has the model and the same Redis
     with make_client(redis_url=server.url) as b:
-        _register_config(b, RECURRENT, 3)
+        _register_config(b, config, 3)
         info = b.get(f"/streams/{sid}").json()
         assert info["frames_received"] == pos == 34
         more, _ = _push_all(b, sid, X_REC[pos:], cuts[3:], start=pos,
@@ -285,7 +289,7 @@ def test_stream_survives_the_loss_of_its_server(server):
         outs += more
         outs.append(_finish(b, sid))
         assert 'nnetc_stream_events_total{event="restored"} 1.0' in b.get("/metrics").text
-    np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, X_REC, 7))
+    np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(config, 3, X_REC, 7))
     # finished: the checkpoint is replaced by an expiring "ended" marker
     rec = msgpack.unpackb(server.client().get(f"nnetc:stream:{sid}"), raw=False)
     assert rec == {"v": 1, "ended": True}
