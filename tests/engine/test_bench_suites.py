@@ -64,6 +64,8 @@ def test_forward_suites_run_under_each_thread_setting(tiny_models, capsys):
     mem = result["suites"]["memory"]["rows"]
     assert [(r["chunk"], r["batch"]) for r in mem] == [(21, 1), (150, 1), (150, 8)]
     assert all(r["kaldi_peak_bytes"] == 4000 and r["peak_bytes"] > 0 for r in mem)
+    # the tiny network is the same in both forms: its timed form holds the same peak
+    assert all(r["timed_form_peak_bytes"] == r["peak_bytes"] for r in mem)
 
 
 def test_split_setting_rows(tiny_models):
