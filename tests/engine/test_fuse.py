@@ -180,6 +180,8 @@ def test_blstm_decoding_network():
     fused = [n.name for n in decoding.nodes if n.name.endswith(".fused")]
     assert len(fused) == 2, fused
     assert decoding.num_components() == stored.num_components() - 6
+    # preparing a prepared network changes nothing (streams and inferencers may be given one)
+    assert prepare_nnet(decoding).config_text() == decoding.config_text()
     for frames, seqs in ((21, 1), (30, 2)):
         left, right = 24, 24
         ins = [Index(n, t, 0) for n in range(seqs) for t in range(-left, frames + right)]
