@@ -51,6 +51,7 @@ from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent
 from engine.nnet.descriptor_parse import parse_descriptor
 from engine.nnet.graph import find_sccs, nnet_to_directed_graph
 from engine.nnet.nnet import NetworkNode, Nnet, NodeType
+from engine.optimizer.collapse import remove_orphan_components
 
 _FUSABLE = (AffineComponent, NaturalGradientAffineComponent, FixedAffineComponent)
 
@@ -180,7 +181,6 @@ def _rewrite(nnet: Nnet, groups: list[list[int]]) -> None:
         elif node.type == NodeType.DIM_RANGE:
             node.node_index = index[dim_range_src[i]]
     # the members' components are used by no node now
-    from engine.optimizer.collapse import remove_orphan_components  # noqa: PLC0415
     remove_orphan_components(nnet)
 
 
