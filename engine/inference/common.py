@@ -27,21 +27,19 @@ def lcm(a: int, b: int) -> int:
     return a * b // gcd(a, b)
 
 
-def prepare_nnet(nnet, collapse: bool = True, fuse: bool | None = None):
+def prepare_nnet(nnet, collapse: bool = True):
     """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode;
     with ``collapse``, Kaldi's CollapseModel with its default CollapseModelConfig (as
-    nnet3-compute and Kaldi's looped decoders run it); with ``fuse`` (default: as
-    ``collapse``), sibling affines fused (engine.optimizer.fuse: one product per
-    step for the gate affines of an LSTM that reads one input four times); its
-    parameters read-only (``Nnet.freeze_parameters``).  The caller's network is never
-    modified."""
-    from engine.optimizer.collapse import collapse_model  # noqa: PLC0415
+    nnet3-compute and Kaldi's looped decoders run it), then sibling affines fused
+    (engine.optimizer.fuse: one product per step for the gate affines of an LSTM
+    that reads one input four times); its parameters read-only
+    (``Nnet.freeze_parameters``).  The caller's network is never modified."""
+    from engine.optimizer.collapse import collapse_model_in_place  # noqa: PLC0415
     from engine.optimizer.fuse import fuse_sibling_affines_in_place  # noqa: PLC0415
     nnet = nnet.copy()
     nnet.set_test_mode(True)
     if collapse:
-        nnet = collapse_model(nnet)
-    if collapse if fuse is None else fuse:
+        collapse_model_in_place(nnet)
         fuse_sibling_affines_in_place(nnet)
     # read-only weights: the executor may use its contiguous transposed copies
     return nnet.freeze_parameters()

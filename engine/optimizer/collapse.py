@@ -89,14 +89,20 @@ def prepare_for_test(nnet: Nnet, config: CollapseModelConfig = CollapseModelConf
     out = nnet.copy()
     set_batchnorm_test_mode(out, True)
     set_dropout_test_mode(out, True)
-    return _Collapser(config, out).collapse()
+    return collapse_model_in_place(out, config)
 
 
 def collapse_model(nnet: Nnet, config: CollapseModelConfig = CollapseModelConfig()) -> Nnet:
     """Kaldi's CollapseModel on a copy of ``nnet`` (left unchanged).  Batch-norm
     and dropout components to be folded must be in test mode already (see
     ``prepare_for_test``), else ComponentError."""
-    return _Collapser(config, nnet.copy()).collapse()
+    return collapse_model_in_place(nnet.copy(), config)
+
+
+def collapse_model_in_place(nnet: Nnet, config: CollapseModelConfig = CollapseModelConfig()
+                            ) -> Nnet:
+    """``collapse_model`` on ``nnet`` itself (a copy the caller made); returns it."""
+    return _Collapser(config, nnet).collapse()
 
 
 # -------------------------------------------------------------------------------------------
@@ -367,6 +373,6 @@ def remove_orphan_components(nnet: Nnet) -> int:
     return removed
 
 
-__all__ = ["CollapseModelConfig", "collapse_model", "prepare_for_test",
+__all__ = ["CollapseModelConfig", "collapse_model", "collapse_model_in_place", "prepare_for_test",
            "set_batchnorm_test_mode", "set_dropout_test_mode", "remove_orphan_nodes",
            "remove_orphan_components"]
