@@ -3,8 +3,10 @@ each) and what uses it: Inferencer(threads=K) and the service's infer_threads.
 
 - run_concurrently: results in job order, jobs spread over threads, one thread = a plain
   loop, the first failing job's exception after every job ended, each job's products on
-  one BLAS thread with no other thread's setting changed, jobs in turn without a
-  per-thread BLAS setting, nested calls;
+  one BLAS thread and the process's setting back as it was afterwards (also after many
+  overlapping calls: a process-wide setting, as NumPy's OpenBLAS has, is held by a
+  reference count), the probe telling a thread-local setting from a process-wide one,
+  jobs in turn without a BLAS setting, nested calls;
 - Inferencer with threads=2 gives exactly the outputs of threads=1 (utterances of
   different lengths and chunk shapes, i-vectors, a recurrent network, subsampling), and
   splits a group of chunks into one batch per thread.
@@ -86,20 +88,76 @@ def test_first_failure_raised_after_all_jobs_ended(monkeypatch, threads, per_thr
 
 
 @pytest.mark.skipif(not parallel.per_thread_blas(),
-                    reason="the BLAS library has no per-thread thread count")
-def test_each_job_on_one_blas_thread_and_nothing_else_changed():
+                    reason="the BLAS library's thread count cannot be set")
+def test_each_job_on_one_blas_thread_and_the_setting_restored():
     from threadpoolctl import ThreadpoolController  # noqa: PLC0415
     libs = ThreadpoolController().select(user_api="blas").lib_controllers
     before = [lib.get_num_threads() for lib in libs]
     inside = run_concurrently([_local_blas_threads] * 3, 2)
     assert inside == [[1] * len(parallel._blas_setters())] * 3
-    # the process-wide setting, as every other thread sees it, is untouched
     assert [lib.get_num_threads() for lib in libs] == before
     seen = []
     t = threading.Thread(target=lambda: seen.append([lib.get_num_threads() for lib in libs]))
     t.start()
     t.join()
     assert seen == [before]
+
+
+@pytest.mark.skipif(not parallel.per_thread_blas(),
+                    reason="the BLAS library's thread count cannot be set")
+def test_overlapping_calls_leave_the_setting_as_it_was():
+    """Lanes ending at different times, calls overlapping from several threads: every
+    job sees one BLAS thread, and once all have ended the count is what it was (lanes
+    restoring a process-wide count themselves left it at 1 or restored it under a lane
+    still running)."""
+    from threadpoolctl import ThreadpoolController  # noqa: PLC0415
+    libs = ThreadpoolController().select(user_api="blas").lib_controllers
+    before = [lib.get_num_threads() for lib in libs]
+
+    def job(i):
+        time.sleep(0.001 * (i % 4))
+        return _local_blas_threads()
+
+    def call(k):
+        return run_concurrently([lambda i=i: job(i + k) for i in range(5)], 2 + k % 2)
+    for _ in range(3):
+        seen = run_concurrently([lambda k=k: call(k) for k in range(4)], 4)
+        assert all(s == [1] * len(libs) for per_call in seen for s in per_call)
+        assert [lib.get_num_threads() for lib in libs] == before
+    if not parallel.blas_setting_is_thread_local():
+        assert parallel._sections == 0
+
+
+class _FakeLib:
+    def __init__(self, read):
+        self.read = read
+
+    def get_num_threads(self):
+        return self.read()
+
+
+def test_probe_tells_a_thread_local_setting_from_a_process_wide_one():
+    """parallel._thread_local: a setter whose count another thread reads is process-wide
+    (NumPy's pthreads OpenBLAS); one each thread keeps for itself is thread-local; a
+    count of one cannot tell and counts as process-wide."""
+    shared = {"n": 4}
+
+    def set_global(n):
+        old, shared["n"] = shared["n"], n
+        return old
+    assert not parallel._thread_local([set_global], [_FakeLib(lambda: shared["n"])])
+    assert shared["n"] == 4                         # the probe put it back
+
+    mine = threading.local()
+
+    def set_local(n):
+        old = getattr(mine, "n", 4)
+        mine.n = n
+        return old
+    assert parallel._thread_local([set_local], [_FakeLib(lambda: getattr(mine, "n", 4))])
+    shared["n"] = 1
+    assert not parallel._thread_local([set_global], [_FakeLib(lambda: shared["n"])])
+    assert not parallel._thread_local([], [])
 
 
 def test_without_a_per_thread_blas_jobs_run_in_turn(monkeypatch):
