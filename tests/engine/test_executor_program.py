@@ -840,12 +840,18 @@ def test_zeroing_and_adding_propagate_become_one_write():
         ex = Executor(comp, nnet)
         ex.accept_input("input", x["input"])
         ex.run()
-        assert ex._bound is not None and ex._bound.zeroings_dropped == 2
+        # a NumPy fast path: on CuPy (NNETC_TEST_BACKEND=cupy) the pair stays two
+        # commands and cuBLAS rounds otherwise than the NumPy reference
+        on_numpy = ex.xp is np
+        assert ex._bound is not None
+        assert ex._bound.zeroings_dropped == (2 if on_numpy else 0)
+        same = np.array_equal if on_numpy else (
+            lambda a, b: np.allclose(a, b, rtol=1e-5, atol=1e-5))
         got = ex.get_output("output")
         ex.release()
         want = _run_with(InterpretedExecutor, nnet, req, x, None, comp).outputs["output"]
-        assert np.array_equal(got, want)
-        assert np.array_equal(run_network(nnet, req, x, None, computation=comp)
+        assert same(got, want)
+        assert same(run_network(nnet, req, x, None, computation=comp)
                               .outputs["output"], want)
         # another component type at run time (a subclass: no bound form for it), whose
         # own propagate adds to the output: the executor zeroes it first (two runs: the
@@ -859,7 +865,7 @@ def test_zeroing_and_adding_propagate_become_one_write():
         swapped.components[ci] = sub
         for _ in range(2):
             got2 = run_network(swapped, req, x, None, computation=comp).outputs["output"]
-            assert np.array_equal(got2, want)
+            assert same(got2, want)
         # a TDNN whose weights the bound form does not take (float64 now) falls back to
         # the component (which adds, to the zeros written first): compared with the
         # interpreted executor
@@ -868,4 +874,4 @@ def test_zeroing_and_adding_propagate_become_one_write():
         t.linear_params = t.linear_params.astype(np.float64)
         want3 = _run_with(InterpretedExecutor, other, req, x, None, comp).outputs["output"]
         got3 = run_network(other, req, x, None, computation=comp).outputs["output"]
-        assert np.array_equal(got3, want3)
+        assert same(got3, want3)
