@@ -33,8 +33,8 @@ what the library offers, found once by a probe:
   (a product's numbers do not depend on its thread count), and what the cores can
   give while several computations share them anyway.
 
-Where neither exists (``per_thread_blas()`` is False: no threadpoolctl, another BLAS)
-the jobs run one after another in the calling thread: the count cannot be set, and
+Where neither exists (``blas_threads_settable()`` is False: no threadpoolctl, another
+BLAS) the jobs run one after another in the calling thread: the count cannot be set, and
 computations left to fight over the cores are slower than run in turn.
 
 Every job computes what it would compute alone: results are exactly those of running
@@ -134,7 +134,7 @@ def _blas_setters() -> list:
     return _setters
 
 
-def per_thread_blas() -> bool:
+def blas_threads_settable() -> bool:
     """Whether the loaded BLAS libraries' thread counts can be set (thread-locally or
     process-wide: see the module docstring), what ``run_concurrently`` needs to run
     jobs at the same time."""
@@ -170,12 +170,13 @@ def run_concurrently(jobs: Sequence[Callable[[], T]], threads: int) -> list[T]:
     """The results of ``jobs`` (in order), run ``threads`` at a time: job i on lane
     i % threads, each lane a thread started for it (about 0.1 ms), its products on one
     BLAS thread.  With one thread or one job, or without a BLAS thread setting
-    (``per_thread_blas()``), the jobs simply run here one after another.  An exception of a job is raised once
+    (``blas_threads_settable()``), the jobs simply run here one after another.  An
+    exception of a job is raised once
     all jobs have ended (the first in job order)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     jobs = list(jobs)
-    if threads == 1 or len(jobs) <= 1 or not per_thread_blas():
+    if threads == 1 or len(jobs) <= 1 or not blas_threads_settable():
         return _run_in_turn(jobs)
     threads = min(threads, len(jobs))
     lanes = [jobs[k::threads] for k in range(threads)]

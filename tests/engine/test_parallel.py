@@ -48,7 +48,7 @@ def test_results_in_order_and_spread_over_threads():
         return i * i
     assert run_concurrently([lambda i=i: job(i) for i in range(7)], 3) == \
         [i * i for i in range(7)]
-    if parallel.per_thread_blas():
+    if parallel.blas_threads_settable():
         assert len(set(seen.values())) == 3
         assert threading.get_ident() not in seen.values()   # lanes are threads of the call
 
@@ -62,16 +62,16 @@ def test_one_thread_or_one_job_runs_here():
         run_concurrently([threading.get_ident], 0)
 
 
-@pytest.mark.parametrize("threads,per_thread", [(2, True), (2, False), (1, True)],
-                         ids=["threads", "no-per-thread-blas", "one-thread"])
-def test_first_failure_raised_after_all_jobs_ended(monkeypatch, threads, per_thread):
+@pytest.mark.parametrize("threads,settable", [(2, True), (2, False), (1, True)],
+                         ids=["threads", "no-blas-setting", "one-thread"])
+def test_first_failure_raised_after_all_jobs_ended(monkeypatch, threads, settable):
     """The same contract whether the jobs run in threads or in turn here (one thread,
-    or a BLAS without a per-thread setting): every job runs, then the first failure in
-    job order is raised."""
-    if per_thread and not parallel.per_thread_blas():
-        pytest.skip("the BLAS library has no per-thread thread count")
-    if not per_thread:
-        monkeypatch.setattr(parallel, "per_thread_blas", lambda: False)
+    or a BLAS whose thread count cannot be set): every job runs, then the first failure
+    in job order is raised."""
+    if settable and not parallel.blas_threads_settable():
+        pytest.skip("the BLAS library's thread count cannot be set")
+    if not settable:
+        monkeypatch.setattr(parallel, "blas_threads_settable", lambda: False)
     ran = []
 
     def ok(i):
@@ -87,7 +87,7 @@ def test_first_failure_raised_after_all_jobs_ended(monkeypatch, threads, per_thr
     assert sorted(ran) == [0, 2, 4]
 
 
-@pytest.mark.skipif(not parallel.per_thread_blas(),
+@pytest.mark.skipif(not parallel.blas_threads_settable(),
                     reason="the BLAS library's thread count cannot be set")
 def test_each_job_on_one_blas_thread_and_the_setting_restored():
     from threadpoolctl import ThreadpoolController  # noqa: PLC0415
@@ -103,7 +103,7 @@ def test_each_job_on_one_blas_thread_and_the_setting_restored():
     assert seen == [before]
 
 
-@pytest.mark.skipif(not parallel.per_thread_blas(),
+@pytest.mark.skipif(not parallel.blas_threads_settable(),
                     reason="the BLAS library's thread count cannot be set")
 def test_overlapping_calls_leave_the_setting_as_it_was():
     """Lanes ending at different times, calls overlapping from several threads: every
@@ -160,7 +160,7 @@ def test_probe_tells_a_thread_local_setting_from_a_process_wide_one():
     assert not parallel._thread_local([], [])
 
 
-def test_without_a_per_thread_blas_jobs_run_in_turn(monkeypatch):
+def test_without_a_blas_thread_setting_jobs_run_in_turn(monkeypatch):
     monkeypatch.setattr(parallel, "_setters", [])
     me = threading.get_ident()
     assert run_concurrently([threading.get_ident] * 3, 3) == [me] * 3
