@@ -171,8 +171,7 @@ def run_concurrently(jobs: Sequence[Callable[[], T]], threads: int) -> list[T]:
     i % threads, each lane a thread started for it (about 0.1 ms), its products on one
     BLAS thread.  With one thread or one job, or without a BLAS thread setting
     (``blas_threads_settable()``), the jobs simply run here one after another.  An
-    exception of a job is raised once
-    all jobs have ended (the first in job order)."""
+    exception of a job is raised once all jobs have ended (the first in job order)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     jobs = list(jobs)
