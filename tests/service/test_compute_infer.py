@@ -143,3 +143,43 @@ def test_infer_threads_setting_gives_the_same_output(client):
     assert outs[0].shape == (1500, 20)
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     assert bad.status_code == 422, bad.text      # not a client option
+
+
+def test_concurrent_threaded_infers_leave_the_blas_setting_as_it_was():
+    """Several /infer requests of a service with NNETC_INFER_THREADS=2 at once: each
+    output equals the one-at-a-time output, and afterwards the process's BLAS thread
+    count is what it was (NumPy's OpenBLAS has one process-wide count, which the
+    concurrent sections hold at one while any runs: engine.runtime.parallel)."""
+    import threading  # noqa: PLC0415
+
+    from threadpoolctl import ThreadpoolController  # noqa: PLC0415
+
+    from tests.service.conftest import make_client  # noqa: PLC0415
+    libs = ThreadpoolController().select(user_api="blas").lib_controllers
+    before = [lib.get_num_threads() for lib in libs]
+    rng = np.random.default_rng(5)
+    feats = [rng.standard_normal((900 + 150 * k, 10)).astype(np.float32) for k in range(4)]
+    with make_client(infer_threads=2) as threaded:
+        model = register(threaded, config=TDNN_CONFIG)
+        body = lambda x: {"model_id": model["model_id"], "features": encode(x),  # noqa: E731
+                          "options": {"frames_per_chunk": 50}}
+        alone = []
+        for x in feats:
+            r = threaded.post("/infer", json=body(x))
+            assert r.status_code == 200, r.text
+            alone.append(decode(r.json()["output"]))
+        together: dict = {}
+
+        def go(k):
+            r = threaded.post("/infer", json=body(feats[k]))
+            together[k] = (r.status_code, decode(r.json()["output"]))
+        threads = [threading.Thread(target=go, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for k in range(4):
+        assert together[k][0] == 200
+        # jobs waiting together may be batched otherwise: equal to float32 rounding
+        np.testing.assert_allclose(together[k][1], alone[k], rtol=1e-5, atol=1e-5)
+    assert [lib.get_num_threads() for lib in libs] == before
