@@ -22,6 +22,7 @@ from engine.core.errors import ConfigError, ModelFormatError
 from engine.core.xp import to_numpy
 from engine.nnet.components.base import updatable_info  # noqa: F401  (re-exported)
 from engine.nnet.components.base import Component, UpdatableComponent
+from engine.nnet.components._fields import FLOAT, INT, read_fields, write_fields
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
@@ -220,24 +221,19 @@ def rank_default(rank: int, dim: int, cap: int) -> int:
     return rank if rank >= 0 else min(cap, (dim + 1) // 2)
 
 
+_PERIOD_HISTORY_ALPHA = (("<UpdatePeriod>", "update_period", INT),
+                         ("<NumSamplesHistory>", "num_samples_history", FLOAT),
+                         ("<Alpha>", "alpha", FLOAT))
+
+
 def read_period_history_alpha(reader: KaldiReader, comp) -> None:
     """``<UpdatePeriod>``, ``<NumSamplesHistory>`` and ``<Alpha>`` into ``comp``."""
-    reader.expect_token("<UpdatePeriod>")
-    comp.update_period = reader.read_int()
-    reader.expect_token("<NumSamplesHistory>")
-    comp.num_samples_history = reader.read_float()
-    reader.expect_token("<Alpha>")
-    comp.alpha = reader.read_float()
+    read_fields(reader, comp, _PERIOD_HISTORY_ALPHA)
 
 
 def write_period_history_alpha(writer: KaldiWriter, comp) -> None:
     """``<UpdatePeriod>``, ``<NumSamplesHistory>`` and ``<Alpha>`` of ``comp``."""
-    writer.write_token("<UpdatePeriod>")
-    writer.write_int(comp.update_period)
-    writer.write_token("<NumSamplesHistory>")
-    writer.write_float(comp.num_samples_history)
-    writer.write_token("<Alpha>")
-    writer.write_float(comp.alpha)
+    write_fields(writer, comp, _PERIOD_HISTORY_ALPHA)
 
 
 def init_in_out_options(comp, cfg: ConfigLine, dim_in: int, dim_out: int,
