@@ -104,7 +104,6 @@ def _thread_local(setters: list, libs: list) -> bool:
     if any(c is None or c <= 1 for c in counts):
         return False
     set_there, read_here = threading.Event(), threading.Event()
-    seen: list = []
 
     def helper():
         before = [fn(1) for fn in setters]
