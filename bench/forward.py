@@ -24,7 +24,9 @@ compile_ms, peak_bytes and commands are then those of the B/K computation.
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 import numpy as np
 
@@ -121,4 +123,54 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
         "commands": stats["commands"], "matrices": stats["matrices"],
         "gemm_flops": flops, "gflops": flops / exec_s / 1e9,
         "gemm_s": workloads["gemm_s"], "python_s": workloads["python_s"],
+    }
+
+
+MODEL_FILES = ("model.raw", "final.mdl")
+
+
+def resolve_model(path) -> Path:
+    """MODEL as given to ``nnetc bench forward``: a model or config file, or a directory
+    holding one (``model.raw``, as in ../shared/kaldi-ref/models/*, or ``final.mdl``).
+    Raises ValueError naming the directory when it holds neither."""
+    p = Path(path)
+    if not p.is_dir():
+        return p
+    for name in MODEL_FILES:
+        if (p / name).is_file():
+            return p / name
+    raise ValueError(f"model directory {str(p)!r} holds none of {', '.join(MODEL_FILES)}")
+
+
+def kaldi_comparison(model_path, figures: dict) -> dict | None:
+    """Kaldi's figures for the same chunk case, from a ``kaldi_stats.json`` beside the
+    model file, and ours as ratios against them: compile normalised by ``python_s``,
+    forward by ``gemm_s`` (ours / our workload over Kaldi's / Kaldi's workload, below 1
+    better than Kaldi; the workloads of ../shared/bench/refwork.py), peak bytes and
+    commands as plain ratios.  None when there is no such file or no such case."""
+    stats_path = Path(model_path).parent / "kaldi_stats.json"
+    if not stats_path.is_file():
+        return None
+    stats = json.loads(stats_path.read_text())
+    case = next((c for c in stats.get("cases", ())
+                 if c.get("chunk") == figures["chunk"] and c.get("batch") == figures["batch"]),
+                None)
+    work = stats.get("reference_workload") or {}
+    if case is None:
+        return None
+
+    def norm(ours, our_work, key, work_key):
+        theirs, their_work = case.get(key), work.get(work_key)
+        if not theirs or not their_work or not our_work:
+            return None
+        return (ours / our_work) / (theirs / their_work)
+    return {
+        "case": case, "reference_workload": work,
+        "compile_ratio": norm(figures["compile_ms"], figures["python_s"], "compile_ms",
+                              "python_s"),
+        "exec_ratio": norm(figures["exec_ms"], figures["gemm_s"], "exec_ms", "gemm_s"),
+        "peak_bytes_ratio": (figures["peak_bytes"] / case["peak_bytes"]
+                             if case.get("peak_bytes") else None),
+        "commands_ratio": (figures["commands"] / case["commands"]
+                           if case.get("commands") else None),
     }

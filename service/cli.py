@@ -485,7 +485,7 @@ def bench_group() -> None:
 
 
 @bench_group.command("forward")
-@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False))
+@click.argument("model_path", metavar="MODEL", type=click.Path(exists=True))
 @click.option("--chunk", type=int, required=True, help="Output frames per sequence.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Sequences (n).")
 @click.option("--repeat", type=int, default=7, show_default=True,
@@ -504,17 +504,31 @@ def bench_group() -> None:
 @_typed_errors
 def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, network,
                       as_json) -> None:
-    """Cold compile and forward time of MODEL on the chunk request of kaldi_stats.json."""
-    from bench.forward import measure_forward  # noqa: PLC0415
+    """Cold compile and forward time of MODEL on the chunk request of kaldi_stats.json.
+
+    MODEL is a model or config file, or a directory holding model.raw or final.mdl
+    (e.g. ../shared/kaldi-ref/models/tdnnf).  When a kaldi_stats.json lies beside the
+    model and lists this chunk and batch, the output adds Kaldi's figures and ours
+    against them ("kaldi": compile normalised by python_s, forward by gemm_s, peak
+    bytes and commands as plain ratios; below 1 is better than Kaldi).
+    """
+    from bench.forward import kaldi_comparison, measure_forward, resolve_model  # noqa: PLC0415
     if chunk < 1 or batch < 1 or repeat < 1:
         raise click.UsageError("--chunk, --batch and --repeat must be positive")
     if split < 1 or batch % split:
         raise click.UsageError(f"--split {split} must be positive and divide --batch {batch}")
     if split > 1 and backend != "numpy":
         raise click.UsageError("--split is for the numpy backend")
+    try:
+        model_path = resolve_model(model_path)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="MODEL") from None
     figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend,
                               split=split, network=network)
     figures["network"] = network
+    kaldi = kaldi_comparison(model_path, figures)
+    if kaldi is not None:
+        figures["kaldi"] = kaldi
     if backend == "numpy":
         # what the products ran on (library, kernel set, threads, overrides): figures
         # from machines or settings that differ here are not comparable
@@ -524,6 +538,11 @@ def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, network,
         click.echo(json.dumps(figures))
         return
     for key, value in figures.items():
+        if key == "kaldi":
+            for k, v in value.items():
+                if k.endswith("_ratio"):
+                    click.echo(f"kaldi.{k}: " + ("-" if v is None else f"{v:.3g}"))
+            continue
         click.echo(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
 
 

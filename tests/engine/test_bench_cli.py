@@ -110,3 +110,45 @@ def test_suite_thread_settings_follow_the_backend(capsys):
         bench_main(["forward", "--backend", "cupy", "--blas-threads", "1,split2"])
     assert e.value.code == 2
     assert "splitK runs are for the CPU" in capsys.readouterr().err
+
+
+def test_bench_forward_model_directory_and_kaldi_figures(tmp_path):
+    """MODEL may be a directory holding model.raw (the layout of kaldi-ref/models/*);
+    a kaldi_stats.json beside the model adds Kaldi's figures for the case and ours
+    against them.  The figures here are Kaldi's for the BLSTM's 21x1 chunk request
+    (kaldi-ref/models/blstm/kaldi_stats.json); on the stored structure our command
+    count and peak bytes equal Kaldi's, so those ratios are exactly 1."""
+    import shutil  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+    src = Path(__file__).resolve().parents[1] / "data" / "inference" / "blstm" / "model.raw"
+    model_dir = tmp_path / "blstm"
+    model_dir.mkdir()
+    shutil.copy(src, model_dir / "model.raw")
+    case = {"chunk": 21, "batch": 1, "commands": 1961, "matrices": 552, "peak_bytes": 46400,
+            "compile_ms": 20.776, "exec_ms": 2.252}
+    work = {"gemm_s": 0.118, "python_s": 0.17}
+    (model_dir / "kaldi_stats.json").write_text(json.dumps(
+        {"cases": [case], "reference_workload": work}))
+    r = _run(["bench", "forward", model_dir, "--chunk", 21, "--repeat", 1, "--network",
+              "as-stored", "--json"])
+    assert r.exit_code == 0, r.output
+    figs = json.loads(r.output)
+    kaldi = figs["kaldi"]
+    assert kaldi["case"] == case
+    assert kaldi["commands_ratio"] == 1.0 and kaldi["peak_bytes_ratio"] == 1.0
+    assert abs(kaldi["exec_ratio"] - (figs["exec_ms"] / figs["gemm_s"])
+               / (case["exec_ms"] / work["gemm_s"])) < 1e-12
+    assert abs(kaldi["compile_ratio"] - (figs["compile_ms"] / figs["python_s"])
+               / (case["compile_ms"] / work["python_s"])) < 1e-12
+    # a case Kaldi's file does not list: no comparison, the figures as before
+    r = _run(["bench", "forward", model_dir, "--chunk", 5, "--repeat", 1, "--json"])
+    assert r.exit_code == 0, r.output
+    assert "kaldi" not in json.loads(r.output)
+    # the plain listing names the ratios
+    r = _run(["bench", "forward", model_dir, "--chunk", 21, "--repeat", 1])
+    assert r.exit_code == 0 and "kaldi.exec_ratio:" in r.output, r.output
+    # a directory with no model in it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = _run(["bench", "forward", empty, "--chunk", 3])
+    assert r.exit_code == 2 and "holds none of model.raw, final.mdl" in r.output, r.output
