@@ -5,8 +5,9 @@ statistics, and the base of components whose input and output are both ``dim`` c
 (with the copy, optionally scaled, that their propagate or backprop makes).
 
 A field is ``(token, attribute, kind)``: the Kaldi token, the component attribute that
-holds the value, and how the value is stored (INT, FLOAT, BOOL or DOUBLE).  Each
-component keeps its own field table, so its tokens and their order stay in its class.
+holds the value, and how the value is stored (INT, FLOAT, BOOL, DOUBLE, or VECTOR for a
+float vector).  Each component keeps its own field table, so its tokens and their order
+stay in its class.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ INT = FieldKind(lambda r: r.read_int(), lambda w, v: w.write_int(v))
 FLOAT = FieldKind(lambda r: r.read_float(), lambda w, v: w.write_float(v))
 BOOL = FieldKind(lambda r: r.read_bool(), lambda w, v: w.write_bool(v))
 DOUBLE = FieldKind(read_double, write_double)
+VECTOR = FieldKind(lambda r: r.read_vector(), lambda w, v: w.write_vector(v))
 
 
 def read_fields(reader: KaldiReader, comp: Component, fields, opening: bool = False) -> None:

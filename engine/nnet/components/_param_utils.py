@@ -3,10 +3,11 @@ scale_offset.py, constant.py, tdnn.py): Kaldi's ReadKaldiObject for ``matrix=`` 
 ``vector=`` style options, InitLearningRatesFromConfig's checks, config errors that
 name the component, the token checks after ReadUpdatableCommon, UpdatableComponent::Info
 and the summaries of PrintParameterStats (nnet-parse.cc), and shape checks that raise
-DimensionError naming the component; the start of an updatable component's read, the
-``<LinearParams>`` / ``<BiasParams>`` pair, and the natural-gradient options these
-components read, keep and write (the preconditioner itself is not implemented; see
-affine.py).
+DimensionError naming the component; the start of an updatable component's read (also
+with a field table after the header, and the base of components whose file is header,
+table and closing token), the ``<LinearParams>`` / ``<BiasParams>`` pair, and the
+natural-gradient options these components read, keep and write (the preconditioner
+itself is not implemented; see affine.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import contextvars
 import math
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -22,7 +24,7 @@ from engine.core.errors import ConfigError, ModelFormatError
 from engine.core.xp import to_numpy
 from engine.nnet.components.base import updatable_info  # noqa: F401  (re-exported)
 from engine.nnet.components.base import Component, UpdatableComponent
-from engine.nnet.components._fields import FLOAT, INT, read_fields, write_fields
+from engine.nnet.components._fields import FLOAT, INT, FieldKind, read_fields, write_fields
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
@@ -189,6 +191,30 @@ def begin_updatable_read(cls, reader: KaldiReader, first_token: str):
     return c
 
 
+def read_updatable_fields(cls, reader: KaldiReader, fields):
+    """A new ``cls`` with its UpdatableComponent header and then ``fields`` (a field
+    table, see _fields) read; the header may already have consumed the first field's
+    token."""
+    token, attr, kind = fields[0]
+    c = begin_updatable_read(cls, reader, token)
+    setattr(c, attr, kind.read(reader))
+    read_fields(reader, c, fields[1:])
+    return c
+
+
+class UpdatableFieldsComponent(UpdatableComponent):
+    """An updatable component whose file is its UpdatableComponent header, then
+    ``_FIELDS`` in order, then ``</Type>``; its read (the fields through
+    read_updatable_fields) adds what older files may hold and the checks."""
+
+    _FIELDS: ClassVar[tuple[tuple[str, str, FieldKind], ...]] = ()
+
+    def write(self, writer: KaldiWriter) -> None:
+        self.write_updatable_common(writer)
+        write_fields(writer, self, self._FIELDS)
+        writer.write_token(f"</{self.type_name}>")
+
+
 def read_linear_and_bias(reader: KaldiReader, pending: str = ""):
     """``<LinearParams>`` matrix ``<BiasParams>`` vector, as (linear, bias); ``pending``
     is the token read_updatable_common already consumed, if any."""
@@ -221,19 +247,20 @@ def rank_default(rank: int, dim: int, cap: int) -> int:
     return rank if rank >= 0 else min(cap, (dim + 1) // 2)
 
 
-_PERIOD_HISTORY_ALPHA = (("<UpdatePeriod>", "update_period", INT),
-                         ("<NumSamplesHistory>", "num_samples_history", FLOAT),
-                         ("<Alpha>", "alpha", FLOAT))
+# a field table (NaturalGradientPerElementScaleComponent's ends with it)
+PERIOD_HISTORY_ALPHA = (("<UpdatePeriod>", "update_period", INT),
+                        ("<NumSamplesHistory>", "num_samples_history", FLOAT),
+                        ("<Alpha>", "alpha", FLOAT))
 
 
 def read_period_history_alpha(reader: KaldiReader, comp) -> None:
     """``<UpdatePeriod>``, ``<NumSamplesHistory>`` and ``<Alpha>`` into ``comp``."""
-    read_fields(reader, comp, _PERIOD_HISTORY_ALPHA)
+    read_fields(reader, comp, PERIOD_HISTORY_ALPHA)
 
 
 def write_period_history_alpha(writer: KaldiWriter, comp) -> None:
     """``<UpdatePeriod>``, ``<NumSamplesHistory>`` and ``<Alpha>`` of ``comp``."""
-    write_fields(writer, comp, _PERIOD_HISTORY_ALPHA)
+    write_fields(writer, comp, PERIOD_HISTORY_ALPHA)
 
 
 def init_in_out_options(comp, cfg: ConfigLine, dim_in: int, dim_out: int,

@@ -17,25 +17,25 @@ from typing import ClassVar
 import numpy as np
 
 from engine.core.xp import array_module
+from engine.nnet.components._fields import BOOL, INT, VECTOR, read_fields
 from engine.nnet.components._param_utils import (
-    begin_updatable_read,
+    PERIOD_HISTORY_ALPHA,
     check_backprop_shapes,
     check_rows,
     config_errors,
     gaussian,
     init_learning_rates,
     param_stats,
-    read_period_history_alpha,
+    UpdatableFieldsComponent,
+    read_updatable_fields,
     read_vector_option,
     require_positive,
     skip_old_is_gradient,
     updatable_info,
-    write_period_history_alpha,
 )
 from engine.nnet.components.base import (
     Component,
     ComponentProperty as P,
-    UpdatableComponent,
     register_component,
 )
 from engine.nnet.config_line import ConfigLine
@@ -69,12 +69,13 @@ _PER_ELEMENT_SCALE_PROPS = (P.SIMPLE_COMPONENT | P.UPDATABLE_COMPONENT | P.BACKP
 
 
 @register_component
-class PerElementScaleComponent(UpdatableComponent):
+class PerElementScaleComponent(UpdatableFieldsComponent):
     """y = x * scales (column-wise); dim with param-mean (1.0) / param-stddev (0.0), or
     vector=FILE."""
 
     type_name = "PerElementScaleComponent"
     PARAMS = ("scales",)
+    _FIELDS = (("<Params>", "scales", VECTOR),)
 
     def __init__(self) -> None:
         super().__init__()
@@ -116,17 +117,10 @@ class PerElementScaleComponent(UpdatableComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "PerElementScaleComponent":
-        c = begin_updatable_read(cls, reader, "<Params>")
-        c.scales = reader.read_vector()
+        c = read_updatable_fields(cls, reader, cls._FIELDS)
         skip_old_is_gradient(c, reader)
         reader.expect_token("</PerElementScaleComponent>")
         return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        self.write_updatable_common(writer)
-        writer.write_token("<Params>")
-        writer.write_vector(self.scales)
-        writer.write_token("</PerElementScaleComponent>")
 
     def propagate(self, indexes, in_value, out):
         check_rows(self, in_value, out)
@@ -152,6 +146,10 @@ class NaturalGradientPerElementScaleComponent(PerElementScaleComponent):
     update-period (10), num-samples-history (2000), alpha (4); scales=FILE."""
 
     type_name = "NaturalGradientPerElementScaleComponent"
+    # Kaldi writes <IsGradient> here unconditionally (besides the common header).
+    _FIELDS = (PerElementScaleComponent._FIELDS
+               + (("<IsGradient>", "is_gradient", BOOL), ("<Rank>", "rank", INT))
+               + PERIOD_HISTORY_ALPHA)
 
     def __init__(self) -> None:
         super().__init__()
@@ -175,29 +173,11 @@ class NaturalGradientPerElementScaleComponent(PerElementScaleComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "NaturalGradientPerElementScaleComponent":
-        c = begin_updatable_read(cls, reader, "<Params>")
-        c.scales = reader.read_vector()
-        # Kaldi writes <IsGradient> here unconditionally (besides the common header).
-        reader.expect_token("<IsGradient>")
-        c.is_gradient = reader.read_bool()
-        reader.expect_token("<Rank>")
-        c.rank = reader.read_int()
-        read_period_history_alpha(reader, c)
+        c = read_updatable_fields(cls, reader, cls._FIELDS)
         if reader.try_token("<MaxChangePerMinibatch>"):  # removed option, old files
             reader.read_float()
         reader.expect_token("</NaturalGradientPerElementScaleComponent>")
         return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        self.write_updatable_common(writer)
-        writer.write_token("<Params>")
-        writer.write_vector(self.scales)
-        writer.write_token("<IsGradient>")
-        writer.write_bool(self.is_gradient)
-        writer.write_token("<Rank>")
-        writer.write_int(self.rank)
-        write_period_history_alpha(writer, self)
-        writer.write_token("</NaturalGradientPerElementScaleComponent>")
 
 
 # --------------------------------------------------------------------------------------
@@ -205,13 +185,16 @@ class NaturalGradientPerElementScaleComponent(PerElementScaleComponent):
 
 
 @register_component
-class PerElementOffsetComponent(UpdatableComponent):
+class PerElementOffsetComponent(UpdatableFieldsComponent):
     """y = x + offsets, the offsets (of dimension block-dim) repeated over each block of
     the dim columns; options dim, block-dim, param-mean (0), param-stddev (0),
     use-natural-gradient, or vector=FILE."""
 
     type_name = "PerElementOffsetComponent"
     PARAMS = ("offsets",)
+    # old files lack <Dim> and <UseNaturalGradient>
+    _FIELDS = (("<Offsets>", "offsets", VECTOR), ("<Dim>", "dim", INT),
+               ("<UseNaturalGradient>", "use_natural_gradient", BOOL))
 
     def __init__(self) -> None:
         super().__init__()
@@ -265,13 +248,12 @@ class PerElementOffsetComponent(UpdatableComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "PerElementOffsetComponent":
-        c = begin_updatable_read(cls, reader, "<Offsets>")
-        c.offsets = reader.read_vector()
+        c = read_updatable_fields(cls, reader, cls._FIELDS[:1])
         skip_old_is_gradient(c, reader)
+        # (the first newer field's token is tried here, to tell old files)
         if reader.try_token("<Dim>"):
             c.dim = reader.read_int()
-            reader.expect_token("<UseNaturalGradient>")
-            c.use_natural_gradient = reader.read_bool()
+            read_fields(reader, c, cls._FIELDS[2:])
         else:
             c.dim = int(c.offsets.shape[0])
             c.use_natural_gradient = True
@@ -281,16 +263,6 @@ class PerElementOffsetComponent(UpdatableComponent):
             raise reader.error(f"PerElementOffsetComponent: <Dim> {c.dim} is not a multiple "
                                f"of the offsets dimension {block}")
         return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        self.write_updatable_common(writer)
-        writer.write_token("<Offsets>")
-        writer.write_vector(self.offsets)
-        writer.write_token("<Dim>")
-        writer.write_int(self.dim)
-        writer.write_token("<UseNaturalGradient>")
-        writer.write_bool(self.use_natural_gradient)
-        writer.write_token("</PerElementOffsetComponent>")
 
     def _tiled(self, xp, arr):
         reps = self.dim // arr.shape[0]
@@ -318,7 +290,7 @@ class PerElementOffsetComponent(UpdatableComponent):
 
 
 @register_component
-class ScaleAndOffsetComponent(UpdatableComponent):
+class ScaleAndOffsetComponent(UpdatableFieldsComponent):
     """y = x * scales + offsets per block of block-dim columns; scales start at 1,
     offsets at 0.  Backprop reconstructs the input from the output (it needs the
     output, not the input), with scales kept away from zero by 1e-4 in propagation."""
@@ -326,6 +298,9 @@ class ScaleAndOffsetComponent(UpdatableComponent):
     type_name = "ScaleAndOffsetComponent"
     PARAMS = ("scales", "offsets")
     EPSILON = 1.0e-04
+    _FIELDS = (("<Dim>", "dim", INT), ("<Scales>", "scales", VECTOR),
+               ("<Offsets>", "offsets", VECTOR),
+               ("<UseNaturalGradient>", "use_natural_gradient", BOOL), ("<Rank>", "rank", INT))
 
     def __init__(self) -> None:
         super().__init__()
@@ -369,36 +344,13 @@ class ScaleAndOffsetComponent(UpdatableComponent):
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "ScaleAndOffsetComponent":
-        c = begin_updatable_read(cls, reader, "<Dim>")
-        c.dim = reader.read_int()
-        reader.expect_token("<Scales>")
-        c.scales = reader.read_vector()
-        reader.expect_token("<Offsets>")
-        c.offsets = reader.read_vector()
-        reader.expect_token("<UseNaturalGradient>")
-        c.use_natural_gradient = reader.read_bool()
-        reader.expect_token("<Rank>")
-        c.rank = reader.read_int()
+        c = read_updatable_fields(cls, reader, cls._FIELDS)
         reader.expect_token("</ScaleAndOffsetComponent>")
         block = c.scales.shape[0]
         if block == 0 or c.offsets.shape[0] != block or c.dim % block != 0:
             raise reader.error(f"ScaleAndOffsetComponent: <Dim> {c.dim}, scales "
                                f"{block} and offsets {c.offsets.shape[0]} do not agree")
         return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        self.write_updatable_common(writer)
-        writer.write_token("<Dim>")
-        writer.write_int(self.dim)
-        writer.write_token("<Scales>")
-        writer.write_vector(self.scales)
-        writer.write_token("<Offsets>")
-        writer.write_vector(self.offsets)
-        writer.write_token("<UseNaturalGradient>")
-        writer.write_bool(self.use_natural_gradient)
-        writer.write_token("<Rank>")
-        writer.write_int(self.rank)
-        writer.write_token("</ScaleAndOffsetComponent>")
 
     def _nonzero_scales(self, xp):
         # Kaldi's cu::EnsureNonzero: |s| < eps becomes +eps (s >= 0) or -eps.
