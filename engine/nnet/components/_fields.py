@@ -5,9 +5,9 @@ statistics, and the base of components whose input and output are both ``dim`` c
 (with the copy, optionally scaled, that their propagate or backprop makes).
 
 A field is ``(token, attribute, kind)``: the Kaldi token, the component attribute that
-holds the value, and how the value is stored (INT, FLOAT, BOOL, DOUBLE, or VECTOR for a
-float vector).  Each component keeps its own field table, so its tokens and their order
-stay in its class.
+holds the value, and how the value is stored (INT, FLOAT, BOOL, DOUBLE, or VECTOR and
+INT_VECTOR for a float or integer vector).  Each component keeps its own field table, so
+its tokens and their order stay in its class.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ FLOAT = FieldKind(lambda r: r.read_float(), lambda w, v: w.write_float(v))
 BOOL = FieldKind(lambda r: r.read_bool(), lambda w, v: w.write_bool(v))
 DOUBLE = FieldKind(read_double, write_double)
 VECTOR = FieldKind(lambda r: r.read_vector(), lambda w, v: w.write_vector(v))
+INT_VECTOR = FieldKind(lambda r: r.read_int_vector(), lambda w, v: w.write_int_vector(v))
 
 
 def read_fields(reader: KaldiReader, comp: Component, fields, opening: bool = False) -> None:
@@ -91,7 +92,8 @@ class SameDimComponent(Component):
 
 class TokenFieldsComponent(Component):
     """A component whose file is ``<Type>``, then ``_FIELDS`` (token, attribute, kind)
-    in order, then ``</Type>``; ``_problems()`` lists what is wrong with its options."""
+    in order, then ``</Type>``; ``_problems()`` lists what is wrong with its options.
+    A subclass that also reads older files, which differ, has its own read."""
 
     _FIELDS: ClassVar[tuple[tuple[str, str, FieldKind], ...]] = ()
 

@@ -34,6 +34,7 @@ from engine.nnet.components._fields import (
     FLOAT,
     INT,
     SameDimComponent,
+    TokenFieldsComponent,
     read_fields,
     write_fields,
 )
@@ -61,7 +62,7 @@ class RandomComponent(Component):
 
 
 @register_component
-class DropoutComponent(RandomComponent, SameDimComponent):
+class DropoutComponent(RandomComponent, SameDimComponent, TokenFieldsComponent):
     type_name = "DropoutComponent"
     # <DropoutPerFrame> and <TestMode> may be absent from old models
     _FIELDS = (("<Dim>", "dim", INT), ("<DropoutProportion>", "dropout_proportion", FLOAT),
@@ -108,10 +109,6 @@ class DropoutComponent(RandomComponent, SameDimComponent):
         elif tok != "</DropoutComponent>":
             raise reader.error(f"expected </DropoutComponent>, got {tok!r}")
         return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        write_fields(writer, self, self._FIELDS, opening=True)
-        writer.write_token("</DropoutComponent>")
 
     def propagate(self, indexes, in_value, out):
         self.check_shape("input", in_value, None, self.dim)

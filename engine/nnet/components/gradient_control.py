@@ -28,6 +28,7 @@ from engine.nnet.components._fields import (
     FLOAT,
     INT,
     SameDimComponent,
+    TokenFieldsComponent,
     read_fields,
     write_fields,
 )
@@ -234,7 +235,7 @@ _BACKPROP_TRUNCATION_PROPS = P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
 
 
 @register_component
-class BackpropTruncationComponent(SameDimComponent):
+class BackpropTruncationComponent(SameDimComponent, TokenFieldsComponent):
     type_name = "BackpropTruncationComponent"
     # <Scale> may be absent from old models
     _FIELDS = (("<Dim>", "dim", INT), ("<Scale>", "scale_value", FLOAT),
@@ -307,10 +308,6 @@ class BackpropTruncationComponent(SameDimComponent):
         read_fields(reader, c, cls._FIELDS[3:])
         reader.expect_token("</BackpropTruncationComponent>")
         return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        write_fields(writer, self, self._FIELDS, opening=True)
-        writer.write_token("</BackpropTruncationComponent>")
 
     def zero_stats(self) -> None:
         self.num_clipped = self.num_zeroed = self.count = self.count_zeroing_boundaries = 0.0

@@ -11,22 +11,23 @@ import numpy as np
 
 from engine.core.errors import ComponentError
 from engine.core.xp import array_module
-from engine.nnet.components.base import Component, ComponentProperty as P, register_component
+from engine.nnet.components.base import ComponentProperty as P, register_component
 from engine.nnet.components._fields import (
     FLOAT,
     INT,
+    INT_VECTOR,
     SameDimComponent,
+    TokenFieldsComponent,
     read_fields,
     skip_old_stats,
-    write_fields,
     write_scaled,
 )
 from engine.nnet.components.nonlinear import expect_open_token, read_double
 from engine.nnet.config_line import ConfigLine
-from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
+from engine.nnet.kaldi_io import KaldiReader
 
 
-class _InOutDims(Component):
+class _InOutDims(TokenFieldsComponent):
     """Components whose file format is just <InputDim> <OutputDim> (and, in a subclass,
     the further _FIELDS it lists)."""
 
@@ -42,17 +43,6 @@ class _InOutDims(Component):
 
     def output_dim(self) -> int:
         return self.out_dim
-
-    @classmethod
-    def read(cls, reader: KaldiReader):
-        c = cls()
-        read_fields(reader, c, cls._FIELDS, opening=True)
-        reader.expect_token(f"</{cls.type_name}>")
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        write_fields(writer, self, self._FIELDS, opening=True)
-        writer.write_token(f"</{self.type_name}>")
 
 
 @register_component
@@ -191,11 +181,12 @@ class SumBlockComponent(_InOutDims):
 
 
 @register_component
-class SumGroupComponent(Component):
+class SumGroupComponent(TokenFieldsComponent):
     """Sums of consecutive column groups of the given sizes."""
 
     type_name = "SumGroupComponent"
     ARRAYS = ("sum_matrix", "reverse_indexes")
+    _FIELDS = (("<Sizes>", "sizes", INT_VECTOR),)
 
     def __init__(self) -> None:
         super().__init__()
@@ -240,19 +231,12 @@ class SumGroupComponent(Component):
     @classmethod
     def read(cls, reader: KaldiReader):
         c = cls()
-        expect_open_token(reader, cls.type_name, "<Sizes>")
-        sizes = reader.read_int_vector()
+        read_fields(reader, c, cls._FIELDS, opening=True)
         tok = reader.read_token()
         if tok not in ("<SumGroupComponent>", "</SumGroupComponent>"):
             raise reader.error(f"expected </SumGroupComponent>, got {tok!r}")
-        c._init_sizes(sizes)
+        c._init_sizes(c.sizes)
         return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token("<SumGroupComponent>")
-        writer.write_token("<Sizes>")
-        writer.write_int_vector(self.sizes)
-        writer.write_token("</SumGroupComponent>")
 
     def propagate(self, indexes, in_value, out):
         self.check_shape("input", in_value, None, self.input_dim())
@@ -269,11 +253,12 @@ class SumGroupComponent(Component):
 
 
 @register_component
-class PermuteComponent(Component):
+class PermuteComponent(TokenFieldsComponent):
     """Output column i is input column column_map[i]."""
 
     type_name = "PermuteComponent"
     ARRAYS = ("column_map", "reverse_column_map")
+    _FIELDS = (("<ColumnMap>", "column_map", INT_VECTOR),)
 
     def __init__(self) -> None:
         super().__init__()
@@ -331,12 +316,6 @@ class PermuteComponent(Component):
         c._init_map(cm)
         return c
 
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token("<PermuteComponent>")
-        writer.write_token("<ColumnMap>")
-        writer.write_int_vector(self.column_map.tolist())
-        writer.write_token("</PermuteComponent>")
-
     def propagate(self, indexes, in_value, out):
         self.check_shape("input", in_value, None, self.input_dim())
         xp = array_module(in_value)
@@ -355,7 +334,7 @@ _NO_OP_PROPS = P.SIMPLE_COMPONENT | P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
 
 
 @register_component
-class NoOpComponent(SameDimComponent):
+class NoOpComponent(SameDimComponent, TokenFieldsComponent):
     """Identity forward; backprop scaled by backprop-scale."""
 
     type_name = "NoOpComponent"
@@ -407,10 +386,6 @@ class NoOpComponent(SameDimComponent):
         read_fields(reader, c, cls._FIELDS[1:])
         reader.expect_token("</NoOpComponent>")
         return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        write_fields(writer, self, self._FIELDS, opening=True)
-        writer.write_token("</NoOpComponent>")
 
     def propagate(self, indexes, in_value, out):
         self.copy_input(in_value, out)
