@@ -1,6 +1,7 @@
 """Pieces shared by component modules: Kaldi file-format fields read and written from one
-table (and the base of components whose whole file is such a table: DistributeComponent,
-the statistics components, RestrictedAttentionComponent), the skipping of old models'
+table, fields that old models may lack (each told by the token already read), the base
+of components whose whole file is such a table (DistributeComponent, the statistics
+components, RestrictedAttentionComponent and others), the skipping of old models'
 statistics, and the base of components whose input and output are both ``dim`` columns
 (with the copy, optionally scaled, that their propagate or backprop makes).
 
@@ -43,6 +44,18 @@ def read_fields(reader: KaldiReader, comp: Component, fields, opening: bool = Fa
         else:
             reader.expect_token(token)
         setattr(comp, attr, kind.read(reader))
+
+
+def read_optional_fields(reader: KaldiReader, comp: Component, fields, tok: str) -> str:
+    """Fields that files may leave out, in order, after ``tok`` (the token just read):
+    each field whose token ``tok`` is has its value read into ``comp`` and the next
+    token read (an absent one keeps its value).  Returns the first token that is none
+    of them, for the caller to check."""
+    for token, attr, kind in fields:
+        if tok == token:
+            setattr(comp, attr, kind.read(reader))
+            tok = reader.read_token()
+    return tok
 
 
 def write_fields(writer: KaldiWriter, comp: Component, fields, opening: bool = False) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.core.errors import ComponentError, ConfigError
 from engine.core.xp import array_module
+from engine.nnet.components._fields import BOOL, FLOAT, read_optional_fields
 from engine.nnet.components.base import (
     Component,
     ComponentProperty as P,
@@ -34,6 +35,11 @@ _PREFIX = "components."
 @register_component
 class CompositeComponent(UpdatableComponent):
     type_name = "CompositeComponent"
+    # Kaldi's (temporary) header code: only these optional fields before
+    # <MaxRowsProcess>
+    _HEADER_FIELDS = (("<LearningRateFactor>", "learning_rate_factor", FLOAT),
+                      ("<IsGradient>", "is_gradient", BOOL),
+                      ("<LearningRate>", "learning_rate", FLOAT))
 
     def __init__(self) -> None:
         super().__init__()
@@ -157,22 +163,12 @@ class CompositeComponent(UpdatableComponent):
     @classmethod
     def read(cls, reader: KaldiReader) -> "CompositeComponent":
         c = cls()
-        # Kaldi's (temporary) header code: only these optional fields before
-        # <MaxRowsProcess>
         tok = reader.read_token()
         if tok == "<CompositeComponent>":
             tok = reader.read_token()
         c.learning_rate_factor = 1.0
         c.is_gradient = False
-        if tok == "<LearningRateFactor>":
-            c.learning_rate_factor = reader.read_float()
-            tok = reader.read_token()
-        if tok == "<IsGradient>":
-            c.is_gradient = reader.read_bool()
-            tok = reader.read_token()
-        if tok == "<LearningRate>":
-            c.learning_rate = reader.read_float()
-            tok = reader.read_token()
+        tok = read_optional_fields(reader, c, cls._HEADER_FIELDS, tok)
         if tok != "<MaxRowsProcess>":
             raise reader.error(f"expected token <MaxRowsProcess>, got {tok!r}")
         max_rows = reader.read_int()

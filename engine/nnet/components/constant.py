@@ -10,6 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.nnet.components._fields import (
+    BOOL,
+    FLOAT,
+    VECTOR,
+    read_fields,
+    read_optional_fields,
+    write_fields,
+)
 from engine.nnet.components._param_utils import (
     check_backprop_shapes,
     check_rows,
@@ -37,6 +45,13 @@ class _ConstantBase(UpdatableComponent):
     """Shared parts: the output vector, optionally trainable (is-updatable)."""
 
     PARAMS = ("output",)
+    # the optional header fields (see _read_header), and the fields that end the file
+    # (after ConstantFunctionComponent's <InputDim>)
+    _HEADER_FIELDS = (("<LearningRateFactor>", "learning_rate_factor", FLOAT),
+                      ("<IsGradient>", "is_gradient", BOOL), ("<MaxChange>", "max_change", FLOAT),
+                      ("<LearningRate>", "learning_rate", FLOAT))
+    _TAIL_FIELDS = (("<Output>", "output", VECTOR), ("<IsUpdatable>", "is_updatable_flag", BOOL),
+                    ("<UseNaturalGradient>", "use_natural_gradient", BOOL))
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,36 +93,18 @@ class _ConstantBase(UpdatableComponent):
             tok = reader.read_token()
         self.learning_rate_factor, self.is_gradient = 1.0, False
         self.max_change, self.learning_rate = 0.0, 0.001
-        if tok == "<LearningRateFactor>":
-            self.learning_rate_factor = reader.read_float()
-            tok = reader.read_token()
-        if tok == "<IsGradient>":
-            self.is_gradient = reader.read_bool()
-            tok = reader.read_token()
-        if with_max_change and tok == "<MaxChange>":
-            self.max_change = reader.read_float()
-            tok = reader.read_token()
-        if tok == "<LearningRate>":
-            self.learning_rate = reader.read_float()
-            tok = reader.read_token()
-        return tok
+        fields = [f for f in self._HEADER_FIELDS if with_max_change or f[0] != "<MaxChange>"]
+        return read_optional_fields(reader, self, fields, tok)
 
     def _read_tail(self, reader: KaldiReader) -> None:
+        """The tail fields (their first token already read) and ``</Type>``."""
         self.output = reader.read_vector()
-        reader.expect_token("<IsUpdatable>")
-        self.is_updatable_flag = reader.read_bool()
-        reader.expect_token("<UseNaturalGradient>")
-        self.use_natural_gradient = reader.read_bool()
+        read_fields(reader, self, self._TAIL_FIELDS[1:])
         reader.expect_token(f"</{self.type_name}>")
         self._sync_param_lists()
 
     def _write_tail(self, writer: KaldiWriter) -> None:
-        writer.write_token("<Output>")
-        writer.write_vector(self.output)
-        writer.write_token("<IsUpdatable>")
-        writer.write_bool(self.is_updatable_flag)
-        writer.write_token("<UseNaturalGradient>")
-        writer.write_bool(self.use_natural_gradient)
+        write_fields(writer, self, self._TAIL_FIELDS)
         writer.write_token(f"</{self.type_name}>")
 
     def propagate(self, indexes, in_value, out):

@@ -36,6 +36,7 @@ from engine.nnet.components._fields import (
     SameDimComponent,
     TokenFieldsComponent,
     read_fields,
+    read_optional_fields,
     write_fields,
 )
 from engine.nnet.components.nonlinear import get_rng
@@ -99,10 +100,7 @@ class DropoutComponent(RandomComponent, SameDimComponent, TokenFieldsComponent):
     def read(cls, reader: KaldiReader):
         c = cls()
         read_fields(reader, c, cls._FIELDS[:2], opening=True)
-        tok = reader.read_token()
-        if tok == "<DropoutPerFrame>":
-            c.dropout_per_frame = reader.read_bool()
-            tok = reader.read_token()
+        tok = read_optional_fields(reader, c, cls._FIELDS[2:3], reader.read_token())
         if tok == "<TestMode>":
             c.test_mode = reader.read_bool()
             reader.expect_token("</DropoutComponent>")

@@ -30,6 +30,7 @@ from engine.nnet.components._fields import (
     SameDimComponent,
     TokenFieldsComponent,
     read_fields,
+    read_optional_fields,
     write_fields,
 )
 from engine.nnet.components.nonlinear import get_rng
@@ -296,12 +297,7 @@ class BackpropTruncationComponent(SameDimComponent, TokenFieldsComponent):
     def read(cls, reader: KaldiReader):
         c = cls()
         read_fields(reader, c, cls._FIELDS[:1], opening=True)
-        tok = reader.read_token()
-        if tok == "<Scale>":
-            c.scale_value = reader.read_float()
-            tok = reader.read_token()
-        else:
-            c.scale_value = 1.0
+        tok = read_optional_fields(reader, c, cls._FIELDS[1:2], reader.read_token())
         if tok != "<ClippingThreshold>":
             raise reader.error(f"expected <ClippingThreshold>, got {tok!r}")
         c.clipping_threshold = reader.read_float()

@@ -25,6 +25,7 @@ from engine.nnet.components._fields import (
     INT,
     SameDimComponent,
     read_fields,
+    read_optional_fields,
     skip_old_stats,
     write_fields,
 )
@@ -40,6 +41,10 @@ SQUARED_NORM_FLOOR = 2.0 ** -66
 @register_component
 class NormalizeComponent(Component):
     type_name = "NormalizeComponent"
+    # <BlockDim> is written only when it differs from the dim; old models may lack any
+    # field after the first (which they may call <Dim>)
+    _FIELDS = (("<InputDim>", "in_dim", INT), ("<BlockDim>", "block_dim", INT),
+               ("<TargetRms>", "target_rms", FLOAT), ("<AddLogStddev>", "add_log_stddev", BOOL))
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,18 +102,8 @@ class NormalizeComponent(Component):
         if tok not in ("<Dim>", "<InputDim>"):
             raise reader.error(f"expected <InputDim>, got {tok!r}")
         c.in_dim = reader.read_int()
-        tok = reader.read_token()
-        if tok == "<BlockDim>":
-            c.block_dim = reader.read_int()
-            tok = reader.read_token()
-        else:
-            c.block_dim = c.in_dim
-        if tok == "<TargetRms>":
-            c.target_rms = reader.read_float()
-            tok = reader.read_token()
-        if tok == "<AddLogStddev>":
-            c.add_log_stddev = reader.read_bool()
-            tok = reader.read_token()
+        c.block_dim = c.in_dim
+        tok = read_optional_fields(reader, c, cls._FIELDS[1:], reader.read_token())
         if tok == "<ValueAvg>":
             # old models stored (unused) statistics here
             skip_old_stats(reader)
@@ -118,16 +113,10 @@ class NormalizeComponent(Component):
         return c
 
     def write(self, writer: KaldiWriter) -> None:
-        writer.write_token("<NormalizeComponent>")
-        writer.write_token("<InputDim>")
-        writer.write_int(self.in_dim)
-        if self.block_dim != self.in_dim:
-            writer.write_token("<BlockDim>")
-            writer.write_int(self.block_dim)
-        writer.write_token("<TargetRms>")
-        writer.write_float(self.target_rms)
-        writer.write_token("<AddLogStddev>")
-        writer.write_bool(self.add_log_stddev)
+        fields = self._FIELDS
+        if self.block_dim == self.in_dim:
+            fields = fields[:1] + fields[2:]
+        write_fields(writer, self, fields, opening=True)
         writer.write_token("</NormalizeComponent>")
 
     def _inv_rms(self, xp, x):
