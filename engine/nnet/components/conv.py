@@ -68,6 +68,20 @@ class _ScatterMap:
             out[:, tgt] += patches[:, src]
 
 
+def _cached_maps(comp, key, xp):
+    """``comp``'s patch column map on backend ``xp`` and its _ScatterMap, made by
+    ``comp._column_map()`` once per geometry ``key`` (and copied once per backend) and
+    kept in ``comp._maps``."""
+    m = comp._maps.get(key)
+    if m is None:
+        col_map = comp._column_map()
+        m = comp._maps[key] = {"col_map": col_map, "scatter": _ScatterMap(col_map)}
+    dev = m.get(xp.__name__)
+    if dev is None:
+        dev = m[xp.__name__] = xp.asarray(m["col_map"])
+    return dev, m["scatter"]
+
+
 def _steps(in_dim: int, size: int, step: int) -> int:
     return 1 + (in_dim - size) // step
 
@@ -126,14 +140,7 @@ class ConvolutionComponent(UpdatableComponent):
     def _maps_for(self, xp):
         key = (self.input_x_dim, self.input_y_dim, self.input_z_dim, self.filt_x_dim,
                self.filt_y_dim, self.filt_x_step, self.filt_y_step, self.input_vectorization)
-        m = self._maps.get(key)
-        if m is None:
-            col_map = self._column_map()
-            m = self._maps[key] = {"col_map": col_map, "scatter": _ScatterMap(col_map)}
-        dev = m.get(xp.__name__)
-        if dev is None:
-            dev = m[xp.__name__] = xp.asarray(m["col_map"])
-        return dev, m["scatter"]
+        return _cached_maps(self, key, xp)
 
     def info(self) -> str:
         from engine.nnet.components.base import updatable_info  # noqa: PLC0415
@@ -395,15 +402,7 @@ class MaxpoolingComponent(Component):
         return idx.reshape(-1).astype(np.int64)
 
     def _maps_for(self, xp):
-        key = tuple(getattr(self, a) for _, a in self._FIELDS)
-        m = self._maps.get(key)
-        if m is None:
-            col_map = self._column_map()
-            m = self._maps[key] = {"col_map": col_map, "scatter": _ScatterMap(col_map)}
-        dev = m.get(xp.__name__)
-        if dev is None:
-            dev = m[xp.__name__] = xp.asarray(m["col_map"])
-        return dev, m["scatter"]
+        return _cached_maps(self, tuple(getattr(self, a) for _, a in self._FIELDS), xp)
 
     def _patches(self, xp, x):
         col_map, scatter = self._maps_for(xp)
