@@ -1,9 +1,10 @@
-"""Pieces shared by component modules: Kaldi file-format fields read and written from one
-table, fields that old models may lack (each told by the token already read), the base
-of components whose whole file is such a table (DistributeComponent, the statistics
-components, RestrictedAttentionComponent and others), the skipping of old models'
-statistics, and the base of components whose input and output are both ``dim`` columns
-(with the copy, optionally scaled, that their propagate or backprop makes).
+"""Pieces shared by component modules: the opening token that files may leave out, Kaldi
+file-format fields read and written from one table, fields that old models may lack
+(each told by the token already read), the base of components whose whole file is such
+a table (DistributeComponent, the statistics components, RestrictedAttentionComponent
+and others), the skipping of old models' statistics, and the base of components whose
+input and output are both ``dim`` columns (with the copy, optionally scaled, that their
+propagate or backprop makes).
 
 A field is ``(token, attribute, kind)``: the Kaldi token, the component attribute that
 holds the value, and how the value is stored (INT, FLOAT, BOOL, DOUBLE, or VECTOR and
@@ -16,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Callable, ClassVar, NamedTuple
 
 from engine.nnet.components.base import Component
-from engine.nnet.components.nonlinear import expect_open_token
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter, read_double, write_double
 
 
@@ -33,6 +33,12 @@ BOOL = FieldKind(lambda r: r.read_bool(), lambda w, v: w.write_bool(v))
 DOUBLE = FieldKind(read_double, write_double)
 VECTOR = FieldKind(lambda r: r.read_vector(), lambda w, v: w.write_vector(v))
 INT_VECTOR = FieldKind(lambda r: r.read_int_vector(), lambda w, v: w.write_int_vector(v))
+
+
+def expect_open_token(reader: KaldiReader, type_name: str, first: str) -> None:
+    """Kaldi's ExpectOneOrTwoTokens: the opening ``<Type>`` may or may not be present."""
+    reader.try_token(f"<{type_name}>")
+    reader.expect_token(first)
 
 
 def read_fields(reader: KaldiReader, comp: Component, fields, opening: bool = False) -> None:

@@ -18,11 +18,12 @@ from engine.nnet.components._fields import (
     INT_VECTOR,
     SameDimComponent,
     TokenFieldsComponent,
+    expect_open_token,
     read_fields,
     skip_old_stats,
     write_scaled,
 )
-from engine.nnet.components.nonlinear import expect_open_token, read_double
+from engine.nnet.components.nonlinear import read_double
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader
 

@@ -24,6 +24,12 @@ from __future__ import annotations
 import numpy as np
 
 from engine.core.xp import array_module, to_numpy
+from engine.nnet.components._fields import (
+    DOUBLE,
+    FLOAT,
+    expect_open_token,
+    read_optional_fields,
+)
 from engine.nnet.components.base import Component, ComponentProperty as P, register_component
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter, read_double, write_double  # noqa: F401
@@ -62,17 +68,19 @@ def get_rng(comp) -> np.random.Generator:
     return rng
 
 
-def expect_open_token(reader: KaldiReader, type_name: str, first: str) -> None:
-    """Kaldi's ExpectOneOrTwoTokens: the opening ``<Type>`` may or may not be present."""
-    reader.try_token(f"<{type_name}>")
-    reader.expect_token(first)
-
-
 # --------------------------------------------------------------------------------------
 
 
 class NonlinearComponent(Component):
     """Shared state and file format of Kaldi's NonlinearComponent."""
+
+    # the fields after the statistics, which older files lack (and the self-repair
+    # options are written only when set)
+    _TAIL_FIELDS = (("<NumDimsSelfRepaired>", "num_dims_self_repaired", DOUBLE),
+                    ("<NumDimsProcessed>", "num_dims_processed", DOUBLE),
+                    ("<SelfRepairLowerThreshold>", "self_repair_lower_threshold", FLOAT),
+                    ("<SelfRepairUpperThreshold>", "self_repair_upper_threshold", FLOAT),
+                    ("<SelfRepairScale>", "self_repair_scale", FLOAT))
 
     def __init__(self) -> None:
         super().__init__()
@@ -163,22 +171,7 @@ class NonlinearComponent(Component):
         c.value_sum = value_avg * c.count
         c.deriv_sum = deriv_avg * c.count
         end = f"</{cls.type_name}>"
-        tok = reader.read_token()
-        if tok == "<NumDimsSelfRepaired>":
-            c.num_dims_self_repaired = read_double(reader)
-            tok = reader.read_token()
-        if tok == "<NumDimsProcessed>":
-            c.num_dims_processed = read_double(reader)
-            tok = reader.read_token()
-        if tok == "<SelfRepairLowerThreshold>":
-            c.self_repair_lower_threshold = reader.read_float()
-            tok = reader.read_token()
-        if tok == "<SelfRepairUpperThreshold>":
-            c.self_repair_upper_threshold = reader.read_float()
-            tok = reader.read_token()
-        if tok == "<SelfRepairScale>":
-            c.self_repair_scale = reader.read_float()
-            tok = reader.read_token()
+        tok = read_optional_fields(reader, c, cls._TAIL_FIELDS, reader.read_token())
         if tok != end:
             raise reader.error(f"expected {end}, got {tok!r}")
         return c
