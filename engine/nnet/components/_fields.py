@@ -7,9 +7,9 @@ input and output are both ``dim`` columns (with the copy, optionally scaled, tha
 propagate or backprop makes).
 
 A field is ``(token, attribute, kind)``: the Kaldi token, the component attribute that
-holds the value, and how the value is stored (INT, FLOAT, BOOL, DOUBLE, or VECTOR and
-INT_VECTOR for a float or integer vector).  Each component keeps its own field table, so
-its tokens and their order stay in its class.
+holds the value, and how the value is stored (INT, FLOAT, BOOL, DOUBLE, VECTOR and
+INT_VECTOR for a float or integer vector, or MATRIX).  Each component keeps its own field
+table, so its tokens and their order stay in its class.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ BOOL = FieldKind(lambda r: r.read_bool(), lambda w, v: w.write_bool(v))
 DOUBLE = FieldKind(read_double, write_double)
 VECTOR = FieldKind(lambda r: r.read_vector(), lambda w, v: w.write_vector(v))
 INT_VECTOR = FieldKind(lambda r: r.read_int_vector(), lambda w, v: w.write_int_vector(v))
+MATRIX = FieldKind(lambda r: r.read_matrix(), lambda w, v: w.write_matrix(v))
 
 
 def expect_open_token(reader: KaldiReader, type_name: str, first: str) -> None:

@@ -22,8 +22,16 @@ import numpy as np
 
 from engine.core.errors import ComponentError, ModelFormatError
 from engine.core.xp import array_module
+from engine.nnet.components._fields import (
+    INT,
+    MATRIX,
+    VECTOR,
+    TokenFieldsComponent,
+    read_fields,
+    write_fields,
+)
 from engine.nnet.components._param_utils import gaussian
-from engine.nnet.components.base import Component, P, UpdatableComponent, register_component
+from engine.nnet.components.base import P, UpdatableComponent, register_component
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
@@ -68,10 +76,11 @@ class _ScatterMap:
             out[:, tgt] += patches[:, src]
 
 
-def _cached_maps(comp, key, xp):
+def _cached_maps(comp, geometry, xp):
     """``comp``'s patch column map on backend ``xp`` and its _ScatterMap, made by
-    ``comp._column_map()`` once per geometry ``key`` (and copied once per backend) and
-    kept in ``comp._maps``."""
+    ``comp._column_map()`` once per geometry (the values of the ``geometry`` fields) and
+    copied once per backend, kept in ``comp._maps``."""
+    key = tuple(getattr(comp, attr) for _, attr, _ in geometry)
     m = comp._maps.get(key)
     if m is None:
         col_map = comp._column_map()
@@ -93,6 +102,14 @@ class ConvolutionComponent(UpdatableComponent):
 
     type_name = "ConvolutionComponent"
     PARAMS = ("filter_params", "bias_params")
+    # after the UpdatableComponent header: the geometry, then the parameters
+    _GEOMETRY_FIELDS = (("<InputXDim>", "input_x_dim", INT), ("<InputYDim>", "input_y_dim", INT),
+                        ("<InputZDim>", "input_z_dim", INT), ("<FiltXDim>", "filt_x_dim", INT),
+                        ("<FiltYDim>", "filt_y_dim", INT), ("<FiltXStep>", "filt_x_step", INT),
+                        ("<FiltYStep>", "filt_y_step", INT),
+                        ("<InputVectorization>", "input_vectorization", INT))
+    _PARAM_FIELDS = (("<FilterParams>", "filter_params", MATRIX),
+                     ("<BiasParams>", "bias_params", VECTOR))
 
     def __init__(self) -> None:
         super().__init__()
@@ -138,9 +155,7 @@ class ConvolutionComponent(UpdatableComponent):
         return idx.reshape(-1).astype(np.int64)                  # (nx, ny, fx, fy, Z)
 
     def _maps_for(self, xp):
-        key = (self.input_x_dim, self.input_y_dim, self.input_z_dim, self.filt_x_dim,
-               self.filt_y_dim, self.filt_x_step, self.filt_y_step, self.input_vectorization)
-        return _cached_maps(self, key, xp)
+        return _cached_maps(self, self._GEOMETRY_FIELDS, xp)
 
     def info(self) -> str:
         from engine.nnet.components.base import updatable_info  # noqa: PLC0415
@@ -222,20 +237,11 @@ class ConvolutionComponent(UpdatableComponent):
         tok = c.read_updatable_common(reader)
         if tok:
             raise reader.error(f"expected <LearningRate> in {cls.type_name}, got {tok!r}")
-        for tok, attr in (("<InputXDim>", "input_x_dim"), ("<InputYDim>", "input_y_dim"),
-                          ("<InputZDim>", "input_z_dim"), ("<FiltXDim>", "filt_x_dim"),
-                          ("<FiltYDim>", "filt_y_dim"), ("<FiltXStep>", "filt_x_step"),
-                          ("<FiltYStep>", "filt_y_step"),
-                          ("<InputVectorization>", "input_vectorization")):
-            reader.expect_token(tok)
-            setattr(c, attr, reader.read_int())
+        read_fields(reader, c, cls._GEOMETRY_FIELDS)
         if c.input_vectorization not in (K_YZX, K_ZYX):
             raise reader.error(f"bad <InputVectorization> {c.input_vectorization} "
                                "(0 = yzx, 1 = zyx)")
-        reader.expect_token("<FilterParams>")
-        c.filter_params = reader.read_matrix()
-        reader.expect_token("<BiasParams>")
-        c.bias_params = reader.read_vector()
+        read_fields(reader, c, cls._PARAM_FIELDS)
         tok = reader.read_token()
         # Kaldi: a missing trailing <IsGradient> means false, whatever the header said
         c.is_gradient = False
@@ -249,17 +255,7 @@ class ConvolutionComponent(UpdatableComponent):
 
     def write(self, writer: KaldiWriter) -> None:
         self.write_updatable_common(writer)
-        for tok, v in (("<InputXDim>", self.input_x_dim), ("<InputYDim>", self.input_y_dim),
-                       ("<InputZDim>", self.input_z_dim), ("<FiltXDim>", self.filt_x_dim),
-                       ("<FiltYDim>", self.filt_y_dim), ("<FiltXStep>", self.filt_x_step),
-                       ("<FiltYStep>", self.filt_y_step),
-                       ("<InputVectorization>", self.input_vectorization)):
-            writer.write_token(tok)
-            writer.write_int(v)
-        writer.write_token("<FilterParams>")
-        writer.write_matrix(self.filter_params)
-        writer.write_token("<BiasParams>")
-        writer.write_vector(self.bias_params)
+        write_fields(writer, self, self._GEOMETRY_FIELDS + self._PARAM_FIELDS)
         writer.write_token("<IsGradient>")
         writer.write_bool(self.is_gradient)
         writer.write_token(f"</{self.type_name}>")
@@ -306,20 +302,20 @@ class ConvolutionComponent(UpdatableComponent):
 
 
 @register_component
-class MaxpoolingComponent(Component):
+class MaxpoolingComponent(TokenFieldsComponent):
     """Max over (pool-x, pool-y, pool-z) windows of a z-fastest (x, y, z) tensor;
     output column ``(x_pool * ny + y_pool) * nz + z_pool``."""
 
     type_name = "MaxpoolingComponent"
-    _FIELDS = (("<InputXDim>", "input_x_dim"), ("<InputYDim>", "input_y_dim"),
-               ("<InputZDim>", "input_z_dim"), ("<PoolXSize>", "pool_x_size"),
-               ("<PoolYSize>", "pool_y_size"), ("<PoolZSize>", "pool_z_size"),
-               ("<PoolXStep>", "pool_x_step"), ("<PoolYStep>", "pool_y_step"),
-               ("<PoolZStep>", "pool_z_step"))
+    _FIELDS = (("<InputXDim>", "input_x_dim", INT), ("<InputYDim>", "input_y_dim", INT),
+               ("<InputZDim>", "input_z_dim", INT), ("<PoolXSize>", "pool_x_size", INT),
+               ("<PoolYSize>", "pool_y_size", INT), ("<PoolZSize>", "pool_z_size", INT),
+               ("<PoolXStep>", "pool_x_step", INT), ("<PoolYStep>", "pool_y_step", INT),
+               ("<PoolZStep>", "pool_z_step", INT))
 
     def __init__(self) -> None:
         super().__init__()
-        for _, attr in self._FIELDS:
+        for _, attr, _ in self._FIELDS:
             setattr(self, attr, 0)
         self._maps: dict = {}
 
@@ -341,11 +337,11 @@ class MaxpoolingComponent(Component):
 
     def info(self) -> str:
         return self.type_name + "".join(f", {a.replace('_', '-')}={getattr(self, a)}"
-                                        for _, a in self._FIELDS)
+                                        for _, a, _ in self._FIELDS)
 
     def check(self) -> None:
         """Kaldi's MaxpoolingComponent::Check; raises ComponentError naming the rule."""
-        for _, a in self._FIELDS:
+        for _, a, _ in self._FIELDS:
             if getattr(self, a) <= 0:
                 raise ComponentError(f"{a.replace('_', '-')} must be > 0", component=self.label())
         for d in "xyz":
@@ -362,30 +358,15 @@ class MaxpoolingComponent(Component):
                                      f"multiple of pool-{d}-step {st}", component=self.label())
 
     def init_from_config(self, cfg: ConfigLine, rng: np.random.Generator) -> None:
-        for _, attr in self._FIELDS:
+        for _, attr, _ in self._FIELDS:
             setattr(self, attr, cfg.get_int(attr.replace("_", "-"), required=True))
         try:
             self.check()
         except ComponentError as e:
             raise cfg.error(f"component {self.name!r} ({self.type_name}): {e.reason}") from None
 
-    @classmethod
-    def read(cls, reader: KaldiReader) -> "MaxpoolingComponent":
-        c = cls()
-        reader.try_token(f"<{cls.type_name}>")
-        for tok, attr in cls._FIELDS:
-            reader.expect_token(tok)
-            setattr(c, attr, reader.read_int())
-        reader.expect_token(f"</{cls.type_name}>")
-        c.check()
-        return c
-
-    def write(self, writer: KaldiWriter) -> None:
-        writer.write_token(f"<{self.type_name}>")
-        for tok, attr in self._FIELDS:
-            writer.write_token(tok)
-            writer.write_int(getattr(self, attr))
-        writer.write_token(f"</{self.type_name}>")
+    def _check_read(self, reader: KaldiReader) -> None:
+        self.check()  # a ComponentError, as for a config
 
     def _column_map(self) -> np.ndarray:
         """Input column of each patch column: window offset (x, y, z) major, then
@@ -402,7 +383,7 @@ class MaxpoolingComponent(Component):
         return idx.reshape(-1).astype(np.int64)
 
     def _maps_for(self, xp):
-        return _cached_maps(self, tuple(getattr(self, a) for _, a in self._FIELDS), xp)
+        return _cached_maps(self, self._FIELDS, xp)
 
     def _patches(self, xp, x):
         col_map, scatter = self._maps_for(xp)
