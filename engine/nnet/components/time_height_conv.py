@@ -32,6 +32,7 @@ from engine.nnet.components._convolution import (
     convolve_forward,
     step_arrays,
 )
+from engine.nnet.components._fields import INT, FieldKind, read_fields, write_fields
 from engine.nnet.components._nonsimple_utils import (
     config_errors_name_type,
     read_int_pair_vector,
@@ -51,6 +52,17 @@ from engine.nnet.components.base import (
     register_component,
 )
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
+
+# The ConvolutionModel's fields on disk (between <ConvolutionModel> and its closing
+# token): the offsets are (time, height) pairs, the required time offsets a set, written
+# in sorted order.
+_MODEL_FIELDS = (
+    ("<NumFiltersIn>", "num_filters_in", INT), ("<NumFiltersOut>", "num_filters_out", INT),
+    ("<HeightIn>", "height_in", INT), ("<HeightOut>", "height_out", INT),
+    ("<HeightSubsampleOut>", "height_subsample_out", INT),
+    ("<Offsets>", "offsets", FieldKind(read_int_pair_vector, write_int_pair_vector)),
+    ("<RequiredTimeOffsets>", "required_time_offsets",
+     FieldKind(lambda r: set(r.read_int_vector()), lambda w, v: w.write_int_vector(sorted(v)))))
 
 
 class TimeHeightConvolutionIndexes(ComponentPrecomputedIndexes):
@@ -231,18 +243,7 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         if tok != "<NumFiltersIn>":
             raise reader.error(f"expected <NumFiltersIn>, got {tok!r}")
         m.num_filters_in = reader.read_int()
-        reader.expect_token("<NumFiltersOut>")
-        m.num_filters_out = reader.read_int()
-        reader.expect_token("<HeightIn>")
-        m.height_in = reader.read_int()
-        reader.expect_token("<HeightOut>")
-        m.height_out = reader.read_int()
-        reader.expect_token("<HeightSubsampleOut>")
-        m.height_subsample_out = reader.read_int()
-        reader.expect_token("<Offsets>")
-        m.offsets = read_int_pair_vector(reader)
-        reader.expect_token("<RequiredTimeOffsets>")
-        m.required_time_offsets = set(reader.read_int_vector())
+        read_fields(reader, m, _MODEL_FIELDS[1:])
         reader.expect_token("</ConvolutionModel>")
         c.model = m
         c.linear_params, c.bias_params = read_linear_and_bias(reader)
@@ -269,20 +270,7 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         m = self.model
         writer.write_token("<Model>")
         writer.write_token("<ConvolutionModel>")
-        writer.write_token("<NumFiltersIn>")
-        writer.write_int(m.num_filters_in)
-        writer.write_token("<NumFiltersOut>")
-        writer.write_int(m.num_filters_out)
-        writer.write_token("<HeightIn>")
-        writer.write_int(m.height_in)
-        writer.write_token("<HeightOut>")
-        writer.write_int(m.height_out)
-        writer.write_token("<HeightSubsampleOut>")
-        writer.write_int(m.height_subsample_out)
-        writer.write_token("<Offsets>")
-        write_int_pair_vector(writer, m.offsets)
-        writer.write_token("<RequiredTimeOffsets>")
-        writer.write_int_vector(sorted(m.required_time_offsets))
+        write_fields(writer, m, _MODEL_FIELDS)
         writer.write_token("</ConvolutionModel>")
         write_linear_and_bias(writer, _host(self.linear_params), _host(self.bias_params))
         writer.write_token("<MaxMemoryMb>")
