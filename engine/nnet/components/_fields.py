@@ -43,8 +43,9 @@ def expect_open_token(reader: KaldiReader, type_name: str, first: str) -> None:
 
 
 def read_fields(reader: KaldiReader, comp: Component, fields, opening: bool = False) -> None:
-    """Reads each field's token and value into ``comp``; with ``opening``, the component's
-    opening token (which may be absent, as in Kaldi) comes first."""
+    """Reads each field's token and value into ``comp`` (a component, or another object
+    that holds the attributes); with ``opening``, the component's opening token (which
+    may be absent, as in Kaldi) comes first."""
     for i, (token, attr, kind) in enumerate(fields):
         if opening and i == 0:
             expect_open_token(reader, comp.type_name, token)
@@ -55,9 +56,9 @@ def read_fields(reader: KaldiReader, comp: Component, fields, opening: bool = Fa
 
 def read_optional_fields(reader: KaldiReader, comp: Component, fields, tok: str) -> str:
     """Fields that files may leave out, in order, after ``tok`` (the token just read):
-    each field whose token ``tok`` is has its value read into ``comp`` and the next
-    token read (an absent one keeps its value).  Returns the first token that is none
-    of them, for the caller to check."""
+    for each field in turn, where ``tok`` is its token, its value is read into ``comp``
+    and the next token read (a field that is absent keeps its value).  Returns the first
+    token that is none of them, for the caller to check."""
     for token, attr, kind in fields:
         if tok == token:
             setattr(comp, attr, kind.read(reader))
