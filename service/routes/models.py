@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from schemas.models import ModelList, ModelResponse, RegisterModelRequest
@@ -47,7 +49,8 @@ def _upload_kind(data: bytes) -> str:
                  "application/octet-stream": {"schema": {"type": "string",
                                                          "format": "binary"}}}}})
 async def upload_model(request: Request, services: ServicesDep, response: Response,
-                       name: str | None = None, seed: int | None = None) -> ModelResponse:
+                       name: str | None = None,
+                       seed: Annotated[int | None, Query(ge=0)] = None) -> ModelResponse:
     """Register a model file sent as the raw request body (``Content-Type:
     application/octet-stream``): a Kaldi binary or text model (.raw/.mdl) or a config,
     told apart by their first bytes; ``seed`` for a config's random parameters.  The id is

@@ -261,3 +261,15 @@ def test_requests_over_the_index_limit_get_413_before_compiling():
         ok = client.post("/infer", json={"model_id": mid, "features": feats,
                                          "options": {"frames_per_chunk": 500}})
         assert ok.status_code == 200 and ok.json()["num_frames"] == 3000
+
+
+def test_a_negative_seed_is_a_422_naming_it(client):
+    """A config's seed is a non-negative integer (NumPy's seeds are): a negative one is
+    refused on the way in, in the JSON body and in the upload's query alike."""
+    e = _err(client.post("/models", json={"config": TINY_CONFIG, "seed": -1}), 422)
+    assert e["field"] == "seed" and "greater than or equal to 0" in e["message"]
+    e = _err(client.post("/models/upload", content=TINY_CONFIG.encode(),
+                         params={"seed": -(10 ** 30)}), 422)
+    assert e["field"] == "query.seed"
+    assert client.post("/models", json={"config": TINY_CONFIG, "seed": 0}).status_code in (
+        200, 201)
