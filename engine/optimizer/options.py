@@ -66,6 +66,29 @@ class OptimizeOptions:
         if not 0 <= self.memory_compression_level <= 3:
             raise ConfigError("optimizer option memory_compression_level: expected 0..3, "
                               f"got {self.memory_compression_level}")
+        for name in ("min_deriv_time", "max_deriv_time", "max_deriv_time_relative"):
+            v = getattr(self, name)
+            if not INT32_MIN <= v <= INT32_MAX:
+                raise ConfigError(f"optimizer option {name}: expected a 32-bit integer, "
+                                  f"got {v}")
+        self.check_deriv_times(None)
+
+    def check_deriv_times(self, max_output_time: int | None) -> None:
+        """The derivative-time window is not empty (Kaldi asserts it): a ConfigError
+        naming the options otherwise.  With max_deriv_time_relative set, the window's
+        end depends on the request (its largest output t): unchecked while that is
+        None."""
+        if self.max_deriv_time_relative != INT32_MAX:
+            if max_output_time is None:
+                return
+            hi = self.max_deriv_time_relative + max_output_time
+            what = (f"max_deriv_time_relative {self.max_deriv_time_relative} + the "
+                    f"request's largest output t {max_output_time} = {hi}")
+        else:
+            hi, what = self.max_deriv_time, f"max_deriv_time {self.max_deriv_time}"
+        if hi < self.min_deriv_time:
+            raise ConfigError(f"optimizer option min_deriv_time {self.min_deriv_time}: more "
+                              f"than {what} (no time left to compute derivatives at)")
 
     # -- derived -------------------------------------------------------------------------
     def effective_max_deriv_time(self, max_output_time: int | None) -> int:

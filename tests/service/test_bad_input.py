@@ -273,3 +273,27 @@ def test_a_negative_seed_is_a_422_naming_it(client):
     assert e["field"] == "query.seed"
     assert client.post("/models", json={"config": TINY_CONFIG, "seed": 0}).status_code in (
         200, 201)
+
+
+def test_an_empty_derivative_time_window_is_a_400_naming_the_options(client):
+    """min_deriv_time above max_deriv_time (or above max_deriv_time_relative plus the
+    request's last output t), or a deriv-time option beyond Kaldi's int32, is the
+    client's option error (Kaldi asserts), for /compile and /compute alike."""
+    mid = register(client, config=TINY_CONFIG)["model_id"]
+    body = {"model_id": mid, "request": request_for(0, 3)}
+    x = {"inputs": {"input": encode(np.zeros((5, 4), np.float32))}}
+    cases = (({"min_deriv_time": 10, "max_deriv_time": 5},
+              ("min_deriv_time 10", "max_deriv_time 5")),
+             ({"min_deriv_time": 10, "max_deriv_time_relative": 0},
+              ("min_deriv_time 10", "max_deriv_time_relative 0", "largest output t 2")),
+             ({"min_deriv_time": 2 ** 70}, ("min_deriv_time", "32-bit")),
+             ({"max_deriv_time_relative": -2 ** 40}, ("max_deriv_time_relative", "32-bit")))
+    for opts, words in cases:
+        for route, extra in (("/compile", {}), ("/compute", x)):
+            e = _err(client.post(route, json={**body, **extra, "optimizer": opts}), 400)
+            assert e["type"] == "ConfigError" and e["field"] == "optimizer", (route, e)
+            assert all(w in e["message"] for w in words), e["message"]
+    for opts in ({"min_deriv_time": 1, "max_deriv_time": 1},
+                 {"min_deriv_time": 1, "max_deriv_time_relative": -1}):
+        r = client.post("/compile", json={**body, "optimizer": opts})
+        assert r.status_code == 200, r.text

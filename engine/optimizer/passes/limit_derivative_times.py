@@ -366,6 +366,8 @@ def limit_derivative_times(computation: NnetComputation, ctx) -> bool:
     """Kaldi's LimitDerivativeTimes with the limits from ``ctx.options`` (the
     relative maximum is taken from the largest output t of ``ctx``'s request)."""
     o = ctx.options
-    max_t = o.effective_max_deriv_time(getattr(ctx, "max_output_time", None)
-                                       if o.max_deriv_time_relative != INT32_MAX else None)
+    max_out = getattr(ctx, "max_output_time", None)
+    max_t = o.effective_max_deriv_time(max_out if o.max_deriv_time_relative != INT32_MAX
+                                       else None)
+    o.check_deriv_times(max_out)
     return DerivativeTimeLimiter(ctx.nnet, o.min_deriv_time, max_t, computation).limit()
