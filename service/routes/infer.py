@@ -28,10 +28,22 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
     with blame(request, "options"):
         options = convert.inference_options(body.options, services.settings.infer_threads)
     limit = services.settings.max_request_indexes
-    if options.frames_per_chunk > limit:
+    # a chunk's computation reads frames_per_chunk frames plus the extra context on
+    # either side (at the utterance's edges the *_initial/*_final values, when set)
+    parts = {"frames_per_chunk": options.frames_per_chunk,
+             "extra_left_context": options.extra_left_context,
+             "extra_left_context_initial": options.extra_left_context_initial,
+             "extra_right_context": options.extra_right_context,
+             "extra_right_context_final": options.extra_right_context_final}
+    left = max(parts["extra_left_context"], parts["extra_left_context_initial"])
+    right = max(parts["extra_right_context"], parts["extra_right_context_final"])
+    if options.frames_per_chunk + left + right > limit:
+        field = max(parts, key=parts.get)
         raise ServiceError(413, "RequestTooLarge",
-                           f"frames_per_chunk {options.frames_per_chunk} is more than this "
-                           f"service's max_request_indexes ({limit})", "options.frames_per_chunk")
+                           f"{field} {parts[field]}: chunks of frames_per_chunk "
+                           f"{options.frames_per_chunk} with up to {left} frames of extra left "
+                           f"and {right} of extra right context are more than this service's "
+                           f"max_request_indexes ({limit})", f"options.{field}")
     with blame(request, "features"):
         out = run_job(services, "infer", {
             "entry": entry, "features": features, "ivector": ivector,

@@ -297,3 +297,22 @@ def test_an_empty_derivative_time_window_is_a_400_naming_the_options(client):
                  {"min_deriv_time": 1, "max_deriv_time_relative": -1}):
         r = client.post("/compile", json={**body, "optimizer": opts})
         assert r.status_code == 200, r.text
+
+
+def test_infer_extra_context_is_bounded_like_frames_per_chunk():
+    """A chunk's computation reads its frames plus the extra context on either side:
+    an extra context that takes it past max_request_indexes is a 413 naming the
+    option, before anything is compiled (10**9 frames of context used to be compiled)."""
+    with make_client(max_request_indexes=1000) as client:
+        mid = register(client, config=TINY_CONFIG)["model_id"]
+        feats = encode(np.zeros((20, 4), np.float32))
+        for name, value in (("extra_left_context", 10 ** 9), ("extra_right_context", 2000),
+                            ("extra_left_context_initial", 2 ** 70),
+                            ("extra_right_context_final", 951)):
+            e = _err(client.post("/infer", json={"model_id": mid, "features": feats,
+                                                 "options": {name: value}}), 413)
+            assert e["type"] == "RequestTooLarge" and e["field"] == f"options.{name}"
+            assert f"{name} {value}" in e["message"] and "(1000)" in e["message"]
+        ok = client.post("/infer", json={"model_id": mid, "features": feats, "options": {
+            "extra_left_context": 400, "extra_right_context_final": 550}})
+        assert ok.status_code == 200 and ok.json()["num_frames"] == 20
