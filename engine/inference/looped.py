@@ -39,6 +39,7 @@ to 100 requests or run a broken computation):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.compiler.request import ComputationRequest, IoSpecification
@@ -54,11 +55,8 @@ def get_chunk_size(nnet, frame_subsampling_factor: int, advised_chunk_size: int)
                              f"{frame_subsampling_factor}")
     if advised_chunk_size < 1:
         raise InferenceError(f"chunk size must be >= 1, got {advised_chunk_size}")
-    modulus = nnet.modulus()
-    size = advised_chunk_size
-    while size % modulus or size % frame_subsampling_factor:
-        size += 1
-    return size
+    step = math.lcm(nnet.modulus(), frame_subsampling_factor)
+    return -(-advised_chunk_size // step) * step
 
 
 def modify_nnet_ivector_period(nnet, ivector_period: int):

@@ -677,3 +677,30 @@ def test_online_pushes_of_any_shape_get_200_or_422_and_the_good_ones_count(clien
                         backend=service_backend()).stream(online_ivector_period=10)
         want = np.concatenate([s.push(x_all, online_ivectors=rows_all), s.finish()])
         np.testing.assert_array_equal(np.concatenate(outs), want)
+
+
+def test_the_first_chunk_is_bounded_before_compiling():
+    """frame_subsampling_factor (frames_per_chunk is rounded up to a multiple of it) and
+    extra_left_context_initial make the first chunk's computation as large as
+    frames_per_chunk does: past max_request_indexes the open is a 413 naming the
+    option, answered at once (a factor of 10**9 used to be counted up to, one by one)."""
+    with make_client(max_request_indexes=1000) as c:
+        mid = _register_config(c, RECURRENT, 3)
+        for opts, field in (({"frame_subsampling_factor": 10 ** 9}, "frame_subsampling_factor"),
+                            ({"frame_subsampling_factor": 2 ** 70}, "frame_subsampling_factor"),
+                            ({"extra_left_context_initial": 10 ** 9},
+                             "extra_left_context_initial"),
+                            ({"frames_per_chunk": 600, "extra_left_context_initial": 600},
+                             "extra_left_context_initial")):
+            t0 = time.perf_counter()
+            r = c.post("/streams", json={"model_id": mid, "options": opts})
+            assert r.status_code == 413, r.text
+            err = r.json()["error"]
+            assert err["field"] == f"options.{field}" and "(1000)" in err["message"]
+            assert f"{field} {opts[field]}" in err["message"]
+            assert time.perf_counter() - t0 < 10
+        r = c.post("/streams", json={"model_id": mid, "options": {
+            "frames_per_chunk": 7, "frame_subsampling_factor": 3,
+            "extra_left_context_initial": 10}})
+        assert r.status_code == 201, r.text
+        assert r.json()["chunk_size"] >= 7 and r.json()["chunk_size"] % 3 == 0
