@@ -19,6 +19,7 @@ from schemas.models import ModelInfo
 from service.errors import FieldError
 
 _F32_LE = np.dtype("<f4")
+_MAX_DIM = 2 ** 31 - 1       # rows and columns are 32-bit, as in Kaldi
 
 
 # -- matrices -------------------------------------------------------------------------------
@@ -31,6 +32,9 @@ def matrix_from_wire(value, field: str, cols: int | None = None,
         r, c = value.shape
         if r < 0 or c < 0:
             raise FieldError(field, f"negative shape {list(value.shape)}")
+        if r > _MAX_DIM or c > _MAX_DIM:
+            raise FieldError(field, f"shape {list(value.shape)}: a dimension is more than "
+                                    f"{_MAX_DIM}")
         raw = value.data
         if isinstance(raw, str):
             try:

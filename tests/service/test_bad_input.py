@@ -316,3 +316,17 @@ def test_infer_extra_context_is_bounded_like_frames_per_chunk():
         ok = client.post("/infer", json={"model_id": mid, "features": feats, "options": {
             "extra_left_context": 400, "extra_right_context_final": 550}})
         assert ok.status_code == 200 and ok.json()["num_frames"] == 20
+
+
+def test_encoded_matrix_dimensions_beyond_32_bits_are_a_422_naming_the_field(client):
+    """An encoded matrix's shape may hold no values and still name a dimension NumPy
+    cannot make (2**70 x 0): refused as a shape, like a negative one."""
+    mid = register(client, config=TINY_CONFIG)["model_id"]
+    for shape in ([2 ** 70, 0], [0, 2 ** 63], [2 ** 31, 0]):
+        e = _err(client.post("/infer", json={"model_id": mid, "features": {
+            "shape": shape, "data": ""}}), 422)
+        assert e["field"] == "features" and str(max(shape)) in e["message"]
+    e = _err(client.post("/compute", json={"model_id": mid, "request": request_for(0, 3),
+                                           "inputs": {"input": {"shape": [0, 2 ** 64],
+                                                                "data": ""}}}), 422)
+    assert e["field"] == "inputs.input" and "shape" in e["message"]
