@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 
 import numpy as np
@@ -157,6 +158,17 @@ def _ws_error(e: Exception, field: str | None = None) -> dict:
     return {**error_body(type_, message, field), "status": status}
 
 
+async def _receive_json(ws: WebSocket):
+    """The client's next message, parsed; ValueError for one that is not JSON text (a
+    binary message included)."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    if message.get("text") is None:
+        raise ValueError("not a text message")
+    return json.loads(message["text"])
+
+
 @router.websocket("/streams/{stream_id}/ws")
 async def stream_ws(ws: WebSocket, stream_id: str) -> None:
     """Messages from the client: a PushRequest (``{"features": ..., "offset": ...}``)
@@ -170,7 +182,7 @@ async def stream_ws(ws: WebSocket, stream_id: str) -> None:
     await ws.accept()
     try:
         while True:
-            message = await ws.receive_json()
+            message = await _receive_json(ws)
             blamed = None
             try:
                 if not isinstance(message, dict):

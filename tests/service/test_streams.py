@@ -704,3 +704,21 @@ def test_the_first_chunk_is_bounded_before_compiling():
             "extra_left_context_initial": 10}})
         assert r.status_code == 201, r.text
         assert r.json()["chunk_size"] >= 7 and r.json()["chunk_size"] % 3 == 0
+
+
+def test_a_binary_websocket_message_is_a_bad_message(client):
+    """Messages are JSON text: a binary one gets the BadMessage error and the socket is
+    closed (1003), as for text that is not JSON (it used to escape the handler); the
+    stream is untouched."""
+    mid = _register_config(client, RECURRENT, 3)
+    sid = client.post("/streams", json={"model_id": mid}).json()["stream_id"]
+    with client.websocket_connect(f"/streams/{sid}/ws") as ws:
+        ws.send_bytes(b"\x00\x01\x02")
+        err = ws.receive_json()
+        assert err["status"] == 400 and err["error"]["type"] == "BadMessage"
+        assert "JSON text" in err["error"]["message"]
+        with pytest.raises(WebSocketDisconnect) as e:
+            ws.receive_json()
+        assert e.value.code == 1003
+    info = client.get(f"/streams/{sid}")
+    assert info.status_code == 200 and info.json()["frames_received"] == 0
