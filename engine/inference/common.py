@@ -188,10 +188,12 @@ def model_priors(model):
 
 
 def check_acoustic_scale(scale) -> float:
-    """The acoustic scale as a finite float."""
+    """The acoustic scale as a finite float (within float32's range: the output is
+    scaled in float32)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) \
-            or not np.isfinite(scale):
-        raise InferenceError(f"acoustic_scale: must be a finite number, got {scale!r}")
+            or not np.isfinite(scale) or abs(scale) > float(np.finfo(np.float32).max):
+        raise InferenceError(f"acoustic_scale: must be a finite number in float32 range, "
+                             f"got {scale!r}")
     return float(scale)
 
 

@@ -27,6 +27,7 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
         ivector = np.asarray(body.ivector, dtype=np.float32)
     with blame(request, "options"):
         options = convert.inference_options(body.options, services.settings.infer_threads)
+        options.check()
     limit = services.settings.max_request_indexes
     # a chunk's computation reads frames_per_chunk frames plus the extra context on
     # either side (at the utterance's edges the *_initial/*_final values, when set)
@@ -44,7 +45,7 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
                            f"{options.frames_per_chunk} with up to {left} frames of extra left "
                            f"and {right} of extra right context are more than this service's "
                            f"max_request_indexes ({limit})", f"options.{field}")
-    with blame(request, "features"):
+    with blame(request, "features", ("ivector",)):
         out = run_job(services, "infer", {
             "entry": entry, "features": features, "ivector": ivector,
             "online_ivectors": online, "online_ivector_period": body.online_ivector_period,

@@ -330,3 +330,34 @@ def test_encoded_matrix_dimensions_beyond_32_bits_are_a_422_naming_the_field(cli
                                            "inputs": {"input": {"shape": [0, 2 ** 64],
                                                                 "data": ""}}}), 422)
     assert e["field"] == "inputs.input" and "shape" in e["message"]
+
+
+IVECTOR_CONFIG = TINY_CONFIG.replace(
+    "input-node name=input dim=4\n", "input-node name=input dim=4\ninput-node name=ivector dim=2\n"
+).replace("input-dim=12 output-dim=5", "input-dim=14 output-dim=5").replace(
+    "input=Append(Offset(input, -1), input, Offset(input, 1))",
+    "input=Append(Offset(input, -1), input, Offset(input, 1), ReplaceIndex(ivector, t, 0))")
+
+
+def test_inference_option_errors_name_the_option(client):
+    """An acoustic scale beyond float32 (the output is scaled in float32: it came back
+    as nulls) is refused like a NaN one; /infer's option and i-vector errors name
+    those fields, not the features."""
+    mid = register(client, config=TINY_CONFIG)["model_id"]
+    feats = np.zeros((5, 4)).tolist()
+    for opts, word in (({"acoustic_scale": 1e300}, "acoustic_scale"),
+                       ({"acoustic_scale": -1e39}, "acoustic_scale"),
+                       ({"frame_subsampling_factor": 0}, "frame_subsampling_factor")):
+        e = _err(client.post("/infer", json={"model_id": mid, "features": feats,
+                                             "options": opts}), 422)
+        assert e["field"] == "options" and word in e["message"], e
+    e = _err(client.post("/streams", json={"model_id": mid,
+                                           "options": {"acoustic_scale": 1e39}}), 422)
+    assert e["field"] == "options" and "acoustic_scale" in e["message"]
+    r = client.post("/infer", json={"model_id": mid, "features": feats,
+                                    "options": {"acoustic_scale": 1e30}})
+    assert r.status_code == 200 and None not in sum(r.json()["output"], [])
+    ivmid = register(client, config=IVECTOR_CONFIG)["model_id"]
+    e = _err(client.post("/infer", json={"model_id": ivmid, "features": feats,
+                                         "ivector": [1.0, 2.0, 3.0]}), 422)
+    assert e["field"] == "ivector" and "dimension 2" in e["message"]
