@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.core.errors import ConfigError
 from engine.nnet.kaldi_io import KaldiWriter
 from engine.nnet.model_io import Model, load_model
 from service.errors import FieldError, not_found
@@ -62,7 +63,13 @@ def structure_hash(nnet) -> str:
         h.update(line.encode("utf-8") + b"\n")
     for name, comp in zip(nnet.component_names, nnet.components):
         w = KaldiWriter(binary=True)
-        _structural_copy(comp).write(w)
+        try:
+            _structural_copy(comp).write(w)
+        except OverflowError as e:
+            # an integer option that Kaldi's model format (int32) cannot hold: the
+            # model could not be saved either
+            raise ConfigError(f"component {name!r} ({type(comp).__name__}): a value is out "
+                              f"of the range of Kaldi's model format ({e})") from None
         h.update(name.encode("utf-8") + b"\0" + w.getvalue())
     return h.hexdigest()
 

@@ -122,7 +122,7 @@ def _get_int(cfg: ConfigLine, key: str) -> int:
         raise cfg.error(f"expected {key}=<integer>")
     if not _INT_RE.match(v.strip()):
         raise cfg.error(f"option {key}={v!r} is not an integer")
-    return int(v)
+    return cfg.check_int32(key, int(v))
 
 
 def _require(cfg: ConfigLine, key: str, what: str) -> str:

@@ -12,6 +12,11 @@ import shlex
 from engine.core.errors import ConfigError
 
 
+# Kaldi reads every integer option as an int32 (ConvertStringToInteger fails outside it)
+INT32_MIN = -(2 ** 31)
+INT32_MAX = 2 ** 31 - 1
+
+
 def _parse_bool(s: str) -> bool | None:
     low = s.lower()
     if low in ("true", "t", "1", "yes"):
@@ -96,9 +101,17 @@ class ConfigLine:
                 raise self.error(f"missing required option {key}= (an integer)")
             return default
         try:
-            return int(v)
+            n = int(v)
         except ValueError:
             raise self.error(f"option {key}={v!r} is not an integer") from None
+        return self.check_int32(key, n)
+
+    def check_int32(self, key: str, n: int) -> int:
+        """``n``, the value of option ``key``, if it is a 32-bit integer (as Kaldi's
+        integer options are); a ConfigError naming the option otherwise."""
+        if not INT32_MIN <= n <= INT32_MAX:
+            raise self.error(f"option {key}: {n} is out of the range of a 32-bit integer")
+        return n
 
     def get_float(self, key: str, default: float | None = None,
                   required: bool = False) -> float | None:
@@ -134,9 +147,10 @@ class ConfigLine:
         if v == "":
             return []
         try:
-            return [int(x) for x in v.split(sep)]
+            values = [int(x) for x in v.split(sep)]
         except ValueError:
             raise self.error(f"option {key}={v!r} is not a {sep!r}-separated integer list") from None
+        return [self.check_int32(key, n) for n in values]
 
     def get_float_list(self, key: str, default: list[float] | None = None, sep: str = ",",
                        required: bool = False) -> list[float] | None:

@@ -361,3 +361,29 @@ def test_inference_option_errors_name_the_option(client):
     e = _err(client.post("/infer", json={"model_id": ivmid, "features": feats,
                                          "ivector": [1.0, 2.0, 3.0]}), 422)
     assert e["field"] == "ivector" and "dimension 2" in e["message"]
+
+
+def test_config_integers_beyond_32_bits_are_config_errors(client):
+    """Kaldi reads integer options as int32: a larger one is a ConfigError naming the
+    line and option (it used to pass, and fail as a 500 when the model was hashed)."""
+    for line, option in (
+            ("component name=t type=TdnnComponent input-dim=4 output-dim=3 "
+             "time-offsets=-99999999999,0", "time-offsets"),
+            ("component name=t type=NaturalGradientAffineComponent input-dim=4 output-dim=3 "
+             "update-period=4294967296", "update-period"),
+            ("input-node name=x dim=99999999999", "dim"),
+            ("dim-range-node name=d input-node=affine1 dim-offset=2147483648 dim=1",
+             "dim-offset")):
+        e = _err(client.post("/models", json={"config": TINY_CONFIG + line + "\n"}), 400)
+        assert e["type"] == "ConfigError" and e["field"] == "config"
+        assert "config:9" in e["message"] and f"option {option}" in e["message"]
+        assert "32-bit" in e["message"]
+    # a component that parses an option itself: the value that the model format cannot
+    # hold is named with the component
+    thc = ("component name=t type=TimeHeightConvolutionComponent num-filters-in=1 height-in=4 "
+           "height-out=4 num-filters-out=1 offsets=-99999999999,0")
+    e = _err(client.post("/models", json={"config": TINY_CONFIG + thc + "\n"}), 400)
+    assert e["type"] == "ConfigError" and e["field"] == "config" and "'t'" in e["message"]
+    ok = "component name=t type=TdnnComponent input-dim=4 output-dim=3 time-offsets=-2147483648,0"
+    assert client.post("/models", json={"config": TINY_CONFIG + ok + "\n"}).status_code in (
+        200, 201)
