@@ -153,11 +153,14 @@ class InProcessRegistry:
 
 
 def _load(data: bytes, source_field: str, seed: int | None) -> Model:
-    if source_field == "config":
-        from engine.nnet.config import apply_config  # noqa: PLC0415
-        from engine.nnet.nnet import Nnet  # noqa: PLC0415
-        nnet = Nnet()
-        apply_config(nnet, data.decode("utf-8"), source="config",
-                     rng=np.random.default_rng(seed))
-        return Model(nnet, source="config")
-    return load_model(data, source=source_field)
+    from engine.nnet.config import apply_config, no_file_options  # noqa: PLC0415
+    # a client's config (or the config section of its model) must not make this
+    # machine read its files (matrix=/etc/passwd, /dev/zero...)
+    with no_file_options():
+        if source_field == "config":
+            from engine.nnet.nnet import Nnet  # noqa: PLC0415
+            nnet = Nnet()
+            apply_config(nnet, data.decode("utf-8"), source="config",
+                         rng=np.random.default_rng(seed))
+            return Model(nnet, source="config")
+        return load_model(data, source=source_field)

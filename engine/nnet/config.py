@@ -13,6 +13,8 @@ defined later.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 from dataclasses import dataclass
 
@@ -26,6 +28,26 @@ from engine.nnet.nnet import NetworkNode, Nnet, NodeType, ObjectiveType
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
 _INT_RE = re.compile(r"[+-]?\d+\Z")
 EXISTING = "<existing network>"
+
+# Options whose value is the name of a file that the component reads (Kaldi's
+# ReadKaldiObject): matrix= of the affine and convolution components, vector=, scales=
+# and bias= of the per-element scale/offset and fixed vector components.  Matched
+# anywhere in a component line, so also inside a CompositeComponent's sub-configs.
+_FILE_OPTION_RE = re.compile(r"(?:^|[\s'\"])(matrix|vector|scales|bias)=")
+_files_allowed: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "nnetc_config_files_allowed", default=True)
+
+
+@contextlib.contextmanager
+def no_file_options():
+    """Inside, a component line that names a file to read (matrix=, vector=, scales=,
+    bias=) is a ConfigError: for configs and models that come from someone who must not
+    have this machine's files read (a service's clients)."""
+    token = _files_allowed.set(False)
+    try:
+        yield
+    finally:
+        _files_allowed.reset(token)
 
 
 @dataclass
@@ -208,6 +230,13 @@ def _component_line(nnet: Nnet, cfg: ConfigLine, initial_components: int, rng) -
     from engine.nnet.components.base import new_component_from_config  # noqa: PLC0415
     name = _require(cfg, "name", "component-name")
     type_name = _require(cfg, "type", "component-type")
+    if not _files_allowed.get():
+        m = _FILE_OPTION_RE.search(cfg.text)
+        if m:
+            raise cfg.error(f"option {m.group(1)}=: components that read their parameters "
+                            f"from a file are not accepted here (the file would be read on "
+                            f"this machine); send the model in Kaldi's text or binary format "
+                            f"instead")
     comp = new_component_from_config(type_name, cfg, name, rng)
     idx = nnet.get_component_index(name)
     if idx >= 0:

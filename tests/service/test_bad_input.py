@@ -387,3 +387,35 @@ def test_config_integers_beyond_32_bits_are_config_errors(client):
     ok = "component name=t type=TdnnComponent input-dim=4 output-dim=3 time-offsets=-2147483648,0"
     assert client.post("/models", json={"config": TINY_CONFIG + ok + "\n"}).status_code in (
         200, 201)
+
+
+def test_a_config_cannot_make_the_service_read_its_files(client, tmp_path):
+    """matrix=, vector=, scales= and bias= name files that the component reads: from a
+    client that means this machine's files (their contents used as parameters, or
+    quoted in the error, /dev/zero read until memory ran out).  Refused, naming the
+    line and option, in a config, a composite's sub-config, the text field and an
+    upload; nothing is read."""
+    secret = tmp_path / "lda.mat"
+    secret.write_text("[ 1 2 3 4 5 6\n 7 8 9 10 11 12\n 13 14 15 16 17 18 ]\n")
+    old = "component name=affine2 type=AffineComponent input-dim=5 output-dim=3"
+    fixed = TINY_CONFIG.replace(old, f"component name=affine2 type=FixedAffineComponent "
+                                     f"matrix={secret}")
+    composite = TINY_CONFIG.replace(old, f"component name=affine2 type=CompositeComponent "
+                                         f"num-components=1 component1='type="
+                                         f"FixedAffineComponent matrix={secret}'")
+    bias = TINY_CONFIG + f"component name=b type=FixedBiasComponent bias={secret}\n"
+    for body, field, where in (({"config": fixed}, "config", "config:6"),
+                               ({"config": composite}, "config", "config:6"),
+                               ({"config": bias, "seed": 1}, "config", "config:9"),
+                               ({"text": fixed}, "text", "text:6")):
+        e = _err(client.post("/models", json=body), 400)
+        assert e["type"] == "ConfigError" and e["field"] == field, e
+        assert where in e["message"] and "not accepted" in e["message"], e["message"]
+        option = "bias" if "bias=" in body.get("config", "") else "matrix"
+        assert f"option {option}=" in e["message"]
+    e = _err(client.post("/models/upload", content=fixed.replace(
+        str(secret), "/dev/zero").encode()), 400)
+    assert e["field"] == "body" and "matrix=" in e["message"]
+    passwd = fixed.replace(str(secret), "/etc/passwd")
+    e = _err(client.post("/models", json={"config": passwd}), 400)
+    assert "root:" not in e["message"]
