@@ -378,12 +378,16 @@ def test_config_integers_beyond_32_bits_are_config_errors(client):
         assert e["type"] == "ConfigError" and e["field"] == "config"
         assert "config:9" in e["message"] and f"option {option}" in e["message"]
         assert "32-bit" in e["message"]
-    # a component that parses an option itself: the value that the model format cannot
-    # hold is named with the component
-    thc = ("component name=t type=TimeHeightConvolutionComponent num-filters-in=1 height-in=4 "
-           "height-out=4 num-filters-out=1 offsets=-99999999999,0")
-    e = _err(client.post("/models", json={"config": TINY_CONFIG + thc + "\n"}), 400)
-    assert e["type"] == "ConfigError" and e["field"] == "config" and "'t'" in e["message"]
+    # components that parse an option list themselves check it the same way
+    for thc, option in (
+            ("offsets=-99999999999,0", "offsets"),
+            ("time-offsets=0,4294967296 height-offsets=0", "time-offsets")):
+        line = ("component name=t type=TimeHeightConvolutionComponent num-filters-in=1 "
+                "height-in=4 height-out=4 num-filters-out=1 " + thc)
+        e = _err(client.post("/models", json={"config": TINY_CONFIG + line + "\n"}), 400)
+        assert e["type"] == "ConfigError" and e["field"] == "config"
+        assert "config:9" in e["message"] and f"option {option}" in e["message"]
+        assert "32-bit" in e["message"]
     ok = "component name=t type=TdnnComponent input-dim=4 output-dim=3 time-offsets=-2147483648,0"
     assert client.post("/models", json={"config": TINY_CONFIG + ok + "\n"}).status_code in (
         200, 201)

@@ -85,10 +85,11 @@ class TimeHeightConvolutionIndexes(ComponentPrecomputedIndexes):
 
 def _parse_int_list(cfg, key: str, text: str) -> list[int]:
     try:
-        return [int(v) for v in text.split(",")] if text != "" else []
+        values = [int(v) for v in text.split(",")] if text != "" else []
     except ValueError:
         raise cfg.error(f"TimeHeightConvolutionComponent: option {key}={text!r} is not a "
                         "comma-separated integer list") from None
+    return [cfg.check_int32(key, v) for v in values]
 
 
 @register_component
