@@ -63,11 +63,14 @@ def matrix_from_wire(value, field: str, cols: int | None = None,
 
 def matrix_to_wire(arr, encoding: str, threshold: int):
     """JSON rows, or the base64 form (``encoding`` 'base64', or 'auto' above ``threshold``
-    elements)."""
+    elements).  A matrix holding NaN or infinite values (a network's output can overflow
+    on finite input) always goes in the base64 form, which keeps them: JSON has no such
+    numbers, and the JSON encoder would write them as null."""
     a = np.ascontiguousarray(np.asarray(arr), dtype=_F32_LE)
     if a.ndim == 1:
         a = a.reshape(1, -1)
-    if encoding == "json" or (encoding == "auto" and a.size <= threshold):
+    if (encoding == "json" or (encoding == "auto" and a.size <= threshold)) \
+            and np.isfinite(a).all():
         return a.astype(np.float64).tolist()
     return EncodedMatrix(shape=(int(a.shape[0]), int(a.shape[1])),
                          data=base64.b64encode(a.tobytes()).decode("ascii"))

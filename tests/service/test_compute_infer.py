@@ -183,3 +183,43 @@ def test_concurrent_threaded_infers_leave_the_blas_setting_as_it_was():
         # jobs waiting together may be batched otherwise: equal to float32 rounding
         np.testing.assert_allclose(together[k][1], alone[k], rtol=1e-5, atol=1e-5)
     assert [lib.get_num_threads() for lib in libs] == before
+
+
+def test_non_finite_outputs_come_in_the_base64_form(client):
+    """A network's output can overflow on finite input: JSON has no infinity (the
+    encoder would write null), so such a matrix comes in the base64 form, which keeps
+    the values; the finite matrices keep the encoding asked for."""
+    from tests.service.conftest import decode  # noqa: PLC0415
+    cfg = ("input-node name=input dim=2\n"
+           "component name=big type=AffineComponent input-dim=2 output-dim=3 "
+           "param-stddev=1e30 bias-stddev=0\n"
+           "component-node name=big component=big input=input\n"
+           "output-node name=output input=big\n")
+    model = register(client, config=cfg)
+    idx = [[0, 0, 0], [0, 1, 0]]
+    feats = [[1e10, -1e10], [1.0, 2.0]]
+    body = {"model_id": model["model_id"],
+            "request": {"inputs": [{"name": "input", "indexes": idx}],
+                        "outputs": [{"name": "output", "indexes": idx}]},
+            "inputs": {"input": feats}, "encoding": "json"}
+    entry = client.app.state.services.registry.get(model["model_id"])
+    w = entry.model.nnet.components[0].linear_params
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = np.asarray(feats, np.float32) @ w.T
+    assert not np.isfinite(expected[0]).all() and np.isfinite(expected[1]).all()
+    for path, payload, key in (("/compute", body, ("outputs", "output")),
+                               ("/infer", {"model_id": model["model_id"], "features": feats,
+                                           "encoding": "json"}, ("output",))):
+        r = client.post(path, json=payload)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        for k in key:
+            out = out[k]
+        assert isinstance(out, dict) and out["dtype"] == "float32", out
+        got = decode(out)
+        assert np.array_equal(np.isinf(got), np.isinf(expected))
+        assert np.allclose(got[1], expected[1], rtol=1e-5)
+    # finite outputs keep the JSON rows asked for
+    body["inputs"] = {"input": [[1e-20, 0.0], [0.0, 1e-20]]}
+    out = client.post("/compute", json=body).json()["outputs"]["output"]
+    assert isinstance(out, list) and len(out) == 2
