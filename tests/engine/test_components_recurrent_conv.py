@@ -279,6 +279,20 @@ def test_convolution_matches_loops(order):
     np.testing.assert_allclose(y, _conv_reference(comp, x), rtol=1e-5, atol=1e-6)
 
 
+def test_convolution_column_maps_follow_the_geometry():
+    """The patch column maps are cached per geometry (the values of the geometry fields):
+    a component whose step changes after it has run computes with the new step."""
+    comp = component_from_config(
+        "ConvolutionComponent", "input-x-dim=7 input-y-dim=6 input-z-dim=3 filt-x-dim=3 "
+        "filt-y-dim=2 filt-x-step=2 filt-y-step=2 num-filters=4")
+    x = np.random.default_rng(6).standard_normal((4, comp.input_dim()))
+    run_forward(comp, x)
+    comp.filt_x_step = comp.filt_y_step = 1
+    assert comp.output_dim() == 5 * 5 * 4
+    y, _ = run_forward(comp, x)
+    np.testing.assert_allclose(y, _conv_reference(comp, x), rtol=1e-5, atol=1e-6)
+
+
 def test_convolution_matrix_option(tmp_path):
     rng = np.random.default_rng(1)
     mat = rng.standard_normal((3, 2 * 2 * 2 + 1)).astype(np.float32)
