@@ -227,6 +227,16 @@ class RedisWorker:
                                                  count=self.max_batch, block=500)
                     entries = [e for _, es in got or () for e in es]
             except redis.RedisError as e:
+                if isinstance(e, redis.ResponseError) and "NOGROUP" in str(e):
+                    # Redis lost the group (restarted without its data): make it again,
+                    # so that the jobs submitted since are read instead of left waiting
+                    log.warning("the worker group is gone; creating it again",
+                                extra={"worker": self.name})
+                    try:
+                        ensure_group(self.client, self.stream)
+                        continue
+                    except redis.RedisError:
+                        pass
                 log.warning("worker cannot reach Redis", extra={"error": f"{e}"})
                 self._stop.wait(1.0)
                 continue

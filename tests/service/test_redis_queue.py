@@ -291,3 +291,19 @@ def test_a_job_that_killed_every_worker_is_answered_with_an_error(server):
     assert "4 workers" in r.json()["error"]["message"]
     assert w.worker.jobs_done == 1          # answered, not run
     assert server.client().xpending(JOBS, GROUP)["pending"] == 0
+
+
+def test_workers_make_their_group_again_when_redis_loses_it(server):
+    """Redis restarted without its data (here: flushed) has no consumer group: the
+    worker creates it again and the jobs submitted since are run, not left to time out."""
+    server.client().flushall()
+    with ThreadWorker(server.url, claim_idle_s=0.5) as w, _api(server.url) as api:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        body = {"model_id": mid, "request": request_for(0, 3),
+                "inputs": {"input": encode(np.ones((5, 4)))}}
+        assert api.post("/compute", json=body).status_code == 200
+        server.client().flushall()
+        register(api, config=TINY_CONFIG)
+        r = api.post("/compute", json=body)
+        assert r.status_code == 200, r.text
+        assert w.thread.is_alive()
