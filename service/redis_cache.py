@@ -2,9 +2,12 @@
 (SPEC section 2, "Cache").
 
 Lookups go to the LRU first, then to Redis; what Redis returns is decoded and
-validated (``computation_from_data`` checks every reference) before it is used or
-copied into the LRU, so an entry that is not what this code wrote -- truncated,
-from another IR version, or bytes someone else put under the key -- is deleted
+validated (a sha256 of the entry's data and metadata, stored with it, must match,
+and ``computation_from_data`` checks every reference) before it is used or copied
+into the LRU, so an entry that is not what this code wrote -- truncated, garbled
+(a changed number that still references valid matrices would otherwise compute
+wrong results), from another IR version, or bytes someone else put under the
+key -- is deleted
 and counted as ``corrupt``, and the request compiles as on a miss.  Stores write
 both.  Entries are msgpack of plain data (lists, numbers, strings: no pickle, so
 reading an entry cannot run code), one Redis string per computation under
@@ -19,6 +22,7 @@ outage does not add a connection timeout to every request.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -34,6 +38,12 @@ from service.cache import LRUComputationCache, plain_and_validated
 log = logging.getLogger("nnetc.cache")
 
 KEY_PREFIX = "nnetc:computation:"
+
+
+def _digest(data: dict, meta: dict) -> str:
+    """sha256 of an entry's data and metadata as msgpack (which reads back to the same
+    values, so a reader packs what it read and compares)."""
+    return hashlib.sha256(msgpack.packb([data, meta], use_bin_type=True)).hexdigest()
 
 
 class RedisComputationCache:
@@ -121,6 +131,8 @@ class RedisComputationCache:
             data, meta = entry["data"], entry["meta"]
             if not isinstance(data, dict) or not isinstance(meta, dict):
                 raise CheckError("entry without data or meta")
+            if entry.get("sha256") != _digest(data, meta):
+                raise CheckError("the entry's data does not match its digest")
             computation = computation_from_data(data)
         except (CheckError, ValueError, TypeError, KeyError, IndexError,
                 msgpack.UnpackException) as e:
@@ -135,8 +147,9 @@ class RedisComputationCache:
     def put(self, key: str, computation: NnetComputation, meta: dict) -> NnetComputation:
         data, validated = plain_and_validated(computation)
         self.front.put_data(key, data, meta, validated)
-        payload = msgpack.packb({"ir_version": IR_VERSION, "data": data, "meta": dict(meta)},
-                                use_bin_type=True)
+        meta = dict(meta)
+        payload = msgpack.packb({"ir_version": IR_VERSION, "data": data, "meta": meta,
+                                 "sha256": _digest(data, meta)}, use_bin_type=True)
         self._call(self.client.set, self.prefix + key, payload, self.ttl_s)
         return validated
 

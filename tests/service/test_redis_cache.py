@@ -191,3 +191,20 @@ def test_settings_without_redis_url_use_the_in_process_cache():
         assert c.get("/readyz").json()["cache"] == "memory"
     with pytest.raises(ValueError):
         RedisComputationCache(None)
+
+
+def test_a_changed_number_that_still_validates_is_caught_by_the_digest(redis_url, server):
+    """A scale in a command changed in Redis still references valid matrices (the
+    checker passes it) but would compute other numbers: the entry's sha256 no longer
+    matches, so it is dropped and compiled again instead of served."""
+    comp = compile_request(_tiny(), _request())
+    RedisComputationCache(redis_url, capacity=4).put("k", comp, {"model_id": "m"})
+    entry = msgpack.unpackb(server.client().get(KEY_PREFIX + "k"), raw=False)
+    for command in entry["data"]["commands"]:
+        command[1] = 2.0 * command[1]                 # every command's alpha
+    server.client().set(KEY_PREFIX + "k", msgpack.packb(entry, use_bin_type=True))
+    events = []
+    cache = RedisComputationCache(redis_url, capacity=4, on_event=events.append)
+    assert cache.get("k") is None
+    assert events == ["corrupt", "miss"]
+    assert server.client().exists(KEY_PREFIX + "k") == 0
