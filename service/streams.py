@@ -40,6 +40,7 @@ from engine.core.errors import NnetcError
 from engine.inference.common import model_priors
 from engine.inference.looped import LoopedConfig
 from engine.inference.stream import LoopedModel, Stream
+from schemas.streams import StreamOptions
 from service.errors import ServiceError
 
 log = logging.getLogger("nnetc.streams")
@@ -102,6 +103,12 @@ class RedisStreamStore:
                     raise ValueError(f"field {k!r} missing or of the wrong type")
             if not isinstance(rec.get("state"), bytes):
                 raise ValueError("no state")
+            # the options as a client could have sent them (a pydantic ValidationError is
+            # a ValueError), not a KeyError or TypeError deep in restoring the stream
+            if set(rec["options"]) != set(StreamOptions.model_fields):
+                raise ValueError("the stream options are not the ones a stream has")
+            rec["options"] = StreamOptions.model_validate(rec["options"],
+                                                          strict=True).model_dump()
             return rec
         except (ValueError, TypeError, msgpack.UnpackException) as e:
             raise ServiceError(500, "CorruptCheckpoint",

@@ -722,3 +722,33 @@ def test_a_binary_websocket_message_is_a_bad_message(client):
         assert e.value.code == 1003
     info = client.get(f"/streams/{sid}")
     assert info.status_code == 200 and info.json()["frames_received"] == 0
+
+
+@needs_redis
+@pytest.mark.parametrize("mutate", [
+    lambda o: o.pop("frames_per_chunk"),                    # missing
+    lambda o: o.update(frames_per_chunk="7"),               # wrong type
+    lambda o: o.update(use_priors=None),
+    lambda o: o.update(acoustic_scale=[]),
+    lambda o: o.update(bogus=1),                            # not an option
+])
+def test_a_checkpoint_with_broken_options_is_corrupt_and_dropped(server, mutate):
+    """The options stored in a checkpoint are checked as a client's are: broken ones make
+    the checkpoint corrupt (500 CorruptCheckpoint, record deleted), not an internal error
+    left in Redis for every later request."""
+    server.client().flushall()
+    with make_client(redis_url=server.url) as a:
+        mid = _register_config(a, RECURRENT, 3)
+        sid = a.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 7}}
+                     ).json()["stream_id"]
+        assert a.post(f"/streams/{sid}/frames",
+                      json={"features": _enc(X_REC[:9])}).status_code == 200
+    key = f"nnetc:stream:{sid}"
+    rec = msgpack.unpackb(server.client().get(key), raw=False)
+    mutate(rec["options"])
+    server.client().set(key, msgpack.packb(rec, use_bin_type=True))
+    with make_client(redis_url=server.url) as b:
+        _register_config(b, RECURRENT, 3)
+        r = b.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[9:12]), "offset": 9})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "CorruptCheckpoint", r.text
+        assert server.client().exists(key) == 0
