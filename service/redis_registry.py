@@ -23,6 +23,7 @@ import logging
 
 import redis
 
+from service.convert import model_info
 from service.errors import ServiceError, not_found
 from service.registry import InProcessRegistry, ModelEntry, model_id_of
 
@@ -114,9 +115,16 @@ class RedisModelRegistry:
                 vals = self.client.hmget(self.prefix + mid, ["structure_hash", "info", "name"])
                 if vals[0] is None or vals[1] is None:
                     continue
-                out.append(ModelEntry(mid, vals[0].decode("ascii", "replace"), None,
-                                      json.loads(vals[1]),
-                                      vals[2].decode("utf-8", "replace") or None))
+                try:
+                    info = json.loads(vals[1])
+                    model_info(info)          # the figures GET /models shows must be there
+                except (ValueError, TypeError, KeyError, AttributeError) as e:
+                    # one broken record must not fail the listing of every model
+                    log.warning("a model record that cannot be listed is left out",
+                                extra={"model_id": mid, "error": f"{type(e).__name__}: {e}"})
+                    continue
+                out.append(ModelEntry(mid, vals[0].decode("ascii", "replace"), None, info,
+                                      (vals[2] or b"").decode("utf-8", "replace") or None))
         except (redis.RedisError, ValueError):
             return list(self.local.list())          # Redis unreachable: the models held here
         return out + list(held.values())

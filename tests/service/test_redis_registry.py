@@ -87,3 +87,27 @@ def test_outage_registered_here_still_works_others_get_503(server):
             assert {m["model_id"] for m in a.get("/models").json()["models"]} >= {mine}
         finally:
             server.start()
+
+
+@pytest.mark.parametrize("broken", [{"info": b"5"}, {"info": b"{\"modulus\": 1}"},
+                                    {"info": b"not json"}, {"name": None}])
+def test_a_broken_model_record_is_left_out_of_the_listing(url, server, broken):
+    """A model record whose figures are not readable (or whose name field is gone) does
+    not fail GET /models for everyone: the other models are listed, that one left out."""
+    server.client().flushall()
+    with make_client(redis_url=url) as a:
+        bad = register(a, config=TINY_CONFIG)["model_id"]
+        good = register(a, config=TINY_CONFIG.replace("output-dim=3", "output-dim=2")
+                        )["model_id"]
+    key = f"nnetc:model:{bad}"
+    for field, value in broken.items():
+        if value is None:
+            server.client().hdel(key, field)
+        else:
+            server.client().hset(key, field, value)
+    with make_client(redis_url=url) as b:                # holds neither model
+        r = b.get("/models")
+        assert r.status_code == 200, r.text
+        ids = [m["model_id"] for m in r.json()["models"]]
+        assert good in ids
+        assert (bad in ids) == (broken == {"name": None})
