@@ -351,11 +351,17 @@ class RedisWorker:
             data = encode_error(e)
         reply = fields.get(b"reply")
         if reply:
-            with self.client.pipeline() as pipe:
-                pipe.xadd(reply, {"id": fields.get(b"id", b""), "result": data},
-                          maxlen=10000, approximate=True)
-                pipe.expire(reply, 600)       # an API process that went away leaves nothing
-                pipe.execute()
+            try:
+                with self.client.pipeline() as pipe:
+                    pipe.xadd(reply, {"id": fields.get(b"id", b""), "result": data},
+                              maxlen=10000, approximate=True)
+                    pipe.expire(reply, 600)   # an API process that went away leaves nothing
+                    pipe.execute()
+            except redis.ResponseError as e:
+                # Redis refused the reply (its key is not a reply stream): no retry can
+                # deliver it, so the job is done with; the jobs read with it are answered
+                log.error("a job's reply cannot be written; the job is dropped",
+                          extra={"worker": self.name, "error": f"{e}"})
         self._done(entry_id)
         self.jobs_done += 1
 

@@ -307,3 +307,26 @@ def test_workers_make_their_group_again_when_redis_loses_it(server):
         r = api.post("/compute", json=body)
         assert r.status_code == 200, r.text
         assert w.thread.is_alive()
+
+
+def test_a_job_whose_reply_cannot_be_written_does_not_hold_up_the_others(server):
+    """A job entry whose reply key Redis refuses (another type of key) is dropped; the
+    job read with it is answered at once, not left pending with it for ever."""
+    server.client().flushall()
+    client = server.client()
+    ensure_group(client)
+    client.sadd("not-a-stream", "x")
+    client.xadd(JOBS, {"id": "bad", "kind": "compile", "reply": "not-a-stream",
+                       "deadline": f"{time.time() + 60:.3f}", "job": b"\xc1"})
+    with _api(server.url) as api:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(api.post, "/compute", json={
+                "model_id": mid, "request": request_for(0, 3),
+                "inputs": {"input": encode(np.ones((5, 4)))}})
+            _wait_queued(client, 2)
+            with ThreadWorker(server.url, max_batch=8) as w:
+                r = fut.result(15)
+                assert r.status_code == 200, r.text
+                assert w.thread.is_alive()
+    assert client.xpending(JOBS, GROUP)["pending"] == 0
