@@ -103,12 +103,6 @@ class RedisStreamStore:
                     raise ValueError(f"field {k!r} missing or of the wrong type")
             if not isinstance(rec.get("state"), bytes):
                 raise ValueError("no state")
-            # the options as a client could have sent them (a pydantic ValidationError is
-            # a ValueError), not a KeyError or TypeError deep in restoring the stream
-            if set(rec["options"]) != set(StreamOptions.model_fields):
-                raise ValueError("the stream options are not the ones a stream has")
-            rec["options"] = StreamOptions.model_validate(rec["options"],
-                                                          strict=True).model_dump()
             return rec
         except (ValueError, TypeError, msgpack.UnpackException) as e:
             raise ServiceError(500, "CorruptCheckpoint",
@@ -308,6 +302,21 @@ class StreamManager:
         live.unsaved = False
 
     def _restore(self, sid: str, rec: dict) -> LiveStream:
+        try:
+            # the options as a client could have sent them (a pydantic ValidationError is
+            # a ValueError), not a KeyError or TypeError deep in restoring the stream
+            if set(rec["options"]) != set(StreamOptions.model_fields):
+                raise ValueError("they are not the options a stream has")
+            rec = dict(rec, options=StreamOptions.model_validate(rec["options"],
+                                                                 strict=True).model_dump())
+        except ValueError as e:
+            try:
+                self.store.delete(sid)
+            except StoreUnavailable:
+                pass
+            raise ServiceError(500, "CorruptCheckpoint",
+                               f"the checkpoint of stream {sid} is not readable (its options: "
+                               f"{e}); the stream is lost: open a new one") from None
         try:
             entry = self.registry.get(rec["model_id"])
         except ServiceError:
