@@ -185,6 +185,7 @@ def test_concurrent_threaded_infers_leave_the_blas_setting_as_it_was():
     assert [lib.get_num_threads() for lib in libs] == before
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_non_finite_outputs_come_in_the_base64_form(client):
     """A network's output can overflow on finite input: JSON has no infinity (the
     encoder would write null), so such a matrix comes in the base64 form, which keeps
