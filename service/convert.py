@@ -10,6 +10,7 @@ import binascii
 import numpy as np
 
 from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.core.index import INT32_MAX
 from engine.inference import InferenceOptions
 from engine.optimizer.options import OptimizeOptions
 from schemas.common import EncodedMatrix
@@ -19,7 +20,6 @@ from schemas.models import ModelInfo
 from service.errors import FieldError
 
 _F32_LE = np.dtype("<f4")
-_MAX_DIM = 2 ** 31 - 1       # rows and columns are 32-bit, as in Kaldi
 
 
 # -- matrices -------------------------------------------------------------------------------
@@ -32,9 +32,9 @@ def matrix_from_wire(value, field: str, cols: int | None = None,
         r, c = value.shape
         if r < 0 or c < 0:
             raise FieldError(field, f"negative shape {list(value.shape)}")
-        if r > _MAX_DIM or c > _MAX_DIM:
+        if r > INT32_MAX or c > INT32_MAX:     # rows and columns are 32-bit, as in Kaldi
             raise FieldError(field, f"shape {list(value.shape)}: a dimension is more than "
-                                    f"{_MAX_DIM}")
+                                    f"{INT32_MAX}")
         raw = value.data
         if isinstance(raw, str):
             try:

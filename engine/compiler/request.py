@@ -25,11 +25,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from engine.core.errors import RequestError
-from engine.core.index import Index, array_to_indexes, index_rows
+from engine.core.index import INT32_MAX, INT32_MIN, Index, array_to_indexes, index_rows
 from engine.nnet.components.base import MiscComputationInfo
-
-_INT32_MIN = -(2 ** 31)
-_INT32_MAX = 2 ** 31 - 1
 
 
 def _to_index_list(indexes: Any, where: str) -> list[Index]:
@@ -249,7 +246,7 @@ def _check_indexes(kind: str, name: str, indexes: list[Index]) -> np.ndarray:
     # the common case on whole arrays and one set; a failure is located row by row
     try:
         rows = index_rows(indexes)
-        in_range = bool(((rows > _INT32_MIN) & (rows <= _INT32_MAX)).all())
+        in_range = bool(((rows > INT32_MIN) & (rows <= INT32_MAX)).all())
     except OverflowError:
         in_range = False
     if in_range and len(set(indexes)) == len(indexes):
@@ -257,7 +254,7 @@ def _check_indexes(kind: str, name: str, indexes: list[Index]) -> np.ndarray:
     seen: dict[Index, int] = {}
     for k, idx in enumerate(indexes):
         for v in idx:
-            if not _INT32_MIN < v <= _INT32_MAX:
+            if not INT32_MIN < v <= INT32_MAX:
                 raise RequestError(f"{kind} {name!r}: index {k} {tuple(idx)} is outside the "
                                    f"32-bit range (or uses the reserved t = kNoTime)")
         prev = seen.setdefault(idx, k)

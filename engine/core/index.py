@@ -18,8 +18,13 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
+# Kaldi's int32 range: Index values, integer config options and the optimizer's
+# "not set" deriv-times are 32-bit there
+INT32_MIN = -(2 ** 31)
+INT32_MAX = 2 ** 31 - 1
+
 # Kaldi's kNoTime: the 't' of an Index that is a blank/padding row.
-K_NO_TIME = -(2 ** 31)
+K_NO_TIME = INT32_MIN
 
 
 class Index(NamedTuple):

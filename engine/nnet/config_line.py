@@ -10,11 +10,7 @@ from __future__ import annotations
 import shlex
 
 from engine.core.errors import ConfigError
-
-
-# Kaldi reads every integer option as an int32 (ConvertStringToInteger fails outside it)
-INT32_MIN = -(2 ** 31)
-INT32_MAX = 2 ** 31 - 1
+from engine.core.index import INT32_MAX, INT32_MIN  # Kaldi's integer options are int32
 
 
 def _parse_bool(s: str) -> bool | None:

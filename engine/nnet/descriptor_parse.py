@@ -19,7 +19,7 @@ import re
 from typing import Sequence
 
 from engine.core.errors import ConfigError
-from engine.core.index import Index
+from engine.core.index import INT32_MAX, INT32_MIN, Index
 
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
 _REAL_RE = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity|nan)\Z", re.I)
@@ -116,7 +116,7 @@ class _Parser:
 
     def read_int(self, what: str) -> int:
         got = self.peek()
-        if not _INT_RE.match(got) or not (-2 ** 31 <= int(got) < 2 ** 31):
+        if not _INT_RE.match(got) or not INT32_MIN <= int(got) <= INT32_MAX:
             raise self.error(f"expected an integer while parsing {what}, got {got!r}")
         self.pos += 1
         return int(got)

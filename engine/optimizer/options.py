@@ -20,10 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.core.errors import ConfigError
-
-# std::numeric_limits<int32>::min() / max(): Kaldi's "not set" for the deriv-time options
-INT32_MIN = -(2 ** 31)
-INT32_MAX = 2 ** 31 - 1
+from engine.core.index import INT32_MAX, INT32_MIN
 
 # bump when a pass changes its output for the same options (part of the cache key)
 OPTIMIZER_VERSION = 1
@@ -45,6 +42,7 @@ class OptimizeOptions:
     initialize_undefined: bool = True
     move_sizing_commands: bool = True
     allocate_from_other: bool = True
+    # std::numeric_limits<int32>::min() / max(): Kaldi's "not set" for the deriv-times
     min_deriv_time: int = INT32_MIN
     max_deriv_time: int = INT32_MAX
     max_deriv_time_relative: int = INT32_MAX
