@@ -90,6 +90,15 @@ def vosk_model() -> Path | None:
     return p if p.exists() else None
 
 
+def normalised_ratio(ours: float, our_work: float, theirs: float | None,
+                     their_work: float | None) -> float | None:
+    """(ours / our workload) / (Kaldi's / Kaldi's workload), the issue's comparison with
+    Kaldi (below 1 is better); None when Kaldi's figure or workload is missing."""
+    if not theirs or not their_work or not our_work:
+        return None
+    return (ours / our_work) / (theirs / their_work)
+
+
 def kaldi_figures(name: str) -> tuple[dict, dict] | None:
     """({(chunk, batch): case}, reference_workload) from kaldi_stats.json."""
     path = MODELS / name / "kaldi_stats.json"

@@ -158,17 +158,12 @@ def kaldi_comparison(model_path, figures: dict) -> dict | None:
     work = stats.get("reference_workload") or {}
     if case is None:
         return None
-
-    def norm(ours, our_work, key, work_key):
-        theirs, their_work = case.get(key), work.get(work_key)
-        if not theirs or not their_work or not our_work:
-            return None
-        return (ours / our_work) / (theirs / their_work)
     return {
         "case": case, "reference_workload": work,
-        "compile_ratio": norm(figures["compile_ms"], figures["python_s"], "compile_ms",
-                              "python_s"),
-        "exec_ratio": norm(figures["exec_ms"], figures["gemm_s"], "exec_ms", "gemm_s"),
+        "compile_ratio": common.normalised_ratio(figures["compile_ms"], figures["python_s"],
+                                                 case.get("compile_ms"), work.get("python_s")),
+        "exec_ratio": common.normalised_ratio(figures["exec_ms"], figures["gemm_s"],
+                                              case.get("exec_ms"), work.get("gemm_s")),
         "peak_bytes_ratio": (figures["peak_bytes"] / case["peak_bytes"]
                              if case.get("peak_bytes") else None),
         "commands_ratio": (figures["commands"] / case["commands"]

@@ -119,12 +119,6 @@ class Runner:
         return self._forward[key]
 
 
-def _norm(ours: float, our_work: float, theirs: float | None, their_work: float | None):
-    if not theirs or not their_work:
-        return None
-    return (ours / our_work) / (theirs / their_work)
-
-
 def suite_compile(r: Runner) -> list[dict]:
     """Cold compile + optimize per model and chunk case, in CPU seconds of the compiling
     thread (compiling is single-threaded; CPU time leaves out what a shared machine
@@ -171,8 +165,8 @@ def suite_compile(r: Runner) -> list[dict]:
             rows.append({"model": name, "chunk": chunk, "batch": batch, "runs": len(runs),
                          "ours_ms": ms, "per_python_s": ms / 1e3 / py_cpu,
                          "kaldi_ms": k_ms,
-                         "ratio_vs_kaldi": _norm(ms, py_cpu, k_ms,
-                                                 figs[1]["python_s"] if figs else None),
+                         "ratio_vs_kaldi": common.normalised_ratio(
+                             ms, py_cpu, k_ms, figs[1]["python_s"] if figs else None),
                          "ratio_raw": ms / k_ms if k_ms else None,
                          "commands": commands,
                          "kaldi_commands": k["commands"] if k else None,
@@ -196,8 +190,10 @@ def suite_forward(r: Runner) -> list[dict]:
                          "exec_ms": f["exec_ms"], "min_ms": f["exec_min_ms"],
                          "per_gemm_s": f["exec_ms"] / 1e3 / r.gemm_s,
                          "frames_per_s": f["frames_per_s"], "kaldi_ms": k_ms,
-                         "ratio_vs_kaldi": _norm(f["exec_ms"], r.gemm_s, k_ms, kg),
-                         "ratio_min": _norm(f["exec_min_ms"], r.gemm_s, k_ms, kg),
+                         "ratio_vs_kaldi": common.normalised_ratio(f["exec_ms"], r.gemm_s,
+                                                                   k_ms, kg),
+                         "ratio_min": common.normalised_ratio(f["exec_min_ms"], r.gemm_s,
+                                                              k_ms, kg),
                          "ratio_raw": f["exec_ms"] / k_ms if k_ms else None,
                          "commands": f["commands"]})
     return rows
