@@ -118,6 +118,11 @@ class ComputationRequest:
                 return i
         return -1
 
+    def max_output_time(self) -> int | None:
+        """Largest t over the outputs' Indexes (Kaldi's MaxOutputTimeInRequest), None
+        when there are none."""
+        return max((ix.t for o in self.outputs for ix in o.indexes), default=None)
+
     def need_derivatives(self) -> bool:
         """True if any derivative (model or input) is wanted (Kaldi's NeedDerivatives).
 

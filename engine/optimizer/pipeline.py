@@ -64,8 +64,8 @@ class PassContext:
     def max_output_time(self) -> int | None:
         """Largest t over the request's outputs (Kaldi's MaxOutputTimeInRequest)."""
         reqs = self.request if isinstance(self.request, (list, tuple)) else [self.request]
-        ts = [ix[1] for r in reqs if r is not None for o in r.outputs for ix in o.indexes]
-        return max(ts) if ts else None
+        ts = [t for r in reqs if r is not None if (t := r.max_output_time()) is not None]
+        return max(ts, default=None)
 
     @staticmethod
     def _shape_of(computation: NnetComputation) -> tuple[int, int, int]:

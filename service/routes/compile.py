@@ -29,8 +29,7 @@ def compile_payload(body, services, request: Request) -> dict:
         options = convert.optimize_options(body.optimizer)
         # a derivative-time window relative to the request's last output t: checked
         # here, against the request, so that an empty one names the optimizer options
-        options.check_deriv_times(max((i.t for s in engine_request.outputs
-                                       for i in s.indexes), default=None))
+        options.check_deriv_times(engine_request.max_output_time())
     return {"entry": entry, "request": engine_request, "options": options,
             "optimize": not body.no_optimize, "use_shortcut": body.use_shortcut}
 
