@@ -34,8 +34,10 @@ from engine.compiler.computation import NnetComputation
 from engine.compiler.serialize import IR_VERSION, computation_from_data
 from engine.core.errors import CheckError
 from service.cache import LRUComputationCache, plain_and_validated
+from service.redis_types import is_wrong_type
 
 log = logging.getLogger("nnetc.cache")
+_WRONG_TYPE = object()     # what _call returns for a key of another Redis type
 
 KEY_PREFIX = "nnetc:computation:"
 
@@ -77,12 +79,15 @@ class RedisComputationCache:
             return time.monotonic() >= self._down_until
 
     def _call(self, fn, *args):
-        """fn(*args) against Redis, or None after reporting an error."""
+        """fn(*args) against Redis, or None after reporting an error; ``_WRONG_TYPE``
+        when the key holds another Redis type (a broken entry, not an outage)."""
         if not self.available():
             return None
         try:
             result = fn(*args)
         except redis.RedisError as e:
+            if is_wrong_type(e):
+                return _WRONG_TYPE
             with self._lock:
                 self._down_until = time.monotonic() + self.retry_after_s
                 first = not self._down
@@ -113,7 +118,8 @@ class RedisComputationCache:
         if raw is None:
             self._on_event("miss")
             return None
-        entry = self._decode(key, raw)
+        entry = self._drop_corrupt(key, "the key holds another Redis type") \
+            if raw is _WRONG_TYPE else self._decode(key, raw)
         if entry is None:
             return None
         computation, data, meta = entry
@@ -136,13 +142,15 @@ class RedisComputationCache:
             computation = computation_from_data(data)
         except (CheckError, ValueError, TypeError, KeyError, IndexError,
                 msgpack.UnpackException) as e:
-            log.warning("dropping a corrupt cache entry",
-                        extra={"computation_id": key, "error": f"{type(e).__name__}: {e}"})
-            self._call(self.client.delete, self.prefix + key)
-            self._on_event("corrupt")
-            self._on_event("miss")
-            return None
+            return self._drop_corrupt(key, f"{type(e).__name__}: {e}")
         return computation, data, meta
+
+    def _drop_corrupt(self, key: str, why: str) -> None:
+        log.warning("dropping a corrupt cache entry", extra={"computation_id": key,
+                                                             "error": why})
+        self._call(self.client.delete, self.prefix + key)
+        self._on_event("corrupt")
+        self._on_event("miss")
 
     def put(self, key: str, computation: NnetComputation, meta: dict) -> NnetComputation:
         data, validated = plain_and_validated(computation)

@@ -25,6 +25,7 @@ import redis
 
 from service.convert import model_info
 from service.errors import ServiceError, not_found
+from service.redis_types import is_wrong_type
 from service.registry import InProcessRegistry, ModelEntry, model_id_of
 
 log = logging.getLogger("nnetc.registry")
@@ -54,17 +55,30 @@ class RedisModelRegistry:
                   "structure_hash": entry.structure_hash,
                   "info": json.dumps(entry.info, sort_keys=True)}
         try:
-            with self.client.pipeline() as pipe:
-                pipe.exists(key)
-                pipe.hset(key, mapping=record)
-                pipe.sadd(self.set_key, entry.model_id)
-                existed = bool(pipe.execute()[0])
+            try:
+                existed = self._store(key, record, entry.model_id)
+            except redis.ResponseError as e:
+                if not is_wrong_type(e):
+                    raise
+                # a key of another type holds the model's name: replace it
+                log.warning("a model key of the wrong Redis type is replaced",
+                            extra={"model_id": entry.model_id, "error": str(e)})
+                self.client.delete(key)
+                existed = self._store(key, record, entry.model_id)
         except redis.RedisError as e:
             log.warning("model not stored in Redis (registered in this process only)",
                         extra={"model_id": entry.model_id,
                                "error": f"{type(e).__name__}: {e}"})
             return entry, created_here
         return entry, not existed
+
+    def _store(self, key: str, record: dict, model_id: str) -> bool:
+        """Write the record (and list the id); whether the key existed before."""
+        with self.client.pipeline() as pipe:
+            pipe.exists(key)
+            pipe.hset(key, mapping=record)
+            pipe.sadd(self.set_key, model_id)
+            return bool(pipe.execute()[0])
 
     def get(self, model_id: str) -> ModelEntry:
         try:
@@ -73,6 +87,9 @@ class RedisModelRegistry:
             try:
                 rec = self.client.hgetall(self.prefix + model_id)
             except redis.RedisError as e:
+                if is_wrong_type(e):
+                    raise self._corrupt(model_id, "the key holds another Redis type than "
+                                                  "a hash") from None
                 raise self._unavailable(e, f"model {model_id} is not loaded here") from None
             if not rec:
                 raise missing from None
@@ -86,12 +103,16 @@ class RedisModelRegistry:
                                                                      "binary_b64", "upload"):
                 raise ValueError("the stored bytes do not have this id")
         except ValueError as e:
-            self._drop(model_id)
-            raise ServiceError(500, "CorruptModelRecord",
-                               f"the stored record of model {model_id} is not valid ({e}); "
-                               f"it was deleted: register the model again") from None
+            raise self._corrupt(model_id, str(e)) from None
         entry, _ = self.local.register(data, source, name, seed)
         return entry
+
+    def _corrupt(self, model_id: str, why: str) -> ServiceError:
+        """Delete the broken record of ``model_id``; the error to answer with."""
+        self._drop(model_id)
+        return ServiceError(500, "CorruptModelRecord",
+                            f"the stored record of model {model_id} is not valid ({why}); "
+                            f"it was deleted: register the model again")
 
     def _drop(self, model_id: str) -> None:
         try:
@@ -112,7 +133,15 @@ class RedisModelRegistry:
                 if mid in held:
                     out.append(held.pop(mid))
                     continue
-                vals = self.client.hmget(self.prefix + mid, ["structure_hash", "info", "name"])
+                try:
+                    vals = self.client.hmget(self.prefix + mid,
+                                             ["structure_hash", "info", "name"])
+                except redis.ResponseError as e:
+                    if not is_wrong_type(e):
+                        raise
+                    log.warning("a model record that cannot be listed is left out",
+                                extra={"model_id": mid, "error": str(e)})
+                    continue
                 if vals[0] is None or vals[1] is None:
                     continue
                 try:

@@ -208,3 +208,21 @@ def test_a_changed_number_that_still_validates_is_caught_by_the_digest(redis_url
     assert cache.get("k") is None
     assert events == ["corrupt", "miss"]
     assert server.client().exists(KEY_PREFIX + "k") == 0
+
+
+def test_a_cache_entry_of_the_wrong_redis_type_is_a_miss_not_an_outage(redis_url, server):
+    """A cache key holding another Redis type is dropped and recompiled over; Redis is
+    not taken for down (the entry is written to it again and read back)."""
+    nnet = _tiny()
+    comp = compile_request(nnet, _request())
+    events = []
+    cache = RedisComputationCache(redis_url, capacity=4, on_event=events.append)
+    server.client().hset(KEY_PREFIX + "k", "x", b"1")
+    assert cache.get("k") is None
+    assert "redis_error" not in events and cache.available(), events
+    assert events == ["corrupt", "miss"]
+    assert server.client().exists(KEY_PREFIX + "k") == 0
+    cache.put("k", comp, {})
+    assert server.client().type(KEY_PREFIX + "k") == b"string"
+    fresh = RedisComputationCache(redis_url, capacity=4)
+    assert computation_to_data(fresh.get("k")) == computation_to_data(comp)

@@ -111,3 +111,31 @@ def test_a_broken_model_record_is_left_out_of_the_listing(url, server, broken):
         ids = [m["model_id"] for m in r.json()["models"]]
         assert good in ids
         assert (bad in ids) == (broken == {"name": None})
+
+
+def test_a_model_record_of_the_wrong_redis_type_is_corrupt_not_an_outage(url, server):
+    """A model key holding another Redis type (a string, not a hash) is a broken record:
+    500 CorruptModelRecord and the key deleted, not a 503 as if Redis were down; the
+    listing leaves it out and lists the others."""
+    with make_client(redis_url=url) as a:
+        bad = register(a, config=TINY_CONFIG)["model_id"]
+        good = register(a, config=TINY_CONFIG.replace("output-dim=3", "output-dim=2")
+                        )["model_id"]
+    key = f"nnetc:model:{bad}"
+    server.client().delete(key)
+    server.client().set(key, b"not a hash")
+    with make_client(redis_url=url) as b:
+        r = b.get("/models")
+        assert r.status_code == 200, r.text
+        assert [m["model_id"] for m in r.json()["models"]] == [good]
+        r = b.get(f"/models/{bad}")
+        assert r.status_code == 500 and r.json()["error"]["type"] == "CorruptModelRecord", r.text
+        assert "type" in r.json()["error"]["message"]
+        assert server.client().exists(key) == 0
+        assert b.get(f"/models/{bad}").status_code == 404
+        assert b.get(f"/models/{good}").status_code == 200
+        # registering over a key of the wrong type replaces it
+        server.client().set(key, b"not a hash")
+        assert register(b, config=TINY_CONFIG)["model_id"] == bad
+    with make_client(redis_url=url) as c:
+        assert c.get(f"/models/{bad}").status_code == 200
