@@ -76,7 +76,8 @@ def build_services(settings: Settings) -> Services:
     streams = StreamManager(registry, backend, store, max_streams=settings.max_streams,
                             idle_s=settings.stream_idle_s, metrics=metrics,
                             max_ivector_rows=settings.max_stream_ivector_rows,
-                            max_held_frames=settings.max_request_indexes)
+                            max_held_frames=settings.max_request_indexes,
+                            max_request_indexes=settings.max_request_indexes)
     if settings.queue == "redis":
         queue = RedisJobQueue(client, settings.job_timeout_s, settings.queue_size,
                               metrics=metrics)

@@ -36,18 +36,51 @@ import msgpack
 import numpy as np
 import redis
 
-from engine.core.errors import NnetcError
+from engine.core.errors import NnetcError, ResourceLimitError
 from engine.inference.common import model_priors
-from engine.inference.looped import LoopedConfig
+from engine.inference.looped import LoopedConfig, get_chunk_size
 from engine.inference.stream import LoopedModel, Stream
 from schemas.streams import StreamOptions
 from service.errors import ServiceError
+from service.redis_types import is_wrong_type
 
 log = logging.getLogger("nnetc.streams")
 
 RECORD_VERSION = 1
 KEY_PREFIX = "nnetc:stream:"
 _LOOPED_MODELS = 8          # LoopedModels kept (each holds its compiled computation)
+
+
+def _corrupt(sid: str, what: str) -> ServiceError:
+    """The error for a checkpoint of stream ``sid`` that cannot be used (``what``: why,
+    after "the checkpoint of stream <sid>")."""
+    return ServiceError(500, "CorruptCheckpoint",
+                        f"the checkpoint of stream {sid} {what}; the stream is lost: open "
+                        f"a new one")
+
+
+def chunk_bound(nnet, options: dict, limit: int, where: str = "") -> None:
+    """413 RequestTooLarge, naming the option, when the first chunk's computation of a
+    stream with ``options`` (a dict of schemas.streams.StreamOptions) would read more
+    than ``limit`` frames: chunk_size (frames_per_chunk rounded up to a multiple of the
+    subsampling factor and the network's modulus) plus extra_left_context_initial.
+    ``where`` starts the message (a checkpoint's stream)."""
+    fpc, sub = options["frames_per_chunk"], options["frame_subsampling_factor"]
+    extra = options["extra_left_context_initial"]
+    if fpc > limit:
+        raise ServiceError(413, "RequestTooLarge",
+                           f"{where}frames_per_chunk {fpc} is more than this service's "
+                           f"max_request_indexes ({limit})", "options.frames_per_chunk")
+    chunk = get_chunk_size(nnet, sub, fpc)
+    if chunk + extra > limit:
+        field = ("extra_left_context_initial" if extra >= chunk
+                 else "frame_subsampling_factor" if sub > 1 else "frames_per_chunk")
+        raise ServiceError(413, "RequestTooLarge",
+                           f"{where}{field} {options[field]}: a chunk of {chunk} frames "
+                           f"(frames_per_chunk {fpc} rounded up to a multiple of "
+                           f"frame_subsampling_factor {sub} and the network's modulus) plus "
+                           f"extra_left_context_initial {extra} is more than this service's "
+                           f"max_request_indexes ({limit})", f"options.{field}")
 
 
 class StreamConflict(Exception):
@@ -105,9 +138,7 @@ class RedisStreamStore:
                 raise ValueError("no state")
             return rec
         except (ValueError, TypeError, msgpack.UnpackException) as e:
-            raise ServiceError(500, "CorruptCheckpoint",
-                               f"the checkpoint of stream {sid} is not readable ({e}); the "
-                               f"stream is lost: open a new one") from None
+            raise _corrupt(sid, f"is not readable ({e})") from None
 
     def _call(self, fn, *args):
         try:
@@ -115,8 +146,19 @@ class RedisStreamStore:
         except redis.RedisError as e:
             raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
 
+    def _wrong_type(self, sid: str) -> ServiceError:
+        """Delete the key of ``sid``, which holds another Redis type than a checkpoint
+        (a string); the error to answer with."""
+        self._call(self.client.delete, self.prefix + sid)
+        return _corrupt(sid, "is not readable (its key holds another Redis type)")
+
     def load(self, sid: str) -> dict | None:
-        raw = self._call(self.client.get, self.prefix + sid)
+        try:
+            raw = self.client.get(self.prefix + sid)
+        except redis.RedisError as e:
+            if is_wrong_type(e):
+                raise self._wrong_type(sid) from None
+            raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
         if raw is None:
             return None
         try:
@@ -151,6 +193,8 @@ class RedisStreamStore:
         except redis.WatchError:
             raise StreamConflict(None) from None
         except redis.RedisError as e:
+            if is_wrong_type(e):
+                raise self._wrong_type(sid) from None
             raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
 
     def delete(self, sid: str) -> None:
@@ -208,8 +252,9 @@ def _release(live: LiveStream) -> None:
 class StreamManager:
     def __init__(self, registry, backend, store=None, max_streams: int = 256,
                  idle_s: float = 600.0, metrics=None, max_ivector_rows: int = 4096,
-                 max_held_frames: int = 100_000):
+                 max_held_frames: int = 100_000, max_request_indexes: int = 100_000):
         self.registry = registry
+        self.max_request_indexes = max_request_indexes
         self.max_ivector_rows = max_ivector_rows
         self.max_held_frames = max_held_frames
         self.xp = backend
@@ -310,13 +355,7 @@ class StreamManager:
             rec = dict(rec, options=StreamOptions.model_validate(rec["options"],
                                                                  strict=True).model_dump())
         except ValueError as e:
-            try:
-                self.store.delete(sid)
-            except StoreUnavailable:
-                pass
-            raise ServiceError(500, "CorruptCheckpoint",
-                               f"the checkpoint of stream {sid} is not readable (its options: "
-                               f"{e}); the stream is lost: open a new one") from None
+            raise self._discard(sid, f"is not readable (its options: {e})") from None
         try:
             entry = self.registry.get(rec["model_id"])
         except ServiceError:
@@ -324,12 +363,19 @@ class StreamManager:
                                f"stream {sid} runs model {rec['model_id']}, which is not "
                                f"registered on this server: register the same model again "
                                f"(same bytes, same id) and retry", "model_id") from None
-        looped = self.looped_model(entry, rec["options"])
+        # bounded as opening the stream here would be (413; the checkpoint may come from
+        # a server with a larger bound, so it is kept), before anything is compiled
+        chunk_bound(entry.model.nnet, rec["options"], self.max_request_indexes,
+                    f"the checkpoint of stream {sid}: ")
         try:
+            looped = self.looped_model(entry, rec["options"])
             stream = looped.import_stream(rec["state"], rec["options"]["acoustic_scale"])
+        except ResourceLimitError:
+            raise                       # this server's bound (413), not a broken record
         except NnetcError as e:
-            raise ServiceError(500, "CorruptCheckpoint",
-                               f"the checkpoint of stream {sid} cannot be restored: {e}") from None
+            # options a client could not have opened the stream with (use_priors on a
+            # model without priors), or a state that does not fit the model
+            raise self._discard(sid, f"cannot be restored ({e})") from None
         live = LiveStream(sid, rec["model_id"], rec["options"], looped, stream,
                           version=rec["version"])
         with self._lock:
@@ -340,6 +386,15 @@ class StreamManager:
         self._event("restored")
         self._gauge()
         return live
+
+    def _discard(self, sid: str, what: str) -> ServiceError:
+        """Delete the unusable checkpoint of ``sid`` (if the store can be reached); the
+        error to answer with."""
+        try:
+            self.store.delete(sid)
+        except StoreUnavailable:
+            pass
+        return _corrupt(sid, what)
 
     def get(self, sid: str) -> LiveStream:
         """The live stream ``sid``: held here (and still the latest), or restored

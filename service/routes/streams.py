@@ -20,13 +20,13 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from engine.core.errors import NnetcError
-from engine.inference.looped import get_chunk_size
 from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, StreamInfo,
                              StreamOptions, StreamOutput)
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import ServiceError, error_body, error_parts
 from service.routes import blame, field_of, run_job
+from service.streams import chunk_bound
 
 router = APIRouter(tags=["streams"])
 
@@ -83,29 +83,9 @@ _NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector")
 @router.post("/streams", response_model=StreamInfo, status_code=201, dependencies=AUTH)
 def open_stream(body: OpenStreamRequest, services: ServicesDep, request: Request) -> StreamInfo:
     entry = services.registry.get(body.model_id)
-    limit = services.settings.max_request_indexes
-    opts = body.options
-    if opts.frames_per_chunk > limit:
-        raise ServiceError(413, "RequestTooLarge",
-                           f"frames_per_chunk {opts.frames_per_chunk} is more than this "
-                           f"service's max_request_indexes ({limit})", "options.frames_per_chunk")
-    # the first chunk's computation reads chunk_size frames (frames_per_chunk rounded up
-    # to a multiple of the subsampling factor and the network's modulus) and
-    # extra_left_context_initial more: bounded before the worker compiles anything
-    chunk = get_chunk_size(entry.model.nnet, opts.frame_subsampling_factor,
-                           opts.frames_per_chunk)
-    frames = chunk + opts.extra_left_context_initial
-    if frames > limit:
-        field = ("extra_left_context_initial" if opts.extra_left_context_initial >= chunk
-                 else "frame_subsampling_factor" if opts.frame_subsampling_factor > 1
-                 else "frames_per_chunk")
-        raise ServiceError(413, "RequestTooLarge",
-                           f"{field} {getattr(opts, field)}: a chunk of {chunk} frames "
-                           f"(frames_per_chunk {opts.frames_per_chunk} rounded up to a multiple "
-                           f"of frame_subsampling_factor {opts.frame_subsampling_factor} and "
-                           f"the network's modulus) plus extra_left_context_initial "
-                           f"{opts.extra_left_context_initial} is more than this service's "
-                           f"max_request_indexes ({limit})", f"options.{field}")
+    # bounded before the worker compiles anything
+    chunk_bound(entry.model.nnet, body.options.model_dump(),
+                services.settings.max_request_indexes)
     with blame(request, "options", _NAMED_FIELDS):
         summary = run_job(services, "stream_open", {
             "entry": entry, "options": body.options.model_dump(),

@@ -752,3 +752,72 @@ def test_a_checkpoint_with_broken_options_is_corrupt_and_dropped(server, mutate)
         r = b.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[9:12]), "offset": 9})
         assert r.status_code == 500 and r.json()["error"]["type"] == "CorruptCheckpoint", r.text
         assert server.client().exists(key) == 0
+
+
+def _checkpointed_stream(server, **options) -> tuple[str, str]:
+    """A RECURRENT stream with 9 frames pushed, checkpointed in Redis: (model id, id)."""
+    server.client().flushall()
+    with make_client(redis_url=server.url) as a:
+        mid = _register_config(a, RECURRENT, 3)
+        sid = a.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 7,
+                                                                     **options}}
+                     ).json()["stream_id"]
+        assert a.post(f"/streams/{sid}/frames",
+                      json={"features": _enc(X_REC[:9])}).status_code == 200
+    return mid, sid
+
+
+@needs_redis
+def test_a_checkpoint_of_the_wrong_redis_type_is_corrupt_not_an_outage(server):
+    """A stream key holding another Redis type is a broken checkpoint (500
+    CorruptCheckpoint, key deleted, then 404), not a 503 as if Redis were down."""
+    _, sid = _checkpointed_stream(server)
+    key = f"nnetc:stream:{sid}"
+    server.client().delete(key)
+    server.client().hset(key, "state", b"x")
+    with make_client(redis_url=server.url) as b:
+        _register_config(b, RECURRENT, 3)
+        r = b.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[9:12]), "offset": 9})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "CorruptCheckpoint", r.text
+        assert server.client().exists(key) == 0
+        assert b.get(f"/streams/{sid}").status_code == 404
+
+
+@needs_redis
+def test_a_checkpoint_asking_for_priors_the_model_lacks_is_corrupt(server):
+    """use_priors set in a checkpoint of a model without priors (a client could not have
+    opened it so) is a broken checkpoint, not a 422 blamed on the client's features."""
+    _, sid = _checkpointed_stream(server)
+    key = f"nnetc:stream:{sid}"
+    rec = msgpack.unpackb(server.client().get(key), raw=False)
+    rec["options"]["use_priors"] = True
+    server.client().set(key, msgpack.packb(rec, use_bin_type=True))
+    with make_client(redis_url=server.url) as b:
+        _register_config(b, RECURRENT, 3)
+        r = b.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[9:12]), "offset": 9})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "CorruptCheckpoint", r.text
+        assert "priors" in r.json()["error"]["message"]
+        assert server.client().exists(key) == 0
+
+
+@needs_redis
+@pytest.mark.parametrize("field, value", [("frames_per_chunk", 10**9),
+                                          ("extra_left_context_initial", 10**9),
+                                          ("frame_subsampling_factor", 10**8)])
+def test_a_checkpoint_chunk_beyond_the_bound_is_refused_before_compiling(server, field, value):
+    """A checkpoint whose chunk (frames_per_chunk, rounded up, plus the initial extra
+    context) is beyond this server's max_request_indexes is refused with the 413 that
+    opening such a stream gets, at once, instead of compiling a huge computation."""
+    _, sid = _checkpointed_stream(server)
+    key = f"nnetc:stream:{sid}"
+    rec = msgpack.unpackb(server.client().get(key), raw=False)
+    rec["options"][field] = value
+    server.client().set(key, msgpack.packb(rec, use_bin_type=True))
+    with make_client(redis_url=server.url) as b:
+        _register_config(b, RECURRENT, 3)
+        t0 = time.perf_counter()
+        r = b.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[9:12]), "offset": 9})
+        assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLarge", r.text
+        assert r.json()["error"]["field"] == f"options.{field}"
+        assert "checkpoint" in r.json()["error"]["message"]
+        assert time.perf_counter() - t0 < 10
