@@ -238,6 +238,9 @@ class RedisWorker:
                     except redis.RedisError:
                         pass
                 log.warning("worker cannot reach Redis", extra={"error": f"{e}"})
+                # beat as soon as Redis answers again: one that came back empty has
+                # lost the heartbeat, and /readyz would say no worker runs meanwhile
+                next_beat = 0.0
                 self._stop.wait(1.0)
                 continue
             if entries:

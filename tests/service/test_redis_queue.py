@@ -330,3 +330,28 @@ def test_a_job_whose_reply_cannot_be_written_does_not_hold_up_the_others(server)
                 assert r.status_code == 200, r.text
                 assert w.thread.is_alive()
     assert client.xpending(JOBS, GROUP)["pending"] == 0
+
+
+def test_a_worker_beats_again_as_soon_as_redis_comes_back(server):
+    """Redis restarted (without its data) loses the workers' heartbeats; a worker beats
+    again as soon as Redis answers, so /readyz is ready again within seconds, not after
+    the worker's heartbeat period (here 60 s)."""
+    server.client().flushall()
+    with ThreadWorker(server.url, heartbeat_s=60) as w, _api(server.url) as api:
+        deadline = time.time() + 10
+        while api.get("/readyz").status_code != 200 and time.time() < deadline:
+            time.sleep(0.1)
+        assert api.get("/readyz").status_code == 200
+        server.stop()
+        server.start()
+        deadline = time.time() + 15
+        while api.get("/readyz").status_code != 200 and time.time() < deadline:
+            time.sleep(0.2)
+        r = api.get("/readyz")
+        assert r.status_code == 200, r.text
+        assert r.json()["workers"] == 1
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        assert api.post("/compute", json={"model_id": mid, "request": request_for(0, 3),
+                                          "inputs": {"input": encode(np.ones((5, 4)))}}
+                        ).status_code == 200
+        assert w.thread.is_alive()
