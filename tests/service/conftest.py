@@ -4,6 +4,7 @@ fastapi.testclient, and helpers to register the test models."""
 from __future__ import annotations
 
 import base64
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.runtime.backend import get_backend
-from service.app import create_app
+from service.app import build_services, create_app
+from service.redis_queue import RedisWorker
 from service.settings import Settings
 from tests.service.redis_server import RedisServer, redis_server_binary
 
@@ -102,3 +104,23 @@ def server():
     s.start()
     yield s
     s.stop()
+
+
+class ThreadWorker:
+    """A Redis queue worker with its own services (registry, cache, operations), as a
+    separate `nnetc worker` process would have, running in a thread."""
+
+    def __init__(self, url: str, **kw):
+        settings = Settings(redis_url=url, log_level="WARNING")
+        self.services = build_services(settings)
+        self.worker = RedisWorker(self.services.cache.client, self.services.operations,
+                                  self.services.streams, self.services.registry, **kw)
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.worker.stop()
+        self.thread.join(10)

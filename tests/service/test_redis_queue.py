@@ -9,41 +9,18 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import redis
 
-from service.app import build_services
-from service.redis_queue import GROUP, JOBS, RedisWorker, ensure_group
-from service.settings import Settings
-from tests.service.conftest import (TINY_CONFIG, decode, encode, make_client, needs_redis,
-                                    register, request_for)
+from service.redis_queue import GROUP, JOBS, ensure_group
+from tests.service.conftest import (TINY_CONFIG, ThreadWorker, decode, encode, make_client,
+                                    needs_redis, register, request_for)
 
 pytestmark = needs_redis
 
-
-
-class ThreadWorker:
-    """A worker with its own services (registry, cache, operations), as a separate
-    process would have, running in a thread."""
-
-    def __init__(self, url: str, **kw):
-        settings = Settings(redis_url=url, log_level="WARNING")
-        self.services = build_services(settings)
-        self.worker = RedisWorker(self.services.cache.client, self.services.operations,
-                                  self.services.streams, self.services.registry, **kw)
-        self.thread = threading.Thread(target=self.worker.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.worker.stop()
-        self.thread.join(10)
 
 
 def _wait_queued(client, n: int, timeout: float = 10.0) -> None:
@@ -239,9 +216,23 @@ def test_nnetc_worker_process(server):
         with _api(server.url) as api:
             assert api.get("/readyz").status_code == 200
             mid = register(api, config=TINY_CONFIG)["model_id"]
-            r = api.post("/compute", json={"model_id": mid, "request": request_for(0, 3),
-                                           "inputs": {"input": encode(np.ones((5, 4)))}})
+            good = {"model_id": mid, "request": request_for(0, 3),
+                    "inputs": {"input": encode(np.ones((5, 4)))}}
+            # jobs that fail in the worker process get their 4xx; it goes on serving
+            short = {**request_for(0, 3), "inputs": [{"name": "input", "has_deriv": False,
+                                                      "indexes": [[0, 0, 0]]}]}
+            r = api.post("/compute", json={**good, "request": short,
+                                           "inputs": {"input": encode(np.ones((1, 4)))}})
+            assert r.status_code == 422 and r.json()["error"]["type"] == "NotComputableError"
+            r = api.post("/infer", json={"model_id": mid, "features": encode(np.ones((9, 6)))})
+            assert r.status_code == 422 and "dimension" in r.json()["error"]["message"]
+            r = api.post("/compile", json={"model_id": mid, "request": request_for(0, 3),
+                                           "optimizer": {"min_deriv_time": 5,
+                                                         "max_deriv_time": 1}})
+            assert r.status_code == 400, r.text
+            r = api.post("/compute", json=good)
             assert r.status_code == 200, r.text
+            assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         assert not client.exists("nnetc:worker:w1")
@@ -355,3 +346,54 @@ def test_a_worker_beats_again_as_soon_as_redis_comes_back(server):
                                           "inputs": {"input": encode(np.ones((5, 4)))}}
                         ).status_code == 200
         assert w.thread.is_alive()
+
+
+def test_one_bad_job_in_a_worker_batch_fails_alone(server):
+    """Several clients' compute and infer jobs taken by the worker in one read, one of
+    each kind bad (a request whose output cannot be computed from its inputs, found when
+    the worker compiles it; features of the wrong dimension): the bad ones get their 422
+    naming the fault, every other one its own correct answer."""
+    server.client().flushall()
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal((5, 4)).astype(np.float32) for _ in range(5)]
+    feats = [rng.standard_normal((20 + 3 * k, 4)).astype(np.float32) for k in range(4)]
+    bad_x, bad_f = np.ones((3, 4), np.float32), np.ones((9, 6), np.float32)
+    with _api(server.url) as api:
+        mid = register(api, config=TINY_CONFIG)["model_id"]
+        body = {"model_id": mid, "request": request_for(0, 3)}
+        jobs = ([("/compute", {**body, "inputs": {"input": encode(x)}}) for x in xs[:3]]
+                + [("/compute", {"model_id": mid, "request": {
+                    **request_for(0, 3), "inputs": [{"name": "input", "has_deriv": False,
+                                                     "indexes": [[0, t, 0] for t in range(3)]}]},
+                    "inputs": {"input": encode(bad_x)}})]
+                + [("/infer", {"model_id": mid, "features": encode(f)}) for f in feats[:2]]
+                + [("/infer", {"model_id": mid, "features": encode(bad_f)})]
+                + [("/compute", {**body, "inputs": {"input": encode(x)}}) for x in xs[3:]]
+                + [("/infer", {"model_id": mid, "features": encode(f)}) for f in feats[2:]])
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futs = [pool.submit(api.post, path, json=b) for path, b in jobs]
+            _wait_queued(server.client(), len(jobs))     # all queued before the worker starts
+            with ThreadWorker(server.url, max_batch=16) as w:
+                rs = [f.result(30) for f in futs]
+                assert w.thread.is_alive()
+            # each kind's five jobs, the bad one with them, were taken as one batch
+            text = w.services.metrics.render().decode()
+            for kind in ("compute", "infer"):
+                assert f'nnetc_jobs_per_batch_count{{kind="{kind}"}} 1.0' in text
+                assert f'nnetc_jobs_per_batch_sum{{kind="{kind}"}} 5.0' in text
+    with make_client() as local:
+        register(local, config=TINY_CONFIG)
+        for (path, b), r in zip(jobs, rs):
+            bad = (b.get("inputs", {}).get("input") == encode(bad_x)
+                   or b.get("features") == encode(bad_f))
+            if bad:
+                assert r.status_code == 422, r.text
+                err = r.json()["error"]
+                assert ("cannot be computed" in err["message"] if path == "/compute"
+                        else "dimension" in err["message"]), r.text
+                continue
+            assert r.status_code == 200, r.text
+            want = local.post(path, json=b).json()
+            got, ref = ((r.json()["outputs"]["output"], want["outputs"]["output"])
+                        if path == "/compute" else (r.json()["output"], want["output"]))
+            np.testing.assert_allclose(decode(got), decode(ref), rtol=1e-5, atol=1e-6)
