@@ -55,6 +55,8 @@ class PassContext:
         self.changed: dict[str, bool] = {}   # pass name -> changed, for passes run so far
         # a renumbering a pass left to the next one (extend_matrices to variable merging)
         self.renumber_due = False
+        # zeroings variable merging found for remove_unnecessary_zeroing (see there)
+        self.zeroings = None
         self._analyzer: Analyzer | None = None
         self._analyzed: NnetComputation | None = None
         self._shape: tuple[int, int, int] = (0, 0, 0)

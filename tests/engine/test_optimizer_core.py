@@ -475,7 +475,9 @@ def test_analysis_kept_up_to_date_by_passes_equals_a_fresh_one():
     kept = 0
     for nnet, req, comp in _pipeline_cases():
         c = comp.copy()
-        ctx = PassContext(nnet, OptimizeOptions(), req)
+        # (with remove_unnecessary_zeroing next, variable merging hands that pass its
+        # decisions instead: test_zeroing_decided_by_variable_merging)
+        ctx = PassContext(nnet, OptimizeOptions(initialize_undefined=False), req)
         for spec in PASSES:
             if not spec.gate(ctx.options, ctx):
                 continue
@@ -487,6 +489,33 @@ def test_analysis_kept_up_to_date_by_passes_equals_a_fresh_one():
             elif changed:
                 ctx.invalidate()
     assert kept > 10
+
+
+def test_zeroing_decided_by_variable_merging():
+    """Variable merging decides remove_unnecessary_zeroing's zeroings on its analysis
+    before deleting its no-ops and renumbering; the pass then gives what it gives
+    deciding on a new analysis of the computation it gets."""
+    handed = 0
+    for nnet, req, comp in _pipeline_cases():
+        texts = []
+        for hand_on in (True, False):
+            c = comp.copy()
+            ctx = PassContext(nnet, OptimizeOptions(), req)
+            for spec in PASSES:
+                if not spec.gate(ctx.options, ctx):
+                    continue
+                if spec.name == "remove_unnecessary_zeroing":
+                    if ctx.zeroings is not None:
+                        handed += hand_on
+                    if not hand_on:
+                        ctx.zeroings = None
+                        ctx.invalidate()
+                ctx._updated = False
+                if load_pass(spec)[0](c, ctx) and not ctx._updated:
+                    ctx.invalidate()
+            texts.append(c.to_text(nnet))
+        assert texts[0] == texts[1]
+    assert handed > 10
 
 
 def test_matrix_accesses_are_made_right_from_the_entries():

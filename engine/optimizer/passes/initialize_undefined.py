@@ -131,12 +131,17 @@ def _decided_by_rectangles(ents: list, nr: int, nc: int, is_output: bool) -> boo
     return is_output and not _inside(zr, reached)
 
 
-def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
-    a = ctx.analyzer(computation)
+def unnecessary_zeroings(computation: NnetComputation, a) -> list[int]:
+    """The zeroings (command indexes) that RemoveUnnecessaryZeroing turns into
+    no-ops, found on ``a``, an Analyzer of ``computation``.  Only the order of
+    command indexes and their equality matter here, and the rectangles
+    accessed, so the answer is the same on an analysis taken before no-ops are
+    deleted and the computation renumbered (what variable merging does just
+    before this pass: see ``remove_unnecessary_zeroing``)."""
     cmds = computation.commands
     mats = computation.matrices
     set_const = CT.SET_CONST
-    changed = False
+    out = []
     entries = a.entries
     for m in range(1, len(mats)):
         ents = entries[m]
@@ -153,8 +158,7 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
             c1, a1, r1 = ents[1]
             if (r1 == zr and not a1 & _R and c1 != z
                     and (len(ents) == 2 or ents[2][0] != c1)):
-                cmd.command_type = CT.NO_OPERATION
-                changed = True
+                out.append(z)
                 continue
         ma = a.matrix_accesses[m]
         needed = _decided_by_sweep(ents, mi.num_rows, mi.num_cols, ma.is_output)
@@ -170,10 +174,31 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
                     needed = True   # the zeros themselves are the output
                     break
         if not needed:
-            cmd.command_type = CT.NO_OPERATION
-            changed = True
-    if changed:
-        # (the analysis is not brought up to date: the next pass, moving the
-        # allocations, needs less of it than that costs and finds it itself)
-        remove_no_ops(computation)
-    return changed
+            out.append(z)
+    return out
+
+
+def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
+    """Kaldi's RemoveUnnecessaryZeroing.  Variable merging, which runs just before,
+    may have decided it already (``ctx.zeroings``: the computation, its number
+    of commands, and the zeroing commands themselves), on its own analysis
+    before it deleted its no-ops and renumbered: that spares bringing the
+    analysis up to date through those edits for this pass alone."""
+    decided = getattr(ctx, "zeroings", None)
+    if decided is not None:
+        ctx.zeroings = None
+    if (decided is not None and decided[0] is computation
+            and decided[1] == len(computation.commands)):
+        gone = decided[2]
+    else:
+        cmds = computation.commands
+        gone = [cmds[z] for z in unnecessary_zeroings(computation, ctx.analyzer(computation))]
+    if not gone:
+        return False
+    noop = CT.NO_OPERATION
+    for cmd in gone:
+        cmd.command_type = noop
+    # (the analysis is not brought up to date: the next pass, moving the
+    # allocations, needs less of it than that costs and finds it itself)
+    remove_no_ops(computation)
+    return True

@@ -50,7 +50,8 @@ from collections import Counter
 from engine.compiler.computation import K_STRIDE_EQUAL_NUM_COLS, NnetComputation
 from engine.nnet.components.base import ComponentProperty as P
 from engine.optimizer.analysis import CT, Analyzer, ComponentProperties, ComputationAnalysis
-from engine.optimizer.passes.remove_no_ops import remove_no_ops_from
+from engine.optimizer.passes.initialize_undefined import unnecessary_zeroings
+from engine.optimizer.passes.remove_no_ops import remove_no_ops, remove_no_ops_from
 from engine.optimizer.passes.renumber import (renumber_computation, renumber_with_maps,
                                               submatrix_info)
 
@@ -368,6 +369,12 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
     return merged or due
 
 
+def _zeroing_next(ctx) -> bool:
+    """Whether remove_unnecessary_zeroing runs next in the pipeline of ``ctx``."""
+    o = ctx.options
+    return hasattr(ctx, "zeroings") and o.optimize and o.initialize_undefined
+
+
 def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
     o = ctx.options
     if not o.allow_left_merge and not o.allow_right_merge:
@@ -398,6 +405,16 @@ def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
         commands = sorted(touched.intersection(candidates).difference(settled))
     if order is None:
         return False
+    if _zeroing_next(ctx):
+        # the next pass's decisions, taken on this analysis (see
+        # remove_unnecessary_zeroing), which then need not follow the deletion of
+        # the no-ops and the renumbering
+        cmds = computation.commands
+        gone = [cmds[z] for z in unnecessary_zeroings(computation, analyzer)]
+        remove_no_ops(computation)
+        renumber_with_maps(computation, submatrix_order=order.key)
+        ctx.zeroings = (computation, len(computation.commands), gone)
+        return True
     # the analysis follows the deletion of the no-ops and the renumbering (the
     # next passes need it): cheaper than analysing the result again.  No-ops
     # refer to nothing, so deleting them first leaves the renumbering as it was
