@@ -461,8 +461,32 @@ class Analyzer:
         cacc: list = []
         self._command_accesses = cacc
         keep, shorts, props = cacc.append, _SHORT, self.props
+        set_const = CT.SET_CONST
         for ci, cmd in enumerate(computation.commands):
             ct = cmd.command_type
+            # the three commands the compiler gives every matrix first, inline
+            if ct == alloc or ct == dealloc:
+                keep(())
+                s = cmd.arg1
+                if 0 < s < ns and whole[s]:
+                    ma = out[s2m[s]]
+                    if ct == alloc:
+                        if ma.allocate_command == -1:
+                            ma.allocate_command = ci
+                            continue
+                    elif ma.deallocate_command == -1:
+                        ma.deallocate_command = ci
+                        continue
+                life.apply(ci)
+                continue
+            if ct == set_const:
+                s = cmd.arg1
+                if s > 0:
+                    keep([(s, _W)])
+                    entries[s2m[s]].append((ci, _W, rect[s]))
+                else:
+                    keep([])
+                continue
             short = shorts[ct]
             if short is not None and short[0] != 2:
                 n, get, accs, _ = short
