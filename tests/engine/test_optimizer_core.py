@@ -655,6 +655,20 @@ def test_zeroing_sweep_agrees_with_the_variables():
         ([(0, 2, whole), (1, 2, (0, 4, 0, 3))], True, True),
         ([(0, 2, whole), (1, 2, (0, 2, 0, 6)), (2, 2, (2, 4, 0, 6)), (3, 3, whole)],
          True, False),
+        # column blocks from the left, the last one's command also reading: the zeros
+        # are read (and not when the read comes with a later command)
+        ([(0, 2, whole), (1, 2, (0, 4, 0, 3)), (2, 2, (0, 4, 3, 6)), (2, 1, (0, 4, 4, 5))],
+         False, True),
+        ([(0, 2, whole), (1, 2, (0, 4, 0, 3)), (2, 2, (0, 4, 3, 6)), (2, 1, (0, 4, 0, 1))],
+         False, False),
+        ([(0, 2, whole), (1, 2, (0, 4, 0, 3)), (2, 2, (0, 4, 3, 6)), (3, 1, (0, 4, 4, 5))],
+         False, False),
+        ([(0, 2, whole), (1, 2, (0, 4, 0, 2)), (1, 2, (0, 4, 2, 6)), (2, 1, whole)],
+         True, False),
+        ([(0, 2, whole), (1, 2, (0, 4, 3, 6)), (2, 2, (0, 4, 0, 3)), (3, 1, whole)],
+         False, False),
+        ([(0, 2, whole), (1, 2, (0, 4, 0, 2)), (2, 2, (0, 4, 3, 6)), (3, 1, whole)],
+         False, True),
         ([(0, 2, whole), (1, 2, (0, 2, 0, 3))], False, None),   # neither rows nor columns
         ([(0, 2, (0, 2, 0, 6)), (1, 2, whole)], False, None),   # the zeroing is partial
     ]

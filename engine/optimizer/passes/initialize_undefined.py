@@ -41,6 +41,21 @@ def _decided_by_sweep(ents: list, nr: int, nc: int, is_output: bool) -> bool | N
     z, _, zr = ents[0]
     if zr != (0, nr, 0, nc) or ents[1][0] == z:
         return None
+    # the usual case first: writes of all rows, column block after column block
+    # from the left, until the columns are covered by a command that touches the
+    # matrix nowhere else after that (then the walk below stops there too: False);
+    # anything else is left to it
+    end = 0
+    n = len(ents)
+    for i in range(1, n):
+        c, a, (r0, r1, c0, c1) = ents[i]
+        if a != _W or c0 != end or r0 != 0 or r1 != nr:
+            break
+        end = c1
+        if end == nc:
+            if i + 1 == n or ents[i + 1][0] != c:
+                return False
+            break
     covered: list[tuple[int, int]] = []   # sorted, disjoint, not touching
     axis = -1                             # 0: intervals of rows, 1: of columns
     i, n = 1, len(ents)
