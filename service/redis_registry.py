@@ -60,10 +60,12 @@ class RedisModelRegistry:
             except redis.ResponseError as e:
                 if not is_wrong_type(e):
                     raise
-                # a key of another type holds the model's name: replace it
-                log.warning("a model key of the wrong Redis type is replaced",
+                # the model's key or the index holds another Redis type: replace it
+                log.warning("a registry key of the wrong Redis type is replaced",
                             extra={"model_id": entry.model_id, "error": str(e)})
-                self.client.delete(key)
+                if self.client.type(key) not in (b"hash", b"none"):
+                    self.client.delete(key)
+                self._repair_index()
                 existed = self._store(key, record, entry.model_id)
         except redis.RedisError as e:
             log.warning("model not stored in Redis (registered in this process only)",
@@ -71,6 +73,21 @@ class RedisModelRegistry:
                                "error": f"{type(e).__name__}: {e}"})
             return entry, created_here
         return entry, not existed
+
+    def _repair_index(self) -> None:
+        """When the index of model ids holds another Redis type than a set, make it
+        again from the model keys there are."""
+        if self.client.type(self.set_key) in (b"set", b"none"):
+            return
+        ids = [k[len(self.prefix):] for k in self.client.scan_iter(
+            match=self.prefix.encode() + b"*", count=1000)]
+        log.warning("the model index had the wrong Redis type; made again from the model "
+                    "keys", extra={"models": len(ids)})
+        with self.client.pipeline() as pipe:
+            pipe.delete(self.set_key)
+            if ids:
+                pipe.sadd(self.set_key, *ids)
+            pipe.execute()
 
     def _store(self, key: str, record: dict, model_id: str) -> bool:
         """Write the record (and list the id); whether the key existed before."""
@@ -126,8 +143,14 @@ class RedisModelRegistry:
         with ``model`` None) and those held here."""
         held = {e.model_id: e for e in self.local.list()}
         try:
-            ids = sorted(i.decode("ascii", "replace")
-                         for i in self.client.smembers(self.set_key))
+            try:
+                members = self.client.smembers(self.set_key)
+            except redis.ResponseError as e:
+                if not is_wrong_type(e):
+                    raise
+                self._repair_index()
+                members = self.client.smembers(self.set_key)
+            ids = sorted(i.decode("ascii", "replace") for i in members)
             out = []
             for mid in ids:
                 if mid in held:

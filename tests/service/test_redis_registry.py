@@ -139,3 +139,22 @@ def test_a_model_record_of_the_wrong_redis_type_is_corrupt_not_an_outage(url, se
         assert register(b, config=TINY_CONFIG)["model_id"] == bad
     with make_client(redis_url=url) as c:
         assert c.get(f"/models/{bad}").status_code == 200
+
+
+def test_a_model_index_of_the_wrong_redis_type_is_made_again(url, server):
+    """The index of model ids (a set) holding another Redis type is made again from the
+    model keys: every service lists every model, and registering works."""
+    with make_client(redis_url=url) as a:
+        one = register(a, config=TINY_CONFIG)["model_id"]
+    server.client().delete("nnetc:models")
+    server.client().set("nnetc:models", b"not a set")
+    with make_client(redis_url=url) as b:
+        r = b.get("/models")
+        assert r.status_code == 200 and [m["model_id"] for m in r.json()["models"]] == [one]
+        server.client().set("nnetc:models", b"not a set")
+        two = register(b, config=TINY_CONFIG.replace("output-dim=3", "output-dim=2")
+                       )["model_id"]
+    assert server.client().type("nnetc:models") == b"set"
+    with make_client(redis_url=url) as c:
+        assert {m["model_id"] for m in c.get("/models").json()["models"]} == {one, two}
+        assert c.get(f"/models/{two}").status_code == 200
