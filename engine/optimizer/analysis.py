@@ -464,7 +464,9 @@ class Analyzer:
         set_const = CT.SET_CONST
         for ci, cmd in enumerate(computation.commands):
             ct = cmd.command_type
-            # the three commands the compiler gives every matrix first, inline
+            # the three commands the compiler gives every matrix first, inline (the
+            # allocations and deallocations as reanalyze takes them: a call per command
+            # would cost what inlining saves); anything unusual, and every error, in _Life
             if ct == alloc or ct == dealloc:
                 keep(())
                 s = cmd.arg1
@@ -515,19 +517,7 @@ class Analyzer:
                     for s, a in lst:
                         entries[s2m[s]].append((ci, a, rect[s]))
                 keep(lst)
-            if ct in life_types:
-                s = cmd.arg1
-                # the usual cases inline; anything else (and every error) in _Life
-                if ct == alloc and 0 < s < ns and whole[s]:
-                    ma = out[s2m[s]]
-                    if ma.allocate_command == -1:
-                        ma.allocate_command = ci
-                        continue
-                elif ct == dealloc and 0 < s < ns and whole[s]:
-                    ma = out[s2m[s]]
-                    if ma.deallocate_command == -1:
-                        ma.deallocate_command = ci
-                        continue
+            if ct in life_types:        # swaps, inputs and outputs (see above for the rest)
                 life.apply(ci)
 
     # -- built when first asked for --------------------------------------------------------
@@ -783,7 +773,8 @@ class Analyzer:
                 cacc[ci] = ()
                 continue
             s = cmd.arg1
-            # the usual cases inline; anything else (and every error) in _Life
+            # the usual cases inline (as in __init__); anything else (and every error)
+            # in _Life
             if (ct == alloc or ct == dealloc) and 0 < s < ns and whole[s]:
                 m = s2m[s]
                 if m not in groups:
