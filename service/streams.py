@@ -111,6 +111,9 @@ class NoStreamStore:
     def end(self, sid: str) -> None:
         pass
 
+    def discard(self, sid: str, what: str) -> ServiceError:
+        return _corrupt(sid, what)
+
 
 class RedisStreamStore:
     """Checkpoints in Redis, one msgpack record per stream, expiring after
@@ -140,31 +143,38 @@ class RedisStreamStore:
         except (ValueError, TypeError, msgpack.UnpackException) as e:
             raise _corrupt(sid, f"is not readable ({e})") from None
 
-    def _call(self, fn, *args):
-        try:
-            return fn(*args)
-        except redis.RedisError as e:
-            raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
+    def _error(self, sid: str, e: redis.RedisError) -> Exception:
+        """What a Redis error on the key of stream ``sid`` means: a key of another Redis
+        type than a checkpoint's (a string) is a broken checkpoint (deleted); anything
+        else, the store cannot be reached."""
+        if is_wrong_type(e):
+            return self.discard(sid, "is not readable (its key holds another Redis type)")
+        return StoreUnavailable(f"{type(e).__name__}: {e}")
 
-    def _wrong_type(self, sid: str) -> ServiceError:
-        """Delete the key of ``sid``, which holds another Redis type than a checkpoint
-        (a string); the error to answer with."""
-        self._call(self.client.delete, self.prefix + sid)
-        return _corrupt(sid, "is not readable (its key holds another Redis type)")
+    def _call(self, fn, sid: str, *args):
+        """fn(key of ``sid``, *args), its Redis errors as _error tells."""
+        try:
+            return fn(self.prefix + sid, *args)
+        except redis.RedisError as e:
+            raise self._error(sid, e) from None
+
+    def discard(self, sid: str, what: str) -> ServiceError:
+        """Delete the unusable checkpoint of ``sid`` (if Redis can be reached); the
+        error to answer with (``what``: as for _corrupt)."""
+        try:
+            self.client.delete(self.prefix + sid)
+        except redis.RedisError:
+            pass
+        return _corrupt(sid, what)
 
     def load(self, sid: str) -> dict | None:
-        try:
-            raw = self.client.get(self.prefix + sid)
-        except redis.RedisError as e:
-            if is_wrong_type(e):
-                raise self._wrong_type(sid) from None
-            raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
+        raw = self._call(self.client.get, sid)
         if raw is None:
             return None
         try:
             return self._decode(sid, raw)
         except ServiceError:
-            self._call(self.client.delete, self.prefix + sid)
+            self._call(self.client.delete, sid)
             raise
 
     def version(self, sid: str) -> int | None:
@@ -193,19 +203,17 @@ class RedisStreamStore:
         except redis.WatchError:
             raise StreamConflict(None) from None
         except redis.RedisError as e:
-            if is_wrong_type(e):
-                raise self._wrong_type(sid) from None
-            raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
+            raise self._error(sid, e) from None
 
     def delete(self, sid: str) -> None:
-        self._call(self.client.delete, self.prefix + sid)
+        self._call(self.client.delete, sid)
 
     def end(self, sid: str) -> None:
         """Replace the checkpoint by a marker that the stream has ended (finished or
         closed), kept as long as a checkpoint would be: a process still holding the
         stream learns of it instead of carrying on (or saving it back)."""
-        self._call(self.client.set, self.prefix + sid,
-                   msgpack.packb({"v": RECORD_VERSION, "ended": True}), self.ttl_s)
+        self._call(self.client.set, sid, msgpack.packb({"v": RECORD_VERSION, "ended": True}),
+                   self.ttl_s)
 
 
 @dataclass
@@ -355,7 +363,7 @@ class StreamManager:
             rec = dict(rec, options=StreamOptions.model_validate(rec["options"],
                                                                  strict=True).model_dump())
         except ValueError as e:
-            raise self._discard(sid, f"is not readable (its options: {e})") from None
+            raise self.store.discard(sid, f"is not readable (its options: {e})") from None
         try:
             entry = self.registry.get(rec["model_id"])
         except ServiceError:
@@ -375,7 +383,7 @@ class StreamManager:
         except NnetcError as e:
             # options a client could not have opened the stream with (use_priors on a
             # model without priors), or a state that does not fit the model
-            raise self._discard(sid, f"cannot be restored ({e})") from None
+            raise self.store.discard(sid, f"cannot be restored ({e})") from None
         live = LiveStream(sid, rec["model_id"], rec["options"], looped, stream,
                           version=rec["version"])
         with self._lock:
@@ -386,15 +394,6 @@ class StreamManager:
         self._event("restored")
         self._gauge()
         return live
-
-    def _discard(self, sid: str, what: str) -> ServiceError:
-        """Delete the unusable checkpoint of ``sid`` (if the store can be reached); the
-        error to answer with."""
-        try:
-            self.store.delete(sid)
-        except StoreUnavailable:
-            pass
-        return _corrupt(sid, what)
 
     def get(self, sid: str) -> LiveStream:
         """The live stream ``sid``: held here (and still the latest), or restored
