@@ -3,20 +3,28 @@ fast LSTMs, the GRU family, restricted attention, convolutions with residual blo
 channel averaging, TDNN-F with its less common options, an IDCT + LDA front end with
 statistics pooling, the basic layer and component types), checked against Kaldi's own output on them (tests/data/inference/xconfig, made by
 tests/kaldi_oracle/make_xconfig_cases.py): offline inference as nnet3-compute runs it,
-and streams as Kaldi's looped decodable runs them, with the frames pushed in pieces."""
+and streams as Kaldi's looped decodable runs them, with the frames pushed in pieces; and
+against Kaldi's compilation of the chunk requests of kaldi_stats.json on them (command
+counts and peak bytes, unoptimized, optimized and shortcut-compiled; a printout)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
 import pytest
 
 from refdata import DATA
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.compiler.shortcut import compile_request
+from engine.core.index import Index
+from engine.inference.common import simple_context
 from engine.inference.looped import LoopedConfig, find_future_recurrence
 from engine.inference.simple import InferenceOptions, Inferencer
 from engine.inference.stream import LoopedModel
 from engine.nnet.model_io import load_model
+from engine.optimizer.collapse import set_batchnorm_test_mode, set_dropout_test_mode
 from inference_nets import assert_close
 
 ROOT = DATA / "inference" / "xconfig"
@@ -73,3 +81,44 @@ def test_output_equals_kaldi(folder, setting):
         assert_close(got, ref, setting["key"])
         # how the frames were cut changes nothing, to the bit
         assert np.array_equal(got, outs[0])
+
+
+# -- Kaldi's compilation of the chunk requests of kaldi_stats.json on them ------------------
+
+CHUNK_PARAMS = [pytest.param(d, key, id=f"{d.name}-{key}") for d in CASES
+                for key in json.loads((d / "kaldi_chunks.json").read_text())]
+
+
+def chunk_request(nnet, chunk: int, batch: int, left: int, right: int) -> ComputationRequest:
+    """kaldi_stats.json's request: input t in [-left, chunk + right), output t in
+    [0, chunk), n in [0, batch) (n-major), an i-vector at t = 0 per n."""
+    inputs = [IoSpecification("input", [Index(n, t, 0) for n in range(batch)
+                                        for t in range(-left, chunk + right)])]
+    if nnet.get_node_index("ivector") >= 0:
+        inputs.append(IoSpecification("ivector", [Index(n, 0, 0) for n in range(batch)]))
+    return ComputationRequest(inputs, [IoSpecification(
+        "output", [Index(n, t, 0) for n in range(batch) for t in range(chunk)])])
+
+
+@pytest.mark.parametrize("folder,key", CHUNK_PARAMS)
+def test_compilation_equals_kaldis(folder, key):
+    """Command counts and peak bytes of the unoptimized, optimized and shortcut-compiled
+    computations as Kaldi's (genchunk: Compiler, Optimize, CachingOptimizingCompiler on
+    the network in test mode); for chunk 21 x 1 the optimized printout, character for
+    character."""
+    fig = json.loads((folder / "kaldi_chunks.json").read_text())[key]
+    nnet = load_model(str(folder / "model.raw")).nnet
+    set_batchnorm_test_mode(nnet)
+    set_dropout_test_mode(nnet)
+    assert simple_context(nnet) == (fig["left_context"], fig["right_context"])
+    req = chunk_request(nnet, fig["chunk"], fig["batch"], fig["left_context"],
+                        fig["right_context"])
+    for form, comp in (("unoptimized", compile_request(nnet, req, optimize=False)),
+                       ("optimized", compile_request(nnet, req, use_shortcut=False)),
+                       ("shortcut", compile_request(nnet, req, use_shortcut=True))):
+        st = comp.stats()
+        assert (st["commands"], st["peak_bytes"]) == (fig[form]["commands"],
+                                                      fig[form]["peak_bytes"]), form
+        if form == "optimized" and key == "c21_b1":
+            with gzip.open(folder / "computation_c21_b1.txt.gz", "rt") as f:
+                assert comp.to_text(nnet) == f.read()

@@ -31,7 +31,7 @@ for s in $SRCS; do
   [ -f "$o" ] && [ "$o" -nt "$s" ] || echo "g++ $FLAGS -c $s -o $o"
 done | xargs -P "$(nproc)" -I{} sh -c {}
 rm -f libnnet3oracle.a && ar rcs libnnet3oracle.a $OBJS
-for d in gen gencomp geninfer; do
+for d in gen gencomp geninfer genchunk; do
   g++ $FLAGS "$HERE/$d.cc" libnnet3oracle.a -o "$OUT/$d" -lopenblas -llapacke -llapack -lfst -ldl
 done
-echo "built $OUT/gen $OUT/gencomp $OUT/geninfer"
+echo "built $OUT/gen $OUT/gencomp $OUT/geninfer $OUT/genchunk"

@@ -12,14 +12,19 @@ and random means and variances, since Kaldi draws random ones for a zero count),
 OUT_DIR/NAME/case.npz (features, an i-vector when the network has an 'ivector' input,
 and per setting the output of BIN_DIR/geninfer: Kaldi's DecodableNnetSimple as
 nnet3-compute runs it, or DecodableNnetSimpleLooped) and OUT_DIR/NAME/case.json (the
-settings).  tests/data/inference/xconfig was made with it; CI reads that copy
+settings); and OUT_DIR/NAME/kaldi_chunks.json and computation_c21_b1.txt.gz: Kaldi's
+compilation of the chunk requests of kaldi_stats.json (BIN_DIR/genchunk; see
+compile_figures).  tests/data/inference/xconfig was made with it; CI reads that copy
 (tests/engine/test_xconfig_architectures.py)."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
+import subprocess
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -41,6 +46,8 @@ SETTINGS = [("offline_fpc17_elc4_erc2", False, 17, 4, 2, -1, -1, 1),
 # the matrix of a fixed-affine-layer reading {out}/lda.mat: 72 outputs, 3 x 20 feature
 # dims + 12 i-vector dims and the bias column
 LDA_SHAPE = (72, 73)
+# the chunk requests whose compilation by Kaldi is recorded (chunk, batch)
+CHUNKS = [(21, 1), (150, 1), (21, 8), (150, 8)]
 
 
 def final_config(steps: Path, xconfig: Path, out: Path) -> str:
@@ -110,6 +117,7 @@ def make(steps: Path, bin_dir: Path, out_dir: Path, name: str, seed: int) -> Non
         arrays[f"output.{key}"] = ref
         settings.append({"key": key, "looped": looped, **o})
     np.savez_compressed(out / "case.npz", **arrays)
+    compile_figures(bin_dir, out)
     (out / "case.json").write_text(json.dumps({
         "what": f"xconfigs/{name}.xconfig through Kaldi's xconfig library (final.config), "
                 f"built by nnetc with seed {seed} and batch-norm statistics set (model.raw, "
@@ -117,6 +125,35 @@ def make(steps: Path, bin_dir: Path, out_dir: Path, name: str, seed: int) -> Non
                 "DecodableNnetSimple as nnet3-compute, or DecodableNnetSimpleLooped",
         "num_frames": T, "settings": settings}, indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def compile_figures(bin_dir: Path, out: Path) -> None:
+    """kaldi_chunks.json: per chunk request of CHUNKS (built by BIN_DIR/genchunk: the
+    request of kaldi_stats.json), Kaldi's command count and peak bytes of its unoptimized
+    and optimized computations and of the one CachingOptimizingCompiler makes (shortcut
+    compilation for batch > 1), and the left/right context it used; and the printout of
+    its optimized computation for the first request (computation_c21_b1.txt.gz)."""
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for chunk, batch in CHUNKS:
+            case = Path(tmp) / f"c{chunk}_b{batch}"
+            case.mkdir()
+            p = subprocess.run([str(bin_dir / "genchunk"), str(out / "model.raw"), str(chunk),
+                                str(batch), "0", str(case)], capture_output=True, text=True)
+            if p.returncode:
+                raise SystemExit(f"{out.name} chunk {chunk} batch {batch}: Kaldi refused: "
+                                 f"{p.stderr.strip().splitlines()[-1:]}")
+            request = json.loads((case / "request.json").read_text())
+            ts = [t for _, t, _ in request["inputs"][0]["indexes"]]
+            figures[f"c{chunk}_b{batch}"] = {
+                "chunk": chunk, "batch": batch, "left_context": -min(ts),
+                "right_context": max(ts) - chunk + 1,
+                **json.loads((case / "stats.json").read_text()),
+                "shortcut": json.loads((case / "shortcut.json").read_text())}
+            if (chunk, batch) == CHUNKS[0]:
+                with gzip.open(out / "computation_c21_b1.txt.gz", "wt") as f:
+                    f.write((case / "computation.txt").read_text())
+    (out / "kaldi_chunks.json").write_text(json.dumps(figures, indent=1) + "\n")
 
 
 def main() -> None:

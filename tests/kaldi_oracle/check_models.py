@@ -1,0 +1,110 @@
+"""Kaldi's chunk requests on given models, compiled and run by Kaldi and by nnetc.
+
+    python tests/kaldi_oracle/check_models.py BIN_DIR OUT_DIR MODEL...
+
+For each MODEL (.raw) and each case of CASES (chunk, batch, with derivatives or not),
+BIN_DIR/genchunk writes a kaldi-ref style network case to OUT_DIR/NAME_cCHUNK_bBATCH_dD
+(the chunk request of kaldi_stats.json; with derivatives the input and output have them
+and the model derivative is asked for); then, as check_networks.py does for random
+networks, nnetc's unoptimized and optimized computations are run against Kaldi's numbers
+and the optimized command count, peak bytes and printout compared with Kaldi's; and the
+stats of the computation Kaldi's CachingOptimizingCompiler makes (shortcut compilation
+for batch > 1) with nnetc's compile_request.  Prints one line per failing case and a
+summary.
+
+A derivative through a ReLU whose input is within float32 rounding of zero depends on
+the order of the sums before it: Kaldi's BLAS and NumPy's may put that input on either
+side, and the derivative then differs over the unit's whole receptive field.  A case
+whose only failures are derivatives and where such an input exists (|x| below 1e-6 of
+the largest input of its layer) is reported apart, as inconclusive, with the unit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from check_networks import check
+from oracle_io import report, to_npz
+
+import numpy as np
+
+from engine.compiler.computation import CommandType  # noqa: E402
+from engine.compiler.compiler import CompilerOptions, compile_computation  # noqa: E402
+from engine.compiler.request import ComputationRequest  # noqa: E402
+from engine.runtime.executor import Executor  # noqa: E402
+from engine.compiler.shortcut import compile_request  # noqa: E402
+from engine.nnet.model_io import load_nnet  # noqa: E402
+
+CASES = [(21, 1, 0), (150, 1, 0), (21, 8, 0), (150, 8, 0), (21, 1, 1), (17, 3, 1)]
+
+
+def relu_kinks(case: Path) -> list[str]:
+    """The ReLU inputs of the case's forward run (unoptimized) within 1e-6 of the
+    largest input of their layer from zero: "component (row, column) value"."""
+    nnet = load_nnet(case / "model.txt")
+    req = ComputationRequest.from_json((case / "request.json").read_bytes())
+    arrays = np.load(case / "arrays.npz")
+    found: list[str] = []
+
+    class Recording(Executor):
+        def _execute(self, c):
+            if c.command_type == CommandType.PROPAGATE:
+                comp = self._components[c.arg1]
+                if type(comp).__name__ == "RectifiedLinearComponent":
+                    x = np.asarray(self._sub(c.arg3))
+                    a = np.abs(x)
+                    r, k = np.unravel_index(np.argmin(a), a.shape)
+                    if a.size and a[r, k] <= 1e-6 * a.max():
+                        found.append(f"{self.computation_name(c.arg1)} ({r}, {k}) {x[r, k]:.3g}")
+            return super()._execute(c)
+
+    ex = Recording(compile_computation(nnet, [req], CompilerOptions()), nnet)
+    for spec in req.inputs:
+        ex.accept_input(spec.name, arrays[f"input.{spec.name}"])
+    ex.run()
+    return found
+
+
+def main() -> None:
+    bin_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    bad = n = inconclusive = 0
+    for model in sys.argv[3:]:
+        name = Path(model).parent.name if Path(model).name == "model.raw" else Path(model).stem
+        for chunk, batch, deriv in CASES:
+            case = out / f"{name}_c{chunk}_b{batch}_d{deriv}"
+            case.mkdir(parents=True, exist_ok=True)
+            p = subprocess.run([str(bin_dir / "genchunk"), model, str(chunk), str(batch),
+                                str(deriv), str(case)], capture_output=True, text=True)
+            if p.returncode:
+                print(f"{case.name}: Kaldi failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+                continue
+            to_npz(case)
+            n += 1
+            problems = check(case)
+            try:
+                nnet = load_nnet(case / "model.txt")
+                req = ComputationRequest.from_json((case / "request.json").read_bytes())
+                st = compile_request(nnet, req, use_shortcut=True).stats()
+                ref = json.loads((case / "shortcut.json").read_text())
+                if (st["commands"], st["peak_bytes"]) != (ref["commands"], ref["peak_bytes"]):
+                    problems.append(f"shortcut stats: ours {st['commands']}/{st['peak_bytes']}, "
+                                    f"kaldi {ref}")
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"shortcut compile: {type(e).__name__}: {str(e)[:300]}")
+            if problems and deriv and all("deriv" in p or "gradient" in p for p in problems):
+                kinks = relu_kinks(case)
+                if kinks:
+                    inconclusive += 1
+                    print(f"{case.name}: inconclusive, derivatives through a ReLU input at "
+                          f"zero within rounding: {'; '.join(kinks)}")
+                    continue
+            if problems:
+                bad += 1
+                report(case.name, problems)
+    print(f"{bad} failing of {n} cases ({inconclusive} inconclusive: see above)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+// Chunk-request case generator (outside the project): a given model, the chunk request of
+// kaldi_stats.json (input t in [-left, chunk + right), output t in [0, chunk), n in
+// [0, batch), i-vector at t = 0 per n), compiled, optimized and computed by Kaldi; written
+// in the kaldi-ref network case layout, plus shortcut.json: the stats of the computation
+// CachingOptimizingCompiler makes (shortcut compilation for batch > 1).
+#include "nnet3/nnet-nnet.h"
+#include "nnet3/nnet-compile.h"
+#include "nnet3/nnet-optimize.h"
+#include "nnet3/nnet-compute.h"
+#include "nnet3/nnet-utils.h"
+#include "oracle_io.h"
+#include <fstream>
+#include <cstdio>
+using namespace kaldi;
+using namespace kaldi::nnet3;
+
+static void Stats(const NnetComputation &c, std::ostream &os) {
+  int64 cmds = 0, cur = 0, peak = 0;
+  for (size_t i = 0; i < c.commands.size(); i++) {
+    const NnetComputation::Command &cmd = c.commands[i];
+    if (cmd.command_type == kNoOperation || cmd.command_type == kNoOperationPermanent) continue;
+    cmds++;
+    if (cmd.command_type == kAllocMatrix || cmd.command_type == kDeallocMatrix) {
+      int32 m = c.submatrices[cmd.arg1].matrix_index;
+      int64 b = 4LL * c.matrices[m].num_rows * c.matrices[m].num_cols;
+      cur += (cmd.command_type == kAllocMatrix ? b : -b);
+      if (cur > peak) peak = cur;
+    }
+  }
+  os << "{\"commands\": " << cmds << ", \"peak_bytes\": " << peak << "}";
+}
+
+static void WriteIo(std::ostream &os, const IoSpecification &s) {
+  os << "{\"name\": \"" << s.name << "\", \"has_deriv\": " << (s.has_deriv ? "true" : "false")
+     << ", \"indexes\": [";
+  for (size_t j = 0; j < s.indexes.size(); j++)
+    os << (j ? ", " : "") << "[" << s.indexes[j].n << ", " << s.indexes[j].t << ", "
+       << s.indexes[j].x << "]";
+  os << "]}";
+}
+
+int main(int argc, char **argv) {
+  if (argc != 6) { fprintf(stderr, "genchunk MODEL CHUNK BATCH DERIV OUTDIR\n"); return 1; }
+  std::string dir = argv[5];
+  int chunk = atoi(argv[2]), batch = atoi(argv[3]);
+  bool deriv = atoi(argv[4]) != 0;
+  SetVerboseLevel(-1);
+  srand(chunk * 1000 + batch * 10 + deriv);
+  Nnet nnet;
+  ReadKaldiObject(argv[1], &nnet);
+  SetBatchnormTestMode(true, &nnet);
+  SetDropoutTestMode(true, &nnet);
+  int32 left, right;
+  ComputeSimpleNnetContext(nnet, &left, &right);
+  ComputationRequest request;
+  request.inputs.resize(1);
+  request.inputs[0].name = "input";
+  request.inputs[0].has_deriv = deriv;
+  for (int n = 0; n < batch; n++)
+    for (int t = -left; t < chunk + right; t++) request.inputs[0].indexes.push_back(Index(n, t, 0));
+  if (nnet.GetNodeIndex("ivector") >= 0) {
+    IoSpecification iv;
+    iv.name = "ivector";
+    for (int n = 0; n < batch; n++) iv.indexes.push_back(Index(n, 0, 0));
+    request.inputs.push_back(iv);
+  }
+  request.outputs.resize(1);
+  request.outputs[0].name = "output";
+  request.outputs[0].has_deriv = deriv;
+  for (int n = 0; n < batch; n++)
+    for (int t = 0; t < chunk; t++) request.outputs[0].indexes.push_back(Index(n, t, 0));
+  request.need_model_derivative = deriv;
+  { std::ofstream mf((dir + "/model.txt").c_str()); nnet.Write(mf, false); }
+  { std::ofstream rf((dir + "/request.json").c_str());
+    rf << "{\"inputs\": [";
+    for (size_t i = 0; i < request.inputs.size(); i++) { if (i) rf << ", "; WriteIo(rf, request.inputs[i]); }
+    rf << "], \"outputs\": [";
+    WriteIo(rf, request.outputs[0]);
+    rf << "], \"need_model_derivative\": " << (deriv ? "true" : "false")
+       << ", \"store_component_stats\": false}"; }
+  NnetComputation unopt, comp;
+  { Compiler compiler(request, nnet); CompilerOptions opts; compiler.CreateComputation(opts, &unopt); }
+  comp = unopt;
+  NnetOptimizeOptions oo;
+  Optimize(oo, nnet, MaxOutputTimeInRequest(request), &comp);
+  comp.ComputeCudaIndexes();
+  { std::ofstream sf((dir + "/stats.json").c_str());
+    sf << "{\"optimized\": "; Stats(comp, sf); sf << ", \"unoptimized\": "; Stats(unopt, sf); sf << "}\n"; }
+  { std::ofstream pf((dir + "/computation.txt").c_str()); comp.Print(pf, nnet); }
+  {
+    CachingOptimizingCompilerOptions copts;
+    CachingOptimizingCompiler caching(nnet, oo, copts);
+    std::shared_ptr<const NnetComputation> c = caching.Compile(request);
+    std::ofstream sf((dir + "/shortcut.json").c_str());
+    Stats(*c, sf); sf << "\n";
+  }
+  Nnet grad_nnet(nnet);
+  if (deriv) SetNnetAsGradient(&grad_nnet);
+  NnetComputeOptions copts;
+  NnetComputer computer(copts, comp, &nnet, &grad_nnet);
+  std::ofstream af((dir + "/arrays.txt").c_str());
+  for (size_t i = 0; i < request.inputs.size(); i++) {
+    Matrix<BaseFloat> in(request.inputs[i].indexes.size(), nnet.InputDim(request.inputs[i].name));
+    in.SetRandn();
+    WriteMat(af, "input." + request.inputs[i].name, in);
+    CuMatrix<BaseFloat> cu(in);
+    computer.AcceptInput(request.inputs[i].name, &cu);
+  }
+  computer.Run();
+  Matrix<BaseFloat> om(computer.GetOutput("output"));
+  WriteMat(af, "output.output", om);
+  if (deriv) {
+    Matrix<BaseFloat> d(om.NumRows(), om.NumCols());
+    d.SetRandn();
+    WriteMat(af, "output_deriv.output", d);
+    CuMatrix<BaseFloat> cu(d);
+    computer.AcceptInput("output", &cu);
+    computer.Run();
+    CuMatrix<BaseFloat> di;
+    computer.GetOutputDestructive("input", &di);
+    Matrix<BaseFloat> dm(di);
+    WriteMat(af, "input_deriv.input", dm);
+    std::ofstream gf((dir + "/model_grad.txt").c_str()); grad_nnet.Write(gf, false);
+  }
+  return 0;
+}
