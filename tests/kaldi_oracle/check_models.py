@@ -2,7 +2,7 @@
 
     python tests/kaldi_oracle/check_models.py BIN_DIR OUT_DIR MODEL...
 
-For each MODEL (.raw) and each case of CASES (chunk, batch, with derivatives or not),
+For each MODEL (.raw, or .mdl: the network after the transition model) and each case of CASES (chunk, batch, with derivatives or not),
 BIN_DIR/genchunk writes a kaldi-ref style network case to OUT_DIR/NAME_cCHUNK_bBATCH_dD
 (the chunk request of kaldi_stats.json; with derivatives the input and output have them
 and the model derivative is asked for); then, as check_networks.py does for random
@@ -71,7 +71,8 @@ def main() -> None:
     bin_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     bad = n = inconclusive = 0
     for model in sys.argv[3:]:
-        name = Path(model).parent.name if Path(model).name == "model.raw" else Path(model).stem
+        name = (Path(model).parent.name if Path(model).name in ("model.raw", "final.mdl")
+                else Path(model).stem)
         for chunk, batch, deriv in CASES:
             case = out / f"{name}_c{chunk}_b{batch}_d{deriv}"
             case.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@
 #include "nnet3/nnet-optimize.h"
 #include "nnet3/nnet-compute.h"
 #include "nnet3/nnet-utils.h"
+#include "nnet3/am-nnet-simple.h"
+#include "hmm/transition-model.h"
 #include "oracle_io.h"
 #include <fstream>
 #include <cstdio>
@@ -47,7 +49,15 @@ int main(int argc, char **argv) {
   SetVerboseLevel(-1);
   srand(chunk * 1000 + batch * 10 + deriv);
   Nnet nnet;
-  ReadKaldiObject(argv[1], &nnet);
+  {
+    std::string model = argv[1];
+    bool binary; Input ki(model, &binary);
+    // .mdl: the network after the transition model (as nnet3-compute reads it)
+    if (model.size() > 4 && model.substr(model.size() - 4) == ".mdl") {
+      TransitionModel tm; tm.Read(ki.Stream(), binary);
+      AmNnetSimple am; am.Read(ki.Stream(), binary); nnet = am.GetNnet();
+    } else nnet.Read(ki.Stream(), binary);
+  }
   SetBatchnormTestMode(true, &nnet);
   SetDropoutTestMode(true, &nnet);
   int32 left, right;
