@@ -173,6 +173,22 @@ def nnet3_compute_options(infer_json: dict) -> dict:
 # (features, i-vector or None, online i-vector rows or None, Kaldi's output) per utterance.
 
 ONLINE_CASE = Path(__file__).resolve().parents[1] / "data" / "inference" / "online_ivectors"
+# networks written by Kaldi's xconfig tools, with Kaldi's output on them (each case.json
+# lists offline and looped settings; see tests/engine/test_xconfig_architectures.py)
+XCONFIG_CASES = Path(__file__).resolve().parents[1] / "data" / "inference" / "xconfig"
+
+
+def _xconfig_params(looped: bool) -> list:
+    import pytest  # noqa: PLC0415
+    return [pytest.param("xconfig", d, s, id=f"xconfig-{d.name}-{s['key']}")
+            for d in sorted(p.parent for p in XCONFIG_CASES.glob("*/case.json"))
+            for s in read_json(d / "case.json")["settings"] if s["looped"] == looped]
+
+
+def _xconfig_jobs(folder: Path, setting: dict) -> list:
+    z = np.load(folder / "case.npz")
+    return [(z["features"], z["ivector"] if "ivector" in z.files else None, None,
+             z[f"output.{setting['key']}"])]
 
 
 def _reference_params(local_json: str, shared_json: str, per_setting: bool) -> list:
@@ -188,17 +204,26 @@ def _reference_params(local_json: str, shared_json: str, per_setting: bool) -> l
 
 
 def infer_reference_params() -> list:
-    """(kind, folder, setting) of every nnet3-compute reference (infer.json)."""
-    return _reference_params("offline.json", "infer.json", per_setting=False)
+    """(kind, folder, setting) of every nnet3-compute reference (infer.json, and the
+    offline settings of the xconfig cases)."""
+    return (_reference_params("offline.json", "infer.json", per_setting=False)
+            + _xconfig_params(looped=False))
 
 
 def looped_reference_params() -> list:
-    """(kind, folder, setting) of every looped-decodable reference (looped.json)."""
-    return _reference_params("case.json", "looped.json", per_setting=True)
+    """(kind, folder, setting) of every looped-decodable reference (looped.json, and the
+    looped settings of the xconfig cases)."""
+    return (_reference_params("case.json", "looped.json", per_setting=True)
+            + _xconfig_params(looped=True))
 
 
 def infer_reference(kind: str, folder: Path, setting) -> tuple[Path, dict, list]:
     """(model file, nnet3-compute options, jobs) of an infer_reference_params case."""
+    if kind == "xconfig":
+        o = {k: setting[k] for k in ("frames_per_chunk", "extra_left_context",
+                                     "extra_right_context", "extra_left_context_initial",
+                                     "extra_right_context_final", "frame_subsampling_factor")}
+        return folder / "model.raw", o, _xconfig_jobs(folder, setting)
     if kind == "online":
         z = np.load(folder / "offline.npz")
         return folder / "model.raw", dict(setting), [
@@ -224,12 +249,14 @@ def looped_reference(kind: str, folder: Path, setting: dict) -> tuple[Path, dict
     it)."""
     from engine.inference.looped import find_future_recurrence  # noqa: PLC0415
     from engine.nnet.model_io import load_nnet  # noqa: PLC0415
-    path = folder / "model.raw" if kind == "online" else model_file(folder)
+    path = folder / "model.raw" if kind in ("online", "xconfig") else model_file(folder)
     o = {"frames_per_chunk": setting.get("frames_per_chunk", 20),
          "extra_left_context_initial": setting.get("extra_left_context_initial", 0),
          "frame_subsampling_factor": setting.get("frame_subsampling_factor", 1),
          "online_ivector_period": setting.get("online_ivector_period"),
          "truncate_future_recurrence": find_future_recurrence(load_nnet(path)) is not None}
+    if kind == "xconfig":
+        return path, o, _xconfig_jobs(folder, setting)
     if kind == "online":
         z = np.load(folder / "case.npz")
         return path, o, [(z["features"], None, z[f"online.{setting['key']}"],
