@@ -120,10 +120,23 @@ class Nnet:
         return self.component_names[c]
 
     def get_node_index(self, name: str) -> int:
-        for i, n in enumerate(self.nodes):
-            if n.name == name:
+        """The index of the node named ``name``, or -1.  Looked up in a name -> index
+        table that is checked against the node it points at and made again when it is
+        stale (nodes are added, removed, reordered and renamed in place by config
+        edits, collapsing and fusion): executors ask once per input and output of
+        every run, and a scan of a large network's nodes cost more than the rest of
+        an I/O call."""
+        nodes = self.nodes
+        table = self.__dict__.get("_node_table")
+        if table is not None:
+            i = table.get(name)
+            if i is not None and i < len(nodes) and nodes[i].name == name:
                 return i
-        return -1
+        table = {}
+        for i, n in enumerate(nodes):
+            table.setdefault(n.name, i)   # the first of a name, as a scan finds it
+        self._node_table = table
+        return table.get(name, -1)
 
     def get_component_index(self, name: str) -> int:
         try:

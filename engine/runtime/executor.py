@@ -115,20 +115,20 @@ class Executor:
         self._own_pool = pool is None     # arenas then come from arena.IDLE_ARENAS
         self.pool = pool if pool is not None else BufferPool()
         self.nnet_to_store_stats = nnet_to_store_stats
-        self._components = [device_component(c, backend) for c in nnet.components]
         self._plans = _plans_for(computation, backend)
-        if backend is np:
-            self._precomputed = [None] + [
-                info.data for info in computation.component_precomputed_indexes[1:]]
-        else:
-            # device copies made once per computation (never written; CUDA graphs
-            # rely on their addresses staying fixed)
-            pre = self._plans.get("precomputed")
-            if pre is None:
-                pre = self._plans["precomputed"] = [None] + [
-                    None if info.data is None else info.data.to_backend(backend)
-                    for info in computation.component_precomputed_indexes[1:]]
-            self._precomputed = pre
+        # (device_component(c, np) is c: a copy of the list is all a NumPy run needs)
+        self._components = (list(nnet.components) if backend is np else
+                            [device_component(c, backend) for c in nnet.components])
+        # the precomputed indexes as the components take them (on a GPU, device copies;
+        # CUDA graphs rely on their addresses staying fixed), made once per computation
+        # and backend (never written)
+        pre = self._plans.get("precomputed")
+        if pre is None:
+            pre = self._plans["precomputed"] = [None] + [
+                info.data if backend is np or info.data is None
+                else info.data.to_backend(backend)
+                for info in computation.component_precomputed_indexes[1:]]
+        self._precomputed = pre
         self._matrices: list = [None] * len(computation.matrices)
         self._memos: dict[int, object] = {}
         self._pc = 0

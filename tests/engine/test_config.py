@@ -212,3 +212,25 @@ def test_memory_error_while_initialising_is_a_config_error(monkeypatch):
     monkeypatch.setattr(affine, "gaussian", no_memory)
     with pytest.raises(ConfigError, match=r"'a' \(AffineComponent\): its sizes are out of range"):
         build("component name=a type=AffineComponent input-dim=3 output-dim=4\n")
+
+
+def test_node_lookup_follows_edits_of_the_node_list():
+    """get_node_index keeps a name table; nodes added, renamed, removed or reordered in
+    place (as config edits, collapsing and fusion do) never leave it answering wrong."""
+    nnet = Nnet.from_config(
+        "input-node name=input dim=4\n"
+        "component name=a type=AffineComponent input-dim=4 output-dim=3\n"
+        "component-node name=a component=a input=input\n"
+        "output-node name=output input=a\n", rng=np.random.default_rng(0))
+    names = [n.name for n in nnet.nodes]
+    assert [nnet.get_node_index(n) for n in names] == list(range(len(names)))
+    assert nnet.get_node_index("nope") == -1
+    out = nnet.get_node_index("output")
+    nnet.nodes[out].name = "final"                      # renamed in place
+    assert nnet.get_node_index("output") == -1 and nnet.get_node_index("final") == out
+    nnet.nodes.insert(0, nnet.nodes.pop(out))           # moved to the front
+    assert nnet.get_node_index("final") == 0 and nnet.get_node_index("input") == 1
+    del nnet.nodes[0]                                   # removed
+    assert nnet.get_node_index("final") == -1 and nnet.get_node_index("input") == 0
+    nnet.read_config("output-node name=output input=a\n")   # added by a config edit
+    assert nnet.nodes[nnet.get_node_index("output")].name == "output"
