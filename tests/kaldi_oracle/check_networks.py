@@ -1,8 +1,10 @@
 """Generate random networks with Kaldi and check nnetc against them.
 
-    python tests/kaldi_oracle/check_networks.py BIN_DIR OUT_DIR FIRST_SEED LAST_SEED
+    python tests/kaldi_oracle/check_networks.py BIN_DIR OUT_DIR FIRST_SEED LAST_SEED [OPTIONS]
 
-For each seed: BIN_DIR/gen writes a kaldi-ref style case to OUT_DIR/sSEED; then the
+For each seed: BIN_DIR/gen writes a kaldi-ref style case to OUT_DIR/sSEED (OPTIONS 1: with
+Kaldi's allow_ivector, off by default, so that some networks read an i-vector; 0, the
+default, is the kaldi-ref networks' generation); then the
 unoptimized and optimized computations are run against Kaldi's numbers
 (test_compile_reference.check_case) and the optimized command count, peak bytes and
 printout compared with Kaldi's.  Prints one line per failing case and a summary."""
@@ -48,10 +50,11 @@ def check(case: Path) -> list[str]:
 def main() -> None:
     bin_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     first, last = int(sys.argv[3]), int(sys.argv[4])
+    options = sys.argv[5:6]
     bad = n = 0
     for seed in range(first, last + 1):
         case = out / f"s{seed}"
-        failed = generate(bin_dir / "gen", seed, case)
+        failed = generate(bin_dir / "gen", seed, case, *options)
         if failed:
             print(f"s{seed}: Kaldi failed: {failed}")
             continue

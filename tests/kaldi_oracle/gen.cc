@@ -50,12 +50,16 @@ static void WriteRequest(std::ostream &os, const ComputationRequest &r) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 3) { fprintf(stderr, "gen SEED OUTDIR\n"); return 1; }
+  if (argc != 3 && argc != 4) { fprintf(stderr, "gen SEED OUTDIR [OPTIONS]\n"); return 1; }
   int seed = atoi(argv[1]);
   std::string dir = argv[2];
+  // OPTIONS: 1 turns on allow_ivector, which NnetGenerationOptions leaves off by default
+  // (its other default-off option, allow_multiple_outputs, no generator reads)
+  int flags = argc == 4 ? atoi(argv[3]) : 0;
   srand(seed);
   SetVerboseLevel(-1);
   NnetGenerationOptions gen_opts;
+  gen_opts.allow_ivector = (flags & 1) != 0;
   std::vector<std::string> configs;
   GenerateConfigSequence(gen_opts, &configs);
   Nnet nnet;

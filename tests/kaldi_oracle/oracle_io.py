@@ -45,12 +45,13 @@ def to_npz(case: Path) -> None:
         np.savez_compressed(case / "arrays.npz", **read_matrices(case / "arrays.txt"))
 
 
-def generate(binary: Path, seed: int, case: Path) -> str | None:
+def generate(binary: Path, seed: int, case: Path, *extra: str) -> str | None:
     """Run a case driver (gen, gencomp) for ``seed`` into the folder ``case`` (made
-    here) and convert its arrays; None, or Kaldi's last line of complaint when it
-    failed."""
+    here; ``extra``: more arguments) and convert its arrays; None, or Kaldi's last
+    line of complaint when it failed."""
     case.mkdir(parents=True, exist_ok=True)
-    p = subprocess.run([str(binary), str(seed), str(case)], capture_output=True, text=True)
+    p = subprocess.run([str(binary), str(seed), str(case), *extra], capture_output=True,
+                       text=True)
     if p.returncode:
         return (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
     to_npz(case)
