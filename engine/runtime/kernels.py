@@ -357,6 +357,53 @@ def rows_multi_by_matrix(xp, dest, plan: MatrixMultiPlan, mats, alpha: float, ad
         dest[plan.null_positions] = 0
 
 
+def arena_rows_gather(dest, plan: MatrixMultiPlan, arrays: dict, arena):
+    """CopyRowsMulti / AddRowsMulti as one gather, for sources that all lie in the
+    float32 NumPy buffer ``arena`` (an arena-bound program: arena.py) with contiguous
+    rows: returns (windows, offsets, valid) such that ``windows[offsets]`` is the
+    rows the command reads, in order -- ``windows`` is ``arena`` seen as overlapping
+    rows of dest's width starting at every element, ``offsets`` the element where
+    each source row starts (0 for a null entry) and ``valid`` the positions that are
+    not null (None when there are none); or None when the plan does not allow it
+    (a range error, a source of another width or layout).  One fancy index over
+    the windows replaces a gather and a scatter per source matrix: a 1200-row
+    CopyRowsMulti of 150 LSTM steps 456 -> 51 us.  Each row is copied (or added,
+    once) exactly as before, so the results are the same bits."""
+    if (plan.error is not None or dest.ndim != 2 or arena.dtype != np.float32
+            or not arena.flags.c_contiguous):
+        return None
+    ncols = dest.shape[1]
+    flat = arena.reshape(-1)
+    item = flat.itemsize
+    start = flat.__array_interface__["data"][0]
+    end = start + flat.size * item
+    offsets = np.zeros(plan.num_rows, dtype=np.int64)
+    for g in plan.groups:
+        src = arrays.get(g.matrix)
+        if src is None or g.num_cols != ncols:
+            return None
+        if g.cols is not None:
+            src = src[:, g.cols]
+        addr = src.__array_interface__["data"][0]
+        rs, cs = src.strides
+        if (src.dtype != np.float32 or cs != item or rs % item or (addr - start) % item
+                or not start <= addr < end):
+            return None
+        rows = np.asarray(g.rows)
+        last = addr + (int(rows.max()) * rs if rows.size else 0) + ncols * item
+        if last > end:
+            return None
+        offsets[np.asarray(g.positions)] = (addr - start) // item + rows * (rs // item)
+    if ncols == 0 or flat.size < ncols:
+        return None
+    windows = np.lib.stride_tricks.as_strided(flat, shape=(flat.size - ncols + 1, ncols),
+                                              strides=(item, item), writeable=False)
+    valid = None
+    if plan.has_null:
+        valid = np.setdiff1d(np.arange(plan.num_rows), np.asarray(plan.null_positions))
+    return windows, offsets, valid
+
+
 def to_rows_multi_by_matrix(xp, src, plan: MatrixMultiPlan, mats, alpha: float,
                             add: bool) -> None:
     """AddToRowsMulti / CopyToRowsMulti with a MatrixMultiPlan built with scatter=True."""

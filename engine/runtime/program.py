@@ -665,6 +665,11 @@ def _bind_multi(program, bound, k, c):
     ct = c.command_type
     if ct in (CT.COPY_ROWS_MULTI, CT.ADD_ROWS_MULTI):
         add = ct == CT.ADD_ROWS_MULTI
+        # every source in this arena: one gather over the arena (kernels.arena_rows_gather)
+        gather = (K.arena_rows_gather(this, plan, arrays, bound.buf)
+                  if xp is np and this.shape[0] == plan.num_rows else None)
+        if gather is not None:
+            return _gather_op(this, gather, alpha, add, plan)
 
         def op(ex, mats):
             K.rows_multi_by_matrix(xp, this, plan, arrays, alpha, add)
@@ -673,6 +678,39 @@ def _bind_multi(program, bound, k, c):
 
         def op(ex, mats):
             K.to_rows_multi_by_matrix(xp, this, plan, arrays, alpha, add)
+    return op
+
+
+def _gather_op(this, gather, alpha: float, add: bool, plan):
+    """The closure of an arena-gathered CopyRowsMulti / AddRowsMulti (the same
+    operations on each row as kernels.rows_multi_by_matrix)."""
+    windows, offsets, valid = gather
+    if not add:
+        if alpha == 0.0:
+            return _nop          # (as rows_multi_by_matrix: the destination is left alone)
+        nulls = plan.null_positions if plan.has_null else None
+
+        def op(ex, mats):
+            this[...] = windows[offsets]
+            if alpha != 1.0:
+                np.multiply(this, alpha, out=this)
+            if nulls is not None:
+                this[nulls] = 0
+        return op
+    if valid is None:
+        def op(ex, mats):
+            vals = windows[offsets]
+            if alpha != 1.0:
+                vals *= alpha
+            np.add(this, vals, out=this)
+        return op
+    some = offsets[valid]
+
+    def op(ex, mats):
+        vals = windows[some]
+        if alpha != 1.0:
+            vals *= alpha
+        this[valid] += vals
     return op
 
 

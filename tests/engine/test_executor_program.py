@@ -875,3 +875,41 @@ def test_zeroing_and_adding_propagate_become_one_write():
         want3 = _run_with(InterpretedExecutor, other, req, x, None, comp).outputs["output"]
         got3 = run_network(other, req, x, None, computation=comp).outputs["output"]
         assert same(got3, want3)
+
+
+@pytest.mark.parametrize("add,alpha,nulls", [(False, 1.0, False), (False, 0.5, True),
+                                             (True, 1.0, False), (True, -2.0, True),
+                                             (False, 0.0, True)])
+def test_arena_gather_of_rows_multi_equals_the_per_matrix_form(add, alpha, nulls):
+    """CopyRowsMulti / AddRowsMulti as one gather over the arena
+    (kernels.arena_rows_gather, program._gather_op) give the bits of
+    rows_multi_by_matrix: sources in column blocks and row ranges of several arena
+    matrices, null entries, alpha, a strided destination."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from engine.compiler.computation import MatrixInfo, SubMatrixInfo  # noqa: PLC0415
+    from engine.runtime.program import _gather_op  # noqa: PLC0415
+    rng = np.random.default_rng(7)
+    arena = rng.standard_normal(4000).astype(np.float32)
+    # three matrices at places of the arena; submatrices: whole, a column block, rows
+    mats = {1: arena[100:100 + 12 * 8].reshape(12, 8), 2: arena[700:700 + 9 * 20].reshape(9, 20),
+            3: arena[2001:2001 + 30 * 8].reshape(30, 8)}
+    comp = SimpleNamespace(
+        matrices=[MatrixInfo(0, 0), MatrixInfo(12, 8), MatrixInfo(9, 20), MatrixInfo(30, 8)],
+        submatrices=[SubMatrixInfo(0, 0, 0, 0, 0), SubMatrixInfo(1, 0, 12, 0, 8),
+                     SubMatrixInfo(2, 0, 9, 6, 8), SubMatrixInfo(3, 10, 15, 0, 8)])
+    pairs = [(int(rng.integers(1, 4)), 0) for _ in range(40)]
+    pairs = [(s, int(rng.integers(0, (12, 9, 15)[s - 1]))) for s, _ in pairs]
+    if nulls:
+        pairs[3] = pairs[17] = (-1, -1)
+    plan = K.make_matrix_multi_plan(np, comp, pairs, None)
+    big = rng.standard_normal((40, 11)).astype(np.float32)
+    want, got = big.copy(), big.copy()
+    K.rows_multi_by_matrix(np, want[:, 2:10], plan, mats, alpha, add)
+    gather = K.arena_rows_gather(got[:, 2:10], plan, mats, arena)
+    assert gather is not None
+    _gather_op(got[:, 2:10], gather, alpha, add, plan)(None, None)
+    assert np.array_equal(want, got)
+    # a source outside the arena: no gather
+    outside = {**mats, 1: np.zeros((12, 8), np.float32)}
+    assert K.arena_rows_gather(got[:, 2:10], plan, outside, arena) is None
