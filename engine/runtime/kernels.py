@@ -369,24 +369,50 @@ def arena_rows_gather(dest, plan: MatrixMultiPlan, arrays: dict, arena):
     the windows replaces a gather and a scatter per source matrix: a 1200-row
     CopyRowsMulti of 150 LSTM steps 456 -> 51 us.  Each row is copied (or added,
     once) exactly as before, so the results are the same bits."""
-    if (plan.error is not None or dest.ndim != 2 or arena.dtype != np.float32
+    if dest.ndim != 2:
+        return None
+    return _arena_windows(dest.shape[1], plan, arrays, arena, writeable=False)
+
+
+def arena_rows_scatter(src, plan: MatrixMultiPlan, arrays: dict, arena):
+    """CopyToRowsMulti / AddToRowsMulti as one scatter (see arena_rows_gather; the
+    plan built with scatter=True): (windows, offsets, valid) with ``windows``
+    writeable, such that ``windows[offsets[valid]]`` are the destination rows of
+    ``src[valid]``; None also when two destination rows overlap in memory (a row
+    named twice, or column blocks of one matrix that overlap), where the writes'
+    order would matter.  One write (or addition) per destination element, as
+    before: the same bits."""
+    if src.ndim != 2:
+        return None
+    found = _arena_windows(src.shape[1], plan, arrays, arena, writeable=True)
+    if found is None:
+        return None
+    _, offsets, valid = found
+    starts = np.sort(offsets if valid is None else offsets[valid])
+    if starts.size > 1 and int(np.diff(starts).min()) < src.shape[1]:
+        return None
+    return found
+
+
+def _arena_windows(ncols: int, plan: MatrixMultiPlan, arrays: dict, arena, writeable: bool):
+    """arena_rows_gather / arena_rows_scatter for rows of ``ncols`` columns."""
+    if (plan.error is not None or arena.dtype != np.float32
             or not arena.flags.c_contiguous):
         return None
-    ncols = dest.shape[1]
     flat = arena.reshape(-1)
     item = flat.itemsize
     start = flat.__array_interface__["data"][0]
     end = start + flat.size * item
     offsets = np.zeros(plan.num_rows, dtype=np.int64)
     for g in plan.groups:
-        src = arrays.get(g.matrix)
-        if src is None or g.num_cols != ncols:
+        a = arrays.get(g.matrix)
+        if a is None or g.num_cols != ncols:
             return None
         if g.cols is not None:
-            src = src[:, g.cols]
-        addr = src.__array_interface__["data"][0]
-        rs, cs = src.strides
-        if (src.dtype != np.float32 or cs != item or rs % item or (addr - start) % item
+            a = a[:, g.cols]
+        addr = a.__array_interface__["data"][0]
+        rs, cs = a.strides
+        if (a.dtype != np.float32 or cs != item or rs % item or (addr - start) % item
                 or not start <= addr < end):
             return None
         rows = np.asarray(g.rows)
@@ -397,7 +423,7 @@ def arena_rows_gather(dest, plan: MatrixMultiPlan, arrays: dict, arena):
     if ncols == 0 or flat.size < ncols:
         return None
     windows = np.lib.stride_tricks.as_strided(flat, shape=(flat.size - ncols + 1, ncols),
-                                              strides=(item, item), writeable=False)
+                                              strides=(item, item), writeable=writeable)
     valid = None
     if plan.has_null:
         valid = np.setdiff1d(np.arange(plan.num_rows), np.asarray(plan.null_positions))

@@ -675,6 +675,13 @@ def _bind_multi(program, bound, k, c):
             K.rows_multi_by_matrix(xp, this, plan, arrays, alpha, add)
     else:
         add = ct == CT.ADD_TO_ROWS_MULTI
+        # every destination in this arena: one scatter (kernels.arena_rows_scatter);
+        # a CopyToRowsMulti with alpha != 1 keeps the per-matrix form, which refuses it
+        scatter = (K.arena_rows_scatter(this, plan, arrays, bound.buf)
+                   if xp is np and this.shape[0] == plan.num_rows and (add or alpha == 1.0)
+                   else None)
+        if scatter is not None:
+            return _scatter_op(this, scatter, alpha, add)
 
         def op(ex, mats):
             K.to_rows_multi_by_matrix(xp, this, plan, arrays, alpha, add)
@@ -711,6 +718,25 @@ def _gather_op(this, gather, alpha: float, add: bool, plan):
         if alpha != 1.0:
             vals *= alpha
         this[valid] += vals
+    return op
+
+
+def _scatter_op(this, scatter, alpha: float, add: bool):
+    """The closure of an arena-scattered CopyToRowsMulti / AddToRowsMulti (the same
+    operations on each row as kernels.to_rows_multi_by_matrix)."""
+    windows, offsets, valid = scatter
+    some = offsets if valid is None else offsets[valid]
+    rows = slice(None) if valid is None else valid
+    if not add:
+        def op(ex, mats):
+            windows[some] = this[rows]
+        return op
+
+    def op(ex, mats):
+        vals = this[rows]
+        if alpha != 1.0:
+            vals = alpha * vals
+        windows[some] += vals
     return op
 
 

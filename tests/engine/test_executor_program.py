@@ -913,3 +913,44 @@ def test_arena_gather_of_rows_multi_equals_the_per_matrix_form(add, alpha, nulls
     # a source outside the arena: no gather
     outside = {**mats, 1: np.zeros((12, 8), np.float32)}
     assert K.arena_rows_gather(got[:, 2:10], plan, outside, arena) is None
+
+
+@pytest.mark.parametrize("add,alpha,nulls", [(False, 1.0, False), (False, 1.0, True),
+                                             (True, 1.0, False), (True, -2.0, True)])
+def test_arena_scatter_of_to_rows_multi_equals_the_per_matrix_form(add, alpha, nulls):
+    """CopyToRowsMulti / AddToRowsMulti as one scatter over the arena
+    (kernels.arena_rows_scatter, program._scatter_op) give the bits of
+    to_rows_multi_by_matrix; destinations named twice or overlapping in memory keep
+    the per-matrix form."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from engine.compiler.computation import MatrixInfo, SubMatrixInfo  # noqa: PLC0415
+    from engine.runtime.program import _scatter_op  # noqa: PLC0415
+    rng = np.random.default_rng(11)
+
+    def arena_and_mats():
+        arena = np.random.default_rng(3).standard_normal(4000).astype(np.float32)
+        return arena, {1: arena[100:100 + 12 * 8].reshape(12, 8),
+                       2: arena[700:700 + 9 * 20].reshape(9, 20),
+                       3: arena[2001:2001 + 30 * 8].reshape(30, 8)}
+    comp = SimpleNamespace(
+        matrices=[MatrixInfo(0, 0), MatrixInfo(12, 8), MatrixInfo(9, 20), MatrixInfo(30, 8)],
+        submatrices=[SubMatrixInfo(0, 0, 0, 0, 0), SubMatrixInfo(1, 0, 12, 0, 8),
+                     SubMatrixInfo(2, 0, 9, 6, 8), SubMatrixInfo(3, 10, 15, 0, 8)])
+    # every destination row once: a permutation of the rows of the three submatrices
+    pairs = [(s, r) for s, n in ((1, 12), (2, 9), (3, 15)) for r in range(n)]
+    pairs = [pairs[i] for i in rng.permutation(len(pairs))]
+    if nulls:
+        pairs[5] = pairs[20] = (-1, -1)
+    plan = K.make_matrix_multi_plan(np, comp, pairs, None, scatter=True)
+    src = rng.standard_normal((len(pairs), 11)).astype(np.float32)[:, 1:9]
+    want_arena, want_mats = arena_and_mats()
+    K.to_rows_multi_by_matrix(np, src, plan, want_mats, alpha, add)
+    got_arena, got_mats = arena_and_mats()
+    scatter = K.arena_rows_scatter(src, plan, got_mats, got_arena)
+    assert scatter is not None
+    _scatter_op(src, scatter, alpha, add)(None, None)
+    assert np.array_equal(want_arena, got_arena)
+    # a row named twice: the per-matrix form
+    twice = K.make_matrix_multi_plan(np, comp, pairs[:-1] + [pairs[0]], None, scatter=True)
+    assert K.arena_rows_scatter(src, twice, got_mats, got_arena) is None
