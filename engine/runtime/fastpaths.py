@@ -50,6 +50,8 @@ components.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent,
@@ -677,6 +679,27 @@ def _tiled_rows(x, out):
     return (x[:n].reshape(whole, k * cols), out[:n].reshape(whole, k * cols), k, tail)
 
 
+_TILED: dict = {}    # (id(v), k) -> (weak reference to v, v tiled k times, read-only)
+
+
+def _tiled(v, k: int):
+    """``np.tile(v, k)``; for a frozen ``v`` made once per process and kept while v
+    lives: closures bound afresh on every run (those writing a network output, which
+    lives outside the arena) would otherwise tile a bias on every run (15 us of a
+    TDNN-F 21x1 run of 0.7 ms)."""
+    if not frozen(v):
+        return np.tile(v, k)
+    key = (id(v), k)
+    entry = _TILED.get(key)
+    if entry is not None and entry[0]() is v:
+        return entry[1]
+    t = np.tile(v, k)
+    t.flags.writeable = False
+    _TILED[key] = (weakref.ref(v), t)
+    weakref.finalize(v, _TILED.pop, key, None)
+    return t
+
+
 def _row_op(x, out, ufunc):
     """op(v): out = ufunc(x, v) for a per-column vector v (x may be out), on the wide
     rows of _tiled_rows when they apply (v tiled once while it is the same frozen
@@ -692,7 +715,7 @@ def _row_op(x, out, ufunc):
 
     def op_wide(v):
         if cache[0] is not v or not frozen(v):
-            cache[0], cache[1] = v, np.tile(v, k)
+            cache[0], cache[1] = v, _tiled(v, k)
         ufunc(xw, cache[1], ow)
         if tail is not None:
             ufunc(tail[0], v, tail[1])

@@ -358,3 +358,15 @@ def test_per_cindex_fallback_stops_at_its_cindex_limit(monkeypatch):
     monkeypatch.setattr(graph_mod, "MAX_FALLBACK_CINDEXES", 50)
     with pytest.raises(ResourceLimitError, match=r"past 50 cindexes .*declined: Index ranges"):
         build_computation_graph(nnet, sparse)
+
+
+def test_tiled_vectors_are_made_once_per_frozen_vector():
+    """fastpaths._tiled: a frozen vector is tiled once and shared (closures bound on
+    every run reuse it), a writeable one anew on every call, the values np.tile's."""
+    from engine.runtime.fastpaths import _tiled  # noqa: PLC0415
+    v = np.arange(6, dtype=np.float32)
+    w = np.arange(6, dtype=np.float32)
+    w.flags.writeable = False
+    assert _tiled(v, 3) is not _tiled(v, 3)
+    assert _tiled(w, 3) is _tiled(w, 3) and _tiled(w, 2) is not _tiled(w, 3)
+    assert np.array_equal(_tiled(w, 3), np.tile(w, 3)) and not _tiled(w, 3).flags.writeable
