@@ -13,42 +13,6 @@
 using namespace kaldi;
 using namespace kaldi::nnet3;
 
-
-static void Stats(const NnetComputation &c, std::ostream &os) {
-  int64 cmds = 0, cur = 0, peak = 0;
-  for (size_t i = 0; i < c.commands.size(); i++) {
-    const NnetComputation::Command &cmd = c.commands[i];
-    if (cmd.command_type == kNoOperation || cmd.command_type == kNoOperationPermanent) continue;
-    cmds++;
-    if (cmd.command_type == kAllocMatrix || cmd.command_type == kDeallocMatrix) {
-      int32 m = c.submatrices[cmd.arg1].matrix_index;
-      int64 b = 4LL * c.matrices[m].num_rows * c.matrices[m].num_cols;
-      cur += (cmd.command_type == kAllocMatrix ? b : -b);
-      if (cur > peak) peak = cur;
-    }
-  }
-  os << "{\"commands\": " << cmds << ", \"peak_bytes\": " << peak << "}";
-}
-
-static void WriteIoList(std::ostream &os, const std::vector<IoSpecification> &list) {
-  for (size_t i = 0; i < list.size(); i++) {
-    const IoSpecification &s = list[i];
-    os << (i ? ", " : "") << "{\"name\": \"" << s.name << "\", \"has_deriv\": " << (s.has_deriv ? "true" : "false") << ", \"indexes\": [";
-    for (size_t j = 0; j < s.indexes.size(); j++)
-      os << (j ? ", " : "") << "[" << s.indexes[j].n << ", " << s.indexes[j].t << ", " << s.indexes[j].x << "]";
-    os << "]}";
-  }
-}
-
-static void WriteRequest(std::ostream &os, const ComputationRequest &r) {
-  os << "{\"inputs\": [";
-  WriteIoList(os, r.inputs);
-  os << "], \"outputs\": [";
-  WriteIoList(os, r.outputs);
-  os << "], \"need_model_derivative\": " << (r.need_model_derivative ? "true" : "false")
-     << ", \"store_component_stats\": " << (r.store_component_stats ? "true" : "false") << "}";
-}
-
 int main(int argc, char **argv) {
   if (argc != 3 && argc != 4) { fprintf(stderr, "gen SEED OUTDIR [OPTIONS]\n"); return 1; }
   int seed = atoi(argv[1]);

@@ -16,31 +16,6 @@
 using namespace kaldi;
 using namespace kaldi::nnet3;
 
-static void Stats(const NnetComputation &c, std::ostream &os) {
-  int64 cmds = 0, cur = 0, peak = 0;
-  for (size_t i = 0; i < c.commands.size(); i++) {
-    const NnetComputation::Command &cmd = c.commands[i];
-    if (cmd.command_type == kNoOperation || cmd.command_type == kNoOperationPermanent) continue;
-    cmds++;
-    if (cmd.command_type == kAllocMatrix || cmd.command_type == kDeallocMatrix) {
-      int32 m = c.submatrices[cmd.arg1].matrix_index;
-      int64 b = 4LL * c.matrices[m].num_rows * c.matrices[m].num_cols;
-      cur += (cmd.command_type == kAllocMatrix ? b : -b);
-      if (cur > peak) peak = cur;
-    }
-  }
-  os << "{\"commands\": " << cmds << ", \"peak_bytes\": " << peak << "}";
-}
-
-static void WriteIo(std::ostream &os, const IoSpecification &s) {
-  os << "{\"name\": \"" << s.name << "\", \"has_deriv\": " << (s.has_deriv ? "true" : "false")
-     << ", \"indexes\": [";
-  for (size_t j = 0; j < s.indexes.size(); j++)
-    os << (j ? ", " : "") << "[" << s.indexes[j].n << ", " << s.indexes[j].t << ", "
-       << s.indexes[j].x << "]";
-  os << "]}";
-}
-
 int main(int argc, char **argv) {
   if (argc != 6) { fprintf(stderr, "genchunk MODEL CHUNK BATCH DERIV OUTDIR\n"); return 1; }
   std::string dir = argv[5];
@@ -81,13 +56,7 @@ int main(int argc, char **argv) {
     for (int t = 0; t < chunk; t++) request.outputs[0].indexes.push_back(Index(n, t, 0));
   request.need_model_derivative = deriv;
   { std::ofstream mf((dir + "/model.txt").c_str()); nnet.Write(mf, false); }
-  { std::ofstream rf((dir + "/request.json").c_str());
-    rf << "{\"inputs\": [";
-    for (size_t i = 0; i < request.inputs.size(); i++) { if (i) rf << ", "; WriteIo(rf, request.inputs[i]); }
-    rf << "], \"outputs\": [";
-    WriteIo(rf, request.outputs[0]);
-    rf << "], \"need_model_derivative\": " << (deriv ? "true" : "false")
-       << ", \"store_component_stats\": false}"; }
+  { std::ofstream rf((dir + "/request.json").c_str()); WriteRequest(rf, request); }
   NnetComputation unopt, comp;
   { Compiler compiler(request, nnet); CompilerOptions opts; compiler.CreateComputation(opts, &unopt); }
   comp = unopt;
