@@ -396,8 +396,8 @@ def arena_rows_scatter(src, plan: MatrixMultiPlan, arrays: dict, arena):
 
 def _arena_windows(ncols: int, plan: MatrixMultiPlan, arrays: dict, arena, writeable: bool):
     """arena_rows_gather / arena_rows_scatter for rows of ``ncols`` columns."""
-    if (plan.error is not None or arena.dtype != np.float32
-            or not arena.flags.c_contiguous):
+    if (plan.error is not None or ncols == 0 or arena.dtype != np.float32
+            or not arena.flags.c_contiguous or arena.size < ncols):
         return None
     flat = arena.reshape(-1)
     item = flat.itemsize
@@ -420,8 +420,6 @@ def _arena_windows(ncols: int, plan: MatrixMultiPlan, arrays: dict, arena, write
         if last > end:
             return None
         offsets[np.asarray(g.positions)] = (addr - start) // item + rows * (rs // item)
-    if ncols == 0 or flat.size < ncols:
-        return None
     windows = np.lib.stride_tricks.as_strided(flat, shape=(flat.size - ncols + 1, ncols),
                                               strides=(item, item), writeable=writeable)
     valid = None

@@ -704,20 +704,14 @@ def _gather_op(this, gather, alpha: float, add: bool, plan):
             if nulls is not None:
                 this[nulls] = 0
         return op
-    if valid is None:
-        def op(ex, mats):
-            vals = windows[offsets]
-            if alpha != 1.0:
-                vals *= alpha
-            np.add(this, vals, out=this)
-        return op
-    some = offsets[valid]
+    some = offsets if valid is None else offsets[valid]
+    rows = slice(None) if valid is None else valid
 
     def op(ex, mats):
         vals = windows[some]
         if alpha != 1.0:
             vals *= alpha
-        this[valid] += vals
+        this[rows] += vals
     return op
 
 

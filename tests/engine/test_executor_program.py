@@ -877,6 +877,23 @@ def test_zeroing_and_adding_propagate_become_one_write():
         assert same(got3, want3)
 
 
+def _three_arena_matrices(seed: int):
+    """(arena, matrices, computation): three matrices at places of a float32 arena
+    (12x8, 9x20, 30x8) and a computation naming them in submatrices 1-3: the whole
+    first one, a column block of the second, a row range of the third."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from engine.compiler.computation import MatrixInfo, SubMatrixInfo  # noqa: PLC0415
+    arena = np.random.default_rng(seed).standard_normal(4000).astype(np.float32)
+    mats = {1: arena[100:100 + 12 * 8].reshape(12, 8), 2: arena[700:700 + 9 * 20].reshape(9, 20),
+            3: arena[2001:2001 + 30 * 8].reshape(30, 8)}
+    comp = SimpleNamespace(
+        matrices=[MatrixInfo(0, 0), MatrixInfo(12, 8), MatrixInfo(9, 20), MatrixInfo(30, 8)],
+        submatrices=[SubMatrixInfo(0, 0, 0, 0, 0), SubMatrixInfo(1, 0, 12, 0, 8),
+                     SubMatrixInfo(2, 0, 9, 6, 8), SubMatrixInfo(3, 10, 15, 0, 8)])
+    return arena, mats, comp
+
+
 @pytest.mark.parametrize("add,alpha,nulls", [(False, 1.0, False), (False, 0.5, True),
                                              (True, 1.0, False), (True, -2.0, True),
                                              (False, 0.0, True)])
@@ -885,19 +902,9 @@ def test_arena_gather_of_rows_multi_equals_the_per_matrix_form(add, alpha, nulls
     (kernels.arena_rows_gather, program._gather_op) give the bits of
     rows_multi_by_matrix: sources in column blocks and row ranges of several arena
     matrices, null entries, alpha, a strided destination."""
-    from types import SimpleNamespace  # noqa: PLC0415
-
-    from engine.compiler.computation import MatrixInfo, SubMatrixInfo  # noqa: PLC0415
     from engine.runtime.program import _gather_op  # noqa: PLC0415
     rng = np.random.default_rng(7)
-    arena = rng.standard_normal(4000).astype(np.float32)
-    # three matrices at places of the arena; submatrices: whole, a column block, rows
-    mats = {1: arena[100:100 + 12 * 8].reshape(12, 8), 2: arena[700:700 + 9 * 20].reshape(9, 20),
-            3: arena[2001:2001 + 30 * 8].reshape(30, 8)}
-    comp = SimpleNamespace(
-        matrices=[MatrixInfo(0, 0), MatrixInfo(12, 8), MatrixInfo(9, 20), MatrixInfo(30, 8)],
-        submatrices=[SubMatrixInfo(0, 0, 0, 0, 0), SubMatrixInfo(1, 0, 12, 0, 8),
-                     SubMatrixInfo(2, 0, 9, 6, 8), SubMatrixInfo(3, 10, 15, 0, 8)])
+    arena, mats, comp = _three_arena_matrices(5)
     pairs = [(int(rng.integers(1, 4)), 0) for _ in range(40)]
     pairs = [(s, int(rng.integers(0, (12, 9, 15)[s - 1]))) for s, _ in pairs]
     if nulls:
@@ -922,21 +929,10 @@ def test_arena_scatter_of_to_rows_multi_equals_the_per_matrix_form(add, alpha, n
     (kernels.arena_rows_scatter, program._scatter_op) give the bits of
     to_rows_multi_by_matrix; destinations named twice or overlapping in memory keep
     the per-matrix form."""
-    from types import SimpleNamespace  # noqa: PLC0415
-
-    from engine.compiler.computation import MatrixInfo, SubMatrixInfo  # noqa: PLC0415
     from engine.runtime.program import _scatter_op  # noqa: PLC0415
     rng = np.random.default_rng(11)
-
-    def arena_and_mats():
-        arena = np.random.default_rng(3).standard_normal(4000).astype(np.float32)
-        return arena, {1: arena[100:100 + 12 * 8].reshape(12, 8),
-                       2: arena[700:700 + 9 * 20].reshape(9, 20),
-                       3: arena[2001:2001 + 30 * 8].reshape(30, 8)}
-    comp = SimpleNamespace(
-        matrices=[MatrixInfo(0, 0), MatrixInfo(12, 8), MatrixInfo(9, 20), MatrixInfo(30, 8)],
-        submatrices=[SubMatrixInfo(0, 0, 0, 0, 0), SubMatrixInfo(1, 0, 12, 0, 8),
-                     SubMatrixInfo(2, 0, 9, 6, 8), SubMatrixInfo(3, 10, 15, 0, 8)])
+    want_arena, want_mats, comp = _three_arena_matrices(3)
+    got_arena, got_mats, _ = _three_arena_matrices(3)
     # every destination row once: a permutation of the rows of the three submatrices
     pairs = [(s, r) for s, n in ((1, 12), (2, 9), (3, 15)) for r in range(n)]
     pairs = [pairs[i] for i in rng.permutation(len(pairs))]
@@ -944,9 +940,7 @@ def test_arena_scatter_of_to_rows_multi_equals_the_per_matrix_form(add, alpha, n
         pairs[5] = pairs[20] = (-1, -1)
     plan = K.make_matrix_multi_plan(np, comp, pairs, None, scatter=True)
     src = rng.standard_normal((len(pairs), 11)).astype(np.float32)[:, 1:9]
-    want_arena, want_mats = arena_and_mats()
     K.to_rows_multi_by_matrix(np, src, plan, want_mats, alpha, add)
-    got_arena, got_mats = arena_and_mats()
     scatter = K.arena_rows_scatter(src, plan, got_mats, got_arena)
     assert scatter is not None
     _scatter_op(src, scatter, alpha, add)(None, None)

@@ -16,9 +16,7 @@ import numpy as np
 import pytest
 
 from refdata import DATA
-from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.compiler.shortcut import compile_request
-from engine.core.index import Index
 from engine.inference.common import simple_context
 from engine.inference.looped import LoopedConfig, find_future_recurrence
 from engine.inference.simple import InferenceOptions, Inferencer
@@ -89,17 +87,6 @@ CHUNK_PARAMS = [pytest.param(d, key, id=f"{d.name}-{key}") for d in CASES
                 for key in json.loads((d / "kaldi_chunks.json").read_text())]
 
 
-def chunk_request(nnet, chunk: int, batch: int, left: int, right: int) -> ComputationRequest:
-    """kaldi_stats.json's request: input t in [-left, chunk + right), output t in
-    [0, chunk), n in [0, batch) (n-major), an i-vector at t = 0 per n."""
-    inputs = [IoSpecification("input", [Index(n, t, 0) for n in range(batch)
-                                        for t in range(-left, chunk + right)])]
-    if nnet.get_node_index("ivector") >= 0:
-        inputs.append(IoSpecification("ivector", [Index(n, 0, 0) for n in range(batch)]))
-    return ComputationRequest(inputs, [IoSpecification(
-        "output", [Index(n, t, 0) for n in range(batch) for t in range(chunk)])])
-
-
 @pytest.mark.parametrize("folder,key", CHUNK_PARAMS)
 def test_compilation_equals_kaldis(folder, key):
     """Command counts and peak bytes of the unoptimized, optimized and shortcut-compiled
@@ -110,9 +97,11 @@ def test_compilation_equals_kaldis(folder, key):
     nnet = load_model(str(folder / "model.raw")).nnet
     set_batchnorm_test_mode(nnet)
     set_dropout_test_mode(nnet)
+    # kaldi_stats.json's request (bench.common.chunk_request, as test_kaldi_stats), on the
+    # context Kaldi used
     assert simple_context(nnet) == (fig["left_context"], fig["right_context"])
-    req = chunk_request(nnet, fig["chunk"], fig["batch"], fig["left_context"],
-                        fig["right_context"])
+    from bench import common  # noqa: PLC0415
+    req = common.chunk_request(nnet, fig["chunk"], fig["batch"])
     for form, comp in (("unoptimized", compile_request(nnet, req, optimize=False)),
                        ("optimized", compile_request(nnet, req, use_shortcut=False)),
                        ("shortcut", compile_request(nnet, req, use_shortcut=True))):
