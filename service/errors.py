@@ -105,14 +105,72 @@ def error_parts(e: BaseException, field: str | None = None
             return _internal("engine check failed", e)
         return status, type(e).__name__, str(e), field
     if isinstance(e, (RequestValidationError, ValidationError)):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        where = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
-        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-        return 422, "ValidationError", f"{where or 'body'}: {msg}{more}", where
+        return (422, "ValidationError", *_validation_message(e.errors()))
     return _internal("internal error", e)
+
+
+# The members of the wire's unions (schemas.common.Matrix: JSON rows or the encoded form;
+# EncodedMatrix.data: text or bytes), which pydantic names in the location of an error
+# inside them, one error per member, when a value fits none.
+_UNION_TAGS = frozenset({"list[list[float]]", "EncodedMatrix", "str", "bytes"})
+_MATRIX_TAGS = frozenset({"list[list[float]]", "EncodedMatrix"})
+
+
+def _union_at(err: dict, errs: list, start: int) -> int | None:
+    """The first position (from ``start``) in ``err``'s location that names a union
+    member: one where another error has the same location before it and another member
+    there."""
+    loc = tuple(err.get("loc", ()))
+    for i in range(start, len(loc)):
+        if loc[i] in _UNION_TAGS and any(
+                len(o["loc"]) > i and tuple(o["loc"][:i]) == loc[:i]
+                and o["loc"][i] in _UNION_TAGS and o["loc"][i] != loc[i] for o in errs):
+            return i
+    return None
+
+
+def _validation_message(errs: list) -> tuple[str, str | None]:
+    """(message, field) for pydantic's errors: the first, named by its dotted location.
+    Inside a union it is the error of the member the value came closest to (the deepest
+    location: a matrix sent in the encoded form with a wrong dtype is told about its
+    dtype, not that it is not a list of rows), the members left out of the location."""
+    if not errs:
+        return "body: invalid request", None
+    first, count, cut, at = errs[0], len(errs), set(), -1
+    while (at := _union_at(first, errs, at + 1)) is not None:
+        prefix = tuple(first["loc"][:at])
+        members = [o for o in errs if len(o["loc"]) > at and tuple(o["loc"][:at]) == prefix
+                   and o["loc"][at] in _UNION_TAGS]
+        best = max(members, key=lambda o: len(o["loc"]))
+        count -= sum(1 for o in members if o["loc"][at] != best["loc"][at])
+        first = best
+        cut.add(at)
+    loc = first.get("loc", ())
+    if first.get("type") == "json_invalid":
+        where = f" at character {loc[-1]}" if len(loc) > 1 else ""
+        error = (first.get("ctx") or {}).get("error")
+        return f"body: not valid JSON{where}" + (f" ({error})" if error else ""), None
+    if tuple(loc) == ("body",) and first.get("type") == "missing":
+        return "body: empty: send a JSON object", None
+    if tuple(loc) == ("body",) and first.get("type") == "model_attributes_type":
+        given = first.get("input")
+        if isinstance(given, (bytes, bytearray)):       # not read as JSON: its content type
+            return ("body: expected a JSON object, sent with Content-Type: application/json "
+                    "(or msgpack, with Content-Type: application/msgpack)"), None
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+                int: "a number", float: "a number"}.get(type(given), type(given).__name__)
+        return f"body: expected a JSON object, got {kind}", None
+    where = ".".join(str(p) for i, p in enumerate(loc) if p != "body" and i not in cut) or None
+    msg = first.get("msg", "invalid request")
+    if cut and loc[max(cut)] in _MATRIX_TAGS and len(loc) == max(cut) + 1:
+        # a value that is neither form of a matrix
+        msg = ('expected a matrix: a list of rows ([[1.0, 2.0], ...]) or {"shape": '
+               '[rows, cols], "data": <base64 of little-endian float32>}')
+    more = f" (and {count - 1} more)" if count > 1 else ""
+    return f"{where or 'body'}: {msg}{more}", where
+
+
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -130,6 +188,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
+        cause = e.__cause__
+        if e.detail == _FASTAPI_BODY_ERROR and cause is not None:
+            # FastAPI's answer to a body its JSON parser gave up on (not UTF-8, nested too
+            # deeply, an integer too long to read): say why
+            return _respond(400, "BadRequest", f"body: not readable as JSON "
+                                               f"({type(cause).__name__}: {cause})"[:500])
         return _respond(e.status_code, "HTTPError", str(e.detail))
 
     @app.exception_handler(Exception)

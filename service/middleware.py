@@ -73,7 +73,7 @@ class WireMiddleware:
     async def _handle(self, scope, receive, send, state):
         outer = scope
         headers = _headers(scope)
-        msgpack_out = MSGPACK in headers.get("accept", "")
+        msgpack_out = MSGPACK in headers.get("accept", "").lower()
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             state["status"] = 413
@@ -99,14 +99,16 @@ class WireMiddleware:
                 chunks.append(chunk)
                 more = message.get("more_body", False)
             body = b"".join(chunks)
-            if headers.get("content-type", "").split(";")[0].strip() == MSGPACK:
+            # media types are case-insensitive (RFC 9110)
+            if headers.get("content-type", "").split(";")[0].strip().lower() == MSGPACK:
                 try:
                     obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
                     body = orjson.dumps(_bytes_to_b64(obj))
                 except Exception as e:  # noqa: BLE001 - any undecodable body is the client's
                     state["status"] = 400
                     await _send_json(send, 400, error_body(
-                        "BadRequest", f"body is not valid msgpack: {type(e).__name__}"),
+                        "BadRequest", f"body is not valid msgpack: {type(e).__name__}"
+                                      + (f" ({e})" if str(e) else "")),
                         msgpack_out)
                     return
                 scope = dict(scope)

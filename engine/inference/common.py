@@ -49,7 +49,7 @@ def check_simple(nnet, output_name: str = "output") -> None:
     """Kaldi's IsSimpleNnet, with the output name configurable (``--output``)."""
     o = nnet.get_node_index(output_name)
     if o < 0 or not nnet.is_output_node(o):
-        raise InferenceError(f"the network has no output node named {output_name!r} "
+        raise InferenceError(f"output: the network has no output node named {output_name!r} "
                              f"(outputs: {', '.join(nnet.output_names())})")
     i = nnet.get_node_index("input")
     if i < 0 or not nnet.is_input_node(i):
@@ -147,17 +147,23 @@ def as_features(feats, dim: int, what: str = "features") -> np.ndarray:
 def check_ivectors(nnet, ivector, online_ivectors, online_ivector_period) -> tuple:
     """Validate the i-vector arguments against the network; returns
     (ivector float32 vector or None, online matrix or None, period)."""
+    # each message starts with the argument at fault ("ivector: ..."), so that a caller
+    # can tell its user which of its own fields to fix
     want = nnet.input_dim("ivector") if nnet.get_node_index("ivector") >= 0 else 0
     if ivector is not None and online_ivectors is not None:
-        raise InferenceError("give either a per-utterance i-vector or online i-vectors, not "
-                             "both")
+        raise InferenceError("ivector: give either a per-utterance i-vector or online "
+                             "i-vectors, not both")
     if want == 0:
-        if ivector is not None or online_ivectors is not None:
-            raise InferenceError("the network has no 'ivector' input but i-vectors were given")
+        if ivector is not None:
+            raise InferenceError("ivector: the network has no 'ivector' input but an "
+                                 "i-vector was given")
+        if online_ivectors is not None:
+            raise InferenceError("online_ivectors: the network has no 'ivector' input but "
+                                 "online i-vectors were given")
         return None, None, 0
     if ivector is None and online_ivectors is None:
-        raise InferenceError(f"the network expects 'ivector' features of dimension {want} "
-                             f"but no i-vectors were given")
+        raise InferenceError(f"ivector: the network expects 'ivector' features of dimension "
+                             f"{want} but no i-vectors were given")
     if ivector is not None:
         v = np.asarray(ivector, dtype=np.float32)
         if v.ndim == 2 and v.shape[0] == 1:
@@ -170,10 +176,11 @@ def check_ivectors(nnet, ivector, online_ivectors, online_ivector_period) -> tup
         return v, None, 0
     m = np.asarray(online_ivectors, dtype=np.float32)
     if m.ndim != 2 or m.shape[1] != want or m.shape[0] == 0:
-        raise InferenceError(f"online i-vectors: expected a non-empty matrix with {want} "
+        raise InferenceError(f"online_ivectors: expected a non-empty matrix with {want} "
                              f"columns, got shape {np.shape(online_ivectors)}")
     if online_ivector_period is None or int(online_ivector_period) <= 0:
-        raise InferenceError("online i-vectors need --online-ivector-period > 0")
+        raise InferenceError(f"online_ivector_period: online i-vectors need a period > 0 "
+                             f"(--online-ivector-period), got {online_ivector_period}")
     return None, m, int(online_ivector_period)
 
 

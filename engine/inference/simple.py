@@ -124,7 +124,7 @@ class Inferencer:
         if options.use_priors and priors is None:
             # An .mdl with an empty <Priors> (chain models) is fine: nothing is subtracted,
             # as in Kaldi; pass an empty array for it (see model_priors()).
-            raise InferenceError("use_priors was asked for but the model has no priors (a .mdl "
+            raise InferenceError("use_priors: asked for, but the model has no priors (a .mdl "
                                  "is needed)")
         n = lcm(options.frame_subsampling_factor, self.nnet.modulus())
         # Kaldi's CheckAndFixConfigs: round frames-per-chunk up to a multiple of n.

@@ -81,7 +81,7 @@ class LoopedModel:
         self.output_dim = prepared.output_dim("output")
         self.log_priors = log_priors(priors, self.output_dim) if use_priors else None
         if use_priors and priors is None:
-            raise InferenceError("use_priors was asked for but the model has no priors (a .mdl "
+            raise InferenceError("use_priors: asked for, but the model has no priors (a .mdl "
                                  "is needed)")
         self.requests = create_looped_requests(prepared, self.chunk_size, self.fsf,
                                                self.chunk_size, self.frames_left_context,
@@ -179,11 +179,11 @@ def check_ivector(model: LoopedModel, ivector):
     """A per-utterance i-vector as a float32 copy (None for a network without one)."""
     if not model.has_ivectors:
         if ivector is not None:
-            raise InferenceError("the network has no 'ivector' input but an i-vector was "
-                                 "given")
+            raise InferenceError("ivector: the network has no 'ivector' input but an "
+                                 "i-vector was given")
         return None
     if ivector is None:
-        raise InferenceError(f"the network expects an i-vector of dimension "
+        raise InferenceError(f"ivector: the network expects an i-vector of dimension "
                              f"{model.ivector_dim} but none was given")
     v = np.asarray(ivector, dtype=np.float32).reshape(-1)
     if v.shape[0] != model.ivector_dim or np.ndim(ivector) > 2:
@@ -283,8 +283,8 @@ class Stream:
         """An online stream cannot end with frames but no i-vector row: refused before
         anything changes, so the caller may push a row and end it again."""
         if self.online_period and self.online_received == 0 and self.num_received > 0:
-            raise StreamError("online i-vectors: no i-vector row was pushed; push at least one "
-                              "(online_ivectors) before ending the stream")
+            raise StreamError("online_ivectors: no i-vector row was pushed; push at least one "
+                              "before ending the stream")
 
     def finish(self) -> np.ndarray:
         """Flush the right edge (repeating the last frame); the stream then ends."""

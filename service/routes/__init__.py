@@ -12,10 +12,11 @@ from service.errors import ServiceError
 
 
 def field_of(e: Exception, default: str, named: tuple[str, ...] = ()) -> str:
-    """The request field an engine error is about: the one of ``named`` its message
-    starts with (``"ivector: ..."``), else ``default``."""
+    """The request field an engine error is about: the one of ``named`` whose last part
+    its message starts with (``"ivector: ..."`` for ``ivector``, ``"use_priors: ..."`` for
+    ``options.use_priors``), else ``default``."""
     text = str(e)
-    return next((f for f in named if text.startswith(f + ":")), default)
+    return next((f for f in named if text.startswith(f.rsplit(".", 1)[-1] + ":")), default)
 
 
 @contextmanager

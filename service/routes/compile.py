@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from schemas.compile import CompileRequest, CompileResponse, CompileStats
 from service import convert
 from service.deps import AUTH, ServicesDep
-from service.errors import ServiceError
+from service.errors import FieldError, ServiceError
 from service.routes import blame, run_job
 
 router = APIRouter(tags=["compile"], dependencies=AUTH)
@@ -25,6 +25,17 @@ def compile_payload(body, services, request: Request) -> dict:
         raise ServiceError(413, "RequestTooLarge",
                            f"the request has {count} Indexes (inputs and outputs), more than "
                            f"this service's max_request_indexes ({limit}); split it", "request")
+    nnet = entry.model.nnet
+    with blame(request, "request"):
+        # here, before a job is queued: node names, and Indexes within Kaldi's 32 bits
+        # (a larger one would not fit the integers of a job on the Redis queue either)
+        engine_request.validate(nnet)
+    for k, spec in enumerate(engine_request.inputs):
+        if nnet.is_component_node(nnet.get_node_index(spec.name)):
+            # Kaldi's graph builder asserts on such an input; the compiler cannot build it
+            raise FieldError(f"request.inputs.{k}.name",
+                             f"{spec.name!r} is a component node: a request supplies values "
+                             f"for input nodes only")
     with blame(request, "optimizer"):
         options = convert.optimize_options(body.optimizer)
         # a derivative-time window relative to the request's last output t: checked

@@ -38,9 +38,7 @@ def compute_route(body: ComputeRequest, services: ServicesDep, request: Request
                   ) -> ComputeResponse:
     payload = compile_payload(body, services, request)
     nnet = payload["entry"].model.nnet
-    engine_request = payload["request"]
-    with blame(request, "request"):
-        engine_request.validate(nnet)    # node names must exist before dims are read
+    engine_request = payload["request"]    # checked against nnet by compile_payload
     payload["inputs"] = _matrices(body.inputs, engine_request.inputs, nnet, "inputs")
     payload["output_derivs"] = _matrices(
         body.output_derivs, [s for s in engine_request.outputs if s.has_deriv], nnet,

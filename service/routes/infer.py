@@ -6,13 +6,19 @@ from __future__ import annotations
 import numpy as np
 from fastapi import APIRouter, Request
 
+from engine.core.index import INT32_MAX
+from engine.inference.looped import get_chunk_size
 from schemas.compute import InferRequest, InferResponse
 from service import convert
 from service.deps import AUTH, ServicesDep
-from service.errors import ServiceError
+from service.errors import FieldError, ServiceError
 from service.routes import blame, run_job
 
 router = APIRouter(tags=["infer"], dependencies=AUTH)
+
+# request fields the engine's inference errors name at the start of their message
+_NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector", "options.output",
+                 "options.use_priors")
 
 
 @router.post("/infer", response_model=InferResponse)
@@ -25,30 +31,45 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
     ivector = None
     if body.ivector is not None:
         ivector = np.asarray(body.ivector, dtype=np.float32)
+    period = body.online_ivector_period
+    if not 0 <= period <= INT32_MAX:      # Kaldi's --online-ivector-period is an int32
+        raise FieldError("online_ivector_period", f"must be from 0 (no online i-vectors) to "
+                                                  f"{INT32_MAX}, got {period}")
     with blame(request, "options"):
         options = convert.inference_options(body.options, services.settings.infer_threads)
         options.check()
     limit = services.settings.max_request_indexes
-    # a chunk's computation reads frames_per_chunk frames plus the extra context on
-    # either side (at the utterance's edges the *_initial/*_final values, when set)
-    parts = {"frames_per_chunk": options.frames_per_chunk,
+    # a chunk's computation reads frames_per_chunk frames (rounded up to a multiple of
+    # the subsampling factor and the network's modulus, as Kaldi's CheckAndFixConfigs
+    # does) plus the extra context on either side (at the utterance's edges the
+    # *_initial/*_final values, when set)
+    fpc = options.frames_per_chunk
+    if fpc <= limit:
+        fpc = get_chunk_size(entry.model.nnet, options.frame_subsampling_factor, fpc)
+    parts = {"frames_per_chunk": fpc,
              "extra_left_context": options.extra_left_context,
              "extra_left_context_initial": options.extra_left_context_initial,
              "extra_right_context": options.extra_right_context,
              "extra_right_context_final": options.extra_right_context_final}
     left = max(parts["extra_left_context"], parts["extra_left_context_initial"])
     right = max(parts["extra_right_context"], parts["extra_right_context_final"])
-    if options.frames_per_chunk + left + right > limit:
+    if fpc + left + right > limit:
         field = max(parts, key=parts.get)
+        if field == "frames_per_chunk" and options.frame_subsampling_factor > \
+                options.frames_per_chunk:
+            field = "frame_subsampling_factor"      # what made the chunk this long
+        value = getattr(options, field)
         raise ServiceError(413, "RequestTooLarge",
-                           f"{field} {parts[field]}: chunks of frames_per_chunk "
-                           f"{options.frames_per_chunk} with up to {left} frames of extra left "
+                           f"{field} {value}: chunks of {fpc} frames (frames_per_chunk "
+                           f"{options.frames_per_chunk} rounded up to a multiple of "
+                           f"frame_subsampling_factor {options.frame_subsampling_factor} and "
+                           f"the network's modulus) with up to {left} frames of extra left "
                            f"and {right} of extra right context are more than this service's "
                            f"max_request_indexes ({limit})", f"options.{field}")
-    with blame(request, "features", ("ivector",)):
+    with blame(request, "features", _NAMED_FIELDS):
         out = run_job(services, "infer", {
             "entry": entry, "features": features, "ivector": ivector,
-            "online_ivectors": online, "online_ivector_period": body.online_ivector_period,
+            "online_ivectors": online, "online_ivector_period": period,
             "options": options})
     return InferResponse(output=convert.matrix_to_wire(out, body.encoding,
                                                        services.settings.base64_threshold),

@@ -49,7 +49,7 @@ def _upload_kind(data: bytes) -> str:
                  "application/octet-stream": {"schema": {"type": "string",
                                                          "format": "binary"}}}}})
 async def upload_model(request: Request, services: ServicesDep, response: Response,
-                       name: str | None = None,
+                       name: Annotated[str | None, Query(max_length=200)] = None,
                        seed: Annotated[int | None, Query(ge=0)] = None) -> ModelResponse:
     """Register a model file sent as the raw request body (``Content-Type:
     application/octet-stream``): a Kaldi binary or text model (.raw/.mdl) or a config,

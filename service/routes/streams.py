@@ -20,11 +20,12 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from engine.core.errors import NnetcError
+from engine.core.index import INT32_MAX
 from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, StreamInfo,
                              StreamOptions, StreamOutput)
 from service import convert
 from service.deps import AUTH, ServicesDep
-from service.errors import ServiceError, error_body, error_parts
+from service.errors import FieldError, ServiceError, error_body, error_parts
 from service.routes import blame, field_of, run_job
 from service.streams import chunk_bound
 
@@ -53,7 +54,15 @@ def _output(services, result, encoding: str) -> StreamOutput:
                         frames_output=summary["frames_output"], finished=summary["finished"])
 
 
+# a push's offset counts frames: beyond this no stream has received that many (and the
+# value would not fit the 64-bit integers of a job on the Redis queue)
+_MAX_OFFSET = 2 ** 63 - 1
+
+
 def _push_payload(services, sid: str, body: PushRequest) -> dict:
+    if body.offset is not None and body.offset > _MAX_OFFSET:
+        raise FieldError("offset", f"{body.offset} is more than any stream receives "
+                                   f"(at most {_MAX_OFFSET})")
     features = convert.matrix_from_wire(body.features, "features")
     limit = services.settings.max_request_indexes
     if features.shape[0] > limit:
@@ -77,12 +86,15 @@ def _push_payload(services, sid: str, body: PushRequest) -> dict:
 
 
 # request fields the engine's stream errors name at the start of their message
-_NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector")
+_NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector", "options.use_priors")
 
 
 @router.post("/streams", response_model=StreamInfo, status_code=201, dependencies=AUTH)
 def open_stream(body: OpenStreamRequest, services: ServicesDep, request: Request) -> StreamInfo:
     entry = services.registry.get(body.model_id)
+    period = body.online_ivector_period
+    if period is not None and period > INT32_MAX:    # Kaldi's ivector period is an int32
+        raise FieldError("online_ivector_period", f"must be at most {INT32_MAX}, got {period}")
     # bounded before the worker compiles anything
     chunk_bound(entry.model.nnet, body.options.model_dump(),
                 services.settings.max_request_indexes)
@@ -109,9 +121,10 @@ def push_frames(stream_id: str, body: PushRequest, services: ServicesDep,
 
 
 @router.post("/streams/{stream_id}/finish", response_model=StreamOutput, dependencies=AUTH)
-def finish_stream(stream_id: str, services: ServicesDep,
+def finish_stream(stream_id: str, services: ServicesDep, request: Request,
                   body: FinishRequest | None = None) -> StreamOutput:
-    result = run_job(services, "stream_finish", {"stream_id": stream_id})
+    with blame(request, "stream_id", _NAMED_FIELDS):
+        result = run_job(services, "stream_finish", {"stream_id": stream_id})
     return _output(services, result, (body or FinishRequest()).encoding)
 
 
@@ -146,7 +159,10 @@ async def _receive_json(ws: WebSocket):
         raise WebSocketDisconnect(message.get("code", 1000))
     if message.get("text") is None:
         raise ValueError("not a text message")
-    return json.loads(message["text"])
+    try:
+        return json.loads(message["text"])
+    except RecursionError:           # nested deeper than the parser goes: not usable JSON
+        raise ValueError("nested too deeply") from None
 
 
 @router.websocket("/streams/{stream_id}/ws")
@@ -167,12 +183,19 @@ async def stream_ws(ws: WebSocket, stream_id: str) -> None:
             try:
                 if not isinstance(message, dict):
                     raise ServiceError(422, "RequestError", "a message must be a JSON object")
-                if message.get("finish"):
+                if "finish" in message:
+                    if message["finish"] is not True:
+                        raise ServiceError(422, "RequestError",
+                                           f"finish: must be true, got "
+                                           f"{json.dumps(message['finish'])[:100]} (a push has no "
+                                           f"finish field)", "finish")
                     extra = set(message) - {"finish", "encoding"}
                     if extra:
                         raise ServiceError(422, "RequestError",
-                                           f"unknown fields in a finish message: {sorted(extra)}")
+                                           f"unknown fields in a finish message: {sorted(extra)}",
+                                           sorted(extra)[0])
                     fin = FinishRequest(**{k: v for k, v in message.items() if k != "finish"})
+                    blamed = "stream_id"     # engine errors: as finish_stream blames them
                     result = await run_in_threadpool(run_job, services, "stream_finish",
                                                      {"stream_id": stream_id})
                     await ws.send_json(_output(services, result, fin.encoding).model_dump())
@@ -180,14 +203,15 @@ async def stream_ws(ws: WebSocket, stream_id: str) -> None:
                     return
                 body = PushRequest.model_validate(message)
                 payload = _push_payload(services, stream_id, body)
-                blamed = True                # engine errors: as push_frames blames them
+                blamed = "features"          # engine errors: as push_frames blames them
                 result = await run_in_threadpool(run_job, services, "stream_push", payload)
                 await ws.send_json(_output(services, result, body.encoding).model_dump())
             except (ServiceError, ValidationError, NnetcError) as e:
-                await ws.send_json(_ws_error(e, field_of(e, "features", _NAMED_FIELDS) if blamed else None))
+                await ws.send_json(_ws_error(e, field_of(e, blamed, _NAMED_FIELDS)
+                                             if blamed else None))
     except WebSocketDisconnect:
         return
-    except ValueError:        # not JSON
+    except ValueError as e:   # not JSON
         await ws.send_json(_ws_error(ServiceError(400, "BadMessage",
-                                                  "messages must be JSON text")))
+                                                  f"messages must be JSON text ({e})"[:300])))
         await ws.close(code=1003)
