@@ -511,18 +511,33 @@ class ComputationGraphBuilder:
                 # The one input, already the dependency list.
                 return
             if nodes.simple[node]:
-                ok, ids = True, [graph._ids[(node - 1, idx)]]
-                graph.dependencies[c] = ids
+                d = graph._ids.get((node - 1, idx))
+                if d is None or self.computable[d] != K_COMPUTABLE:
+                    raise self._input_at_component(node, idx)
+                graph.dependencies[c] = [d]
                 return
             used_idx: list = []
             ok = nodes.component[node].is_computable(
                 self.request.misc_info, idx, self._index_set(node - 1, False), used_idx)
+            if not ok and graph.is_input[c]:
+                raise self._input_at_component(node, idx)
             ids = [graph._ids[(node - 1, i)] for i in used_idx]
         else:
             return
         if not ok:
             raise AssertionError(f"cindex {c} was computable but no longer is")
         graph.dependencies[c] = sorted(set(ids))
+
+    def _input_at_component(self, node: int, idx) -> RequestError:
+        """A value supplied at a component node whose own input is not in the graph.
+        Kaldi's graph builder accepts inputs at component nodes, then asserts that each
+        is computable from the component's input (which nothing asks for, as the
+        supplied value stands in for it): such a request cannot be compiled."""
+        name = self.nnet.get_node_name(node)
+        return RequestError(
+            f"input {name!r} is a component node: a value supplied there needs the "
+            f"component's own input in the computation too, which Kaldi's compiler cannot "
+            f"build either (at Index {tuple(idx)}); supply the network's input nodes")
 
     def _compute_required(self, start: int) -> list[bool]:
         graph, is_output = self.graph, self.nodes.is_output

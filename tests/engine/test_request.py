@@ -136,3 +136,23 @@ def test_replicated_lists_sequences_n_major():
         one.replicated(0)
     with pytest.raises(RequestError, match="n != 0"):
         three.replicated(2)
+
+
+@pytest.mark.parametrize("inputs", [["relu1"], ["input", "relu1"]])
+def test_input_at_a_component_node_is_refused_by_name(inputs):
+    """Kaldi's graph builder accepts a value supplied at a component node but then
+    asserts that the component is computable from its own input, which the graph never
+    holds: a RequestError naming the node (was a KeyError from pruning)."""
+    from engine.compiler.shortcut import compile_request  # noqa: PLC0415
+    nnet = Nnet.from_config(
+        "input-node name=input dim=4\n"
+        "component name=affine1 type=AffineComponent input-dim=4 output-dim=5\n"
+        "component-node name=affine1 component=affine1 input=input\n"
+        "component name=relu1 type=RectifiedLinearComponent dim=5\n"
+        "component-node name=relu1 component=relu1 input=affine1\n"
+        "output-node name=output input=relu1\n", rng=np.random.default_rng(0))
+    req = ComputationRequest(
+        [IoSpecification(n, [Index(0, t, 0) for t in range(5)]) for n in inputs],
+        [IoSpecification("output", [Index(0, t, 0) for t in range(5)])])
+    with pytest.raises(RequestError, match="input 'relu1' is a component node"):
+        compile_request(nnet, req)
