@@ -230,8 +230,11 @@ def runs_case(setting, batch: int) -> bool:
 
 
 def _forget_product_forms() -> None:
+    """The executor's speed choices were timed under the old BLAS thread count."""
     from engine.runtime.gemm import forget_choices  # noqa: PLC0415
+    from engine.runtime.parallel import forget_thread_choices  # noqa: PLC0415
     forget_choices()
+    forget_thread_choices()
 
 
 class CountingPool:

@@ -109,7 +109,11 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
     pool.reset_peak()
     forward()                      # one run from zero bytes held: the real peak
     measured_peak = pool.peak
-    runs = common.timings(forward, repeat, warmup=1)
+    # warm-up: also long enough for the executor to settle whether the computation's
+    # products run on one BLAS thread (engine.runtime.parallel.ThreadChoice), as the
+    # product forms are settled in the first run
+    from engine.runtime.parallel import ThreadChoice  # noqa: PLC0415
+    runs = common.timings(forward, repeat, warmup=2 * ThreadChoice.TRIALS)
     exec_s = statistics.median(runs)
     flops = common.gemm_flops(computation, nnet) * split
     if workloads is None:

@@ -397,6 +397,7 @@ class Executor:
         program = self._get_program()
         mats = self._matrices
         pc = self._pc
+        at = [pc]       # the command running, for the error report (set by the loop below)
         try:
             if self._bound is not None:
                 # straight-line commands: no goto, no program-counter checks, only
@@ -404,8 +405,16 @@ class Executor:
                 bound = self._bound
                 stop = program.stops[pc]
                 if not (self._graphs and cuda_graph.run_segment(self, bound, pc, stop, mats)):
-                    for pc, op in islice(bound.runs[stop], bound.run_start[pc], None):
-                        op(self, mats)
+                    runs = islice(bound.runs[stop], bound.run_start[pc], None)
+
+                    def stretch():
+                        for at[0], op in runs:
+                            op(self, mats)
+                    if self.xp is np:
+                        # on one BLAS thread where that is faster (parallel.ThreadChoice)
+                        program.thread_choice(pc).run(stretch)
+                    else:
+                        stretch()
                 pc = stop
             else:
                 ops = program.ops
@@ -418,13 +427,13 @@ class Executor:
                         pc = target
                     pc += 1
         except ExecutionError as e:
-            self._pc = pc
+            self._pc = pc = max(pc, at[0])
             if str(e).startswith("while executing"):
                 raise
             raise self._error(e) from e
         except (NnetcError, ValueError, IndexError, KeyError, TypeError, ArithmeticError,
                 AttributeError, MemoryError, RuntimeError) as e:
-            self._pc = pc
+            self._pc = pc = max(pc, at[0])
             if isinstance(e, MemoryError):
                 # (the arena or a matrix could not be allocated: not a missing matrix)
                 raise self._error(ExecutionError(

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -56,6 +57,7 @@ _setters: list | None = None     # BLAS thread-count setters ``int f(int n)``, f
 _local: bool = False             # whether they set the calling thread's count only
 _sections = 0                    # concurrent sections running (process-wide setters)
 _saved: list = []                # the counts they replaced, restored by the last one
+_getters: list = []              # ``int f(void)`` reading each library's count (may be empty)
 
 
 def _find_setters() -> tuple[list, list]:
@@ -91,6 +93,29 @@ def _find_setters() -> tuple[list, list]:
     return out, libs
 
 
+def _find_getters(libs: list) -> list:
+    """ctypes functions ``int f(void)`` reading the thread count of each library of
+    ``libs`` (the calling thread's, where the setting is thread-local); [] when one
+    of them has none."""
+    out = []
+    for lib in libs:
+        if lib.internal_api == "openblas":
+            pre, suf = getattr(lib, "_symbol_prefix", ""), getattr(lib, "_symbol_suffix", "")
+            names = ["openblas_get_num_threads", f"{pre}openblas_get_num_threads{suf}"]
+        else:
+            names = ["MKL_Get_Max_Threads", "mkl_get_max_threads"]
+        fn = None
+        for name in names:
+            fn = getattr(lib.dynlib, name, None)
+            if fn is not None:
+                break
+        if fn is None:
+            return []
+        fn.restype, fn.argtypes = ctypes.c_int, []
+        out.append(fn)
+    return out
+
+
 def _thread_local(setters: list, libs: list) -> bool:
     """Whether each setter changes only the calling thread's count: one is set to one
     in a helper thread while this thread reads the library's count.  A count of one
@@ -123,12 +148,13 @@ def _thread_local(setters: list, libs: list) -> bool:
 
 
 def _blas_setters() -> list:
-    global _setters, _local
+    global _setters, _local, _getters
     if _setters is None:
         with _lock:
             if _setters is None:
                 setters, libs = _find_setters()
                 _local = _thread_local(setters, libs)
+                _getters = _find_getters(libs) if setters else []
                 _setters = setters
     return _setters
 
@@ -238,3 +264,117 @@ def _run_lane(lane: list, done: list, k: int, local: bool) -> None:
         for set_local, n in zip(setters, before):
             set_local(n)
         done[k] = out
+
+
+# -- one BLAS thread for small work ----------------------------------------------------------------
+
+def _above_one() -> bool:
+    """Whether the products of this thread run on more than one BLAS thread now, as
+    far as can be told (a count that cannot be read counts as more than one); False
+    when the count cannot be set."""
+    if not _blas_setters():
+        return False
+    if not _local and _sections:
+        return False            # a concurrent section holds the process at one thread
+    return not _getters or _getters[0]() > 1
+
+
+def _hold_one() -> list | None:
+    """Put this thread's products on one BLAS thread (process-wide setters: as a
+    concurrent section does, and composing with them); the token for ``_let_go``."""
+    if _local:
+        return [fn(1) for fn in _setters]
+    _enter_section()
+    return None
+
+
+def _let_go(token: list | None) -> None:
+    if _local:
+        for fn, n in zip(_setters, token):
+            fn(n)
+    else:
+        _leave_section()
+
+
+_epoch = 0      # bumped by forget_thread_choices
+
+
+def forget_thread_choices() -> None:
+    """Make every ThreadChoice decide again (a process that changes its BLAS thread
+    count: the choices were timed under the old one)."""
+    global _epoch
+    _epoch += 1
+
+
+class ThreadChoice:
+    """Whether one stretch of work that runs again and again (the commands of a
+    compiled computation up to its next input/output command) is faster with its
+    products on one BLAS thread than at the count in force.
+
+    A multi-threaded BLAS splits every product, which pays for large products and
+    costs for small ones: each split product wakes the other threads and waits for
+    them.  On a 2-core machine (2026-11-26, OpenBLAS 0.3.31, pthreads) TDNN-F's
+    21-frame forward took 0.70 ms with one BLAS thread and 0.94 ms with two, TDNN-LSTM's
+    150-frame one 13.1 and 15.1 ms, while TDNN-F's 150-frame one took 4.4 ms on one
+    and 3.1 ms on two.  Which way a computation goes depends on its products and the
+    machine, so it is measured: after a first run (which pays one-off costs: arena
+    binding, the product forms' timing in engine.runtime.gemm), runs alternate
+    between the two settings until each has ``TRIALS`` timings, then the faster
+    (fastest run against fastest run; one thread only when faster by ``MARGIN``)
+    is kept for the rest of the process, or until ``forget_thread_choices``.
+    Nothing is decided while the count is one anyway (a one-thread BLAS, a
+    concurrent section of ``run_concurrently``, a caller's own limit), nor where
+    the count cannot be set.  Only speed depends on it: a product's numbers do not
+    depend on how many threads compute it.  With a process-wide setting (NumPy's
+    OpenBLAS) holding one thread is a concurrent section: every thread's products
+    run on one BLAS thread meanwhile, as they do while sections run."""
+
+    TRIALS = 3
+    MARGIN = 0.03
+    __slots__ = ("runs", "times", "one", "epoch")
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.runs = 0
+        self.times: tuple[list, list] = ([], [])
+        self.one: bool | None = None       # None: still deciding
+        self.epoch = _epoch
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` in the setting chosen (or on trial)."""
+        if self.epoch != _epoch:
+            self._reset()
+        one = self.one
+        if one is False:
+            return fn()
+        if one is True:
+            token = _hold_one()
+            try:
+                return fn()
+            finally:
+                _let_go(token)
+        return self._trial(fn)
+
+    def _trial(self, fn: Callable[[], T]) -> T:
+        if not _above_one():
+            return fn()         # nothing to choose between now
+        k = self.runs
+        self.runs = k + 1
+        if k == 0:
+            return fn()
+        one = k % 2 == 1
+        token = _hold_one() if one else None
+        try:
+            t = time.perf_counter()
+            out = fn()
+            secs = time.perf_counter() - t
+        finally:
+            if one:
+                _let_go(token)
+        times = self.times
+        times[one].append(secs)
+        if len(times[0]) >= self.TRIALS and len(times[1]) >= self.TRIALS:
+            self.one = min(times[1]) < min(times[0]) * (1.0 - self.MARGIN)
+        return out

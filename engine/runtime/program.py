@@ -43,6 +43,7 @@ from engine.compiler.computation import CommandType as CT
 from engine.runtime import kernels as K
 from engine.runtime.arena import BoundProgram, Scratch, StaticLayout
 from engine.runtime.fastpaths import bind_propagate, bind_propagate_write, fast_propagate
+from engine.runtime.parallel import ThreadChoice
 
 
 def _views(computation):
@@ -432,6 +433,16 @@ class Program:
         self._bound: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self.capturable: dict[int, bool] = {}    # CUDA graphs: see cuda_graph.py
+        self._thread_choices: dict[int, ThreadChoice] = {}
+
+    def thread_choice(self, pc: int) -> ThreadChoice:
+        """Whether the commands from ``pc`` to the next input/output command run on
+        one BLAS thread (engine.runtime.parallel.ThreadChoice), shared by every run of
+        this program."""
+        choice = self._thread_choices.get(pc)
+        if choice is None:
+            choice = self._thread_choices.setdefault(pc, ThreadChoice())
+        return choice
 
     @property
     def computation(self):

@@ -1,0 +1,162 @@
+"""engine.runtime.parallel.ThreadChoice: a computation's commands on one BLAS thread
+where that is faster.
+
+- the choice follows the faster setting (a fake clock: no wall-clock assertion), after a
+  first untimed run and TRIALS timed runs of each setting, alternating; one thread only
+  when faster by MARGIN; kept afterwards;
+- nothing is timed or decided while the count is one anyway;
+- forget_thread_choices makes it decide again;
+- a failing run lets the thread go and reaches the caller;
+- with the real BLAS: the count is one while held, and as it was afterwards;
+- the executor: a computation run many times gives bit-identical outputs whichever
+  setting it is on, and its program decides once the count can be more than one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.runtime import parallel
+from engine.runtime.parallel import ThreadChoice, forget_thread_choices
+
+from inference_nets import RECURRENT, feats, make_nnet
+
+
+class _Clock:
+    """perf_counter for parallel: each run advances it by what the run costs in the
+    setting it runs in."""
+
+    def __init__(self, held_cost: float, free_cost: float):
+        self.now = 0.0
+        self.held = 0
+        self.costs = (free_cost, held_cost)
+        self.settings: list[bool] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def work(self) -> str:
+        held = self.held > 0
+        self.settings.append(held)
+        self.now += self.costs[held]
+        return "done"
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    def make(held_cost, free_cost, above_one=True):
+        clock = _Clock(held_cost, free_cost)
+
+        def hold():
+            clock.held += 1
+            return "token"
+
+        def let_go(token):
+            assert token == "token"
+            clock.held -= 1
+        monkeypatch.setattr(parallel, "time", clock)
+        monkeypatch.setattr(parallel, "_above_one", lambda: above_one)
+        monkeypatch.setattr(parallel, "_hold_one", hold)
+        monkeypatch.setattr(parallel, "_let_go", let_go)
+        return clock
+    return make
+
+
+@pytest.mark.parametrize("held_cost, free_cost, expect_one", [
+    (1.0, 2.0, True),        # one thread twice as fast
+    (2.0, 1.0, False),       # the library's count faster
+    (0.99, 1.0, False),      # one thread faster by less than MARGIN
+])
+def test_choice_follows_the_faster_setting(fake, held_cost, free_cost, expect_one):
+    clock = fake(held_cost, free_cost)
+    choice = ThreadChoice()
+    trials = 1 + 2 * ThreadChoice.TRIALS
+    for _ in range(trials - 1):
+        assert choice.run(clock.work) == "done"
+        assert choice.one is None
+    choice.run(clock.work)
+    assert choice.one is expect_one
+    # the first run untimed on the library's count, then alternating
+    assert clock.settings == [False] + [k % 2 == 1 for k in range(1, trials)]
+    for _ in range(5):
+        choice.run(clock.work)
+    assert clock.settings[trials:] == [expect_one] * 5
+    assert clock.held == 0
+
+
+def test_nothing_decided_at_one_thread(fake):
+    clock = fake(1.0, 2.0, above_one=False)
+    choice = ThreadChoice()
+    for _ in range(20):
+        choice.run(clock.work)
+    assert choice.one is None and choice.runs == 0
+    assert clock.settings == [False] * 20
+
+
+def test_forget_makes_it_decide_again(fake):
+    clock = fake(1.0, 2.0)
+    choice = ThreadChoice()
+    for _ in range(1 + 2 * ThreadChoice.TRIALS):
+        choice.run(clock.work)
+    assert choice.one is True
+    forget_thread_choices()
+    choice.run(clock.work)
+    assert choice.one is None and choice.runs == 1
+
+
+def test_a_failing_run_lets_go_and_raises(fake):
+    clock = fake(1.0, 2.0)
+    choice = ThreadChoice()
+    choice.run(clock.work)          # the untimed first run
+
+    def boom():
+        assert clock.held == 1      # the second run is a one-thread trial
+        raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"):
+        choice.run(boom)
+    assert clock.held == 0
+    assert choice.times == ([], [])     # a failed run is not a timing
+
+
+def _count() -> int:
+    return parallel._getters[0]()
+
+
+@pytest.mark.skipif(not parallel.blas_threads_settable() or not parallel._getters,
+                    reason="the BLAS thread count cannot be set and read")
+def test_real_blas_count_held_and_restored():
+    before = _count()
+    choice = ThreadChoice()
+    choice.one = True
+    seen = choice.run(_count)
+    assert seen == 1
+    assert _count() == before
+
+
+def test_executor_outputs_equal_in_either_setting():
+    from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
+    from engine.compiler.shortcut import compile_request  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    from engine.runtime.executor import Executor  # noqa: PLC0415
+    nnet = make_nnet(RECURRENT)
+    req = ComputationRequest(
+        [IoSpecification("input", [Index(0, t, 0) for t in range(-2, 43)])],
+        [IoSpecification("output", [Index(0, t, 0) for t in range(40)])])
+    comp = compile_request(nnet, req)
+    x = feats(45)
+    outs, program = [], None
+    for _ in range(3 + 2 * ThreadChoice.TRIALS):
+        ex = Executor(comp, nnet)
+        ex.accept_input("input", x)
+        ex.run()
+        outs.append(np.array(ex.get_output("output")))
+        program = ex._program
+        ex.release()
+    assert all(np.array_equal(outs[0], y) for y in outs[1:])
+    # one stretch of commands: from the first after the input to the output
+    (choice,) = program._thread_choices.values()
+    if parallel._above_one():
+        assert choice.one is not None
+    else:
+        assert choice.one is None
