@@ -26,6 +26,10 @@ _REAL_RE = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity|nan)
 _INT_RE = re.compile(r"[+-]?\d+\Z")
 
 _END = "end of input"
+# How deeply expressions may nest.  Kaldi's own configs nest a few levels; the parser,
+# the normalisation and everything that walks a descriptor later recurse once per
+# level, so a bound here keeps a malformed line from exhausting the stack.
+MAX_NESTING = 64
 
 # GeneralDescriptor kinds
 APPEND, SUM, FAILOVER, IFDEFINED, OFFSET, SWITCH, ROUND, REPLACE, SCALE, CONST, NODE = range(11)
@@ -92,6 +96,7 @@ class _Parser:
         self.text = text
         self.tokens = tokenize_descriptor(text)
         self.pos = 0
+        self.depth = 0
         self.lookup = {name: i for i, name in enumerate(node_names) if name}
         self.all_names = set(all_names) if all_names is not None else set()
 
@@ -144,8 +149,17 @@ class _Parser:
                                  f"(no such node)")
             self.pos += 1
             return _General(NODE, idx)
+        if self.depth >= MAX_NESTING:
+            raise self.error(f"expressions nested more than {MAX_NESTING} deep")
         self.pos += 1
         self.expect("(", _KIND_NAMES[kind])
+        self.depth += 1
+        try:
+            return self._parse_args(kind)
+        finally:
+            self.depth -= 1
+
+    def _parse_args(self, kind: int) -> _General:
         g = _General(kind)
         if kind in (APPEND, SUM, SWITCH):
             g.children.append(self.parse())
@@ -222,40 +236,48 @@ class _Parser:
 # normalisation (Kaldi's NormalizeAppend + Normalize, repeated to a fixed point)
 
 
-def _num_append_terms(g: _General) -> int:
+def _num_append_terms(g: _General, counts: dict[int, int]) -> int:
+    """The number of Append() terms of ``g``; ``counts`` caches the answer for every
+    sub-expression (by id), so that picking the terms apart stays linear."""
+    n = counts.get(id(g))
+    if n is not None:
+        return n
     if g.kind in (NODE, CONST):
-        return 1
-    if g.kind == APPEND:
-        return sum(_num_append_terms(c) for c in g.children)
-    n = _num_append_terms(g.children[0])
-    for c in g.children[1:]:
-        m = _num_append_terms(c)
-        if m != n:
-            raise ConfigError(f"{_KIND_NAMES[g.kind]}() combines Append() expressions with "
-                              f"different numbers of terms ({n} vs. {m})")
+        n = 1
+    elif g.kind == APPEND:
+        n = sum(_num_append_terms(c, counts) for c in g.children)
+    else:
+        n = _num_append_terms(g.children[0], counts)
+        for c in g.children[1:]:
+            m = _num_append_terms(c, counts)
+            if m != n:
+                raise ConfigError(f"{_KIND_NAMES[g.kind]}() combines Append() expressions "
+                                  f"with different numbers of terms ({n} vs. {m})")
+    counts[id(g)] = n
     return n
 
 
-def _append_term(g: _General, term: int) -> _General:
+def _append_term(g: _General, term: int, counts: dict[int, int]) -> _General:
     if g.kind == NODE:
         return _General(NODE, g.v1)
     if g.kind == APPEND:
         for c in g.children:
-            n = _num_append_terms(c)
+            n = _num_append_terms(c, counts)
             if term < n:
-                return _append_term(c, term)
+                return _append_term(c, term, counts)
             term -= n
         raise AssertionError("append term out of range")
     out = g.clone_shallow()
-    out.children = [_append_term(c, term) for c in g.children]
+    out.children = [_append_term(c, term, counts) for c in g.children]
     return out
 
 
 def _normalize_append(g: _General) -> _General:
-    n = _num_append_terms(g)
+    counts: dict[int, int] = {}
+    n = _num_append_terms(g, counts)
     if n == 1:
-        return _append_term(g, 0)
-    return _General(APPEND, children=[_append_term(g, i) for i in range(n)])
+        return _append_term(g, 0, counts)
+    return _General(APPEND, children=[_append_term(g, i, counts) for i in range(n)])
 
 
 def _normalize_once(d: _General) -> bool:

@@ -207,6 +207,13 @@ def cindex_dependencies(nnet: Nnet, c: Cindex, misc=None) -> list[Cindex]:
     return [Cindex(c.node - 1, i) for i in comp.get_input_indexes(misc, c.index)]
 
 
+# How long a chain of undecided dependencies may grow (plus a share per available input
+# Index) before the evaluator gives up: only a recurrence that never reaches the inputs
+# (t running off to infinity) gets near it; Kaldi's graph builder gives up after 10000
+# rounds in the same situation.
+MAX_DEPENDENCY_CHAIN = 10_000
+
+
 class ComputabilityEvaluator:
     """Decides which Cindexes are computable from a set of available inputs.
 
@@ -223,6 +230,17 @@ class ComputabilityEvaluator:
         self.available = {node: set(ixs) for node, ixs in available.items()}
         self.status: dict[Cindex, bool] = {}
         self.misc = _misc_info()
+        self.max_chain = MAX_DEPENDENCY_CHAIN + 2 * len(nnet.nodes) * sum(
+            len(ixs) for ixs in self.available.values())
+
+    def _chain_error(self, c: Cindex, top: Cindex) -> ConfigError:
+        def name(x: Cindex) -> str:
+            return f"{self.nnet.nodes[x.node].name}(t={x.index.t})"
+        return ConfigError(
+            f"cannot decide whether {name(c)} is computable: its dependencies form a chain "
+            f"of more than {self.max_chain} undecided steps (now at {name(top)}), a "
+            f"recurrence that never reaches the inputs (an Offset() loop with no "
+            f"IfDefined() or Failover() start; bad network topology?)")
 
     def _eval(self, c: Cindex, lookup: Callable[[Cindex], bool]) -> bool:
         node = self.nnet.nodes[c.node]
@@ -269,6 +287,8 @@ class ComputabilityEvaluator:
                         stack.extend(reversed(unknown))
                     else:
                         in_progress.add(top)
+                        if len(in_progress) > self.max_chain:
+                            raise self._chain_error(c, top)
                         stack.append(unknown[0])
                     continue
                 status[top] = False

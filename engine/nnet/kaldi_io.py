@@ -15,6 +15,7 @@ import struct
 import numpy as np
 
 from engine.core.errors import ModelFormatError
+from engine.core.index import INT32_MAX, INT32_MIN
 
 _WS = b" \t\n\r\v\f"
 BINARY_HEADER = b"\0B"
@@ -115,38 +116,54 @@ class KaldiReader:
 
     # -- basic types ------------------------------------------------------------
     def read_int(self) -> int:
+        """A Kaldi int32 (every integer field of the files read here is one)."""
+        if not self.binary:
+            self._skip_ws()
+        start = self.pos
         if self.binary:
-            start = self.pos
             size = self._take(1)[0]
             if size == 4:
-                return struct.unpack("<i", self._take(4))[0]
-            if size == 8:
-                return struct.unpack("<q", self._take(8))[0]
-            if size == 0xFC:  # unsigned 4-byte
-                return struct.unpack("<I", self._take(4))[0]
-            raise self.error(f"bad integer size byte {size}", offset=start)
-        start = self.pos
-        w = self._word()
-        try:
-            return int(w)
-        except ValueError:
-            raise self.error(f"expected an integer, got {w!r}", offset=start) from None
+                v = struct.unpack("<i", self._take(4))[0]
+            elif size == 8:
+                v = struct.unpack("<q", self._take(8))[0]
+            elif size == 0xFC:  # unsigned 4-byte
+                v = struct.unpack("<I", self._take(4))[0]
+            else:
+                raise self.error(f"bad integer size byte {size}", offset=start)
+        else:
+            w = self._word()
+            try:
+                v = int(w)
+            except ValueError:
+                raise self.error(f"expected an integer, got {w!r}", offset=start) from None
+        if not INT32_MIN <= v <= INT32_MAX:
+            raise self.error(f"integer {v} is out of the range of a 32-bit integer",
+                             offset=start)
+        return v
 
     def read_float(self) -> float:
+        """A Kaldi BaseFloat: a double in a binary file is rounded to float, as Kaldi's
+        ReadBasicType<float> does (so that what was read is what gets written)."""
         if self.binary:
-            start = self.pos
-            size = self._take(1)[0]
-            if size == 4:
-                return float(np.frombuffer(self._take(4), dtype="<f4")[0])
-            if size == 8:
-                return float(np.frombuffer(self._take(8), dtype="<f8")[0])
-            raise self.error(f"bad float size byte {size}", offset=start)
+            with np.errstate(over="ignore"):
+                return float(np.float32(self.read_binary_real()))
         start = self.pos
         w = self._word()
         try:
-            return float(np.float32(w))
+            with np.errstate(over="ignore"):
+                return float(np.float32(w))
         except ValueError:
             raise self.error(f"expected a number, got {w!r}", offset=start) from None
+
+    def read_binary_real(self) -> float:
+        """A binary float or double (size byte 4 or 8), at its own precision."""
+        start = self.pos
+        size = self._take(1)[0]
+        if size == 4:
+            return float(np.frombuffer(self._take(4), dtype="<f4")[0])
+        if size == 8:
+            return float(np.frombuffer(self._take(8), dtype="<f8")[0])
+        raise self.error(f"bad float size byte {size}", offset=start)
 
     def read_bool(self) -> bool:
         self._skip_ws()
@@ -373,7 +390,7 @@ class KaldiWriter:
 def read_double(reader: KaldiReader) -> float:
     """WriteBasicType<double>: size byte 8 + 8 bytes in binary; a number in text."""
     if reader.binary:
-        return reader.read_float()
+        return reader.read_binary_real()
     start = reader.pos
     tok = reader.read_token()
     try:

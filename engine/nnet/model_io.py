@@ -114,6 +114,9 @@ def read_nnet(r: KaldiReader) -> Nnet:
             raise
         except (NnetcError, ValueError, IndexError, KeyError, OverflowError) as e:
             raise r.error(f"while reading component {name!r}: {e}", offset=name_pos) from None
+        except RecursionError:
+            raise r.error(f"component {name!r} nests sub-components too deeply",
+                          offset=name_pos) from None
         nnet.components.append(comp)
         nnet.component_names.append(name)
     r.expect_token("</Nnet3>")

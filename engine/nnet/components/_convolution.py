@@ -36,6 +36,13 @@ from engine.nnet.components._nonsimple_utils import (
 )
 
 
+# The largest height-in / height-out accepted.  Checking a model costs time and memory in
+# proportion to its heights (Kaldi's ConvolutionModel::Check works the same way), and
+# Kaldi's convolutional networks have heights of tens to hundreds; a corrupted height of
+# two billion must not make a 2 GB table.
+MAX_HEIGHT = 1 << 16
+
+
 @dataclass
 class ConvolutionModel:
     num_filters_in: int = 0
@@ -91,6 +98,9 @@ class ConvolutionModel:
                 or not self.offsets or not self.required_time_offsets):
             return ("num-filters-in/out, height-in/out and height-subsample-out must be > 0 "
                     "and the offsets and required time offsets non-empty")
+        if max(self.height_in, self.height_out) > MAX_HEIGHT:
+            return (f"height-in={self.height_in} and height-out={self.height_out} must not "
+                    f"exceed {MAX_HEIGHT}")
         if sorted(set(self.offsets)) != list(self.offsets):
             return "offsets must be sorted and unique"
         if not set(self.required_time_offsets) <= set(self.all_time_offsets):

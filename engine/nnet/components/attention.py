@@ -35,12 +35,12 @@ from engine.nnet.components._nonsimple_utils import (
     get_nx_list,
     read_double_matrix,
     read_double_vector,
-    write_double,
     write_double_matrix,
     write_double_vector,
 )
 from engine.nnet.components._fields import (
     BOOL,
+    DOUBLE,
     FLOAT,
     INT,
     FieldKind,
@@ -80,9 +80,8 @@ def _softmax_last(xp, b):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-# the stats' fields: the count is read with read_float and written with write_double;
-# the double-precision arrays are written from the host
-_STATS_COUNT = FieldKind(lambda r: r.read_float(), write_double)
+# the stats' fields (Kaldi keeps them in double precision); the arrays are written from
+# the host
 _DOUBLE_VECTOR = FieldKind(read_double_vector,
                            lambda w, v: write_double_vector(w, np.asarray(_host(v))))
 _DOUBLE_MATRIX = FieldKind(read_double_matrix,
@@ -100,7 +99,7 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
               ("<NumLeftInputsRequired>", "num_left_inputs_required", INT),
               ("<NumRightInputsRequired>", "num_right_inputs_required", INT),
               ("<OutputContext>", "output_context", BOOL), ("<KeyScale>", "key_scale", FLOAT),
-              ("<StatsCount>", "stats_count", _STATS_COUNT),
+              ("<StatsCount>", "stats_count", DOUBLE),
               ("<EntropyStats>", "entropy_stats", _DOUBLE_VECTOR),
               ("<PosteriorStats>", "posterior_stats", _DOUBLE_MATRIX))
 
@@ -155,7 +154,7 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
             ent = np.asarray(self.entropy_stats) / self.stats_count
             s += ", entropy=" + "".join(f"{v:g}," for v in ent)
             post = np.asarray(self.posterior_stats) / self.stats_count
-            for h in range(min(self.num_heads, 5)):
+            for h in range(min(post.shape[0], 5)):  # (none before stats are stored)
                 s += f" posterior-stats[{h}]=" + "".join(f"{v:g}," for v in post[h])
             s += f" stats-count={self.stats_count:g}"
         return s
@@ -181,6 +180,13 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
             bad.append("key-scale must be in (0, 1]")
         if self.stats_count < 0.0:
             bad.append("stats count must be >= 0")
+        # the stats are empty until some are stored, then one entry per head (and context
+        # position); store_stats adds to them
+        ent, post = np.shape(self.entropy_stats), np.shape(self.posterior_stats)
+        heads, context = self.num_heads, self.context_dim
+        if (ent, post) not in (((0,), (0, 0)), ((heads,), (heads, context))):
+            bad.append(f"stats of shapes {ent} and {post} do not fit num-heads={heads} and "
+                       f"context-dim={context}")
         return bad
 
     # -- config / files ----------------------------------------------------------------

@@ -93,6 +93,9 @@ class BlockAffineComponent(UpdatableComponent):
         if c.num_blocks <= 0 or c.linear_params.shape[0] % c.num_blocks:
             raise reader.error(f"BlockAffineComponent: <NumBlocks> {c.num_blocks} does not "
                                f"divide the output dimension {c.linear_params.shape[0]}")
+        if c.bias_params.shape[0] != c.linear_params.shape[0]:
+            raise reader.error(f"BlockAffineComponent: bias dimension {c.bias_params.shape[0]} "
+                               f"!= linear-params rows {c.linear_params.shape[0]}")
         return c
 
     def write(self, writer: KaldiWriter) -> None:
@@ -192,6 +195,9 @@ class RepeatedAffineComponent(UpdatableComponent):
         reader.expect_token(f"</{cls.type_name}>")
         if c.num_repeats <= 0:
             raise reader.error(f"{cls.type_name}: <NumRepeats> must be positive")
+        if c.bias_params.shape[0] != c.linear_params.shape[0]:
+            raise reader.error(f"{cls.type_name}: bias dimension {c.bias_params.shape[0]} "
+                               f"!= linear-params rows {c.linear_params.shape[0]}")
         return c
 
     def write(self, writer: KaldiWriter) -> None:

@@ -30,6 +30,17 @@ from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
 _PREFIX = "components."
+# How deeply CompositeComponents may sit inside each other.  Kaldi's tools never nest
+# them; running a component recurses once per level, so the depth must stay far below
+# the interpreter's recursion limit.
+MAX_NESTING = 32
+
+
+def _nesting(comp: Component) -> int:
+    """How many CompositeComponents deep ``comp`` is (0 for any other component)."""
+    if not isinstance(comp, CompositeComponent):
+        return 0
+    return 1 + max((_nesting(c) for c in comp.components), default=0)
 
 
 @register_component
@@ -79,6 +90,10 @@ class CompositeComponent(UpdatableComponent):
         if not components:
             raise ComponentError("CompositeComponent needs at least one sub-component",
                                  component=self.label())
+        depth = 1 + max(_nesting(c) for c in components)
+        if depth > MAX_NESTING:
+            raise ComponentError(f"CompositeComponents nested {depth} deep (at most "
+                                 f"{MAX_NESTING})", component=self.label())
         for i, c in enumerate(components):
             if not c.properties() & P.SIMPLE_COMPONENT:
                 raise ComponentError(f"sub-component {i + 1} ({c.type_name}) is not simple",
@@ -91,17 +106,16 @@ class CompositeComponent(UpdatableComponent):
         self.components = components
         self.max_rows_process = max_rows_process
 
-    def _sub_updatable(self) -> bool:
-        return any(c.properties() & P.UPDATABLE_COMPONENT for c in self.components)
-
     def properties(self) -> P:
-        last = self.components[-1].properties()
-        first = self.components[0].properties()
+        # each sub-component asked once: with composites inside composites, asking
+        # more often would cost exponential time in the nesting depth
+        sub = [c.properties() for c in self.components]
+        first, last = sub[0], sub[-1]
         # the input is always needed: the backprop recomputes the intermediate values
         p = (P.SIMPLE_COMPONENT | P.BACKPROP_NEEDS_INPUT
              | (last & (P.PROPAGATE_ADDS | P.BACKPROP_NEEDS_OUTPUT | P.OUTPUT_CONTIGUOUS))
              | (first & (P.BACKPROP_ADDS | P.INPUT_CONTIGUOUS)))
-        if self._sub_updatable():
+        if any(s & P.UPDATABLE_COMPONENT for s in sub):
             p |= P.UPDATABLE_COMPONENT
         # stats of sub-components are stored during backprop, which then needs the
         # final output if the last one stores stats

@@ -365,6 +365,16 @@ class GeneralDropoutComponent(IndexedMaskComponent):
         c.test_mode = reader.try_token("<TestMode>")
         c.continuous = reader.try_token("<Continuous>")
         reader.expect_token("</GeneralDropoutComponent>")
+        if c.dim <= 0 or c.block_dim <= 0 or c.dim % c.block_dim != 0:
+            raise reader.error(f"GeneralDropoutComponent: <BlockDim> {c.block_dim} must be > 0 "
+                               f"and divide <Dim> {c.dim}")
+        if c.specaugment_max_proportion != 0.0 and (
+                not 0.0 <= c.specaugment_max_proportion <= 1.0 or c.continuous
+                or c.specaugment_max_regions < 1):
+            raise reader.error(
+                f"GeneralDropoutComponent: <SpecAugmentMaxProportion> "
+                f"{c.specaugment_max_proportion:g} must be in [0, 1] (and not with "
+                f"<Continuous>), <SpecAugmentMaxRegions> {c.specaugment_max_regions} >= 1")
         return c
 
     def write(self, writer: KaldiWriter) -> None:

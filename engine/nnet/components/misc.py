@@ -45,6 +45,14 @@ class _InOutDims(TokenFieldsComponent):
     def output_dim(self) -> int:
         return self.out_dim
 
+    def _problems(self) -> list[str]:
+        # what every subclass's maths needs: output columns each made from a block of
+        # input-dim/output-dim input columns
+        if self.out_dim <= 0 or self.in_dim <= 0 or self.in_dim % self.out_dim != 0:
+            return [f"<InputDim> {self.in_dim} must be a positive multiple of <OutputDim> "
+                    f"{self.out_dim}"]
+        return []
+
 
 @register_component
 class PnormComponent(_InOutDims):

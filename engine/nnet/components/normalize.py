@@ -110,6 +110,11 @@ class NormalizeComponent(Component):
             tok = reader.read_token()
         if tok != "</NormalizeComponent>":
             raise reader.error(f"expected </NormalizeComponent>, got {tok!r}")
+        if c.in_dim <= 0 or c.block_dim <= 0 or c.in_dim % c.block_dim != 0:
+            raise reader.error(f"NormalizeComponent: <BlockDim> {c.block_dim} must be > 0 and "
+                               f"divide <InputDim> {c.in_dim}")
+        if not c.target_rms > 0.0:
+            raise reader.error(f"NormalizeComponent: <TargetRms> {c.target_rms:g} must be > 0")
         return c
 
     def write(self, writer: KaldiWriter) -> None:

@@ -30,6 +30,20 @@ from engine.nnet.components.base import (
 from engine.nnet.kaldi_io import KaldiReader
 
 
+# The most input Indexes one output Index may gather (output-period / input-period for
+# extraction, the pooling window / input-period for pooling).  Kaldi's recipes pool over at
+# most 10000 frames; a period or context of billions (a corrupted or mistyped model) would
+# make every output's list of inputs billions of Indexes long.
+MAX_INPUTS_PER_OUTPUT = 1 << 17
+
+
+def _span_problem(what: str, num_inputs: int) -> list[str]:
+    if num_inputs > MAX_INPUTS_PER_OUTPUT:
+        return [f"{what} gives each output {num_inputs} inputs (at most "
+                f"{MAX_INPUTS_PER_OUTPUT})"]
+    return []
+
+
 def _sort_nxt(indexes: list[Index]) -> list[Index]:
     # Kaldi's IndexLessNxt: n, then x, then t.
     return sorted(indexes, key=lambda i: (i[0], i[2], i[1]))
@@ -167,6 +181,13 @@ class StatisticsExtractionComponent(_StatisticsComponent):
                 f"input-period={self.input_period}, output-period={self.output_period} "
                 "(both > 0, output-period a multiple of input-period)",
                 component=self.label())
+        bad = self._span_problems()
+        if bad:
+            raise ComponentError(bad[0], component=self.label())
+
+    def _span_problems(self) -> list[str]:
+        return _span_problem(f"output-period={self.output_period} with input-period="
+                             f"{self.input_period}", self.output_period // self.input_period)
 
     @config_errors_name_type
     def init_from_config(self, cfg, rng) -> None:
@@ -181,6 +202,9 @@ class StatisticsExtractionComponent(_StatisticsComponent):
         if self.output_period % self.input_period != 0:
             raise cfg.error(f"{self.type_name}: output-period={self.output_period} is not a "
                             f"multiple of input-period={self.input_period}")
+        bad = self._span_problems()
+        if bad:
+            raise cfg.error(f"{self.type_name}: {bad[0]}")
 
     def _check_read(self, reader: KaldiReader) -> None:
         """After reading, a bad configuration is a ComponentError (as ``_check``)."""
@@ -312,6 +336,11 @@ class StatisticsPoolingComponent(_StatisticsComponent):
         elif self.input_period > 0 and (self.left_context % self.input_period or
                                         self.right_context % self.input_period):
             bad.append("left-context and right-context must be multiples of input-period")
+        elif self.input_period > 0:
+            bad += _span_problem(
+                f"left-context={self.left_context}, right-context={self.right_context} "
+                f"with input-period={self.input_period}",
+                (self.left_context + self.right_context) // self.input_period + 1)
         if self.num_log_count_features < 0:
             bad.append("num-log-count-features must be >= 0")
         if not 0.0 < self.variance_floor < 1.0:

@@ -167,7 +167,7 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         required = cfg.get_str("required-time-offsets", "undef")
         m.height_subsample_out = cfg.get_int("height-subsample-out", 1)
         self.max_memory_mb = cfg.get_float("max-memory-mb", 200.0)
-        if self.max_memory_mb <= 0.0:
+        if not self.max_memory_mb > 0.0:
             raise cfg.error(f"{self.type_name}: max-memory-mb must be > 0")
         if cfg.has("offsets"):
             text = cfg.get_str("offsets")
@@ -264,6 +264,8 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         bad = c._check()
         if bad:
             raise reader.error(f"{cls.type_name}: {bad}")
+        if not c.max_memory_mb > 0.0:
+            raise reader.error(f"{cls.type_name}: <MaxMemoryMb> {c.max_memory_mb:g} must be > 0")
         return c
 
     def write(self, writer: KaldiWriter) -> None:
