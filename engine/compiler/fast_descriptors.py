@@ -67,7 +67,9 @@ def _forward_expr(fd: ForwardingDescriptor, n: str, t: str, x: str) -> str:
         return _forward_expr(fd.src, _shift(n, o.n), _shift(t, o.t), _shift(x, o.x))
     if kind is RoundingForwardingDescriptor:
         m = fd.t_modulus
-        return _forward_expr(fd.src, n, t if m == 1 else f"(({t}) - ({t}) % {m})", x)
+        # t - t % m as (t // m) * m: equal for Python's ints (floor division and modulus
+        # agree), and t written once, so that nested Round()s stay linear in size
+        return _forward_expr(fd.src, n, t if m == 1 else f"(({t}) // {m} * {m})", x)
     if kind is ReplaceIndexForwardingDescriptor:
         if fd.variable == "t":
             return _forward_expr(fd.src, n, str(fd.value), x)

@@ -370,3 +370,21 @@ def test_tiled_vectors_are_made_once_per_frozen_vector():
     assert _tiled(v, 3) is not _tiled(v, 3)
     assert _tiled(w, 3) is _tiled(w, 3) and _tiled(w, 2) is not _tiled(w, 3)
     assert np.array_equal(_tiled(w, 3), np.tile(w, 3)) and not _tiled(w, 3).flags.writeable
+
+
+def test_nested_rounds_compile_linearly_and_match():
+    """Round() inside Round() (with Offset and Switch around): the compiled form names t
+    once per level (it doubled with each level, 20 levels took a minute to compile and
+    30 ran out of memory) and maps every Index as the object tree does, negative t
+    included."""
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    expr = "input"
+    for k in range(40):
+        expr = f"Round({expr}, {2 + k % 3})" if k % 7 else f"Offset({expr}, {k % 5 - 2})"
+    nnet = Nnet.from_config(f"input-node name=input dim=2\noutput-node name=output input={expr}\n")
+    desc = nnet.nodes[nnet.get_node_index("output")].descriptor
+    fast = compile_descriptor(desc)
+    assert fast is not None
+    for t in range(-40, 41):
+        idx = Index(0, t, 0)
+        assert fast.deps(idx) == desc.get_dependencies(idx)
