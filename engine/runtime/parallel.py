@@ -71,23 +71,13 @@ def _find_setters() -> tuple[list, list]:
         return [], []
     out, libs = [], []
     for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
-        api = lib.internal_api
-        if api == "openblas":
-            pre, suf = getattr(lib, "_symbol_prefix", ""), getattr(lib, "_symbol_suffix", "")
-            names = ["openblas_set_num_threads_local",
-                     f"{pre}openblas_set_num_threads_local{suf}"]
-        elif api == "mkl":
-            names = ["MKL_Set_Num_Threads_Local", "mkl_set_num_threads_local"]
-        else:
+        if lib.internal_api not in ("openblas", "mkl"):
             return [], []      # a BLAS we cannot hold to one thread: no concurrency
-        fn = None
-        for name in names:
-            fn = getattr(lib.dynlib, name, None)
-            if fn is not None:
-                break
+        fn = _library_function(lib, "openblas_set_num_threads_local",
+                               ("MKL_Set_Num_Threads_Local", "mkl_set_num_threads_local"),
+                               [ctypes.c_int])
         if fn is None:
             return [], []
-        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
         out.append(fn)
         libs.append(lib)
     return out, libs
@@ -99,21 +89,29 @@ def _find_getters(libs: list) -> list:
     of them has none."""
     out = []
     for lib in libs:
-        if lib.internal_api == "openblas":
-            pre, suf = getattr(lib, "_symbol_prefix", ""), getattr(lib, "_symbol_suffix", "")
-            names = ["openblas_get_num_threads", f"{pre}openblas_get_num_threads{suf}"]
-        else:
-            names = ["MKL_Get_Max_Threads", "mkl_get_max_threads"]
-        fn = None
-        for name in names:
-            fn = getattr(lib.dynlib, name, None)
-            if fn is not None:
-                break
+        fn = _library_function(lib, "openblas_get_num_threads",
+                               ("MKL_Get_Max_Threads", "mkl_get_max_threads"), [])
         if fn is None:
             return []
-        fn.restype, fn.argtypes = ctypes.c_int, []
         out.append(fn)
     return out
+
+
+def _library_function(lib, openblas_name: str, mkl_names: tuple, argtypes: list):
+    """The ctypes function ``int f(argtypes)`` of a threadpoolctl controller's library
+    (OpenBLAS: ``openblas_name``, bare or with the build's symbol prefix and suffix;
+    MKL: the first of ``mkl_names`` it exports), or None."""
+    if lib.internal_api == "openblas":
+        pre, suf = getattr(lib, "_symbol_prefix", ""), getattr(lib, "_symbol_suffix", "")
+        names = (openblas_name, f"{pre}{openblas_name}{suf}")
+    else:
+        names = mkl_names
+    for name in names:
+        fn = getattr(lib.dynlib, name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
+            return fn
+    return None
 
 
 def _thread_local(setters: list, libs: list) -> bool:
