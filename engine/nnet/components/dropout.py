@@ -332,12 +332,23 @@ class GeneralDropoutComponent(IndexedMaskComponent):
             s += f", time-period={self.time_period}"
         return s
 
+    def _blocks_invalid(self) -> bool:
+        """A block dim Kaldi refuses: not positive, or not dividing dim."""
+        return self.block_dim <= 0 or self.dim % self.block_dim != 0
+
+    def _specaugment_invalid(self) -> bool:
+        """SpecAugment settings Kaldi refuses: a proportion outside [0, 1] or with
+        continuous masks, or fewer than one region."""
+        return self.specaugment_max_proportion != 0.0 and (
+            not 0.0 <= self.specaugment_max_proportion <= 1.0 or self.continuous
+            or self.specaugment_max_regions < 1)
+
     def init_from_config(self, cfg: ConfigLine, rng) -> None:
         self.dim = cfg.get_int("dim", required=True)
         if self.dim <= 0:
             raise cfg.error(f"GeneralDropoutComponent: dim={self.dim} must be > 0")
         self.block_dim = cfg.get_int("block-dim", self.dim)
-        if self.block_dim <= 0 or self.dim % self.block_dim != 0:
+        if self._blocks_invalid():
             raise cfg.error(f"GeneralDropoutComponent: invalid configuration dim={self.dim}, "
                             f"block-dim={self.block_dim}")
         self.time_period = cfg.get_int("time-period", 0)
@@ -346,9 +357,7 @@ class GeneralDropoutComponent(IndexedMaskComponent):
         self.specaugment_max_regions = cfg.get_int("specaugment-max-regions", 1)
         self.continuous = cfg.get_bool("continuous", False)
         self.test_mode = cfg.get_bool("test-mode", False)
-        if self.specaugment_max_proportion != 0.0 and (
-                not 0.0 <= self.specaugment_max_proportion <= 1.0 or self.continuous
-                or self.specaugment_max_regions < 1):
+        if self._specaugment_invalid():
             raise cfg.error("GeneralDropoutComponent: invalid config values: "
                             f"specaugment-max-proportion={self.specaugment_max_proportion:g} "
                             "(must be in [0, 1], and not with continuous=true), "
@@ -365,12 +374,10 @@ class GeneralDropoutComponent(IndexedMaskComponent):
         c.test_mode = reader.try_token("<TestMode>")
         c.continuous = reader.try_token("<Continuous>")
         reader.expect_token("</GeneralDropoutComponent>")
-        if c.dim <= 0 or c.block_dim <= 0 or c.dim % c.block_dim != 0:
+        if c.dim <= 0 or c._blocks_invalid():
             raise reader.error(f"GeneralDropoutComponent: <BlockDim> {c.block_dim} must be > 0 "
                                f"and divide <Dim> {c.dim}")
-        if c.specaugment_max_proportion != 0.0 and (
-                not 0.0 <= c.specaugment_max_proportion <= 1.0 or c.continuous
-                or c.specaugment_max_regions < 1):
+        if c._specaugment_invalid():
             raise reader.error(
                 f"GeneralDropoutComponent: <SpecAugmentMaxProportion> "
                 f"{c.specaugment_max_proportion:g} must be in [0, 1] (and not with "
