@@ -21,12 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.errors import ConfigError
-from engine.nnet.config_line import ConfigLine
+from engine.nnet.config_line import INT_RE, ConfigLine
 from engine.nnet.descriptor_parse import is_valid_name, parse_descriptor
 from engine.nnet.nnet import NetworkNode, Nnet, NodeType, ObjectiveType
 
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
-_INT_RE = re.compile(r"[+-]?\d+\Z")
 EXISTING = "<existing network>"
 
 # Options whose value is the name of a file that the component reads (Kaldi's
@@ -142,7 +141,7 @@ def _get_int(cfg: ConfigLine, key: str) -> int:
     v = cfg.get_str(key)
     if v is None:
         raise cfg.error(f"expected {key}=<integer>")
-    if not _INT_RE.match(v.strip()):
+    if not INT_RE.match(v.strip()):
         raise cfg.error(f"option {key}={v!r} is not an integer")
     return cfg.check_int32(key, int(v))
 

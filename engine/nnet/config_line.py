@@ -7,10 +7,34 @@ Typed getters record which keys were used, so callers can report unused
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from engine.core.errors import ConfigError
 from engine.core.index import INT32_MAX, INT32_MIN  # Kaldi's integer options are int32
+
+# what Kaldi's ConvertStringToInteger / ConvertStringToReal read: ASCII digits with an
+# optional sign (Python's int() and float() would also take other scripts' digits,
+# surrounding spaces and underscores), and for reals the usual decimal and exponent
+# forms and inf / infinity (any case).  NaN is refused: no option means anything
+# with it, and it would only turn every output of the network into NaN.
+INT_RE = re.compile(r"[+-]?[0-9]+\Z")
+REAL_RE = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity)\Z",
+                   re.IGNORECASE)
+
+
+def _parse_real(s: str) -> float | None:
+    s = s.strip()    # Kaldi skips white space around a number
+    return float(s) if REAL_RE.match(s) else None
+
+
+def _nan_note(s: str) -> str:
+    return " (NaN is not accepted)" if "nan" in s.lower() else ""
+
+
+def _parse_int(s: str) -> int | None:
+    s = s.strip()
+    return int(s) if INT_RE.match(s) else None
 
 
 def _parse_bool(s: str) -> bool | None:
@@ -96,10 +120,9 @@ class ConfigLine:
             if required:
                 raise self.error(f"missing required option {key}= (an integer)")
             return default
-        try:
-            n = int(v)
-        except ValueError:
-            raise self.error(f"option {key}={v!r} is not an integer") from None
+        n = _parse_int(v)
+        if n is None:
+            raise self.error(f"option {key}={v!r} is not an integer")
         return self.check_int32(key, n)
 
     def check_int32(self, key: str, n: int) -> int:
@@ -116,10 +139,10 @@ class ConfigLine:
             if required:
                 raise self.error(f"missing required option {key}= (a number)")
             return default
-        try:
-            return float(v)
-        except ValueError:
-            raise self.error(f"option {key}={v!r} is not a number") from None
+        x = _parse_real(v)
+        if x is None:
+            raise self.error(f"option {key}={v!r} is not a number" + _nan_note(v))
+        return x
 
     def get_bool(self, key: str, default: bool | None = None,
                  required: bool = False) -> bool | None:
@@ -142,10 +165,9 @@ class ConfigLine:
             return default
         if v == "":
             return []
-        try:
-            values = [int(x) for x in v.split(sep)]
-        except ValueError:
-            raise self.error(f"option {key}={v!r} is not a {sep!r}-separated integer list") from None
+        values = [_parse_int(x) for x in v.split(sep)]
+        if None in values:
+            raise self.error(f"option {key}={v!r} is not a {sep!r}-separated integer list")
         return [self.check_int32(key, n) for n in values]
 
     def get_float_list(self, key: str, default: list[float] | None = None, sep: str = ",",
@@ -157,10 +179,11 @@ class ConfigLine:
             return default
         if v == "":
             return []
-        try:
-            return [float(x) for x in v.split(sep)]
-        except ValueError:
-            raise self.error(f"option {key}={v!r} is not a {sep!r}-separated number list") from None
+        out = [_parse_real(x) for x in v.split(sep)]
+        if None in out:
+            raise self.error(f"option {key}={v!r} is not a {sep!r}-separated number list"
+                             + _nan_note(v))
+        return out
 
     def get_choice(self, key: str, choices: list[str], default: str | None = None,
                    required: bool = False) -> str | None:

@@ -20,10 +20,10 @@ from typing import Sequence
 
 from engine.core.errors import ConfigError
 from engine.core.index import INT32_MAX, INT32_MIN, Index
+from engine.nnet.config_line import INT_RE as _INT_RE
+from engine.nnet.config_line import REAL_RE as _REAL_RE
 
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
-_REAL_RE = re.compile(r"[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|inf|infinity|nan)\Z", re.I)
-_INT_RE = re.compile(r"[+-]?\d+\Z")
 
 _END = "end of input"
 # How deeply expressions may nest.  Kaldi's own configs nest a few levels; the parser,

@@ -234,3 +234,59 @@ def test_node_lookup_follows_edits_of_the_node_list():
     assert nnet.get_node_index("final") == -1 and nnet.get_node_index("input") == 0
     nnet.read_config("output-node name=output input=a\n")   # added by a config edit
     assert nnet.nodes[nnet.get_node_index("output")].name == "output"
+
+
+# -- numbers in options: what Kaldi's ConvertStringToInteger / ConvertStringToReal read --
+
+def _one_component(options: str, kind: str = "NormalizeComponent dim=4") -> Nnet:
+    return Nnet.from_config("input-node name=input dim=4\n"
+                            f"component name=a type={kind} {options}\n"
+                            "component-node name=a component=a input=input\n"
+                            "output-node name=output input=a\n")
+
+
+@pytest.mark.parametrize("text, value", [("2", 2.0), ("-1.5", -1.5), ("1e-3", 1e-3),
+                                         (".5", 0.5), ("5.", 5.0), ("+2E+3", 2000.0)])
+def test_real_options_read_as_kaldi_reads_them(text, value):
+    assert parse_config_line(f"x v={text}").get_float("v") == value
+    assert parse_config_line(f"x v=1,{text}").get_float_list("v") == [1.0, value]
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "１０", "1_0", "0x10", "e5", "1e", "."])
+def test_real_options_refuse_what_kaldi_does_not_read_and_nan(text):
+    with pytest.raises(ConfigError, match=r"option v=.* is not a number"):
+        parse_config_line(f"x v={text}").get_float("v")
+    with pytest.raises(ConfigError, match="number list"):
+        parse_config_line(f"x v=1,{text}").get_float_list("v")
+
+
+def test_nan_option_is_named_as_such():
+    with pytest.raises(ConfigError, match=r":2: component 'a'.*target-rms='nan' is not a "
+                                          r"number \(NaN is not accepted\)"):
+        _one_component("target-rms=nan")
+
+
+@pytest.mark.parametrize("text", ["１０", "1_0", "0x10", "1.0", "--1"])
+def test_integer_options_take_ascii_digits_only(text):
+    with pytest.raises(ConfigError, match="is not an integer"):
+        parse_config_line(f"x v={text}").get_int("v")
+    with pytest.raises(ConfigError, match="integer list"):
+        parse_config_line(f"x v=1,{text}").get_int_list("v")
+    # the node dims and descriptor integers are read by the same rule
+    with pytest.raises(ConfigError, match="dim"):
+        Nnet.from_config(f"input-node name=input dim={text}\n")
+    with pytest.raises(ConfigError, match="Offset"):
+        Nnet.from_config("input-node name=input dim=4\n"
+                         f"output-node name=output input=Offset(input, {text})\n")
+
+
+@pytest.mark.parametrize("kind", ["NormalizeComponent dim=4", "BatchNormComponent dim=4"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "0", "-1"])
+def test_target_rms_must_be_finite_and_positive(kind, value):
+    with pytest.raises(ConfigError, match="target-rms"):
+        _one_component(f"target-rms={value}", kind)
+
+
+def test_batchnorm_epsilon_must_be_finite():
+    with pytest.raises(ConfigError, match="epsilon=inf"):
+        _one_component("epsilon=inf", "BatchNormComponent dim=4")

@@ -162,13 +162,31 @@ def test_bias_that_does_not_match_the_linear_params(type_name):
 
 @pytest.mark.parametrize("change", [(b"<BlockDim> 3", b"<BlockDim> 4"),
                                     (b"<BlockDim> 3", b"<BlockDim> 0"),
-                                    (b"<TargetRms> 1.45", b"<TargetRms> 0")])
+                                    (b"<TargetRms> 1.45", b"<TargetRms> 0"),
+                                    (b"<TargetRms> 1.45", b"<TargetRms> inf"),
+                                    (b"<TargetRms> 1.45", b"<TargetRms> nan")])
 def test_normalize_component_options(change):
     """Loaded; running raised ZeroDivisionError or a reshape error in the executor."""
     good = _wrap(_component_text("NormalizeComponent"), 6)
     _run(load_model(good).nnet)
     bad = good.replace(*change)
     _load_fails(bad, "NormalizeComponent", change[1].split()[0].decode())
+
+
+@pytest.mark.parametrize("field", [b"<Epsilon>", b"<TargetRms>"])
+@pytest.mark.parametrize("value", [b"inf", b"nan", b"0"])
+def test_batchnorm_epsilon_and_target_rms_finite_and_positive(field, value):
+    """A non-finite epsilon or target-rms made every output NaN or inf."""
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    good = nnet_to_bytes(Nnet.from_config(
+        "input-node name=input dim=4\n"
+        "component name=c type=BatchNormComponent dim=4 test-mode=true\n"
+        "component-node name=c component=c input=input\n"
+        "output-node name=output input=c\n"), binary=False)
+    _run(load_model(good).nnet)
+    start = good.index(field) + len(field) + 1
+    bad = good[:start] + value + good[good.index(b" ", start):]
+    _load_fails(bad, "BatchNormComponent", "epsilon=", "target-rms=")
 
 
 @pytest.mark.parametrize("type_name,dims", [("PnormComponent", 38),

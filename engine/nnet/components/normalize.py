@@ -10,6 +10,7 @@ block-dim columns, which is why Kaldi asks for contiguous inputs/outputs then.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,11 @@ from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 # 2^-66: exactly representable, and so is the inverse of its square root (2^33), which
 # the backprop compares against to detect floored rows.
 SQUARED_NORM_FLOOR = 2.0 ** -66
+
+
+def _positive(x: float) -> bool:
+    """x is a finite number above zero (NaN and inf make every output NaN or inf)."""
+    return x > 0.0 and math.isfinite(x)
 
 
 @register_component
@@ -87,8 +93,9 @@ class NormalizeComponent(Component):
         self.add_log_stddev = cfg.get_bool("add-log-stddev", False)
         if self.in_dim <= 0:
             raise cfg.error(f"NormalizeComponent: dim={self.in_dim} must be > 0")
-        if self.target_rms <= 0.0:
-            raise cfg.error(f"NormalizeComponent: target-rms={self.target_rms:g} must be > 0")
+        if not _positive(self.target_rms):
+            raise cfg.error(f"NormalizeComponent: target-rms={self.target_rms:g} must be a "
+                            "finite number > 0")
         if self.block_dim <= 0 or self.in_dim % self.block_dim != 0:
             raise cfg.error(f"NormalizeComponent: block-dim={self.block_dim} must be > 0 "
                             f"and divide dim={self.in_dim}")
@@ -113,8 +120,9 @@ class NormalizeComponent(Component):
         if c.in_dim <= 0 or c.block_dim <= 0 or c.in_dim % c.block_dim != 0:
             raise reader.error(f"NormalizeComponent: <BlockDim> {c.block_dim} must be > 0 and "
                                f"divide <InputDim> {c.in_dim}")
-        if not c.target_rms > 0.0:
-            raise reader.error(f"NormalizeComponent: <TargetRms> {c.target_rms:g} must be > 0")
+        if not _positive(c.target_rms):
+            raise reader.error(f"NormalizeComponent: <TargetRms> {c.target_rms:g} must be a "
+                               "finite number > 0")
         return c
 
     def write(self, writer: KaldiWriter) -> None:
@@ -232,7 +240,7 @@ class BatchNormComponent(SameDimComponent):
 
     def _check(self) -> None:
         if not (self.dim > 0 and self.block_dim > 0 and self.dim % self.block_dim == 0
-                and self.epsilon > 0.0 and self.target_rms > 0.0):
+                and _positive(self.epsilon) and _positive(self.target_rms)):
             raise ComponentError(f"invalid BatchNormComponent: dim={self.dim}, block-dim="
                                  f"{self.block_dim}, epsilon={self.epsilon:g}, target-rms="
                                  f"{self.target_rms:g}", component=self.label())
@@ -276,8 +284,9 @@ class BatchNormComponent(SameDimComponent):
         if self.block_dim <= 0 or self.dim % self.block_dim != 0:
             raise cfg.error(f"BatchNormComponent: block-dim={self.block_dim} must be > 0 and "
                             f"divide dim={self.dim}")
-        if self.epsilon <= 0 or self.target_rms <= 0:
-            raise cfg.error("BatchNormComponent: epsilon= and target-rms= must be > 0")
+        if not (_positive(self.epsilon) and _positive(self.target_rms)):
+            raise cfg.error(f"BatchNormComponent: epsilon={self.epsilon:g} and target-rms="
+                            f"{self.target_rms:g} must be finite numbers > 0")
         self.count = 0.0
         self.stats_sum = np.zeros(self.block_dim)
         self.stats_sumsq = np.zeros(self.block_dim)
@@ -295,8 +304,8 @@ class BatchNormComponent(SameDimComponent):
         reader.expect_token("</BatchNormComponent>")
         c.stats_sum = mean * c.count
         c.stats_sumsq = (var + mean * mean) * c.count
-        c._compute_derived()
         c._check()
+        c._compute_derived()
         return c
 
     def write(self, writer: KaldiWriter) -> None:
