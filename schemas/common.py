@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+# Numbers and switches in requests are taken only as JSON (or msgpack) types them: a
+# string such as "5", a boolean for a number, 5.0 for an integer or 1 / "yes" for a
+# boolean is a 422 naming the field, where pydantic's default (lax) mode would convert
+# it quietly.  An integer is accepted for a real number.  Response models keep the
+# plain types: the service builds them.
+Int, Float, Bool = StrictInt, StrictFloat, StrictBool
 
 
 class Strict(BaseModel):
@@ -21,7 +28,7 @@ class Strict(BaseModel):
 
 
 class EncodedMatrix(Strict):
-    shape: tuple[int, int] = Field(description="[rows, cols]")
+    shape: tuple[Int, Int] = Field(description="[rows, cols]")
     dtype: Literal["float32"] = "float32"
     data: Union[str, bytes] = Field(
         description="base64 of rows*cols little-endian float32 values, row-major "
@@ -29,8 +36,8 @@ class EncodedMatrix(Strict):
 
 
 # JSON rows or the encoded form
-Matrix = Union[list[list[float]], EncodedMatrix]
-Vector = list[float]
+Matrix = Union[list[list[Float]], EncodedMatrix]
+Vector = list[Float]
 
 MatrixEncoding = Literal["json", "base64", "auto"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from schemas.common import Matrix, MatrixEncoding, Strict, Vector
+from schemas.common import Bool, Float, Int, Matrix, MatrixEncoding, Strict, Vector
 from schemas.compile import CompileOptions, ComputationRequestModel
 
 
@@ -31,15 +31,15 @@ class ComputeResponse(Strict):
 class InferOptions(Strict):
     """The options of Kaldi's nnet3-compute."""
 
-    frames_per_chunk: int = 50
-    extra_left_context: int = 0
-    extra_right_context: int = 0
-    extra_left_context_initial: int = -1
-    extra_right_context_final: int = -1
-    frame_subsampling_factor: int = 1
-    acoustic_scale: float = 1.0
-    apply_exp: bool = False
-    use_priors: bool = False
+    frames_per_chunk: Int = 50
+    extra_left_context: Int = 0
+    extra_right_context: Int = 0
+    extra_left_context_initial: Int = -1
+    extra_right_context_final: Int = -1
+    frame_subsampling_factor: Int = 1
+    acoustic_scale: Float = 1.0
+    apply_exp: Bool = False
+    use_priors: Bool = False
     output: str = "output"
 
 
@@ -48,7 +48,7 @@ class InferRequest(Strict):
     features: Matrix
     ivector: Vector | None = None
     online_ivectors: Matrix | None = None
-    online_ivector_period: int = 0
+    online_ivector_period: Int = 0
     options: InferOptions = Field(default_factory=InferOptions)
     encoding: MatrixEncoding = "auto"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from schemas.common import Strict
+from schemas.common import Int, Strict
 
 
 class RegisterModelRequest(Strict):
@@ -17,7 +17,7 @@ class RegisterModelRequest(Strict):
     binary_b64: str | None = None
     name: str | None = Field(default=None, max_length=200,
                              description="a label for listings; not part of the id")
-    seed: int | None = Field(default=None, ge=0,
+    seed: Int | None = Field(default=None, ge=0,
                              description="seed for the random initial parameters of a config")
 
     @model_validator(mode="after")

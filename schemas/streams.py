@@ -5,20 +5,20 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from schemas.common import Matrix, MatrixEncoding, Strict, Vector
+from schemas.common import Bool, Float, Int, Matrix, MatrixEncoding, Strict, Vector
 
 
 class StreamOptions(Strict):
     """Kaldi's NnetSimpleLoopedComputationOptions, plus what is applied to the output."""
 
-    frames_per_chunk: int = Field(default=20, ge=1, description="rounded up to the network's "
+    frames_per_chunk: Int = Field(default=20, ge=1, description="rounded up to the network's "
                                   "modulus and the frame subsampling factor")
-    extra_left_context_initial: int = Field(default=0, ge=0)
-    frame_subsampling_factor: int = Field(default=1, ge=1)
-    acoustic_scale: float = Field(default=1.0, description="the output is multiplied by it")
-    use_priors: bool = Field(default=False, description="subtract the log priors of a .mdl "
+    extra_left_context_initial: Int = Field(default=0, ge=0)
+    frame_subsampling_factor: Int = Field(default=1, ge=1)
+    acoustic_scale: Float = Field(default=1.0, description="the output is multiplied by it")
+    use_priors: Bool = Field(default=False, description="subtract the log priors of a .mdl "
                                                         "model from the output")
-    truncate_future_recurrence: bool = Field(
+    truncate_future_recurrence: Bool = Field(
         default=False, description="stream a network with a recurrence reading later frames "
         "(a BLSTM's backward half) as Kaldi's looped decodable does, that recurrence cut at "
         "each chunk's end (the output then depends on frames_per_chunk); without it such a "
@@ -30,7 +30,7 @@ class OpenStreamRequest(Strict):
     options: StreamOptions = Field(default_factory=StreamOptions)
     ivector: Vector | None = Field(default=None, description="the stream's i-vector, for "
                                    "networks with an 'ivector' input")
-    online_ivector_period: int | None = Field(
+    online_ivector_period: Int | None = Field(
         default=None, ge=1, description="instead of an i-vector: online i-vector rows, one per "
         "this many input frames, pushed with the frames (PushRequest.online_ivectors); each "
         "chunk reads the row of its last input frame, as Kaldi's looped decodable with an "
@@ -65,7 +65,7 @@ class PushRequest(Strict):
     online_ivectors: Matrix | None = Field(default=None, description="the next rows of an "
                                            "online stream's i-vector matrix (row r: input "
                                            "frames up to r * online_ivector_period)")
-    offset: int | None = Field(default=None, ge=0, description="frames sent before these "
+    offset: Int | None = Field(default=None, ge=0, description="frames sent before these "
                                "(optional): a push whose offset is not the number of frames "
                                "the stream has received gets 409, so a retried push is never "
                                "counted twice")
