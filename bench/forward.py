@@ -71,12 +71,14 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
     inputs = {s.name: xp.asarray(rng.standard_normal(
         (len(s.indexes), nnet.input_dim(s.name))).astype(np.float32)) for s in full_request.inputs}
     pool = common.CountingPool()
+    programs: set = set()
 
     def run_one(parts: dict):
         ex = Executor(computation, nnet, backend=xp, pool=pool)
         for name, x in parts.items():
             ex.accept_input(name, x)
         ex.run()
+        programs.add(ex._program)
         y = ex.get_output("output")
         ex.release()
         return y
@@ -116,6 +118,10 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
     runs = common.timings(forward, repeat, warmup=2 * ThreadChoice.TRIALS)
     exec_s = statistics.median(runs)
     flops = common.gemm_flops(computation, nnet) * split
+    # what each program's stretches settled on (engine.runtime.parallel.ThreadChoice)
+    choices = {c.one for p in programs for c in p._thread_choices.values()}
+    blas_choice = ("-" if not choices or choices == {None} else
+                   "one" if choices == {True} else "lib" if choices == {False} else "mixed")
     if workloads is None:
         workloads = {"gemm_s": common.gemm_s(), "python_s": common.python_s()}
     return {
@@ -125,7 +131,7 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
         "frames_per_s": chunk * batch / exec_s,
         "peak_bytes": stats["peak_bytes"], "measured_peak_bytes": measured_peak,
         "commands": stats["commands"], "matrices": stats["matrices"],
-        "gemm_flops": flops, "gflops": flops / exec_s / 1e9,
+        "gemm_flops": flops, "gflops": flops / exec_s / 1e9, "blas_choice": blas_choice,
         "gemm_s": workloads["gemm_s"], "python_s": workloads["python_s"],
     }
 

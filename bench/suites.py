@@ -195,7 +195,7 @@ def suite_forward(r: Runner) -> list[dict]:
                          "ratio_min": common.normalised_ratio(f["exec_min_ms"], r.gemm_s,
                                                               k_ms, kg),
                          "ratio_raw": f["exec_ms"] / k_ms if k_ms else None,
-                         "commands": f["commands"]})
+                         "commands": f["commands"], "blas_choice": f["blas_choice"]})
     return rows
 
 

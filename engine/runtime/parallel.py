@@ -319,7 +319,14 @@ class ThreadChoice:
     binding, the product forms' timing in engine.runtime.gemm), runs alternate
     between the two settings until each has ``TRIALS`` timings, then the faster
     (fastest run against fastest run; one thread only when faster by ``MARGIN``)
-    is kept for the rest of the process, or until ``forget_thread_choices``.
+    is kept -- not for good: a choice timed while another process held a core (a
+    two-thread product then waits for a thread that has none: 4-200x slower at 21
+    frames) would otherwise hold for the life of the process.  After ``RECHECK``
+    runs on the chosen setting the two are timed again in the same way; a choice
+    that stands waits twice as long before the next check (up to ``RECHECK_MAX``
+    runs), one that changes goes back to ``RECHECK``.  A check costs ``TRIALS`` runs
+    on the other setting, under 1% of the runs between checks.
+    ``forget_thread_choices`` makes every choice start over.
     Nothing is decided while the count is one anyway (a one-thread BLAS, a
     concurrent section of ``run_concurrently``, a caller's own limit), nor where
     the count cannot be set.  Only speed depends on it: a product's numbers do not
@@ -329,7 +336,9 @@ class ThreadChoice:
 
     TRIALS = 3
     MARGIN = 0.03
-    __slots__ = ("runs", "times", "one", "epoch")
+    RECHECK = 512
+    RECHECK_MAX = 65536
+    __slots__ = ("runs", "times", "one", "epoch", "left", "interval", "last", "decisions")
 
     def __init__(self) -> None:
         self._reset()
@@ -339,12 +348,21 @@ class ThreadChoice:
         self.times: tuple[list, list] = ([], [])
         self.one: bool | None = None       # None: still deciding
         self.epoch = _epoch
+        self.left = 0                      # runs on the chosen setting until a check
+        self.interval = self.RECHECK
+        self.last: bool | None = None      # the choice before the check under way
+        self.decisions = 0                 # how many times it has decided (checks too)
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` in the setting chosen (or on trial)."""
         if self.epoch != _epoch:
             self._reset()
         one = self.one
+        if one is not None:
+            self.left -= 1
+            if self.left <= 0:
+                self._recheck()
+                return self._trial(fn)
         if one is False:
             return fn()
         if one is True:
@@ -354,6 +372,12 @@ class ThreadChoice:
             finally:
                 _let_go(token)
         return self._trial(fn)
+
+    def _recheck(self) -> None:
+        """Time both settings again (the one-off costs of a first run are paid)."""
+        self.last, self.one = self.one, None
+        self.runs = 1
+        self.times = ([], [])
 
     def _trial(self, fn: Callable[[], T]) -> T:
         if not _above_one():
@@ -374,5 +398,13 @@ class ThreadChoice:
         times = self.times
         times[one].append(secs)
         if len(times[0]) >= self.TRIALS and len(times[1]) >= self.TRIALS:
-            self.one = min(times[1]) < min(times[0]) * (1.0 - self.MARGIN)
+            self._decide(min(times[1]) < min(times[0]) * (1.0 - self.MARGIN))
         return out
+
+    def _decide(self, one: bool) -> None:
+        if self.last is None or one != self.last:
+            self.interval = self.RECHECK
+        else:
+            self.interval = min(2 * self.interval, self.RECHECK_MAX)
+        self.one, self.last, self.left = one, None, self.interval
+        self.decisions += 1

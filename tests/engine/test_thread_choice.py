@@ -3,7 +3,8 @@ where that is faster.
 
 - the choice follows the faster setting (a fake clock: no wall-clock assertion), after a
   first untimed run and TRIALS timed runs of each setting, alternating; one thread only
-  when faster by MARGIN; kept afterwards;
+  when faster by MARGIN; kept afterwards, and timed again after RECHECK runs (a choice
+  made while the machine was loaded heals; one that stands is checked half as often);
 - nothing is timed or decided while the count is one anyway;
 - forget_thread_choices makes it decide again;
 - a failing run lets the thread go and reaches the caller;
@@ -83,6 +84,47 @@ def test_choice_follows_the_faster_setting(fake, held_cost, free_cost, expect_on
         choice.run(clock.work)
     assert clock.settings[trials:] == [expect_one] * 5
     assert clock.held == 0
+
+
+def test_a_choice_is_checked_again_and_heals(fake, monkeypatch):
+    """Timed while one thread was faster (the other core busy, say), then the library's
+    count becomes faster: the check after RECHECK runs turns the choice round."""
+    monkeypatch.setattr(ThreadChoice, "RECHECK", 4)
+    clock = fake(1.0, 2.0)
+    choice = ThreadChoice()
+    trials = 2 * ThreadChoice.TRIALS
+    for _ in range(1 + trials):
+        choice.run(clock.work)
+    assert choice.one is True and choice.decisions == 1
+    clock.costs = (1.0, 2.0)          # (free, held): the library's count now faster
+    start = len(clock.settings)
+    for _ in range(4 - 1):
+        choice.run(clock.work)
+    assert clock.settings[start:] == [True] * 3 and choice.one is True
+    # the 4th run starts the check: alternating, first on one thread
+    for _ in range(trials):
+        choice.run(clock.work)
+    assert clock.settings[start + 3:] == [k % 2 == 0 for k in range(trials)]
+    assert choice.one is False and choice.decisions == 2
+    assert choice.interval == 4       # changed: checked again soon
+    assert clock.held == 0
+
+
+def test_a_choice_that_stands_is_checked_less_often(fake, monkeypatch):
+    monkeypatch.setattr(ThreadChoice, "RECHECK", 4)
+    monkeypatch.setattr(ThreadChoice, "RECHECK_MAX", 16)
+    clock = fake(2.0, 1.0)
+    choice = ThreadChoice()
+    intervals = []
+    for _ in range(200):
+        choice.run(clock.work)
+        if not intervals or intervals[-1] != choice.interval:
+            intervals.append(choice.interval)
+    assert intervals == [4, 8, 16]
+    assert choice.one is False
+    # a check costs TRIALS runs on the slower setting: here 3 in each 16 + 6 runs
+    held = sum(clock.settings[-100:])
+    assert 0 < held <= 3 * (100 // (16 + 6) + 1)
 
 
 def test_nothing_decided_at_one_thread(fake):
