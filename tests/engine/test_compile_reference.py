@@ -59,15 +59,16 @@ def _load(case: Path):
     return nnet, req
 
 
-def check_case(case: Path, backend=np, optimize: bool = False) -> None:
+def check_case(case: Path, backend=np, optimize: bool = False, options=None) -> None:
     """Compile ``case`` (unoptimized: also its command count and peak bytes against
-    Kaldi's; ``optimize``: with the default OptimizeOptions), run it on ``backend``
-    and compare outputs, input derivatives and model gradients with Kaldi's."""
+    Kaldi's; ``optimize``: with ``options``, default the default OptimizeOptions), run
+    it on ``backend`` and compare outputs, input derivatives and model gradients with
+    Kaldi's."""
     nnet, req = _load(case)
     comp = compile_computation(nnet, [req], CompilerOptions())
     if optimize:
         from engine.optimizer import OptimizeOptions, optimize as run_optimizer
-        comp = run_optimizer(comp, nnet, OptimizeOptions(), request=req)
+        comp = run_optimizer(comp, nnet, options or OptimizeOptions(), request=req)
     else:
         stats = comp.stats()
         ref_stats = json.loads((case / "stats.json").read_text())["unoptimized"]

@@ -1,6 +1,6 @@
 """Kaldi's chunk requests on given models, compiled and run by Kaldi and by nnetc.
 
-    python tests/kaldi_oracle/check_models.py BIN_DIR OUT_DIR MODEL...
+    python tests/kaldi_oracle/check_models.py BIN_DIR OUT_DIR MODEL... [--options K]
 
 For each MODEL (.raw, or .mdl: the network after the transition model) and each case of CASES (chunk, batch, with derivatives or not),
 BIN_DIR/genchunk writes a kaldi-ref style network case to OUT_DIR/NAME_cCHUNK_bBATCH_dD
@@ -9,8 +9,9 @@ and the model derivative is asked for); then, as check_networks.py does for rand
 networks, nnetc's unoptimized and optimized computations are run against Kaldi's numbers
 and the optimized command count, peak bytes and printout compared with Kaldi's; and the
 stats of the computation Kaldi's CachingOptimizingCompiler makes (shortcut compilation
-for batch > 1) with nnetc's compile_request.  Prints one line per failing case and a
-summary.
+for batch > 1) with nnetc's compile_request.  With ``--options K``, each case is made K
+more times, Kaldi optimizing with optimizer options drawn at random (genchunk's OPTSEED:
+options.json) and nnetc with the same.  Prints one line per failing case and a summary.
 
 A derivative through a ReLU whose input is within float32 rounding of zero depends on
 the order of the sums before it: Kaldi's BLAS and NumPy's may put that input on either
@@ -36,6 +37,7 @@ from engine.compiler.request import ComputationRequest  # noqa: E402
 from engine.runtime.executor import Executor  # noqa: E402
 from engine.compiler.shortcut import compile_request  # noqa: E402
 from engine.nnet.model_io import load_nnet  # noqa: E402
+from engine.optimizer import OptimizeOptions  # noqa: E402
 
 CASES = [(21, 1, 0), (150, 1, 0), (21, 8, 0), (150, 8, 0), (21, 1, 1), (17, 3, 1)]
 
@@ -68,16 +70,25 @@ def relu_kinks(case: Path) -> list[str]:
 
 
 def main() -> None:
-    bin_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    args = sys.argv[1:]
+    k_options = 0
+    if "--options" in args:
+        i = args.index("--options")
+        k_options = int(args[i + 1])
+        del args[i:i + 2]
+    bin_dir, out = Path(args[0]), Path(args[1])
     bad = n = inconclusive = 0
-    for model in sys.argv[3:]:
+    for model in args[2:]:
         name = (Path(model).parent.name if Path(model).name in ("model.raw", "final.mdl")
                 else Path(model).stem)
-        for chunk, batch, deriv in CASES:
-            case = out / f"{name}_c{chunk}_b{batch}_d{deriv}"
+        for (chunk, batch, deriv), opt_seed in [(c, s) for c in CASES
+                                                for s in [None, *range(1, k_options + 1)]]:
+            case = out / (f"{name}_c{chunk}_b{batch}_d{deriv}"
+                          + ("" if opt_seed is None else f"_o{opt_seed}"))
             case.mkdir(parents=True, exist_ok=True)
+            extra = [] if opt_seed is None else [str(opt_seed * 1000 + chunk + batch + deriv)]
             p = subprocess.run([str(bin_dir / "genchunk"), model, str(chunk), str(batch),
-                                str(deriv), str(case)], capture_output=True, text=True)
+                                str(deriv), str(case), *extra], capture_output=True, text=True)
             if p.returncode:
                 print(f"{case.name}: Kaldi failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
                 continue
@@ -87,7 +98,11 @@ def main() -> None:
             try:
                 nnet = load_nnet(case / "model.txt")
                 req = ComputationRequest.from_json((case / "request.json").read_bytes())
-                st = compile_request(nnet, req, use_shortcut=True).stats()
+                options = None
+                if (case / "options.json").exists():
+                    options = OptimizeOptions.from_dict(
+                        json.loads((case / "options.json").read_text()))
+                st = compile_request(nnet, req, options, use_shortcut=True).stats()
                 ref = json.loads((case / "shortcut.json").read_text())
                 if (st["commands"], st["peak_bytes"]) != (ref["commands"], ref["peak_bytes"]):
                     problems.append(f"shortcut stats: ours {st['commands']}/{st['peak_bytes']}, "

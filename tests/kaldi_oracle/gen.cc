@@ -18,7 +18,10 @@ int main(int argc, char **argv) {
   int seed = atoi(argv[1]);
   std::string dir = argv[2];
   // OPTIONS: 1 turns on allow_ivector, which NnetGenerationOptions leaves off by default
-  // (its other default-off option, allow_multiple_outputs, no generator reads)
+  // (its other default-off option, allow_multiple_outputs, no generator reads); 2 draws
+  // the optimizer options at random (each switch off with probability 0.3, sometimes a
+  // derivative-time window, memory compression 0-3) from their own generator, so the
+  // network and request are those of the same seed without it; written to options.json
   int flags = argc == 4 ? atoi(argv[3]) : 0;
   srand(seed);
   SetVerboseLevel(-1);
@@ -46,6 +49,8 @@ int main(int argc, char **argv) {
   { Compiler compiler(request, nnet); CompilerOptions opts; compiler.CreateComputation(opts, &unopt); }
   comp = unopt;
   NnetOptimizeOptions oo;
+  if (flags & 2)
+    RandomOptimizeOptions(seed * 7919u + 17u, request, dir + "/options.json", &oo);
   Optimize(oo, nnet, MaxOutputTimeInRequest(request), &comp);
   comp.ComputeCudaIndexes();
   { std::ofstream sf((dir + "/stats.json").c_str());

@@ -17,7 +17,11 @@ using namespace kaldi;
 using namespace kaldi::nnet3;
 
 int main(int argc, char **argv) {
-  if (argc != 6) { fprintf(stderr, "genchunk MODEL CHUNK BATCH DERIV OUTDIR\n"); return 1; }
+  // OPTSEED (optional): optimize with options drawn at random from it (RandomOptimizeOptions,
+  // written to options.json) instead of the defaults, here and in the caching compiler
+  if (argc != 6 && argc != 7) {
+    fprintf(stderr, "genchunk MODEL CHUNK BATCH DERIV OUTDIR [OPTSEED]\n"); return 1;
+  }
   std::string dir = argv[5];
   int chunk = atoi(argv[2]), batch = atoi(argv[3]);
   bool deriv = atoi(argv[4]) != 0;
@@ -61,6 +65,8 @@ int main(int argc, char **argv) {
   { Compiler compiler(request, nnet); CompilerOptions opts; compiler.CreateComputation(opts, &unopt); }
   comp = unopt;
   NnetOptimizeOptions oo;
+  if (argc == 7)
+    RandomOptimizeOptions((unsigned)atoi(argv[6]), request, dir + "/options.json", &oo);
   Optimize(oo, nnet, MaxOutputTimeInRequest(request), &comp);
   comp.ComputeCudaIndexes();
   { std::ofstream sf((dir + "/stats.json").c_str());

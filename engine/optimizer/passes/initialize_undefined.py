@@ -215,5 +215,11 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
         cmd.command_type = noop
     # (the analysis is not brought up to date: the next pass, moving the
     # allocations, needs less of it than that costs and finds it itself)
-    remove_no_ops(computation)
+    o = ctx.options
+    if o.optimize and o.allocate_from_other and not o.optimize_looped_computation:
+        # Kaldi leaves these no-ops to RemoveUnnecessaryAllocation, which deletes
+        # every no-op at its end; deleted now, the passes in between have fewer
+        # commands to walk and place nothing differently.  Without that pass they
+        # stay, as in Kaldi's computation.
+        remove_no_ops(computation)
     return True
