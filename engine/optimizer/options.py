@@ -23,7 +23,7 @@ from engine.core.errors import ConfigError
 from engine.core.index import INT32_MAX, INT32_MIN
 
 # bump when a pass changes its output for the same options (part of the cache key)
-OPTIMIZER_VERSION = 1
+OPTIMIZER_VERSION = 2   # 2: no-ops of remove_unnecessary_zeroing kept without allocate_from_other
 
 
 @dataclass(frozen=True)
