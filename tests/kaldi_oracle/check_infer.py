@@ -1,6 +1,6 @@
 """nnet3-compute and Kaldi's looped decodable against nnetc on random settings.
 
-    python tests/kaldi_oracle/check_infer.py BIN_DIR MODEL N SEED [--looped]
+    python tests/kaldi_oracle/check_infer.py BIN_DIR MODEL N SEED [--looped] [--options]
 
 MODEL: a .raw or .mdl.  N random cases: utterance length 1-259 frames, frames-per-chunk
 1/7/20/50/150, extra left/right context, extra-left-context-initial,
@@ -14,6 +14,7 @@ Both refusing a case counts as agreeing."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -27,19 +28,29 @@ from engine.inference.looped import LoopedConfig  # noqa: E402
 from engine.inference.simple import InferenceOptions, Inferencer  # noqa: E402
 from engine.inference.stream import LoopedModel  # noqa: E402
 from engine.nnet.model_io import load_model  # noqa: E402
+from engine.optimizer import OptimizeOptions  # noqa: E402
 
 
-def kaldi(binary: Path, model: str, mats: dict, looped: bool, o: dict, period: int):
+def kaldi(binary: Path, model: str, mats: dict, looped: bool, o: dict, period: int,
+          opt_seed: int | None = None):
+    """(Kaldi's output, None) or (None, its complaint); with ``opt_seed`` (looped only) also
+    the optimizer options it drew, else None: (output, complaint, options)."""
     with tempfile.TemporaryDirectory() as d:
         write_matrices(Path(d) / "in.txt", mats)
         args = [str(binary), model, f"{d}/in.txt", f"{d}/out.txt", str(int(looped))] + [
             str(o[k]) for k in ("frames_per_chunk", "extra_left_context", "extra_right_context",
                                 "extra_left_context_initial", "extra_right_context_final",
                                 "frame_subsampling_factor")] + [str(period)]
+        if opt_seed is not None:
+            args.append(str(opt_seed))
         p = subprocess.run(args, capture_output=True, text=True)
+        opts = None
+        if opt_seed is not None and Path(f"{d}/out.txt.options.json").exists():
+            opts = OptimizeOptions.from_dict(json.loads(Path(f"{d}/out.txt.options.json")
+                                                        .read_text()))
         if p.returncode:
-            return None, (p.stderr.strip().splitlines() or ["?"])[-1]
-        return read_matrices(Path(d) / "out.txt")["output"], None
+            return None, (p.stderr.strip().splitlines() or ["?"])[-1], opts
+        return read_matrices(Path(d) / "out.txt")["output"], None, opts
 
 
 def stream_through(lm, feats, iv, online, period, rng) -> np.ndarray:
@@ -67,6 +78,9 @@ def stream_through(lm, feats, iv, online, period, rng) -> np.ndarray:
 def main() -> None:
     bin_dir, model_path, n, seed = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     looped_too = "--looped" in sys.argv
+    # --options: the looped runs optimized with options drawn at random per case (Kaldi's
+    # and ours the same); offline runs as without it
+    with_options = "--options" in sys.argv
     m = load_model(model_path)
     nnet = m.nnet
     rng = np.random.default_rng(seed)
@@ -94,15 +108,20 @@ def main() -> None:
                 online = rng.standard_normal((rows, iv_dim)).astype(np.float32)
                 mats["online"] = online
         for looped in ([False, True] if looped_too else [False]):
-            ref, kerr = kaldi(bin_dir / "geninfer", model_path, mats, looped, o, period)
+            opt_seed = seed * 1000 + k if (looped and with_options) else None
+            ref, kerr, opts = kaldi(bin_dir / "geninfer", model_path, mats, looped, o, period,
+                                    opt_seed)
             tag = f"case {k}: T={T} looped={looped} period={period} {o}"
+            if opts is not None:
+                tag += f" options {opts.to_dict()}"
             try:
                 if looped:
                     # (a BLSTM's backward recurrence cut at chunk ends, as Kaldi does)
                     lm = LoopedModel(nnet, LoopedConfig(o["frames_per_chunk"],
                                                         max(0, o["extra_left_context_initial"]),
                                                         o["frame_subsampling_factor"],
-                                                        truncate_future_recurrence=True))
+                                                        truncate_future_recurrence=True),
+                                     optimize_options=opts)
                     ours = stream_through(lm, feats, iv, online, period, rng)
                 else:
                     ours = Inferencer(nnet, InferenceOptions(**o), priors=m.priors).infer(

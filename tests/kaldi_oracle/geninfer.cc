@@ -1,4 +1,6 @@
-// geninfer MODEL IN.txt OUT.txt looped(0/1) fpc elc erc elci ercf fsf period
+// geninfer MODEL IN.txt OUT.txt looped(0/1) fpc elc erc elci ercf fsf period [OPTSEED]
+// OPTSEED: the looped computation is optimized with options drawn at random from it
+// (RandomOptimizeOptions without a derivative window, written to OUT.txt.options.json)
 // IN.txt: "features R C" rows, optional "ivector 1 D", optional "online R C"
 #include "nnet3/nnet-am-decodable-simple.h"
 #include "nnet3/decodable-simple-looped.h"
@@ -54,6 +56,9 @@ int main(int argc, char **argv) {
     lo.frame_subsampling_factor = opts.frame_subsampling_factor;
     lo.frames_per_chunk = opts.frames_per_chunk;
     lo.acoustic_scale = 1.0;
+    if (argc > 12)
+      RandomOptimizeOptions((unsigned)atoi(argv[12]), ComputationRequest(),
+                            std::string(argv[3]) + ".options.json", &lo.optimize_config, false);
     DecodableNnetSimpleLoopedInfo info(lo, &nnet);
     DecodableNnetSimpleLooped d(info, feats, ivp, online, period);
     out.Resize(d.NumFrames(), d.OutputDim());

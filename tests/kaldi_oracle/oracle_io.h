@@ -68,8 +68,10 @@ inline void WriteRequest(std::ostream &os, const ComputationRequest &r) {
 // Optimizer options drawn at random from rng_seed (each switch off with probability 0.3,
 // "optimize" itself 0.05; a derivative-time window within the request's output times in 4
 // cases of 10; memory compression 0-3), written to json_path with our OptimizeOptions names.
+// With window false no derivative-time window is drawn (a computation without derivatives).
 inline void RandomOptimizeOptions(unsigned rng_seed, const ComputationRequest &request,
-                                  const std::string &json_path, NnetOptimizeOptions *oo) {
+                                  const std::string &json_path, NnetOptimizeOptions *oo,
+                                  bool window = true) {
   std::mt19937 rng(rng_seed);
   std::uniform_real_distribution<double> u(0.0, 1.0);
   bool *sw[] = {&oo->optimize, &oo->consolidate_model_update, &oo->propagate_in_place,
@@ -95,7 +97,7 @@ inline void RandomOptimizeOptions(unsigned rng_seed, const ComputationRequest &r
       t_lo = std::min(t_lo, request.outputs[i].indexes[j].t);
       t_hi = std::max(t_hi, request.outputs[i].indexes[j].t);
     }
-  double r = u(rng);
+  double r = window ? u(rng) : 1.0;
   if (r < 0.15) {
     oo->min_deriv_time = t_lo + (int)(u(rng) * (t_hi - t_lo + 1));
     of << "\"min_deriv_time\": " << oo->min_deriv_time << ", ";
