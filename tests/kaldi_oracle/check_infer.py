@@ -22,13 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-from oracle_io import read_matrices, write_matrices
+from oracle_io import complaint, read_matrices, write_matrices
 
 from engine.inference.looped import LoopedConfig  # noqa: E402
 from engine.inference.simple import InferenceOptions, Inferencer  # noqa: E402
 from engine.inference.stream import LoopedModel  # noqa: E402
 from engine.nnet.model_io import load_model  # noqa: E402
 from engine.optimizer import OptimizeOptions  # noqa: E402
+
+
+KALDI_MERGE_ASSERT = "FirstNontrivialMatrixAccess(m_to_discard) > alloc_keep"
 
 
 def kaldi(binary: Path, model: str, mats: dict, looped: bool, o: dict, period: int,
@@ -49,7 +52,7 @@ def kaldi(binary: Path, model: str, mats: dict, looped: bool, o: dict, period: i
             opts = OptimizeOptions.from_dict(json.loads(Path(f"{d}/out.txt.options.json")
                                                         .read_text()))
         if p.returncode:
-            return None, (p.stderr.strip().splitlines() or ["?"])[-1], opts
+            return None, complaint(p.stderr, p.returncode), opts
         return read_matrices(Path(d) / "out.txt")["output"], None, opts
 
 
@@ -86,7 +89,7 @@ def main() -> None:
     rng = np.random.default_rng(seed)
     in_dim = nnet.input_dim("input")
     iv_dim = nnet.input_dim("ivector") if nnet.get_node_index("ivector") >= 0 else 0
-    bad = compared = 0
+    bad = compared = kaldi_asserts = 0
     for k in range(n):
         o = dict(frames_per_chunk=int(rng.choice([1, 7, 20, 50, 150])),
                  extra_left_context=int(rng.choice([0, 0, 5, 40])),
@@ -132,6 +135,12 @@ def main() -> None:
             if ref is None and ours is None:
                 continue
             compared += 1
+            if ref is None and ours is not None and KALDI_MERGE_ASSERT in kerr:
+                # Kaldi's own limit with a merge direction switched off; nnetc declines
+                # that merge (variable_merging.py _alloc_precedes) and computes
+                kaldi_asserts += 1
+                print(f"Kaldi asserts ({kerr}), nnetc computes: {tag}")
+                continue
             if ref is None or ours is None:
                 bad += 1
                 print(f"FAIL, one side refuses: {tag}\n    kaldi: {kerr}\n    ours: {oerr}")
@@ -144,7 +153,9 @@ def main() -> None:
                 if err > tol:
                     bad += 1
                     print(f"FAIL, max error {err:.3g} > {tol:.3g}: {tag}")
-    print(f"{Path(model_path).name}: {bad} failing of {compared} compared")
+    print(f"{Path(model_path).name}: {bad} failing of {compared} compared"
+          + (f" ({kaldi_asserts} of them Kaldi's merge assertion, see above)"
+             if kaldi_asserts else ""))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from check_networks import check
-from oracle_io import report, to_npz
+from oracle_io import complaint, report, to_npz
 
 import numpy as np
 
@@ -90,7 +90,7 @@ def main() -> None:
             p = subprocess.run([str(bin_dir / "genchunk"), model, str(chunk), str(batch),
                                 str(deriv), str(case), *extra], capture_output=True, text=True)
             if p.returncode:
-                print(f"{case.name}: Kaldi failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+                print(f"{case.name}: Kaldi failed: {complaint(p.stderr, p.returncode)}")
                 continue
             to_npz(case)
             n += 1

@@ -53,9 +53,19 @@ def generate(binary: Path, seed: int, case: Path, *extra: str) -> str | None:
     p = subprocess.run([str(binary), str(seed), str(case), *extra], capture_output=True,
                        text=True)
     if p.returncode:
-        return (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+        return complaint(p.stderr, p.returncode)
     to_npz(case)
     return None
+
+
+def complaint(stderr: str, returncode: int) -> str:
+    """What a failed driver said: Kaldi's ERROR or ASSERTION_FAILED line (the stack trace
+    after it names nothing), else its last line."""
+    lines = stderr.strip().splitlines()
+    for line in lines:
+        if "ASSERTION_FAILED" in line or "ERROR (" in line or line.startswith("ERROR"):
+            return line.strip()
+    return (lines or [f"exit status {returncode}"])[-1]
 
 
 def report(name: str, problems: list[str]) -> None:
