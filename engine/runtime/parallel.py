@@ -46,6 +46,7 @@ product-form choices -- is guarded by locks).
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 from typing import Callable, Sequence, TypeVar
@@ -324,8 +325,11 @@ class ThreadChoice:
     frames) would otherwise hold for the life of the process.  After ``RECHECK``
     runs on the chosen setting the two are timed again in the same way; a choice
     that stands waits twice as long before the next check (up to ``RECHECK_MAX``
-    runs), one that changes goes back to ``RECHECK``.  A check costs ``TRIALS`` runs
-    on the other setting, under 1% of the runs between checks.
+    runs), one that changes goes back to ``RECHECK``.  A gap of ``DECISIVE`` times or
+    more between the fastest timings of the two settings so far decides at once (a loaded machine's
+    two-thread run of a small computation can take 200 times the one-thread one: no
+    need to pay for two more); and the next check waits long enough for the runs it
+    spends on the slower setting to cost at most ``CHECK_COST`` of the work in between.
     ``forget_thread_choices`` makes every choice start over.
     Nothing is decided while the count is one anyway (a one-thread BLAS, a
     concurrent section of ``run_concurrently``, a caller's own limit), nor where
@@ -338,6 +342,8 @@ class ThreadChoice:
     MARGIN = 0.03
     RECHECK = 512
     RECHECK_MAX = 65536
+    DECISIVE = 3.0
+    CHECK_COST = 0.01
     __slots__ = ("runs", "times", "one", "epoch", "left", "interval", "last", "decisions")
 
     def __init__(self) -> None:
@@ -397,14 +403,23 @@ class ThreadChoice:
                 _let_go(token)
         times = self.times
         times[one].append(secs)
-        if len(times[0]) >= self.TRIALS and len(times[1]) >= self.TRIALS:
-            self._decide(min(times[1]) < min(times[0]) * (1.0 - self.MARGIN))
+        lib, held = times
+        if lib and held:
+            a, b = min(lib), min(held)
+            if (max(a, b) >= self.DECISIVE * min(a, b)
+                    or (len(lib) >= self.TRIALS and len(held) >= self.TRIALS)):
+                self._decide(b < a * (1.0 - self.MARGIN))
         return out
 
     def _decide(self, one: bool) -> None:
         if self.last is None or one != self.last:
-            self.interval = self.RECHECK
+            interval = self.RECHECK
         else:
-            self.interval = min(2 * self.interval, self.RECHECK_MAX)
+            interval = min(2 * self.interval, self.RECHECK_MAX)
+        # the runs on the slower setting at the next check, against the work until then
+        chosen, other = self.times[one], self.times[not one]
+        slower = min(other) / max(min(chosen), 1e-12)
+        needed = math.ceil(len(other) * slower / self.CHECK_COST)
+        self.interval = min(max(interval, needed), self.RECHECK_MAX)
         self.one, self.last, self.left = one, None, self.interval
         self.decisions += 1

@@ -90,6 +90,7 @@ def test_a_choice_is_checked_again_and_heals(fake, monkeypatch):
     """Timed while one thread was faster (the other core busy, say), then the library's
     count becomes faster: the check after RECHECK runs turns the choice round."""
     monkeypatch.setattr(ThreadChoice, "RECHECK", 4)
+    monkeypatch.setattr(ThreadChoice, "CHECK_COST", 1e9)    # the interval as RECHECK says
     clock = fake(1.0, 2.0)
     choice = ThreadChoice()
     trials = 2 * ThreadChoice.TRIALS
@@ -113,6 +114,7 @@ def test_a_choice_is_checked_again_and_heals(fake, monkeypatch):
 def test_a_choice_that_stands_is_checked_less_often(fake, monkeypatch):
     monkeypatch.setattr(ThreadChoice, "RECHECK", 4)
     monkeypatch.setattr(ThreadChoice, "RECHECK_MAX", 16)
+    monkeypatch.setattr(ThreadChoice, "CHECK_COST", 1e9)
     clock = fake(2.0, 1.0)
     choice = ThreadChoice()
     intervals = []
@@ -125,6 +127,28 @@ def test_a_choice_that_stands_is_checked_less_often(fake, monkeypatch):
     # a check costs TRIALS runs on the slower setting: here 3 in each 16 + 6 runs
     held = sum(clock.settings[-100:])
     assert 0 < held <= 3 * (100 // (16 + 6) + 1)
+
+
+def test_a_decisive_gap_decides_at_once_and_spaces_the_checks(fake):
+    """On a loaded machine the library's count can be 200x slower for a small
+    computation: one timing of each decides, and the next check waits until its one
+    slow run costs at most CHECK_COST of the work in between."""
+    clock = fake(1.0, 200.0)
+    choice = ThreadChoice()
+    for _ in range(3):                      # untimed, one thread, library's count
+        choice.run(clock.work)
+    assert clock.settings == [False, True, False]
+    assert choice.one is True and choice.decisions == 1
+    assert choice.interval == min(ThreadChoice.RECHECK_MAX,
+                                  round(1 * 200.0 / ThreadChoice.CHECK_COST))   # 20,000
+    # no clear gap: the full TRIALS of each
+    clock = fake(1.0, 1.5)
+    choice = ThreadChoice()
+    for _ in range(2 * ThreadChoice.TRIALS):
+        choice.run(clock.work)
+    assert choice.one is None
+    choice.run(clock.work)
+    assert choice.one is True and choice.interval == ThreadChoice.RECHECK
 
 
 def test_nothing_decided_at_one_thread(fake):
