@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.errors import ConfigError
-from engine.nnet.config_line import INT_RE, ConfigLine
+from engine.nnet.config_line import ConfigLine
 from engine.nnet.descriptor_parse import is_valid_name, parse_descriptor
 from engine.nnet.nnet import NetworkNode, Nnet, NodeType, ObjectiveType
 
@@ -138,12 +138,10 @@ def parse_config_line(text: str, source: str | None = None,
 
 
 def _get_int(cfg: ConfigLine, key: str) -> int:
-    v = cfg.get_str(key)
-    if v is None:
+    n = cfg.get_int(key)
+    if n is None:
         raise cfg.error(f"expected {key}=<integer>")
-    if not INT_RE.match(v.strip()):
-        raise cfg.error(f"option {key}={v!r} is not an integer")
-    return cfg.check_int32(key, int(v))
+    return n
 
 
 def _require(cfg: ConfigLine, key: str, what: str) -> str:

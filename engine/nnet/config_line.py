@@ -28,8 +28,10 @@ def _parse_real(s: str) -> float | None:
     return float(s) if REAL_RE.match(s) else None
 
 
-def _nan_note(s: str) -> str:
-    return " (NaN is not accepted)" if "nan" in s.lower() else ""
+def _nan_note(pieces) -> str:
+    """A note for the error when one of the numbers given is NaN (which float() reads)."""
+    is_nan = any(p.strip().lower().lstrip("+-") == "nan" for p in pieces)
+    return " (NaN is not accepted)" if is_nan else ""
 
 
 def _parse_int(s: str) -> int | None:
@@ -141,7 +143,7 @@ class ConfigLine:
             return default
         x = _parse_real(v)
         if x is None:
-            raise self.error(f"option {key}={v!r} is not a number" + _nan_note(v))
+            raise self.error(f"option {key}={v!r} is not a number" + _nan_note([v]))
         return x
 
     def get_bool(self, key: str, default: bool | None = None,
@@ -179,10 +181,11 @@ class ConfigLine:
             return default
         if v == "":
             return []
-        out = [_parse_real(x) for x in v.split(sep)]
+        pieces = v.split(sep)
+        out = [_parse_real(x) for x in pieces]
         if None in out:
             raise self.error(f"option {key}={v!r} is not a {sep!r}-separated number list"
-                             + _nan_note(v))
+                             + _nan_note(pieces))
         return out
 
     def get_choice(self, key: str, choices: list[str], default: str | None = None,

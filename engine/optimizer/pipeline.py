@@ -114,6 +114,16 @@ def merges_variables(o: OptimizeOptions) -> bool:
     return o.optimize and (o.remove_assignments or o.backprop_in_place or o.propagate_in_place)
 
 
+def removes_unnecessary_zeroing(o: OptimizeOptions) -> bool:
+    """The gate of remove_unnecessary_zeroing."""
+    return o.optimize and o.initialize_undefined
+
+
+def allocates_from_other(o: OptimizeOptions) -> bool:
+    """The gate of remove_unnecessary_allocation."""
+    return o.optimize and o.allocate_from_other and not o.optimize_looped_computation
+
+
 @dataclass(frozen=True)
 class PassSpec:
     name: str                       # the function, Kaldi's name in snake_case
@@ -143,7 +153,7 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("variable_merging_optimization", "variable_merging",
              lambda o, c: merges_variables(o)),
     PassSpec("remove_unnecessary_zeroing", "initialize_undefined",
-             lambda o, c: o.optimize and o.initialize_undefined),
+             lambda o, c: removes_unnecessary_zeroing(o)),
     PassSpec("move_sizing_commands", "move_sizing_commands",
              lambda o, c: (o.optimize and o.move_sizing_commands)
              or o.optimize_looped_computation),
@@ -151,8 +161,7 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("optimize_looped_computation", "optimize_looped",
              lambda o, c: o.optimize_looped_computation),
     PassSpec("remove_unnecessary_allocation", "allocate_from_other",
-             lambda o, c: o.optimize and o.allocate_from_other
-             and not o.optimize_looped_computation),
+             lambda o, c: allocates_from_other(o)),
     # required for correctness whatever the options: passes may have moved I/O
     PassSpec("consolidate_io_operations", "consolidate_io", lambda o, c: True),
     PassSpec("fix_goto_label", "consolidate_io", lambda o, c: o.optimize_looped_computation),

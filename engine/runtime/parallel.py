@@ -326,10 +326,11 @@ class ThreadChoice:
     runs on the chosen setting the two are timed again in the same way; a choice
     that stands waits twice as long before the next check (up to ``RECHECK_MAX``
     runs), one that changes goes back to ``RECHECK``.  A gap of ``DECISIVE`` times or
-    more between the fastest timings of the two settings so far decides at once (a loaded machine's
-    two-thread run of a small computation can take 200 times the one-thread one: no
-    need to pay for two more); and the next check waits long enough for the runs it
-    spends on the slower setting to cost at most ``CHECK_COST`` of the work in between.
+    more between the fastest timings of the two settings so far decides at once (a
+    loaded machine's two-thread run of a small computation can take 200 times the
+    one-thread one: no need to pay for two more); and the next check waits long
+    enough for the runs it spends on the slower setting to cost at most
+    ``CHECK_COST`` of the work in between.
     ``forget_thread_choices`` makes every choice start over.
     Nothing is decided while the count is one anyway (a one-thread BLAS, a
     concurrent section of ``run_concurrently``, a caller's own limit), nor where

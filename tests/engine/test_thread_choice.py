@@ -190,7 +190,8 @@ def _count() -> int:
 
 
 @pytest.mark.skipif(not parallel.blas_threads_settable() or not parallel._getters,
-                    reason="the BLAS thread count cannot be set and read")
+                    reason="the loaded BLAS is not an OpenBLAS or MKL whose thread count "
+                           "threadpoolctl can set and read (the test needs the real count)")
 def test_real_blas_count_held_and_restored():
     before = _count()
     choice = ThreadChoice()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from engine.compiler.computation import NnetComputation
 from engine.optimizer.analysis import CT
+from engine.optimizer.pipeline import allocates_from_other
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
 
 _R, _W = 1, 2   # read and write access, as bits (Analyzer.entries, variable_access_bits_of)
@@ -215,8 +216,7 @@ def remove_unnecessary_zeroing(computation: NnetComputation, ctx) -> bool:
         cmd.command_type = noop
     # (the analysis is not brought up to date: the next pass, moving the
     # allocations, needs less of it than that costs and finds it itself)
-    o = ctx.options
-    if o.optimize and o.allocate_from_other and not o.optimize_looped_computation:
+    if allocates_from_other(ctx.options):
         # Kaldi leaves these no-ops to RemoveUnnecessaryAllocation, which deletes
         # every no-op at its end; deleted now, the passes in between have fewer
         # commands to walk and place nothing differently.  Without that pass they

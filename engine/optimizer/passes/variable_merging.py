@@ -52,6 +52,7 @@ from engine.nnet.components.base import ComponentProperty as P
 from engine.optimizer.analysis import CT, Analyzer, ComponentProperties, ComputationAnalysis
 from engine.optimizer.passes.initialize_undefined import unnecessary_zeroings
 from engine.optimizer.passes.remove_no_ops import remove_no_ops, remove_no_ops_from
+from engine.optimizer.pipeline import removes_unnecessary_zeroing
 from engine.optimizer.passes.renumber import (renumber_computation, renumber_with_maps,
                                               submatrix_info)
 
@@ -371,8 +372,7 @@ def variable_merging_optimization(computation: NnetComputation, ctx) -> bool:
 
 def _zeroing_next(ctx) -> bool:
     """Whether remove_unnecessary_zeroing runs next in the pipeline of ``ctx``."""
-    o = ctx.options
-    return hasattr(ctx, "zeroings") and o.optimize and o.initialize_undefined
+    return hasattr(ctx, "zeroings") and removes_unnecessary_zeroing(ctx.options)
 
 
 def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
