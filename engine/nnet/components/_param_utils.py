@@ -224,6 +224,14 @@ def read_linear_and_bias(reader: KaldiReader, pending: str = ""):
     return linear, reader.read_vector()
 
 
+def check_linear_and_bias(reader: KaldiReader, what: str, linear, bias) -> None:
+    """A read error unless ``bias`` has one entry per row of ``linear`` (what the
+    product-plus-bias of ``what``, a component type, needs)."""
+    if bias.shape[0] != linear.shape[0]:
+        raise reader.error(f"{what}: bias dimension {bias.shape[0]} != linear-params rows "
+                           f"{linear.shape[0]}")
+
+
 def write_linear_and_bias(writer: KaldiWriter, linear, bias) -> None:
     """``<LinearParams>`` matrix ``<BiasParams>`` vector."""
     writer.write_token("<LinearParams>")

@@ -18,6 +18,7 @@ import numpy as np
 from engine.nnet.components._param_utils import (
     begin_updatable_read,
     check_backprop_shapes,
+    check_linear_and_bias,
     check_rows,
     config_errors,
     gaussian,
@@ -178,9 +179,7 @@ class AffineComponent(_AffineMap, UpdatableComponent):
         self.linear_params, self.bias_params = read_linear_and_bias(reader, pending)
 
     def _check_dims(self, reader: KaldiReader) -> None:
-        if self.bias_params.shape[0] != self.linear_params.shape[0]:
-            raise reader.error(f"{self.type_name}: bias dimension {self.bias_params.shape[0]} "
-                               f"!= linear-params rows {self.linear_params.shape[0]}")
+        check_linear_and_bias(reader, self.type_name, self.linear_params, self.bias_params)
 
     @classmethod
     def read(cls, reader: KaldiReader) -> "AffineComponent":

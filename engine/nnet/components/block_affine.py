@@ -14,6 +14,7 @@ import numpy as np
 from engine.nnet.components._param_utils import (
     begin_updatable_read,
     check_backprop_shapes,
+    check_linear_and_bias,
     check_rows,
     config_errors,
     gaussian,
@@ -93,9 +94,7 @@ class BlockAffineComponent(UpdatableComponent):
         if c.num_blocks <= 0 or c.linear_params.shape[0] % c.num_blocks:
             raise reader.error(f"BlockAffineComponent: <NumBlocks> {c.num_blocks} does not "
                                f"divide the output dimension {c.linear_params.shape[0]}")
-        if c.bias_params.shape[0] != c.linear_params.shape[0]:
-            raise reader.error(f"BlockAffineComponent: bias dimension {c.bias_params.shape[0]} "
-                               f"!= linear-params rows {c.linear_params.shape[0]}")
+        check_linear_and_bias(reader, "BlockAffineComponent", c.linear_params, c.bias_params)
         return c
 
     def write(self, writer: KaldiWriter) -> None:
@@ -195,9 +194,7 @@ class RepeatedAffineComponent(UpdatableComponent):
         reader.expect_token(f"</{cls.type_name}>")
         if c.num_repeats <= 0:
             raise reader.error(f"{cls.type_name}: <NumRepeats> must be positive")
-        if c.bias_params.shape[0] != c.linear_params.shape[0]:
-            raise reader.error(f"{cls.type_name}: bias dimension {c.bias_params.shape[0]} "
-                               f"!= linear-params rows {c.linear_params.shape[0]}")
+        check_linear_and_bias(reader, cls.type_name, c.linear_params, c.bias_params)
         return c
 
     def write(self, writer: KaldiWriter) -> None:

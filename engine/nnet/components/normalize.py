@@ -96,9 +96,13 @@ class NormalizeComponent(Component):
         if not _positive(self.target_rms):
             raise cfg.error(f"NormalizeComponent: target-rms={self.target_rms:g} must be a "
                             "finite number > 0")
-        if self.block_dim <= 0 or self.in_dim % self.block_dim != 0:
+        if self._blocks_invalid():
             raise cfg.error(f"NormalizeComponent: block-dim={self.block_dim} must be > 0 "
                             f"and divide dim={self.in_dim}")
+
+    def _blocks_invalid(self) -> bool:
+        """A block dim Kaldi refuses: not positive, or not dividing the input dim."""
+        return self.block_dim <= 0 or self.in_dim % self.block_dim != 0
 
     @classmethod
     def read(cls, reader: KaldiReader):
@@ -117,7 +121,7 @@ class NormalizeComponent(Component):
             tok = reader.read_token()
         if tok != "</NormalizeComponent>":
             raise reader.error(f"expected </NormalizeComponent>, got {tok!r}")
-        if c.in_dim <= 0 or c.block_dim <= 0 or c.in_dim % c.block_dim != 0:
+        if c.in_dim <= 0 or c._blocks_invalid():
             raise reader.error(f"NormalizeComponent: <BlockDim> {c.block_dim} must be > 0 and "
                                f"divide <InputDim> {c.in_dim}")
         if not _positive(c.target_rms):
