@@ -52,6 +52,15 @@ def _close(what, ours, ref):
     assert err <= tol, f"{what}: max abs error {err:.3g} > {tol:.3g}"
 
 
+def read_options(path: Path):
+    """The OptimizeOptions written by the Kaldi oracle's drivers (options.json: our field
+    names), or None when ``path`` does not exist (the default options)."""
+    from engine.optimizer import OptimizeOptions
+    if not path.exists():
+        return None
+    return OptimizeOptions.from_dict(json.loads(path.read_text()))
+
+
 def _load(case: Path):
     from engine.nnet.model_io import load_nnet
     nnet = load_nnet(case / "model.txt")

@@ -28,7 +28,7 @@ from engine.compiler.shortcut import compile_request
 from engine.nnet.model_io import load_nnet
 from engine.optimizer import OptimizeOptions
 
-from test_compile_reference import check_case
+from test_compile_reference import check_case, read_options
 
 CASES = sorted((Path(__file__).resolve().parents[1] / "data" / "networks_kaldi_options").iterdir())
 
@@ -38,7 +38,9 @@ def _id(p: Path) -> str:
 
 
 def _options(case: Path) -> OptimizeOptions:
-    return OptimizeOptions.from_dict(json.loads((case / "options.json").read_text()))
+    options = read_options(case / "options.json")
+    assert options is not None, case
+    return options
 
 
 def test_the_cases_are_there_and_cover_every_switch():

@@ -14,7 +14,6 @@ Both refusing a case counts as agreeing."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from engine.inference.looped import LoopedConfig  # noqa: E402
 from engine.inference.simple import InferenceOptions, Inferencer  # noqa: E402
 from engine.inference.stream import LoopedModel  # noqa: E402
 from engine.nnet.model_io import load_model  # noqa: E402
-from engine.optimizer import OptimizeOptions  # noqa: E402
+from test_compile_reference import read_options  # noqa: E402
 
 
 KALDI_MERGE_ASSERT = "FirstNontrivialMatrixAccess(m_to_discard) > alloc_keep"
@@ -47,10 +46,7 @@ def kaldi(binary: Path, model: str, mats: dict, looped: bool, o: dict, period: i
         if opt_seed is not None:
             args.append(str(opt_seed))
         p = subprocess.run(args, capture_output=True, text=True)
-        opts = None
-        if opt_seed is not None and Path(f"{d}/out.txt.options.json").exists():
-            opts = OptimizeOptions.from_dict(json.loads(Path(f"{d}/out.txt.options.json")
-                                                        .read_text()))
+        opts = read_options(Path(f"{d}/out.txt.options.json"))
         if p.returncode:
             return None, complaint(p.stderr, p.returncode), opts
         return read_matrices(Path(d) / "out.txt")["output"], None, opts

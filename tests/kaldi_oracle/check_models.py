@@ -37,7 +37,7 @@ from engine.compiler.request import ComputationRequest  # noqa: E402
 from engine.runtime.executor import Executor  # noqa: E402
 from engine.compiler.shortcut import compile_request  # noqa: E402
 from engine.nnet.model_io import load_nnet  # noqa: E402
-from engine.optimizer import OptimizeOptions  # noqa: E402
+from test_compile_reference import read_options  # noqa: E402
 
 CASES = [(21, 1, 0), (150, 1, 0), (21, 8, 0), (150, 8, 0), (21, 1, 1), (17, 3, 1)]
 
@@ -98,10 +98,7 @@ def main() -> None:
             try:
                 nnet = load_nnet(case / "model.txt")
                 req = ComputationRequest.from_json((case / "request.json").read_bytes())
-                options = None
-                if (case / "options.json").exists():
-                    options = OptimizeOptions.from_dict(
-                        json.loads((case / "options.json").read_text()))
+                options = read_options(case / "options.json")
                 st = compile_request(nnet, req, options, use_shortcut=True).stats()
                 ref = json.loads((case / "shortcut.json").read_text())
                 if (st["commands"], st["peak_bytes"]) != (ref["commands"], ref["peak_bytes"]):

@@ -23,15 +23,12 @@ from engine.compiler.request import ComputationRequest  # noqa: E402
 from engine.compiler.shortcut import compile_request  # noqa: E402
 from engine.nnet.model_io import load_nnet  # noqa: E402
 from engine.core.index import INT32_MAX, INT32_MIN  # noqa: E402
-from engine.optimizer import OptimizeOptions  # noqa: E402
-from test_compile_reference import check_case  # noqa: E402
+from test_compile_reference import check_case, read_options  # noqa: E402
 
 
 def check(case: Path) -> list[str]:
     problems = []
-    options = None
-    if (case / "options.json").exists():
-        options = OptimizeOptions.from_dict(json.loads((case / "options.json").read_text()))
+    options = read_options(case / "options.json")
     window = options is not None and (
         options.min_deriv_time != INT32_MIN or options.max_deriv_time != INT32_MAX
         or options.max_deriv_time_relative != INT32_MAX)
