@@ -104,9 +104,15 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
         whole.run()
         expected = whole.get_output("output")
         got = forward()
-        if not np.allclose(got, expected, rtol=1e-4, atol=1e-5):
+        # against the output's scale: float32 sums in another order (BLAS kernels block a
+        # 4-sequence product otherwise than an 8-sequence one) differ by rounding of the
+        # largest terms, which on a network with large outputs (the synthetic CNN-TDNN's
+        # reach 1e11) is far above any fixed absolute tolerance where terms cancel
+        diff = float(np.max(np.abs(got - expected)))
+        scale = float(np.max(np.abs(expected)))
+        if not diff <= 1e-4 * scale + 1e-5:
             raise AssertionError("split forward differs from the single computation: max "
-                                 f"abs diff {float(np.max(np.abs(got - expected)))}")
+                                 f"abs diff {diff} against outputs up to {scale}")
     forward()                      # builds the executor's program and fills the pool
     pool.reset_peak()
     forward()                      # one run from zero bytes held: the real peak
