@@ -561,9 +561,14 @@ class Executor:
         kBackprop (``updates``), and the memo its propagate left (taken out)."""
         to_update = None
         if updates:
-            if ci in self._grad_components:
+            if self._components[ci].properties() & P.UPDATABLE_COMPONENT:
                 if self.computation.need_model_derivative:
-                    to_update = self._grad_components[ci]
+                    to_update = self._grad_components.get(ci)
+            elif self.nnet_to_store_stats is not None:
+                # as Kaldi's NnetComputer: a non-updatable component's backprop stores
+                # its statistics (output-derivative sums, clipping counts) where the
+                # forward statistics go
+                to_update = self.nnet_to_store_stats.components[ci]
             else:
                 to_update = self._stats_components.get(ci)
         memo = None

@@ -116,6 +116,108 @@ def check_case(case: Path, backend=np, optimize: bool = False, options=None) -> 
         assert checked > 0 or not any(c.is_updatable for c in nnet.components)
 
 
+def _numbers(component) -> dict:
+    """The numeric fields of a component (parameters and statistics), by name."""
+    out = {}
+    for k, v in vars(component).items():
+        if isinstance(v, bool) or k == "name":
+            continue
+        if isinstance(v, (int, float, np.floating, np.integer)):
+            out[k] = np.asarray([float(v)])
+        elif isinstance(v, np.ndarray) and v.dtype.kind in "fi":
+            out[k] = v.astype(np.float64).ravel()
+    return out
+
+
+# Kaldi's StoreStats (attention) or backprop statistics (GRU) of these types skip a call
+# at random even when nothing is stored yet
+RANDOM_STATS = {"RestrictedAttentionComponent", "GruNonlinearityComponent",
+                "OutputGruNonlinearityComponent"}
+# the types whose backprop self-repairs on about half of the minibatches, drawn at random,
+# once they have statistics (self-repair-scale > 0)
+SELF_REPAIRING = {"RectifiedLinearComponent", "SigmoidComponent", "TanhComponent"}
+
+
+def check_stored_stats(case: Path, options=None) -> tuple[list[str], int]:
+    """With store_component_stats, Kaldi's network after the run (model_after.txt) against
+    ours after the same run, every numeric field of every component: the statistics the
+    forward pass stored (nonlinearities' value/derivative sums and count, batch-norm's
+    in training mode) and the backprop's (output-derivative sums of squares).  Kaldi
+    stores a component's statistics on the first call and then on about one in two (one
+    in four for the backprop's), drawn from its generator, so a component propagated or
+    backpropagated more than once is left out, and so are the types that draw even on
+    the first call (RANDOM_STATS); with a backprop and a self-repairing nonlinearity
+    (SELF_REPAIRING) nothing is compared.  Returns (problems, how many fields were
+    compared).  The numbers are held to 1e-4 of the largest of Kaldi's in the field
+    (float32 sums in another order); a ReLU's derivative sums to 2 more (outputs within
+    rounding of zero)."""
+    from engine.compiler.computation import CommandType as CT
+    from engine.nnet.model_io import load_nnet
+    from engine.optimizer import OptimizeOptions, optimize
+    nnet, req = _load(case)
+    comp = optimize(compile_computation(nnet, [req], CompilerOptions()), nnet,
+                    options or OptimizeOptions(), request=req)
+    calls: dict = {}
+    for c in comp.commands:
+        if c.command_type in (CT.PROPAGATE, CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE):
+            key = (c.arg1, c.command_type == CT.PROPAGATE)
+            calls[key] = calls.get(key, 0) + 1
+    # (a nonlinearity that has statistics already stores more on about one call in two:
+    # a trained model's are left out; batch-norm's always stores)
+    before = [{k: float(v[0]) for k, v in _numbers(c).items() if v.size == 1}
+              for c in nnet.components]
+    arrays = np.load(case / "arrays.npz")
+    # as gen.cc: the network computed with is the one the statistics go to
+    ex = Executor(comp, nnet, nnet_to_store_stats=nnet)
+    for spec in req.inputs:
+        ex.accept_input(spec.name, arrays[f"input.{spec.name}"])
+    ex.run()
+    if any(s.has_deriv for s in req.outputs):
+        for spec in req.outputs:
+            if spec.has_deriv:
+                ex.accept_output_deriv(spec.name, arrays[f"output_deriv.{spec.name}"])
+        ex.run()
+    ref = load_nnet(case / "model_after.txt")
+    problems, compared = [], 0
+    if any(s.has_deriv for s in req.outputs) and any(
+            type(c).__name__ in SELF_REPAIRING and getattr(c, "self_repair_scale", 0.0) > 0
+            for c in nnet.components):
+        # the backprop repairs (or not) on a draw from Kaldi's generator, and the
+        # repaired derivatives feed the statistics of the layers below
+        return problems, compared
+    for ci, (name, ours, theirs) in enumerate(zip(nnet.component_names, nnet.components,
+                                                   ref.components)):
+        if (calls.get((ci, True), 0) > 1 or calls.get((ci, False), 0) > 1
+                or type(ours).__name__ in RANDOM_STATS
+                or (type(ours).__name__ != "BatchNormComponent"
+                    and (before[ci].get("count", 0) or before[ci].get("oderiv_count", 0)))):
+            continue
+        a, b = _numbers(ours), _numbers(theirs)
+        if a.keys() != b.keys():
+            problems.append(f"stored stats {name}: fields {sorted(a)} vs {sorted(b)}")
+            continue
+        for k in a:
+            x, y = a[k], b[k]
+            if x.shape != y.shape:
+                problems.append(f"stored stats {name}.{k}: shape {x.shape} vs Kaldi's {y.shape}")
+                continue
+            scale = float(np.max(np.abs(y))) if y.size else 0.0
+            if k == "stats_sum" and "stats_sumsq" in b:
+                # batch-norm's sums of frame values: a mean near zero is the difference of
+                # large terms; their size is the root of the sum of squares times count
+                scale = max(scale, float(np.sqrt(np.max(b["stats_sumsq"]) * b["count"][0])))
+            tol = 1e-4 * scale + 1e-5
+            if k == "deriv_sum" and type(ours).__name__ == "RectifiedLinearComponent":
+                # a unit's count of positive outputs moves by one for each output
+                # within float32 rounding of zero
+                tol += 2.0
+            if x.size and not np.max(np.abs(x - y)) <= tol:
+                problems.append(f"stored stats {name}.{k}: max diff "
+                                f"{float(np.max(np.abs(x - y)))} (Kaldi's up to {scale})")
+            compared += 1
+    return problems, compared
+
+
 @pytest.mark.parametrize("case", _cases(False), ids=lambda p: p.name)
 def test_reference_subset(case):
     check_case(case)

@@ -1,6 +1,6 @@
 """Kaldi's chunk requests on given models, compiled and run by Kaldi and by nnetc.
 
-    python tests/kaldi_oracle/check_models.py BIN_DIR OUT_DIR MODEL... [--options K]
+    python tests/kaldi_oracle/check_models.py BIN_DIR OUT_DIR MODEL... [--options K] [--train]
 
 For each MODEL (.raw, or .mdl: the network after the transition model) and each case of CASES (chunk, batch, with derivatives or not),
 BIN_DIR/genchunk writes a kaldi-ref style network case to OUT_DIR/NAME_cCHUNK_bBATCH_dD
@@ -11,7 +11,9 @@ and the optimized command count, peak bytes and printout compared with Kaldi's; 
 stats of the computation Kaldi's CachingOptimizingCompiler makes (shortcut compilation
 for batch > 1) with nnetc's compile_request.  With ``--options K``, each case is made K
 more times, Kaldi optimizing with optimizer options drawn at random (genchunk's OPTSEED:
-options.json) and nnetc with the same.  Prints one line per failing case and a summary.
+options.json) and nnetc with the same.  With ``--train``, batch-norm runs in training mode
+(normalising by each minibatch's own statistics) and the request stores component
+statistics, which are compared with Kaldi's (check_networks.check_stored_stats).  Prints one line per failing case and a summary.
 
 A derivative through a ReLU whose input is within float32 rounding of zero depends on
 the order of the sums before it: Kaldi's BLAS and NumPy's may put that input on either
@@ -76,6 +78,9 @@ def main() -> None:
         i = args.index("--options")
         k_options = int(args[i + 1])
         del args[i:i + 2]
+    train = "--train" in args
+    if train:
+        args.remove("--train")
     bin_dir, out = Path(args[0]), Path(args[1])
     bad = n = inconclusive = 0
     for model in args[2:]:
@@ -84,9 +89,12 @@ def main() -> None:
         for (chunk, batch, deriv), opt_seed in [(c, s) for c in CASES
                                                 for s in [None, *range(1, k_options + 1)]]:
             case = out / (f"{name}_c{chunk}_b{batch}_d{deriv}"
-                          + ("" if opt_seed is None else f"_o{opt_seed}"))
+                          + ("" if opt_seed is None else f"_o{opt_seed}")
+                          + ("_train" if train else ""))
             case.mkdir(parents=True, exist_ok=True)
             extra = [] if opt_seed is None else [str(opt_seed * 1000 + chunk + batch + deriv)]
+            if train:
+                extra = [*(extra or ["-1"]), "1"]
             p = subprocess.run([str(bin_dir / "genchunk"), model, str(chunk), str(batch),
                                 str(deriv), str(case), *extra], capture_output=True, text=True)
             if p.returncode:

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+
 from oracle_io import generate, report
 
 from compiler_ref import first_difference  # noqa: E402
@@ -23,7 +24,9 @@ from engine.compiler.request import ComputationRequest  # noqa: E402
 from engine.compiler.shortcut import compile_request  # noqa: E402
 from engine.nnet.model_io import load_nnet  # noqa: E402
 from engine.core.index import INT32_MAX, INT32_MIN  # noqa: E402
-from test_compile_reference import check_case, read_options  # noqa: E402
+from test_compile_reference import check_case, check_stored_stats, read_options  # noqa: E402
+
+STATS_COMPARED = [0]     # networks whose stored statistics were compared
 
 
 def check(case: Path) -> list[str]:
@@ -55,6 +58,13 @@ def check(case: Path) -> list[str]:
             problems.append("printout: " + first_difference(text, (case / "computation.txt").read_text()))
     except Exception as e:  # noqa: BLE001
         problems.append(f"compile: {type(e).__name__}: {str(e)[:300]}")
+    if (case / "model_after.txt").exists():
+        try:
+            found, compared = check_stored_stats(case, options)
+            problems += found
+            STATS_COMPARED[0] += compared > 0
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"stored stats: {type(e).__name__}: {str(e)[:300]}")
     return problems
 
 
@@ -74,7 +84,8 @@ def main() -> None:
         if problems:
             bad += 1
             report(f"s{seed}", problems)
-    print(f"{bad} failing of {n} networks")
+    print(f"{bad} failing of {n} networks ({STATS_COMPARED[0]} with stored statistics "
+          "compared)")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ int main(int argc, char **argv) {
   // (its other default-off option, allow_multiple_outputs, no generator reads); 2 draws
   // the optimizer options at random (each switch off with probability 0.3, sometimes a
   // derivative-time window, memory compression 0-3) from their own generator, so the
-  // network and request are those of the same seed without it; written to options.json
+  // network and request are those of the same seed without it; written to options.json;
+  // 4 leaves batch-norm in training mode (its outputs and derivatives then come from the
+  // minibatch's own statistics, which it also stores)
   int flags = argc == 4 ? atoi(argv[3]) : 0;
   srand(seed);
   SetVerboseLevel(-1);
@@ -41,7 +43,7 @@ int main(int argc, char **argv) {
   ComputationRequest request;
   std::vector<Matrix<BaseFloat> > inputs;
   ComputeExampleComputationRequestSimple(nnet, &request, &inputs);
-  SetBatchnormTestMode(true, &nnet);
+  if ((flags & 4) == 0) SetBatchnormTestMode(true, &nnet);
   SetDropoutTestMode(true, &nnet);
   { std::ofstream mf((dir + "/model.txt").c_str()); nnet.Write(mf, false); }
   { std::ofstream rf((dir + "/request.json").c_str()); WriteRequest(rf, request); }
@@ -95,6 +97,11 @@ int main(int argc, char **argv) {
     if (request.need_model_derivative) {
       std::ofstream gf((dir + "/model_grad.txt").c_str()); grad_nnet.Write(gf, false);
     }
+  }
+  // with store_component_stats, the statistics the components stored while the
+  // computation ran (the computer was given &nnet to store them in)
+  if (request.store_component_stats) {
+    std::ofstream sf((dir + "/model_after.txt").c_str()); nnet.Write(sf, false);
   }
   return 0;
 }

@@ -19,9 +19,13 @@ using namespace kaldi::nnet3;
 int main(int argc, char **argv) {
   // OPTSEED (optional): optimize with options drawn at random from it (RandomOptimizeOptions,
   // written to options.json) instead of the defaults, here and in the caching compiler
-  if (argc != 6 && argc != 7) {
-    fprintf(stderr, "genchunk MODEL CHUNK BATCH DERIV OUTDIR [OPTSEED]\n"); return 1;
+  // TRAIN (optional, 1): batch-norm in training mode and the request storing component
+  // statistics; the network after the run is written to model_after.txt (OPTSEED -1:
+  // the default options)
+  if (argc < 6 || argc > 8) {
+    fprintf(stderr, "genchunk MODEL CHUNK BATCH DERIV OUTDIR [OPTSEED [TRAIN]]\n"); return 1;
   }
+  bool train = argc == 8 && atoi(argv[7]) == 1;
   std::string dir = argv[5];
   int chunk = atoi(argv[2]), batch = atoi(argv[3]);
   bool deriv = atoi(argv[4]) != 0;
@@ -37,7 +41,7 @@ int main(int argc, char **argv) {
       AmNnetSimple am; am.Read(ki.Stream(), binary); nnet = am.GetNnet();
     } else nnet.Read(ki.Stream(), binary);
   }
-  SetBatchnormTestMode(true, &nnet);
+  SetBatchnormTestMode(!train, &nnet);
   SetDropoutTestMode(true, &nnet);
   int32 left, right;
   ComputeSimpleNnetContext(nnet, &left, &right);
@@ -59,13 +63,14 @@ int main(int argc, char **argv) {
   for (int n = 0; n < batch; n++)
     for (int t = 0; t < chunk; t++) request.outputs[0].indexes.push_back(Index(n, t, 0));
   request.need_model_derivative = deriv;
+  request.store_component_stats = train;
   { std::ofstream mf((dir + "/model.txt").c_str()); nnet.Write(mf, false); }
   { std::ofstream rf((dir + "/request.json").c_str()); WriteRequest(rf, request); }
   NnetComputation unopt, comp;
   { Compiler compiler(request, nnet); CompilerOptions opts; compiler.CreateComputation(opts, &unopt); }
   comp = unopt;
   NnetOptimizeOptions oo;
-  if (argc == 7)
+  if (argc >= 7 && atoi(argv[6]) >= 0)
     RandomOptimizeOptions((unsigned)atoi(argv[6]), request, dir + "/options.json", &oo);
   Optimize(oo, nnet, MaxOutputTimeInRequest(request), &comp);
   comp.ComputeCudaIndexes();
@@ -107,5 +112,6 @@ int main(int argc, char **argv) {
     WriteMat(af, "input_deriv.input", dm);
     std::ofstream gf((dir + "/model_grad.txt").c_str()); grad_nnet.Write(gf, false);
   }
+  if (train) { std::ofstream sf((dir + "/model_after.txt").c_str()); nnet.Write(sf, false); }
   return 0;
 }
