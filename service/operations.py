@@ -121,10 +121,13 @@ class Operations:
     def compute_batch_key(p: dict):
         """Jobs with equal keys are one sequence each (every Index has n = 0) of the same
         request on the same model with the same options, and ask for no model
-        derivative or statistics: they can run as one computation along n (None:
-        the job runs alone)."""
+        derivative or statistics, on a network that computes each sequence on its own
+        (no batch-norm in training mode, whose statistics would mix the jobs): they
+        can run as one computation along n (None: the job runs alone)."""
         req: ComputationRequest = p["request"]
         if req.need_model_derivative or req.store_component_stats:
+            return None
+        if p["entry"].row_coupled:
             return None
         for spec in (*req.inputs, *req.outputs):
             if any(i.n != 0 for i in spec.indexes):

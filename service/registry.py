@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import functools
 import hashlib
 import threading
 from collections import OrderedDict
@@ -40,6 +41,13 @@ class ModelEntry:
     # per-entry objects built lazily by the worker (e.g. Inferencers per options)
     extras: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @functools.cached_property
+    def row_coupled(self) -> bool:
+        """Whether the network's sequences are computed together, not independently
+        (``Nnet.row_coupled_components``): its multi-sequence computations must then
+        not merge different clients' jobs."""
+        return bool(self.model.nnet.row_coupled_components())
 
 
 def _structural_copy(comp):

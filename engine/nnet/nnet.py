@@ -224,6 +224,14 @@ class Nnet:
         for c in self.components:
             c.set_test_mode(test_mode)
 
+    def row_coupled_components(self) -> list[str]:
+        """The components whose output for a row depends on the other rows computed with
+        it (``Component.couples_rows``: batch-norm in training mode).  With any, the
+        sequences of a multi-sequence computation are not computed independently: each
+        one's output depends on the others' inputs."""
+        return [name for name, c in zip(self.component_names, self.components)
+                if c.couples_rows()]
+
     def freeze_parameters(self) -> "Nnet":
         """Make every component's parameter and fixed arrays read-only (NumPy arrays
         only), in place; returns the network.  For decoding copies: the executor may

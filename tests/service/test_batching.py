@@ -216,3 +216,62 @@ def test_concurrent_infers_run_together_and_equal_single_runs():
         text = c.get("/metrics").text
         assert 'nnetc_jobs_per_batch_count{kind="infer"}' in text
         assert _metric(c, 'nnetc_jobs_per_batch_bucket{kind="infer",le="1.0"}') == 0.0
+
+
+BATCHNORM_TRAINING = """input-node name=input dim=4
+component name=affine type=AffineComponent input-dim=4 output-dim=3
+component-node name=affine component=affine input=input
+component name=bn type=BatchNormComponent dim=3
+component-node name=bn component=bn input=affine
+output-node name=output input=bn
+"""
+
+
+def test_batch_norm_in_training_mode_keeps_each_job_alone():
+    """Batch-norm in training mode (a config's default) normalises by the mean and
+    variance of all the rows it computes: merged along n, one client's outputs would
+    depend on the other clients' inputs (and on the zero sequences of the padding).
+    Such a network's jobs never merge, and concurrent computes give what each gives
+    alone."""
+    # (request_for's rows: t in [-1, 5] in, [0, 5) out)
+    xs = [np.random.default_rng(k).standard_normal((7, 4)).astype(np.float32) * (k + 1)
+          for k in range(4)]
+    body_for = {}
+    with make_client(max_batch=1) as solo:
+        mid = register(solo, config=BATCHNORM_TRAINING)["model_id"]
+        body_for["req"] = {"model_id": mid, "request": request_for(0, 5)}
+        want = []
+        for x in xs:
+            r = solo.post("/compute", json={**body_for["req"], "inputs": {"input": encode(x)}})
+            assert r.status_code == 200, r.text
+            want.append(decode(r.json()["outputs"]["output"]))
+    with make_client(max_batch=4, batch_delay_ms=300) as c:
+        entry = c.app.state.services.registry.get(
+            register(c, config=BATCHNORM_TRAINING)["model_id"])
+        assert entry.row_coupled
+        assert entry.model.nnet.row_coupled_components() == ["bn"]
+
+        def one(x):
+            return c.post("/compute", json={**body_for["req"], "inputs": {"input": encode(x)}})
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, xs))
+        for r, w in zip(got, want):
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(decode(r.json()["outputs"]["output"]), w,
+                                       rtol=1e-5, atol=1e-6)
+        # every job ran alone
+        assert _metric(c, "nnetc_batch_size_count") == _metric(
+            c, 'nnetc_batch_size_bucket{le="1.0"}')
+
+
+def test_batch_norm_in_test_mode_merges():
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    nnet = Nnet.from_config(BATCHNORM_TRAINING, rng=np.random.default_rng(0))
+    assert nnet.row_coupled_components() == ["bn"]
+    nnet.set_test_mode(True)
+    assert nnet.row_coupled_components() == []
+    with make_client() as c:
+        config = BATCHNORM_TRAINING.replace("BatchNormComponent dim=3",
+                                            "BatchNormComponent dim=3 test-mode=true")
+        entry = c.app.state.services.registry.get(register(c, config=config)["model_id"])
+        assert not entry.row_coupled

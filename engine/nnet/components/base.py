@@ -331,6 +331,12 @@ class Component:
     def set_test_mode(self, test_mode: bool) -> None:
         """Batch-norm and dropout components switch to inference behaviour."""
 
+    def couples_rows(self) -> bool:
+        """Whether a row's output depends on the other rows of the same propagate
+        (batch-norm in training mode: the minibatch's mean and variance), so that
+        sequences computed together are not computed independently."""
+        return False
+
     # -- helpers for subclasses -----------------------------------------------------------
     def check_shape(self, what: str, arr, rows: int | None, cols: int) -> None:
         if arr.ndim != 2 or arr.shape[1] != cols or (rows is not None and arr.shape[0] != rows):

@@ -238,6 +238,9 @@ class CompositeComponent(UpdatableComponent):
         for mine, theirs in zip(self.components, other.components):
             mine.add(alpha, theirs)
 
+    def couples_rows(self) -> bool:
+        return any(c.couples_rows() for c in self.components)
+
     def zero_stats(self) -> None:
         for c in self.components:
             c.zero_stats()

@@ -275,6 +275,9 @@ class BatchNormComponent(SameDimComponent):
         self.test_mode = bool(test_mode)
         self._compute_derived()
 
+    def couples_rows(self) -> bool:
+        return not self.test_mode
+
     def init_from_config(self, cfg: ConfigLine, rng) -> None:
         self.dim = cfg.get_int("dim", required=True)
         self.block_dim = cfg.get_int("block-dim", -1)
