@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Union
+
 from pydantic import Field
 
 from schemas.common import Bool, Float, Int, Matrix, MatrixEncoding, Strict, Vector
@@ -26,6 +28,13 @@ class ComputeResponse(Strict):
     model_gradient: dict[str, dict[str, Matrix]] | None = Field(
         default=None, description="component -> parameter name -> gradient, for "
                                   "updatable components (need_model_derivative)")
+    component_stats: dict[str, dict[str, Union[Float, Vector, list[Vector]]]] | None = Field(
+        default=None, description="store_component_stats: component -> statistic -> "
+        "value, what this computation stored (Kaldi's fields, from zero: e.g. value_sum, "
+        "deriv_sum, count, oderiv_sumsq, oderiv_count of a nonlinearity; count, stats_sum, "
+        "stats_sumsq of batch-norm in training mode), for the components that store "
+        "statistics in the forward pass and the non-updatable ones whose backprop does; "
+        "counts as numbers, vectors as lists, matrices as lists of rows")
 
 
 class InferOptions(Strict):

@@ -134,7 +134,8 @@ class NnetcClient:
     def compute(self, model_id: str, request, inputs: dict, output_derivs: dict | None = None,
                 **compile_options) -> dict:
         """{"outputs": {name: array}, "input_derivs": {...}, "model_gradient":
-        {component: {parameter: array}} or None, "computation_id": ...}."""
+        {component: {parameter: array}} or None, "component_stats": {component:
+        {statistic: float64 array}} or None (store_component_stats), "computation_id": ...}."""
         body = {"model_id": model_id, "request": _request_json(request),
                 "inputs": {k: _matrix(v) for k, v in inputs.items()},
                 "output_derivs": {k: _matrix(v) for k, v in (output_derivs or {}).items()},
@@ -145,7 +146,10 @@ class NnetcClient:
                 "outputs": {k: _array(v) for k, v in r["outputs"].items()},
                 "input_derivs": {k: _array(v) for k, v in r.get("input_derivs", {}).items()},
                 "model_gradient": None if grad is None else
-                {c: {p: _array(m) for p, m in ps.items()} for c, ps in grad.items()}}
+                {c: {p: _array(m) for p, m in ps.items()} for c, ps in grad.items()},
+                "component_stats": None if r.get("component_stats") is None else
+                {c: {k: np.asarray(v, dtype=np.float64) for k, v in fs.items()}
+                 for c, fs in r["component_stats"].items()}}
 
     def infer(self, model_id: str, features, ivector=None, online_ivectors=None,
               online_ivector_period: int = 0, **options) -> np.ndarray:

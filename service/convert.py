@@ -110,6 +110,13 @@ def model_info(figures: dict) -> ModelInfo:
                      streaming=figures.get("streaming"))
 
 
+def stats_to_wire(stats: dict) -> dict:
+    """component -> statistic -> a number (counts), a list (vectors) or a list of rows
+    (matrices), from the float64 arrays of Executor.component_stats."""
+    return {c: {k: np.asarray(v, dtype=np.float64).tolist() for k, v in fields.items()}
+            for c, fields in stats.items()}
+
+
 def gradient_to_wire(grad_nnet, encoding: str, threshold: int) -> dict:
     """component name -> parameter name -> gradient matrix (updatable components)."""
     out: dict = {}

@@ -44,6 +44,22 @@ def _unarr(v) -> np.ndarray | None:
     return np.frombuffer(raw, dtype=_F32).astype(np.float32).reshape(shape)
 
 
+def _stats(stats: dict | None) -> dict | None:
+    """Component statistics (component -> name -> float64 array) as little-endian
+    float64 bytes with their shapes (counts and sums are doubles, as in Kaldi)."""
+    if stats is None:
+        return None
+    return {c: {k: [list(np.shape(v)), np.asarray(v, dtype="<f8").tobytes()]
+                for k, v in fields.items()} for c, fields in stats.items()}
+
+
+def _unstats(d: dict | None) -> dict | None:
+    if d is None:
+        return None
+    return {c: {k: np.frombuffer(raw, dtype="<f8").astype(np.float64).reshape(shape)
+                for k, (shape, raw) in fields.items()} for c, fields in d.items()}
+
+
 def _arrs(d: dict) -> dict:
     return {k: _arr(v) for k, v in d.items()}
 
@@ -131,7 +147,8 @@ def encode_result(kind: str, r) -> bytes:
         compiled, res = r
         d = {"compiled": _compiled(compiled, with_computation=False),
              "outputs": _arrs(res.outputs), "input_derivs": _arrs(res.input_derivs),
-             "gradient": None if res.gradient is None else nnet_to_bytes(res.gradient, True)}
+             "gradient": None if res.gradient is None else nnet_to_bytes(res.gradient, True),
+             "stats": _stats(res.stats)}
     elif kind == "infer":
         d = {"output": _arr(r)}
     elif kind in ("stream_push", "stream_finish"):
@@ -186,7 +203,8 @@ def decode_result(kind: str, data: bytes):
             from engine.nnet.model_io import load_model  # noqa: PLC0415
             gradient = load_model(r["gradient"], source="gradient").nnet
         return compiled(r["compiled"]), ComputeResult(_unarrs(r["outputs"]),
-                                                      _unarrs(r["input_derivs"]), gradient)
+                                                      _unarrs(r["input_derivs"]), gradient,
+                                                      _unstats(r.get("stats")))
     if kind == "infer":
         return _unarr(r["output"])
     if kind in ("stream_push", "stream_finish"):

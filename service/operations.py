@@ -44,6 +44,8 @@ class ComputeResult:
     outputs: dict
     input_derivs: dict
     gradient: object | None      # the gradient Nnet (Kaldi's SetNnetAsGradient convention)
+    # component -> statistic -> float64 array (store_component_stats), or None
+    stats: dict | None = None
 
 
 class Operations:
@@ -89,8 +91,9 @@ class Operations:
         request: ComputationRequest = p["request"]
         compiled = self.compile_job(p)
         nnet = entry.model.nnet
-        if request.store_component_stats:
-            nnet = nnet.copy()   # statistics go to a private copy, never the shared model
+        # statistics go to a network of their own (Kaldi's NnetComputer given one to store
+        # them in), never the shared model; zeroed, so it holds what this job stored
+        stats_nnet = nnet.stats_copy() if request.store_component_stats else None
         # sequences computed for clients (a merged batch's zero padding not counted)
         n_values = {i.n for s in request.outputs for i in s.indexes}
         self.metrics.batch_size.observe(p.get("jobs", len(n_values)))
@@ -98,7 +101,7 @@ class Operations:
                                     "computation_id": compiled.key, "batch_size": len(n_values),
                                     "cached": compiled.cached})
         ex = Executor(compiled.computation, nnet, backend=self.xp,
-                      max_peak_bytes=self.max_computation_bytes)
+                      max_peak_bytes=self.max_computation_bytes, nnet_to_store_stats=stats_nnet)
         for spec in request.inputs:
             ex.accept_input(spec.name, self.xp.asarray(p["inputs"][spec.name]))
         ex.run()
@@ -113,8 +116,9 @@ class Operations:
             input_derivs = {s.name: to_host(ex.get_input_deriv(s.name))
                             for s in request.inputs if s.has_deriv}
         gradient = ex.get_model_gradient() if request.need_model_derivative else None
+        stats = ex.component_stats() if stats_nnet is not None else None
         ex.release()
-        return compiled, ComputeResult(outputs, input_derivs, gradient)
+        return compiled, ComputeResult(outputs, input_derivs, gradient, stats)
 
     # -- dynamic batching of compute jobs --------------------------------------------------
     @staticmethod

@@ -96,6 +96,23 @@ class Nnet:
         new.component_names = list(self.component_names)
         return new
 
+    def stats_copy(self) -> "Nnet":
+        """A network for a computation's statistics (``Executor(nnet_to_store_stats=)``)
+        that leaves this one untouched: every component that keeps statistics is a copy
+        with them zeroed, the others (and the nodes) are shared -- so what it holds after
+        a run is what that run stored."""
+        from engine.nnet.components.base import ComponentProperty as P  # noqa: PLC0415
+        new = Nnet()
+        new.nodes = self.nodes
+        new.component_names = list(self.component_names)
+        new.components = []
+        for c in self.components:
+            if c.STAT_FIELDS or c.properties() & P.STORES_STATS:
+                c = c.copy()
+                c.zero_stats()
+            new.components.append(c)
+        return new
+
     # -- names and lookups -----------------------------------------------------------
     @property
     def node_names(self) -> list[str]:

@@ -167,6 +167,27 @@ class Executor:
                 self._stats_components[i] = _component_to_backend(comp, self.xp)
         self._grad_nnet = grad
 
+    def component_stats(self) -> dict[str, dict]:
+        """The statistics the computation stored so far in ``nnet_to_store_stats`` (empty
+        without one): for each component that stores them here -- one whose propagate
+        stores statistics (a request with store_component_stats), or a non-updatable one
+        whose backprop does (a nonlinearity's output-derivative sums, gradient clipping
+        counts) -- its ``Component.stats()``, by component name.  Updatable components'
+        backprop statistics go to the gradient network, as in Kaldi."""
+        target = self.nnet_to_store_stats
+        if target is None:
+            return {}
+        wanted: set[int] = set()
+        for c in self.computation.commands:
+            if c.command_type == CT.PROPAGATE and c.arg6:
+                wanted.add(c.arg1)
+            elif (c.command_type == CT.BACKPROP
+                  and not self._components[c.arg1].properties() & P.UPDATABLE_COMPONENT
+                  and target.components[c.arg1].STAT_FIELDS):
+                wanted.add(c.arg1)
+        return {target.component_names[i]: target.components[i].stats()
+                for i in sorted(wanted)}
+
     def get_model_gradient(self):
         """The gradient network (Kaldi's SetNnetAsGradient convention); None when the
         computation does not compute model derivatives."""

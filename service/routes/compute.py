@@ -54,4 +54,5 @@ def compute_route(body: ComputeRequest, services: ServicesDep, request: Request
         outputs={k: convert.matrix_to_wire(v, enc, thr) for k, v in result.outputs.items()},
         input_derivs={k: convert.matrix_to_wire(v, enc, thr)
                       for k, v in result.input_derivs.items()},
-        model_gradient=gradient)
+        model_gradient=gradient,
+        component_stats=None if result.stats is None else convert.stats_to_wire(result.stats))

@@ -35,6 +35,11 @@ def test_models_compile_compute(nc):
     assert r["input_derivs"]["input"].shape == (6, 4)
     assert set(r["model_gradient"]) == {"affine1", "affine2"}
     assert r["model_gradient"]["affine2"]["linear_params"].shape == (3, 5)
+    assert r["component_stats"] is None
+    s = nc.compute(mid, {**request_for(0, 4, deriv=True), "store_component_stats": True},
+                   {"input": x}, {"output": dy})["component_stats"]
+    assert set(s) == {"relu1"} and s["relu1"]["count"] == 4.0
+    assert s["relu1"]["value_sum"].shape == (5,) and s["relu1"]["value_sum"].dtype == np.float64
     nc.delete_model(mid)
     with pytest.raises(ServiceCallError) as e:
         nc.model(mid)

@@ -84,9 +84,16 @@ def test_compute_is_deterministic_and_model_unchanged(client):
     before = [np.array(a, copy=True) for c in entry.model.nnet.components
               for a in (getattr(c, p, None) for p in c.PARAMS + c.ARRAYS)
               if isinstance(a, np.ndarray)]
+    stats_before = [{k: np.copy(v) for k, v in c.stats().items()}
+                    for c in entry.model.nnet.components]
     first = client.post("/compute", json=body).json()
     second = client.post("/compute", json=body).json()
     assert first["outputs"] == second["outputs"]
+    # each computation's statistics from zero, the registered model's left as they were
+    assert first["component_stats"] and first["component_stats"] == second["component_stats"]
+    for c, was in zip(entry.model.nnet.components, stats_before):
+        for k, v in c.stats().items():
+            np.testing.assert_array_equal(v, was[k])
     after = [a for c in entry.model.nnet.components
              for a in (getattr(c, p, None) for p in c.PARAMS + c.ARRAYS)
              if isinstance(a, np.ndarray)]
@@ -224,3 +231,40 @@ def test_non_finite_outputs_come_in_the_base64_form(client):
     body["inputs"] = {"input": [[1e-20, 0.0], [0.0, 1e-20]]}
     out = client.post("/compute", json=body).json()["outputs"]["output"]
     assert isinstance(out, list) and len(out) == 2
+
+
+@pytest.mark.parametrize("name", ["bn_seed0872", "bn_seed1067", "bn_seed2457"])
+def test_component_stats_are_kaldis(client, name):
+    """store_component_stats: the statistics in the response are those Kaldi's
+    NnetComputer stored in the network (tests/data/networks_kaldi_stored_stats: its
+    model_after.txt; the models start with none, so the difference is what the
+    computation stored) -- a ReLU's sums and output-derivative squares, batch-norm's in
+    training mode.  (Feed-forward cases: a component called more than once stores on
+    Kaldi's random draws after the first call.)"""
+    case = DATA / "networks_kaldi_stored_stats" / name
+    model = register(client, case / "model.txt")
+    req = json.loads((case / "request.json").read_text())
+    arrays = np.load(case / "arrays.npz")
+    body = {"model_id": model["model_id"], "request": req,
+            "inputs": {s["name"]: encode(arrays[f"input.{s['name']}"]) for s in req["inputs"]},
+            "output_derivs": {s["name"]: encode(arrays[f"output_deriv.{s['name']}"])
+                              for s in req["outputs"] if s["has_deriv"]}}
+    r = client.post("/compute", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()["component_stats"]
+    before = load_nnet(case / "model.txt")
+    after = load_nnet(case / "model_after.txt")
+    compared = 0
+    for cname, fields in got.items():
+        i = after.component_names.index(cname)
+        for k, v in fields.items():
+            assert not np.any(before.components[i].stats()[k])     # none before the run
+            want = after.components[i].stats()[k]
+            ours = np.asarray(v, dtype=np.float64)
+            tol = (4e-3 if k == "oderiv_sumsq" else 1e-4) * float(np.max(np.abs(want),
+                                                                         initial=0)) + 1e-5
+            if k == "deriv_sum" and "relu" in cname:
+                tol += 2.0
+            assert np.max(np.abs(ours - want), initial=0) <= tol, (cname, k)
+            compared += 1
+    assert compared > 0

@@ -63,8 +63,8 @@ def test_answers_equal_the_in_process_service(server):
     req = request_for(0, 5, deriv=True)
     with make_client() as local:
         mid = register(local, config=TINY_CONFIG)["model_id"]
-        body = {"model_id": mid, "request": req, "inputs": {"input": encode(x)},
-                "output_derivs": {"output": encode(dy)}}
+        body = {"model_id": mid, "request": {**req, "store_component_stats": True},
+                "inputs": {"input": encode(x)}, "output_derivs": {"output": encode(dy)}}
         want_compute = local.post("/compute", json=body).json()
         want_compile = local.post("/compile", json={"model_id": mid, "request": req,
                                                     "listing": True}).json()
@@ -87,6 +87,9 @@ def test_answers_equal_the_in_process_service(server):
         for comp, params in want_compute["model_gradient"].items():
             for p, m in params.items():
                 np.testing.assert_array_equal(decode(c["model_gradient"][comp][p]), decode(m))
+        # the statistics the computation stored travel back from the worker unchanged
+        assert want_compute["component_stats"]["relu1"]["count"] == 5.0
+        assert c["component_stats"] == want_compute["component_stats"]
         i = api.post("/infer", json={"model_id": mid, "features": encode(feats),
                                      "encoding": "base64"}).json()
         np.testing.assert_array_equal(decode(i["output"]), decode(want_infer["output"]))

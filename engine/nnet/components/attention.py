@@ -92,6 +92,7 @@ _DOUBLE_MATRIX = FieldKind(read_double_matrix,
 class RestrictedAttentionComponent(TokenFieldsComponent):
     type_name = "RestrictedAttentionComponent"
     ARRAYS = ("entropy_stats", "posterior_stats")
+    STAT_FIELDS = ("entropy_stats", "posterior_stats", "stats_count")
     _FIELDS = (("<NumHeads>", "num_heads", INT), ("<KeyDim>", "key_dim", INT),
               ("<ValueDim>", "value_dim", INT), ("<NumLeftInputs>", "num_left_inputs", INT),
               ("<NumRightInputs>", "num_right_inputs", INT),

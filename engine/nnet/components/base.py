@@ -41,6 +41,12 @@ from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
 
 
+def _host_value(v):
+    """A scalar or a NumPy copy of an array that may live on another backend."""
+    get = getattr(v, "get", None)          # CuPy arrays
+    return get() if callable(get) and not isinstance(v, np.ndarray) else v
+
+
 class ComponentProperty(IntFlag):
     """Kaldi's ComponentProperties bit flags (same values)."""
 
@@ -198,6 +204,9 @@ class Component:
     type_name: ClassVar[str] = ""
     PARAMS: ClassVar[tuple[str, ...]] = ()
     ARRAYS: ClassVar[tuple[str, ...]] = ()
+    # the statistics it keeps (what ``store_stats`` and a backprop's ``to_update`` add
+    # to, and ``zero_stats`` clears)
+    STAT_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self.name = ""
@@ -250,6 +259,11 @@ class Component:
 
     def zero_stats(self) -> None:
         pass
+
+    def stats(self) -> dict[str, np.ndarray]:
+        """The statistics (``STAT_FIELDS``) as float64 host arrays (0-d for counts)."""
+        return {f: np.array(_host_value(getattr(self, f)), dtype=np.float64)
+                for f in self.STAT_FIELDS}
 
     # -- non-simple components: index interface -------------------------------------
     def get_input_indexes(self, misc_info: MiscComputationInfo | None,

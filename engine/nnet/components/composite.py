@@ -245,6 +245,15 @@ class CompositeComponent(UpdatableComponent):
         for c in self.components:
             c.zero_stats()
 
+    @property
+    def STAT_FIELDS(self) -> tuple[str, ...]:  # type: ignore[override]  # noqa: N802
+        return tuple(f"{_PREFIX}{i}.{f}" for i, c in enumerate(self.components)
+                     for f in c.STAT_FIELDS)
+
+    def stats(self) -> dict:
+        return {f"{_PREFIX}{i}.{k}": v for i, c in enumerate(self.components)
+                for k, v in c.stats().items()}
+
     def to_backend(self, xp) -> "CompositeComponent":
         new = _copy.copy(self)
         object.__setattr__(new, "components", [c.to_backend(xp) for c in self.components])

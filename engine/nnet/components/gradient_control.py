@@ -54,6 +54,7 @@ def _row_norms(deriv):
 @register_component
 class ClipGradientComponent(SameDimComponent):
     type_name = "ClipGradientComponent"
+    STAT_FIELDS = ("count", "num_clipped", "num_self_repaired", "num_backpropped")
     # in groups, as old models lack the self-repair ones
     _FIELDS = (("<Dim>", "dim", INT), ("<ClippingThreshold>", "clipping_threshold", FLOAT),
                ("<NormBasedClipping>", "norm_based_clipping", BOOL))
@@ -238,6 +239,7 @@ _BACKPROP_TRUNCATION_PROPS = P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
 @register_component
 class BackpropTruncationComponent(SameDimComponent, TokenFieldsComponent):
     type_name = "BackpropTruncationComponent"
+    STAT_FIELDS = ("num_clipped", "num_zeroed", "count", "count_zeroing_boundaries")
     # <Scale> may be absent from old models
     _FIELDS = (("<Dim>", "dim", INT), ("<Scale>", "scale_value", FLOAT),
                ("<ClippingThreshold>", "clipping_threshold", FLOAT),

@@ -74,6 +74,9 @@ def get_rng(comp) -> np.random.Generator:
 class NonlinearComponent(Component):
     """Shared state and file format of Kaldi's NonlinearComponent."""
 
+    STAT_FIELDS = ("value_sum", "deriv_sum", "count", "oderiv_sumsq", "oderiv_count",
+                   "num_dims_self_repaired", "num_dims_processed")
+
     # the fields after the statistics, which older files lack (and the self-repair
     # options are written only when set)
     _TAIL_FIELDS = (("<NumDimsSelfRepaired>", "num_dims_self_repaired", DOUBLE),

@@ -208,6 +208,7 @@ _BATCHNORM_PROPS = [[p, p | P.USES_MEMO | P.STORES_STATS]
 class BatchNormComponent(SameDimComponent):
     type_name = "BatchNormComponent"
     ARRAYS = ("offset_vec", "scale_vec")
+    STAT_FIELDS = ("count", "stats_sum", "stats_sumsq")
     # then the statistics: <StatsMean> and <StatsVar> vectors
     _FIELDS = (("<Dim>", "dim", INT), ("<BlockDim>", "block_dim", INT),
                ("<Epsilon>", "epsilon", FLOAT), ("<TargetRms>", "target_rms", FLOAT),

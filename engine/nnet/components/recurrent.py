@@ -77,6 +77,10 @@ class RecurrentNonlinearityBase(UpdatableComponent):
     STAT_ARRAYS: ClassVar[tuple[str, ...]] = ()
     STAT_SCALARS: ClassVar[tuple[str, ...]] = ("count",)
 
+    @property
+    def STAT_FIELDS(self) -> tuple[str, ...]:  # type: ignore[override]  # noqa: N802
+        return self.STAT_ARRAYS + self.STAT_SCALARS
+
     @classmethod
     def _read_learning_rate_header(cls, reader: KaldiReader):
         """A new component with the learning-rate header read (it must be there)."""
