@@ -239,16 +239,20 @@ def compile_cmd(model_path: str, request_path: str, no_optimize: bool, no_shortc
               help="NPZ to write: output.<name> and input_deriv.<name>.")
 @click.option("--model-grad", "grad_path", type=click.Path(dir_okay=False), default=None,
               help="Write the model-parameter gradient as a Kaldi text model.")
+@click.option("--stats-model", "stats_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the model with the statistics the computation stored added to its "
+                   "own (a request with store_component_stats), as a Kaldi text model.")
 @click.option("--no-optimize", is_flag=True, help="Skip the optimizer.")
 @click.option("--no-shortcut", is_flag=True, help="Do not use shortcut compilation.")
 @click.option("--backend", type=click.Choice(["numpy", "cupy"]), default="numpy",
               show_default=True)
 @_typed_errors
 def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: str,
-                grad_path: str | None, no_optimize: bool, no_shortcut: bool,
-                backend: str) -> None:
+                grad_path: str | None, stats_path: str | None, no_optimize: bool,
+                no_shortcut: bool, backend: str) -> None:
     """Compile a request and run it (Kaldi's NnetComputer): outputs, input
-    derivatives and, with --model-grad, the parameter gradients."""
+    derivatives and, with --model-grad, the parameter gradients; with --stats-model,
+    the model as Kaldi's NnetComputer leaves the network it stores statistics in."""
     import numpy as np  # noqa: PLC0415
 
     from engine.core.errors import ExecutionError, RequestError  # noqa: PLC0415
@@ -259,6 +263,8 @@ def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: 
                                                         no_shortcut)
     if grad_path is not None and not request.need_model_derivative:
         raise RequestError("--model-grad needs a request with need_model_derivative: true")
+    if stats_path is not None and not request.store_component_stats:
+        raise RequestError("--stats-model needs a request with store_component_stats: true")
     try:
         arrays = dict(np.load(inputs_path))
     except (OSError, ValueError) as e:
@@ -269,7 +275,10 @@ def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: 
             raise ExecutionError(f"{inputs_path}: missing array {key!r}")
         return arrays[key].astype(np.float32, copy=False)
 
-    ex = Executor(computation, nnet, backend=get_backend(backend))
+    # with --stats-model, the network computed with is the one the statistics go to (as
+    # nnet3-train's NnetComputer): it is this process's own copy of the model
+    ex = Executor(computation, nnet, backend=get_backend(backend),
+                  nnet_to_store_stats=nnet if stats_path is not None else None)
     for spec in request.inputs:
         ex.accept_input(spec.name, need(f"input.{spec.name}"))
     ex.run()
@@ -286,6 +295,9 @@ def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: 
     if grad_path is not None:
         from engine.nnet.model_io import save_model  # noqa: PLC0415
         save_model(ex.get_model_gradient(), grad_path, binary=False, as_am=False)
+    if stats_path is not None:
+        from engine.nnet.model_io import save_model  # noqa: PLC0415
+        save_model(nnet, stats_path, binary=False, as_am=False)
 
 
 # -- infer / stream (Kaldi's nnet3-compute and the looped decodable) ------------------------

@@ -41,6 +41,37 @@ def test_compute_writes_outputs_derivatives_and_gradient(tmp_path):
     assert grad.read_text().startswith("<Nnet3>") and "<IsGradient> T" in grad.read_text()
 
 
+def test_compute_writes_the_model_with_its_statistics_as_kaldi(tmp_path):
+    """--stats-model: the network after the run, as Kaldi's NnetComputer leaves the one it
+    was given to store statistics in (a Kaldi case of tests/data/networks_kaldi_stored_stats
+    with batch-norm in training mode: its model_after.txt)."""
+    from engine.nnet.model_io import load_nnet  # noqa: PLC0415
+    case = CASE.parent.parent / "networks_kaldi_stored_stats" / "bn_seed0872"
+    out, after = tmp_path / "out.npz", tmp_path / "after.txt"
+    r = CliRunner().invoke(main, ["compute", str(case / "model.txt"), "--request",
+                                  str(case / "request.json"), "--inputs",
+                                  str(case / "arrays.npz"), "--out", str(out),
+                                  "--stats-model", str(after)])
+    assert r.exit_code == 0, r.output
+    ours, theirs = load_nnet(after), load_nnet(case / "model_after.txt")
+    compared = 0
+    for name, a, b in zip(ours.component_names, ours.components, theirs.components):
+        for k, v in b.stats().items():
+            tol = (4e-3 if k == "oderiv_sumsq" else 1e-4) * float(np.max(np.abs(v),
+                                                                        initial=0)) + 1e-5
+            if k == "deriv_sum":
+                tol += 2.0       # ReLU outputs within rounding of zero
+            assert np.max(np.abs(a.stats()[k] - v), initial=0) <= tol, (name, k)
+            compared += int(np.any(v))
+    assert compared >= 5
+    # without store_component_stats in the request there is nothing to write
+    r = CliRunner().invoke(main, ["compute", str(CASE / "model.txt"), "--request",
+                                  str(CASE / "request.json"), "--inputs",
+                                  str(CASE / "arrays.npz"), "--out", str(out),
+                                  "--stats-model", str(after)])
+    assert r.exit_code == 2 and "store_component_stats" in r.output
+
+
 def test_bad_request_exits_2_naming_the_problem(tmp_path):
     bad = tmp_path / "req.json"
     bad.write_text(json.dumps({"inputs": [{"name": "nope", "indexes": [[0, 0, 0]]}],
