@@ -229,6 +229,28 @@ def test_batchnorm_train_stats_then_test_mode():
     check_properties(comp)
 
 
+def test_batchnorm_training_statistics_keep_their_digits_over_many_frames():
+    """Training-mode batch-norm on 4000 frames whose mean is 50 times their deviation:
+    the variance is uvar - mean^2, which cancels most digits, so the column sums must not
+    lose any (NumPy sums a row-major column one row after another in float32: the
+    outputs came out 5e-3 off here).  Against a float64 computation, forward and
+    backward."""
+    comp = component_from_config("BatchNormComponent", "dim=3")
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((4000, 3)) + 50.0).astype(np.float32)
+    y, memo = run_forward(comp, x)
+    x64 = x.astype(np.float64)
+    mean, var = x64.mean(axis=0), x64.var(axis=0)
+    want = (x64 - mean) / np.sqrt(var + 1e-3)
+    np.testing.assert_allclose(y, want, rtol=0, atol=2e-3)
+    od = rng.standard_normal(y.shape).astype(np.float32)
+    dx = run_backward(comp, x, y, od, memo)
+    od64, y64 = od.astype(np.float64), want
+    scale = 1.0 / np.sqrt(var + 1e-3)
+    want_dx = scale * (od64 - od64.mean(axis=0) - y64 * (y64 * od64).mean(axis=0))
+    np.testing.assert_allclose(dx, want_dx, rtol=0, atol=2e-3 * np.abs(want_dx).max())
+
+
 def test_batchnorm_io_exact_with_dyadic_stats():
     comp = component_from_config("BatchNormComponent", "dim=4 target-rms=0.5")
     comp.count = 8.0

@@ -373,8 +373,14 @@ class BatchNormComponent(SameDimComponent):
         x = self._blocks(in_value)
         if not self.test_mode:
             n = x.shape[0]
-            mean = x.sum(axis=0) * (1.0 / n)
-            uvar = (x * x).sum(axis=0) * (1.0 / n)
+            # the column sums accumulated in double: NumPy sums a column of a row-major
+            # matrix one row after another in float32, which loses digits over thousands
+            # of frames, and the variance below, uvar - mean^2, can cancel most of what is
+            # left (Kaldi's BLAS sums are blocked; a mean 15 times the deviation was enough
+            # to move an LSTM's outputs by 5e-3 from Kaldi's)
+            f32 = x.dtype
+            mean = (x.sum(axis=0, dtype=xp.float64) * (1.0 / n)).astype(f32)
+            uvar = ((x * x).sum(axis=0, dtype=xp.float64) * (1.0 / n)).astype(f32)
             var_scale = 1.0 / (self.target_rms * self.target_rms)
             # variance / target-rms^2, floored at 0, plus epsilon / target-rms^2
             scale = xp.maximum(uvar * var_scale - mean * mean * var_scale, 0.0)
@@ -406,8 +412,11 @@ class BatchNormComponent(SameDimComponent):
                 raise ComponentError(f"memo is for {n} rows, output has {y.shape[0]}",
                                      component=self.label())
             coeff = -1.0 / (self.target_rms * self.target_rms * n)
-            var_deriv_mod = (y * od).sum(axis=0) * coeff * memo.scale
-            mean_od = od.sum(axis=0) * (-1.0 / n)
+            f32 = od.dtype
+            # (column sums in double, as in propagate)
+            var_deriv_mod = ((y * od).sum(axis=0, dtype=xp.float64) * coeff).astype(f32) \
+                * memo.scale
+            mean_od = (od.sum(axis=0, dtype=xp.float64) * (-1.0 / n)).astype(f32)
             d = (od + mean_od) * memo.scale + y * var_deriv_mod
         else:
             if self.scale_vec.shape[0] != self.block_dim:
