@@ -26,3 +26,16 @@ def network_case_params() -> list:
         out += [pytest.param(p, id=f"ref-{p.name}", marks=pytest.mark.conformance)
                 for p in sorted((ref / "networks").iterdir()) if (p / "request.json").exists()]
     return out
+
+
+def stats_tolerance(field: str, scale: float, component_type: str) -> float:
+    """How far a component statistic stored during a run may be from Kaldi's, given the
+    size of Kaldi's (``scale``, the largest magnitude in the field): 1e-4 of it (float32
+    sums in another order); 4e-3 for sums of squared output derivatives (twice the
+    derivatives' own 2e-3: a saturated softmax's backprop cancels); and 2 more for a
+    ReLU's derivative sums, a count that moves by one for each output within rounding of
+    zero."""
+    tol = (4e-3 if field == "oderiv_sumsq" else 1e-4) * scale + 1e-5
+    if field == "deriv_sum" and component_type == "RectifiedLinearComponent":
+        tol += 2.0
+    return tol

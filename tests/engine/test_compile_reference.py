@@ -27,7 +27,7 @@ from engine.compiler.request import ComputationRequest
 from engine.runtime.backend import to_host
 from engine.runtime.executor import Executor
 
-from refdata import shared_ref
+from refdata import shared_ref, stats_tolerance
 
 LOCAL = Path(__file__).resolve().parents[1] / "data" / "networks_compile"
 
@@ -148,10 +148,7 @@ def check_stored_stats(case: Path, options=None) -> tuple[list[str], int]:
     backpropagated more than once is left out, and so are the types that draw even on
     the first call (RANDOM_STATS); with a backprop and a self-repairing nonlinearity
     (SELF_REPAIRING) nothing is compared.  Returns (problems, how many fields were
-    compared).  The numbers are held to 1e-4 of the largest of Kaldi's in the field
-    (float32 sums in another order), sums of squared output derivatives to 4e-3 (twice
-    the derivatives' own tolerance); a ReLU's derivative sums to 2 more (outputs within
-    rounding of zero)."""
+    compared).  Tolerances: refdata.stats_tolerance."""
     from engine.compiler.computation import CommandType as CT
     from engine.nnet.model_io import load_nnet
     from engine.optimizer import OptimizeOptions, optimize
@@ -207,16 +204,8 @@ def check_stored_stats(case: Path, options=None) -> tuple[list[str], int]:
                 # batch-norm's sums of frame values: a mean near zero is the difference of
                 # large terms; their size is the root of the sum of squares times count
                 scale = max(scale, float(np.sqrt(np.max(b["stats_sumsq"]) * b["count"][0])))
-            tol = 1e-4 * scale + 1e-5
-            if k == "oderiv_sumsq":
-                # sums of squared derivatives: derivatives are held to 2e-3 of their
-                # largest (_close; a saturated softmax's backprop cancels), squares to twice
-                tol = 4e-3 * scale + 1e-5
-            if k == "deriv_sum" and type(ours).__name__ == "RectifiedLinearComponent":
-                # a unit's count of positive outputs moves by one for each output
-                # within float32 rounding of zero
-                tol += 2.0
-            if x.size and not np.max(np.abs(x - y)) <= tol:
+            if x.size and not np.max(np.abs(x - y)) <= stats_tolerance(
+                    k, scale, type(ours).__name__):
                 problems.append(f"stored stats {name}.{k}: max diff "
                                 f"{float(np.max(np.abs(x - y)))} (Kaldi's up to {scale})")
             compared += 1

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.nnet.model_io import load_nnet
+from refdata import stats_tolerance
 from tests.service.conftest import BLSTM, CASES, DATA, decode, encode, register
 
 CASE_DIRS = sorted(p for p in CASES.iterdir() if p.is_dir())
@@ -261,10 +262,8 @@ def test_component_stats_are_kaldis(client, name):
             assert not np.any(before.components[i].stats()[k])     # none before the run
             want = after.components[i].stats()[k]
             ours = np.asarray(v, dtype=np.float64)
-            tol = (4e-3 if k == "oderiv_sumsq" else 1e-4) * float(np.max(np.abs(want),
-                                                                         initial=0)) + 1e-5
-            if k == "deriv_sum" and "relu" in cname:
-                tol += 2.0
+            tol = stats_tolerance(k, float(np.max(np.abs(want), initial=0)),
+                                  type(after.components[i]).__name__)
             assert np.max(np.abs(ours - want), initial=0) <= tol, (cname, k)
             compared += 1
     assert compared > 0
