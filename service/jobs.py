@@ -26,22 +26,23 @@ from service.errors import FieldError, ServiceError
 
 WIRE_VERSION = 1
 _F32 = np.dtype("<f4")
+_F64 = np.dtype("<f8")
 
 
 # -- arrays ------------------------------------------------------------------------------------
 
-def _arr(a) -> list | None:
+def _arr(a, dtype=_F32) -> list | None:
     if a is None:
         return None
-    a = np.ascontiguousarray(np.asarray(a), dtype=_F32)
-    return [list(a.shape), a.tobytes()]
+    a = np.asarray(a, dtype=dtype)       # (0-d arrays keep their shape: counts)
+    return [list(a.shape), np.ascontiguousarray(a).tobytes()]
 
 
-def _unarr(v) -> np.ndarray | None:
+def _unarr(v, dtype=_F32) -> np.ndarray | None:
     if v is None:
         return None
     shape, raw = v
-    return np.frombuffer(raw, dtype=_F32).astype(np.float32).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("=")).reshape(shape)
 
 
 def _stats(stats: dict | None) -> dict | None:
@@ -49,15 +50,13 @@ def _stats(stats: dict | None) -> dict | None:
     float64 bytes with their shapes (counts and sums are doubles, as in Kaldi)."""
     if stats is None:
         return None
-    return {c: {k: [list(np.shape(v)), np.asarray(v, dtype="<f8").tobytes()]
-                for k, v in fields.items()} for c, fields in stats.items()}
+    return {c: {k: _arr(v, _F64) for k, v in fields.items()} for c, fields in stats.items()}
 
 
 def _unstats(d: dict | None) -> dict | None:
     if d is None:
         return None
-    return {c: {k: np.frombuffer(raw, dtype="<f8").astype(np.float64).reshape(shape)
-                for k, (shape, raw) in fields.items()} for c, fields in d.items()}
+    return {c: {k: _unarr(v, _F64) for k, v in fields.items()} for c, fields in d.items()}
 
 
 def _arrs(d: dict) -> dict:

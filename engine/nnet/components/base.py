@@ -37,14 +37,9 @@ import numpy as np
 
 from engine.core.errors import ComponentError, ConfigError, DimensionError, ModelFormatError
 from engine.core.index import Index
+from engine.core.xp import to_numpy
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
-
-
-def _host_value(v):
-    """A scalar or a NumPy copy of an array that may live on another backend."""
-    get = getattr(v, "get", None)          # CuPy arrays
-    return get() if callable(get) and not isinstance(v, np.ndarray) else v
 
 
 class ComponentProperty(IntFlag):
@@ -262,7 +257,7 @@ class Component:
 
     def stats(self) -> dict[str, np.ndarray]:
         """The statistics (``STAT_FIELDS``) as float64 host arrays (0-d for counts)."""
-        return {f: np.array(_host_value(getattr(self, f)), dtype=np.float64)
+        return {f: np.array(to_numpy(getattr(self, f)), dtype=np.float64)
                 for f in self.STAT_FIELDS}
 
     # -- non-simple components: index interface -------------------------------------
