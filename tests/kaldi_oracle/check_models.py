@@ -13,7 +13,8 @@ for batch > 1) with nnetc's compile_request.  With ``--options K``, each case is
 more times, Kaldi optimizing with optimizer options drawn at random (genchunk's OPTSEED:
 options.json) and nnetc with the same.  With ``--train``, batch-norm runs in training mode
 (normalising by each minibatch's own statistics) and the request stores component
-statistics, which are compared with Kaldi's (check_networks.check_stored_stats).  Prints one line per failing case and a summary.
+statistics, which are compared with Kaldi's (test_compile_reference.check_stored_stats).
+Prints one line per failing case and a summary.
 
 A derivative through a ReLU whose input is within float32 rounding of zero depends on
 the order of the sums before it: Kaldi's BLAS and NumPy's may put that input on either

@@ -5,10 +5,12 @@
 For each seed: BIN_DIR/gen writes a kaldi-ref style case to OUT_DIR/sSEED (OPTIONS 1: with
 Kaldi's allow_ivector, off by default, so that some networks read an i-vector; 2: Kaldi
 optimizes with optimizer options drawn at random, written to options.json, and so do we;
-3: both; 0, the default, is the kaldi-ref networks' generation); then the
-unoptimized and optimized computations are run against Kaldi's numbers
-(test_compile_reference.check_case) and the optimized command count, peak bytes and
-printout compared with Kaldi's.  Prints one line per failing case and a summary."""
+3: both; 4, alone or added to those: batch-norm in training mode; 0, the default, is the
+kaldi-ref networks' generation); then the unoptimized and optimized computations are run
+against Kaldi's numbers (test_compile_reference.check_case), the optimized command count,
+peak bytes and printout compared with Kaldi's, and, where Kaldi's request stored component
+statistics (model_after.txt), those statistics (test_compile_reference.check_stored_stats).
+Prints one line per failing case and a summary."""
 
 from __future__ import annotations
 
