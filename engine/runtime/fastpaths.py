@@ -20,7 +20,10 @@ random and reference networks):
 - reductions (sums) run over arrays of the same layout as in the component;
 - matrix products are the same calls (same operands, same transposition).
 
-The logistic function is computed without masked copies: with e = exp(-|x|) and
+The logistic of a small array (at most ``nonlinear.SMALL_SIGMOID`` elements) is SciPy's
+``expit``, one ufunc call, as the component takes it for that size; expit's loop is
+the same scalar code for every layout, so writing into a strided output changes no
+bits.  For larger arrays the logistic is computed without masked copies: with e = exp(-|x|) and
 d = 1 + e, the component takes 1/d where x >= 0 and e/d elsewhere; here the
 numerator is max(e, [x >= 0]) (1 where x >= 0 since e <= 1, e elsewhere, NaN
 stays NaN), divided by d once: the same division on the same operands.  -|x| is
@@ -60,7 +63,8 @@ from engine.nnet.components.dropout import GeneralDropoutComponent
 from engine.nnet.components.gradient_control import BackpropTruncationComponent
 from engine.nnet.components.misc import ElementwiseProductComponent, NoOpComponent
 from engine.nnet.components.nonlinear import (LogSoftmaxComponent, RectifiedLinearComponent,
-                                              SigmoidComponent, TanhComponent)
+                                              SigmoidComponent, TanhComponent, expit,
+                                              small_sigmoid)
 from engine.nnet.components.normalize import BatchNormComponent
 from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
@@ -371,6 +375,11 @@ def _sigmoid(comp, pre, x, out):
         return comp.propagate(pre, x, out)
     if x.dtype != _F32 or out.dtype != _F32:
         return comp.propagate(pre, x, out)
+    if small_sigmoid(np, x):
+        # the component's choice for this size (SciPy's expit: one scalar loop, the same
+        # bits for any layout of input and output)
+        expit()(x, out=out)
+        return None
     shape = x.shape
     _logistic(x, out, np.empty(shape, _F32), np.empty(shape, _F32), np.empty(shape, _F32),
               False)
@@ -381,6 +390,15 @@ def _bind_sigmoid(x, out, scratch):
     if not (x.ndim == 2 and out.shape == x.shape and x.dtype == _F32 and out.dtype == _F32):
         return None
     dim = x.shape[1]
+    if small_sigmoid(np, x):
+        logistic = expit()
+
+        def f_small(comp, pre):
+            if comp.dim != dim:
+                return comp.propagate(pre, x, out)
+            logistic(x, out=out)
+            return None
+        return f_small
     e, d, h = (scratch.get(x.shape, k) for k in range(3))
     xi, ei = x.view(_I32), e.view(_I32)
 

@@ -606,7 +606,7 @@ def test_element_wise_forms_on_special_values():
     with np.errstate(all="ignore"):
         # ReLU: one zeros block, several (1100 columns: 59 rows a block), none (a row
         # longer than the block)
-        for cls, dim, row_counts in ((SigmoidComponent, 37, (1, 5)), (TanhComponent, 37, (1, 5)),
+        for cls, dim, row_counts in ((SigmoidComponent, 37, (1, 5, 27, 28, 40)), (TanhComponent, 37, (1, 5)),
                                      (LogSoftmaxComponent, 37, (1, 5)),
                                      (RectifiedLinearComponent, 37, (1, 5)),
                                      (RectifiedLinearComponent, 1100, (59, 60, 130)),
@@ -626,6 +626,42 @@ def test_element_wise_forms_on_special_values():
                 x = _special((rows, comp.input_dim()), rng)
                 _forms_give_the_components_bits(LstmNonlinearityComponent, comp, x, 2 * cd,
                                                 (use_dropout, rows))
+
+
+def test_sigmoid_forms_by_size_agree_with_the_exact_logistic():
+    """Sigmoids of up to SMALL_SIGMOID elements are SciPy's expit, larger ones the
+    branching form: both within a few ulps of the float64 logistic (or below float32's
+    smallest normal number), on either side
+    of the threshold, special values included; the component and its fast forms take
+    the same one on the same size (27 x 37 = 999 elements: expit; 28 x 37 = 1036:
+    the branching form)."""
+    from engine.nnet.components.nonlinear import (SMALL_SIGMOID,  # noqa: PLC0415
+                                                  SigmoidComponent, small_sigmoid)
+    rng = np.random.default_rng(11)
+    assert small_sigmoid(np, np.zeros((27, 37), np.float32))
+    assert not small_sigmoid(np, np.zeros((28, 37), np.float32))
+    assert small_sigmoid(np, np.zeros(SMALL_SIGMOID, np.float32))
+    assert not small_sigmoid(np, np.zeros(SMALL_SIGMOID + 1, np.float32))
+    assert not small_sigmoid(np, np.zeros(4, np.float16))
+    comp = SigmoidComponent()
+    comp.dim = 37
+    for rows in (1, 27, 28, 200):
+        x = (rng.standard_normal((rows, 37)) * 12).astype(np.float32)
+        x[0, :5] = [0.0, -0.0, 90.0, -90.0, -87.0]
+        got = _forms_give_the_components_bits(SigmoidComponent, comp, x, 37, rows)
+        exact = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+        ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
+        # (expit gives 0 for x < -88.72, where the logistic is subnormal in float32 and
+        # 1 + exp(-x) overflows; the branching form the subnormal)
+        tiny = np.finfo(np.float32).tiny
+        assert np.all(np.abs(got - exact) <= np.maximum(5 * ulp, tiny)), rows
+    specials = np.array([[np.nan, np.inf, -np.inf, 0.0]], np.float32)
+    for rows in (1, 300):
+        got = _forms_give_the_components_bits(SigmoidComponent, comp,
+                                              np.repeat(np.pad(specials, ((0, 0), (0, 33))),
+                                                        rows, axis=0), 37, rows)
+        assert np.isnan(got[0, 0]) and got[0, 1] == 1.0 and got[0, 2] == 0.0
+        assert got[0, 3] == 0.5
 
 
 def test_pool_never_receives_views_of_the_arena():
