@@ -604,12 +604,13 @@ def _bind_per_element_scale(x, out, scratch):
     if not (x.ndim == 2 and out.shape == x.shape):
         return None
     dim = x.shape[1]
+    scale = _same_shape_op(x, out, _multiply)
 
     def f(comp, pre):
         s = comp.scales
         if s.shape[0] != dim:
             return comp.propagate(pre, x, out)
-        _multiply(x, s, out)
+        scale(s)
         return None
     return f
 
@@ -718,25 +719,53 @@ def _tiled(v, k: int):
     return t
 
 
+def _same_shape_op(x, out, ufunc):
+    """op(v): out = ufunc(x, v) for a per-column vector v, with v given to the ufunc in
+    x's own shape where that costs no copy per call: a (1, dim) view of v for one row
+    (valid whatever v holds), v's rows tiled once while it is the same frozen array
+    for more.  NumPy 2 broadcasts a (dim,) vector against (rows, dim) through its
+    iterator: 0.63 against 0.21 us for 1 x 128, 0.91 against 0.31 us for 8 x 128,
+    6.7 against 3.7 us for 150 x 384 (numpy 2.4, Zen 5).  A v that is not frozen
+    against several rows is broadcast as it is."""
+    rows = x.shape[0]
+    cache: list = [None, None]      # v, v in x's shape
+
+    def op(v):
+        if cache[0] is not v:
+            if rows == 1 and v.ndim == 1:
+                cache[0], cache[1] = v, v.reshape(1, v.shape[0])
+            elif rows > 1 and v.ndim == 1 and frozen(v):
+                cache[0], cache[1] = v, _tiled(v, rows).reshape(rows, v.shape[0])
+            else:
+                ufunc(x, v, out)
+                return
+        elif rows > 1 and not frozen(v):   # (made writeable since it was tiled)
+            cache[0] = None
+            ufunc(x, v, out)
+            return
+        ufunc(x, cache[1], out)
+    return op
+
+
 def _row_op(x, out, ufunc):
     """op(v): out = ufunc(x, v) for a per-column vector v (x may be out), on the wide
     rows of _tiled_rows when they apply (v tiled once while it is the same frozen
-    array, anew on every call otherwise), else as it is.  The same bits either way:
-    every element is ufunc of its own x and its column's v."""
+    array, anew on every call otherwise), else with v in x's shape
+    (_same_shape_op).  The same bits every way: every element is ufunc of its own x
+    and its column's v."""
     t = _tiled_rows(x, out)
     if t[0] is None:
-        def op(v):
-            ufunc(x, v, out)
-        return op
+        return _same_shape_op(x, out, ufunc)
     xw, ow, k, tail = t
     cache: list = [None, None]      # v, v tiled k times
+    tail_op = None if tail is None else _same_shape_op(tail[0], tail[1], ufunc)
 
     def op_wide(v):
         if cache[0] is not v or not frozen(v):
             cache[0], cache[1] = v, _tiled(v, k)
         ufunc(xw, cache[1], ow)
-        if tail is not None:
-            ufunc(tail[0], v, tail[1])
+        if tail_op is not None:
+            tail_op(v)
     return op_wide
 
 

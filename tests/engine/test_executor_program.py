@@ -838,6 +838,52 @@ def test_bias_added_on_wide_rows_gives_the_components_bits():
         assert _same_bits(out, want + v + v)
 
 
+def test_row_vectors_given_in_the_rows_shape_give_the_same_bits():
+    """_same_shape_op (a per-column vector against rows that are not widened: a (1, dim)
+    view for one row, the rows tiled once for a frozen vector, broadcast otherwise)
+    and the per-element scale built on it: the bits of the plain broadcast ufunc,
+    values changed in place between calls followed (for one row and for an unfrozen
+    vector), a frozen vector made writeable and changed followed too."""
+    from engine.nnet.components.scale_offset import PerElementScaleComponent  # noqa: PLC0415
+    from engine.runtime.fastpaths import _row_adder, _same_shape_op  # noqa: PLC0415
+    rng = np.random.default_rng(17)
+    for rows in (1, 3, 8):
+        for ufunc in (np.add, np.multiply):
+            big = _special((rows, 140), rng)
+            for x in (big[:, 6:134], np.ascontiguousarray(big[:, 6:134])):
+                out = np.empty((rows, 128), np.float32)
+                op = _same_shape_op(x, out, ufunc)
+                v = rng.standard_normal(128).astype(np.float32)
+                with np.errstate(all="ignore"):
+                    op(v)
+                    assert _same_bits(out, ufunc(x, v)), (rows, ufunc)
+                    v *= np.float32(1.5)                 # changed in place, not frozen
+                    op(v)
+                    assert _same_bits(out, ufunc(x, v)), (rows, ufunc)
+                    v.flags.writeable = False            # frozen: tiled once
+                    op(v)
+                    op(v)
+                    assert _same_bits(out, ufunc(x, v)), (rows, ufunc)
+                    v.flags.writeable = True             # writeable again, changed
+                    v += np.float32(2.0)
+                    op(v)
+                    assert _same_bits(out, ufunc(x, v)), (rows, ufunc)
+        # the adder in place on rows too few to widen
+        out = rng.standard_normal((rows, 128)).astype(np.float32)
+        want = out.copy()
+        v = rng.standard_normal(128).astype(np.float32)
+        _row_adder(out)(v)
+        assert _same_bits(out, want + v)
+    comp = PerElementScaleComponent()
+    comp.scales = rng.standard_normal(37).astype(np.float32)
+    with np.errstate(all="ignore"):
+        for rows in (1, 5):
+            big = _special((rows, 41), rng)
+            for x in (big[:, 2:39], np.ascontiguousarray(big[:, 2:39])):
+                _forms_give_the_components_bits(PerElementScaleComponent, comp, x, 37, rows,
+                                                bound_runs=2)
+
+
 # A Linear and a TDNN without bias (both add to their output: Kaldi's compiler zeroes it
 # right before), then a TDNN with bias (writes its output: no zeroing before it).
 _ADDS_TO_OUTPUT = """
