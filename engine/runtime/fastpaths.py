@@ -209,12 +209,12 @@ def _bind_affine(x, out, scratch):
     xT = x.T
     # per weight array (checked by identity): its transpose, the product form and,
     # for the exchanged form, the (n, rows) temporary and its transpose
-    cur_w = wT = t = tT = None
+    cur_w = wT = t = add_bias_t = None
     form = DIRECT
     add_bias = _row_adder(out)
 
     def f(comp, pre):
-        nonlocal cur_w, wT, t, tT, form
+        nonlocal cur_w, wT, t, add_bias_t, form
         w = comp.linear_params
         if (w is not cur_w or w.shape != wshape
                 or (form >= TCOPY and not frozen(w))):
@@ -223,11 +223,11 @@ def _bind_affine(x, out, scratch):
             form = nt_form(x, w, out)
             if form == EXCHANGED and t is None:
                 t = scratch.get((wshape[0], x.shape[0]), 20)
-                tT = t.T
+                add_bias_t = _same_shape_op(t.T, out, _add)    # out = t^T + b
             cur_w, wT = w, _weight_operand(w, form)
         if form == EXCHANGED:
             _matmul(w, xT, t)
-            _add(tT, comp.bias_params, out)
+            add_bias_t(comp.bias_params)
         else:
             if form == DOT:
                 _dot(x, wT, out)

@@ -455,6 +455,40 @@ def test_product_forms_on_frozen_weights_agree_and_use_the_transposed_copy():
     gemm.forget_choices()
 
 
+def test_bound_affine_in_each_product_form_gives_the_components_bits():
+    """The bound affine with its bias, each product form forced whatever this
+    machine's timings chose (the exchanged form adds the bias to the transposed
+    product, through _same_shape_op), one row and several: the product that form
+    computes plus the bias, bit for bit (forced, a form may round otherwise than
+    the component's x @ W^T: the timing check only ever picks one that does not)."""
+    from component_harness import component_from_config  # noqa: PLC0415
+    from engine.nnet.components.affine import AffineComponent  # noqa: PLC0415
+    from engine.runtime import gemm  # noqa: PLC0415
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import bind_propagate  # noqa: PLC0415
+    rng = np.random.default_rng(19)
+    aff = component_from_config("AffineComponent", "input-dim=40 output-dim=96", seed=5)
+    try:
+        for form in (gemm.DIRECT, gemm.EXCHANGED, gemm.DOT):
+            for rows in (1, 3, 24):
+                x = rng.standard_normal((rows, 40)).astype(np.float32)
+                w = aff.linear_params
+                prod = (w @ x.T).T if form == gemm.EXCHANGED else x @ w.T
+                want = prod + aff.bias_params
+                out = np.empty_like(want)
+                gemm.forget_choices()
+                gemm.nt_form(x, aff.linear_params, out)
+                for key in gemm._choice:
+                    gemm._choice[key] = form
+                f = bind_propagate(AffineComponent, x, out, Scratch(np))
+                f(aff, None)
+                f(aff, None)
+                assert gemm.nt_form(x, aff.linear_params, out) == form
+                assert _same_bits(out, want), (form, rows)
+    finally:
+        gemm.forget_choices()
+
+
 def test_panel_forms_compute_the_product_panel_by_panel():
     """Each panel form, forced whatever this machine's timings chose: the product
     comes out panel by panel into the caller's output (ragged last panel included),
