@@ -63,8 +63,8 @@ def _kaldi_output(bin_dir: Path, out: Path, key: str, feats, online, o: dict, pe
                   looped: bool) -> np.ndarray:
     """BIN_DIR/geninfer's output for OUT_DIR/model.raw on these inputs (exits if Kaldi
     refuses)."""
-    ref, err = kaldi(bin_dir / "geninfer", str(out / "model.raw"),
-                     {"features": feats, "online": online}, looped, o, period)
+    ref, err, _ = kaldi(bin_dir / "geninfer", str(out / "model.raw"),
+                        {"features": feats, "online": online}, looped, o, period)
     if ref is None:
         raise SystemExit(f"{key}: Kaldi refused: {err}")
     return ref

@@ -111,7 +111,7 @@ def make(steps: Path, bin_dir: Path, out_dir: Path, name: str, seed: int) -> Non
         o = dict(frames_per_chunk=fpc, extra_left_context=elc, extra_right_context=erc,
                  extra_left_context_initial=elci, extra_right_context_final=ercf,
                  frame_subsampling_factor=fsf)
-        ref, err = kaldi(bin_dir / "geninfer", str(out / "model.raw"), mats, looped, o, 0)
+        ref, err, _ = kaldi(bin_dir / "geninfer", str(out / "model.raw"), mats, looped, o, 0)
         if ref is None:
             raise SystemExit(f"{name} {key}: Kaldi refused: {err}")
         arrays[f"output.{key}"] = ref
