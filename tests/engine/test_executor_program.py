@@ -656,7 +656,8 @@ def test_element_wise_forms_on_special_values():
             cd = 16
             comp.use_dropout = use_dropout
             comp.params = rng.standard_normal((3, cd)).astype(np.float32)
-            for rows in (1, 3):
+            # gates of 16 and 48 elements: expit; of 1120: the branching logistic
+            for rows in (1, 3, 70):
                 x = _special((rows, comp.input_dim()), rng)
                 _forms_give_the_components_bits(LstmNonlinearityComponent, comp, x, 2 * cd,
                                                 (use_dropout, rows))
@@ -696,6 +697,31 @@ def test_sigmoid_forms_by_size_agree_with_the_exact_logistic():
                                                         rows, axis=0), 37, rows)
         assert np.isnan(got[0, 0]) and got[0, 1] == 1.0 and got[0, 2] == 0.0
         assert got[0, 3] == 0.5
+
+
+def test_bound_lstm_follows_its_input_between_runs():
+    """The bound LSTM nonlinearity (one row: dropout scales as 0-d views of the input;
+    small gates: expit) run again after its input changed in place: the component's
+    bits each time, for one row and several, with and without dropout scales."""
+    from engine.nnet.components.recurrent import LstmNonlinearityComponent  # noqa: PLC0415
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import bind_propagate  # noqa: PLC0415
+    rng = np.random.default_rng(23)
+    for use_dropout in (False, True):
+        comp = LstmNonlinearityComponent()
+        cd = 32
+        comp.use_dropout = use_dropout
+        comp.params = rng.standard_normal((3, cd)).astype(np.float32)
+        for rows in (1, 4, 40):
+            x = rng.standard_normal((rows, comp.input_dim())).astype(np.float32)
+            out = np.empty((rows, 2 * cd), np.float32)
+            f = bind_propagate(LstmNonlinearityComponent, x, out, Scratch(np))
+            for _ in range(3):
+                x[...] = rng.standard_normal(x.shape).astype(np.float32) * 3
+                f(comp, None)
+                want = np.empty_like(out)
+                comp.propagate(None, x, want)
+                assert _same_bits(out, want), (use_dropout, rows)
 
 
 def test_pool_never_receives_views_of_the_arena():
