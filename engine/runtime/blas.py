@@ -11,14 +11,23 @@ no environment: callers pass the variables in.)
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping
 
 #: environment variables that steer the BLAS libraries NumPy may load
 ENV_PREFIXES = ("OPENBLAS_", "MKL_", "OMP_", "GOTO_")
 
 
+def scipys_own_library(path) -> bool:
+    """A library SciPy's wheels ship for SciPy (``scipy.libs/``): loaded by
+    scipy.special, which the engine imports for ``expit``, and computing none of the
+    engine's products (NumPy's BLAS does)."""
+    return bool(path) and "scipy.libs" in Path(path).parts
+
+
 def blas_libraries() -> list[dict]:
-    """One dict per BLAS library loaded in this process (threadpoolctl): library
+    """One dict per BLAS library loaded in this process (threadpoolctl) that NumPy's
+    products may run on -- SciPy's own copy left out (``scipys_own_library``): library
     (internal_api), version, kernel set (architecture, OpenBLAS only), threads and
     threading layer.  [] when threadpoolctl cannot tell."""
     import numpy  # noqa: F401, PLC0415  (loads NumPy's BLAS)
@@ -29,7 +38,8 @@ def blas_libraries() -> list[dict]:
     return [{"library": lib.get("internal_api"), "version": lib.get("version"),
              "architecture": lib.get("architecture"), "threads": lib.get("num_threads"),
              "threading_layer": lib.get("threading_layer")}
-            for lib in threadpool_info() if lib.get("user_api") == "blas"]
+            for lib in threadpool_info()
+            if lib.get("user_api") == "blas" and not scipys_own_library(lib.get("filepath"))]
 
 
 def blas_environment(environ: Mapping[str, str]) -> dict:

@@ -51,6 +51,8 @@ import threading
 import time
 from typing import Callable, Sequence, TypeVar
 
+from engine.runtime.blas import scipys_own_library
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -63,15 +65,18 @@ _getters: list = []              # ``int f(void)`` reading each library's count 
 
 def _find_setters() -> tuple[list, list]:
     """ctypes functions ``int f(int n)`` that set a BLAS thread count and return the
-    previous one, one per BLAS library loaded, with the libraries' threadpoolctl
-    controllers (threadpoolctl finds the libraries; [] when it is missing or a library
-    has no such function)."""
+    previous one, one per BLAS library loaded (SciPy's own copy aside: see
+    engine.runtime.blas), with the libraries' threadpoolctl controllers
+    (threadpoolctl finds the libraries; [] when it is missing or a library has no
+    such function)."""
     try:
         from threadpoolctl import ThreadpoolController  # noqa: PLC0415
     except ImportError:
         return [], []
     out, libs = [], []
     for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
+        if scipys_own_library(getattr(lib, "filepath", None)):
+            continue           # SciPy's own copy (scipy.special): none of our products
         if lib.internal_api not in ("openblas", "mkl"):
             return [], []      # a BLAS we cannot hold to one thread: no concurrency
         fn = _library_function(lib, "openblas_set_num_threads_local",

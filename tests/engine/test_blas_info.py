@@ -21,6 +21,19 @@ def test_libraries_name_numpys_blas():
         assert lib["library"] and lib["threads"] >= 1
 
 
+def test_scipys_own_blas_is_not_reported():
+    """scipy.special (imported for expit by the first small sigmoid) loads SciPy's own
+    OpenBLAS, which computes none of NumPy's products: the report stays the same."""
+    code = ("from engine.runtime.blas import blas_libraries; a = blas_libraries(); "
+            "from engine.nnet.components.nonlinear import expit; expit(); "
+            "from threadpoolctl import threadpool_info; "
+            "n = sum(lib.get('user_api') == 'blas' for lib in threadpool_info()); "
+            "print(a == blas_libraries(), n, len(a))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[0] == "True", out
+
+
 def test_environment_keeps_only_the_blas_variables():
     env = {"OPENBLAS_CORETYPE": "Haswell", "MKL_NUM_THREADS": "2", "OMP_NUM_THREADS": "1",
            "PATH": "/bin", "NNETC_BACKEND": "numpy"}

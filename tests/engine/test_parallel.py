@@ -122,8 +122,8 @@ def test_overlapping_calls_leave_the_setting_as_it_was():
         return run_concurrently([lambda i=i: job(i + k) for i in range(5)], 2 + k % 2)
     for _ in range(3):
         seen = run_concurrently([lambda k=k: call(k) for k in range(4)], 4)
-        # (one count per library the setting holds: a BLAS loaded later, as SciPy's
-        # own OpenBLAS is with scipy.special, is one that no product here uses)
+        # (one count per library the setting holds: SciPy's own OpenBLAS, loaded with
+        # scipy.special, is left out, as no product here uses it)
         ones = [1] * len(parallel._blas_setters())
         assert all(s == ones for per_call in seen for s in per_call), (
             seen, parallel._local, parallel._sections, before)

@@ -305,8 +305,8 @@ def expit():
     """SciPy's ``expit`` ufunc, imported on first use (SciPy takes ~0.2 s to import).
     Importing scipy.special also loads SciPy's own OpenBLAS (its ``_ufuncs`` extension
     links it): a second BLAS in the process, which no computation here calls (its
-    threads stay idle; engine.runtime.parallel holds the BLAS libraries loaded when
-    it first looked, NumPy's among them)."""
+    threads stay idle); engine.runtime.blas leaves it out of what it reports and
+    engine.runtime.parallel out of what it holds to one thread."""
     if not _EXPIT:
         from scipy.special import expit as f  # noqa: PLC0415
         _EXPIT.append(f)
