@@ -23,10 +23,11 @@ random and reference networks):
 The logistic of a small array (at most ``nonlinear.SMALL_SIGMOID`` elements) is SciPy's
 ``expit``, one ufunc call, as the component takes it for that size; expit's loop is
 the same scalar code for every layout, so writing into a strided output changes no
-bits.  For larger arrays the logistic is computed without masked copies: with e = exp(-|x|) and
-d = 1 + e, the component takes 1/d where x >= 0 and e/d elsewhere; here the
-numerator is max(e, [x >= 0]) (1 where x >= 0 since e <= 1, e elsewhere, NaN
-stays NaN), divided by d once: the same division on the same operands.  -|x| is
+bits.  For larger arrays the logistic is computed without masked copies: with
+e = exp(-|x|) and d = 1 + e, the component takes 1/d where x >= 0 and e/d
+elsewhere; here the numerator is max(e, [x >= 0]) (1 where x >= 0 since e <= 1, e
+elsewhere, NaN stays NaN), divided by d once: the same division on the same
+operands.  -|x| is
 negative(abs(x)): the float32 bits of x with the sign bit set, which one
 bitwise OR on the int32 view writes (6x faster here than copysign(x, -1), which
 gives the same bits).

@@ -640,7 +640,8 @@ def test_element_wise_forms_on_special_values():
     with np.errstate(all="ignore"):
         # ReLU: one zeros block, several (1100 columns: 59 rows a block), none (a row
         # longer than the block)
-        for cls, dim, row_counts in ((SigmoidComponent, 37, (1, 5, 27, 28, 40)), (TanhComponent, 37, (1, 5)),
+        for cls, dim, row_counts in ((SigmoidComponent, 37, (1, 5, 27, 28, 40)),
+                                     (TanhComponent, 37, (1, 5)),
                                      (LogSoftmaxComponent, 37, (1, 5)),
                                      (RectifiedLinearComponent, 37, (1, 5)),
                                      (RectifiedLinearComponent, 1100, (59, 60, 130)),
