@@ -700,6 +700,28 @@ def test_sigmoid_forms_by_size_agree_with_the_exact_logistic():
         assert got[0, 3] == 0.5
 
 
+def test_without_scipy_every_sigmoid_takes_the_branching_form(monkeypatch):
+    """Where SciPy cannot be imported, small sigmoids (SigmoidComponent, LSTM gates)
+    take the branching form, in the components and the fast forms alike."""
+    from engine.nnet.components import nonlinear  # noqa: PLC0415
+    from engine.nnet.components.nonlinear import SigmoidComponent  # noqa: PLC0415
+    from engine.nnet.components.recurrent import LstmNonlinearityComponent  # noqa: PLC0415
+    monkeypatch.setattr(nonlinear, "_EXPIT", [None])
+    assert not nonlinear.small_sigmoid(np, np.zeros((1, 8), np.float32))
+    rng = np.random.default_rng(29)
+    comp = SigmoidComponent()
+    comp.dim = 37
+    x = (rng.standard_normal((3, 37)) * 12).astype(np.float32)
+    got = _forms_give_the_components_bits(SigmoidComponent, comp, x, 37, "no scipy")
+    e = np.exp(-np.abs(x))
+    assert _same_bits(got, np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32))
+    lstm = LstmNonlinearityComponent()
+    lstm.use_dropout = True
+    lstm.params = rng.standard_normal((3, 16)).astype(np.float32)
+    x = rng.standard_normal((2, lstm.input_dim())).astype(np.float32)
+    _forms_give_the_components_bits(LstmNonlinearityComponent, lstm, x, 32, "no scipy")
+
+
 def test_bound_lstm_follows_its_input_between_runs():
     """The bound LSTM nonlinearity (one row: dropout scales as 0-d views of the input;
     small gates: expit) run again after its input changed in place: the component's

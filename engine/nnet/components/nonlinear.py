@@ -302,20 +302,26 @@ _EXPIT: list = []
 
 
 def expit():
-    """SciPy's ``expit`` ufunc, imported on first use (SciPy takes ~0.2 s to import).
+    """SciPy's ``expit`` ufunc, imported on first use (SciPy takes ~0.2 s to import), or
+    None where SciPy cannot be imported (a dependency, but an environment may lack
+    it: every sigmoid then takes the branching form, component and fast forms alike).
     Importing scipy.special also loads SciPy's own OpenBLAS (its ``_ufuncs`` extension
     links it): a second BLAS in the process, which no computation here calls (its
     threads stay idle); engine.runtime.blas leaves it out of what it reports and
     engine.runtime.parallel out of what it holds to one thread."""
     if not _EXPIT:
-        from scipy.special import expit as f  # noqa: PLC0415
+        try:
+            from scipy.special import expit as f  # noqa: PLC0415
+        except ImportError:
+            f = None
         _EXPIT.append(f)
     return _EXPIT[0]
 
 
 def small_sigmoid(xp, x) -> bool:
     """Whether the sigmoid of ``x`` is SciPy's expit (see SMALL_SIGMOID)."""
-    return xp is np and x.size <= SMALL_SIGMOID and x.dtype in _EXPIT_TYPES
+    return (xp is np and x.size <= SMALL_SIGMOID and x.dtype in _EXPIT_TYPES
+            and expit() is not None)
 
 
 _EXPIT_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
