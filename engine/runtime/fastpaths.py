@@ -78,7 +78,7 @@ from engine.runtime.gemm import (DIRECT, DOT, EXCHANGED, PANELS, TCOPY, frozen, 
 _matmul, _dot, _add, _multiply, _copyto = np.matmul, np.dot, np.add, np.multiply, np.copyto
 _exp, _divide, _maximum = np.exp, np.divide, np.maximum
 _np_tanh, _log, _subtract = np.tanh, np.log, np.subtract
-_ge, _gt = np.greater_equal, np.greater
+_ge = np.greater_equal
 _max_reduce, _add_reduce = np.maximum.reduce, np.add.reduce
 _F32 = np.dtype(np.float32)
 # scalar operands as 0-d float32 arrays: the same float32 values a Python number
@@ -113,7 +113,7 @@ def _c_contiguous(a) -> bool:
     return a.flags.c_contiguous
 
 
-def _logistic(a, out, e, d, h, positive_strict: bool, ai=None, ei=None) -> None:
+def _logistic(a, out, e, d, h, ai=None, ei=None) -> None:
     """out = the logistic of ``a`` as the components compute it (see the module
     docstring); e, d, h: temporaries of a's shape, contiguous; out may be a;
     ai, ei: int32 views of a and e when the caller holds them."""
@@ -122,7 +122,7 @@ def _logistic(a, out, e, d, h, positive_strict: bool, ai=None, ei=None) -> None:
     _exp(e, e)
     _add(e, _ONE, d)
     # the mask is taken before ``out`` (maybe ``a``) is written
-    (_gt if positive_strict else _ge)(a, _ZERO, h)
+    _ge(a, _ZERO, h)
     _maximum(e, h, out=e)
     _divide(e, d, out)
 
@@ -382,8 +382,7 @@ def _sigmoid(comp, pre, x, out):
         expit()(x, out=out)
         return None
     shape = x.shape
-    _logistic(x, out, np.empty(shape, _F32), np.empty(shape, _F32), np.empty(shape, _F32),
-              False)
+    _logistic(x, out, np.empty(shape, _F32), np.empty(shape, _F32), np.empty(shape, _F32))
     return None
 
 
@@ -406,7 +405,7 @@ def _bind_sigmoid(x, out, scratch):
     def f(comp, pre):
         if comp.dim != dim:
             return comp.propagate(pre, x, out)
-        _logistic(x, out, e, d, h, False, xi, ei)
+        _logistic(x, out, e, d, h, xi, ei)
         return None
     return f
 
@@ -732,19 +731,14 @@ def _same_shape_op(x, out, ufunc):
     cache: list = [None, None]      # v, v in x's shape
 
     def op(v):
-        if cache[0] is not v:
-            if rows == 1 and v.ndim == 1:
-                cache[0], cache[1] = v, v.reshape(1, v.shape[0])
-            elif rows > 1 and v.ndim == 1 and frozen(v):
-                cache[0], cache[1] = v, _tiled(v, rows).reshape(rows, v.shape[0])
-            else:
-                ufunc(x, v, out)
-                return
-        elif rows > 1 and not frozen(v):   # (made writeable since it was tiled)
-            cache[0] = None
+        if v.ndim == 1 and (rows == 1 or frozen(v)):
+            if cache[0] is not v:
+                cache[0], cache[1] = v, (v.reshape(1, v.shape[0]) if rows == 1 else
+                                         _tiled(v, rows).reshape(rows, v.shape[0]))
+            ufunc(x, cache[1], out)
+        else:
+            cache[0] = None     # (a tile of v is stale once v is writeable)
             ufunc(x, v, out)
-            return
-        ufunc(x, cache[1], out)
     return op
 
 
@@ -875,7 +869,7 @@ def _lstm_core(comp, v: _LstmViews, drop: bool, temps, small: bool = False) -> N
     if small:
         expit()(g, out=g)
     else:
-        _logistic(g, g, e, d, h, True, gi, ei)
+        _logistic(g, g, e, d, h, gi, ei)
     i_t, f_t = g[:, 0], g[:, 1]
     # c_t = f_t * f_s * c_prev + i_t * i_s * tanh(c_part)
     _np_tanh(v.c_part, tc)
@@ -895,7 +889,7 @@ def _lstm_core(comp, v: _LstmViews, drop: bool, temps, small: bool = False) -> N
     if small:
         expit()(a, out=a)
     else:
-        _logistic(a, a, e1, d1, h1, True, ai, e1i)
+        _logistic(a, a, e1, d1, h1, ai, e1i)
     _np_tanh(c_t, tc)
     if drop:
         _multiply(a, v.o_s, a)

@@ -327,7 +327,10 @@ def small_sigmoid(xp, x) -> bool:
 _EXPIT_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _sigmoid(xp, x):
+def sigmoid(xp, x):
+    """The logistic of ``x``, as SigmoidComponent and LstmNonlinearityComponent compute
+    it: SciPy's expit for a small array (SMALL_SIGMOID), else Kaldi's ScalarSigmoid
+    vectorised (exp of a non-positive number only)."""
     if small_sigmoid(xp, x):
         return expit()(x)
     # numerically stable logistic (Kaldi's ScalarSigmoid branches on the sign too)
@@ -415,7 +418,7 @@ class SigmoidComponent(_SelfRepairingActivation):
     type_name = "SigmoidComponent"
 
     def _function(self, xp, x):
-        return _sigmoid(xp, x)
+        return sigmoid(xp, x)
 
     def _output_deriv(self, out_value):
         return out_value * (1.0 - out_value)

@@ -37,7 +37,9 @@ from engine.core.xp import array_module
 from engine.nnet.components.base import updatable_info  # noqa: F401  (re-exported)
 from engine.nnet.components._param_utils import gaussian
 from engine.nnet.components.base import P, UpdatableComponent, register_component
-from engine.nnet.components.nonlinear import expit, small_sigmoid
+# the gates' logistic, SigmoidComponent's (the fast form, engine/runtime/fastpaths.py,
+# decides between its two forms on one gate's size, as this does)
+from engine.nnet.components.nonlinear import sigmoid
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for gru.py)
     KaldiReader,
@@ -51,16 +53,6 @@ from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for gru.py)
 # shared helpers
 
 
-
-
-def sigmoid(xp, a):
-    """Kaldi's ScalarSigmoid, vectorised: exp of a non-positive number only; a gate of
-    at most nonlinear.SMALL_SIGMOID elements is SciPy's expit instead, as for
-    SigmoidComponent (engine/runtime/fastpaths.py decides on the same per-gate size)."""
-    if small_sigmoid(xp, a):
-        return expit()(a)
-    e = xp.exp(-xp.abs(a))
-    return xp.where(a > 0, 1 / (1 + e), e / (1 + e))
 
 
 
