@@ -631,6 +631,15 @@ def _forms_give_the_components_bits(cls, comp, x, out_cols: int, label, bound_ru
     return want
 
 
+def _random_lstm(rng, cell_dim: int, use_dropout: bool):
+    """An LstmNonlinearityComponent with random peephole weights."""
+    from engine.nnet.components.recurrent import LstmNonlinearityComponent  # noqa: PLC0415
+    comp = LstmNonlinearityComponent()
+    comp.use_dropout = use_dropout
+    comp.params = rng.standard_normal((3, cell_dim)).astype(np.float32)
+    return comp
+
+
 def test_element_wise_forms_on_special_values():
     from engine.nnet.components.nonlinear import (LogSoftmaxComponent,  # noqa: PLC0415
                                                   RectifiedLinearComponent, SigmoidComponent,
@@ -653,10 +662,8 @@ def test_element_wise_forms_on_special_values():
                 for x in (big[:, 2:2 + dim], np.ascontiguousarray(big[:, 2:2 + dim])):
                     _forms_give_the_components_bits(cls, comp, x, dim, (cls, rows))
         for use_dropout in (False, True):
-            comp = LstmNonlinearityComponent()
             cd = 16
-            comp.use_dropout = use_dropout
-            comp.params = rng.standard_normal((3, cd)).astype(np.float32)
+            comp = _random_lstm(rng, cd, use_dropout)
             # gates of 16 and 48 elements: expit; of 1120: the branching logistic
             for rows in (1, 3, 70):
                 x = _special((rows, comp.input_dim()), rng)
@@ -715,9 +722,7 @@ def test_without_scipy_every_sigmoid_takes_the_branching_form(monkeypatch):
     got = _forms_give_the_components_bits(SigmoidComponent, comp, x, 37, "no scipy")
     e = np.exp(-np.abs(x))
     assert _same_bits(got, np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32))
-    lstm = LstmNonlinearityComponent()
-    lstm.use_dropout = True
-    lstm.params = rng.standard_normal((3, 16)).astype(np.float32)
+    lstm = _random_lstm(rng, 16, True)
     x = rng.standard_normal((2, lstm.input_dim())).astype(np.float32)
     _forms_give_the_components_bits(LstmNonlinearityComponent, lstm, x, 32, "no scipy")
 
@@ -731,10 +736,8 @@ def test_bound_lstm_follows_its_input_between_runs():
     from engine.runtime.fastpaths import bind_propagate  # noqa: PLC0415
     rng = np.random.default_rng(23)
     for use_dropout in (False, True):
-        comp = LstmNonlinearityComponent()
         cd = 32
-        comp.use_dropout = use_dropout
-        comp.params = rng.standard_normal((3, cd)).astype(np.float32)
+        comp = _random_lstm(rng, cd, use_dropout)
         for rows in (1, 4, 40):
             x = rng.standard_normal((rows, comp.input_dim())).astype(np.float32)
             out = np.empty((rows, 2 * cd), np.float32)
