@@ -226,7 +226,10 @@ def test_non_finite_outputs_come_in_the_base64_form(client):
             out = out[k]
         assert isinstance(out, dict) and out["dtype"] == "float32", out
         got = decode(out)
-        assert np.array_equal(np.isinf(got), np.isinf(expected))
+        # the same entries are not finite; which of inf or nan the sum of two overflowing
+        # products gives is the BLAS's (OpenBLAS's fused multiply-adds keep inf, cuBLAS
+        # on an H100 gave nan for a +inf and a -inf product)
+        assert np.array_equal(np.isfinite(got), np.isfinite(expected))
         assert np.allclose(got[1], expected[1], rtol=1e-5)
     # finite outputs keep the JSON rows asked for
     body["inputs"] = {"input": [[1e-20, 0.0], [0.0, 1e-20]]}
