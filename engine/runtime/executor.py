@@ -145,9 +145,8 @@ class Executor:
         self._program = None
         self._bound = None
         # dynamic programs: per command, its bound fast propagates on the matrices
-        # it last ran on (program._bound_for) and their temporaries
+        # it last ran on (program._bound_for; their temporaries: Program.dyn_scratch)
         self._dyn_bound: dict = {}
-        self._dyn_scratch = None
         if computation.need_model_derivative:
             self._make_gradient_nnet()
 

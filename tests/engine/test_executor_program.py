@@ -386,6 +386,70 @@ def test_concurrent_runs_of_one_computation():
                 assert np.array_equal(g[k], w[k])
 
 
+def test_dynamic_temporaries_are_the_programs_one_set_per_thread():
+    """The fast propagates bound on an executor's own matrices (program._bound_for)
+    take their temporaries from Program.dyn_scratch: one set per thread, kept with
+    the program, so the next executor of the computation reuses them instead of
+    new arrays (large ones came from fresh pages every run); another thread has its
+    own set, and runs in both threads at once give the interpreted bits."""
+    import threading  # noqa: PLC0415
+
+    from inference_nets import make_nnet  # noqa: PLC0415
+    nnet = make_nnet("input-node name=input dim=6\n"
+                     "component name=a type=AffineComponent input-dim=6 output-dim=40\n"
+                     "component-node name=a component=a input=input\n"
+                     "component name=s type=LogSoftmaxComponent dim=40\n"
+                     "component-node name=s component=s input=a\n"
+                     "output-node name=output input=s\n")
+    req = ComputationRequest([IoSpecification("input", [(0, t, 0) for t in range(30)])],
+                             [IoSpecification("output", [(0, t, 0) for t in range(30)])])
+    comp = compile_request(nnet, req, True)
+    rng = np.random.default_rng(5)
+    xs = [{"input": rng.standard_normal((30, 6)).astype(np.float32)} for _ in range(4)]
+    want = [_run_with(InterpretedExecutor, nnet, req, x, None, comp).outputs["output"]
+            for x in xs]
+
+    def run(x):
+        ex = DynamicExecutor(comp, nnet)
+        ex.accept_input("input", x["input"])
+        ex.run()
+        y = np.array(ex.get_output("output"))
+        program = ex._program
+        ex.release()
+        return y, program
+
+    y, program = run(xs[0])
+    assert np.array_equal(y, want[0])
+    scratch = program.dyn_scratch()
+    held = {k: id(a) for k, a in scratch._bufs.items()}
+    assert any(k[0] == (30, 40) for k in held)       # the log-softmax's temporaries
+    y, again = run(xs[1])
+    assert again is program and np.array_equal(y, want[1])
+    assert program.dyn_scratch() is scratch
+    assert {k: id(a) for k, a in scratch._bufs.items()} == held
+    other: list = []
+    errors: list = []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                got, _ = run(xs[i])
+                assert np.array_equal(got, want[i])
+            if i == 3:
+                other.append(program.dyn_scratch())
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(i,)) for i in (2, 3)]
+    for t in threads:
+        t.start()
+    for _ in range(20):
+        assert np.array_equal(run(xs[1])[0], want[1])
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert other and other[0] is not scratch
+
+
 def test_programs_do_not_keep_computations_alive():
     import gc  # noqa: PLC0415
     import weakref  # noqa: PLC0415
