@@ -23,14 +23,11 @@ random and reference networks):
 The logistic of a small array (at most ``nonlinear.SMALL_SIGMOID`` elements) is SciPy's
 ``expit``, one ufunc call, as the component takes it for that size; expit's loop is
 the same scalar code for every layout, so writing into a strided output changes no
-bits.  For larger arrays the logistic is computed without masked copies: with
-e = exp(-|x|) and d = 1 + e, the component takes 1/d where x >= 0 and e/d
-elsewhere; here the numerator is max(e, [x >= 0]) (1 where x >= 0 since e <= 1, e
-elsewhere, NaN stays NaN), divided by d once: the same division on the same
-operands.  -|x| is
-negative(abs(x)): the float32 bits of x with the sign bit set, which one
-bitwise OR on the int32 view writes (6x faster here than copysign(x, -1), which
-gives the same bits).
+bits.  For larger arrays it is the component's exp form, u = exp(min(x, 88.72)) into a
+contiguous temporary, then u / (1 + u): the same four operations, with the cap read
+from an array of x's shape (a shared read-only block, as ReLU's zeros below: NumPy's
+minimum takes its vector loop against a same-shape array, 1.5x faster than against a
+scalar, with the same bits).
 
 ReLU is max(x, 0) against a zero *array* of x's row shape (a shared read-only
 block of 64K zeros, a row block at a time): NumPy 2's maximum/minimum run their
@@ -63,9 +60,9 @@ from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent
 from engine.nnet.components.dropout import GeneralDropoutComponent
 from engine.nnet.components.gradient_control import BackpropTruncationComponent
 from engine.nnet.components.misc import ElementwiseProductComponent, NoOpComponent
-from engine.nnet.components.nonlinear import (LogSoftmaxComponent, RectifiedLinearComponent,
-                                              SigmoidComponent, TanhComponent, expit,
-                                              small_sigmoid)
+from engine.nnet.components.nonlinear import (EXP_INPUT_MAX, LogSoftmaxComponent,
+                                              RectifiedLinearComponent, SigmoidComponent,
+                                              TanhComponent, expit, small_sigmoid)
 from engine.nnet.components.normalize import BatchNormComponent
 from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
@@ -76,21 +73,21 @@ from engine.runtime.gemm import (DIRECT, DOT, EXCHANGED, PANELS, TCOPY, frozen, 
                                  transposed_panels)
 
 _matmul, _dot, _add, _multiply, _copyto = np.matmul, np.dot, np.add, np.multiply, np.copyto
-_exp, _divide, _maximum = np.exp, np.divide, np.maximum
+_exp, _divide, _maximum, _minimum = np.exp, np.divide, np.maximum, np.minimum
 _np_tanh, _log, _subtract = np.tanh, np.log, np.subtract
-_ge = np.greater_equal
 _max_reduce, _add_reduce = np.maximum.reduce, np.add.reduce
 _F32 = np.dtype(np.float32)
 # scalar operands as 0-d float32 arrays: the same float32 values a Python number
 # takes against a float32 array, without converting it on every call
 _ONE = np.array(1.0, np.float32)
 _ZERO = np.array(0.0, np.float32)
-_SIGN_BIT = np.array(-(2 ** 31), np.int32)
-_I32 = np.dtype(np.int32)
-_bitwise_or = np.bitwise_or
 # max(x, 0) reads its zeros from here, a row block at a time (see the docstring)
 _ZEROS = np.zeros(1 << 16, np.float32)
 _ZEROS.flags.writeable = False
+# the logistic's exp input cap (nonlinear.EXP_INPUT_MAX), as an array of up to 64K
+# elements (see the docstring)
+_CAPS = np.full(1 << 16, EXP_INPUT_MAX, np.float32)
+_CAPS.flags.writeable = False
 
 
 class _Fresh:
@@ -113,18 +110,25 @@ def _c_contiguous(a) -> bool:
     return a.flags.c_contiguous
 
 
-def _logistic(a, out, e, d, h, ai=None, ei=None) -> None:
-    """out = the logistic of ``a`` as the components compute it (see the module
-    docstring); e, d, h: temporaries of a's shape, contiguous; out may be a;
-    ai, ei: int32 views of a and e when the caller holds them."""
-    _bitwise_or(a.view(_I32) if ai is None else ai, _SIGN_BIT,
-                e.view(_I32) if ei is None else ei)     # -|a|, bit for bit
-    _exp(e, e)
-    _add(e, _ONE, d)
-    # the mask is taken before ``out`` (maybe ``a``) is written
-    _ge(a, _ZERO, h)
-    _maximum(e, h, out=e)
-    _divide(e, d, out)
+def _cap(shape):
+    """nonlinear.EXP_INPUT_MAX in a read-only contiguous array of ``shape`` (a view of
+    the shared block), or as a float32 scalar (the same value) beyond its size."""
+    n = 1
+    for k in shape:
+        n *= k
+    if n > _CAPS.size:
+        return _CAPS[0]
+    return _CAPS[:n].reshape(shape)
+
+
+def _logistic(a, out, t, d, cap) -> None:
+    """out = the logistic of ``a`` in the components' exp form (nonlinear.sigmoid):
+    u = exp(min(a, cap)) in ``t``, then u / (1 + u); t, d: contiguous temporaries of
+    a's shape; cap: ``_cap(a.shape)``; out may be a."""
+    _minimum(a, cap, out=t)
+    _exp(t, t)
+    _add(t, _ONE, d)
+    _divide(t, d, out)
 
 
 # --------------------------------------------------------------------------------------
@@ -382,7 +386,7 @@ def _sigmoid(comp, pre, x, out):
         expit()(x, out=out)
         return None
     shape = x.shape
-    _logistic(x, out, np.empty(shape, _F32), np.empty(shape, _F32), np.empty(shape, _F32))
+    _logistic(x, out, np.empty(shape, _F32), np.empty(shape, _F32), _cap(shape))
     return None
 
 
@@ -399,13 +403,13 @@ def _bind_sigmoid(x, out, scratch):
             logistic(x, out=out)
             return None
         return f_small
-    e, d, h = (scratch.get(x.shape, k) for k in range(3))
-    xi, ei = x.view(_I32), e.view(_I32)
+    t, d = scratch.get(x.shape, 0), scratch.get(x.shape, 1)
+    cap = _cap(x.shape)
 
     def f(comp, pre):
         if comp.dim != dim:
             return comp.propagate(pre, x, out)
-        _logistic(x, out, e, d, h, xi, ei)
+        _logistic(x, out, t, d, cap)
         return None
     return f
 
@@ -847,10 +851,10 @@ def _lstm_ok(comp, x, out) -> bool:
 
 
 def _lstm_temps(get, r: int, cd: int) -> tuple:
-    """The 11 temporaries of _lstm_core, then int32 views of the two logistics'
-    inputs and first temporaries (g, e, a, e1)."""
-    t = tuple(get((r, 2, cd) if k < 4 else (r, cd), k) for k in range(11))
-    return t + tuple(t[k].view(_I32) for k in (0, 1, 5, 8))
+    """The 9 temporaries of _lstm_core (three of the i and f gates' shape (r, 2, cd),
+    six of (r, cd)), then the logistic's caps for the two shapes."""
+    t = tuple(get((r, 2, cd) if k < 3 else (r, cd), k) for k in range(9))
+    return t + (_cap((r, 2, cd)), _cap((r, cd)))
 
 
 def _lstm_core(comp, v: _LstmViews, drop: bool, temps, small: bool = False) -> None:
@@ -862,14 +866,14 @@ def _lstm_core(comp, v: _LstmViews, drop: bool, temps, small: bool = False) -> N
     w = comp.params
     if w.dtype != _F32:
         w = w.astype(_F32)
-    g, e, d, h, tc, a, b, c_t, e1, d1, h1, gi, ei, ai, e1i = temps
+    g, e, d, tc, a, b, c_t, e1, d1, cap_g, cap_a = temps
     # i_t, f_t = sigmoid(i_part + w0 * c_prev), sigmoid(f_part + w1 * c_prev)
     _multiply(w[:2], v.c_prev3, g)
     _add(v.if_part, g, g)
     if small:
         expit()(g, out=g)
     else:
-        _logistic(g, g, e, d, h, gi, ei)
+        _logistic(g, g, e, d, cap_g)
     i_t, f_t = g[:, 0], g[:, 1]
     # c_t = f_t * f_s * c_prev + i_t * i_s * tanh(c_part)
     _np_tanh(v.c_part, tc)
@@ -889,7 +893,7 @@ def _lstm_core(comp, v: _LstmViews, drop: bool, temps, small: bool = False) -> N
     if small:
         expit()(a, out=a)
     else:
-        _logistic(a, a, e1, d1, h1, ai, e1i)
+        _logistic(a, a, e1, d1, cap_a)
     _np_tanh(c_t, tc)
     if drop:
         _multiply(a, v.o_s, a)

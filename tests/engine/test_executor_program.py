@@ -713,7 +713,10 @@ def test_element_wise_forms_on_special_values():
     with np.errstate(all="ignore"):
         # ReLU: one zeros block, several (1100 columns: 59 rows a block), none (a row
         # longer than the block)
-        for cls, dim, row_counts in ((SigmoidComponent, 37, (1, 5, 27, 28, 40)),
+        # sigmoid: expit (up to 20 rows), the exp form with its cap in a same-shape
+        # array (21 rows and more) or as a scalar (66,000 elements: beyond the block)
+        for cls, dim, row_counts in ((SigmoidComponent, 37, (1, 5, 20, 21, 40)),
+                                     (SigmoidComponent, 1100, (60,)),
                                      (TanhComponent, 37, (1, 5)),
                                      (LogSoftmaxComponent, 37, (1, 5)),
                                      (RectifiedLinearComponent, 37, (1, 5)),
@@ -728,7 +731,7 @@ def test_element_wise_forms_on_special_values():
         for use_dropout in (False, True):
             cd = 16
             comp = _random_lstm(rng, cd, use_dropout)
-            # gates of 16 and 48 elements: expit; of 1120: the branching logistic
+            # gates of 16 and 48 elements: expit; of 1120: the exp form
             for rows in (1, 3, 70):
                 x = _special((rows, comp.input_dim()), rng)
                 _forms_give_the_components_bits(LstmNonlinearityComponent, comp, x, 2 * cd,
@@ -737,29 +740,29 @@ def test_element_wise_forms_on_special_values():
 
 def test_sigmoid_forms_by_size_agree_with_the_exact_logistic():
     """Sigmoids of up to SMALL_SIGMOID elements are SciPy's expit, larger ones the
-    branching form: both within a few ulps of the float64 logistic (or below float32's
+    exp form: both within a few ulps of the float64 logistic (or below float32's
     smallest normal number), on either side
     of the threshold, special values included; the component and its fast forms take
-    the same one on the same size (27 x 37 = 999 elements: expit; 28 x 37 = 1036:
-    the branching form)."""
+    the same one on the same size (20 x 37 = 740 elements: expit; 21 x 37 = 777:
+    the exp form)."""
     from engine.nnet.components.nonlinear import (SMALL_SIGMOID,  # noqa: PLC0415
                                                   SigmoidComponent, small_sigmoid)
     rng = np.random.default_rng(11)
-    assert small_sigmoid(np, np.zeros((27, 37), np.float32))
-    assert not small_sigmoid(np, np.zeros((28, 37), np.float32))
+    assert small_sigmoid(np, np.zeros((20, 37), np.float32))
+    assert not small_sigmoid(np, np.zeros((21, 37), np.float32))
     assert small_sigmoid(np, np.zeros(SMALL_SIGMOID, np.float32))
     assert not small_sigmoid(np, np.zeros(SMALL_SIGMOID + 1, np.float32))
     assert not small_sigmoid(np, np.zeros(4, np.float16))
     comp = SigmoidComponent()
     comp.dim = 37
-    for rows in (1, 27, 28, 200):
+    for rows in (1, 20, 21, 200):
         x = (rng.standard_normal((rows, 37)) * 12).astype(np.float32)
-        x[0, :5] = [0.0, -0.0, 90.0, -90.0, -87.0]
+        x[0, :7] = [0.0, -0.0, 90.0, -90.0, -87.0, 88.72, 88.73]
         got = _forms_give_the_components_bits(SigmoidComponent, comp, x, 37, rows)
         exact = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
         ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
         # (expit gives 0 for x < -88.72, where the logistic is subnormal in float32 and
-        # 1 + exp(-x) overflows; the branching form the subnormal)
+        # 1 + exp(-x) overflows; the exp form the subnormal)
         tiny = np.finfo(np.float32).tiny
         assert np.all(np.abs(got - exact) <= np.maximum(5 * ulp, tiny)), rows
     specials = np.array([[np.nan, np.inf, -np.inf, 0.0]], np.float32)
@@ -771,9 +774,9 @@ def test_sigmoid_forms_by_size_agree_with_the_exact_logistic():
         assert got[0, 3] == 0.5
 
 
-def test_without_scipy_every_sigmoid_takes_the_branching_form(monkeypatch):
+def test_without_scipy_every_sigmoid_takes_the_exp_form(monkeypatch):
     """Where SciPy cannot be imported, small sigmoids (SigmoidComponent, LSTM gates)
-    take the branching form, in the components and the fast forms alike."""
+    take the exp form, in the components and the fast forms alike."""
     from engine.nnet.components import nonlinear  # noqa: PLC0415
     from engine.nnet.components.nonlinear import SigmoidComponent  # noqa: PLC0415
     from engine.nnet.components.recurrent import LstmNonlinearityComponent  # noqa: PLC0415
@@ -784,8 +787,8 @@ def test_without_scipy_every_sigmoid_takes_the_branching_form(monkeypatch):
     comp.dim = 37
     x = (rng.standard_normal((3, 37)) * 12).astype(np.float32)
     got = _forms_give_the_components_bits(SigmoidComponent, comp, x, 37, "no scipy")
-    e = np.exp(-np.abs(x))
-    assert _same_bits(got, np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32))
+    u = np.exp(np.minimum(x, np.float32(88.72)))
+    assert _same_bits(got, u / (np.float32(1) + u))
     lstm = _random_lstm(rng, 16, True)
     x = rng.standard_normal((2, lstm.input_dim())).astype(np.float32)
     _forms_give_the_components_bits(LstmNonlinearityComponent, lstm, x, 32, "no scipy")

@@ -286,25 +286,29 @@ class NonlinearComponent(Component):
 # --------------------------------------------------------------------------------------
 
 
-#: NumPy sigmoids of at most this many elements are SciPy's ``expit``, larger ones the
-#: branching form below.  Both are float32/float64 logistics within a few ulps of the
-#: exact value (expit, 1 / (1 + exp(-x)) element by element: at most 2.5 ulps off on
-#: 10^6 random inputs; the branching form: 4.4), except that for x < -88.72, where the
-#: logistic is subnormal in float32, expit gives 0 (1 + exp(-x) overflows) and the
-#: branching form the subnormal.  So the choice is one of speed: expit is one ufunc
-#: call, a scalar loop (0.55 us for 128 elements, 2.7 us for 1024), the branching form
-#: five or six calls of NumPy's vector loops (2.3 and 3.1 us; for 57,600 elements 43
-#: against 139 us).  A BLSTM's gates at batch 1 are 128-element sigmoids, 900 of them
-#: per 150 frames.  The fast forms (engine/runtime/fastpaths.py) make the same choice on
-#: the same size, so they give the same bits.
-SMALL_SIGMOID = 1024
+#: NumPy sigmoids of at most this many elements are SciPy's ``expit``, larger ones (and
+#: every sigmoid of another array module) the exp form below.  Both are float32/float64
+#: logistics within a few ulps of the exact value (on 1.1 * 10^6 random inputs, normal
+#: results: expit, 1 / (1 + exp(-x)) element by element, at most 2.3 ulps off; the exp
+#: form 3.4, as Kaldi's two-branch ScalarSigmoid vectorised), except that for x < -88.72,
+#: where the logistic is subnormal in float32, expit gives 0 (1 + exp(-x) overflows) and
+#: the exp form the subnormal.  So the choice is one of speed: expit is one ufunc call,
+#: a scalar loop (0.6 us for 128 elements, 3.2 us for 1024, 150 us for 57,600 on an
+#: Intel Xeon), the exp form four calls of NumPy's vector loops (1.6, 2.5 and 46 us).
+#: A BLSTM's gates are 128-element sigmoids at batch 1 (900 of them per 150 frames) and
+#: 1024-element ones at batch 8.  The fast forms (engine/runtime/fastpaths.py) make the
+#: same choice on the same size, so they give the same bits.
+SMALL_SIGMOID = 768
+#: the exp form's input is capped here: below ln(largest float32) = 88.7228, so exp stays
+#: finite, and the logistic of anything above it is 1 in float32 and in float64
+EXP_INPUT_MAX = 88.72
 _EXPIT: list = []
 
 
 def expit():
     """SciPy's ``expit`` ufunc, imported on first use (SciPy takes ~0.2 s to import), or
     None where SciPy cannot be imported (a dependency, but an environment may lack
-    it: every sigmoid then takes the branching form, component and fast forms alike).
+    it: every sigmoid then takes the exp form, component and fast forms alike).
     Importing scipy.special also loads SciPy's own OpenBLAS (its ``_ufuncs`` extension
     links it): a second BLAS in the process, which no computation here calls (its
     threads stay idle); engine.runtime.blas leaves it out of what it reports and
@@ -329,13 +333,14 @@ _EXPIT_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 def sigmoid(xp, x):
     """The logistic of ``x``, as SigmoidComponent and LstmNonlinearityComponent compute
-    it: SciPy's expit for a small array (SMALL_SIGMOID), else Kaldi's ScalarSigmoid
-    vectorised (exp of a non-positive number only)."""
+    it: SciPy's expit for a small array (SMALL_SIGMOID), else the exp form
+    u / (1 + u) with u = exp(min(x, EXP_INPUT_MAX)) (Kaldi's ScalarSigmoid takes this
+    form for x <= 0 and 1 / (1 + exp(-x)) above; one form needs no masked select:
+    u = 0 gives 0, a u so large that 1 + u == u gives 1, NaN stays NaN)."""
     if small_sigmoid(xp, x):
         return expit()(x)
-    # numerically stable logistic (Kaldi's ScalarSigmoid branches on the sign too)
-    e = xp.exp(-xp.abs(x))
-    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype, copy=False)
+    u = xp.exp(xp.minimum(x, EXP_INPUT_MAX))
+    return u / (1.0 + u)
 
 
 # the properties of the elementwise activations
