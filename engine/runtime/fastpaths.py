@@ -67,7 +67,7 @@ from engine.nnet.components.normalize import BatchNormComponent
 from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
                                                  PerElementScaleComponent)
-from engine.nnet.components.tdnn import TdnnComponent
+from engine.nnet.components.tdnn import TdnnComponent, spliced_product
 from engine.runtime.gemm import (DIRECT, DOT, EXCHANGED, PANELS, TCOPY, frozen, nt_form,
                                  panel_product, panel_width, transposed_copy,
                                  transposed_panels)
@@ -300,6 +300,15 @@ def _tdnn(comp, pre, x, out):
     d, rows = x.shape[1], out.shape[0]
     stride, offsets = comp._layout(pre, x.shape[0], rows)   # raises as propagate would
     bias = comp.bias_params
+    if spliced_product(rows, d, len(offsets), out.shape[1]):
+        spliced = np.empty((rows, len(offsets) * d), _F32)
+        for i, off in enumerate(offsets):
+            _copyto(spliced[:, i * d:(i + 1) * d], comp._part(x, off, stride, rows))
+        if bias.shape[0] != 0:      # bias + product, as the component sums them
+            _add(_product_nt(spliced, w, out), bias, out=out)
+        else:                       # without a bias the propagate adds to its output
+            _add(out, _product_nt(spliced, w, np.empty(out.shape, _F32)), out=out)
+        return None
     tmp = np.empty(out.shape, dtype=out.dtype)
     for i, off in enumerate(offsets):
         part, block = comp._part(x, off, stride, rows), w[:, i * d:(i + 1) * d]
@@ -326,6 +335,9 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
     # or the precomputed indexes are other objects than at the last call
     last: list = [None, None, None, None]     # w, comp, pre, (stride, offsets)
     add_bias = _row_adder(out)
+    # the spliced form (tdnn.spliced_product): per (stride, offsets), the copies of the
+    # offsets' rows into the spliced buffer and the product over that buffer
+    spliced: list = [None, (), None]
 
     def f(comp, pre):
         w = comp.linear_params
@@ -336,6 +348,31 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
                 return comp.propagate(pre, x, out)
             last[:] = w, comp, pre, comp._layout(pre, x.shape[0], rows)
         stride, offsets = last[3]
+        k = len(offsets)
+        if spliced_product(rows, d, k, out.shape[1]):
+            key = (stride, tuple(offsets))
+            if spliced[0] != key:
+                buf = scratch.get((rows, k * d), 21)
+                spliced[:] = (key, tuple((buf[:, i * d:(i + 1) * d],
+                                          comp._part(x, off, stride, rows))
+                                         for i, off in enumerate(offsets)),
+                              _BoundNT(buf, out.shape, scratch, 20))
+            for dst, src in spliced[1]:
+                _copyto(dst, src)
+            prod, bias = spliced[2], comp.bias_params
+            if bias.shape[0] != 0:      # bias + product, as the component sums them
+                r = prod(w, out)
+                if r is out:
+                    add_bias(bias)
+                else:
+                    _add(r, bias, out=out)
+            elif write:                 # 0 + product (but for the sign of a zero)
+                r = prod(w, out)
+                if r is not out:
+                    _copyto(out, r)
+            else:                       # the propagate adds to its output
+                _add(out, prod(w, tmp), out=out)
+            return None
         if blocks[0] is not w:
             blocks[0] = w
             blocks[1] = tuple(w[:, i * d:(i + 1) * d] for i in range(len(offsets)))

@@ -695,6 +695,69 @@ def _forms_give_the_components_bits(cls, comp, x, out_cols: int, label, bound_ru
     return want
 
 
+def test_tdnn_spliced_and_per_offset_forms_give_the_components_bits():
+    """TdnnComponent takes one product over its offsets' inputs side by side where they
+    are narrow against the output and the rows many (tdnn.spliced_product), else one
+    product per offset: on either side of the rule (rows 63 / 64, inputs wider than the
+    output), with and without bias (without one the propagate adds to its output, or,
+    zeroed first, writes it), strides 1 and 2, the dynamic and bound fast forms give the
+    component's bits, and all are the float64 sum to float32 rounding."""
+    from component_harness import component_from_config  # noqa: PLC0415
+    from engine.nnet.components.tdnn import (TdnnComponent,  # noqa: PLC0415
+                                             TdnnPrecomputedIndexes, spliced_product)
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import (bind_propagate,  # noqa: PLC0415
+                                          bind_propagate_write, fast_propagate)
+    rng = np.random.default_rng(41)
+    seen = set()
+    for d, nout, offsets, bias in ((8, 24, (-1, 0), True), (8, 24, (-3, 0, 3), False),
+                                   (16, 8, (-1, 1), True), (6, 30, (0, 2), False)):
+        comp = component_from_config(
+            "TdnnComponent", f"input-dim={d} output-dim={nout} time-offsets="
+            f"{','.join(map(str, offsets))} use-bias={'true' if bias else 'false'}", seed=3)
+        comp.linear_params = rng.standard_normal(comp.linear_params.shape).astype(np.float32)
+        if bias:
+            comp.bias_params = rng.standard_normal(nout).astype(np.float32)
+        span = max(offsets) - min(offsets)
+        for rows, stride in ((21, 1), (63, 1), (64, 1), (150, 1), (70, 2)):
+            spliced = spliced_product(rows, d, len(offsets), nout)
+            seen.add(spliced)
+            pre = TdnnPrecomputedIndexes(stride, [o - min(offsets) for o in offsets])
+            x = rng.standard_normal((span + stride * (rows - 1) + 1, d)).astype(np.float32)
+            start = rng.standard_normal((rows, nout)).astype(np.float32)
+            want = start.copy()
+            comp.propagate(pre, x, want)
+            label = (d, nout, offsets, bias, rows, stride, spliced)
+            got = start.copy()
+            fast_propagate(TdnnComponent)(comp, pre, x, got)
+            assert _same_bits(got, want), label
+            got = start.copy()
+            f = bind_propagate(TdnnComponent, x, got, Scratch(np))
+            f(comp, pre)
+            if not bias:     # the bound form again, on what it wrote: adds once more
+                f(comp, pre)
+                want2 = want.copy()
+                comp.propagate(pre, x, want2)
+                assert _same_bits(got, want2), label
+            else:
+                assert _same_bits(got, want), label
+            # the float64 sum over the offsets
+            w = comp.linear_params.astype(np.float64)
+            ref = (start.astype(np.float64) if not bias else
+                   np.broadcast_to(comp.bias_params.astype(np.float64), (rows, nout)).copy())
+            for i, o in enumerate(pre.row_offsets):
+                ref += x[o:o + stride * (rows - 1) + 1:stride].astype(np.float64) \
+                    @ w[:, i * d:(i + 1) * d].T
+            assert np.allclose(want, ref, rtol=1e-5, atol=1e-4), label
+            if not bias:     # zeroed before: the write form
+                zero = np.zeros((rows, nout), np.float32)
+                comp.propagate(pre, x, zero)
+                got = np.full((rows, nout), np.nan, np.float32)
+                bind_propagate_write(TdnnComponent, x, got, Scratch(np))(comp, pre)
+                assert np.array_equal(got, zero), label
+    assert seen == {True, False}
+
+
 def _random_lstm(rng, cell_dim: int, use_dropout: bool):
     """An LstmNonlinearityComponent with random peephole weights."""
     from engine.nnet.components.recurrent import LstmNonlinearityComponent  # noqa: PLC0415
