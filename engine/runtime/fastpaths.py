@@ -300,18 +300,18 @@ def _tdnn(comp, pre, x, out):
     d, rows = x.shape[1], out.shape[0]
     stride, offsets = comp._layout(pre, x.shape[0], rows)   # raises as propagate would
     bias = comp.bias_params
+    # the products to sum: one over the offsets' rows side by side (tdnn.spliced_product),
+    # else one per offset with its column block of the weights
     if spliced_product(rows, d, len(offsets), out.shape[1]):
         spliced = np.empty((rows, len(offsets) * d), _F32)
         for i, off in enumerate(offsets):
             _copyto(spliced[:, i * d:(i + 1) * d], comp._part(x, off, stride, rows))
-        if bias.shape[0] != 0:      # bias + product, as the component sums them
-            _add(_product_nt(spliced, w, out), bias, out=out)
-        else:                       # without a bias the propagate adds to its output
-            _add(out, _product_nt(spliced, w, np.empty(out.shape, _F32)), out=out)
-        return None
+        terms = [(spliced, w)]
+    else:
+        terms = [(comp._part(x, off, stride, rows), w[:, i * d:(i + 1) * d])
+                 for i, off in enumerate(offsets)]
     tmp = np.empty(out.shape, dtype=out.dtype)
-    for i, off in enumerate(offsets):
-        part, block = comp._part(x, off, stride, rows), w[:, i * d:(i + 1) * d]
+    for i, (part, block) in enumerate(terms):
         if i == 0 and bias.shape[0] != 0:
             # bias + first product, as the component sums them (addition commutes exactly)
             _add(_product_nt(part, block, out), bias, out=out)
@@ -339,6 +339,24 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
     # offsets' rows into the spliced buffer and the product over that buffer
     spliced: list = [None, (), None]
 
+    def first(prod, block, bias) -> None:
+        """The first (or only) product into ``out``: the component writes the bias,
+        then adds the product -- the same sum (addition commutes exactly) without the
+        pass that copies the bias; with no bias, zeroed before (``write``): 0 +
+        product is the product (but for the sign of a zero); else added to ``out``."""
+        if bias.shape[0] != 0:
+            r = prod(block, out)
+            if r is out:
+                add_bias(bias)
+            else:
+                _add(r, bias, out=out)
+        elif write:
+            r = prod(block, out)
+            if r is not out:
+                _copyto(out, r)
+        else:
+            _add(out, prod(block, tmp), out=out)
+
     def f(comp, pre):
         w = comp.linear_params
         if w is not last[0] or comp is not last[1] or pre is not last[2]:
@@ -359,19 +377,7 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
                               _BoundNT(buf, out.shape, scratch, 20))
             for dst, src in spliced[1]:
                 _copyto(dst, src)
-            prod, bias = spliced[2], comp.bias_params
-            if bias.shape[0] != 0:      # bias + product, as the component sums them
-                r = prod(w, out)
-                if r is out:
-                    add_bias(bias)
-                else:
-                    _add(r, bias, out=out)
-            elif write:                 # 0 + product (but for the sign of a zero)
-                r = prod(w, out)
-                if r is not out:
-                    _copyto(out, r)
-            else:                       # the propagate adds to its output
-                _add(out, prod(w, tmp), out=out)
+            first(spliced[2], w, comp.bias_params)
             return None
         if blocks[0] is not w:
             blocks[0] = w
@@ -383,20 +389,8 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
             if prod is None:
                 prod = parts[(off, stride, i)] = _BoundNT(comp._part(x, off, stride, rows),
                                                           out.shape, scratch, 20)
-            if i == 0 and bias.shape[0] != 0:
-                # the component writes the bias, then adds the first product: the same
-                # sum (addition commutes exactly) without the pass that copies the bias
-                r = prod(wb[i], out)
-                if r is out:
-                    add_bias(bias)
-                else:
-                    _add(r, bias, out=out)
-            elif i == 0 and write:
-                # no bias, nothing to add to: 0 + product is the product (but for the
-                # sign of a zero)
-                r = prod(wb[i], out)
-                if r is not out:
-                    _copyto(out, r)
+            if i == 0:
+                first(prod, wb[0], bias)
             else:
                 _add(out, prod(wb[i], tmp), out=out)
         return None

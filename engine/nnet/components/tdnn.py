@@ -604,23 +604,21 @@ class TdnnComponent(UpdatableComponent):
         self.check_shape("output", out, None, self.output_dim())
         rows = out.shape[0]
         stride, offsets = self._layout(indexes, in_value.shape[0], rows)
-        has_bias = self.bias_params.shape[0] != 0
-        xp = array_module(in_value)
-        # (NumPy only: measured with OpenBLAS; CuPy keeps Kaldi's products per offset)
-        if xp is np and spliced_product(rows, d, len(offsets), out.shape[1]):
-            spliced = np.concatenate([self._part(in_value, off, stride, rows)
-                                      for off in offsets], axis=1)
-            product = spliced @ self.linear_params.T
-            if has_bias:
-                out[...] = product + self.bias_params
-            else:      # without a bias the propagate adds to its output (Kaldi's)
-                out += product
-            return None
-        if has_bias:
+        w = self.linear_params
+        parts = [self._part(in_value, off, stride, rows) for off in offsets]
+        # the products to sum: one over the offsets' rows side by side where that pays
+        # (NumPy only: measured with OpenBLAS; CuPy keeps Kaldi's products per offset),
+        # else one per offset with its column block of the weights
+        if (array_module(in_value) is np
+                and spliced_product(rows, d, len(offsets), out.shape[1])):
+            terms = [(np.concatenate(parts, axis=1), w)]
+        else:
+            terms = [(part, w[:, i * d:(i + 1) * d]) for i, part in enumerate(parts)]
+        if self.bias_params.shape[0] != 0:
             out[...] = self.bias_params
-        for i, off in enumerate(offsets):
-            out += (self._part(in_value, off, stride, rows)
-                    @ self.linear_params[:, i * d:(i + 1) * d].T)
+        # (without a bias the propagate adds to its output, as Kaldi's)
+        for part, block in terms:
+            out += part @ block.T
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
