@@ -6,9 +6,10 @@ small caching compiler (CachingOptimizingCompiler: compile + optimize once per
 distinct request), the input checks of DecodableNnetSimple::EnsureFrameIsComputed
 and the log-prior handling of DecodableNnetSimple.
 
-Decoding networks are collapsed (engine.optimizer.collapse) and their sibling
-affines fused (engine.optimizer.fuse) unless the caller asks for the network as it
-is (``collapse=False``); the numbers agree either way to float32 rounding.
+Decoding networks are collapsed (engine.optimizer.collapse, every fold on:
+``DECODING_COLLAPSE``) and their sibling affines fused (engine.optimizer.fuse) unless
+the caller asks for the network as it is (``collapse=False``); the numbers agree
+either way to float32 rounding.
 """
 
 from __future__ import annotations
@@ -20,6 +21,20 @@ import numpy as np
 
 from engine.core.errors import ConfigError, InferenceError
 from engine.core.index import Index
+from engine.optimizer.collapse import CollapseModelConfig
+
+
+# How decoding networks are collapsed: every fold of Kaldi's CollapseModel, batch-norm
+# and test-mode dropout included.  Kaldi's CollapseModelConfig has those two off at
+# the reference commit ("temporarily", since 2019, while a bug was looked into), so
+# nnet3-compute keeps them; folded, a batch-norm's per-column scale and offset become
+# the next affine/linear/TDNN's weights and bias (Append()s of Offset()s of one node
+# included), and the plain TDNN loses one full pass over each layer's output per
+# layer (bench/RESULTS.md, sixteenth session: 150x8 forward -15%).  Outputs are
+# equal to float32 rounding (tests/engine/test_collapse.py; Kaldi's own outputs in
+# the inference tests).  Our dropout fold scales by what test mode does (see
+# engine.optimizer.collapse).
+DECODING_COLLAPSE = CollapseModelConfig.everything()
 
 
 def lcm(a: int, b: int) -> int:
@@ -29,17 +44,16 @@ def lcm(a: int, b: int) -> int:
 
 def prepare_nnet(nnet, collapse: bool = True):
     """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode;
-    with ``collapse``, Kaldi's CollapseModel with its default CollapseModelConfig (as
-    nnet3-compute and Kaldi's looped decoders run it), then sibling affines fused
-    (engine.optimizer.fuse: one product per step for the gate affines of an LSTM
-    that reads one input four times); its parameters read-only
-    (``Nnet.freeze_parameters``).  The caller's network is never modified."""
+    with ``collapse``, Kaldi's CollapseModel with every fold on (``DECODING_COLLAPSE``),
+    then sibling affines fused (engine.optimizer.fuse: one product per step for the
+    gate affines of an LSTM that reads one input four times); its parameters
+    read-only (``Nnet.freeze_parameters``).  The caller's network is never modified."""
     from engine.optimizer.collapse import collapse_model_in_place  # noqa: PLC0415
     from engine.optimizer.fuse import fuse_sibling_affines_in_place  # noqa: PLC0415
     nnet = nnet.copy()
     nnet.set_test_mode(True)
     if collapse:
-        collapse_model_in_place(nnet)
+        collapse_model_in_place(nnet, DECODING_COLLAPSE)
         fuse_sibling_affines_in_place(nnet)
     # read-only weights: the executor may use its contiguous transposed copies
     return nnet.freeze_parameters()

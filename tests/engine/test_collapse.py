@@ -134,6 +134,21 @@ def test_every_fold_kaldi_makes():
     assert_same_outputs(nnet, col, chunk_request(nnet, 9, 2))
 
 
+def test_decoding_networks_fold_batchnorm_and_dropout():
+    """prepare_nnet (what the inferencer, streams and the service decode with) folds
+    every pair, batch-norm and test-mode dropout included, not only Kaldi's default
+    pairs; the as-stored network (collapse=False) keeps them; outputs agree."""
+    from engine.inference.common import DECODING_COLLAPSE, prepare_nnet
+    assert DECODING_COLLAPSE == EVERYTHING
+    nnet = _init(FOLDS)
+    decoding, stored = prepare_nnet(nnet), prepare_nnet(nnet, collapse=False)
+    kinds = {c.type_name for c in decoding.components}
+    assert not kinds & {"BatchNormComponent", "DropoutComponent", "GeneralDropoutComponent"}, kinds
+    assert decoding.component_names == collapse_model(nnet, EVERYTHING).component_names
+    assert stored.num_components() == nnet.num_components() == 18
+    assert_same_outputs(stored, decoding, chunk_request(nnet, 9, 2))
+
+
 def test_kaldi_defaults_fold_only_affine_and_scale():
     nnet = _init(FOLDS)
     col = collapse_model(nnet)
