@@ -45,16 +45,22 @@ def lcm(a: int, b: int) -> int:
 def prepare_nnet(nnet, collapse: bool = True):
     """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode;
     with ``collapse``, Kaldi's CollapseModel with every fold on (``DECODING_COLLAPSE``),
-    then sibling affines fused (engine.optimizer.fuse: one product per step for the
-    gate affines of an LSTM that reads one input four times); its parameters
-    read-only (``Nnet.freeze_parameters``).  The caller's network is never modified."""
+    then sibling affines fused and recurrent affines split (engine.optimizer.fuse: one
+    product per step for the gate affines of an LSTM that reads one input four times,
+    and only the recurrent columns of that product left in the frame-by-frame loop),
+    then collapsed again (the split's outside half may fold what precedes it); its
+    parameters read-only (``Nnet.freeze_parameters``).  The caller's network is never
+    modified."""
     from engine.optimizer.collapse import collapse_model_in_place  # noqa: PLC0415
-    from engine.optimizer.fuse import fuse_sibling_affines_in_place  # noqa: PLC0415
+    from engine.optimizer.fuse import (fuse_sibling_affines_in_place,  # noqa: PLC0415
+                                       split_recurrent_affines_in_place)
     nnet = nnet.copy()
     nnet.set_test_mode(True)
     if collapse:
         collapse_model_in_place(nnet, DECODING_COLLAPSE)
         fuse_sibling_affines_in_place(nnet)
+        if split_recurrent_affines_in_place(nnet):
+            collapse_model_in_place(nnet, DECODING_COLLAPSE)
     # read-only weights: the executor may use its contiguous transposed copies
     return nnet.freeze_parameters()
 

@@ -1,5 +1,6 @@
-"""Sibling-affine fusion for inference (an nnetc model simplification; Kaldi has no
-counterpart).
+"""Sibling-affine fusion and recurrent-affine splitting for inference (nnetc model
+simplifications; Kaldi has no counterpart).  The splitting is described at
+``split_recurrent_affines_in_place``; the fusion here.
 
 Several affine component nodes that read the same input descriptor -- the four gate
 affines of a Kaldi "lstmp-layer" (W_i, W_f, W_o, W_c, each reading
@@ -48,6 +49,7 @@ import numpy as np
 
 from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent,
                                            NaturalGradientAffineComponent)
+from engine.nnet.components.misc import NoOpComponent
 from engine.nnet.descriptor_parse import parse_descriptor
 from engine.nnet.graph import find_sccs, nnet_to_directed_graph
 from engine.nnet.nnet import NetworkNode, Nnet, NodeType
@@ -128,8 +130,7 @@ def _rewrite(nnet: Nnet, groups: list[list[int]]) -> None:
             np.concatenate([c.linear_params for c in comps], axis=0))
         fused.bias_params = np.ascontiguousarray(
             np.concatenate([c.bias_params for c in comps]))
-        name = _unique(f"{old_names[members[0]]}.fused", taken)
-        taken.update((name, f"{name}_input"))
+        name = _taking(f"{old_names[members[0]]}.fused", taken)
         fused.name = name
         nnet.components.append(fused)
         nnet.component_names.append(name)
@@ -172,6 +173,14 @@ def _rewrite(nnet: Nnet, groups: list[list[int]]) -> None:
             else:
                 dim_range_src[len(new_nodes)] = old_names[src]
         new_nodes.append(copy)
+    _install(nnet, new_nodes, pending, dim_range_src)
+
+
+def _install(nnet: Nnet, new_nodes: list[NetworkNode], pending: dict[int, str],
+             dim_range_src: dict[int, str]) -> None:
+    """Make ``new_nodes`` the network's nodes: descriptor nodes parsed from their text
+    (``pending``, by position), dim-range nodes pointed at their source by name; then
+    the components no node uses any more removed."""
     nnet.nodes = new_nodes
     names, referable = nnet.node_names, nnet.referable_names()
     index = {name: i for i, name in enumerate(names)}
@@ -180,8 +189,132 @@ def _rewrite(nnet: Nnet, groups: list[list[int]]) -> None:
             node.descriptor = parse_descriptor(pending[i], referable, names)
         elif node.type == NodeType.DIM_RANGE:
             node.node_index = index[dim_range_src[i]]
-    # the members' components are used by no node now
     remove_orphan_components(nnet)
 
 
-__all__ = ["fuse_sibling_affines", "fuse_sibling_affines_in_place"]
+# -- splitting a recurrent affine into its non-recurrent and recurrent columns -------------
+
+
+def split_recurrent_affines_in_place(nnet: Nnet) -> int:
+    """Split, in place, each affine component node on a recurrence whose input is an
+    Append() of parts that come from outside the recurrence and parts that come from
+    inside it (an LSTM's ``W_all``, ``Append(x, IfDefined(Offset(r, -3)))``): y = W [x; r]
+    + b becomes, with W = [W_x | W_r],
+
+    - ``<node>.x``: an AffineComponent (W_x, b) over the outside parts.  It is on no
+      recurrence, so the compiler computes it for every frame at once, in one product;
+    - ``<node>.r``: an AffineComponent (W_r, zero bias) over the recurrent parts, the only
+      product left inside the frame-by-frame loop (the reference TDNN-LSTM's per-step
+      weights 320 -> 64 columns);
+    - ``<node>``: a NoOpComponent over ``Sum(<node>.x, <node>.r)``, so that consumers,
+      dim-range nodes and offsets referring to the node by name stay as they are.  The
+      optimizer works the no-op in place and into its consumer's input (variable
+      merging), leaving a copy of the step's rows of ``<node>.x`` and an addition per
+      step.
+
+    Computability is unchanged: an Append() is computable where every part is, a Sum()
+    where both terms are, and ``<node>.r`` over ``IfDefined`` parts is computable
+    everywhere with zeros where they are not defined, as the original columns were.
+    Outputs are equal to float32 rounding (the two halves of each dot product are summed
+    apart).  Returns the number of nodes split."""
+    names = nnet.node_names
+    recurrence = _recurrences(nnet)
+    plans = []
+    for n, node in enumerate(nnet.nodes):
+        if node.type != NodeType.COMPONENT or n == 0 or recurrence[n] < 0:
+            continue
+        comp = nnet.components[node.component_index]
+        desc_node = nnet.nodes[n - 1]
+        if (type(comp) not in _FUSABLE or desc_node.type != NodeType.DESCRIPTOR
+                or comp.linear_params.dtype != np.float32
+                or comp.bias_params.dtype != np.float32):
+            continue
+        parts = desc_node.descriptor.parts
+        inside = [any(recurrence[d] == recurrence[n] for d in p.get_node_dependencies())
+                  for p in parts]
+        if all(inside) or not any(inside):
+            continue
+        dims = [p.dim(nnet) for p in parts]
+        cols = np.cumsum([0] + dims)
+        x_cols = np.concatenate([np.arange(cols[k], cols[k + 1])
+                                 for k in range(len(parts)) if not inside[k]])
+        if 2 * len(x_cols) < cols[-1]:
+            continue   # mostly recurrent: the copy and addition per step would not pay
+        r_cols = np.setdiff1d(np.arange(cols[-1]), x_cols)
+        texts = [p.write(names) for p in parts]
+        plans.append((n, x_cols, r_cols,
+                      [t for t, i in zip(texts, inside) if not i],
+                      [t for t, i in zip(texts, inside) if i]))
+    if not plans:
+        return 0
+    _split(nnet, plans)
+    nnet.validate()
+    return len(plans)
+
+
+def _split(nnet: Nnet, plans) -> None:
+    old_nodes, old_names = nnet.nodes, nnet.node_names
+    texts = {i: node.descriptor.write(old_names) for i, node in enumerate(old_nodes)
+             if node.type == NodeType.DESCRIPTOR}
+    taken = set(old_names) | set(nnet.component_names)
+    dim_range_src = {i: old_names[node.node_index] for i, node in enumerate(old_nodes)
+                     if node.type == NodeType.DIM_RANGE}
+    # split node -> the three nodes that replace it
+    replace: dict[int, list] = {}
+    for n, x_cols, r_cols, x_parts, r_parts in plans:
+        comp = nnet.components[old_nodes[n].component_index]
+        name = old_names[n]
+        x_name, r_name, s_name = (_taking(f"{name}.{k}", taken) for k in ("x", "r", "sum"))
+        w = comp.linear_params
+        x = AffineComponent()
+        x.linear_params = np.ascontiguousarray(w[:, x_cols])
+        x.bias_params = comp.bias_params.copy()
+        r = AffineComponent()
+        r.linear_params = np.ascontiguousarray(w[:, r_cols])
+        r.bias_params = np.zeros_like(comp.bias_params)
+        sum_node = NoOpComponent()
+        sum_node.dim = w.shape[0]
+        # (node name, component name, component, input descriptor text)
+        replace[n] = [(x_name, x_name, x, _append(x_parts)),
+                      (r_name, r_name, r, _append(r_parts)),
+                      (name, s_name, sum_node, f"Sum({x_name}, {r_name})")]
+    new_nodes: list[NetworkNode] = []
+    pending: dict[int, str] = {}
+    dim_range_at: dict[int, str] = {}
+    for i, node in enumerate(old_nodes):
+        if i + 1 in replace:
+            continue                        # the split node's input descriptor
+        if i in replace:
+            for node_name, cname, comp, text in replace[i]:
+                comp.name = cname
+                nnet.components.append(comp)
+                nnet.component_names.append(cname)
+                pending[len(new_nodes)] = text
+                new_nodes.append(NetworkNode(f"{node_name}_input", NodeType.DESCRIPTOR,
+                                             origin=node.origin))
+                new_nodes.append(NetworkNode(node_name, NodeType.COMPONENT,
+                                             component_index=len(nnet.components) - 1,
+                                             origin=node.origin))
+            continue
+        copy = node.copy()
+        if node.type == NodeType.DESCRIPTOR:
+            pending[len(new_nodes)] = texts[i]
+        elif node.type == NodeType.DIM_RANGE:
+            dim_range_at[len(new_nodes)] = dim_range_src[i]
+        new_nodes.append(copy)
+    _install(nnet, new_nodes, pending, dim_range_at)
+
+
+def _taking(name: str, taken: set) -> str:
+    """A name (for a node and its component) not in ``taken``, which now holds it."""
+    name = _unique(name, taken)
+    taken.update((name, f"{name}_input"))
+    return name
+
+
+def _append(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else "Append(" + ", ".join(parts) + ")"
+
+
+__all__ = ["fuse_sibling_affines", "fuse_sibling_affines_in_place",
+           "split_recurrent_affines_in_place"]

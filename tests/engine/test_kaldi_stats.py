@@ -218,8 +218,11 @@ def test_model_chunk_requests_match_kaldi_stats(model_dir, case):
     t in [0, chunk), n in [0, batch), i-vector at t=0 per n) on the network as stored, in
     test mode (the structure Kaldi's figures were measured on): commands, matrices and
     peak bytes as Kaldi's optimized computation.  The decoding form of the network
-    (collapsed, sibling affines fused) is never above them: fewer or as many commands
-    and matrices, the same peak bytes."""
+    (collapsed, sibling affines fused, recurrent affines split) is never above them in
+    commands and matrices; its peak bytes are the same, except where a recurrent affine
+    was split: its input half, computed for every frame before the loop, lives through
+    it (memory traded for speed, engine.optimizer.fuse: 1.29-1.6x on the reference
+    TDNN-LSTM and BLSTM)."""
     from bench import common  # noqa: PLC0415
     request_of = common.chunk_request
     nnet = common.load_for_inference(model_file(model_dir), "as-stored")
@@ -229,4 +232,7 @@ def test_model_chunk_requests_match_kaldi_stats(model_dir, case):
     dec = common.load_for_inference(model_file(model_dir))
     ds = common.compile_cold(dec, request_of(dec, case["chunk"], case["batch"])).stats()
     assert ds["commands"] <= st["commands"] and ds["matrices"] <= st["matrices"], (ds, st)
-    assert ds["peak_bytes"] == st["peak_bytes"], (ds, st)
+    if any(n.name.endswith(".x") for n in dec.nodes):
+        assert st["peak_bytes"] < ds["peak_bytes"] <= 1.7 * st["peak_bytes"], (ds, st)
+    else:
+        assert ds["peak_bytes"] == st["peak_bytes"], (ds, st)
