@@ -230,9 +230,11 @@ def test_streaming_fused_and_unfused():
 # A recurrence h(t) <- h(t-1), h(t-2) through affines whose inputs mix outside parts
 # (input at several offsets) and recurrent ones, in any order: ``a`` splits (outside
 # columns 0-9 and 14-23, recurrent 10-13, the recurrent part not wrapped in IfDefined
-# behind a Failover); ``b`` (NaturalGradient) splits and is read through a dim-range node
-# and at an offset; ``c`` is mostly recurrent (kept whole); ``d`` reads only the outside
-# (on no recurrence: kept); ``e`` is a Linear (not an affine type: kept).
+# behind a Failover) and, read only as a term of a Sum(), is replaced there by the
+# Sum() of its halves; ``b`` (NaturalGradient) splits and, read through a dim-range node
+# and at an offset, stays as a no-op over that Sum(); ``c`` is mostly recurrent (kept
+# whole); ``d`` reads only the outside (on no recurrence: kept); ``e`` is a Linear (not
+# an affine type: kept).
 SPLITS = """
 input-node name=input dim=10
 component name=a type=AffineComponent input-dim=24 output-dim=4
@@ -263,13 +265,14 @@ def test_split_nodes_and_columns():
     names = split.node_names
     kinds = {n.name: split.components[n.component_index].type_name for n in split.nodes
              if n.type == NodeType.COMPONENT}
-    assert kinds["a"] == kinds["b"] == "NoOpComponent"
+    assert "a" not in names and kinds["b"] == "NoOpComponent"
     assert kinds["a.x"] == kinds["a.r"] == kinds["b.x"] == kinds["b.r"] == "AffineComponent"
     assert kinds["c"] == kinds["d"] == "AffineComponent" and kinds["e"] == "LinearComponent"
 
     def text(name):
         return split.nodes[split.get_node_index(name) - 1].descriptor.write(names)
-    assert text("a") == "Sum(a.x, a.r)"
+    assert text("h") == "Sum(Sum(Sum(a.x, a.r), b_mid), Sum(Sum(c, d), e))"
+    assert text("b") == "Sum(b.x, b.r)"
     assert text("a.x") == "Append(Offset(input, -1), input)"
     assert text("a.r") == "Failover(Offset(h, -1), Offset(d, 5))"
     assert text("b.x") == "input"
@@ -342,5 +345,5 @@ def test_streaming_split_and_whole():
         s = model.stream()
         got[collapse] = np.concatenate([s.push(x[:17]), s.push(x[17:]), s.finish()])
         if collapse:
-            assert model.nnet.get_node_index("a.x") >= 0
+            assert model.nnet.get_node_index("a.x") >= 0 > model.nnet.get_node_index("a")
     np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
