@@ -224,7 +224,6 @@ def split_recurrent_affines_in_place(nnet: Nnet) -> int:
     everywhere with zeros where they are not defined, as the original columns were.
     Outputs are equal to float32 rounding (the two halves of each dot product are summed
     apart).  Returns the number of nodes split."""
-    names = nnet.node_names
     recurrence = _recurrences(nnet)
     plans = []
     for n, node in enumerate(nnet.nodes):
@@ -248,10 +247,8 @@ def split_recurrent_affines_in_place(nnet: Nnet) -> int:
         if 2 * len(x_cols) < cols[-1]:
             continue   # mostly recurrent: the copy and addition per step would not pay
         r_cols = np.setdiff1d(np.arange(cols[-1]), x_cols)
-        texts = [p.write(names) for p in parts]
-        plans.append((n, x_cols, r_cols,
-                      [t for t, i in zip(texts, inside) if not i],
-                      [t for t, i in zip(texts, inside) if i]))
+        plans.append((n, x_cols, r_cols, [p for p, i in zip(parts, inside) if not i],
+                      [p for p, i in zip(parts, inside) if i]))
     if not plans:
         return 0
     bare = _bare_only(nnet, {p[0] for p in plans})
@@ -291,28 +288,28 @@ def _split(nnet: Nnet, plans) -> None:
     written = list(old_names)
     dim_range_src = {i: old_names[node.node_index] for i, node in enumerate(old_nodes)
                      if node.type == NodeType.DIM_RANGE}
-    # split node -> the nodes that replace it
+    halves = {n: tuple(_taking(f"{old_names[n]}.{k}", taken) for k in ("x", "r"))
+              for n, *_ in plans}
+    for n, *_, substitute in plans:
+        if substitute:
+            written[n] = "Sum({}, {})".format(*halves[n])
+    # split node -> the nodes that replace it: (node name, component name, component,
+    # input descriptor text)
     replace: dict[int, list] = {}
     for n, x_cols, r_cols, x_parts, r_parts, substitute in plans:
-        comp = nnet.components[old_nodes[n].component_index]
-        name = old_names[n]
-        x_name, r_name, s_name = (_taking(f"{name}.{k}", taken) for k in ("x", "r", "sum"))
-        w = comp.linear_params
-        x = AffineComponent()
-        x.linear_params = np.ascontiguousarray(w[:, x_cols])
-        x.bias_params = comp.bias_params.copy()
-        r = AffineComponent()
-        r.linear_params = np.ascontiguousarray(w[:, r_cols])
-        r.bias_params = np.zeros_like(comp.bias_params)
-        sum_node = NoOpComponent()
-        sum_node.dim = w.shape[0]
-        # (node name, component name, component, input descriptor text)
-        replace[n] = [(x_name, x_name, x, _append(x_parts)),
-                      (r_name, r_name, r, _append(r_parts))]
-        if substitute:
-            written[n] = f"Sum({x_name}, {r_name})"
-        else:
-            replace[n].append((name, s_name, sum_node, f"Sum({x_name}, {r_name})"))
+        w, b = (nnet.components[old_nodes[n].component_index].linear_params,
+                nnet.components[old_nodes[n].component_index].bias_params)
+        (x_name, r_name), sum_text = halves[n], "Sum({}, {})".format(*halves[n])
+        x, r = AffineComponent(), AffineComponent()
+        x.linear_params, x.bias_params = np.ascontiguousarray(w[:, x_cols]), b.copy()
+        r.linear_params, r.bias_params = np.ascontiguousarray(w[:, r_cols]), np.zeros_like(b)
+        replace[n] = [(x_name, x_name, x, _append(x_parts, written)),
+                      (r_name, r_name, r, _append(r_parts, written))]
+        if not substitute:
+            sum_node = NoOpComponent()
+            sum_node.dim = w.shape[0]
+            replace[n].append((old_names[n], _taking(f"{old_names[n]}.sum", taken), sum_node,
+                               sum_text))
     texts = {i: node.descriptor.write(written) for i, node in enumerate(old_nodes)
              if node.type == NodeType.DESCRIPTOR}
     new_nodes: list[NetworkNode] = []
@@ -349,8 +346,10 @@ def _taking(name: str, taken: set) -> str:
     return name
 
 
-def _append(parts: list[str]) -> str:
-    return parts[0] if len(parts) == 1 else "Append(" + ", ".join(parts) + ")"
+def _append(parts: list, names: list[str]) -> str:
+    """The text of the Append() of descriptor ``parts`` (one part: itself)."""
+    texts = [p.write(names) for p in parts]
+    return texts[0] if len(texts) == 1 else "Append(" + ", ".join(texts) + ")"
 
 
 __all__ = ["fuse_sibling_affines", "fuse_sibling_affines_in_place",

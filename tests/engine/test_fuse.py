@@ -347,3 +347,31 @@ def test_streaming_split_and_whole():
         if collapse:
             assert model.nnet.get_node_index("a.x") >= 0 > model.nnet.get_node_index("a")
     np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
+
+
+def test_split_node_read_by_another_split_node():
+    """Two recurrences, the second's affine reading the first's split affine as its
+    outside part: that reference is substituted in the second's outside half too."""
+    from engine.optimizer.fuse import split_recurrent_affines_in_place
+    nnet = _nnet("""
+input-node name=input dim=6
+component name=a type=AffineComponent input-dim=9 output-dim=3
+component name=b type=AffineComponent input-dim=6 output-dim=3
+component name=tanh type=TanhComponent dim=3
+component-node name=a component=a input=Append(input, IfDefined(Offset(h1, -1)))
+component-node name=h1 component=tanh input=a
+component-node name=b component=b input=Append(a, IfDefined(Offset(h2, -1)))
+component-node name=h2 component=tanh input=b
+output-node name=output input=Sum(h1, h2)
+""")
+    split = nnet.copy()
+    assert split_recurrent_affines_in_place(split) == 2
+    names = split.node_names
+    assert split.nodes[split.get_node_index("b.x") - 1].descriptor.write(names) == \
+        "Sum(a.x, a.r)"
+    assert "a" not in names and "b" not in names
+    req = _request(nnet, frames=6, deriv=True)
+    o1, d1, _ = _run(nnet, req)
+    o2, d2, _ = _run(split, req)
+    _close(o1, o2)
+    _close(d1, d2)
