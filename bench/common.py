@@ -116,10 +116,10 @@ NETWORKS = ("decoding", "as-stored")
 
 def load_for_inference(path, network: str = "decoding"):
     """The network in test mode, read-only, as the engine decodes it (``decoding``:
-    Kaldi's CollapseModel, as nnet3-compute runs it, then nnetc's sibling-affine
-    fusion: engine.inference.common.prepare_nnet) or with its structure as stored
-    (``as-stored``: test mode only -- the network Kaldi's kaldi_stats.json figures
-    were measured on, command for command)."""
+    Kaldi's CollapseModel with every fold, then nnetc's sibling-affine fusion and
+    recurrent-affine splitting: engine.inference.common.prepare_nnet) or with its
+    structure as stored (``as-stored``: test mode only -- the network Kaldi's
+    kaldi_stats.json figures were measured on, command for command)."""
     from engine.inference.common import prepare_nnet  # noqa: PLC0415
     from engine.nnet.model_io import load_model  # noqa: PLC0415
     if network not in NETWORKS:
