@@ -95,18 +95,24 @@ def _groups(nnet: Nnet) -> list[list[int]]:
     names = nnet.node_names
     recurrence = _recurrences(nnet)
     by_key: dict = {}
+    for n, descriptor in _recurrent_affines(nnet, recurrence):
+        key = (recurrence[n], descriptor.write(names))
+        by_key.setdefault(key, []).append(n)
+    return sorted(g for g in by_key.values() if len(g) > 1)
+
+
+def _recurrent_affines(nnet: Nnet, recurrence: list[int]):
+    """(node, input descriptor) of each component node on a recurrence whose component
+    is one of the affine types fusion and splitting handle, float32 parameters."""
     for n, node in enumerate(nnet.nodes):
         if node.type != NodeType.COMPONENT or n == 0 or recurrence[n] < 0:
             continue
         comp = nnet.components[node.component_index]
         desc_node = nnet.nodes[n - 1]
-        if (type(comp) not in _FUSABLE or desc_node.type != NodeType.DESCRIPTOR
-                or comp.linear_params.dtype != np.float32
-                or comp.bias_params.dtype != np.float32):
-            continue
-        key = (recurrence[n], desc_node.descriptor.write(names))
-        by_key.setdefault(key, []).append(n)
-    return sorted(g for g in by_key.values() if len(g) > 1)
+        if (type(comp) in _FUSABLE and desc_node.type == NodeType.DESCRIPTOR
+                and comp.linear_params.dtype == np.float32
+                and comp.bias_params.dtype == np.float32):
+            yield n, desc_node.descriptor
 
 
 def _unique(name: str, taken: set) -> str:
@@ -226,16 +232,8 @@ def split_recurrent_affines_in_place(nnet: Nnet) -> int:
     apart).  Returns the number of nodes split."""
     recurrence = _recurrences(nnet)
     plans = []
-    for n, node in enumerate(nnet.nodes):
-        if node.type != NodeType.COMPONENT or n == 0 or recurrence[n] < 0:
-            continue
-        comp = nnet.components[node.component_index]
-        desc_node = nnet.nodes[n - 1]
-        if (type(comp) not in _FUSABLE or desc_node.type != NodeType.DESCRIPTOR
-                or comp.linear_params.dtype != np.float32
-                or comp.bias_params.dtype != np.float32):
-            continue
-        parts = desc_node.descriptor.parts
+    for n, descriptor in _recurrent_affines(nnet, recurrence):
+        parts = descriptor.parts
         inside = [any(recurrence[d] == recurrence[n] for d in p.get_node_dependencies())
                   for p in parts]
         if all(inside) or not any(inside):

@@ -275,14 +275,20 @@ def _bind_linear(x, out, scratch, write: bool = False):
             if write:
                 out.fill(0.0)
             return comp.propagate(pre, x, out)
-        if write:
-            r = prod(w, out)
-            if r is not out:
-                _copyto(out, r)
-        else:
-            _add(out, prod(w, tmp), out=out)
+        _product_into(prod, w, out, tmp, write)
         return None
     return f
+
+
+def _product_into(prod, w, out, tmp, write: bool) -> None:
+    """The product ``prod(w, ...)`` (a _BoundNT) written into ``out`` (``write``) or
+    added to it (through ``tmp``)."""
+    if write:
+        r = prod(w, out)
+        if r is not out:
+            _copyto(out, r)
+    else:
+        _add(out, prod(w, tmp), out=out)
 
 
 def _tdnn_ok(comp, x, out) -> bool:
@@ -350,12 +356,8 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
                 add_bias(bias)
             else:
                 _add(r, bias, out=out)
-        elif write:
-            r = prod(block, out)
-            if r is not out:
-                _copyto(out, r)
         else:
-            _add(out, prod(block, tmp), out=out)
+            _product_into(prod, block, out, tmp, write)
 
     def f(comp, pre):
         w = comp.linear_params

@@ -208,21 +208,28 @@ def test_blstm_decoding_network():
         assert s1["peak_bytes"] < s2["peak_bytes"] <= 1.6 * s1["peak_bytes"], (s1, s2)
 
 
+def _streams(nnet, seed: int, frames: int, chunk: int, cut: int):
+    """The outputs of a looped stream (chunk size ``chunk``, frames pushed in two parts
+    cut at ``cut``) on the network as stored and on the decoding network, and the
+    decoding network."""
+    from engine.inference import LoopedConfig, LoopedModel  # noqa: PLC0415
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((frames, nnet.input_dim("input"))).astype(np.float32)
+    got, decoding = {}, None
+    for collapse in (False, True):
+        model = LoopedModel(nnet, LoopedConfig(chunk, 0, 1), collapse=collapse)
+        s = model.stream()
+        got[collapse] = np.concatenate([s.push(x[:cut]), s.push(x[cut:]), s.finish()])
+        decoding = model.nnet
+    return got[False], got[True], decoding
+
+
 def test_streaming_fused_and_unfused():
     """A looped stream on the decoding network (siblings on the recurrence fused)
     gives the stream of the network as stored."""
-    from engine.inference import LoopedConfig, LoopedModel  # noqa: PLC0415
-    rng = np.random.default_rng(3)
-    nnet = _nnet(SIBLINGS)
-    x = rng.standard_normal((37, nnet.input_dim("input"))).astype(np.float32)
-    got = {}
-    for collapse in (False, True):
-        model = LoopedModel(nnet, LoopedConfig(5, 0, 1), collapse=collapse)
-        s = model.stream()
-        got[collapse] = np.concatenate([s.push(x[:13]), s.push(x[13:]), s.finish()])
-        if collapse:
-            assert any(n.name.endswith(".fused") for n in model.nnet.nodes)
-    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
+    stored, decoded, decoding = _streams(_nnet(SIBLINGS), 3, 37, 5, 13)
+    assert any(n.name.endswith(".fused") for n in decoding.nodes)
+    np.testing.assert_allclose(decoded, stored, rtol=1e-5, atol=1e-5)
 
 
 # -- splitting recurrent affines (split_recurrent_affines_in_place) ----------------------------
@@ -335,18 +342,9 @@ def test_random_networks_split_equal_whole(seed):
 def test_streaming_split_and_whole():
     """A looped stream on the decoding network (recurrent affines split) gives the
     stream of the network as stored."""
-    from engine.inference import LoopedConfig, LoopedModel  # noqa: PLC0415
-    rng = np.random.default_rng(4)
-    nnet = _nnet(SPLITS)
-    x = rng.standard_normal((41, nnet.input_dim("input"))).astype(np.float32)
-    got = {}
-    for collapse in (False, True):
-        model = LoopedModel(nnet, LoopedConfig(6, 0, 1), collapse=collapse)
-        s = model.stream()
-        got[collapse] = np.concatenate([s.push(x[:17]), s.push(x[17:]), s.finish()])
-        if collapse:
-            assert model.nnet.get_node_index("a.x") >= 0 > model.nnet.get_node_index("a")
-    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
+    stored, decoded, decoding = _streams(_nnet(SPLITS), 4, 41, 6, 17)
+    assert decoding.get_node_index("a.x") >= 0 > decoding.get_node_index("a")
+    np.testing.assert_allclose(decoded, stored, rtol=1e-5, atol=1e-5)
 
 
 def test_split_node_read_by_another_split_node():
