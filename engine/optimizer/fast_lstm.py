@@ -1,0 +1,318 @@
+"""LSTM cells of sigmoid, tanh and product nodes as one LstmNonlinearityComponent, for
+inference (an nnetc model simplification; Kaldi has no counterpart, though it is the
+relation between its xconfig "lstmp-layer" and "fast-lstmp-layer").
+
+Kaldi's xconfig "lstm-layer" and "lstmp-layer" (and Kaldi-era BLSTMs made of them) write
+each cell as fifteen nodes::
+
+    c_t  = c(Sum(c1_t, c2_t))                c: forward-identity (BackpropTruncation
+                                                with scale 1, ClipGradient, NoOp)
+    i_t  = sigmoid(Sum(i1_t, w_ic * IfDefined(Offset(c_t, d))))
+    f_t  = sigmoid(Sum(f1_t, w_fc * IfDefined(Offset(c_t, d))))
+    g_t  = tanh(g1_t)
+    c1_t = f_t * IfDefined(Offset(c_t, d))    c2_t = i_t * g_t
+    o_t  = sigmoid(Sum(o1_t, w_oc * c_t))     h_t = tanh(c_t)
+    m_t  = o_t * h_t
+
+where i1_t, f1_t, o1_t, g1_t are the gate affines and the products with w_*c are
+PerElementScale (or NaturalGradientPerElementScale) nodes.  That is, term for term and in
+the same order of floating-point operations, what Kaldi's LstmNonlinearityComponent
+computes from ``Append(i1_t, f1_t, g1_t, o1_t, IfDefined(Offset(c_t, d)))`` with
+peepholes (w_ic, w_fc, w_oc), giving [c_t m_t].  The rewrite makes c_t and m_t dim-range
+nodes (same names, so every reader keeps its meaning) of one LstmNonlinearityComponent
+node, and drops the other nodes.  Where the four gate affines are affine components of
+one input descriptor read by nothing else (as xconfig writes them) they become one
+AffineComponent with their rows stacked in the order i, f, g, o, which the
+nonlinearity reads whole; the recurrent-affine splitting that prepare_nnet runs next
+(engine.optimizer.fuse) then takes its recurrent columns into the frame loop as for a
+"fast-lstmp-layer".
+
+Per frame of the recurrence, one component and its input assembly replace eleven
+components with their input assemblies: on the reference BLSTM, chunk 150: 9,935
+commands become about a fourth of that (bench/RESULTS.md).  Outputs are the network's to
+float32 rounding (the same expressions; the fast path's sigmoid and tanh are those of
+the Sigmoid and Tanh components).
+
+Cells are matched by structure, not by name, and left as they are unless every part
+matches: a c component that scales (a "decay-time" BackpropTruncation), an internal
+node read from outside the cell, other component types.  Training statistics and
+backprop-only settings (self-repair, gradient clipping and truncation) are not
+carried over: the network is for decoding (``engine.inference.common.prepare_nnet``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from engine.nnet.components.affine import AffineComponent
+from engine.nnet.components.gradient_control import (BackpropTruncationComponent,
+                                                     ClipGradientComponent)
+from engine.nnet.components.misc import ElementwiseProductComponent, NoOpComponent
+from engine.nnet.components.nonlinear import SigmoidComponent, TanhComponent
+from engine.nnet.components.recurrent import LstmNonlinearityComponent
+from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
+                                                 PerElementScaleComponent)
+from engine.nnet.nnet import NetworkNode, Nnet, NodeType
+from engine.optimizer.fuse import _FUSABLE, _install, _taking
+
+_SCALES = (PerElementScaleComponent, NaturalGradientPerElementScaleComponent)
+_NAME = r"([^\s(),]+)"
+_SUM = re.compile(rf"Sum\({_NAME}, {_NAME}\)")
+_APPEND = re.compile(rf"Append\({_NAME}, (.+)\)")
+_DELAYED = r"IfDefined\(Offset\({}, -?\d+\)\)"
+
+
+def convert_lstm_cells_in_place(nnet: Nnet) -> int:
+    """Rewrite, in place, each LSTM cell written as sigmoid, tanh and product nodes as
+    one LstmNonlinearityComponent node (see the module docstring).  Returns the number
+    of cells rewritten."""
+    cells = _Cells(nnet).find()
+    if not cells:
+        return 0
+    _rewrite(nnet, cells)
+    nnet.validate()
+    return len(cells)
+
+
+class _Cells:
+    """The matching: per node, its input descriptor's text and its readers."""
+
+    def __init__(self, nnet: Nnet) -> None:
+        self.nnet = nnet
+        names = nnet.node_names
+        self.index = {name: i for i, name in enumerate(names)}
+        self.text: dict[int, str] = {}           # component node -> its input's text
+        self.readers: list[set[int]] = [set() for _ in nnet.nodes]
+        for i, node in enumerate(nnet.nodes):
+            if node.type == NodeType.DESCRIPTOR:
+                owner = i + 1 if i + 1 < len(nnet.nodes) and nnet.is_component_node(i + 1) else i
+                if owner == i + 1:
+                    self.text[owner] = node.descriptor.write(names)
+                for d in node.descriptor.get_node_dependencies():
+                    self.readers[d].add(owner)
+            elif node.type == NodeType.DIM_RANGE:
+                self.readers[node.node_index].add(i)
+
+    def comp(self, n: int):
+        node = self.nnet.nodes[n]
+        return self.nnet.components[node.component_index] \
+            if node.type == NodeType.COMPONENT else None
+
+    def node(self, name: str) -> int:
+        return self.index.get(name, -1)
+
+    def is_(self, n: int, types, dim: int) -> bool:
+        c = self.comp(n) if n >= 0 else None
+        return (c is not None and type(c) in types
+                and c.input_dim() == c.output_dim() == dim)
+
+    def only_read_by(self, n: int, reader: int) -> bool:
+        return self.readers[n] == {reader}
+
+    def find(self) -> list[dict]:
+        cells, used = [], set()
+        for n in range(len(self.nnet.nodes)):
+            cell = self.cell(n)
+            if cell is not None and not used.intersection(cell["drop"]):
+                used.update(cell["drop"])
+                cells.append(cell)
+        return cells
+
+    def cell(self, c: int) -> dict | None:
+        """The cell whose c_t is node ``c``, or None."""
+        comp = self.comp(c)
+        if not (type(comp) in (BackpropTruncationComponent, ClipGradientComponent,
+                               NoOpComponent)
+                and (type(comp) is not BackpropTruncationComponent
+                     or comp.scale_value == 1.0)):
+            return None
+        dim = comp.input_dim()
+        m = _SUM.fullmatch(self.text.get(c, ""))
+        if m is None:
+            return None
+        c_name = self.nnet.node_names[c]
+        delayed = re.compile(_DELAYED.format(re.escape(c_name)))
+        for c1, c2 in ((m[1], m[2]), (m[2], m[1])):
+            found = self._parts(c, c_name, dim, self.node(c1), self.node(c2), delayed)
+            if found is not None:
+                return found
+        return None
+
+    def _parts(self, c, c_name, dim, c1, c2, delayed) -> dict | None:
+        if c1 == c2 or not (self._product(c1, dim) and self._product(c2, dim)):
+            return None
+        # c1_t = f_t * c_t(delayed); c2_t = i_t * g_t (either order)
+        m1 = _APPEND.fullmatch(self.text[c1])
+        if m1 is None or not delayed.fullmatch(m1[2]):
+            return None
+        delay_text = m1[2]
+        f = self._gate(self.node(m1[1]), dim, delay_text)
+        m2 = _two(self.text[c2])
+        if f is None or m2 is None:
+            return None
+        for i_name, g_name in (m2, m2[::-1]):
+            i = self._gate(self.node(i_name), dim, delay_text)
+            g = self.node(g_name)
+            if i is not None and self.is_(g, (TanhComponent,), dim) \
+                    and self.text[g] in self.index:
+                break
+        else:
+            return None
+        g1 = self.index[self.text[g]]
+        # o_t = sigmoid(o1 + w_oc * c_t), h_t = tanh(c_t), m_t = o_t * h_t
+        h = [r for r in self.readers[c]
+             if self.is_(r, (TanhComponent,), dim) and self.text[r] == c_name]
+        o = [r for r in self.readers[c] if self.is_(r, _SCALES, dim) and self.text[r] == c_name]
+        if len(h) != 1 or len(o) != 1 or len(self.readers[h[0]]) != 1 \
+                or len(self.readers[o[0]]) != 1:
+            return None
+        h, o2 = h[0], o[0]
+        o_gate = next(iter(self.readers[o2]))
+        m_node = next(iter(self.readers[h]))
+        o = self._gate(o_gate, dim, c_name)
+        names = self.nnet.node_names
+        if o is None or not self._product(m_node, dim) or _two(self.text[m_node]) not in (
+                (names[o_gate], names[h]), (names[h], names[o_gate])):
+            return None
+        i_gate, f_gate = self.node(i_name), self.node(m1[1])
+        # the cell's inner nodes are read only inside it
+        inner = {i_gate: c2, f_gate: c1, g: c2, o_gate: m_node, h: m_node, c1: c, c2: c,
+                 i[1]: i_gate, f[1]: f_gate, o2: o_gate}
+        if len(set(inner)) != 10 or any(not self.only_read_by(n, r) for n, r in inner.items()):
+            return None
+        if not {i[1], f[1], c1, o2, h} <= self.readers[c]:
+            return None
+        gates = [i[0], f[0], g1, o[0]]            # the pre-activations, in Kaldi's order
+        if len(set(gates)) != 4 or set(gates) & (set(inner) | {c, m_node}):
+            return None
+        stack = self._stackable(gates, {i_gate, f_gate, g, o_gate})
+        drop = set(inner) | (set(gates) if stack else set())
+        return {"c": c, "m": m_node, "dim": dim, "delayed": delay_text, "gates": gates,
+                "stack": stack, "drop": drop,
+                "peepholes": [self.comp(i[1]).scales, self.comp(f[1]).scales,
+                              self.comp(o2).scales]}
+
+    def _product(self, n: int, dim: int) -> bool:
+        comp = self.comp(n) if n >= 0 else None
+        return (type(comp) is ElementwiseProductComponent and comp.output_dim() == dim
+                and comp.input_dim() == 2 * dim and n in self.text)
+
+    def _gate(self, n: int, dim: int, peephole_input: str) -> tuple[int, int] | None:
+        """(pre-activation node, peephole node) of the sigmoid gate ``n`` reading
+        Sum(pre-activation, peephole) with the peephole a per-element scale of
+        ``peephole_input``; None when ``n`` is not such a gate."""
+        if n < 0 or not self.is_(n, (SigmoidComponent,), dim):
+            return None
+        m = _SUM.fullmatch(self.text[n])
+        if m is None:
+            return None
+        a, b = self.node(m[1]), self.node(m[2])
+        for pre, peep in ((a, b), (b, a)):
+            if pre >= 0 and pre != peep and self.is_(peep, _SCALES, dim) \
+                    and self.text[peep] == peephole_input and self._dim(pre) == dim:
+                return pre, peep
+        return None
+
+    def _dim(self, n: int) -> int:
+        node = self.nnet.nodes[n]
+        if node.type == NodeType.COMPONENT:
+            return self.comp(n).output_dim()
+        if node.type == NodeType.DIM_RANGE:
+            return node.dim
+        return -1
+
+    def _stackable(self, gates: list[int], readers: set[int]) -> bool:
+        """The four pre-activations are affine nodes of one input descriptor, float32,
+        each read only by its gate."""
+        comps = [self.comp(n) for n in gates]
+        return (all(type(c) in _FUSABLE and c.linear_params.dtype == np.float32
+                    and c.bias_params.dtype == np.float32 for c in comps)
+                and len({self.text[n] for n in gates}) == 1
+                and all(len(self.readers[n]) == 1 and self.readers[n] <= readers
+                        for n in gates))
+
+
+def _two(text: str) -> tuple[str, str] | None:
+    """The two node names of ``Append(a, b)``, or None."""
+    m = re.fullmatch(rf"Append\({_NAME}, {_NAME}\)", text)
+    return (m[1], m[2]) if m else None
+
+
+def _rewrite(nnet: Nnet, cells: list[dict]) -> None:
+    old_nodes, names = nnet.nodes, nnet.node_names
+    taken = set(names) | set(nnet.component_names)
+    texts = {i: node.descriptor.write(names) for i, node in enumerate(old_nodes)
+             if node.type == NodeType.DESCRIPTOR}
+    drop: set[int] = set()
+    at_c: dict[int, list] = {}      # c_t node -> (node name, component, input text) to add
+    dim_range: dict[int, tuple[str, int]] = {}   # c_t, m_t node -> (source, offset)
+    for cell in cells:
+        c, dim = cell["c"], cell["dim"]
+        drop |= cell["drop"]
+        # xconfig's "<layer>.c_t" gives "<layer>.W_all", "<layer>.lstm_nonlin"
+        prefix = names[c][:-3] if names[c].endswith(".c_t") else f"{names[c]}."
+        added = []
+        if cell["stack"]:
+            comps = [nnet.components[old_nodes[n].component_index] for n in cell["gates"]]
+            w_all = AffineComponent()
+            w_all.linear_params = np.ascontiguousarray(
+                np.concatenate([x.linear_params for x in comps], axis=0))
+            w_all.bias_params = np.ascontiguousarray(
+                np.concatenate([x.bias_params for x in comps]))
+            w_name = _taking(f"{prefix}W_all", taken)
+            added.append((w_name, w_all, texts[cell["gates"][0] - 1]))
+            parts = [w_name]
+        else:
+            parts = [names[n] for n in cell["gates"]]
+        lstm = LstmNonlinearityComponent()
+        lstm.params = np.ascontiguousarray(
+            np.stack([np.asarray(p, np.float32) for p in cell["peepholes"]]))
+        lstm.value_sum, lstm.deriv_sum = np.zeros((5, dim)), np.zeros((5, dim))
+        # Kaldi's defaults (sigmoid, sigmoid, tanh, sigmoid, tanh thresholds; scales)
+        lstm.self_repair_config = np.array([0.05, 0.05, 0.2, 0.05, 0.2] + [1e-5] * 5,
+                                           dtype=np.float32)
+        lstm_name = _taking(f"{prefix}lstm_nonlin", taken)
+        added.append((lstm_name, lstm,
+                      "Append(" + ", ".join(parts + [cell["delayed"]]) + ")"))
+        at_c[c] = added
+        dim_range[c] = (lstm_name, 0)
+        dim_range[cell["m"]] = (lstm_name, dim)
+    new_nodes: list[NetworkNode] = []
+    pending: dict[int, str] = {}
+    dim_range_src: dict[int, str] = {}
+    dims = {cell["c"]: cell["dim"] for cell in cells} | {cell["m"]: cell["dim"]
+                                                           for cell in cells}
+    for i, node in enumerate(old_nodes):
+        if i + 1 in drop or i + 1 in dim_range:
+            continue                        # the input descriptor of a dropped node
+        if i in drop:
+            continue
+        if i in at_c:
+            for name, comp, text in at_c[i]:
+                comp.name = name
+                nnet.components.append(comp)
+                nnet.component_names.append(name)
+                pending[len(new_nodes)] = text
+                new_nodes.append(NetworkNode(f"{name}_input", NodeType.DESCRIPTOR,
+                                             origin=node.origin))
+                new_nodes.append(NetworkNode(name, NodeType.COMPONENT,
+                                             component_index=len(nnet.components) - 1,
+                                             origin=node.origin))
+        if i in dim_range:
+            src, offset = dim_range[i]
+            dim_range_src[len(new_nodes)] = src
+            new_nodes.append(NetworkNode(node.name, NodeType.DIM_RANGE, dim_offset=offset,
+                                         dim=dims[i], origin=node.origin))
+            continue
+        copy = node.copy()
+        if node.type == NodeType.DESCRIPTOR:
+            pending[len(new_nodes)] = texts[i]
+        elif node.type == NodeType.DIM_RANGE:
+            dim_range_src[len(new_nodes)] = names[node.node_index]
+        new_nodes.append(copy)
+    _install(nnet, new_nodes, pending, dim_range_src)
+
+
+__all__ = ["convert_lstm_cells_in_place"]
