@@ -117,7 +117,7 @@ NETWORKS = ("decoding", "as-stored")
 def load_for_inference(path, network: str = "decoding"):
     """The network in test mode, read-only, as the engine decodes it (``decoding``:
     Kaldi's CollapseModel with every fold, then nnetc's LSTM-cell rewriting,
-    sibling-affine fusion and recurrent-affine splitting:
+    forward-identity aliases, sibling-affine fusion and recurrent-affine splitting:
     engine.inference.common.prepare_nnet) or with its
     structure as stored (``as-stored``: test mode only -- the network Kaldi's
     kaldi_stats.json figures were measured on, command for command)."""

@@ -511,7 +511,7 @@ def bench_group() -> None:
               show_default=True,
               help="The network timed: as the inference front-end runs it (Kaldi's "
                    "CollapseModel with every fold, then LSTM cells as LstmNonlinearity, "
-                   "sibling-affine fusion and recurrent-affine splitting) or as stored "
+                   "forward identities as aliases, sibling-affine fusion and recurrent-affine splitting) or as stored "
                    "(test mode "
                    "only: the structure of Kaldi's kaldi_stats.json figures).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

@@ -8,7 +8,8 @@ and the log-prior handling of DecodableNnetSimple.
 
 Decoding networks are collapsed (engine.optimizer.collapse, every fold on:
 ``DECODING_COLLAPSE``), their LSTM cells of sigmoid/tanh/product nodes made LstmNonlinearity
-components (engine.optimizer.fast_lstm), their sibling affines fused and recurrent affines
+components (engine.optimizer.fast_lstm), forward identities made aliases
+(engine.optimizer.aliases), their sibling affines fused and recurrent affines
 split (engine.optimizer.fuse) unless
 the caller asks for the network as it is (``collapse=False``); the numbers agree
 either way to float32 rounding.
@@ -48,15 +49,19 @@ def prepare_nnet(nnet, collapse: bool = True):
     """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode;
     with ``collapse``, Kaldi's CollapseModel with every fold on (``DECODING_COLLAPSE``),
     then LSTM cells written as sigmoid, tanh and product nodes (Kaldi's "lstmp-layer")
-    rewritten as one LstmNonlinearityComponent each (engine.optimizer.fast_lstm), then
-    sibling affines fused and recurrent affines split (engine.optimizer.fuse: one
+    rewritten as one LstmNonlinearityComponent each and their constant dropout masks
+    dropped (engine.optimizer.fast_lstm), then nodes that pass their input through
+    unchanged (gradient truncation and clipping, no-ops) made aliases of what they read
+    (engine.optimizer.aliases), then sibling affines fused and recurrent affines split (engine.optimizer.fuse: one
     product per step for the gate affines of an LSTM that reads one input four times,
     and only the recurrent columns of that product left in the frame-by-frame loop),
     then collapsed again (the split's outside half may fold what precedes it); its
     parameters read-only (``Nnet.freeze_parameters``).  The caller's network is never
     modified."""
     from engine.optimizer.collapse import collapse_model_in_place  # noqa: PLC0415
-    from engine.optimizer.fast_lstm import convert_lstm_cells_in_place  # noqa: PLC0415
+    from engine.optimizer.aliases import alias_forward_identities_in_place  # noqa: PLC0415
+    from engine.optimizer.fast_lstm import (convert_lstm_cells_in_place,  # noqa: PLC0415
+                                            drop_constant_dropout_masks_in_place)
     from engine.optimizer.fuse import (fuse_sibling_affines_in_place,  # noqa: PLC0415
                                        split_recurrent_affines_in_place)
     nnet = nnet.copy()
@@ -64,6 +69,8 @@ def prepare_nnet(nnet, collapse: bool = True):
     if collapse:
         collapse_model_in_place(nnet, DECODING_COLLAPSE)
         convert_lstm_cells_in_place(nnet)
+        drop_constant_dropout_masks_in_place(nnet)
+        alias_forward_identities_in_place(nnet)
         fuse_sibling_affines_in_place(nnet)
         if split_recurrent_affines_in_place(nnet):
             collapse_model_in_place(nnet, DECODING_COLLAPSE)

@@ -51,11 +51,15 @@ from engine.nnet.components.gradient_control import (BackpropTruncationComponent
                                                      ClipGradientComponent)
 from engine.nnet.components.misc import ElementwiseProductComponent, NoOpComponent
 from engine.nnet.components.nonlinear import SigmoidComponent, TanhComponent
+from engine.nnet.components.dropout import DropoutMaskComponent
 from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
                                                  PerElementScaleComponent)
+from engine.nnet.descriptor_parse import parse_descriptor
 from engine.nnet.nnet import NetworkNode, Nnet, NodeType
+from engine.optimizer.collapse import remove_orphan_components, remove_orphan_nodes
 from engine.optimizer.fuse import _FUSABLE, _install, _taking
+from engine.optimizer.node_table import NodeTable
 
 _SCALES = (PerElementScaleComponent, NaturalGradientPerElementScaleComponent)
 _NAME = r"([^\s(),]+)"
@@ -76,32 +80,54 @@ def convert_lstm_cells_in_place(nnet: Nnet) -> int:
     return len(cells)
 
 
-class _Cells:
-    """The matching: per node, its input descriptor's text and its readers."""
+def drop_constant_dropout_masks_in_place(nnet: Nnet) -> int:
+    """An LstmNonlinearityComponent with use-dropout whose mask part is a
+    DropoutMaskComponent node that outputs ones (dropout-proportion 0, or test mode with
+    continuous masks: a decoding network's, as Kaldi's fast LSTMs trained with dropout
+    end up) multiplies three gates by one per frame: in place, it is given a copy of its
+    component without use-dropout and its input loses the mask part (a copy per step of
+    a recurrence), and the mask node goes when nothing else reads it.  Returns the
+    number of nodes changed."""
+    table = NodeTable(nnet)
+    edits: dict[int, list[str]] = {}
+    for n in range(len(nnet.nodes)):
+        comp = table.comp(n)
+        if type(comp) is not LstmNonlinearityComponent or not comp.use_dropout:
+            continue
+        texts = [p.write(nnet.node_names) for p in nnet.nodes[n - 1].descriptor.parts]
+        mask = table.comp(table.node(texts[-1])) if table.node(texts[-1]) >= 0 else None
+        if type(mask) is DropoutMaskComponent and mask.output_dim() == 3 and (
+                mask.dropout_proportion == 0.0 or (mask.test_mode and mask.continuous)):
+            edits[n] = texts[:-1]
+    users: dict[int, int] = {}
+    for node in nnet.nodes:
+        if node.type == NodeType.COMPONENT:
+            users[node.component_index] = users.get(node.component_index, 0) + 1
+    taken = set(nnet.node_names) | set(nnet.component_names)
+    for n, texts in edits.items():
+        node = nnet.nodes[n]
+        comp = nnet.components[node.component_index].copy()
+        comp.use_dropout = False
+        if users[node.component_index] == 1:
+            nnet.components[node.component_index] = comp
+        else:                               # shared with another node: a copy of its own
+            comp.name = _taking(f"{nnet.component_names[node.component_index]}.no_mask",
+                                taken)
+            nnet.components.append(comp)
+            nnet.component_names.append(comp.name)
+            node.component_index = len(nnet.components) - 1
+        text = texts[0] if len(texts) == 1 else "Append(" + ", ".join(texts) + ")"
+        nnet.nodes[n - 1].descriptor = parse_descriptor(text, nnet.referable_names(),
+                                                        nnet.node_names)
+    if edits:
+        remove_orphan_nodes(nnet)
+        remove_orphan_components(nnet)
+        nnet.validate()
+    return len(edits)
 
-    def __init__(self, nnet: Nnet) -> None:
-        self.nnet = nnet
-        names = nnet.node_names
-        self.index = {name: i for i, name in enumerate(names)}
-        self.text: dict[int, str] = {}           # component node -> its input's text
-        self.readers: list[set[int]] = [set() for _ in nnet.nodes]
-        for i, node in enumerate(nnet.nodes):
-            if node.type == NodeType.DESCRIPTOR:
-                owner = i + 1 if i + 1 < len(nnet.nodes) and nnet.is_component_node(i + 1) else i
-                if owner == i + 1:
-                    self.text[owner] = node.descriptor.write(names)
-                for d in node.descriptor.get_node_dependencies():
-                    self.readers[d].add(owner)
-            elif node.type == NodeType.DIM_RANGE:
-                self.readers[node.node_index].add(i)
 
-    def comp(self, n: int):
-        node = self.nnet.nodes[n]
-        return self.nnet.components[node.component_index] \
-            if node.type == NodeType.COMPONENT else None
-
-    def node(self, name: str) -> int:
-        return self.index.get(name, -1)
+class _Cells(NodeTable):
+    """The matching, on the network's node table."""
 
     def is_(self, n: int, types, dim: int) -> bool:
         c = self.comp(n) if n >= 0 else None
@@ -135,12 +161,12 @@ class _Cells:
         c_name = self.nnet.node_names[c]
         delayed = re.compile(_DELAYED.format(re.escape(c_name)))
         for c1, c2 in ((m[1], m[2]), (m[2], m[1])):
-            found = self._parts(c, c_name, dim, self.node(c1), self.node(c2), delayed)
+            found = self._cell_parts(c, c_name, dim, self.node(c1), self.node(c2), delayed)
             if found is not None:
                 return found
         return None
 
-    def _parts(self, c, c_name, dim, c1, c2, delayed) -> dict | None:
+    def _cell_parts(self, c, c_name, dim, c1, c2, delayed) -> dict | None:
         if c1 == c2 or not (self._product(c1, dim) and self._product(c2, dim)):
             return None
         # c1_t = f_t * c_t(delayed); c2_t = i_t * g_t (either order)
@@ -211,17 +237,9 @@ class _Cells:
         a, b = self.node(m[1]), self.node(m[2])
         for pre, peep in ((a, b), (b, a)):
             if pre >= 0 and pre != peep and self.is_(peep, _SCALES, dim) \
-                    and self.text[peep] == peephole_input and self._dim(pre) == dim:
+                    and self.text[peep] == peephole_input and self.dim(pre) == dim:
                 return pre, peep
         return None
-
-    def _dim(self, n: int) -> int:
-        node = self.nnet.nodes[n]
-        if node.type == NodeType.COMPONENT:
-            return self.comp(n).output_dim()
-        if node.type == NodeType.DIM_RANGE:
-            return node.dim
-        return -1
 
     def _stackable(self, gates: list[int], readers: set[int]) -> bool:
         """The four pre-activations are affine nodes of one input descriptor, float32,
@@ -315,4 +333,4 @@ def _rewrite(nnet: Nnet, cells: list[dict]) -> None:
     _install(nnet, new_nodes, pending, dim_range_src)
 
 
-__all__ = ["convert_lstm_cells_in_place"]
+__all__ = ["convert_lstm_cells_in_place", "drop_constant_dropout_masks_in_place"]

@@ -1,0 +1,145 @@
+"""Forward-identity nodes as aliases, for inference (an nnetc model simplification; Kaldi
+has no counterpart).
+
+A component node whose component passes its input through unchanged in the forward
+direction -- BackpropTruncationComponent with scale 1 and ClipGradientComponent, which
+act on derivatives only, and NoOpComponent -- costs a decoding network an input assembly
+and a copy wherever it sits; in a recurrence, at every step.  Kaldi's recurrent layers
+put one in each loop: a projected LSTM's ``r_t = r(r_t_preclip)``, a fast LSTM's
+``cr_trunc = trunc(Append(c, r))`` read through the dim-range nodes ``c_trunc`` and
+``r_trunc`` (per step of the reference TDNN-LSTM: the copies of c and r into the
+truncation's input and its propagate, 4 of 13 commands).  Here
+
+- a node over one node X (``input=X``, no offset or scale) becomes a dim-range node of the
+  same name over all of X (over X's source when X is itself a dim-range node), so that
+  every reader keeps its meaning and the compiler reads X's matrix in place;
+- a node over ``Append(X1, ..., Xk)`` that only dim-range nodes read, each within one Xi,
+  is dropped and each of those dim-range nodes points into its Xi instead.  This is done
+  only when the parts are computable at the same frames (each traced through dim-range
+  nodes and simple components over one plain node to the same node: c and r of an LSTM
+  both to its nonlinearity), since a part computable where the Append() is not would
+  change what an ``IfDefined()`` of a reader sees.
+
+Outputs are the same numbers (a copy is dropped).  Derivatives are not: the clipping and
+truncation the components apply in backprop go with them, which is why this is for
+decoding networks (``engine.inference.common.prepare_nnet``).
+"""
+
+from __future__ import annotations
+
+from engine.nnet.components.gradient_control import (BackpropTruncationComponent,
+                                                     ClipGradientComponent)
+from engine.nnet.components.misc import NoOpComponent
+from engine.nnet.nnet import NetworkNode, Nnet, NodeType
+from engine.optimizer.collapse import remove_orphan_nodes
+from engine.optimizer.fuse import _install
+from engine.optimizer.node_table import NodeTable
+
+
+def alias_forward_identities_in_place(nnet: Nnet) -> int:
+    """Make, in place, each forward-identity node an alias of what it reads (see the
+    module docstring); returns the number of nodes made aliases or dropped."""
+    total = 0
+    while True:                         # an identity over an identity: the next round
+        table = NodeTable(nnet)
+        plan = _plan(table)
+        if not plan:
+            return total
+        _apply(nnet, table, plan)
+        remove_orphan_nodes(nnet)
+        nnet.validate()
+        total += len(plan)
+
+
+def _is_identity(comp) -> bool:
+    t = type(comp)
+    return (t in (ClipGradientComponent, NoOpComponent)
+            or (t is BackpropTruncationComponent and comp.scale_value == 1.0))
+
+
+def _plan(table: NodeTable) -> dict[int, list]:
+    """identity node -> its part nodes, for the nodes handled this round (none over
+    another identity handled in the same round)."""
+    nnet = table.nnet
+    found: dict[int, list] = {}
+    for n, node in enumerate(nnet.nodes):
+        if node.type != NodeType.COMPONENT or not _is_identity(table.comp(n)):
+            continue
+        parts = table.bare_parts(n)
+        if parts is None:
+            continue
+        if len(parts) > 1 and not _appended_ok(table, n, parts):
+            continue
+        found[n] = parts
+    return {n: p for n, p in found.items() if not found.keys() & set(p)}
+
+
+def _appended_ok(table: NodeTable, n: int, parts: list[int]) -> bool:
+    """Only dim-range nodes read ``n``, each within one part, and the parts are
+    computable at the same frames."""
+    nodes = table.nnet.nodes
+    starts = _starts(table, parts)
+    for r in table.readers[n]:
+        node = nodes[r]
+        if node.type != NodeType.DIM_RANGE or _part_of(starts, node) is None:
+            return False
+    return len({table.root(p) for p in parts}) == 1
+
+
+def _starts(table: NodeTable, parts: list[int]) -> list[int]:
+    out, at = [], 0
+    for p in parts:
+        out.append(at)
+        at += table.dim(p)
+    return out + [at]
+
+
+def _part_of(starts: list[int], node) -> int | None:
+    """The part whose columns hold dim-range ``node``'s, or None."""
+    for k in range(len(starts) - 1):
+        if starts[k] <= node.dim_offset and node.dim_offset + node.dim <= starts[k + 1]:
+            return k
+    return None
+
+
+def _apply(nnet: Nnet, table: NodeTable, plan: dict[int, list]) -> None:
+    names = nnet.node_names
+    texts = {i: node.descriptor.write(names) for i, node in enumerate(nnet.nodes)
+             if node.type == NodeType.DESCRIPTOR}
+    # dim-range node (new or repointed) -> (source name, offset)
+    point: dict[int, tuple[str, int]] = {}
+    for n, parts in plan.items():
+        starts = _starts(table, parts)
+        if len(parts) == 1:
+            point[n] = table.source(parts[0], 0)
+        # dim-range nodes over n now point into what n read (a dim-range node's source
+        # must be an input or component node)
+        for r in table.readers[n]:
+            node = nnet.nodes[r]
+            if node.type == NodeType.DIM_RANGE:
+                k = _part_of(starts, node)
+                point[r] = table.source(parts[k], node.dim_offset - starts[k])
+    new_nodes: list[NetworkNode] = []
+    pending: dict[int, str] = {}
+    dim_range_src: dict[int, str] = {}
+    for i, node in enumerate(nnet.nodes):
+        if i + 1 in plan and len(plan[i + 1]) == 1:
+            continue                        # the input of a node that becomes an alias
+        if i in point:
+            src, offset = point[i]
+            dim = node.dim if node.type == NodeType.DIM_RANGE else table.dim(i)
+            dim_range_src[len(new_nodes)] = names[src]
+            new_nodes.append(NetworkNode(node.name, NodeType.DIM_RANGE, dim_offset=offset,
+                                         dim=dim, origin=node.origin))
+            continue
+        copy = node.copy()
+        if node.type == NodeType.DESCRIPTOR:
+            pending[len(new_nodes)] = texts[i]
+        elif node.type == NodeType.DIM_RANGE:
+            dim_range_src[len(new_nodes)] = names[node.node_index]
+        new_nodes.append(copy)
+    _install(nnet, new_nodes, pending, dim_range_src)
+
+
+__all__ = ["alias_forward_identities_in_place"]
+
