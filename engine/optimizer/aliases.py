@@ -30,10 +30,9 @@ from __future__ import annotations
 from engine.nnet.components.gradient_control import (BackpropTruncationComponent,
                                                      ClipGradientComponent)
 from engine.nnet.components.misc import NoOpComponent
-from engine.nnet.nnet import NetworkNode, Nnet, NodeType
+from engine.nnet.nnet import Nnet, NodeType
 from engine.optimizer.collapse import remove_orphan_nodes
-from engine.optimizer.fuse import _install
-from engine.optimizer.node_table import NodeTable
+from engine.optimizer.node_table import NodeListBuilder, NodeTable
 
 
 def alias_forward_identities_in_place(nnet: Nnet) -> int:
@@ -103,11 +102,9 @@ def _part_of(starts: list[int], node) -> int | None:
 
 
 def _apply(nnet: Nnet, table: NodeTable, plan: dict[int, list]) -> None:
-    names = nnet.node_names
-    texts = {i: node.descriptor.write(names) for i, node in enumerate(nnet.nodes)
-             if node.type == NodeType.DESCRIPTOR}
-    # dim-range node (new or repointed) -> (source name, offset)
-    point: dict[int, tuple[str, int]] = {}
+    out = NodeListBuilder(nnet)
+    # dim-range node (new or repointed) -> (source, offset)
+    point: dict[int, tuple[int, int]] = {}
     for n, parts in plan.items():
         starts = _starts(table, parts)
         if len(parts) == 1:
@@ -119,26 +116,16 @@ def _apply(nnet: Nnet, table: NodeTable, plan: dict[int, list]) -> None:
             if node.type == NodeType.DIM_RANGE:
                 k = _part_of(starts, node)
                 point[r] = table.source(parts[k], node.dim_offset - starts[k])
-    new_nodes: list[NetworkNode] = []
-    pending: dict[int, str] = {}
-    dim_range_src: dict[int, str] = {}
     for i, node in enumerate(nnet.nodes):
         if i + 1 in plan and len(plan[i + 1]) == 1:
             continue                        # the input of a node that becomes an alias
         if i in point:
             src, offset = point[i]
             dim = node.dim if node.type == NodeType.DIM_RANGE else table.dim(i)
-            dim_range_src[len(new_nodes)] = names[src]
-            new_nodes.append(NetworkNode(node.name, NodeType.DIM_RANGE, dim_offset=offset,
-                                         dim=dim, origin=node.origin))
-            continue
-        copy = node.copy()
-        if node.type == NodeType.DESCRIPTOR:
-            pending[len(new_nodes)] = texts[i]
-        elif node.type == NodeType.DIM_RANGE:
-            dim_range_src[len(new_nodes)] = names[node.node_index]
-        new_nodes.append(copy)
-    _install(nnet, new_nodes, pending, dim_range_src)
+            out.dim_range(node.name, out.names[src], offset, dim, node.origin)
+        else:
+            out.keep(i)
+    out.install()
 
 
 __all__ = ["alias_forward_identities_in_place"]

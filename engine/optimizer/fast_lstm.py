@@ -46,7 +46,6 @@ import re
 
 import numpy as np
 
-from engine.nnet.components.affine import AffineComponent
 from engine.nnet.components.gradient_control import (BackpropTruncationComponent,
                                                      ClipGradientComponent)
 from engine.nnet.components.misc import ElementwiseProductComponent, NoOpComponent
@@ -56,10 +55,10 @@ from engine.nnet.components.recurrent import LstmNonlinearityComponent
 from engine.nnet.components.scale_offset import (NaturalGradientPerElementScaleComponent,
                                                  PerElementScaleComponent)
 from engine.nnet.descriptor_parse import parse_descriptor
-from engine.nnet.nnet import NetworkNode, Nnet, NodeType
+from engine.nnet.nnet import Nnet, NodeType
 from engine.optimizer.collapse import remove_orphan_components, remove_orphan_nodes
-from engine.optimizer.fuse import _FUSABLE, _install, _taking
-from engine.optimizer.node_table import NodeTable
+from engine.optimizer.fuse import _FUSABLE, _taking, stacked_affine
+from engine.optimizer.node_table import NodeListBuilder, NodeTable
 
 _SCALES = (PerElementScaleComponent, NaturalGradientPerElementScaleComponent)
 _NAME = r"([^\s(),]+)"
@@ -259,13 +258,11 @@ def _two(text: str) -> tuple[str, str] | None:
 
 
 def _rewrite(nnet: Nnet, cells: list[dict]) -> None:
-    old_nodes, names = nnet.nodes, nnet.node_names
-    taken = set(names) | set(nnet.component_names)
-    texts = {i: node.descriptor.write(names) for i, node in enumerate(old_nodes)
-             if node.type == NodeType.DESCRIPTOR}
+    out = NodeListBuilder(nnet)
+    names, taken = out.names, set(out.names) | set(nnet.component_names)
     drop: set[int] = set()
     at_c: dict[int, list] = {}      # c_t node -> (node name, component, input text) to add
-    dim_range: dict[int, tuple[str, int]] = {}   # c_t, m_t node -> (source, offset)
+    dim_range: dict[int, tuple[str, int, int]] = {}   # c_t, m_t -> (source, offset, dim)
     for cell in cells:
         c, dim = cell["c"], cell["dim"]
         drop |= cell["drop"]
@@ -273,14 +270,10 @@ def _rewrite(nnet: Nnet, cells: list[dict]) -> None:
         prefix = names[c][:-3] if names[c].endswith(".c_t") else f"{names[c]}."
         added = []
         if cell["stack"]:
-            comps = [nnet.components[old_nodes[n].component_index] for n in cell["gates"]]
-            w_all = AffineComponent()
-            w_all.linear_params = np.ascontiguousarray(
-                np.concatenate([x.linear_params for x in comps], axis=0))
-            w_all.bias_params = np.ascontiguousarray(
-                np.concatenate([x.bias_params for x in comps]))
+            w_all = stacked_affine([nnet.components[nnet.nodes[n].component_index]
+                                    for n in cell["gates"]])
             w_name = _taking(f"{prefix}W_all", taken)
-            added.append((w_name, w_all, texts[cell["gates"][0] - 1]))
+            added.append((w_name, w_all, out.texts[cell["gates"][0] - 1]))
             parts = [w_name]
         else:
             parts = [names[n] for n in cell["gates"]]
@@ -295,42 +288,18 @@ def _rewrite(nnet: Nnet, cells: list[dict]) -> None:
         added.append((lstm_name, lstm,
                       "Append(" + ", ".join(parts + [cell["delayed"]]) + ")"))
         at_c[c] = added
-        dim_range[c] = (lstm_name, 0)
-        dim_range[cell["m"]] = (lstm_name, dim)
-    new_nodes: list[NetworkNode] = []
-    pending: dict[int, str] = {}
-    dim_range_src: dict[int, str] = {}
-    dims = {cell["c"]: cell["dim"] for cell in cells} | {cell["m"]: cell["dim"]
-                                                           for cell in cells}
-    for i, node in enumerate(old_nodes):
-        if i + 1 in drop or i + 1 in dim_range:
-            continue                        # the input descriptor of a dropped node
-        if i in drop:
-            continue
-        if i in at_c:
-            for name, comp, text in at_c[i]:
-                comp.name = name
-                nnet.components.append(comp)
-                nnet.component_names.append(name)
-                pending[len(new_nodes)] = text
-                new_nodes.append(NetworkNode(f"{name}_input", NodeType.DESCRIPTOR,
-                                             origin=node.origin))
-                new_nodes.append(NetworkNode(name, NodeType.COMPONENT,
-                                             component_index=len(nnet.components) - 1,
-                                             origin=node.origin))
+        dim_range[c] = (lstm_name, 0, dim)
+        dim_range[cell["m"]] = (lstm_name, dim, dim)
+    for i, node in enumerate(nnet.nodes):
+        if i + 1 in drop or i + 1 in dim_range or i in drop:
+            continue                        # a dropped node or the input of one
+        for name, comp, text in at_c.get(i, ()):
+            out.component(name, name, comp, text, node.origin)
         if i in dim_range:
-            src, offset = dim_range[i]
-            dim_range_src[len(new_nodes)] = src
-            new_nodes.append(NetworkNode(node.name, NodeType.DIM_RANGE, dim_offset=offset,
-                                         dim=dims[i], origin=node.origin))
-            continue
-        copy = node.copy()
-        if node.type == NodeType.DESCRIPTOR:
-            pending[len(new_nodes)] = texts[i]
-        elif node.type == NodeType.DIM_RANGE:
-            dim_range_src[len(new_nodes)] = names[node.node_index]
-        new_nodes.append(copy)
-    _install(nnet, new_nodes, pending, dim_range_src)
+            out.dim_range(node.name, *dim_range[i], node.origin)
+        else:
+            out.keep(i)
+    out.install()
 
 
 __all__ = ["convert_lstm_cells_in_place", "drop_constant_dropout_masks_in_place"]

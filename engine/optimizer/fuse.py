@@ -115,6 +115,16 @@ def _recurrent_affines(nnet: Nnet, recurrence: list[int]):
             yield n, desc_node.descriptor
 
 
+def stacked_affine(comps: list) -> AffineComponent:
+    """One AffineComponent computing the affine components ``comps`` on one input: their
+    rows of W and entries of b stacked in order."""
+    out = AffineComponent()
+    out.linear_params = np.ascontiguousarray(
+        np.concatenate([c.linear_params for c in comps], axis=0))
+    out.bias_params = np.ascontiguousarray(np.concatenate([c.bias_params for c in comps]))
+    return out
+
+
 def _unique(name: str, taken: set) -> str:
     candidate, k = name, 1
     while candidate in taken or f"{candidate}_input" in taken:
@@ -133,11 +143,7 @@ def _rewrite(nnet: Nnet, groups: list[list[int]]) -> None:
     first_of: dict[int, tuple[str, int]] = {}
     for members in groups:
         comps = [nnet.components[old_nodes[n].component_index] for n in members]
-        fused = AffineComponent()
-        fused.linear_params = np.ascontiguousarray(
-            np.concatenate([c.linear_params for c in comps], axis=0))
-        fused.bias_params = np.ascontiguousarray(
-            np.concatenate([c.bias_params for c in comps]))
+        fused = stacked_affine(comps)
         name = _taking(f"{old_names[members[0]]}.fused", taken)
         fused.name = name
         nnet.components.append(fused)
@@ -284,8 +290,6 @@ def _split(nnet: Nnet, plans) -> None:
     taken = set(old_names) | set(nnet.component_names)
     # readers' descriptors name Sum(<node>.x, <node>.r) in place of a substituted node
     written = list(old_names)
-    dim_range_src = {i: old_names[node.node_index] for i, node in enumerate(old_nodes)
-                     if node.type == NodeType.DIM_RANGE}
     halves = {n: tuple(_taking(f"{old_names[n]}.{k}", taken) for k in ("x", "r"))
               for n, *_ in plans}
     for n, *_, substitute in plans:
@@ -308,33 +312,19 @@ def _split(nnet: Nnet, plans) -> None:
             sum_node.dim = w.shape[0]
             replace[n].append((old_names[n], _taking(f"{old_names[n]}.sum", taken), sum_node,
                                sum_text))
-    texts = {i: node.descriptor.write(written) for i, node in enumerate(old_nodes)
-             if node.type == NodeType.DESCRIPTOR}
-    new_nodes: list[NetworkNode] = []
-    pending: dict[int, str] = {}
-    dim_range_at: dict[int, str] = {}
+    from engine.optimizer.node_table import NodeListBuilder  # noqa: PLC0415
+    out = NodeListBuilder(nnet)
     for i, node in enumerate(old_nodes):
         if i + 1 in replace:
             continue                        # the split node's input descriptor
         if i in replace:
             for node_name, cname, comp, text in replace[i]:
-                comp.name = cname
-                nnet.components.append(comp)
-                nnet.component_names.append(cname)
-                pending[len(new_nodes)] = text
-                new_nodes.append(NetworkNode(f"{node_name}_input", NodeType.DESCRIPTOR,
-                                             origin=node.origin))
-                new_nodes.append(NetworkNode(node_name, NodeType.COMPONENT,
-                                             component_index=len(nnet.components) - 1,
-                                             origin=node.origin))
-            continue
-        copy = node.copy()
-        if node.type == NodeType.DESCRIPTOR:
-            pending[len(new_nodes)] = texts[i]
-        elif node.type == NodeType.DIM_RANGE:
-            dim_range_at[len(new_nodes)] = dim_range_src[i]
-        new_nodes.append(copy)
-    _install(nnet, new_nodes, pending, dim_range_at)
+                out.component(node_name, cname, comp, text, node.origin)
+        elif node.type == NodeType.DESCRIPTOR:
+            out.keep(i, node.descriptor.write(written))
+        else:
+            out.keep(i)
+    out.install()
 
 
 def _taking(name: str, taken: set) -> str:

@@ -78,3 +78,51 @@ class NodeTable:
                 return n
             n = parts[0]
         return n
+
+
+class NodeListBuilder:
+    """A new node list for ``nnet`` made node by node (the rewrites' common last step):
+    old nodes kept as they are, component nodes added with their input descriptors
+    (as text) and components, dim-range nodes added over a source named; ``install``
+    makes it the network's (engine.optimizer.fuse._install: descriptors parsed,
+    dim-range sources found by name, unused components removed)."""
+
+    def __init__(self, nnet: Nnet) -> None:
+        self.nnet = nnet
+        self.names = nnet.node_names
+        self.texts = {i: node.descriptor.write(self.names) for i, node in enumerate(nnet.nodes)
+                      if node.type == NodeType.DESCRIPTOR}
+        self.nodes: list = []
+        self.pending: dict[int, str] = {}         # new position -> descriptor text
+        self.dim_range_src: dict[int, str] = {}   # new position -> source node name
+
+    def keep(self, i: int, text: str | None = None) -> None:
+        """Old node i as it is (a descriptor node: with ``text`` when given)."""
+        node = self.nnet.nodes[i]
+        if node.type == NodeType.DESCRIPTOR:
+            self.pending[len(self.nodes)] = self.texts[i] if text is None else text
+        elif node.type == NodeType.DIM_RANGE:
+            self.dim_range_src[len(self.nodes)] = self.names[node.node_index]
+        self.nodes.append(node.copy())
+
+    def component(self, name: str, comp_name: str, comp, text: str, origin) -> None:
+        """A component node ``name`` of a new component over descriptor ``text``."""
+        from engine.nnet.nnet import NetworkNode  # noqa: PLC0415
+        comp.name = comp_name
+        self.nnet.components.append(comp)
+        self.nnet.component_names.append(comp_name)
+        self.pending[len(self.nodes)] = text
+        self.nodes.append(NetworkNode(f"{name}_input", NodeType.DESCRIPTOR, origin=origin))
+        self.nodes.append(NetworkNode(name, NodeType.COMPONENT,
+                                      component_index=len(self.nnet.components) - 1,
+                                      origin=origin))
+
+    def dim_range(self, name: str, source: str, offset: int, dim: int, origin) -> None:
+        from engine.nnet.nnet import NetworkNode  # noqa: PLC0415
+        self.dim_range_src[len(self.nodes)] = source
+        self.nodes.append(NetworkNode(name, NodeType.DIM_RANGE, dim_offset=offset, dim=dim,
+                                      origin=origin))
+
+    def install(self) -> None:
+        from engine.optimizer.fuse import _install  # noqa: PLC0415
+        _install(self.nnet, self.nodes, self.pending, self.dim_range_src)

@@ -11,7 +11,7 @@ import pytest
 from engine.nnet.nnet import Nnet, NodeType
 from engine.optimizer.aliases import alias_forward_identities_in_place
 from engine.optimizer.fast_lstm import drop_constant_dropout_masks_in_place
-from test_fast_lstm import assert_same_outputs
+from test_fast_lstm import assert_same_outputs, rewritten
 
 
 def _nnet(text: str) -> Nnet:
@@ -21,8 +21,7 @@ def _nnet(text: str) -> Nnet:
 
 
 def _aliased(nnet: Nnet) -> tuple[Nnet, int]:
-    out = nnet.copy()
-    return out, alias_forward_identities_in_place(out)
+    return rewritten(nnet, alias_forward_identities_in_place)
 
 
 # A recurrence h(t) <- h(t-1) with a truncation ``t1`` over h read at an offset, a

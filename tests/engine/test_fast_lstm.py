@@ -82,9 +82,14 @@ def network(*layers: str, outputs: str = "", final: str = "lstm1.rp_t") -> Nnet:
     return nnet
 
 
-def converted(nnet: Nnet) -> tuple[Nnet, int]:
+def rewritten(nnet: Nnet, rewrite) -> tuple[Nnet, int]:
+    """A copy of ``nnet`` rewritten in place by ``rewrite``, and what it returned."""
     out = nnet.copy()
-    return out, convert_lstm_cells_in_place(out)
+    return out, rewrite(out)
+
+
+def converted(nnet: Nnet) -> tuple[Nnet, int]:
+    return rewritten(nnet, convert_lstm_cells_in_place)
 
 
 def outputs(nnet: Nnet, frames: int = 9, seqs: int = 2, names=("output",)) -> dict:
