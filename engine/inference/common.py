@@ -52,9 +52,10 @@ def prepare_nnet(nnet, collapse: bool = True):
     rewritten as one LstmNonlinearityComponent each and their constant dropout masks
     dropped (engine.optimizer.fast_lstm), then nodes that pass their input through
     unchanged (gradient truncation and clipping, no-ops) made aliases of what they read
-    (engine.optimizer.aliases), then sibling affines fused and recurrent affines split (engine.optimizer.fuse: one
-    product per step for the gate affines of an LSTM that reads one input four times,
-    and only the recurrent columns of that product left in the frame-by-frame loop),
+    (engine.optimizer.aliases), then sibling affines fused and recurrent affines split
+    (engine.optimizer.fuse: one product per step for the gate affines of an LSTM that
+    reads one input four times, and only the recurrent columns of that product left in
+    the frame-by-frame loop),
     then collapsed again (the split's outside half may fold what precedes it); its
     parameters read-only (``Nnet.freeze_parameters``).  The caller's network is never
     modified."""

@@ -64,6 +64,7 @@ _SCALES = (PerElementScaleComponent, NaturalGradientPerElementScaleComponent)
 _NAME = r"([^\s(),]+)"
 _SUM = re.compile(rf"Sum\({_NAME}, {_NAME}\)")
 _APPEND = re.compile(rf"Append\({_NAME}, (.+)\)")
+_APPEND2 = re.compile(rf"Append\({_NAME}, {_NAME}\)")
 _DELAYED = r"IfDefined\(Offset\({}, -?\d+\)\)"
 
 
@@ -93,8 +94,9 @@ def drop_constant_dropout_masks_in_place(nnet: Nnet) -> int:
         comp = table.comp(n)
         if type(comp) is not LstmNonlinearityComponent or not comp.use_dropout:
             continue
-        texts = [p.write(nnet.node_names) for p in nnet.nodes[n - 1].descriptor.parts]
-        mask = table.comp(table.node(texts[-1])) if table.node(texts[-1]) >= 0 else None
+        texts = table.part_texts(n)
+        m = table.node(texts[-1])
+        mask = table.comp(m) if m >= 0 else None
         if type(mask) is DropoutMaskComponent and mask.output_dim() == 3 and (
                 mask.dropout_proportion == 0.0 or (mask.test_mode and mask.continuous)):
             edits[n] = texts[:-1]
@@ -253,7 +255,7 @@ class _Cells(NodeTable):
 
 def _two(text: str) -> tuple[str, str] | None:
     """The two node names of ``Append(a, b)``, or None."""
-    m = re.fullmatch(rf"Append\({_NAME}, {_NAME}\)", text)
+    m = _APPEND2.fullmatch(text)
     return (m[1], m[2]) if m else None
 
 

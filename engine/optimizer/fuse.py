@@ -50,12 +50,11 @@ import numpy as np
 from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent,
                                            NaturalGradientAffineComponent)
 from engine.nnet.components.misc import NoOpComponent
-from engine.nnet.descriptor_parse import parse_descriptor
 from engine.nnet.descriptors import (BinarySumDescriptor, SimpleForwardingDescriptor,
                                      SimpleSumDescriptor, SumOp)
 from engine.nnet.graph import find_sccs, nnet_to_directed_graph
-from engine.nnet.nnet import NetworkNode, Nnet, NodeType
-from engine.optimizer.collapse import remove_orphan_components
+from engine.nnet.nnet import Nnet, NodeType
+from engine.optimizer.node_table import NodeListBuilder
 
 _FUSABLE = (AffineComponent, NaturalGradientAffineComponent, FixedAffineComponent)
 
@@ -134,76 +133,38 @@ def _unique(name: str, taken: set) -> str:
 
 
 def _rewrite(nnet: Nnet, groups: list[list[int]]) -> None:
-    old_nodes, old_names = nnet.nodes, nnet.node_names
-    texts = {i: node.descriptor.write(old_names) for i, node in enumerate(old_nodes)
-             if node.type == NodeType.DESCRIPTOR}
+    out = NodeListBuilder(nnet)
+    old_names = out.names
     taken = set(old_names) | set(nnet.component_names)
-    # member node -> (fused node name, column offset); first member -> its group
+    # member node -> (fused node name, column offset); first member -> its fused component
     block: dict[int, tuple[str, int]] = {}
-    first_of: dict[int, tuple[str, int]] = {}
+    first_of: dict[int, tuple[str, object]] = {}
     for members in groups:
-        comps = [nnet.components[old_nodes[n].component_index] for n in members]
-        fused = stacked_affine(comps)
+        comps = [nnet.components[nnet.nodes[n].component_index] for n in members]
         name = _taking(f"{old_names[members[0]]}.fused", taken)
-        fused.name = name
-        nnet.components.append(fused)
-        nnet.component_names.append(name)
-        first_of[members[0]] = (name, len(nnet.components) - 1)
+        first_of[members[0]] = (name, stacked_affine(comps))
         offset = 0
         for n, comp in zip(members, comps):
             block[n] = (name, offset)
             offset += comp.linear_params.shape[0]
     # the new node list: each group's fused pair where its first member's input
     # descriptor was; members as dim-range nodes; their input descriptors dropped
-    new_nodes: list[NetworkNode] = []
-    dim_range_src: dict[int, str] = {}      # new node position -> source node name
-    pending: dict[int, str] = {}            # new node position -> descriptor text
-    for i, node in enumerate(old_nodes):
+    for i, node in enumerate(nnet.nodes):
         if i + 1 in block:                  # a member's input descriptor
             if i + 1 in first_of:
-                name, ci = first_of[i + 1]
-                new_nodes.append(NetworkNode(f"{name}_input", NodeType.DESCRIPTOR,
-                                             origin=node.origin))
-                pending[len(new_nodes) - 1] = texts[i]
-                new_nodes.append(NetworkNode(name, NodeType.COMPONENT, component_index=ci,
-                                             origin=old_nodes[i + 1].origin))
-            continue
-        if i in block:                      # a member: a dim-range node of its block
+                name, fused = first_of[i + 1]
+                out.component(name, name, fused, out.texts[i], nnet.nodes[i + 1].origin)
+        elif i in block:                    # a member: a dim-range node of its block
             name, offset = block[i]
-            new_nodes.append(NetworkNode(node.name, NodeType.DIM_RANGE, dim_offset=offset,
-                                         dim=nnet.components[node.component_index]
-                                         .linear_params.shape[0], origin=node.origin))
-            dim_range_src[len(new_nodes) - 1] = name
-            continue
-        copy = node.copy()
-        if node.type == NodeType.DESCRIPTOR:
-            pending[len(new_nodes)] = texts[i]
-        elif node.type == NodeType.DIM_RANGE:
-            src = node.node_index
-            if src in block:                # over a member: over the fused node
-                name, offset = block[src]
-                copy.dim_offset += offset
-                dim_range_src[len(new_nodes)] = name
-            else:
-                dim_range_src[len(new_nodes)] = old_names[src]
-        new_nodes.append(copy)
-    _install(nnet, new_nodes, pending, dim_range_src)
-
-
-def _install(nnet: Nnet, new_nodes: list[NetworkNode], pending: dict[int, str],
-             dim_range_src: dict[int, str]) -> None:
-    """Make ``new_nodes`` the network's nodes: descriptor nodes parsed from their text
-    (``pending``, by position), dim-range nodes pointed at their source by name; then
-    the components no node uses any more removed."""
-    nnet.nodes = new_nodes
-    names, referable = nnet.node_names, nnet.referable_names()
-    index = {name: i for i, name in enumerate(names)}
-    for i, node in enumerate(new_nodes):
-        if node.type == NodeType.DESCRIPTOR:
-            node.descriptor = parse_descriptor(pending[i], referable, names)
-        elif node.type == NodeType.DIM_RANGE:
-            node.node_index = index[dim_range_src[i]]
-    remove_orphan_components(nnet)
+            out.dim_range(node.name, name, offset,
+                          nnet.components[node.component_index].linear_params.shape[0],
+                          node.origin)
+        elif node.type == NodeType.DIM_RANGE and node.node_index in block:
+            name, offset = block[node.node_index]   # over a member: over the fused node
+            out.dim_range(node.name, name, node.dim_offset + offset, node.dim, node.origin)
+        else:
+            out.keep(i)
+    out.install()
 
 
 # -- splitting a recurrent affine into its non-recurrent and recurrent columns -------------
@@ -312,7 +273,6 @@ def _split(nnet: Nnet, plans) -> None:
             sum_node.dim = w.shape[0]
             replace[n].append((old_names[n], _taking(f"{old_names[n]}.sum", taken), sum_node,
                                sum_text))
-    from engine.optimizer.node_table import NodeListBuilder  # noqa: PLC0415
     out = NodeListBuilder(nnet)
     for i, node in enumerate(old_nodes):
         if i + 1 in replace:

@@ -5,7 +5,9 @@ parts, each node's readers, and where dim-range nodes and plain pass-throughs le
 from __future__ import annotations
 
 from engine.nnet.components.base import ComponentProperty as P
-from engine.nnet.nnet import Nnet, NodeType
+from engine.nnet.descriptor_parse import parse_descriptor
+from engine.nnet.nnet import NetworkNode, Nnet, NodeType
+from engine.optimizer.collapse import remove_orphan_components
 
 
 class NodeTable:
@@ -48,10 +50,14 @@ class NodeTable:
             return self.comp(n).output_dim()
         return node.dim
 
+    def part_texts(self, n: int) -> list[str]:
+        """The texts of the parts component node n's input appends (one: the whole)."""
+        return self._parts.get(n, [])
+
     def bare_parts(self, n: int) -> list[int] | None:
         """The nodes component node n's input appends, each read plainly (no offset,
         scale or other expression), or None when its input is anything else."""
-        parts = [self.index.get(t, -1) for t in self._parts.get(n, ())]
+        parts = [self.index.get(t, -1) for t in self.part_texts(n)]
         return parts if parts and min(parts) >= 0 else None
 
     def source(self, n: int, offset: int) -> tuple[int, int]:
@@ -84,8 +90,8 @@ class NodeListBuilder:
     """A new node list for ``nnet`` made node by node (the rewrites' common last step):
     old nodes kept as they are, component nodes added with their input descriptors
     (as text) and components, dim-range nodes added over a source named; ``install``
-    makes it the network's (engine.optimizer.fuse._install: descriptors parsed,
-    dim-range sources found by name, unused components removed)."""
+    makes it the network's (descriptors parsed, dim-range sources found by name, unused
+    components removed)."""
 
     def __init__(self, nnet: Nnet) -> None:
         self.nnet = nnet
@@ -107,7 +113,6 @@ class NodeListBuilder:
 
     def component(self, name: str, comp_name: str, comp, text: str, origin) -> None:
         """A component node ``name`` of a new component over descriptor ``text``."""
-        from engine.nnet.nnet import NetworkNode  # noqa: PLC0415
         comp.name = comp_name
         self.nnet.components.append(comp)
         self.nnet.component_names.append(comp_name)
@@ -118,11 +123,18 @@ class NodeListBuilder:
                                       origin=origin))
 
     def dim_range(self, name: str, source: str, offset: int, dim: int, origin) -> None:
-        from engine.nnet.nnet import NetworkNode  # noqa: PLC0415
         self.dim_range_src[len(self.nodes)] = source
         self.nodes.append(NetworkNode(name, NodeType.DIM_RANGE, dim_offset=offset, dim=dim,
                                       origin=origin))
 
     def install(self) -> None:
-        from engine.optimizer.fuse import _install  # noqa: PLC0415
-        _install(self.nnet, self.nodes, self.pending, self.dim_range_src)
+        nnet = self.nnet
+        nnet.nodes = self.nodes
+        names, referable = nnet.node_names, nnet.referable_names()
+        index = {name: i for i, name in enumerate(names)}
+        for i, node in enumerate(self.nodes):
+            if node.type == NodeType.DESCRIPTOR:
+                node.descriptor = parse_descriptor(self.pending[i], referable, names)
+            elif node.type == NodeType.DIM_RANGE:
+                node.node_index = index[self.dim_range_src[i]]
+        remove_orphan_components(nnet)
