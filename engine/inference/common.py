@@ -48,10 +48,13 @@ def lcm(a: int, b: int) -> int:
 def prepare_nnet(nnet, collapse: bool = True):
     """A copy of ``nnet`` ready for decoding: batch-norm and dropout in test mode;
     with ``collapse``, Kaldi's CollapseModel with every fold on (``DECODING_COLLAPSE``),
-    then LSTM cells written as sigmoid, tanh and product nodes (Kaldi's "lstmp-layer")
-    rewritten as one LstmNonlinearityComponent each and their constant dropout masks
-    dropped (engine.optimizer.fast_lstm), then nodes that pass their input through
-    unchanged (gradient truncation and clipping, no-ops) made aliases of what they read
+    then batch-norms and fixed scales or biases that CollapseModel leaves (after a ReLU,
+    before a residual sum) folded into the affines around them
+    (engine.optimizer.fold_diagonal), then LSTM cells written as sigmoid, tanh and
+    product nodes (Kaldi's "lstmp-layer") rewritten as one LstmNonlinearityComponent
+    each and their constant dropout masks dropped (engine.optimizer.fast_lstm), then
+    nodes that pass their input through unchanged (gradient truncation and clipping,
+    no-ops, test-mode dropout) made aliases of what they read
     (engine.optimizer.aliases), then sibling affines fused and recurrent affines split
     (engine.optimizer.fuse: one product per step for the gate affines of an LSTM that
     reads one input four times, and only the recurrent columns of that product left in
@@ -61,6 +64,7 @@ def prepare_nnet(nnet, collapse: bool = True):
     modified."""
     from engine.optimizer.collapse import collapse_model_in_place  # noqa: PLC0415
     from engine.optimizer.aliases import alias_forward_identities_in_place  # noqa: PLC0415
+    from engine.optimizer.fold_diagonal import fold_diagonal_nodes_in_place  # noqa: PLC0415
     from engine.optimizer.fast_lstm import (convert_lstm_cells_in_place,  # noqa: PLC0415
                                             drop_constant_dropout_masks_in_place)
     from engine.optimizer.fuse import (fuse_sibling_affines_in_place,  # noqa: PLC0415
@@ -69,6 +73,7 @@ def prepare_nnet(nnet, collapse: bool = True):
     nnet.set_test_mode(True)
     if collapse:
         collapse_model_in_place(nnet, DECODING_COLLAPSE)
+        fold_diagonal_nodes_in_place(nnet)
         convert_lstm_cells_in_place(nnet)
         drop_constant_dropout_masks_in_place(nnet)
         alias_forward_identities_in_place(nnet)

@@ -3,7 +3,8 @@ has no counterpart).
 
 A component node whose component passes its input through unchanged in the forward
 direction -- BackpropTruncationComponent with scale 1 and ClipGradientComponent, which
-act on derivatives only, and NoOpComponent -- costs a decoding network an input assembly
+act on derivatives only, NoOpComponent, and GeneralDropout / SpecAugmentTimeMask in test
+mode, which copy (Dropout too, where its proportion is 0) -- costs a decoding network an input assembly
 and a copy wherever it sits; in a recurrence, at every step.  Kaldi's recurrent layers
 put one in each loop: a projected LSTM's ``r_t = r(r_t_preclip)``, a fast LSTM's
 ``cr_trunc = trunc(Append(c, r))`` read through the dim-range nodes ``c_trunc`` and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from engine.nnet.components.gradient_control import (BackpropTruncationComponent,
                                                      ClipGradientComponent)
+from engine.nnet.components.dropout import DropoutComponent, IndexedMaskComponent
 from engine.nnet.components.misc import NoOpComponent
 from engine.nnet.nnet import Nnet, NodeType
 from engine.optimizer.collapse import remove_orphan_nodes
@@ -51,9 +53,14 @@ def alias_forward_identities_in_place(nnet: Nnet) -> int:
 
 
 def _is_identity(comp) -> bool:
+    """Whether ``comp``'s output is its input: a no-op, gradient clipping, gradient
+    truncation with scale 1, or a dropout-type component that does nothing (test mode:
+    GeneralDropout and SpecAugmentTimeMask copy, Dropout scales by 1 - p)."""
     t = type(comp)
     return (t in (ClipGradientComponent, NoOpComponent)
-            or (t is BackpropTruncationComponent and comp.scale_value == 1.0))
+            or (t is BackpropTruncationComponent and comp.scale_value == 1.0)
+            or (isinstance(comp, IndexedMaskComponent) and comp._inactive())
+            or (t is DropoutComponent and comp.test_mode and comp.dropout_proportion == 0.0))
 
 
 def _plan(table: NodeTable) -> dict[int, list]:

@@ -1,0 +1,341 @@
+"""Per-column scale-and-offset nodes folded into the affine components around them, for
+inference (an nnetc model simplification; it extends Kaldi's CollapseModel, which folds
+such a node only into an affine component that reads it directly).
+
+A *diagonal* node computes ``y = s * x + o`` per column: a batch-norm in test mode, a
+FixedScaleComponent (o = 0), a FixedBiasComponent (s = 1) or a DropoutComponent in test
+mode (s = 1 - p, o = 0).  Kaldi's TDNN-F layer puts
+one after a ReLU whose output feeds a residual sum::
+
+    affine -> relu -> batchnorm -> dropout -> noop = Sum(Scale(0.66, previous noop), dropout)
+
+and the next layer's linear reads the sum, so CollapseModel leaves every such batch-norm
+in place: a pass over the layer's output per frame (7 of TDNN-F's 101 commands at chunk
+21, ~9% of its forward time).  Here the node is made an identity (a NoOpComponent, which
+engine.optimizer.aliases then turns into an alias of its input) and its transform is
+carried forward, as "the true value of node n is S * stored + C" (per-column vectors S,
+C), through the nodes that read it:
+
+- forward identities (no-op, test-mode dropout, gradient truncation and clipping) pass
+  it on, and so do other diagonal nodes (their constants change); so do dim-range nodes (their columns of it) and input descriptors made of
+  Append, Sum, Scale, Offset, ReplaceIndex and Round (a Sum only where its terms share
+  one S; constants add up, Scale() scales them);
+- an affine component (Affine, NaturalGradientAffine, FixedAffine, a Tdnn with bias)
+  absorbs it: W' = W diag(S), b' = b + W C (a Tdnn's columns per time offset);
+- a Linear or bias-free Tdnn takes S into its columns and passes on the constant W C as
+  a new transform (1, W C) of its own output, for the affine after it to absorb.
+
+Anything else reading a carried node (a nonlinearity, an output, IfDefined, Failover or
+Switch, a recurrence back to an earlier node) leaves the diagonal node as it was.
+
+Where the diagonal node reads a ReLU whose input is an affine-type node read by nothing
+else, and every scale is positive, the scale goes *before* the ReLU instead
+(relu(s z) = s relu(z) for s > 0): the affine's rows are scaled by s, the diagonal node
+passes on only (1, o), and the ReLU's other readers take (1/s, 0).  That is the TDNN-F
+case, where the constant then flows along the residual sums into the next layers'
+affine biases.
+
+Outputs are the network's to float32 rounding (the products are formed in float64 and
+rounded once); derivatives of the removed nodes' inputs are not the network's, which is
+why this is for decoding networks (``engine.inference.common.prepare_nnet``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from engine.nnet.components.affine import (
+    AffineComponent,
+    FixedAffineComponent,
+    LinearComponent,
+    NaturalGradientAffineComponent,
+)
+from engine.nnet.components.dropout import DropoutComponent
+from engine.nnet.components.misc import NoOpComponent
+from engine.nnet.components.nonlinear import RectifiedLinearComponent
+from engine.nnet.components.normalize import BatchNormComponent
+from engine.nnet.components.scale_offset import FixedBiasComponent, FixedScaleComponent
+from engine.nnet.components.tdnn import TdnnComponent
+from engine.nnet.descriptors import (
+    BinarySumDescriptor,
+    ConstantSumDescriptor,
+    OffsetForwardingDescriptor,
+    ReplaceIndexForwardingDescriptor,
+    RoundingForwardingDescriptor,
+    SimpleForwardingDescriptor,
+    SimpleSumDescriptor,
+    SumOp,
+)
+from engine.nnet.nnet import Nnet, NodeType
+from engine.optimizer.aliases import _is_identity
+from engine.optimizer.collapse import remove_orphan_components
+from engine.optimizer.node_table import NodeTable
+
+_AFFINE = (AffineComponent, NaturalGradientAffineComponent, FixedAffineComponent)
+
+
+class _Abort(Exception):
+    """A carried transform reaches something that cannot take it."""
+
+
+def fold_diagonal_nodes_in_place(nnet: Nnet) -> int:
+    """Fold, in place, every diagonal node that can be folded (see the module
+    docstring) into the affine components after (and, through a ReLU, before) it;
+    returns the number of nodes folded.  Their nodes stay, as identities."""
+    folded = 0
+    tried: set[str] = set()
+    while True:
+        table = NodeTable(nnet)
+        for b, node in enumerate(nnet.nodes):
+            if node.type != NodeType.COMPONENT or node.name in tried:
+                continue
+            if _diagonal(table.comp(b)) is None:
+                continue
+            tried.add(node.name)
+            plan = _plan(table, b)
+            if plan is not None:
+                _apply(nnet, plan)
+                folded += 1
+                break
+        else:
+            break
+    if folded:
+        remove_orphan_components(nnet)
+        nnet.validate()
+    return folded
+
+
+def _diagonal(comp) -> tuple[np.ndarray, np.ndarray] | None:
+    """(s, o) in float64, one entry per column, when ``comp`` computes y = s * x + o."""
+    t = type(comp)
+    if t is BatchNormComponent:
+        if not comp.test_mode or comp.scale_vec.shape[0] == 0:
+            return None
+        reps = comp.dim // comp.block_dim
+        return (np.tile(np.asarray(comp.scale_vec, np.float64), reps),
+                np.tile(np.asarray(comp.offset_vec, np.float64), reps))
+    if t is FixedScaleComponent:
+        s = np.asarray(comp.scales, np.float64)
+        return s, np.zeros_like(s)
+    if t is FixedBiasComponent:
+        o = np.asarray(comp.bias, np.float64)
+        return np.ones_like(o), o
+    if t is DropoutComponent and comp.test_mode:
+        return np.full(comp.dim, 1.0 - comp.dropout_proportion), np.zeros(comp.dim)
+    return None
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+
+class _Plan:
+    def __init__(self, b: int) -> None:
+        self.b = b                                  # the diagonal node (becomes a no-op)
+        self.components: dict[int, object] = {}    # node -> its new component
+
+
+def _plan(table: NodeTable, b: int) -> _Plan | None:
+    s, o = _diagonal(table.comp(b))
+    parts = table.bare_parts(b)
+    if parts is None or len(parts) != 1:
+        return None
+    plan = _Plan(b)
+    carried: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    x = parts[0]
+    a = _relu_source(table, x)
+    if a >= 0 and (s > 0).all():
+        # the scale before the ReLU: its source's rows scaled, the ReLU's other
+        # readers compensate, the diagonal node adds the offset only
+        plan.components[a] = _rows_scaled(table.comp(a), s)
+        carried[x] = (1.0 / s, np.zeros_like(s))
+        carried[b] = (np.ones_like(s), o)
+    else:
+        carried[b] = (s, o)
+    try:
+        _carry(table, plan, carried)
+    except _Abort:
+        return None
+    return plan
+
+
+def _relu_source(table: NodeTable, x: int) -> int:
+    """The node a ReLU node ``x`` reads plainly, when that is an affine-type component
+    node read by ``x`` alone; else -1."""
+    if type(table.comp(x)) is not RectifiedLinearComponent:
+        return -1
+    parts = table.bare_parts(x)
+    if parts is None or len(parts) != 1:
+        return -1
+    a = parts[0]
+    comp = table.comp(a)
+    if not isinstance(comp, (*_AFFINE, LinearComponent, TdnnComponent)):
+        return -1
+    return a if table.readers[a] == {x} else -1
+
+
+def _carry(table: NodeTable, plan: _Plan, carried: dict) -> None:
+    """Follow the transforms in ``carried`` through their readers, node by node in
+    order (a node's readers come after it but for recurrences, which abort), recording
+    new components in ``plan``; raises _Abort where a reader cannot take one."""
+    nnet = table.nnet
+    start = min(carried)
+    # the loop below visits each node after those it reads; a reader before what it
+    # reads (a recurrence) would be missed
+    for c in carried:
+        if any(r <= c for r in table.readers[c]):
+            raise _Abort()
+    for n in range(start + 1, len(nnet.nodes)):
+        node = nnet.nodes[n]
+        if node.type == NodeType.DIM_RANGE:
+            if node.node_index in carried:
+                if any(r <= n for r in table.readers[n]):
+                    raise _Abort()
+                S, C = carried[node.node_index]
+                lo, hi = node.dim_offset, node.dim_offset + node.dim
+                carried[n] = (S[lo:hi], C[lo:hi])
+            continue
+        if node.type != NodeType.DESCRIPTOR:
+            continue
+        deps = node.descriptor.get_node_dependencies()
+        if not any(d in carried for d in deps):
+            continue
+        owner = n + 1
+        if owner >= len(nnet.nodes) or not nnet.is_component_node(owner):
+            raise _Abort()                          # an output node
+        if owner == plan.b:
+            continue                                # the diagonal node itself
+        S, C = _descriptor_transform(node.descriptor, carried, nnet)
+        comp = table.comp(owner)
+        out = _through_component(comp, S, C)
+        if out is None:
+            continue
+        new, carry = out
+        if new is not None:
+            plan.components[owner] = new
+        if carry is not None:
+            if any(r <= owner for r in table.readers[owner]):
+                raise _Abort()                      # a recurrence
+            carried[owner] = carry
+    # every carried node is read by nothing after the last node: done
+
+
+def _descriptor_transform(desc, carried: dict, nnet) -> tuple[np.ndarray, np.ndarray]:
+    """(S, C) of an input descriptor over its whole dimension (parts appended)."""
+    Ss, Cs = [], []
+    for part in desc.parts:
+        t = _sum_transform(part, carried)
+        if t is None:
+            d = part.dim(nnet)
+            t = (np.ones(d), np.zeros(d))
+        Ss.append(t[0])
+        Cs.append(t[1])
+    return np.concatenate(Ss), np.concatenate(Cs)
+
+
+def _sum_transform(sd, carried: dict):
+    """(S, C) of a sum descriptor, or None when it reads nothing carried."""
+    if isinstance(sd, ConstantSumDescriptor):
+        return None
+    if isinstance(sd, SimpleSumDescriptor):
+        fd = sd.src
+        while isinstance(fd, (OffsetForwardingDescriptor, ReplaceIndexForwardingDescriptor,
+                              RoundingForwardingDescriptor)):
+            fd = fd.src
+        if isinstance(fd, SimpleForwardingDescriptor):
+            t = carried.get(fd.node_index)
+            if t is None:
+                return None
+            return t[0], fd.scale * t[1]
+    elif isinstance(sd, BinarySumDescriptor) and sd.op == SumOp.SUM:
+        t1, t2 = _sum_transform(sd.src1, carried), _sum_transform(sd.src2, carried)
+        if t1 is None or t2 is None:
+            t = t2 if t1 is None else t1
+            # a term beside one that reads nothing carried (S = 1 there)
+            if t is not None and not (t[0] == 1.0).all():
+                raise _Abort()
+            return t
+        if not np.array_equal(t1[0], t2[0]):
+            raise _Abort()
+        return t1[0], t1[1] + t2[1]
+    # IfDefined, Failover, Switch: only when nothing they read is carried
+    if any(d in carried for d in sd.get_node_dependencies()):
+        raise _Abort()
+    return None
+
+
+def _through_component(comp, S: np.ndarray, C: np.ndarray):
+    """What component ``comp`` does with an input transform (S, C): None when nothing
+    changes, else (new component or None, transform its output carries or None)."""
+    if (S == 1.0).all() and not C.any():
+        return None
+    if _is_identity(comp):
+        return None, (S, C)
+    diagonal = _diagonal(comp)
+    if diagonal is not None:
+        # y = s2 x + o2 on x = S x' + C: S (s2 x' + o2) + s2 C + o2 - S o2
+        s2, o2 = diagonal
+        return None, (S, s2 * C + (1.0 - S) * o2)
+    if isinstance(comp, _AFFINE):
+        w = np.asarray(comp.linear_params, np.float64)
+        new = comp.copy()
+        new.linear_params = (w * S[None, :]).astype(np.float32)
+        new.bias_params = (np.asarray(comp.bias_params, np.float64) + w @ C).astype(np.float32)
+        return new, None
+    if isinstance(comp, TdnnComponent):
+        k = len(comp.time_offsets)
+        w = np.asarray(comp.linear_params, np.float64)
+        const = w @ np.tile(C, k)
+        new = comp.copy()
+        new.linear_params = (w * np.tile(S, k)[None, :]).astype(np.float32)
+        if comp.bias_params.shape[0]:
+            new.bias_params = (np.asarray(comp.bias_params, np.float64) + const
+                               ).astype(np.float32)
+            return new, None
+        return new, ((np.ones_like(const), const) if const.any() else None)
+    if isinstance(comp, LinearComponent):
+        w = np.asarray(comp.params, np.float64)
+        const = w @ C
+        new = comp.copy()
+        new.params = (w * S[None, :]).astype(np.float32)
+        return new, ((np.ones_like(const), const) if const.any() else None)
+    raise _Abort()
+
+
+def _rows_scaled(comp, s: np.ndarray):
+    """A copy of affine-type ``comp`` with output row r scaled by s[r]."""
+    new = comp.copy()
+    if isinstance(comp, LinearComponent):
+        new.params = (np.asarray(comp.params, np.float64) * s[:, None]).astype(np.float32)
+        return new
+    new.linear_params = (np.asarray(comp.linear_params, np.float64) * s[:, None]
+                         ).astype(np.float32)
+    if comp.bias_params.shape[0]:
+        new.bias_params = (np.asarray(comp.bias_params, np.float64) * s).astype(np.float32)
+    return new
+
+
+# -- applying it ----------------------------------------------------------------------------
+
+
+def _apply(nnet: Nnet, plan: _Plan) -> None:
+    names = nnet.component_names
+    b_node = nnet.nodes[plan.b]
+    identity = NoOpComponent()
+    identity.dim = nnet.components[b_node.component_index].output_dim()
+    plan.components[plan.b] = identity
+    for n, comp in plan.components.items():
+        node = nnet.nodes[n]
+        base = re.sub(r"\.fold\d*$", "", names[node.component_index]) + ".fold"
+        name, k = base, 1
+        while nnet.get_component_index(name) >= 0:
+            k += 1
+            name = f"{base}{k}"
+        comp.name = name
+        nnet.components.append(comp)
+        nnet.component_names.append(name)
+        node.component_index = len(nnet.components) - 1
+
+
+__all__ = ["fold_diagonal_nodes_in_place"]
