@@ -52,7 +52,7 @@ def alias_forward_identities_in_place(nnet: Nnet) -> int:
         total += len(plan)
 
 
-def _is_identity(comp) -> bool:
+def is_forward_identity(comp) -> bool:
     """Whether ``comp``'s output is its input: a no-op, gradient clipping, gradient
     truncation with scale 1, or a dropout-type component that does nothing (test mode:
     GeneralDropout and SpecAugmentTimeMask copy, Dropout scales by 1 - p)."""
@@ -69,7 +69,7 @@ def _plan(table: NodeTable) -> dict[int, list]:
     nnet = table.nnet
     found: dict[int, list] = {}
     for n, node in enumerate(nnet.nodes):
-        if node.type != NodeType.COMPONENT or not _is_identity(table.comp(n)):
+        if node.type != NodeType.COMPONENT or not is_forward_identity(table.comp(n)):
             continue
         parts = table.bare_parts(n)
         if parts is None:
@@ -135,5 +135,5 @@ def _apply(nnet: Nnet, table: NodeTable, plan: dict[int, list]) -> None:
     out.install()
 
 
-__all__ = ["alias_forward_identities_in_place"]
+__all__ = ["alias_forward_identities_in_place", "is_forward_identity"]
 

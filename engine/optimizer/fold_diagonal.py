@@ -46,30 +46,20 @@ import re
 
 import numpy as np
 
-from engine.nnet.components.affine import (
-    AffineComponent,
-    FixedAffineComponent,
-    LinearComponent,
-    NaturalGradientAffineComponent,
-)
+from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent,
+                                           LinearComponent, NaturalGradientAffineComponent)
 from engine.nnet.components.dropout import DropoutComponent
 from engine.nnet.components.misc import NoOpComponent
 from engine.nnet.components.nonlinear import RectifiedLinearComponent
 from engine.nnet.components.normalize import BatchNormComponent
 from engine.nnet.components.scale_offset import FixedBiasComponent, FixedScaleComponent
 from engine.nnet.components.tdnn import TdnnComponent
-from engine.nnet.descriptors import (
-    BinarySumDescriptor,
-    ConstantSumDescriptor,
-    OffsetForwardingDescriptor,
-    ReplaceIndexForwardingDescriptor,
-    RoundingForwardingDescriptor,
-    SimpleForwardingDescriptor,
-    SimpleSumDescriptor,
-    SumOp,
-)
+from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor,
+                                     OffsetForwardingDescriptor, ReplaceIndexForwardingDescriptor,
+                                     RoundingForwardingDescriptor, SimpleForwardingDescriptor,
+                                     SimpleSumDescriptor, SumOp)
 from engine.nnet.nnet import Nnet, NodeType
-from engine.optimizer.aliases import _is_identity
+from engine.optimizer.aliases import is_forward_identity
 from engine.optimizer.collapse import remove_orphan_components
 from engine.optimizer.node_table import NodeTable
 
@@ -270,7 +260,7 @@ def _through_component(comp, S: np.ndarray, C: np.ndarray):
     changes, else (new component or None, transform its output carries or None)."""
     if (S == 1.0).all() and not C.any():
         return None
-    if _is_identity(comp):
+    if is_forward_identity(comp):
         return None, (S, C)
     diagonal = _diagonal(comp)
     if diagonal is not None:

@@ -1,14 +1,13 @@
 """Per-column scale-and-offset nodes folded into the affines around them
 (engine/optimizer/fold_diagonal.py): which nodes fold and which stay, the folded
 parameters, outputs equal to the original's offline and in a looped stream, and a Kaldi
-TDNN-F (xconfig, Kaldi's reference outputs) with every batch-norm folded."""
+xconfig TDNN-F with every batch-norm folded (test_xconfig_architectures checks its decoding
+form against Kaldi's own outputs)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from refdata import DATA
-from test_fast_lstm import outputs, rewritten
 
 from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.compiler.shortcut import compile_request
@@ -19,6 +18,8 @@ from engine.nnet.nnet import Nnet
 from engine.nnet.random_config import random_inputs
 from engine.optimizer.fold_diagonal import fold_diagonal_nodes_in_place
 from engine.runtime.executor import run_computation
+from refdata import DATA
+from test_fast_lstm import outputs, rewritten
 
 
 def _nnet(text: str) -> Nnet:
@@ -42,8 +43,8 @@ def _folded(nnet: Nnet) -> tuple[Nnet, int]:
 
 def _types(nnet: Nnet) -> set[str]:
     """The component types the network's nodes use."""
-    return {type(nnet.components[node.component_index]).__name__ for node in nnet.nodes
-            if node.component_index >= 0 and nnet.is_component_node(nnet.nodes.index(node))}
+    return {type(nnet.components[node.component_index]).__name__
+            for i, node in enumerate(nnet.nodes) if nnet.is_component_node(i)}
 
 
 def assert_close_outputs(a: Nnet, b: Nnet, **kw) -> None:
