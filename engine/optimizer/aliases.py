@@ -4,8 +4,8 @@ has no counterpart).
 A component node whose component passes its input through unchanged in the forward
 direction -- BackpropTruncationComponent with scale 1 and ClipGradientComponent, which
 act on derivatives only, NoOpComponent, and GeneralDropout / SpecAugmentTimeMask in test
-mode, which copy (Dropout too, where its proportion is 0) -- costs a decoding network an input assembly
-and a copy wherever it sits; in a recurrence, at every step.  Kaldi's recurrent layers
+mode, which copy (Dropout too, where its proportion is 0) -- costs a decoding network an
+input assembly and a copy wherever it sits; in a recurrence, at every step.  Kaldi's recurrent layers
 put one in each loop: a projected LSTM's ``r_t = r(r_t_preclip)``, a fast LSTM's
 ``cr_trunc = trunc(Append(c, r))`` read through the dim-range nodes ``c_trunc`` and
 ``r_trunc`` (per step of the reference TDNN-LSTM: the copies of c and r into the
@@ -54,8 +54,9 @@ def alias_forward_identities_in_place(nnet: Nnet) -> int:
 
 def is_forward_identity(comp) -> bool:
     """Whether ``comp``'s output is its input: a no-op, gradient clipping, gradient
-    truncation with scale 1, or a dropout-type component that does nothing (test mode:
-    GeneralDropout and SpecAugmentTimeMask copy, Dropout scales by 1 - p)."""
+    truncation with scale 1, or a dropout-type component that does nothing
+    (GeneralDropout and SpecAugmentTimeMask in test mode or with nothing to drop;
+    Dropout in test mode with proportion 0, since its test mode scales by 1 - p)."""
     t = type(comp)
     return (t in (ClipGradientComponent, NoOpComponent)
             or (t is BackpropTruncationComponent and comp.scale_value == 1.0)
