@@ -112,7 +112,7 @@ def _tiled(vec: np.ndarray, dim: int) -> np.ndarray:
     return np.tile(np.asarray(vec, np.float64), dim // vec.shape[0])
 
 
-def _pre_multiply(offset: np.ndarray, scale: np.ndarray, bias: np.ndarray,
+def pre_multiply(offset: np.ndarray, scale: np.ndarray, bias: np.ndarray,
                   linear: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(bias, linear) of W (s x + o) + b, i.e. b + W o and W diag(s), with o and s
     repeated across the input columns (Kaldi's PreMultiplyAffineParameters)."""
@@ -281,7 +281,7 @@ class _Collapser:
             bias = comp.bias_params
             if bias.shape[0] == 0:          # a Tdnn without bias gets one
                 bias = np.zeros(linear.shape[0], np.float32)
-        new.bias_params, new.linear_params = _pre_multiply(offset, scale, bias, linear)
+        new.bias_params, new.linear_params = pre_multiply(offset, scale, bias, linear)
         return self._add(name, new)
 
     def collapse_affine(self, c1: int, c2: int) -> int:
@@ -374,5 +374,6 @@ def remove_orphan_components(nnet: Nnet) -> int:
 
 
 __all__ = ["CollapseModelConfig", "collapse_model", "collapse_model_in_place", "prepare_for_test",
+           "pre_multiply",
            "set_batchnorm_test_mode", "set_dropout_test_mode", "remove_orphan_nodes",
            "remove_orphan_components"]

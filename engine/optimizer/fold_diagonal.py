@@ -60,10 +60,19 @@ from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor,
                                      SimpleSumDescriptor, SumOp)
 from engine.nnet.nnet import Nnet, NodeType
 from engine.optimizer.aliases import is_forward_identity
-from engine.optimizer.collapse import remove_orphan_components
+from engine.optimizer.collapse import pre_multiply, remove_orphan_components
 from engine.optimizer.node_table import NodeTable
 
 _AFFINE = (AffineComponent, NaturalGradientAffineComponent, FixedAffineComponent)
+# components y = W x (+ b) whose W and b can take a transform of x or y
+_WEIGHTED = (*_AFFINE, LinearComponent, TdnnComponent)
+
+
+def _weights(comp) -> tuple[str, bool]:
+    """(the attribute holding W, whether ``comp`` has a bias) of a _WEIGHTED component."""
+    if isinstance(comp, LinearComponent):
+        return "params", False
+    return "linear_params", isinstance(comp, _AFFINE) or comp.bias_params.shape[0] > 0
 
 
 class _Abort(Exception):
@@ -159,8 +168,7 @@ def _relu_source(table: NodeTable, x: int) -> int:
     if parts is None or len(parts) != 1:
         return -1
     a = parts[0]
-    comp = table.comp(a)
-    if not isinstance(comp, (*_AFFINE, LinearComponent, TdnnComponent)):
+    if not isinstance(table.comp(a), _WEIGHTED):
         return -1
     return a if table.readers[a] == {x} else -1
 
@@ -171,17 +179,13 @@ def _carry(table: NodeTable, plan: _Plan, carried: dict) -> None:
     new components in ``plan``; raises _Abort where a reader cannot take one."""
     nnet = table.nnet
     start = min(carried)
-    # the loop below visits each node after those it reads; a reader before what it
-    # reads (a recurrence) would be missed
     for c in carried:
-        if any(r <= c for r in table.readers[c]):
-            raise _Abort()
+        _check_read_later(table, c)
     for n in range(start + 1, len(nnet.nodes)):
         node = nnet.nodes[n]
         if node.type == NodeType.DIM_RANGE:
             if node.node_index in carried:
-                if any(r <= n for r in table.readers[n]):
-                    raise _Abort()
+                _check_read_later(table, n)
                 S, C = carried[node.node_index]
                 lo, hi = node.dim_offset, node.dim_offset + node.dim
                 carried[n] = (S[lo:hi], C[lo:hi])
@@ -205,10 +209,17 @@ def _carry(table: NodeTable, plan: _Plan, carried: dict) -> None:
         if new is not None:
             plan.components[owner] = new
         if carry is not None:
-            if any(r <= owner for r in table.readers[owner]):
-                raise _Abort()                      # a recurrence
+            _check_read_later(table, owner)
             carried[owner] = carry
     # every carried node is read by nothing after the last node: done
+
+
+def _check_read_later(table: NodeTable, n: int) -> None:
+    """_Abort unless every reader of node n comes after it: _carry visits each node
+    after those it reads, so a reader before what it reads (a recurrence) would be
+    missed."""
+    if any(r <= n for r in table.readers[n]):
+        raise _Abort()
 
 
 def _descriptor_transform(desc, carried: dict, nnet) -> tuple[np.ndarray, np.ndarray]:
@@ -267,41 +278,30 @@ def _through_component(comp, S: np.ndarray, C: np.ndarray):
         # y = s2 x + o2 on x = S x' + C: S (s2 x' + o2) + s2 C + o2 - S o2
         s2, o2 = diagonal
         return None, (S, s2 * C + (1.0 - S) * o2)
-    if isinstance(comp, _AFFINE):
-        w = np.asarray(comp.linear_params, np.float64)
-        new = comp.copy()
-        new.linear_params = (w * S[None, :]).astype(np.float32)
-        new.bias_params = (np.asarray(comp.bias_params, np.float64) + w @ C).astype(np.float32)
+    if not isinstance(comp, _WEIGHTED):
+        raise _Abort()
+    # W (S x + C) + b = W diag(S) x + (b + W C), S and C repeated for each time offset
+    # of a Tdnn: the bias takes W C, or, without one, the output carries it on
+    attr, has_bias = _weights(comp)
+    w = getattr(comp, attr)
+    bias = comp.bias_params if has_bias else np.zeros(w.shape[0], np.float32)
+    new_bias, new_w = pre_multiply(C, S, bias, w)
+    new = comp.copy()
+    setattr(new, attr, new_w)
+    if has_bias:
+        new.bias_params = new_bias
         return new, None
-    if isinstance(comp, TdnnComponent):
-        k = len(comp.time_offsets)
-        w = np.asarray(comp.linear_params, np.float64)
-        const = w @ np.tile(C, k)
-        new = comp.copy()
-        new.linear_params = (w * np.tile(S, k)[None, :]).astype(np.float32)
-        if comp.bias_params.shape[0]:
-            new.bias_params = (np.asarray(comp.bias_params, np.float64) + const
-                               ).astype(np.float32)
-            return new, None
-        return new, ((np.ones_like(const), const) if const.any() else None)
-    if isinstance(comp, LinearComponent):
-        w = np.asarray(comp.params, np.float64)
-        const = w @ C
-        new = comp.copy()
-        new.params = (w * S[None, :]).astype(np.float32)
-        return new, ((np.ones_like(const), const) if const.any() else None)
-    raise _Abort()
+    const = new_bias.astype(np.float64)
+    return new, ((np.ones_like(const), const) if const.any() else None)
 
 
 def _rows_scaled(comp, s: np.ndarray):
-    """A copy of affine-type ``comp`` with output row r scaled by s[r]."""
+    """A copy of _WEIGHTED ``comp`` with output row r scaled by s[r]."""
+    attr, has_bias = _weights(comp)
     new = comp.copy()
-    if isinstance(comp, LinearComponent):
-        new.params = (np.asarray(comp.params, np.float64) * s[:, None]).astype(np.float32)
-        return new
-    new.linear_params = (np.asarray(comp.linear_params, np.float64) * s[:, None]
-                         ).astype(np.float32)
-    if comp.bias_params.shape[0]:
+    setattr(new, attr, (np.asarray(getattr(comp, attr), np.float64) * s[:, None]
+                        ).astype(np.float32))
+    if has_bias:
         new.bias_params = (np.asarray(comp.bias_params, np.float64) * s).astype(np.float32)
     return new
 
