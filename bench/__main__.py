@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--network", default="decoding", choices=list(NETWORKS),
                     help="the form of each network timed: 'decoding' (what the inference "
                          "front-end runs: Kaldi's CollapseModel with every fold, then "
-                         "LSTM cells as LstmNonlinearity, forward identities as aliases, "
-                         "sibling-affine fusion and "
-                         "recurrent-affine splitting) "
+                         "batch-norms folded into the affines around them, LSTM cells as "
+                         "LstmNonlinearity, forward identities as aliases, sibling-affine "
+                         "fusion and recurrent-affine splitting) "
                          "or 'as-stored' (test mode only: the structure Kaldi's "
                          "kaldi_stats.json figures were measured on)")
     ap.add_argument("--json", dest="json_path", default=None, help="also write JSON here")

@@ -116,9 +116,9 @@ NETWORKS = ("decoding", "as-stored")
 
 def load_for_inference(path, network: str = "decoding"):
     """The network in test mode, read-only, as the engine decodes it (``decoding``:
-    Kaldi's CollapseModel with every fold, then nnetc's LSTM-cell rewriting,
-    forward-identity aliases, sibling-affine fusion and recurrent-affine splitting:
-    engine.inference.common.prepare_nnet) or with its
+    Kaldi's CollapseModel with every fold, then nnetc's batch-norm folding, LSTM-cell
+    rewriting, forward-identity aliases, sibling-affine fusion and recurrent-affine
+    splitting: engine.inference.common.prepare_nnet) or with its
     structure as stored (``as-stored``: test mode only -- the network Kaldi's
     kaldi_stats.json figures were measured on, command for command)."""
     from engine.inference.common import prepare_nnet  # noqa: PLC0415

@@ -510,10 +510,11 @@ def bench_group() -> None:
 @click.option("--network", type=click.Choice(["decoding", "as-stored"]), default="decoding",
               show_default=True,
               help="The network timed: as the inference front-end runs it (Kaldi's "
-                   "CollapseModel with every fold, then LSTM cells as LstmNonlinearity, "
-                   "forward identities as aliases, sibling-affine fusion and recurrent-affine splitting) or as stored "
-                   "(test mode "
-                   "only: the structure of Kaldi's kaldi_stats.json figures).")
+                   "CollapseModel with every fold, then batch-norms folded into the "
+                   "affines around them, LSTM cells as LstmNonlinearity, forward "
+                   "identities as aliases, sibling-affine fusion and recurrent-affine "
+                   "splitting) or as stored (test mode only: the structure of Kaldi's "
+                   "kaldi_stats.json figures).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_typed_errors
 def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, network,

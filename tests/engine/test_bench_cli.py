@@ -81,8 +81,9 @@ def test_bench_forward_split(tmp_path):
 
 def test_bench_forward_network_forms():
     """--network: the decoding form (collapsed, each LSTM cell one LstmNonlinearity over
-    its stacked and split gate affine: the BLSTM's) against the stored structure, which gives Kaldi's command count for the
-    kaldi_stats chunk request (1961 at 21x1); the same number of output frames."""
+    its stacked and split gate affine: the BLSTM's) against the stored structure, which
+    gives Kaldi's command count for the kaldi_stats chunk request (1961 at 21x1); the
+    same number of output frames."""
     from pathlib import Path  # noqa: PLC0415
     blstm = Path(__file__).resolve().parents[1] / "data" / "inference" / "blstm" / "model.raw"
     figs = {}
