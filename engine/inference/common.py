@@ -55,10 +55,12 @@ def prepare_nnet(nnet, collapse: bool = True):
     each and their constant dropout masks dropped (engine.optimizer.fast_lstm), then
     nodes that pass their input through unchanged (gradient truncation and clipping,
     no-ops, test-mode dropout) made aliases of what they read
-    (engine.optimizer.aliases), then sibling affines fused and recurrent affines split
-    (engine.optimizer.fuse: one product per step for the gate affines of an LSTM that
-    reads one input four times, and only the recurrent columns of that product left in
-    the frame-by-frame loop),
+    (engine.optimizer.aliases) and no-ops over an Append() written into their readers,
+    then sibling affines fused, the i-vector columns of affines split off and recurrent
+    affines split (engine.optimizer.fuse: one product per step for the gate affines of
+    an LSTM that reads one input four times; the i-vector's product computed once per
+    sequence, not per frame; only the recurrent columns of a product left in the
+    frame-by-frame loop),
     then collapsed again (the split's outside half may fold what precedes it); its
     parameters read-only (``Nnet.freeze_parameters``).  The caller's network is never
     modified."""
@@ -68,6 +70,8 @@ def prepare_nnet(nnet, collapse: bool = True):
     from engine.optimizer.fast_lstm import (convert_lstm_cells_in_place,  # noqa: PLC0415
                                             drop_constant_dropout_masks_in_place)
     from engine.optimizer.fuse import (fuse_sibling_affines_in_place,  # noqa: PLC0415
+                                       inline_no_op_inputs_in_place,
+                                       split_constant_inputs_in_place,
                                        split_recurrent_affines_in_place)
     nnet = nnet.copy()
     nnet.set_test_mode(True)
@@ -77,7 +81,9 @@ def prepare_nnet(nnet, collapse: bool = True):
         convert_lstm_cells_in_place(nnet)
         drop_constant_dropout_masks_in_place(nnet)
         alias_forward_identities_in_place(nnet)
+        inline_no_op_inputs_in_place(nnet)
         fuse_sibling_affines_in_place(nnet)
+        split_constant_inputs_in_place(nnet)
         if split_recurrent_affines_in_place(nnet):
             collapse_model_in_place(nnet, DECODING_COLLAPSE)
     # read-only weights: the executor may use its contiguous transposed copies

