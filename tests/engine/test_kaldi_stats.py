@@ -218,8 +218,9 @@ def test_model_chunk_requests_match_kaldi_stats(model_dir, case):
     t in [0, chunk), n in [0, batch), i-vector at t=0 per n) on the network as stored, in
     test mode (the structure Kaldi's figures were measured on): commands, matrices and
     peak bytes as Kaldi's optimized computation.  The decoding form of the network
-    (collapsed, sibling affines fused, recurrent affines split) is never above them in
-    commands and matrices; its peak bytes are the same, except where a recurrent affine
+    (collapsed, sibling affines fused, i-vector columns and recurrent affines split) is
+    never above them in commands, nor in matrices but for one per i-vector split; its
+    peak bytes are the same, except where a recurrent affine
     was split: its input half, computed for every frame before the loop, lives through
     it (memory traded for speed, engine.optimizer.fuse: 1.29-1.6x on the reference
     TDNN-LSTM and BLSTM)."""
@@ -231,8 +232,14 @@ def test_model_chunk_requests_match_kaldi_stats(model_dir, case):
             == (case["commands"], case["matrices"], case["peak_bytes"])), (model_dir.name, case)
     dec = common.load_for_inference(model_file(model_dir))
     ds = common.compile_cold(dec, request_of(dec, case["chunk"], case["batch"])).stats()
-    assert ds["commands"] <= st["commands"] and ds["matrices"] <= st["matrices"], (ds, st)
-    if any(n.name.endswith(".x") for n in dec.nodes):
+    # the halves of split nodes: <node>.x with <node>.c (i-vector columns) or <node>.r
+    # (recurrent columns)
+    names = set(dec.node_names)
+    halves = [n[-1] for n in names if n[-2:] in (".c", ".r") and n[:-2] + ".x" in names]
+    # an i-vector split adds the matrix of the i-vector's product (one row per sequence)
+    assert ds["commands"] <= st["commands"], (ds, st)
+    assert ds["matrices"] <= st["matrices"] + halves.count("c"), (ds, st)
+    if "r" in halves:
         assert st["peak_bytes"] < ds["peak_bytes"] <= 1.7 * st["peak_bytes"], (ds, st)
     else:
         assert ds["peak_bytes"] == st["peak_bytes"], (ds, st)
