@@ -64,7 +64,9 @@ def _request(nnet: Nnet, frames: int = 5, seqs: int = 2, deriv: bool = False,
                               [IoSpecification(o, outs, deriv) for o in outputs])
 
 
-def _run(nnet, request, seed: int = 1):
+def run_request(nnet, request, seed: int = 1):
+    """(outputs, input derivatives, stats) of ``request`` on ``nnet``, random inputs and
+    output derivatives drawn from ``seed``."""
     rng = np.random.default_rng(seed)
     inputs = random_inputs(nnet, request, rng)
     derivs = random_output_derivs(nnet, request, rng) or None
@@ -73,11 +75,36 @@ def _run(nnet, request, seed: int = 1):
     return outs, in_derivs, comp.stats()
 
 
-def _close(a: dict, b: dict) -> None:
+def assert_dicts_close(a: dict, b: dict) -> None:
+    """The same keys, the arrays equal to float32 rounding of their scale."""
     assert a.keys() == b.keys()
     for k in a:
         scale = 1.0 + float(np.abs(a[k]).max()) if a[k].size else 1.0
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
+
+
+def component_kinds(nnet: Nnet) -> dict[str, str]:
+    """Component node name -> its component's type."""
+    return {n.name: nnet.components[n.component_index].type_name for n in nnet.nodes
+            if n.type == NodeType.COMPONENT}
+
+
+def input_text(nnet: Nnet, name: str) -> str:
+    """The input descriptor of component node ``name``, as text."""
+    return nnet.nodes[nnet.get_node_index(name) - 1].descriptor.write(nnet.node_names)
+
+
+def assert_split_columns(whole: Nnet, split: Nnet, name: str, x_cols, r_cols,
+                         r_suffix: str) -> None:
+    """The halves of split node ``name``: W_x and W_r are the original's columns, the
+    bias on the x half only."""
+    w = whole.get_component_by_name(name)
+    wx = split.get_component_by_name(f"{name}.x")
+    wr = split.get_component_by_name(f"{name}.{r_suffix}")
+    np.testing.assert_array_equal(wx.linear_params, w.linear_params[:, x_cols])
+    np.testing.assert_array_equal(wr.linear_params, w.linear_params[:, r_cols])
+    np.testing.assert_array_equal(wx.bias_params, w.bias_params)
+    assert not wr.bias_params.any()
 
 
 def test_groups_fused_and_kept_apart():
@@ -115,10 +142,10 @@ def test_siblings_same_outputs_and_input_derivatives(deriv):
     nnet = _nnet(SIBLINGS)
     fused = fuse_sibling_affines(nnet)
     req = _request(nnet, deriv=deriv, outputs=("output", "output-x"))
-    o1, d1, s1 = _run(nnet, req)
-    o2, d2, s2 = _run(fused, req)
-    _close(o1, o2)
-    _close(d1, d2)
+    o1, d1, s1 = run_request(nnet, req)
+    o2, d2, s2 = run_request(fused, req)
+    assert_dicts_close(o1, o2)
+    assert_dicts_close(d1, d2)
     assert s2["commands"] < s1["commands"]
 
 
@@ -161,10 +188,10 @@ def test_random_networks_fused_equal_unfused(seed):
     if kind.startswith("lstm"):
         assert fused.num_nodes() < nnet.num_nodes(), "the LSTM's gate affines were not fused"
     req = random_request(nnet, rng, need_deriv=True)
-    o1, d1, s1 = _run(nnet, req, seed)
-    o2, d2, s2 = _run(fused, req, seed)
-    _close(o1, o2)
-    _close(d1, d2)
+    o1, d1, s1 = run_request(nnet, req, seed)
+    o2, d2, s2 = run_request(fused, req, seed)
+    assert_dicts_close(o1, o2)
+    assert_dicts_close(d1, d2)
     if fused.num_nodes() < nnet.num_nodes():
         assert s2["commands"] < s1["commands"], (s1, s2)
         assert s2["peak_bytes"] <= 1.2 * s1["peak_bytes"], (s1, s2)
@@ -212,9 +239,9 @@ def test_blstm_decoding_network():
         outs = [Index(n, t, 0) for n in range(seqs) for t in range(frames)]
         req = ComputationRequest([IoSpecification("input", ins)],
                                  [IoSpecification("output", outs)])
-        o1, _, s1 = _run(stored, req)
-        o2, _, s2 = _run(decoding, req)
-        _close(o1, o2)
+        o1, _, s1 = run_request(stored, req)
+        o2, _, s2 = run_request(decoding, req)
+        assert_dicts_close(o1, o2)
         assert s2["commands"] < 0.25 * s1["commands"], (s1, s2)
         # the split's input halves are computed for every frame before the loop and
         # live through it: memory traded for speed (37-51% more here; fuse.py)
@@ -283,14 +310,13 @@ def test_split_nodes_and_columns():
     split = nnet.copy()
     assert split_recurrent_affines_in_place(split) == 2
     names = split.node_names
-    kinds = {n.name: split.components[n.component_index].type_name for n in split.nodes
-             if n.type == NodeType.COMPONENT}
+    kinds = component_kinds(split)
     assert "a" not in names and kinds["b"] == "NoOpComponent"
     assert kinds["a.x"] == kinds["a.r"] == kinds["b.x"] == kinds["b.r"] == "AffineComponent"
     assert kinds["c"] == kinds["d"] == "AffineComponent" and kinds["e"] == "LinearComponent"
 
     def text(name):
-        return split.nodes[split.get_node_index(name) - 1].descriptor.write(names)
+        return input_text(split, name)
     assert text("h") == "Sum(Sum(Sum(a.x, a.r), b_mid), Sum(Sum(c, d), e))"
     assert text("b") == "Sum(b.x, b.r)"
     assert text("a.x") == "Append(Offset(input, -1), input)"
@@ -300,13 +326,7 @@ def test_split_nodes_and_columns():
     # the columns: W_x and W_r are the original's, bias on the outside half only
     for name, x_cols, r_cols in (("a", np.r_[0:10, 14:24], np.r_[10:14]),
                                  ("b", np.r_[0:10], np.r_[10:18])):
-        w = nnet.get_component_by_name(name)
-        wx, wr = split.get_component_by_name(f"{name}.x"), split.get_component_by_name(
-            f"{name}.r")
-        np.testing.assert_array_equal(wx.linear_params, w.linear_params[:, x_cols])
-        np.testing.assert_array_equal(wr.linear_params, w.linear_params[:, r_cols])
-        np.testing.assert_array_equal(wx.bias_params, w.bias_params)
-        assert not wr.bias_params.any()
+        assert_split_columns(nnet, split, name, x_cols, r_cols, "r")
     # references to a split node by name (dim-range node, offsets) are unchanged
     b_mid = split.nodes[split.get_node_index("b_mid")]
     assert names[b_mid.node_index] == "b" and (b_mid.dim_offset, b_mid.dim) == (1, 4)
@@ -323,10 +343,10 @@ def test_split_same_outputs_and_input_derivatives(deriv):
     split = nnet.copy()
     split_recurrent_affines_in_place(split)
     req = _request(nnet, frames=7, deriv=deriv, outputs=("output", "output-g"))
-    o1, d1, s1 = _run(nnet, req)
-    o2, d2, s2 = _run(split, req)
-    _close(o1, o2)
-    _close(d1, d2)
+    o1, d1, s1 = run_request(nnet, req)
+    o2, d2, s2 = run_request(split, req)
+    assert_dicts_close(o1, o2)
+    assert_dicts_close(d1, d2)
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -344,10 +364,10 @@ def test_random_networks_split_equal_whole(seed):
     if kind.startswith("lstm"):
         assert count > 0, "the LSTM's gate affine was not split"
     req = random_request(nnet, rng, need_deriv=True)
-    o1, d1, _ = _run(nnet, req, seed)
-    o2, d2, _ = _run(split, req, seed)
-    _close(o1, o2)
-    _close(d1, d2)
+    o1, d1, _ = run_request(nnet, req, seed)
+    o2, d2, _ = run_request(split, req, seed)
+    assert_dicts_close(o1, o2)
+    assert_dicts_close(d1, d2)
     if count == 0:
         assert split.config_text() == nnet.config_text()
 
@@ -378,11 +398,10 @@ output-node name=output input=Sum(h1, h2)
     split = nnet.copy()
     assert split_recurrent_affines_in_place(split) == 2
     names = split.node_names
-    assert split.nodes[split.get_node_index("b.x") - 1].descriptor.write(names) == \
-        "Sum(a.x, a.r)"
+    assert input_text(split, "b.x") == "Sum(a.x, a.r)"
     assert "a" not in names and "b" not in names
     req = _request(nnet, frames=6, deriv=True)
-    o1, d1, _ = _run(nnet, req)
-    o2, d2, _ = _run(split, req)
-    _close(o1, o2)
-    _close(d1, d2)
+    o1, d1, _ = run_request(nnet, req)
+    o2, d2, _ = run_request(split, req)
+    assert_dicts_close(o1, o2)
+    assert_dicts_close(d1, d2)

@@ -13,10 +13,10 @@ import engine.optimizer.fuse as fuse
 from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.compiler.shortcut import compile_request
 from engine.core.index import Index
-from engine.nnet.nnet import Nnet, NodeType
-from engine.nnet.random_config import random_inputs, random_output_derivs
+from engine.nnet.nnet import Nnet
 from engine.optimizer.fuse import inline_no_op_inputs_in_place, split_constant_inputs_in_place
-from engine.runtime.executor import run_computation
+from test_fuse import assert_dicts_close, assert_split_columns, component_kinds, input_text, \
+    run_request
 
 # a: features and an i-vector side by side (split); b: the same, but read through an
 # Offset() as well (split, a NoOp keeps the name); c: two constant parts at different
@@ -60,29 +60,9 @@ def _request(seqs: int = 2, frames: int = 6, deriv: bool = False) -> Computation
                               [IoSpecification("output", outs, deriv)])
 
 
-def _run(nnet, request, seed: int = 1):
-    rng = np.random.default_rng(seed)
-    inputs = random_inputs(nnet, request, rng)
-    derivs = random_output_derivs(nnet, request, rng) or None
-    comp = compile_request(nnet, request, None)
-    outs, in_derivs, _ = run_computation(comp, nnet, inputs, derivs)
-    return outs, in_derivs, comp
-
-
-def _close(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        scale = 1.0 + float(np.abs(a[k]).max())
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
-
-
 @pytest.fixture
 def no_threshold(monkeypatch):
     monkeypatch.setattr(fuse, "MIN_CONSTANT_PRODUCT", 0)
-
-
-def _text(nnet: Nnet, name: str) -> str:
-    return nnet.nodes[nnet.get_node_index(name) - 1].descriptor.write(nnet.node_names)
 
 
 def test_inline_no_op_read_whole():
@@ -90,7 +70,7 @@ def test_inline_no_op_read_whole():
     assert inline_no_op_inputs_in_place(nnet) == 1
     names = nnet.node_names
     assert "pre" not in names and "post" in names
-    assert _text(nnet, "a") == "Append(input, ReplaceIndex(ivector, t, 0))"
+    assert input_text(nnet, "a") == "Append(input, ReplaceIndex(ivector, t, 0))"
     nnet.validate(allow_orphans=False)
     assert inline_no_op_inputs_in_place(nnet) == 0
 
@@ -107,7 +87,7 @@ component-node name=a component=a input=n2
 output-node name=output input=a
 """, rng=np.random.default_rng(0))
     assert inline_no_op_inputs_in_place(nnet) == 2
-    assert _text(nnet, "a") == "Append(input, Offset(input, 1))"
+    assert input_text(nnet, "a") == "Append(input, Offset(input, 1))"
 
 
 def test_split_nodes_and_columns(no_threshold):
@@ -116,25 +96,19 @@ def test_split_nodes_and_columns(no_threshold):
     whole = nnet.copy()
     assert split_constant_inputs_in_place(nnet) == 2
     names = nnet.node_names
-    kinds = {n.name: nnet.components[n.component_index].type_name for n in nnet.nodes
-             if n.type == NodeType.COMPONENT}
+    kinds = component_kinds(nnet)
     # a: every reference bare, replaced by the sum; b: read through Offset() too, a no-op
     assert "a" not in names and kinds["b"] == "NoOpComponent"
     assert kinds["c"] == kinds["d"] == "AffineComponent"
-    assert _text(nnet, "r") == "Sum(a.x, ReplaceIndex(a.c, t, 0))"
-    assert _text(nnet, "b") == "Sum(b.x, ReplaceIndex(b.c, t, 0))"
-    assert _text(nnet, "a.x") == "input" and _text(nnet, "a.c") == "ivector"
-    assert _text(nnet, "b.x") == "Append(Offset(input, -1), input)"
+    assert input_text(nnet, "r") == "Sum(a.x, ReplaceIndex(a.c, t, 0))"
+    assert input_text(nnet, "b") == "Sum(b.x, ReplaceIndex(b.c, t, 0))"
+    assert input_text(nnet, "a.x") == "input" and input_text(nnet, "a.c") == "ivector"
+    assert input_text(nnet, "b.x") == "Append(Offset(input, -1), input)"
     # the constant half before the other in the node list (see the docstring)
     assert nnet.get_node_index("a.c") < nnet.get_node_index("a.x")
     for name, x_cols, c_cols in (("a", np.r_[0:4], np.r_[4:7]),
                                  ("b", np.r_[0:8], np.r_[8:11])):
-        w = whole.get_component_by_name(name)
-        x, c = nnet.get_component_by_name(f"{name}.x"), nnet.get_component_by_name(f"{name}.c")
-        np.testing.assert_array_equal(x.linear_params, w.linear_params[:, x_cols])
-        np.testing.assert_array_equal(c.linear_params, w.linear_params[:, c_cols])
-        np.testing.assert_array_equal(x.bias_params, w.bias_params)
-        assert not c.bias_params.any()
+        assert_split_columns(whole, nnet, name, x_cols, c_cols, "c")
     nnet.validate(allow_orphans=False)
     assert split_constant_inputs_in_place(nnet) == 0
 
@@ -155,10 +129,10 @@ def test_same_outputs_and_input_derivatives(no_threshold, deriv, seqs):
     inline_no_op_inputs_in_place(changed)
     split_constant_inputs_in_place(changed)
     req = _request(seqs=seqs, deriv=deriv)
-    o1, d1, _ = _run(nnet, req)
-    o2, d2, _ = _run(changed, req)
-    _close(o1, o2)
-    _close(d1, d2)
+    o1, d1, _ = run_request(nnet, req)
+    o2, d2, _ = run_request(changed, req)
+    assert_dicts_close(o1, o2)
+    assert_dicts_close(d1, d2)
 
 
 def test_sum_is_one_add_rows(no_threshold):
