@@ -55,8 +55,8 @@ def prepare_nnet(nnet, collapse: bool = True):
     each and their constant dropout masks dropped (engine.optimizer.fast_lstm), then
     nodes that pass their input through unchanged (gradient truncation and clipping,
     no-ops, test-mode dropout) made aliases of what they read
-    (engine.optimizer.aliases) and no-ops over an Append() written into their readers,
-    then sibling affines fused, the i-vector columns of affines split off and recurrent
+    (engine.optimizer.aliases; those read only whole, e.g. a no-op over an Append(),
+    written into their readers), then sibling affines fused, the i-vector columns of affines split off and recurrent
     affines split (engine.optimizer.fuse: one product per step for the gate affines of
     an LSTM that reads one input four times; the i-vector's product computed once per
     sequence, not per frame; only the recurrent columns of a product left in the
@@ -70,7 +70,6 @@ def prepare_nnet(nnet, collapse: bool = True):
     from engine.optimizer.fast_lstm import (convert_lstm_cells_in_place,  # noqa: PLC0415
                                             drop_constant_dropout_masks_in_place)
     from engine.optimizer.fuse import (fuse_sibling_affines_in_place,  # noqa: PLC0415
-                                       inline_no_op_inputs_in_place,
                                        split_constant_inputs_in_place,
                                        split_recurrent_affines_in_place)
     nnet = nnet.copy()
@@ -81,7 +80,6 @@ def prepare_nnet(nnet, collapse: bool = True):
         convert_lstm_cells_in_place(nnet)
         drop_constant_dropout_masks_in_place(nnet)
         alias_forward_identities_in_place(nnet)
-        inline_no_op_inputs_in_place(nnet)
         fuse_sibling_affines_in_place(nnet)
         split_constant_inputs_in_place(nnet)
         if split_recurrent_affines_in_place(nnet):

@@ -323,54 +323,6 @@ def _fixed_time(part):
     return None
 
 
-def inline_no_op_inputs_in_place(nnet: Nnet) -> int:
-    """Remove, in place, each NoOpComponent node that every reference names as the
-    whole of a descriptor (a component's input, or an output: no offsets, sums or
-    dim-range nodes over it), writing its own input descriptor there instead: a no-op
-    over an Append() (the TDNN-F's ``input2``, the features and i-vector side by side)
-    is one command less, and the affine that reads it sees the Append() (which
-    ``split_constant_inputs_in_place`` can split).  Returns the number removed."""
-    named: dict[int, int] = {}        # descriptor node -> the node it is the whole of
-    other: set[int] = set()           # nodes referred to in any other way
-    for i, node in enumerate(nnet.nodes):
-        if node.type == NodeType.DIM_RANGE:
-            other.add(node.node_index)
-        elif node.type == NodeType.DESCRIPTOR:
-            n = _whole_reference(node.descriptor)
-            if n is None:
-                other.update(node.descriptor.get_node_dependencies())
-            else:
-                named[i] = n
-    gone = {n for n in set(named.values()) - other
-            if n > 0 and nnet.nodes[n].type == NodeType.COMPONENT
-            and type(nnet.components[nnet.nodes[n].component_index]) is NoOpComponent
-            and nnet.nodes[n - 1].type == NodeType.DESCRIPTOR}
-    if not gone:
-        return 0
-    out = NodeListBuilder(nnet)
-
-    def text(i: int) -> str:
-        """Descriptor node i's text, a removed no-op replaced by its input's (chains too)."""
-        n = named.get(i)
-        return text(n - 1) if n in gone else out.texts[i]
-    for i, node in enumerate(nnet.nodes):
-        if i not in gone and i + 1 not in gone:
-            out.keep(i, text(i) if node.type == NodeType.DESCRIPTOR else None)
-    out.install()
-    nnet.validate()
-    return len(gone)
-
-
-def _whole_reference(descriptor) -> int | None:
-    """The node a descriptor is, unscaled and whole, else None."""
-    parts = descriptor.parts
-    if len(parts) == 1 and isinstance(parts[0], SimpleSumDescriptor):
-        src = parts[0].src
-        if isinstance(src, SimpleForwardingDescriptor) and src.scale == 1.0:
-            return src.node_index
-    return None
-
-
 def _bare_only(nnet: Nnet, candidates: set[int]) -> set[int]:
     """The nodes among ``candidates`` that every descriptor refers to only as a bare
     term (unscaled, directly in the top-level Append() or in a Sum() there) and no
@@ -453,5 +405,5 @@ def _append(parts: list, names: list[str]) -> str:
 
 
 __all__ = ["fuse_sibling_affines", "fuse_sibling_affines_in_place",
-           "inline_no_op_inputs_in_place", "split_constant_inputs_in_place",
+           "split_constant_inputs_in_place",
            "split_recurrent_affines_in_place"]

@@ -12,6 +12,7 @@ from engine.nnet.nnet import Nnet, NodeType
 from engine.optimizer.aliases import alias_forward_identities_in_place
 from engine.optimizer.fast_lstm import drop_constant_dropout_masks_in_place
 from test_fast_lstm import assert_same_outputs, rewritten
+from test_fuse import input_text
 
 
 def _nnet(text: str) -> Nnet:
@@ -51,21 +52,58 @@ output-node name=output-t input=Append(t1, Offset(t2, -1))
 def test_single_input_identities_become_aliases():
     nnet = _nnet(SINGLE)
     out, n = _aliased(nnet)
-    assert n == 3
+    assert n == 5       # three aliases, two of them (whole) then dropped
     nodes = {node.name: node for node in out.nodes}
     names = out.node_names
     # each an alias (a dim-range node) of the input or component node it reads, through
-    # the chain t2 -> t1 -> h and through the dim-range node h_tail
-    for name, src, offset, dim in (("t1", "h", 0, 6), ("t2", "h", 0, 6), ("t3", "h", 2, 3),
-                                   ("t1_head", "h", 0, 2)):
+    # the chain t2 -> t1 -> h and through the dim-range node h_tail; those that cover
+    # all of h (t1, t2) give way to h itself
+    for name, src, offset, dim in (("t3", "h", 2, 3), ("t1_head", "h", 0, 2)):
         node = nodes[name]
         assert node.type == NodeType.DIM_RANGE, name
         assert (names[node.node_index], node.dim_offset, node.dim) == (src, offset, dim), name
+    assert "t1" not in nodes and "t2" not in nodes and "h_tail" not in nodes
+    assert input_text(out, "a") == "Append(input, IfDefined(Offset(h, -1)))"
+    assert input_text(out, "b") == "Append(h, Offset(t3, 1), t1_head)"
+    output_t = out.nodes[out.get_node_index("output-t")]
+    assert output_t.descriptor.write(names) == "Append(h, Offset(h, -1))"
     kinds = {type(c).__name__ for c in out.components}
     assert not kinds & {"BackpropTruncationComponent", "ClipGradientComponent",
                         "NoOpComponent"}, kinds
     out.validate(allow_orphans=False)
     assert_same_outputs(nnet, out, names=("output", "output-t"))
+
+
+# A network's own whole dim-range nodes: ``copy1`` and ``copy2`` over ``idct`` read as
+# Kaldi's xconfig reads its delta copies (one sum naming them with scales -1 and 1: they
+# stay), ``whole`` read plainly and at an offset (it gives way to ``idct``).
+WHOLE = """
+input-node name=input dim=4
+component name=idct type=FixedAffineComponent input-dim=4 output-dim=4
+component name=a type=AffineComponent input-dim=12 output-dim=3
+component-node name=idct component=idct input=input
+dim-range-node name=copy1 input-node=idct dim-offset=0 dim=4
+dim-range-node name=copy2 input-node=idct dim-offset=0 dim=4
+dim-range-node name=whole input-node=idct dim-offset=0 dim=4
+component-node name=a component=a input=Append(Sum(Scale(-1.0, Offset(copy1, -1)), Offset(copy2, 1)), whole, Offset(whole, 1))
+output-node name=output input=Append(a, Offset(whole, -1))
+"""
+
+
+def test_whole_dim_ranges_give_way_to_their_source():
+    nnet = _nnet(WHOLE)
+    out, n = _aliased(nnet)
+    assert n == 1 and out.get_node_index("whole") == -1
+    assert input_text(out, "a") == ("Append(Sum(Offset(Scale(-1, copy1), -1), "
+                                    "Offset(copy2, 1)), idct, Offset(idct, 1))")
+    names = out.node_names
+    assert out.nodes[out.get_node_index("output")].descriptor.write(names) == \
+        "Append(a, Offset(idct, -1))"
+    for name in ("copy1", "copy2"):
+        node = out.nodes[out.get_node_index(name)]
+        assert node.type == NodeType.DIM_RANGE and names[node.node_index] == "idct"
+    out.validate(allow_orphans=False)
+    assert_same_outputs(nnet, out, frames=9)
 
 
 @pytest.mark.parametrize("line", [

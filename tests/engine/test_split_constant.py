@@ -1,5 +1,6 @@
-"""The decoding network's i-vector split and no-op inlining (engine/optimizer/fuse.py:
-split_constant_inputs_in_place, inline_no_op_inputs_in_place): which nodes change and
+"""The decoding network's i-vector split (engine/optimizer/fuse.py:
+split_constant_inputs_in_place) and the forward identities read only whole written into
+their readers (engine/optimizer/aliases.py): which nodes change and
 which do not, the columns of the two halves, outputs and input derivatives (the
 i-vector's included) equal to the original network's, the threshold, and the form the
 compiler gives the sum (one AddRows of the per-sequence rows, no extra matrix)."""
@@ -14,7 +15,8 @@ from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.compiler.shortcut import compile_request
 from engine.core.index import Index
 from engine.nnet.nnet import Nnet
-from engine.optimizer.fuse import inline_no_op_inputs_in_place, split_constant_inputs_in_place
+from engine.optimizer.aliases import alias_forward_identities_in_place
+from engine.optimizer.fuse import split_constant_inputs_in_place
 from test_fuse import assert_dicts_close, assert_split_columns, component_kinds, input_text, \
     run_request
 
@@ -67,12 +69,12 @@ def no_threshold(monkeypatch):
 
 def test_inline_no_op_read_whole():
     nnet = _nnet()
-    assert inline_no_op_inputs_in_place(nnet) == 1
+    assert alias_forward_identities_in_place(nnet) == 1
     names = nnet.node_names
     assert "pre" not in names and "post" in names
     assert input_text(nnet, "a") == "Append(input, ReplaceIndex(ivector, t, 0))"
     nnet.validate(allow_orphans=False)
-    assert inline_no_op_inputs_in_place(nnet) == 0
+    assert alias_forward_identities_in_place(nnet) == 0
 
 
 def test_inline_chain_of_no_ops():
@@ -86,13 +88,54 @@ component-node name=n2 component=n2 input=n1
 component-node name=a component=a input=n2
 output-node name=output input=a
 """, rng=np.random.default_rng(0))
-    assert inline_no_op_inputs_in_place(nnet) == 2
+    assert alias_forward_identities_in_place(nnet) == 2
     assert input_text(nnet, "a") == "Append(input, Offset(input, 1))"
+
+
+@pytest.mark.parametrize("identity", [
+    "BackpropTruncationComponent dim=6",
+    "ClipGradientComponent dim=6",
+    "GeneralDropoutComponent dim=6 dropout-proportion=0.5",
+    "DropoutComponent dim=6 dropout-proportion=0.0",
+])
+def test_inline_every_forward_identity(identity):
+    """Any forward identity read only whole is written into its readers (test mode); one
+    that is also read through an Offset() stays, and so does a Dropout that scales."""
+    config = f"""
+input-node name=input dim=3
+component name=i1 type={identity}
+component name=i2 type={identity}
+component name=a type=AffineComponent input-dim=6 output-dim=2
+component name=b type=AffineComponent input-dim=6 output-dim=2
+component-node name=i1 component=i1 input=Append(input, Offset(input, 1))
+component-node name=i2 component=i2 input=Append(input, Offset(input, -1))
+component-node name=a component=a input=i1
+component-node name=b component=b input=i2
+output-node name=output input=Append(a, b, Offset(i2, 1))
+"""
+    nnet = Nnet.from_config(config, rng=np.random.default_rng(0))
+    nnet.set_test_mode(True)
+    before = nnet.copy()
+    assert alias_forward_identities_in_place(nnet) == 1
+    assert "i1" not in nnet.node_names and "i2" in nnet.node_names
+    assert input_text(nnet, "a") == "Append(input, Offset(input, 1))"
+    nnet.validate(allow_orphans=False)
+    ins = [Index(0, t, 0) for t in range(-2, 6)]
+    req = ComputationRequest([IoSpecification("input", ins)],
+                             [IoSpecification("output", [Index(0, t, 0) for t in range(4)])])
+    o1, _, _ = run_request(before, req)
+    o2, _, _ = run_request(nnet, req)
+    assert_dicts_close(o1, o2)
+    scaling = Nnet.from_config(config.replace(identity, "DropoutComponent dim=6 "
+                                              "dropout-proportion=0.5"),
+                               rng=np.random.default_rng(0))
+    scaling.set_test_mode(True)
+    assert alias_forward_identities_in_place(scaling) == 0
 
 
 def test_split_nodes_and_columns(no_threshold):
     nnet = _nnet()
-    inline_no_op_inputs_in_place(nnet)
+    alias_forward_identities_in_place(nnet)
     whole = nnet.copy()
     assert split_constant_inputs_in_place(nnet) == 2
     names = nnet.node_names
@@ -115,7 +158,7 @@ def test_split_nodes_and_columns(no_threshold):
 
 def test_threshold_keeps_small_products():
     nnet = _nnet()
-    inline_no_op_inputs_in_place(nnet)
+    alias_forward_identities_in_place(nnet)
     assert split_constant_inputs_in_place(nnet) == 0    # 3 columns x 5 outputs
 
 
@@ -126,7 +169,7 @@ def test_same_outputs_and_input_derivatives(no_threshold, deriv, seqs):
     frames that read it) equal the original network's."""
     nnet = _nnet()
     changed = nnet.copy()
-    inline_no_op_inputs_in_place(changed)
+    alias_forward_identities_in_place(changed)
     split_constant_inputs_in_place(changed)
     req = _request(seqs=seqs, deriv=deriv)
     o1, d1, _ = run_request(nnet, req)
