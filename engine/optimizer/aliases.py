@@ -21,11 +21,12 @@ truncation's input and its propagate, 4 of 13 commands).  Here
   both to its nonlinearity), since a part computable where the Append() is not would
   change what an ``IfDefined()`` of a reader sees;
 - a node over any other descriptor (an Append() of features and an i-vector, an Offset())
-  that every reference names whole (done first in each round) -- a component's input or an output that is that
-  node alone, unscaled; no dim-range node, offset or sum over it -- is dropped and its
-  input descriptor written into those readers (the TDNN-F's ``input2``: one command
-  less, and the affine that reads it sees the Append(), which
-  ``engine.optimizer.fuse.split_constant_inputs_in_place`` can split).
+  that every reference names whole -- a component's input or an output that is that node
+  alone, unscaled; no dim-range node, offset or sum over it -- is dropped and its input
+  descriptor written into those readers (the TDNN-F's ``input2``: one command less, and
+  the affine that reads it sees the Append(), which
+  ``engine.optimizer.fuse.split_constant_inputs_in_place`` can split).  This kind goes
+  first in each round, so that a chain of identities ends as one descriptor.
 
 Last, every dim-range node that covers all of its source (the first kind's, and a
 network's own) is dropped and its source named wherever it was: the same rows of the same
@@ -53,12 +54,12 @@ from engine.optimizer.node_table import NodeListBuilder, NodeTable
 def alias_forward_identities_in_place(nnet: Nnet) -> int:
     """Make, in place, each forward-identity node an alias of what it reads, or drop it
     (see the module docstring), then drop the dim-range nodes that cover all of their
-    source; returns the number of nodes made aliases or dropped."""
+    source; returns the number of rewrites (an alias dropped afterwards counts twice)."""
     total = 0
     while True:                         # an identity over an identity: the next round
-        # the third kind first: an identity over one that it drops then reads the
-        # dropped one's input (a chain ends as one descriptor, not as a dim-range node
-        # over the first identity's copy)
+        # the third kind first: an identity over one it drops then reads the dropped
+        # one's input (a chain ends as one descriptor, not as a dim-range node over the
+        # first identity's copy)
         inlined = _inline_whole_reads(nnet)
         total += inlined
         table = NodeTable(nnet)
