@@ -45,10 +45,9 @@ from engine.nnet.components.gradient_control import (BackpropTruncationComponent
                                                      ClipGradientComponent)
 from engine.nnet.components.dropout import DropoutComponent, IndexedMaskComponent
 from engine.nnet.components.misc import NoOpComponent
-from engine.nnet.descriptors import SimpleForwardingDescriptor, SimpleSumDescriptor
 from engine.nnet.nnet import Nnet, NodeType
 from engine.optimizer.collapse import remove_orphan_nodes
-from engine.optimizer.node_table import NodeListBuilder, NodeTable
+from engine.optimizer.node_table import NodeListBuilder, NodeTable, bare_node
 
 
 def alias_forward_identities_in_place(nnet: Nnet) -> int:
@@ -252,11 +251,7 @@ def _scale_clashes(descriptor, source: dict[int, int]) -> set[int]:
 def _whole_reference(descriptor) -> int | None:
     """The node a descriptor is, whole and unscaled, else None."""
     parts = descriptor.parts
-    if len(parts) == 1 and isinstance(parts[0], SimpleSumDescriptor):
-        src = parts[0].src
-        if isinstance(src, SimpleForwardingDescriptor) and src.scale == 1.0:
-            return src.node_index
-    return None
+    return bare_node(parts[0]) if len(parts) == 1 else None
 
 
 __all__ = ["alias_forward_identities_in_place", "is_forward_identity"]

@@ -53,10 +53,10 @@ from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent
                                            NaturalGradientAffineComponent)
 from engine.nnet.components.misc import NoOpComponent
 from engine.nnet.descriptors import (BinarySumDescriptor, ReplaceIndexForwardingDescriptor,
-                                     SimpleForwardingDescriptor, SimpleSumDescriptor, SumOp)
+                                     SimpleSumDescriptor, SumOp)
 from engine.nnet.graph import find_sccs, nnet_to_directed_graph
 from engine.nnet.nnet import Nnet, NodeType
-from engine.optimizer.node_table import NodeListBuilder
+from engine.optimizer.node_table import NodeListBuilder, bare_node
 
 _FUSABLE = (AffineComponent, NaturalGradientAffineComponent, FixedAffineComponent)
 
@@ -341,8 +341,7 @@ def _drop_non_bare(desc, out: set[int]) -> None:
     if isinstance(desc, BinarySumDescriptor) and desc.op == SumOp.SUM:
         _drop_non_bare(desc.src1, out)
         _drop_non_bare(desc.src2, out)
-    elif not (isinstance(desc, SimpleSumDescriptor)
-              and isinstance(desc.src, SimpleForwardingDescriptor) and desc.src.scale == 1.0):
+    elif bare_node(desc) is None:
         out.difference_update(desc.get_node_dependencies())
 
 

@@ -6,8 +6,19 @@ from __future__ import annotations
 
 from engine.nnet.components.base import ComponentProperty as P
 from engine.nnet.descriptor_parse import parse_descriptor
+from engine.nnet.descriptors import SimpleForwardingDescriptor, SimpleSumDescriptor
 from engine.nnet.nnet import NetworkNode, Nnet, NodeType
 from engine.optimizer.collapse import remove_orphan_components
+
+
+def bare_node(part) -> int | None:
+    """The node a descriptor part names plainly (unscaled, no offset or other
+    expression around it), else None."""
+    if isinstance(part, SimpleSumDescriptor):
+        src = part.src
+        if isinstance(src, SimpleForwardingDescriptor) and src.scale == 1.0:
+            return src.node_index
+    return None
 
 
 class NodeTable:
