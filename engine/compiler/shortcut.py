@@ -556,8 +556,8 @@ def expand_computation(nnet, misc_info, computation: NnetComputation, num_n_valu
 def _default_options(optimize_options):
     if optimize_options is not None:
         return optimize_options
-    from engine.optimizer.options import OptimizeOptions  # noqa: PLC0415
-    return OptimizeOptions()
+    from engine.optimizer.options import DEFAULT_OPTIONS  # noqa: PLC0415
+    return DEFAULT_OPTIONS
 
 
 def _compile_normal(nnet, request, optimize_options, optimize: bool) -> NnetComputation:

@@ -32,7 +32,7 @@ from engine.compiler.gc_pause import gc_paused
 from engine.core.errors import CheckError
 from engine.optimizer.analysis import Analyzer, ComponentProperties
 from engine.optimizer.checker import check_computation
-from engine.optimizer.options import INT32_MAX, INT32_MIN, OptimizeOptions
+from engine.optimizer.options import DEFAULT_OPTIONS, INT32_MAX, INT32_MIN, OptimizeOptions
 
 log = logging.getLogger("engine.optimizer")
 
@@ -222,7 +222,7 @@ def run_passes(computation: NnetComputation, nnet, options: OptimizeOptions | No
 
 
 def _run_passes(computation, nnet, options, request, passes, in_place):
-    options = options if options is not None else OptimizeOptions()
+    options = options if options is not None else DEFAULT_OPTIONS
     comp = computation if in_place else computation.copy()
     ctx = PassContext(nnet, options, request)
     table: list[PassRecord] = []
