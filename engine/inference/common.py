@@ -56,11 +56,11 @@ def prepare_nnet(nnet, collapse: bool = True):
     nodes that pass their input through unchanged (gradient truncation and clipping,
     no-ops, test-mode dropout) made aliases of what they read
     (engine.optimizer.aliases; those read only whole, e.g. a no-op over an Append(),
-    written into their readers), then sibling affines fused, the i-vector columns of affines split off and recurrent
-    affines split (engine.optimizer.fuse: one product per step for the gate affines of
-    an LSTM that reads one input four times; the i-vector's product computed once per
-    sequence, not per frame; only the recurrent columns of a product left in the
-    frame-by-frame loop),
+    written into their readers), then sibling affines fused, the i-vector columns of
+    affines split off and recurrent affines split (engine.optimizer.fuse: one product
+    per step for the gate affines of an LSTM that reads one input four times; the
+    i-vector's product computed once per sequence, not per frame; only the recurrent
+    columns of a product left in the frame-by-frame loop),
     then collapsed again (the split's outside half may fold what precedes it); its
     parameters read-only (``Nnet.freeze_parameters``).  The caller's network is never
     modified."""

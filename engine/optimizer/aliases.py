@@ -5,11 +5,11 @@ A component node whose component passes its input through unchanged in the forwa
 direction -- BackpropTruncationComponent with scale 1 and ClipGradientComponent, which
 act on derivatives only, NoOpComponent, and GeneralDropout / SpecAugmentTimeMask in test
 mode, which copy (Dropout too, where its proportion is 0) -- costs a decoding network an
-input assembly and a copy wherever it sits; in a recurrence, at every step.  Kaldi's recurrent layers
-put one in each loop: a projected LSTM's ``r_t = r(r_t_preclip)``, a fast LSTM's
-``cr_trunc = trunc(Append(c, r))`` read through the dim-range nodes ``c_trunc`` and
-``r_trunc`` (per step of the reference TDNN-LSTM: the copies of c and r into the
-truncation's input and its propagate, 4 of 13 commands).  Here
+input assembly and a copy wherever it sits; in a recurrence, at every step.  Kaldi's
+recurrent layers put one in each loop: a projected LSTM's ``r_t = r(r_t_preclip)``, a
+fast LSTM's ``cr_trunc = trunc(Append(c, r))`` read through the dim-range nodes
+``c_trunc`` and ``r_trunc`` (per step of the reference TDNN-LSTM: the copies of c and r
+into the truncation's input and its propagate, 4 of 13 commands).  Here
 
 - a node over one node X (``input=X``, no offset or scale) becomes a dim-range node of the
   same name over all of X (over X's source when X is itself a dim-range node), so that

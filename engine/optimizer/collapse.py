@@ -108,16 +108,17 @@ def collapse_model_in_place(nnet: Nnet, config: CollapseModelConfig = CollapseMo
 # -------------------------------------------------------------------------------------------
 
 
-def _tiled(vec: np.ndarray, dim: int) -> np.ndarray:
+def tiled(vec: np.ndarray, dim: int) -> np.ndarray:
+    """``vec`` in float64, repeated to ``dim`` entries (a per-block vector per column)."""
     return np.tile(np.asarray(vec, np.float64), dim // vec.shape[0])
 
 
 def pre_multiply(offset: np.ndarray, scale: np.ndarray, bias: np.ndarray,
-                  linear: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 linear: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(bias, linear) of W (s x + o) + b, i.e. b + W o and W diag(s), with o and s
     repeated across the input columns (Kaldi's PreMultiplyAffineParameters)."""
     w = np.asarray(linear, np.float64)
-    o, s = _tiled(offset, w.shape[1]), _tiled(scale, w.shape[1])
+    o, s = tiled(offset, w.shape[1]), tiled(scale, w.shape[1])
     new_bias = np.asarray(bias, np.float64) + w @ o
     return new_bias.astype(np.float32), (w * s[None, :]).astype(np.float32)
 
@@ -374,6 +375,6 @@ def remove_orphan_components(nnet: Nnet) -> int:
 
 
 __all__ = ["CollapseModelConfig", "collapse_model", "collapse_model_in_place", "prepare_for_test",
-           "pre_multiply",
+           "pre_multiply", "tiled",
            "set_batchnorm_test_mode", "set_dropout_test_mode", "remove_orphan_nodes",
            "remove_orphan_components"]

@@ -4,8 +4,8 @@ such a node only into an affine component that reads it directly).
 
 A *diagonal* node computes ``y = s * x + o`` per column: a batch-norm in test mode, a
 FixedScaleComponent (o = 0), a FixedBiasComponent (s = 1) or a DropoutComponent in test
-mode (s = 1 - p, o = 0).  Kaldi's TDNN-F layer puts
-one after a ReLU whose output feeds a residual sum::
+mode (s = 1 - p, o = 0).  Kaldi's TDNN-F layer puts one after a ReLU whose output feeds
+a residual sum::
 
     affine -> relu -> batchnorm -> dropout -> noop = Sum(Scale(0.66, previous noop), dropout)
 
@@ -17,9 +17,10 @@ carried forward, as "the true value of node n is S * stored + C" (per-column vec
 C), through the nodes that read it:
 
 - forward identities (no-op, test-mode dropout, gradient truncation and clipping) pass
-  it on, and so do other diagonal nodes (their constants change); so do dim-range nodes (their columns of it) and input descriptors made of
-  Append, Sum, Scale, Offset, ReplaceIndex and Round (a Sum only where its terms share
-  one S; constants add up, Scale() scales them);
+  it on, and so do other diagonal nodes (their constants change); so do dim-range nodes
+  (their columns of it) and input descriptors made of Append, Sum, Scale, Offset,
+  ReplaceIndex and Round (a Sum only where its terms share one S; constants add up,
+  Scale() scales them);
 - an affine component (Affine, NaturalGradientAffine, FixedAffine, a Tdnn with bias)
   absorbs it: W' = W diag(S), b' = b + W C (a Tdnn's columns per time offset);
 - a Linear or bias-free Tdnn takes S into its columns and passes on the constant W C as
@@ -60,7 +61,7 @@ from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor,
                                      SimpleSumDescriptor, SumOp)
 from engine.nnet.nnet import Nnet, NodeType
 from engine.optimizer.aliases import is_forward_identity
-from engine.optimizer.collapse import pre_multiply, remove_orphan_components
+from engine.optimizer.collapse import pre_multiply, remove_orphan_components, tiled
 from engine.optimizer.node_table import NodeTable
 
 _AFFINE = (AffineComponent, NaturalGradientAffineComponent, FixedAffineComponent)
@@ -112,9 +113,7 @@ def _diagonal(comp) -> tuple[np.ndarray, np.ndarray] | None:
     if t is BatchNormComponent:
         if not comp.test_mode or comp.scale_vec.shape[0] == 0:
             return None
-        reps = comp.dim // comp.block_dim
-        return (np.tile(np.asarray(comp.scale_vec, np.float64), reps),
-                np.tile(np.asarray(comp.offset_vec, np.float64), reps))
+        return tiled(comp.scale_vec, comp.dim), tiled(comp.offset_vec, comp.dim)
     if t is FixedScaleComponent:
         s = np.asarray(comp.scales, np.float64)
         return s, np.zeros_like(s)
