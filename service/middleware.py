@@ -30,7 +30,17 @@ def _bytes_to_b64(obj):
         return {str(k): _bytes_to_b64(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_bytes_to_b64(v) for v in obj]
+    if isinstance(obj, msgpack.Timestamp):
+        raise ValueError("msgpack timestamps are not accepted (plain maps, arrays, strings, "
+                         "numbers and binary only)")
     return obj
+
+
+def _no_ext(code: int, data: bytes):
+    """msgpack ``ext_hook``: the wire format has no extension types (a Timestamp or an
+    application's own would otherwise reach the schemas as a bare tuple)."""
+    raise ValueError(f"msgpack extension type {code} is not accepted (plain maps, arrays, "
+                     f"strings, numbers and binary only)")
 
 
 def _headers(scope) -> dict[str, str]:
@@ -102,7 +112,7 @@ class WireMiddleware:
             # media types are case-insensitive (RFC 9110)
             if headers.get("content-type", "").split(";")[0].strip().lower() == MSGPACK:
                 try:
-                    obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
+                    obj = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_no_ext)
                     body = orjson.dumps(_bytes_to_b64(obj))
                 except Exception as e:  # noqa: BLE001 - any undecodable body is the client's
                     state["status"] = 400

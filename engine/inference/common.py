@@ -173,6 +173,9 @@ class CachingCompiler:
 def as_features(feats, dim: int, what: str = "features") -> np.ndarray:
     """A float32 (frames, dim) matrix, or InferenceError naming what is wrong."""
     a = np.asarray(feats)
+    if a.shape in ((0,), (0, 0)):
+        # an empty list of rows (JSON ``[]``) carries no width: zero frames
+        a = np.zeros((0, dim), np.float32)
     if a.ndim != 2:
         raise InferenceError(f"{what}: expected a 2-d matrix (frames x {dim}), got shape "
                              f"{a.shape}")

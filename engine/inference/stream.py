@@ -165,6 +165,9 @@ def check_online_period(model: LoopedModel, period, ivector) -> int:
 def check_online_rows(model: LoopedModel, rows) -> np.ndarray:
     """Online i-vector rows as a float32 matrix of the model's i-vector dimension."""
     a = np.asarray(rows, dtype=np.float32)
+    if a.shape in ((0,), (0, 0)):
+        # an empty list of rows (JSON ``[]``) carries no width: no rows
+        a = np.zeros((0, model.ivector_dim), np.float32)
     if a.ndim == 1 and a.shape[0] == model.ivector_dim:
         a = a[None, :]
     if a.ndim != 2 or a.shape[1] != model.ivector_dim:

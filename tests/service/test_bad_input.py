@@ -230,6 +230,18 @@ def test_msgpack_round_trip(client):
     assert r.status_code == 400 and msgpack.unpackb(r.content)["error"]["type"] == "BadRequest"
 
 
+@pytest.mark.parametrize("packed, says", [
+    (msgpack.packb(msgpack.ExtType(5, b"xx")), "extension type 5"),
+    (msgpack.packb({"model_id": msgpack.ExtType(7, b"")}), "extension type 7"),
+    (msgpack.packb({"config": msgpack.Timestamp(1, 0)}, datetime=False), "timestamps"),
+])
+def test_msgpack_extension_types_are_a_400_saying_so(client, packed, says):
+    # an extension type reached the schemas as a bare tuple ("got an array") before
+    r = client.post("/models", content=packed, headers={"content-type": "application/msgpack"})
+    err = _err(r, 400)
+    assert err["type"] == "BadRequest" and says in err["message"], err
+
+
 def test_computations_over_the_memory_limit_get_413_before_running():
     """max_computation_bytes: a compute request, or an infer request's chunks, whose
     computation needs more matrix memory at its peak is refused (413, naming the

@@ -164,6 +164,24 @@ def test_bad_pushes_get_4xx_naming_the_field(client, body, status, field):
                        json={"features": _enc(X_REC[:3])}).status_code == 200
 
 
+def test_an_empty_json_push_is_zero_frames(client):
+    """``[]`` as JSON rows has no width: it is zero frames (as an encoded (0, dim)
+    matrix is), not a matrix of the wrong dimension."""
+    mid = _register_config(client, RECURRENT, 3)
+    sid = client.post("/streams", json={"model_id": mid,
+                                        "options": {"frames_per_chunk": 7}}).json()["stream_id"]
+    outs = []
+    for piece in (X_REC[:10], [], X_REC[10:]):
+        r = client.post(f"/streams/{sid}/frames",
+                        json={"features": piece if isinstance(piece, list) else _enc(piece),
+                              "encoding": "base64"})
+        assert r.status_code == 200, r.text
+        outs.append(decode(r.json()["output"]).reshape(-1, 6))
+    assert r.json()["frames_received"] == len(X_REC)
+    outs.append(_finish(client, sid).reshape(-1, 6))
+    np.testing.assert_array_equal(np.concatenate(outs), _engine_stream(RECURRENT, 3, X_REC, 7))
+
+
 def test_unknown_closed_and_limits(client):
     assert client.post("/streams/s-nope/frames",
                        json={"features": [[0.0] * 8]}).status_code == 404
