@@ -1161,7 +1161,7 @@ def _node_facts(nodes) -> tuple:
     return out
 
 
-def _chains(nodes, pos: list) -> list:
+def _chains(nodes, pos: list) -> "_Chains":
     """Per node v whose one input is the same Index on another node: the nodes
     c1, ..., cL its expansion can run through at once (ArrayGraphBuild._expand_chain):
     c1 is v's input node, each ci before the last reads the same Index on c(i+1),
@@ -1171,32 +1171,51 @@ def _chains(nodes, pos: list) -> list:
     hit = nodes.extra.get("graph_chains")
     if hit is not None:
         return hit
-    num = len(nodes.kind)
-    readers = [[] for _ in range(num)]
-    for v in range(num):
-        for p in nodes.producers[v]:
-            readers[p].append(v)
-
-    def same_index_input(v: int) -> int:
-        sh = nodes.shifts[v]
-        if sh is not None and len(sh) == 1 and sh[0][1:] == (0, 0, 0):
-            return sh[0][0]
-        return -1
-
-    out = []
-    for v in range(num):
-        chain = []
-        prev, c = v, same_index_input(v)
-        while c >= 0 and readers[c] == [prev] and nodes.kind[c] != INPUT \
-                and pos[c] < pos[prev] and c not in chain and c != v:
-            nxt = same_index_input(c)
-            if nxt < 0:
-                break
-            chain.append(c)
-            prev, c = c, nxt
-        out.append(chain + [c] if chain else [])
-    nodes.extra["graph_chains"] = out
+    out = nodes.extra["graph_chains"] = _Chains(nodes, pos)
     return out
+
+
+class _Chains:
+    """``chains[v]``: v's chain (see _chains), made when first asked for.  Each node
+    has at most one link to follow (``link[u]``: the next chain node after u, or
+    -1 where a chain through u stops at ``nxt[u]``), found for all nodes in one
+    pass; a chain is then the links followed from v.  (Walking every node's chain
+    in full up front cost O(N^2) on a network that is one long chain of N nodes --
+    a config of a few thousand lines made the first compile take minutes.)  The
+    order condition (each node earlier than its reader) makes the links acyclic."""
+
+    def __init__(self, nodes, pos: list):
+        num = len(nodes.kind)
+        readers: list[list[int]] = [[] for _ in range(num)]
+        for v in range(num):
+            for p in nodes.producers[v]:
+                readers[p].append(v)
+        nxt = [-1] * num            # the node v reads the same Index on, or -1
+        for v in range(num):
+            sh = nodes.shifts[v]
+            if sh is not None and len(sh) == 1 and sh[0][1:] == (0, 0, 0):
+                nxt[v] = sh[0][0]
+        link = [-1] * num
+        for u in range(num):
+            c = nxt[u]
+            if (c >= 0 and nxt[c] >= 0 and readers[c] == [u] and nodes.kind[c] != INPUT
+                    and pos[c] < pos[u]):
+                link[u] = c
+        self.nxt, self.link = nxt, link
+        self._made: dict[int, list[int]] = {}
+
+    def __getitem__(self, v: int) -> list[int]:
+        got = self._made.get(v)
+        if got is None:
+            link = self.link
+            chain = []
+            c = link[v]
+            while c >= 0:
+                chain.append(c)
+                last = c
+                c = link[c]
+            got = self._made[v] = chain + [self.nxt[last]] if chain else []
+        return got
 
 
 def build_arrays(builder, request, max_sweeps: int):

@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.core.errors import ConfigError
 from engine.nnet.config_line import ConfigLine
-from engine.nnet.descriptor_parse import is_valid_name, parse_descriptor
+from engine.nnet.descriptor_parse import DescriptorNames, is_valid_name, parse_descriptor
 from engine.nnet.nnet import NetworkNode, Nnet, NodeType, ObjectiveType
 
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
@@ -207,23 +207,29 @@ def apply_config(nnet: Nnet, text: str, source: str | None = None, rng=None) -> 
     work.component_names = list(nnet.component_names)
     initial_components = len(work.components)
     from engine.nnet.components._param_utils import parameter_budget  # noqa: PLC0415
+    # name -> index tables kept along (a lookup by scan per line made reading an
+    # N-line config O(N^2))
+    component_index: dict[str, int] = {}
+    for i, name in enumerate(work.component_names):
+        component_index.setdefault(name, i)
     with parameter_budget():
         for cfg in lines:
             if cfg.first_token == "component":
-                _component_line(work, cfg, initial_components, rng)
+                _component_line(work, cfg, initial_components, rng, component_index)
+    taken: set[str] = set()
     for cfg in lines:
-        _node_line_pass0(work, cfg)
-    referable = work.referable_names()
-    all_names = work.node_names
+        _node_line_pass0(work, cfg, taken)
+    names = DescriptorNames(work.referable_names(), work.node_names)
     for cfg in lines:
-        _node_line_pass1(work, cfg, referable, all_names)
+        _node_line_pass1(work, cfg, names, component_index)
     work.validate()
     nnet.nodes = work.nodes
     nnet.components = work.components
     nnet.component_names = work.component_names
 
 
-def _component_line(nnet: Nnet, cfg: ConfigLine, initial_components: int, rng) -> None:
+def _component_line(nnet: Nnet, cfg: ConfigLine, initial_components: int, rng,
+                    component_index: dict[str, int]) -> None:
     from engine.nnet.components.base import new_component_from_config  # noqa: PLC0415
     name = _require(cfg, "name", "component-name")
     type_name = _require(cfg, "type", "component-type")
@@ -235,17 +241,20 @@ def _component_line(nnet: Nnet, cfg: ConfigLine, initial_components: int, rng) -
                             f"this machine); send the model in Kaldi's text or binary format "
                             f"instead")
     comp = new_component_from_config(type_name, cfg, name, rng)
-    idx = nnet.get_component_index(name)
+    idx = component_index.get(name, -1)
     if idx >= 0:
         if idx >= initial_components:
             raise cfg.error(f"two components named {name!r}")
         nnet.components[idx] = comp
     else:
+        component_index[name] = len(nnet.components)
         nnet.components.append(comp)
         nnet.component_names.append(name)
 
 
-def _node_line_pass0(nnet: Nnet, cfg: ConfigLine) -> None:
+def _node_line_pass0(nnet: Nnet, cfg: ConfigLine, taken: set[str]) -> None:
+    """Add the node(s) of a node line; ``taken``: the names of the nodes added so far
+    (all of ``nnet``'s), to which this line's are added."""
     kind = cfg.first_token
     if kind == "component":
         return
@@ -253,10 +262,11 @@ def _node_line_pass0(nnet: Nnet, cfg: ConfigLine) -> None:
     origin = (cfg.source, cfg.line)
 
     def fresh(n: str) -> None:
-        if nnet.get_node_index(n) >= 0:
+        if n in taken:
             raise cfg.error(f"node name {n!r} is already used"
                             + (" (by the hidden input node of a component-node)"
                                if n.endswith("_input") else ""))
+        taken.add(n)
 
     if kind == "component-node":
         fresh(name + "_input")
@@ -283,15 +293,16 @@ def _node_line_pass0(nnet: Nnet, cfg: ConfigLine) -> None:
                         f"or output-node)")
 
 
-def _parse_input(cfg: ConfigLine, referable, all_names):
+def _parse_input(cfg: ConfigLine, names: DescriptorNames):
     text = _require(cfg, "input", "input-descriptor")
     try:
-        return parse_descriptor(text, referable, all_names)
+        return parse_descriptor(text, names)
     except ConfigError as e:
         raise cfg.error(e.reason) from None
 
 
-def _node_line_pass1(nnet: Nnet, cfg: ConfigLine, referable, all_names) -> None:
+def _node_line_pass1(nnet: Nnet, cfg: ConfigLine, names: DescriptorNames,
+                     component_index: dict[str, int]) -> None:
     kind = cfg.first_token
     if kind in ("component", "input-node"):
         return
@@ -300,14 +311,14 @@ def _node_line_pass1(nnet: Nnet, cfg: ConfigLine, referable, all_names) -> None:
     node = nnet.nodes[idx]
     if kind == "component-node":
         cname = _require(cfg, "component", "component-name")
-        c = nnet.get_component_index(cname)
+        c = component_index.get(cname, -1)
         if c < 0:
             raise cfg.error(f"no component named {cname!r}")
         node.component_index = c
-        nnet.nodes[idx - 1].descriptor = _parse_input(cfg, referable, all_names)
+        nnet.nodes[idx - 1].descriptor = _parse_input(cfg, names)
         _check_unused(cfg)
     elif kind == "output-node":
-        node.descriptor = _parse_input(cfg, referable, all_names)
+        node.descriptor = _parse_input(cfg, names)
         obj = cfg.get_str("objective", "linear")
         if obj not in ("linear", "quadratic"):
             raise cfg.error(f"invalid objective type {obj!r} (linear or quadratic)")

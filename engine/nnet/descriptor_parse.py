@@ -90,15 +90,25 @@ class _General:
         self.alpha, self.children = other.alpha, other.children
 
 
+class DescriptorNames:
+    """The node names descriptors are parsed against, made once for a whole network
+    (a table per descriptor made reading an N-node config O(N^2))."""
+
+    __slots__ = ("lookup", "all_names")
+
+    def __init__(self, node_names: Sequence[str | None], all_names: Sequence[str] | None = None):
+        self.lookup = {name: i for i, name in enumerate(node_names) if name}
+        self.all_names = set(all_names) if all_names is not None else set()
+
+
 class _Parser:
-    def __init__(self, text: str, node_names: Sequence[str | None],
-                 all_names: Sequence[str] | None):
+    def __init__(self, text: str, names: DescriptorNames):
         self.text = text
         self.tokens = tokenize_descriptor(text)
         self.pos = 0
         self.depth = 0
-        self.lookup = {name: i for i, name in enumerate(node_names) if name}
-        self.all_names = set(all_names) if all_names is not None else set()
+        self.lookup = names.lookup
+        self.all_names = names.all_names
 
     # -- helpers ------------------------------------------------------------------
     def peek(self) -> str:
@@ -399,16 +409,20 @@ def _to_forwarding(g: _General):
                       f"expression (Offset/Switch/Round/ReplaceIndex/Scale)")
 
 
-def parse_descriptor(text: str, node_names: Sequence[str | None],
+def parse_descriptor(text: str, node_names: "Sequence[str | None] | DescriptorNames",
                      all_names: Sequence[str] | None = None):
     """Parse ``text`` into a normalised ``Descriptor``.
 
     ``node_names[i]`` is the name by which node ``i`` may be referred to, or
     None (or "") for nodes a descriptor may not use.  ``all_names`` (optional)
-    lets the error for a non-referable node say why.
+    lets the error for a non-referable node say why.  A caller parsing many
+    descriptors of one network passes ``DescriptorNames(node_names, all_names)``
+    instead, made once.
     """
     from engine.nnet.descriptors import Descriptor  # noqa: PLC0415
-    p = _Parser(text, node_names, all_names)
+    names = (node_names if isinstance(node_names, DescriptorNames)
+             else DescriptorNames(node_names, all_names))
+    p = _Parser(text, names)
     if not p.tokens:
         raise ConfigError("empty descriptor expression")
     g = p.parse()

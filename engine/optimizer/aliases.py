@@ -86,8 +86,12 @@ def is_forward_identity(comp) -> bool:
 
 
 def _plan(table: NodeTable) -> dict[int, list]:
-    """identity node -> its part nodes, for the nodes handled this round (none over
-    another identity handled in the same round)."""
+    """identity node -> its part nodes, for the nodes handled this round: an Append()
+    identity over no identity handled in the same round; a one-part identity over
+    none, or over a one-part identity handled in the same round (a chain of them is
+    handled at once: each becomes an alias of what the chain's first one reads, see
+    ``_Resolver``; one per round made a chain of N identities cost N rounds over
+    the whole network)."""
     nnet = table.nnet
     found: dict[int, list] = {}
     for n, node in enumerate(nnet.nodes):
@@ -99,7 +103,55 @@ def _plan(table: NodeTable) -> dict[int, list]:
         if len(parts) > 1 and not _appended_ok(table, n, parts):
             continue
         found[n] = parts
-    return {n: p for n, p in found.items() if not found.keys() & set(p)}
+    ok: dict[int, bool] = {}
+    for n, parts in found.items():
+        if len(parts) > 1:
+            ok[n] = not found.keys() & set(parts)
+            continue
+        # follow the chain of one-part identities down to its first one
+        path, seen, p = [n], {n}, parts[0]
+        while p in found and len(found[p]) == 1 and p not in ok and p not in seen:
+            path.append(p)
+            seen.add(p)
+            p = found[p][0]
+        if p in seen or (p in found and len(found[p]) > 1):
+            good = False        # a loop, or over an Append() identity of this round: wait
+        else:
+            good = ok.get(p, True)      # a chain decided before, or ends outside: fine
+        for q in path:
+            ok[q] = good
+    return {n: p for n, p in found.items() if ok[n]}
+
+
+class _Resolver:
+    """Where column ``offset`` of node p lives once this round's plan is applied: through
+    dim-range nodes and the one-part identities of the plan (each now reads what its
+    part reads) to an input or component node that stays."""
+
+    def __init__(self, table: NodeTable, plan: dict[int, list]):
+        self.table, self.plan = table, plan
+        self.base: dict[int, tuple[int, int]] = {}   # node -> (source, offset of column 0)
+
+    def __call__(self, p: int, offset: int) -> tuple[int, int]:
+        got = self.base.get(p)
+        if got is None:
+            table, plan, base = self.table, self.plan, self.base
+            path, at = [], (p, 0)
+            while True:
+                src, off = table.source(*at)
+                if src in base:
+                    s, o = base[src]
+                    src, off = s, o + off
+                    break
+                if src in plan and len(plan[src]) == 1:
+                    path.append((src, off))
+                    at = (plan[src][0], off)
+                    continue
+                break
+            for q, q_off in path:             # q's column 0 is the end's column off - q_off
+                base[q] = (src, off - q_off)
+            got = base[p] = (src, off)
+        return got[0], got[1] + offset
 
 
 def _appended_ok(table: NodeTable, n: int, parts: list[int]) -> bool:
@@ -132,19 +184,20 @@ def _part_of(starts: list[int], node) -> int | None:
 
 def _apply(nnet: Nnet, table: NodeTable, plan: dict[int, list]) -> None:
     out = NodeListBuilder(nnet)
+    resolve = _Resolver(table, plan)
     # dim-range node (new or repointed) -> (source, offset)
     point: dict[int, tuple[int, int]] = {}
     for n, parts in plan.items():
         starts = _starts(table, parts)
         if len(parts) == 1:
-            point[n] = table.source(parts[0], 0)
+            point[n] = resolve(parts[0], 0)
         # dim-range nodes over n now point into what n read (a dim-range node's source
         # must be an input or component node)
         for r in table.readers[n]:
             node = nnet.nodes[r]
             if node.type == NodeType.DIM_RANGE:
                 k = _part_of(starts, node)
-                point[r] = table.source(parts[k], node.dim_offset - starts[k])
+                point[r] = resolve(parts[k], node.dim_offset - starts[k])
     for i, node in enumerate(nnet.nodes):
         if i + 1 in plan and len(plan[i + 1]) == 1:
             continue                        # the input of a node that becomes an alias

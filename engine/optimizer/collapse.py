@@ -48,7 +48,7 @@ from engine.nnet.components.normalize import BatchNormComponent
 from engine.nnet.components.scale_offset import FixedScaleComponent
 from engine.nnet.components.tdnn import TdnnComponent
 from engine.nnet.components.time_height_conv import TimeHeightConvolutionComponent
-from engine.nnet.descriptor_parse import parse_descriptor
+from engine.nnet.descriptor_parse import DescriptorNames, parse_descriptor
 from engine.nnet.descriptors import (OffsetForwardingDescriptor, SimpleForwardingDescriptor,
                                      SimpleSumDescriptor)
 from engine.nnet.nnet import Nnet, NodeType
@@ -349,11 +349,11 @@ def remove_orphan_nodes(nnet: Nnet, remove_orphan_inputs: bool = False) -> int:
     texts = {i: nnet.nodes[i].descriptor.write(old_names) for i in keep
              if nnet.nodes[i].type == NodeType.DESCRIPTOR}
     nnet.nodes = [nnet.nodes[i] for i in keep]
-    referable, names = nnet.referable_names(), nnet.node_names
+    names = DescriptorNames(nnet.referable_names(), nnet.node_names)
     for old, new in old_to_new.items():
         node = nnet.nodes[new]
         if node.type == NodeType.DESCRIPTOR:
-            node.descriptor = parse_descriptor(texts[old], referable, names)
+            node.descriptor = parse_descriptor(texts[old], names)
         elif node.type == NodeType.DIM_RANGE:
             node.node_index = old_to_new[node.node_index]
     return len(drop)

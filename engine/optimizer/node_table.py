@@ -5,7 +5,7 @@ parts, each node's readers, and where dim-range nodes and plain pass-throughs le
 from __future__ import annotations
 
 from engine.nnet.components.base import ComponentProperty as P
-from engine.nnet.descriptor_parse import parse_descriptor
+from engine.nnet.descriptor_parse import DescriptorNames, parse_descriptor
 from engine.nnet.descriptors import SimpleForwardingDescriptor, SimpleSumDescriptor
 from engine.nnet.nnet import NetworkNode, Nnet, NodeType
 from engine.optimizer.collapse import remove_orphan_components
@@ -141,11 +141,12 @@ class NodeListBuilder:
     def install(self) -> None:
         nnet = self.nnet
         nnet.nodes = self.nodes
-        names, referable = nnet.node_names, nnet.referable_names()
+        names = nnet.node_names
+        parse_names = DescriptorNames(nnet.referable_names(), names)
         index = {name: i for i, name in enumerate(names)}
         for i, node in enumerate(self.nodes):
             if node.type == NodeType.DESCRIPTOR:
-                node.descriptor = parse_descriptor(self.pending[i], referable, names)
+                node.descriptor = parse_descriptor(self.pending[i], parse_names)
             elif node.type == NodeType.DIM_RANGE:
                 node.node_index = index[self.dim_range_src[i]]
         remove_orphan_components(nnet)

@@ -1,0 +1,133 @@
+"""Networks of thousands of nodes load, compile, collapse for decoding and run in work
+linear in their size.  A config of N lines used to cost O(N^2) to read (a name table
+per descriptor, a scan per name), O(N^3) to compile (every node's chain walked in full,
+with a list membership test per step) and O(N^3) to prepare for decoding (one
+forward identity of a chain aliased per round, each round re-parsing every descriptor
+with a new name table): a 2000-node chain took minutes to compile, and a client could
+post one.  The checks here count the work (rounds, tables, chain steps), not time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.compiler import graph_arrays
+from engine.compiler.compiler import compile_computation
+from engine.compiler.graph_nodes import node_table_for
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.core.index import Index
+from engine.inference.common import prepare_nnet
+from engine.nnet import descriptor_parse
+from engine.nnet.config import apply_config
+from engine.nnet.nnet import Nnet, NodeType
+from engine.nnet.random_config import generate_config_sequence
+from engine.optimizer import aliases, optimize
+from engine.runtime.executor import run_computation
+
+N = 1500
+
+
+def _noop_chain(n: int, dim: int = 2) -> str:
+    lines = [f"input-node name=input dim={dim}"]
+    for i in range(n):
+        lines.append(f"component name=c{i} type=NoOpComponent dim={dim}")
+        lines.append(f"component-node name=c{i} component=c{i} "
+                     f"input={'input' if i == 0 else f'c{i - 1}'}")
+    lines.append(f"output-node name=output input=c{n - 1}")
+    return "\n".join(lines) + "\n"
+
+
+class _Count:
+    def __init__(self, monkeypatch, owner, name):
+        self.calls = 0
+        real = getattr(owner, name)
+
+        def counted(*a, **k):
+            self.calls += 1
+            return real(*a, **k)
+        monkeypatch.setattr(owner, name, counted)
+
+
+def test_reading_a_long_config_makes_one_name_table(monkeypatch):
+    tables = _Count(monkeypatch, descriptor_parse.DescriptorNames, "__init__")
+    nnet = Nnet.from_config(_noop_chain(N))
+    assert nnet.num_nodes() == 2 * N + 2
+    assert tables.calls == 1          # not one per descriptor (N + 1 of them)
+
+
+def test_a_long_chain_compiles_and_runs():
+    nnet = Nnet.from_config(_noop_chain(N))
+    request = ComputationRequest([IoSpecification("input", [Index(0, t, 0) for t in range(3)])],
+                                 [IoSpecification("output", [Index(0, t, 0) for t in range(3)])])
+    comp = optimize(compile_computation(nnet, request), nnet)
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    outputs = run_computation(comp, nnet, {"input": x})[0]
+    np.testing.assert_array_equal(outputs["output"], x)
+
+
+def test_chains_follow_links_once(monkeypatch):
+    """Every node's chain on a chain network: the links are found in one pass, and a
+    chain is made only when asked for (the graph build asks for the head's)."""
+    nnet = Nnet.from_config(_noop_chain(N))
+    nodes = node_table_for(nnet)
+    pos = [0] * len(nodes.kind)
+    for p, v in enumerate(nodes.order):
+        pos[v] = p
+    chains = graph_arrays._Chains(nodes, pos)
+    assert chains._made == {}
+    out = nnet.get_node_index("output")
+    # the output's descriptor reads c{N-1} ... down to the input node
+    head = chains[out]
+    # through every component node and its input node, down to the input
+    assert head == list(range(out - 1, 0, -1)) + [nnet.get_node_index("input")]
+    assert len(chains._made) == 1
+
+
+def _reference_chains(nodes, pos):
+    """The definition of graph_arrays._chains, walked node by node."""
+    num = len(nodes.kind)
+    readers = [[] for _ in range(num)]
+    for v in range(num):
+        for p in nodes.producers[v]:
+            readers[p].append(v)
+
+    def same(v):
+        sh = nodes.shifts[v]
+        return sh[0][0] if sh is not None and len(sh) == 1 and sh[0][1:] == (0, 0, 0) else -1
+    out = []
+    for v in range(num):
+        chain, prev, c = [], v, same(v)
+        while (c >= 0 and readers[c] == [prev] and nodes.kind[c] != graph_arrays.INPUT
+               and pos[c] < pos[prev] and c not in chain and c != v):
+            nxt = same(c)
+            if nxt < 0:
+                break
+            chain.append(c)
+            prev, c = c, nxt
+        out.append(chain + [c] if chain else [])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(0, 120, 3))
+def test_chains_match_their_definition_on_random_networks(seed):
+    nnet = Nnet()
+    for text in generate_config_sequence(np.random.default_rng(seed)).configs:
+        apply_config(nnet, text, rng=np.random.default_rng(seed))
+    for net in (nnet, prepare_nnet(nnet)):
+        nodes = node_table_for(net)
+        pos = [0] * len(nodes.kind)
+        for p, v in enumerate(nodes.order):
+            pos[v] = p
+        want = _reference_chains(nodes, pos)
+        got = graph_arrays._Chains(nodes, pos)
+        assert [got[v] for v in range(len(want))] == want
+
+
+def test_a_chain_of_identities_is_aliased_in_one_round(monkeypatch):
+    applied = _Count(monkeypatch, aliases, "_apply")
+    nnet = Nnet.from_config(_noop_chain(N))
+    dec = prepare_nnet(nnet)
+    assert applied.calls == 1
+    # nothing but the input and the output is left: the output reads the input
+    assert [n.type for n in dec.nodes] == [NodeType.INPUT, NodeType.DESCRIPTOR]
+    assert dec.nodes[1].descriptor.get_node_dependencies() == [0]
