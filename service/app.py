@@ -63,12 +63,13 @@ def build_services(settings: Settings) -> Services:
         client = redis.Redis.from_url(settings.redis_url,
                                       socket_timeout=settings.redis_timeout_s,
                                       socket_connect_timeout=settings.redis_timeout_s)
-        registry = RedisModelRegistry(client, settings.max_models)
+        registry = RedisModelRegistry(client, settings.max_models,
+                                      max_nodes=settings.max_model_nodes)
         cache = RedisComputationCache(capacity=settings.cache_size, client=client,
                                       on_event=metrics.cache_event, ttl_s=settings.redis_ttl_s)
         store = RedisStreamStore(client, ttl_s=settings.stream_idle_s)
     else:
-        registry = InProcessRegistry(settings.max_models)
+        registry = InProcessRegistry(settings.max_models, settings.max_model_nodes)
         cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event)
         store = NoStreamStore()
     operations = Operations(cache, metrics, backend,

@@ -26,7 +26,7 @@ import redis
 from service.convert import model_info
 from service.errors import ServiceError, not_found
 from service.redis_types import is_wrong_type
-from service.registry import InProcessRegistry, ModelEntry, model_id_of
+from service.registry import DEFAULT_MAX_NODES, InProcessRegistry, ModelEntry, model_id_of
 
 log = logging.getLogger("nnetc.registry")
 
@@ -36,9 +36,9 @@ SET_KEY = "nnetc:models"
 
 class RedisModelRegistry:
     def __init__(self, client: redis.Redis, max_models: int = 64, prefix: str = KEY_PREFIX,
-                 set_key: str = SET_KEY):
+                 set_key: str = SET_KEY, max_nodes: int = DEFAULT_MAX_NODES):
         self.client = client
-        self.local = InProcessRegistry(max_models)
+        self.local = InProcessRegistry(max_models, max_nodes)
         self.prefix, self.set_key = prefix, set_key
 
     def _unavailable(self, e: Exception, what: str) -> ServiceError:

@@ -28,7 +28,7 @@ import numpy as np
 from engine.core.errors import ConfigError
 from engine.nnet.kaldi_io import KaldiWriter
 from engine.nnet.model_io import Model, load_model
-from service.errors import FieldError, not_found
+from service.errors import FieldError, ServiceError, not_found
 
 
 @dataclass
@@ -112,9 +112,15 @@ class ModelRegistry(Protocol):
     def delete(self, model_id: str) -> None: ...
 
 
+#: the node limit of a registered network (a component-node counts twice: it has an input
+#: node); Kaldi's recipes make tens to a few hundred
+DEFAULT_MAX_NODES = 5000
+
+
 class InProcessRegistry:
-    def __init__(self, max_models: int = 64):
+    def __init__(self, max_models: int = 64, max_nodes: int = DEFAULT_MAX_NODES):
         self.max_models = max_models
+        self.max_nodes = max_nodes
         self._models: OrderedDict[str, ModelEntry] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -129,6 +135,13 @@ class InProcessRegistry:
                 return self._models[model_id], False
         from service.cli import model_info  # noqa: PLC0415 (the figures of `nnetc info`)
         model = _load(data, source_field, seed)
+        if model.nnet.num_nodes() > self.max_nodes:
+            # what follows (the network's context, its decoding form, every compile)
+            # grows with the node count; no Kaldi recipe comes near the limit
+            raise ServiceError(413, "RequestTooLarge",
+                               f"{source_field}: the network has {model.nnet.num_nodes()} "
+                               f"nodes, more than this service's max_model_nodes "
+                               f"({self.max_nodes})", source_field)
         # A registered model is never changed (statistics go to a private copy), so
         # its arrays are made read-only: the executors may then keep derived copies
         # (device-resident weights on a GPU, transposed weights for small products).

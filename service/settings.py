@@ -24,6 +24,11 @@ class Settings(BaseSettings):
                                                "'Authorization: Bearer <token>'")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     max_models: int = Field(default=64, ge=1, description="registered models kept in memory")
+    max_model_nodes: int = Field(
+        default=5000, ge=2,
+        description="networks with more nodes get 413 at registration (a component-node "
+                    "counts twice); the work of registering (the context) and compiling grows "
+                    "with it: a 1500-node chain takes seconds")
     queue_size: int = Field(default=1024, ge=1, description="jobs waiting for the worker "
                                                             "before requests get 503")
     job_timeout_s: float = Field(default=600.0, gt=0)

@@ -295,6 +295,36 @@ def test_requests_over_the_index_limit_get_413_before_compiling():
         assert ok.status_code == 200 and ok.json()["num_frames"] == 3000
 
 
+def _noop_chain(n: int) -> str:
+    lines = ["input-node name=input dim=2"]
+    for i in range(n):
+        lines += [f"component name=c{i} type=NoOpComponent dim=2",
+                  f"component-node name=c{i} component=c{i} "
+                  f"input={'input' if i == 0 else f'c{i - 1}'}"]
+    return "\n".join(lines + [f"output-node name=output input=c{n - 1}"]) + "\n"
+
+
+def test_networks_over_the_node_limit_get_413_and_long_ones_within_it_are_served():
+    """max_model_nodes bounds the network a client may register (a component-node is two
+    nodes); a 1200-node chain within it registers, compiles and decodes (each of which
+    took minutes on a chain of that length before the config reader, the graph build and
+    the decoding rewrites were made linear)."""
+    with make_client(max_model_nodes=2500) as client:
+        e = _err(client.post("/models", json={"config": _noop_chain(1300)}), 413)
+        assert e["type"] == "RequestTooLarge" and e["field"] == "config"
+        assert "2602 nodes" in e["message"] and "max_model_nodes (2500)" in e["message"]
+        mid = register(client, config=_noop_chain(1200))["model_id"]
+        req = {"inputs": [{"name": "input", "indexes": [[0, t, 0] for t in range(3)]}],
+               "outputs": [{"name": "output", "indexes": [[0, t, 0] for t in range(3)]}]}
+        x = [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+        r = client.post("/compute", json={"model_id": mid, "request": req, "inputs": {"input": x}})
+        assert r.status_code == 200, r.text
+        assert decode(r.json()["outputs"]["output"]).tolist() == x
+        r = client.post("/infer", json={"model_id": mid, "features": x})
+        assert r.status_code == 200, r.text
+        assert decode(r.json()["output"]).tolist() == x
+
+
 def test_a_negative_seed_is_a_422_naming_it(client):
     """A config's seed is a non-negative integer (NumPy's seeds are): a negative one is
     refused on the way in, in the JSON body and in the upload's query alike."""
