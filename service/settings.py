@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.registry import DEFAULT_MAX_NODES
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="NNETC_", extra="forbid")
@@ -25,7 +27,7 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     max_models: int = Field(default=64, ge=1, description="registered models kept in memory")
     max_model_nodes: int = Field(
-        default=5000, ge=2,
+        default=DEFAULT_MAX_NODES, ge=2,
         description="networks with more nodes get 413 at registration (a component-node "
                     "counts twice); the work of registering (the context) and compiling grows "
                     "with it: a 1500-node chain takes seconds")
