@@ -130,6 +130,11 @@ class _Collapser:
 
     def collapse(self) -> Nnet:
         nnet = self.nnet
+        # the node list stays as it is until the loop ends (folding changes descriptors
+        # and component indexes only): its names, and the table descriptors are parsed
+        # against, are made once (per fold they made a long network's collapse O(N^2))
+        self.names = nnet.node_names
+        self.parse_names = DescriptorNames(nnet.referable_names(), self.names)
         for _ in range(11):
             changed = False
             for n in range(nnet.num_nodes()):
@@ -164,10 +169,10 @@ class _Collapser:
 
     def replaced_descriptor(self, desc, node: int, expr):
         """``desc`` with node ``node`` replaced by the expression ``expr``."""
-        names = self.nnet.node_names
+        names = self.names
         fake = list(names)
         fake[node] = expr.write(names)
-        return parse_descriptor(desc.write(fake), self.nnet.referable_names(), names)
+        return parse_descriptor(desc.write(fake), self.parse_names)
 
     def optimize_node(self, n: int) -> bool:
         nnet = self.nnet

@@ -131,3 +131,27 @@ def test_a_chain_of_identities_is_aliased_in_one_round(monkeypatch):
     # nothing but the input and the output is left: the output reads the input
     assert [n.type for n in dec.nodes] == [NodeType.INPUT, NodeType.DESCRIPTOR]
     assert dec.nodes[1].descriptor.get_node_dependencies() == [0]
+
+
+def _affine_scale_chain(n: int) -> str:
+    lines = ["input-node name=input dim=2"]
+    prev = "input"
+    for i in range(n):
+        lines += [f"component name=a{i} type=AffineComponent input-dim=2 output-dim=2",
+                  f"component-node name=a{i} component=a{i} input={prev}",
+                  f"component name=s{i} type=FixedScaleComponent dim=2 scale=0.5",
+                  f"component-node name=s{i} component=s{i} input=a{i}",
+                  f"component name=r{i} type=RectifiedLinearComponent dim=2",
+                  f"component-node name=r{i} component=r{i} input=s{i}"]
+        prev = f"r{i}"
+    return "\n".join(lines + [f"output-node name=output input={prev}"]) + "\n"
+
+
+def test_collapsing_a_long_network_parses_against_one_name_table(monkeypatch):
+    """Each affine -> fixed-scale pair folds (300 folds); the descriptors the folds
+    rewrite are parsed against one name table per collapse, not one per fold."""
+    nnet = Nnet.from_config(_affine_scale_chain(300))
+    tables = _Count(monkeypatch, descriptor_parse.DescriptorNames, "__init__")
+    dec = prepare_nnet(nnet)
+    assert dec.num_nodes() == nnet.num_nodes() - 2 * 300      # every scale node folded
+    assert tables.calls <= 4
