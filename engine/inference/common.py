@@ -170,12 +170,16 @@ class CachingCompiler:
         return len(self._cache)
 
 
+def as_rows(rows, dim: int, dtype=None) -> np.ndarray:
+    """``rows`` as an array; an empty list of rows (JSON ``[]``), which carries no
+    width, as zero rows of width ``dim``."""
+    a = np.asarray(rows, dtype=dtype)
+    return np.zeros((0, dim), np.float32) if a.shape in ((0,), (0, 0)) else a
+
+
 def as_features(feats, dim: int, what: str = "features") -> np.ndarray:
     """A float32 (frames, dim) matrix, or InferenceError naming what is wrong."""
-    a = np.asarray(feats)
-    if a.shape in ((0,), (0, 0)):
-        # an empty list of rows (JSON ``[]``) carries no width: zero frames
-        a = np.zeros((0, dim), np.float32)
+    a = as_rows(feats, dim)
     if a.ndim != 2:
         raise InferenceError(f"{what}: expected a 2-d matrix (frames x {dim}), got shape "
                              f"{a.shape}")

@@ -43,7 +43,7 @@ import threading
 import numpy as np
 
 from engine.core.errors import InferenceError, StreamError
-from engine.inference.common import (as_features, check_acoustic_scale, check_simple,
+from engine.inference.common import (as_features, as_rows, check_acoustic_scale, check_simple,
                                      log_priors, prepare_nnet, scale_output, simple_context)
 from engine.inference.looped import (LoopedConfig, compile_looped, create_looped_requests,
                                      find_future_recurrence, get_chunk_size,
@@ -164,10 +164,7 @@ def check_online_period(model: LoopedModel, period, ivector) -> int:
 
 def check_online_rows(model: LoopedModel, rows) -> np.ndarray:
     """Online i-vector rows as a float32 matrix of the model's i-vector dimension."""
-    a = np.asarray(rows, dtype=np.float32)
-    if a.shape in ((0,), (0, 0)):
-        # an empty list of rows (JSON ``[]``) carries no width: no rows
-        a = np.zeros((0, model.ivector_dim), np.float32)
+    a = as_rows(rows, model.ivector_dim, np.float32)
     if a.ndim == 1 and a.shape[0] == model.ivector_dim:
         a = a[None, :]
     if a.ndim != 2 or a.shape[1] != model.ivector_dim:
