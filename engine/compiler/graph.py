@@ -36,7 +36,7 @@ canonically there, whichever way it was built.
 
 from __future__ import annotations
 
-from engine.compiler.graph_arrays import build_arrays
+from engine.compiler.graph_arrays import ArrayGraphBuild, GiveUp, build_arrays
 from engine.compiler.graph_nodes import (ComputationGraph, NodeTable, node_table_for,  # noqa: F401
                                          node_names, print_indexes)
 from engine.core.errors import NotComputableError, RequestError, ResourceLimitError
@@ -611,5 +611,19 @@ def build_computation_graph(nnet, request, graph: ComputationGraph | None = None
     return graph
 
 
+def output_computability(nnet, request) -> list[bool] | None:
+    """Kaldi's EvaluateComputationRequest on the array build: whether each requested
+    output Index (outputs in request order, Indexes in order) is computable from the
+    supplied inputs; None where the array build does not apply (the caller then
+    decides Index by Index)."""
+    builder = ComputationGraphBuilder(nnet, ComputationGraph())
+    try:
+        ok = ArrayGraphBuild(builder, request, MAX_BUILD_ITERATIONS).output_computability()
+    except GiveUp:
+        return None
+    return ok.tolist()
+
+
 __all__ = ["ComputationGraph", "ComputationGraphBuilder", "build_computation_graph", "print_indexes",
+           "output_computability",
            "K_UNKNOWN", "K_COMPUTABLE", "K_NOT_COMPUTABLE", "MAX_BUILD_ITERATIONS"]

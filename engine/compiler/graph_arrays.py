@@ -802,6 +802,24 @@ class ArrayGraphBuild:
 
     # -- the build -------------------------------------------------------------------------------
     def run(self):
+        base, inputs, outs = self._compute()
+        if _any(self.status[outs] != C):
+            raise GiveUp("some outputs are not computable")
+        return self._prune(base, inputs, outs)
+
+    def output_computability(self) -> np.ndarray:
+        """Kaldi's Compute then GetComputableInfo: whether each requested output
+        Index (in request order) is computable; the graph is left as it was.
+        Raises GiveUp where run() would, and when an output's status is still
+        undecided after the sweeps."""
+        _, _, outs = self._compute()
+        st = self.status[outs]
+        if _any(st == U):
+            raise GiveUp("some outputs' computability is undecided")
+        return st == C
+
+    def _compute(self):
+        """Kaldi's Compute: the sweeps and settling; (base, input ids, output ids)."""
         nodes, nnet, req, graph = self.nodes, self.builder.nnet, self.request, self.graph
         base = len(graph)
         in_specs, out_specs = [], []
@@ -870,9 +888,7 @@ class ArrayGraphBuild:
             self._settle()
         else:
             raise GiveUp("too many sweeps")
-        if _any(self.status[outs] != C):
-            raise GiveUp("some outputs are not computable")
-        return self._prune(base, inputs, outs)
+        return base, inputs, outs
 
     # -- pruning ---------------------------------------------------------------------------------
     def _inputs_by_width(self):

@@ -306,13 +306,35 @@ def evaluate_computability(nnet: Nnet, inputs: dict[str, Sequence[Index]],
         if i < 0 or not nnet.is_input_node(i):
             raise ConfigError(f"no input node named {name!r}")
         avail[i] = ixs
-    ev = ComputabilityEvaluator(nnet, avail)
-    out = {}
-    for name, ixs in outputs.items():
+    for name in outputs:
         o = nnet.get_node_index(name)
         if o < 0 or not nnet.is_output_node(o):
             raise ConfigError(f"no output node named {name!r}")
-        out[name] = [ev.is_computable(Cindex(o, ix)) for ix in ixs]
+    fast = _array_computability(nnet, inputs, outputs)
+    if fast is not None:
+        return fast
+    ev = ComputabilityEvaluator(nnet, avail)
+    return {name: [ev.is_computable(Cindex(nnet.get_node_index(name), ix)) for ix in ixs]
+            for name, ixs in outputs.items()}
+
+
+def _array_computability(nnet: Nnet, inputs, outputs) -> dict[str, list[bool]] | None:
+    """evaluate_computability by the compiler's array graph build (Kaldi's own way:
+    the graph builder's Compute, node by node on whole arrays), or None where that
+    build does not apply (then ComputabilityEvaluator decides Cindex by Cindex)."""
+    from engine.compiler.graph import output_computability  # noqa: PLC0415
+    from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
+    names = list(outputs)
+    request = ComputationRequest([IoSpecification(n, list(ixs)) for n, ixs in inputs.items()],
+                                 [IoSpecification(n, list(outputs[n])) for n in names])
+    ok = output_computability(nnet, request)
+    if ok is None:
+        return None
+    out, at = {}, 0
+    for n in names:
+        k = len(outputs[n])
+        out[n] = ok[at:at + k]
+        at += k
     return out
 
 

