@@ -33,8 +33,11 @@ the Index shifted by a constant (Offset chains, simple components, dim-range
 nodes, TdnnComponent's time offsets) are found by adding a constant to the
 key; the table keeps a margin around every cindex so that such a key is always
 inside it.  Other descriptors go through their compiled NumPy form
-(engine.compiler.fast_descriptors), and components that give their inputs only
-Index by Index are asked Index by Index.
+(engine.compiler.fast_descriptors); components computable when any of their
+inputs is (statistics extraction and pooling) give their inputs as arrays
+(``input_times``) and are settled and pruned like a descriptor with optional
+parts; other components that give their inputs only Index by Index are asked
+Index by Index.
 
 The array build gives up (and Kaldi's algorithm runs) for a descriptor without
 a compiled form, inputs supplied at component nodes, anything the general path
@@ -52,6 +55,7 @@ from engine.compiler.array_ops import (column_bounds, distinct as _distinct, row
                                       rows_count)
 from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, DEPS_IDENTITY,
                                          DEPS_NONE, DEPS_OFFSETS, INPUT, CindexTable)
+from engine.core.errors import ComponentError
 from engine.core.index import Index, index_rows
 
 # Kaldi's ComputableInfo values (as in engine.compiler.graph).
@@ -517,7 +521,10 @@ class ArrayGraphBuild:
         c = self.coords_of(g)
         n, t, x = c[:, 1], c[:, 2], c[:, 3]
         if mode == DEPS_GENERAL:
-            self._expand_general(v, g, n, t, x)
+            if self.settle_fast[v] is _ANY_INPUT:
+                self._expand_any(v, g, n, t, x)
+            else:
+                self._expand_general(v, g, n, t, x)
             return
         if mode != DEPS_DESCRIPTOR:
             raise GiveUp("a node without inputs was asked for its inputs")
@@ -653,6 +660,21 @@ class ArrayGraphBuild:
             self.estart[g] = e0 + np.cumsum(counts) - counts
         self.ecount[g] = counts
         self.num_edges = e1
+
+    def _expand_any(self, v: int, g, n, t, x) -> None:
+        """Inputs of a component computable when any of its inputs is (statistics
+        extraction and pooling), from its ``input_times``: a fixed number per row,
+        settled and pruned as a descriptor's with optional parts (_AnyInput)."""
+        comp, src = self.nodes.component[v], self.nodes.src[v]
+        try:
+            times = comp.input_times(t)
+        except ComponentError as e:
+            raise GiveUp(f"input times: {e}") from None
+        k = times.shape[1]
+        flat = self._lookup(self._key_checked(src, np.repeat(n, k), times.ravel(),
+                                              np.repeat(x, k)))
+        self._queue(flat, src)
+        self._record(v, g, flat.reshape(len(g), k))
 
     def _expand_general(self, v: int, g, n, t, x) -> None:
         nodes = self.nodes
@@ -1046,7 +1068,7 @@ class ArrayGraphBuild:
         num = self.num_nodes
         size = self.size
         rowpos, deps_by, lists_of = self._inputs_by_width()
-        node_deps, fast_of, status = self.node_deps, self.nodes.fast, self.status
+        node_deps, fast_of, status = self.node_deps, self.settle_fast, self.status
         required = np.zeros(size, dtype=bool)
         pending: list[list] = [[] for _ in range(num)]
         # whether a node's pending ids may repeat beyond what several parts bring
@@ -1144,6 +1166,35 @@ class ArrayGraphBuild:
         return required, edges_src, edges_dst
 
 
+class _AnyInput:
+    """The settling and pruning rule of a component computable when any of its
+    inputs is, using those that are (what a compiled descriptor's Failover and
+    IfDefined parts give the same two functions for)."""
+
+    all_required = False
+    uses_present = True
+
+    @staticmethod
+    def computable_arrays(ok: np.ndarray) -> np.ndarray:
+        return rows_any(ok)
+
+    @staticmethod
+    def used_arrays(ok: np.ndarray) -> np.ndarray:
+        return ok
+
+
+_ANY_INPUT = _AnyInput()
+
+
+def _any_input(nodes, v: int) -> bool:
+    """Node v is a component asked Index by Index that says it is computable when
+    any input is and has the array form of its inputs (``input_times``)."""
+    comp = nodes.component[v]
+    return (nodes.deps_mode[v] == DEPS_GENERAL and comp is not None
+            and getattr(comp, "computable_if_any_input", False)
+            and callable(getattr(comp, "input_times", None)))
+
+
 def _node_facts(nodes) -> tuple:
     """Per node of a NodeTable, what the array build reads (kept with the table): its
     position in the node order, whether it is an input node (a boolean array), its
@@ -1162,14 +1213,15 @@ def _node_facts(nodes) -> tuple:
     is_input_node = np.array([k == INPUT for k in nodes.kind], dtype=bool)
     producers = [tuple(p) for p in nodes.producers]
     one_producer = [p[0] if len(p) == 1 else -1 for p in producers]
-    settle_fast = [nodes.fast[v] if nodes.deps_mode[v] == DEPS_DESCRIPTOR else None
+    settle_fast = [nodes.fast[v] if nodes.deps_mode[v] == DEPS_DESCRIPTOR
+                   else _ANY_INPUT if _any_input(nodes, v) else None
                    for v in range(num)]
     all_required = [nodes.deps_mode[v] != DEPS_GENERAL and (f is None or f.all_required)
                     for v, f in enumerate(settle_fast)]
     partial_nodes = [v for v in range(num) if not all_required[v]]
     # whether every node with inputs uses exactly the computable ones
     uses_present = all(nodes.deps_mode[v] in (DEPS_IDENTITY, DEPS_OFFSETS)
-                       or (nodes.deps_mode[v] == DEPS_DESCRIPTOR and nodes.fast[v].uses_present)
+                       or (settle_fast[v] is not None and settle_fast[v].uses_present)
                        for v in range(num) if nodes.deps_mode[v] != DEPS_NONE)
     out = (pos, is_input_node, producers, one_producer, settle_fast, all_required,
            partial_nodes, _chains(nodes, pos), uses_present)

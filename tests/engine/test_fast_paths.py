@@ -388,3 +388,65 @@ def test_nested_rounds_compile_linearly_and_match():
     for t in range(-40, 41):
         idx = Index(0, t, 0)
         assert fast.deps(idx) == desc.get_dependencies(idx)
+
+
+def test_statistics_components_take_the_array_build(monkeypatch):
+    """Statistics extraction and pooling (computable when any input is) get their
+    inputs as arrays (``input_times``), not Index by Index: on random statistics
+    networks (input and output periods 1-9, contexts up to 90 frames) and two-segment
+    requests the graph, statuses, outputs and steps equal the per-cindex algorithm's,
+    with no component asked Index by Index."""
+    from engine.compiler.graph_arrays import ArrayGraphBuild
+    from engine.nnet.components.statistics import (StatisticsExtractionComponent,
+                                                   StatisticsPoolingComponent)
+
+    def refuse(*a, **k):
+        raise AssertionError("a statistics component was asked Index by Index")
+
+    for seed in range(25):
+        rng = np.random.default_rng(seed)
+        nnet = generate_config_sequence(rng, OPTS, kind="statistics").build(rng)
+        req = random_request(nnet, rng)
+        with monkeypatch.context() as m:
+            m.setattr(ArrayGraphBuild, "_expand_general", refuse)
+            m.setattr(ArrayGraphBuild, "_settle_general", refuse)
+            g, statuses, _ = _build(nnet, [req], True)
+        assert g is not None and statuses == ["used"], (seed, statuses)
+        assert _assert_same_build(nnet, [req]) == "used"
+        assert _assert_same_build(nnet, [req, _second_segment(req, nnet)]) == "used"
+    # the array form is the per-Index form, row by row
+    ext = StatisticsExtractionComponent()
+    ext.input_period, ext.output_period = 3, 9
+    pool = StatisticsPoolingComponent()
+    pool.input_period, pool.left_context, pool.right_context = 3, 6, 9
+    for comp, ts in ((ext, range(-20, 20)), (pool, range(-21, 21, 3))):
+        t = np.array(list(ts), dtype=np.int64)
+        rows = comp.input_times(t).tolist()
+        assert rows == [[i.t for i in comp.get_input_indexes(None, Index(0, int(u), 0))]
+                        for u in t]
+
+
+def test_statistics_pooling_off_its_period_reports_the_general_error():
+    """An output asked of statistics pooling at a t that is not a multiple of its
+    input period: the array build declines and the error is the per-cindex one."""
+    from engine.core.errors import ComponentError
+    from engine.nnet.nnet import Nnet
+    nnet = Nnet.from_config("""input-node name=input dim=3
+component name=e type=StatisticsExtractionComponent input-dim=3 input-period=1 output-period=2
+component name=p type=StatisticsPoolingComponent input-dim=7 input-period=2 left-context=4 right-context=4
+component-node name=e component=e input=input
+component-node name=p component=p input=e
+output-node name=output input=p
+""")
+    req = ComputationRequest([IoSpecification("input", [Index(0, t, 0) for t in range(-8, 9)])],
+                             [IoSpecification("output", [Index(0, 1, 0)])])
+    errors = []
+    for arrays in (True, False):
+        builder = ComputationGraphBuilder(nnet, ComputationGraph())
+        builder.use_arrays = arrays
+        with pytest.raises(ComponentError) as e:
+            builder.compute(req)
+        errors.append(str(e.value))
+        if arrays:
+            assert builder.array_status.startswith("declined: input times")
+    assert errors[0] == errors[1] and "input-period=2" in errors[0]

@@ -132,6 +132,16 @@ class _StatisticsComponent(TokenFieldsComponent):
         return (f"{self.type_name}, input-dim={self.input_dim()}, "
                 f"output-dim={self.output_dim()}")
 
+    #: is_computable is "any input present", and the inputs used are the present ones:
+    #: the compiler's array graph build then decides statuses and used inputs of
+    #: whole arrays of output Indexes from ``input_times``
+    computable_if_any_input = True
+
+    def input_times(self, t: np.ndarray) -> np.ndarray:
+        """get_input_indexes of many output Indexes at once: row i holds the t of the
+        inputs of an output at t[i] (n and x are the output's), in the same order."""
+        raise NotImplementedError
+
     def is_computable(self, misc_info, output_index, input_index_set, used_inputs):
         present = [i for i in self.get_input_indexes(misc_info, output_index)
                    if input_index_set(i)]
@@ -220,6 +230,10 @@ class StatisticsExtractionComponent(_StatisticsComponent):
         start, end = self._block(output_index.t)
         n, x = output_index.n, output_index.x
         return [Index(n, t, x) for t in range(start, end, self.input_period)]
+
+    def input_times(self, t: np.ndarray) -> np.ndarray:
+        start = self.output_period * np.floor_divide(t, self.output_period)
+        return start[:, None] + np.arange(0, self.output_period, self.input_period)[None, :]
 
     def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
         out_t = np.asarray([i[1] for i in output_indexes], dtype=np.int64)
@@ -368,6 +382,15 @@ class StatisticsPoolingComponent(_StatisticsComponent):
         n, t0, x = output_index
         return [Index(n, t, x) for t in range(t0 - self.left_context,
                                               t0 + self.right_context + 1, self.input_period)]
+
+    def input_times(self, t: np.ndarray) -> np.ndarray:
+        off = t % self.input_period != 0
+        if off.any():
+            bad = int(t[np.flatnonzero(off)[0]])
+            raise ComponentError(f"output Index with t={bad}: t not a multiple of "
+                                 f"input-period={self.input_period}", component=self.label())
+        steps = np.arange(-self.left_context, self.right_context + 1, self.input_period)
+        return t[:, None] + steps[None, :]
 
     def is_computable(self, misc_info, output_index, input_index_set, used_inputs):
         if used_inputs is not None:
