@@ -33,11 +33,11 @@ the Index shifted by a constant (Offset chains, simple components, dim-range
 nodes, TdnnComponent's time offsets) are found by adding a constant to the
 key; the table keeps a margin around every cindex so that such a key is always
 inside it.  Other descriptors go through their compiled NumPy form
-(engine.compiler.fast_descriptors); components computable when any of their
-inputs is (statistics extraction and pooling) give their inputs as arrays
-(``input_times``) and are settled and pruned like a descriptor with optional
-parts; other components that give their inputs only Index by Index are asked
-Index by Index.
+(engine.compiler.fast_descriptors); statistics extraction and pooling and
+time-height convolution give their inputs as arrays (``input_times``, with
+``input_rule``: which inputs an output needs) and are settled and pruned like a
+descriptor with optional parts; other components that give their inputs only
+Index by Index are asked Index by Index.
 
 The array build gives up (and Kaldi's algorithm runs) for a descriptor without
 a compiled form, inputs supplied at component nodes, anything the general path
@@ -521,8 +521,8 @@ class ArrayGraphBuild:
         c = self.coords_of(g)
         n, t, x = c[:, 1], c[:, 2], c[:, 3]
         if mode == DEPS_GENERAL:
-            if self.settle_fast[v] is _ANY_INPUT:
-                self._expand_any(v, g, n, t, x)
+            if self.settle_fast[v] is not None:
+                self._expand_columns(v, g, n, t, x)
             else:
                 self._expand_general(v, g, n, t, x)
             return
@@ -661,10 +661,10 @@ class ArrayGraphBuild:
         self.ecount[g] = counts
         self.num_edges = e1
 
-    def _expand_any(self, v: int, g, n, t, x) -> None:
-        """Inputs of a component computable when any of its inputs is (statistics
-        extraction and pooling), from its ``input_times``: a fixed number per row,
-        settled and pruned as a descriptor's with optional parts (_AnyInput)."""
+    def _expand_columns(self, v: int, g, n, t, x) -> None:
+        """Inputs of a component that gives them as arrays (``input_times``: a fixed
+        number per row), settled and pruned by its _ColumnRule as a descriptor's
+        with optional parts."""
         comp, src = self.nodes.component[v], self.nodes.src[v]
         try:
             times = comp.input_times(t)
@@ -1166,33 +1166,38 @@ class ArrayGraphBuild:
         return required, edges_src, edges_dst
 
 
-class _AnyInput:
-    """The settling and pruning rule of a component computable when any of its
-    inputs is, using those that are (what a compiled descriptor's Failover and
-    IfDefined parts give the same two functions for)."""
+class _ColumnRule:
+    """The settling and pruning rule of a component whose inputs come as arrays
+    (``input_times``, one column per input): computable when the inputs of the
+    ``required`` columns are (None: when any input is), using every input that is
+    (what a compiled descriptor's parts give the same two functions for)."""
 
     all_required = False
     uses_present = True
 
-    @staticmethod
-    def computable_arrays(ok: np.ndarray) -> np.ndarray:
-        return rows_any(ok)
+    def __init__(self, required: np.ndarray | None) -> None:
+        self.required = required
+
+    def computable_arrays(self, ok: np.ndarray) -> np.ndarray:
+        if self.required is None:
+            return rows_any(ok)
+        return rows_all(ok[:, self.required])
 
     @staticmethod
     def used_arrays(ok: np.ndarray) -> np.ndarray:
         return ok
 
 
-_ANY_INPUT = _AnyInput()
-
-
-def _any_input(nodes, v: int) -> bool:
-    """Node v is a component asked Index by Index that says it is computable when
-    any input is and has the array form of its inputs (``input_times``)."""
+def _column_rule(nodes, v: int) -> _ColumnRule | None:
+    """The rule of node v, a component asked Index by Index that gives its inputs as
+    arrays (``input_times`` and ``input_rule``: statistics, time-height
+    convolution), or None."""
     comp = nodes.component[v]
-    return (nodes.deps_mode[v] == DEPS_GENERAL and comp is not None
-            and getattr(comp, "computable_if_any_input", False)
-            and callable(getattr(comp, "input_times", None)))
+    if (nodes.deps_mode[v] != DEPS_GENERAL or comp is None
+            or not callable(getattr(comp, "input_times", None))
+            or not callable(getattr(comp, "input_rule", None))):
+        return None
+    return _ColumnRule(comp.input_rule())
 
 
 def _node_facts(nodes) -> tuple:
@@ -1214,8 +1219,7 @@ def _node_facts(nodes) -> tuple:
     producers = [tuple(p) for p in nodes.producers]
     one_producer = [p[0] if len(p) == 1 else -1 for p in producers]
     settle_fast = [nodes.fast[v] if nodes.deps_mode[v] == DEPS_DESCRIPTOR
-                   else _ANY_INPUT if _any_input(nodes, v) else None
-                   for v in range(num)]
+                   else _column_rule(nodes, v) for v in range(num)]
     all_required = [nodes.deps_mode[v] != DEPS_GENERAL and (f is None or f.all_required)
                     for v, f in enumerate(settle_fast)]
     partial_nodes = [v for v in range(num) if not all_required[v]]

@@ -390,22 +390,25 @@ def test_nested_rounds_compile_linearly_and_match():
         assert fast.deps(idx) == desc.get_dependencies(idx)
 
 
-def test_statistics_components_take_the_array_build(monkeypatch):
-    """Statistics extraction and pooling (computable when any input is) get their
-    inputs as arrays (``input_times``), not Index by Index: on random statistics
-    networks (input and output periods 1-9, contexts up to 90 frames) and two-segment
-    requests the graph, statuses, outputs and steps equal the per-cindex algorithm's,
-    with no component asked Index by Index."""
+@pytest.mark.parametrize("kind", ["statistics", "cnn_new"])
+def test_array_form_components_take_the_array_build(kind, monkeypatch):
+    """Statistics extraction and pooling (computable when any input is) and
+    time-height convolution (when the inputs at its required time offsets are) get
+    their inputs as arrays (``input_times``, ``input_rule``), not Index by Index: on
+    random networks (statistics periods 1-9 and contexts up to 90 frames; convolutions
+    with optional time offsets) and two-segment requests the graph, statuses, outputs
+    and steps equal the per-cindex algorithm's, with no component asked Index by
+    Index."""
     from engine.compiler.graph_arrays import ArrayGraphBuild
     from engine.nnet.components.statistics import (StatisticsExtractionComponent,
                                                    StatisticsPoolingComponent)
 
     def refuse(*a, **k):
-        raise AssertionError("a statistics component was asked Index by Index")
+        raise AssertionError("a component was asked Index by Index")
 
     for seed in range(25):
         rng = np.random.default_rng(seed)
-        nnet = generate_config_sequence(rng, OPTS, kind="statistics").build(rng)
+        nnet = generate_config_sequence(rng, OPTS, kind=kind).build(rng)
         req = random_request(nnet, rng)
         with monkeypatch.context() as m:
             m.setattr(ArrayGraphBuild, "_expand_general", refuse)
@@ -450,3 +453,37 @@ output-node name=output input=p
         if arrays:
             assert builder.array_status.startswith("declined: input times")
     assert errors[0] == errors[1] and "input-period=2" in errors[0]
+
+
+def test_grid_indexes_equal_their_definition():
+    """Kaldi's GetIndexesForComputation grid (convolution, restricted attention) made on
+    arrays equals the definition written Index by Index, blanks included."""
+    from engine.core.index import K_NO_TIME
+    from engine.nnet.components._nonsimple_utils import get_nx_list, get_t_list, grid_indexes
+
+    def definition(nx, t_start, t_step, num_t, reorder_t, present):
+        t_step = t_step or 1
+        outer, have, out = t_step * reorder_t, set(present), []
+        for t_block in range(t_start, t_start + num_t * t_step, outer):
+            for n, x in nx:
+                for t in range(t_block, t_block + outer, t_step):
+                    idx = Index(n, t, x)
+                    out.append(idx if idx in have else Index(n, K_NO_TIME, x))
+        return out
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        step = int(rng.integers(0, 4))
+        present = [Index(int(n), int(t), int(x)) for n, t, x in
+                   zip(rng.integers(-2, 3, 40), rng.integers(-30, 30, 40),
+                       rng.integers(0, 2, 40))]
+        present += [Index(0, K_NO_TIME, 0)] * int(rng.integers(0, 2))
+        nx = get_nx_list(present)
+        assert nx == sorted({(i.n, i.x) for i in present})
+        assert get_t_list(present) == sorted({i.t for i in present if i.t != K_NO_TIME})
+        args = (nx, int(rng.integers(-30, 0)), step, int(rng.integers(1, 20)),
+                int(rng.integers(1, 4)))
+        got = grid_indexes(*args, present)
+        assert got == definition(*args, present)
+        assert all(type(i) is Index and type(i.t) is int for i in got)
+    assert grid_indexes([(0, 0)], 0, 1, 3, 1, []) == [Index(0, K_NO_TIME, 0)] * 3

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, K_NO_TIME
 from engine.core.xp import array_module, as_strided
 from engine.nnet.components._nonsimple_utils import (
     ConvolutionComputationIo,
     get_computation_io,
     get_nx_list,
+    grid_indexes,
 )
 
 
@@ -306,19 +306,6 @@ def _check_model_and_io(model: ConvolutionModel, io: ConvolutionComputationIo,
             raise ComponentError(f"time {int(t[~ok][0])} is required but not in the input")
 
 
-def _grid_indexes(nx, t_start, t_step, num_t, reorder_t, present: set) -> list[Index]:
-    if t_step == 0:
-        t_step = 1
-    out = []
-    outer = t_step * reorder_t
-    for t_block in range(t_start, t_start + num_t * t_step, outer):
-        for n, x in nx:
-            for t in range(t_block, t_block + outer, t_step):
-                idx = Index(n, t, x)
-                out.append(idx if idx in present else Index(n, K_NO_TIME, x))
-    return out
-
-
 def compile_convolution(model: ConvolutionModel, input_indexes, output_indexes,
                         max_memory_mb: float):
     """Kaldi's CompileConvolutionComputation: returns (computation, new input Indexes,
@@ -334,11 +321,9 @@ def compile_convolution(model: ConvolutionModel, input_indexes, output_indexes,
     cc = _make_computation(appended, io_app, max_memory_mb)
     _unpad_model_height(max_memory_mb, model, padded, cc)
     nx = get_nx_list(input_indexes)
-    in_set = {Index(*i) for i in input_indexes}
-    out_set = {Index(*i) for i in output_indexes}
-    new_in = _grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, io.reorder_t_in,
-                           in_set)
-    new_out = _grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1, out_set)
+    new_in = grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, io.reorder_t_in,
+                          input_indexes)
+    new_out = grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1, output_indexes)
     return cc, new_in, new_out
 
 

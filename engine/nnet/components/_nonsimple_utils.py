@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import K_NO_TIME, Index
+from engine.core.index import K_NO_TIME, Index, array_to_indexes, index_rows
 from engine.core.xp import array_module
 from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for the component modules)
     KaldiReader,
@@ -131,14 +131,65 @@ def read_basic_bool(reader: KaldiReader) -> bool:
 # index helpers (nnet-compile-utils, convolution.cc)
 
 
+def _rows(indexes) -> np.ndarray:
+    """(N, 3) int64 n, t, x rows of a list of Indexes (or of such an array)."""
+    if isinstance(indexes, np.ndarray):
+        return indexes.reshape(-1, 3).astype(np.int64, copy=False)
+    return index_rows(indexes)
+
+
 def get_nx_list(indexes) -> list[tuple[int, int]]:
     """Sorted unique (n, x) pairs over all indexes (blank ones included, as Kaldi)."""
-    return sorted({(i[0], i[2]) for i in indexes})
+    a = _rows(indexes)
+    if not len(a):
+        return []
+    return list(map(tuple, np.unique(a[:, ::2], axis=0).tolist()))
 
 
 def get_t_list(indexes) -> list[int]:
     """Sorted unique t values, ignoring blank (kNoTime) indexes."""
-    return sorted({i[1] for i in indexes if i[1] != K_NO_TIME})
+    t = _rows(indexes)[:, 1]
+    return np.unique(t[t != K_NO_TIME]).tolist()
+
+
+def grid_indexes(nx: list[tuple[int, int]], t_start: int, t_step: int, num_t: int,
+                 reorder_t: int, present) -> list[Index]:
+    """Kaldi's GetIndexesForComputation (convolution, restricted attention): the
+    Indexes of a regular grid -- blocks of ``reorder_t`` times, in each block every
+    (n, x) of ``nx`` with its times -- with t = kNoTime where the Index is not among
+    ``present`` (Indexes, or their rows)."""
+    t_step = t_step or 1
+    outer = t_step * reorder_t
+    blocks = np.arange(t_start, t_start + num_t * t_step, outer, dtype=np.int64)
+    inner = np.arange(0, outer, t_step, dtype=np.int64)
+    nxa = np.asarray(nx, dtype=np.int64).reshape(-1, 2)
+    shape = (len(blocks), len(nxa), len(inner))
+    rows = np.empty(shape + (3,), dtype=np.int64)
+    rows[..., 0] = nxa[None, :, 0:1]
+    rows[..., 1] = blocks[:, None, None] + inner[None, None, :]
+    rows[..., 2] = nxa[None, :, 1:2]
+    rows = rows.reshape(-1, 3)
+    have = _rows(present)
+    have = have[have[:, 1] != K_NO_TIME]
+    rows[~_rows_in(rows, have), 1] = K_NO_TIME
+    return array_to_indexes(rows)
+
+
+def _rows_in(rows: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Which of the (k, 3) ``rows`` are rows of ``ref``."""
+    if not len(rows) or not len(ref):
+        return np.zeros(len(rows), dtype=bool)
+    both = np.concatenate([rows, ref])
+    lo, hi = both.min(axis=0), both.max(axis=0)
+    span = [int(h) - int(l) + 1 for l, h in zip(lo.tolist(), hi.tolist())]
+    if span[0] * span[1] * span[2] >= 1 << 62:     # ranges too wide for one int64 key
+        have = set(map(tuple, ref.tolist()))
+        return np.fromiter((r in have for r in map(tuple, rows.tolist())), bool, len(rows))
+    off = both - lo
+
+    def key(a):
+        return (a[:, 0] * span[1] + a[:, 1]) * span[2] + a[:, 2]
+    return np.isin(key(off[:len(rows)]), key(off[len(rows):]))
 
 
 def _regularize_t_list(t_values: list[int]) -> tuple[int, int, int]:

@@ -33,6 +33,7 @@ from engine.nnet.components._nonsimple_utils import (
     ConvolutionComputationIo,
     get_computation_io,
     get_nx_list,
+    grid_indexes,
     read_double_matrix,
     read_double_vector,
     write_double_matrix,
@@ -276,23 +277,12 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
         io.num_t_in = 1 + (last_requested - first_requested) // step
         return io
 
-    @staticmethod
-    def _grid_indexes(nx, t_start, t_step, num_t, present: set) -> list[Index]:
-        out = []
-        for k in range(num_t):
-            t = t_start + k * t_step
-            for n, x in nx:
-                idx = Index(n, t, x)
-                out.append(idx if idx in present else Index(n, K_NO_TIME, x))
-        return out
-
     def reorder_indexes(self, input_indexes, output_indexes):
         io = self._computation_structure(input_indexes, output_indexes)
         nx = get_nx_list(input_indexes)
-        in_set = {Index(*i) for i in input_indexes}
-        out_set = {Index(*i) for i in output_indexes}
-        return (self._grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, in_set),
-                self._grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, out_set))
+        return (grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, 1, input_indexes),
+                grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1,
+                             output_indexes))
 
     def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
         return RestrictedAttentionIndexes(

@@ -132,10 +132,11 @@ class _StatisticsComponent(TokenFieldsComponent):
         return (f"{self.type_name}, input-dim={self.input_dim()}, "
                 f"output-dim={self.output_dim()}")
 
-    #: is_computable is "any input present", and the inputs used are the present ones:
-    #: the compiler's array graph build then decides statuses and used inputs of
-    #: whole arrays of output Indexes from ``input_times``
-    computable_if_any_input = True
+    def input_rule(self):
+        """is_computable as a rule on the columns of ``input_times`` (the compiler's
+        array graph build reads it): None, computable when any input is, using
+        those that are."""
+        return None
 
     def input_times(self, t: np.ndarray) -> np.ndarray:
         """get_input_indexes of many output Indexes at once: row i holds the t of the

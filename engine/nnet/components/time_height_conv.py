@@ -289,6 +289,19 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         n, t, x = output_index
         return [Index(n, t + dt, x) for dt in self.model.all_time_offsets]
 
+    def input_times(self, t: np.ndarray) -> np.ndarray:
+        """get_input_indexes of many output Indexes at once (the compiler's array
+        graph build): row i holds the t of the inputs of an output at t[i]."""
+        if (t == K_NO_TIME).any():
+            raise ComponentError("blank output Index", component=self.label())
+        return t[:, None] + np.asarray(self.model.all_time_offsets, dtype=np.int64)[None, :]
+
+    def input_rule(self) -> np.ndarray:
+        """is_computable as a rule on the columns of ``input_times``: computable when
+        the inputs at the required time offsets are, using every input that is."""
+        req = self.model.required_time_offsets
+        return np.array([dt in req for dt in self.model.all_time_offsets], dtype=bool)
+
     def is_computable(self, misc_info, output_index, input_index_set, used_inputs):
         n, t, x = output_index
         req = self.model.required_time_offsets
