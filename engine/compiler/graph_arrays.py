@@ -33,11 +33,11 @@ the Index shifted by a constant (Offset chains, simple components, dim-range
 nodes, TdnnComponent's time offsets) are found by adding a constant to the
 key; the table keeps a margin around every cindex so that such a key is always
 inside it.  Other descriptors go through their compiled NumPy form
-(engine.compiler.fast_descriptors); statistics extraction and pooling and
-time-height convolution give their inputs as arrays (``input_times``, with
-``input_rule``: which inputs an output needs) and are settled and pruned like a
-descriptor with optional parts; other components that give their inputs only
-Index by Index are asked Index by Index.
+(engine.compiler.fast_descriptors); statistics extraction and pooling,
+time-height convolution and restricted attention give their inputs as arrays
+(``input_times``, with ``input_rule``: which inputs an output needs) and are
+settled and pruned like a descriptor with optional parts; other components that
+give their inputs only Index by Index are asked Index by Index.
 
 The array build gives up (and Kaldi's algorithm runs) for a descriptor without
 a compiled form, inputs supplied at component nodes, anything the general path
@@ -1191,7 +1191,7 @@ class _ColumnRule:
 def _column_rule(nodes, v: int) -> _ColumnRule | None:
     """The rule of node v, a component asked Index by Index that gives its inputs as
     arrays (``input_times`` and ``input_rule``: statistics, time-height
-    convolution), or None."""
+    convolution, restricted attention), or None."""
     comp = nodes.component[v]
     if (nodes.deps_mode[v] != DEPS_GENERAL or comp is None
             or not callable(getattr(comp, "input_times", None))

@@ -390,10 +390,11 @@ def test_nested_rounds_compile_linearly_and_match():
         assert fast.deps(idx) == desc.get_dependencies(idx)
 
 
-@pytest.mark.parametrize("kind", ["statistics", "cnn_new"])
+@pytest.mark.parametrize("kind", ["statistics", "cnn_new", "attention"])
 def test_array_form_components_take_the_array_build(kind, monkeypatch):
-    """Statistics extraction and pooling (computable when any input is) and
-    time-height convolution (when the inputs at its required time offsets are) get
+    """Statistics extraction and pooling (computable when any input is), time-height
+    convolution and restricted attention (when the inputs at their required time
+    offsets are) get
     their inputs as arrays (``input_times``, ``input_rule``), not Index by Index: on
     random networks (statistics periods 1-9 and contexts up to 90 frames; convolutions
     with optional time offsets) and two-segment requests the graph, statuses, outputs

@@ -228,6 +228,20 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
         return [Index(n, t + s * o, x)
                 for o in range(-self.num_left_inputs, self.num_right_inputs + 1)]
 
+    def input_times(self, t: np.ndarray) -> np.ndarray:
+        """get_input_indexes of many output Indexes at once (the compiler's array
+        graph build): row i holds the t of the inputs of an output at t[i]."""
+        if (t == K_NO_TIME).any():
+            raise ComponentError("blank output Index", component=self.label())
+        steps = np.arange(-self.num_left_inputs, self.num_right_inputs + 1, dtype=np.int64)
+        return t[:, None] + self.time_stride * steps[None, :]
+
+    def input_rule(self) -> np.ndarray:
+        """is_computable as a rule on the columns of ``input_times``: computable when
+        the required context positions are, using every input that is."""
+        o = np.arange(-self.num_left_inputs, self.num_right_inputs + 1)
+        return (o >= -self.num_left_inputs_required) & (o <= self.num_right_inputs_required)
+
     def is_computable(self, misc_info, output_index, input_index_set, used_inputs):
         n, t, x = output_index
         s = self.time_stride
