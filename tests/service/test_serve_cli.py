@@ -1,7 +1,10 @@
-"""`nnetc serve` as a subprocess on a free port: /healthz, /readyz and /docs answer."""
+"""`nnetc serve` as a subprocess on a free port: /healthz, /readyz and /docs answer, and a
+stream runs over a real WebSocket (uvicorn needs a WebSocket library for that, which
+Starlette's TestClient in the other tests does not)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -9,12 +12,54 @@ import sys
 import time
 
 import httpx
+import numpy as np
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+STREAM_NET = """input-node name=input dim=3
+component name=a type=AffineComponent input-dim=6 output-dim=4
+component name=r type=RectifiedLinearComponent dim=4
+component-node name=a component=a input=Append(Offset(input, -1), Offset(input, 1))
+component-node name=r component=r input=a
+output-node name=output input=r
+"""
+
+
+def _websocket_stream(base: str) -> None:
+    """The same frames through an HTTP stream and a WebSocket stream give the same
+    output."""
+    from websockets.sync.client import connect
+    mid = httpx.post(f"{base}/models", json={"config": STREAM_NET, "seed": 1}).json()["model_id"]
+    x = np.random.default_rng(0).standard_normal((30, 3)).round(3).tolist()
+    outs = {}
+    for how in ("http", "ws"):
+        sid = httpx.post(f"{base}/streams", json={"model_id": mid}).json()["stream_id"]
+        rows = []
+        if how == "http":
+            for a in range(0, 30, 10):
+                r = httpx.post(f"{base}/streams/{sid}/frames", json={"features": x[a:a + 10]})
+                assert r.status_code == 200, r.text
+                rows += r.json()["output"]
+            rows += httpx.post(f"{base}/streams/{sid}/finish", json={}).json()["output"]
+        else:
+            with connect(f"ws{base[4:]}/streams/{sid}/ws") as ws:
+                for a in range(0, 30, 10):
+                    ws.send(json.dumps({"features": x[a:a + 10]}))
+                    j = json.loads(ws.recv(timeout=30))
+                    assert "error" not in j, j
+                    rows += j["output"]
+                ws.send(json.dumps({"finish": True}))
+                j = json.loads(ws.recv(timeout=30))
+                assert j["finished"] is True
+                rows += j["output"]
+        outs[how] = np.array(rows)
+    assert outs["ws"].shape == (30, 4)
+    np.testing.assert_array_equal(outs["ws"], outs["http"])
 
 
 def test_nnetc_serve_subprocess():
@@ -37,6 +82,7 @@ def test_nnetc_serve_subprocess():
         assert r.status_code == 200 and r.json() == {"status": "ok"}
         assert httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
         assert "/compile" in httpx.get(f"http://127.0.0.1:{port}/openapi.json").json()["paths"]
+        _websocket_stream(f"http://127.0.0.1:{port}")
     finally:
         proc.terminate()
         try:
