@@ -78,7 +78,9 @@ def build_services(settings: Settings) -> Services:
                             idle_s=settings.stream_idle_s, metrics=metrics,
                             max_ivector_rows=settings.max_stream_ivector_rows,
                             max_held_frames=settings.max_request_indexes,
-                            max_request_indexes=settings.max_request_indexes)
+                            max_request_indexes=settings.max_request_indexes,
+                            max_computation_bytes=settings.max_computation_bytes,
+                            max_response_bytes=settings.max_response_bytes)
     if settings.queue == "redis":
         queue = RedisJobQueue(client, settings.job_timeout_s, settings.queue_size,
                               metrics=metrics)

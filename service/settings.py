@@ -57,6 +57,12 @@ class Settings(BaseSettings):
         description="compute requests (and infer chunks) whose computation needs more "
                     "matrix memory at its peak (Kaldi's peak bytes) get 413 before anything "
                     "is allocated")
+    max_response_bytes: int = Field(
+        default=256 << 20, ge=1 << 10,
+        description="compute and infer requests, and stream pushes, whose answer would "
+                    "carry more float32 values than this many bytes (outputs, input "
+                    "derivatives, the model gradient) get 413 before anything is computed: "
+                    "encoding an answer takes several times its size in memory")
     redis_url: str | None = Field(
         default=None,
         description="Redis URL (redis://host:port/db) of the computation cache shared by "

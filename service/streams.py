@@ -260,8 +260,12 @@ def _release(live: LiveStream) -> None:
 class StreamManager:
     def __init__(self, registry, backend, store=None, max_streams: int = 256,
                  idle_s: float = 600.0, metrics=None, max_ivector_rows: int = 4096,
-                 max_held_frames: int = 100_000, max_request_indexes: int = 100_000):
+                 max_held_frames: int = 100_000, max_request_indexes: int = 100_000,
+                 max_computation_bytes: int | None = None,
+                 max_response_bytes: int | None = None):
         self.registry = registry
+        self.max_computation_bytes = max_computation_bytes
+        self.max_response_bytes = max_response_bytes
         self.max_request_indexes = max_request_indexes
         self.max_ivector_rows = max_ivector_rows
         self.max_held_frames = max_held_frames
@@ -312,7 +316,7 @@ class StreamManager:
                                           options["frame_subsampling_factor"],
                                           truncate_future_recurrence=truncate),
                              priors=model_priors(entry.model), use_priors=options["use_priors"],
-                             backend=self.xp)
+                             backend=self.xp, max_peak_bytes=self.max_computation_bytes)
         with self._lock:
             self._looped[key] = looped
             while len(self._looped) > _LOOPED_MODELS:
@@ -497,9 +501,28 @@ class StreamManager:
                                        f"this service's max_request_indexes "
                                        f"({self.max_held_frames}): push the rows with the "
                                        f"frames", "features")
+            self._check_answer(live, int(np.shape(p["features"])[0]))
             out = s.push(p["features"], p.get("ivector"), rows)
             self._checkpoint(live)
         return out, first, live.summary()
+
+    def _check_answer(self, live: LiveStream, rows: int) -> None:
+        """413 before a push of ``rows`` frames whose answer could carry more than
+        max_response_bytes of output: at most every received frame not yet output
+        (subsampled) comes out of it.  (A finish returns no more than the last push
+        could have.)"""
+        if self.max_response_bytes is None:
+            return
+        m = live.looped
+        out_rows = -(-(live.frames_received + rows) // m.fsf) - live.frames_output
+        size = 4 * out_rows * m.output_dim
+        if size > self.max_response_bytes:
+            raise ServiceError(413, "RequestTooLarge",
+                               f"pushing {rows} frames to stream {live.stream_id} could "
+                               f"give {out_rows} output frames of dim {m.output_dim} "
+                               f"({size} bytes), more than this service's "
+                               f"max_response_bytes ({self.max_response_bytes}): push them "
+                               f"in pieces", "features")
 
     def finish(self, p: dict) -> tuple[np.ndarray, int, dict]:
         live = self.get(p["stream_id"])

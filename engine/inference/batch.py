@@ -59,7 +59,8 @@ _MAX_CAL_CHUNKS = 64
 def _new_executor(computation, model: LoopedModel, pool=None):
     from engine.runtime.executor import Executor  # noqa: PLC0415
     return Executor(computation, model.nnet, backend=model.backend,
-                    pool=model.pool if pool is None else pool)
+                    pool=model.pool if pool is None else pool,
+                    max_peak_bytes=model.max_peak_bytes)
 
 
 class _NanPool:

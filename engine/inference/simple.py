@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.compiler.request import ComputationRequest, IoSpecification
-from engine.core.errors import InferenceError
+from engine.core.errors import InferenceError, ResourceLimitError
 from engine.core.index import Index
 from engine.inference.common import (CachingCompiler, as_features, check_acoustic_scale,
                                      check_ivectors, check_simple, lcm, log_priors,
@@ -110,7 +110,8 @@ class Inferencer:
                  backend=np, collapse: bool = True, optimize: bool = True,
                  max_peak_bytes: int | None = None):
         """``max_peak_bytes``: chunk computations needing more matrix memory at their
-        peak are refused (ResourceLimitError) before they run."""
+        peak, and utterances whose output matrix alone is larger, are refused
+        (ResourceLimitError) before they run."""
         options.check()
         self.max_peak_bytes = max_peak_bytes
         check_simple(nnet, options.output)
@@ -229,8 +230,14 @@ class Inferencer:
         for c in chunks:
             groups.setdefault(c.key, []).append(c)
         fsf = self.options.frame_subsampling_factor
-        outs = [np.empty(((u.features.shape[0] + fsf - 1) // fsf, self.output_dim),
-                         dtype=np.float32) for u in utterances]
+        rows = [(u.features.shape[0] + fsf - 1) // fsf for u in utterances]
+        if self.max_peak_bytes is not None and 4 * sum(rows) * self.output_dim > \
+                self.max_peak_bytes:
+            raise ResourceLimitError(
+                f"the output {self.options.output!r} ({sum(rows)} frames x "
+                f"{self.output_dim}) needs {4 * sum(rows) * self.output_dim} bytes, more "
+                f"than the limit of {self.max_peak_bytes} bytes")
+        outs = [np.empty((r, self.output_dim), dtype=np.float32) for r in rows]
         frames = sum(c.num_sub for c in chunks)
         threads = self.options.threads if self.parallel_pays(frames) else 1
         batches = []

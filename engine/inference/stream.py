@@ -58,7 +58,11 @@ class LoopedModel:
 
     def __init__(self, nnet, config: LoopedConfig = LoopedConfig(), priors=None,
                  use_priors: bool = False, backend=np, collapse: bool = True,
-                 optimize_options=None, num_sequences: int = 1):
+                 optimize_options=None, num_sequences: int = 1,
+                 max_peak_bytes: int | None = None):
+        """``max_peak_bytes``: a looped computation needing more matrix memory at its
+        peak is refused (ResourceLimitError) here, and by the executors of its
+        streams, before anything is allocated."""
         config.check()
         if num_sequences < 1:
             raise InferenceError(f"num_sequences must be >= 1, got {num_sequences}")
@@ -98,6 +102,10 @@ class LoopedModel:
             truncate_future_recurrence=config.truncate_future_recurrence)
         self.backend = backend
         self.optimize_options = optimize_options
+        self.max_peak_bytes = max_peak_bytes
+        if max_peak_bytes is not None:
+            from engine.runtime.executor import check_peak_bytes  # noqa: PLC0415
+            check_peak_bytes(self.computation, max_peak_bytes)
         # batched looped computations (engine.inference.batch.BatchPlan), by batch size
         self.batch_plans: dict = {}
         self.batch_lock = threading.Lock()
@@ -222,7 +230,7 @@ class Stream:
         self.online_received = 0
         self.ivector = None if self.online_period else check_ivector(self.model, ivector)
         self.executor = Executor(model.computation, model.nnet, backend=model.backend,
-                                 pool=model.pool)
+                                 pool=model.pool, max_peak_bytes=model.max_peak_bytes)
         self.buffer = np.zeros((0, model.input_dim), dtype=np.float32)
         self.buffer_start = 0        # frame index of buffer[0]
         self.num_received = 0
@@ -546,7 +554,7 @@ class StreamBatch:
             self.ivectors = [check_ivector(model, v) for v in ivectors]
             self.online_rows = None
         self.executor = Executor(model.computation, model.nnet, backend=model.backend,
-                                 pool=model.pool)
+                                 pool=model.pool, max_peak_bytes=model.max_peak_bytes)
         # per stream: the frames still needed (from frame ``start[j]`` on) and how
         # many were pushed in all; frames no later chunk reads are dropped
         self.frames = [np.zeros((0, model.input_dim), np.float32) for _ in range(b)]

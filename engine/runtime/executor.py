@@ -68,6 +68,16 @@ def _plans_for(computation: NnetComputation, xp) -> dict:
     return per.setdefault(backend_name(xp), {})
 
 
+def check_peak_bytes(computation: NnetComputation, max_peak_bytes: int) -> None:
+    """ResourceLimitError when ``computation`` needs more than ``max_peak_bytes`` bytes
+    of matrices at its peak."""
+    peak = peak_bytes_of(computation)
+    if peak > max_peak_bytes:
+        raise ResourceLimitError(
+            f"the computation needs {peak} bytes of matrices at its peak, more than the "
+            f"limit of {max_peak_bytes} bytes")
+
+
 def peak_bytes_of(computation: NnetComputation) -> int:
     """``computation.peak_bytes()``, computed once per computation (and again after
     it changes, as the cached plans are)."""
@@ -104,11 +114,7 @@ class Executor:
         """``max_peak_bytes``: refuse (ResourceLimitError, before anything is
         allocated) a computation whose matrices need more bytes at their peak."""
         if max_peak_bytes is not None:
-            peak = peak_bytes_of(computation)
-            if peak > max_peak_bytes:
-                raise ResourceLimitError(
-                    f"the computation needs {peak} bytes of matrices at its peak, more "
-                    f"than the limit of {max_peak_bytes} bytes")
+            check_peak_bytes(computation, max_peak_bytes)
         self.computation = computation
         self.nnet = nnet
         self.xp = backend

@@ -12,7 +12,7 @@ from schemas.compute import InferRequest, InferResponse
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, ServiceError
-from service.routes import blame, run_job
+from service.routes import blame, check_answer_size, run_job
 
 router = APIRouter(tags=["infer"], dependencies=AUTH)
 
@@ -66,6 +66,14 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
                            f"the network's modulus) with up to {left} frames of extra left "
                            f"and {right} of extra right context are more than this service's "
                            f"max_request_indexes ({limit})", f"options.{field}")
+    nnet = entry.model.nnet
+    node = nnet.get_node_index(options.output)
+    if node >= 0 and nnet.is_output_node(node):     # (else the engine names it)
+        fsf = options.frame_subsampling_factor
+        rows = -(-int(features.shape[0]) // fsf)
+        check_answer_size(services, rows * nnet.output_dim(options.output),
+                          f"the output ({rows} frames x {nnet.output_dim(options.output)})",
+                          "features")
     with blame(request, "features", _NAMED_FIELDS):
         out = run_job(services, "infer", {
             "entry": entry, "features": features, "ivector": ivector,
