@@ -33,8 +33,17 @@ class ConfigError(NnetcError, ValueError):
             where += ": "
         msg = where + message
         if text is not None:
-            msg += f" (in line: {text.strip()!r})"
+            line = text.strip()
+            if len(line) > _MAX_LINE_ECHO:     # a long line is named, not echoed whole
+                msg += (f" (in line: {line[:_MAX_LINE_ECHO]!r}... of {len(line)} "
+                        f"characters)")
+            else:
+                msg += f" (in line: {line!r})"
         super().__init__(msg)
+
+
+# how much of a config line an error message quotes
+_MAX_LINE_ECHO = 200
 
 
 class ModelFormatError(NnetcError, ValueError):

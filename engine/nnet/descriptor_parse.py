@@ -267,27 +267,32 @@ def _num_append_terms(g: _General, counts: dict[int, int]) -> int:
     return n
 
 
-def _append_term(g: _General, term: int, counts: dict[int, int]) -> _General:
+def _append_terms(g: _General, counts: dict[int, int]) -> list[_General]:
+    """The Append() terms of ``g`` in order (Kaldi's GetAppendTerm for every term),
+    each a new expression with no Append inside: an Append's terms are its children's,
+    one after the other; any other expression's i-th term is the expression over its
+    children's i-th terms.  Work linear in the size of the result (``counts``: as
+    _num_append_terms left it)."""
     if g.kind == NODE:
-        return _General(NODE, g.v1)
+        return [_General(NODE, g.v1)]
     if g.kind == APPEND:
-        for c in g.children:
-            n = _num_append_terms(c, counts)
-            if term < n:
-                return _append_term(c, term, counts)
-            term -= n
-        raise AssertionError("append term out of range")
-    out = g.clone_shallow()
-    out.children = [_append_term(c, term, counts) for c in g.children]
+        return [t for c in g.children for t in _append_terms(c, counts)]
+    kids = [_append_terms(c, counts) for c in g.children]
+    out = []
+    for i in range(counts[id(g)]):
+        term = g.clone_shallow()
+        term.children = [k[i] for k in kids]
+        out.append(term)
     return out
 
 
 def _normalize_append(g: _General) -> _General:
     counts: dict[int, int] = {}
     n = _num_append_terms(g, counts)
+    terms = _append_terms(g, counts)
     if n == 1:
-        return _append_term(g, 0, counts)
-    return _General(APPEND, children=[_append_term(g, i, counts) for i in range(n)])
+        return terms[0]
+    return _General(APPEND, children=terms)
 
 
 def _normalize_once(d: _General) -> bool:

@@ -155,3 +155,68 @@ def test_collapsing_a_long_network_parses_against_one_name_table(monkeypatch):
     dec = prepare_nnet(nnet)
     assert dec.num_nodes() == nnet.num_nodes() - 2 * 300      # every scale node folded
     assert tables.calls <= 4
+
+
+def test_a_long_append_takes_linear_work(monkeypatch):
+    """Append() of thousands of terms (a 30 kB config line): reading it picks every term
+    apart once (Kaldi's GetAppendTerm per term walked the terms before it: quadratic),
+    and addition-to-assignment tests each written column block against the matrix's
+    bounding box, not against every block before it; the result is the Append."""
+    from engine.optimizer.passes import convert_addition
+    n = 3000
+    counts = _Count(monkeypatch, descriptor_parse, "_num_append_terms")
+    terms = ", ".join("input" if i % 3 else f"Offset(input, {i % 5})" for i in range(n))
+    nnet = Nnet.from_config("input-node name=input dim=2\n"
+                            f"output-node name=output input=Append({terms})\n")
+    assert nnet.output_dim("output") == 2 * n
+    assert counts.calls <= 2 * n + 10
+    scans = []
+    real = convert_addition._Touched.untouched
+
+    def untouched(self, s):
+        # the rectangles the test scans: those of a matrix whose box s overlaps
+        m, ro, nr, co, nc = self.subs[s]
+        b = self.box[m]
+        inside = b is not None and b[0] < ro + nr and ro < b[1] and b[2] < co + nc and co < b[3]
+        scans.append(len(self.rects[m]) if inside else 0)
+        return real(self, s)
+    monkeypatch.setattr(convert_addition._Touched, "untouched", untouched)
+    request = ComputationRequest([IoSpecification("input", [Index(0, t, 0) for t in range(6)])],
+                                 [IoSpecification("output", [Index(0, 0, 0)])])
+    comp = optimize(compile_computation(nnet, request), nnet)
+    assert len(scans) >= n and sum(scans) <= 4 * n      # not ~n^2 / 2
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    out = run_computation(comp, nnet, {"input": x})[0]["output"]
+    want = np.concatenate([x[0] if i % 3 else x[i % 5] for i in range(n)])
+    np.testing.assert_array_equal(out[0], want)
+
+
+def test_touched_rectangles_equal_a_scan_of_all():
+    """convert_addition._Touched (distinct rectangles and a bounding box) answers as a
+    scan of every submatrix touched so far does, on random rectangles."""
+    from engine.optimizer.passes.convert_addition import _Touched
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        subs = [None] + [(int(m), int(r), int(nr), int(c), int(nc)) for m, r, nr, c, nc in
+                         zip(rng.integers(1, 3, 60), rng.integers(0, 8, 60),
+                             rng.integers(1, 4, 60), rng.integers(0, 8, 60),
+                             rng.integers(1, 4, 60))]
+        touched, seen = _Touched(subs, 3), []
+        for s in rng.integers(1, 61, 80).tolist():
+            m, ro, nr, co, nc = subs[s]
+            want = not any(subs[t][0] == m and subs[t][1] < ro + nr and ro < subs[t][1] +
+                           subs[t][2] and subs[t][3] < co + nc and co < subs[t][3] + subs[t][4]
+                           for t in seen)
+            assert touched.untouched(s) == want
+            if rng.random() < 0.6:
+                touched.add(s)
+                seen.append(s)
+
+
+def test_an_error_in_a_long_line_quotes_only_its_start():
+    from engine.core.errors import ConfigError
+    line = "output-node name=output input=Sum(" + ",".join(["input"] * 5000) + ")"
+    with pytest.raises(ConfigError) as e:
+        Nnet.from_config("input-node name=input dim=2\n" + line + "\n")
+    msg = str(e.value)
+    assert len(msg) < 600 and f"of {len(line)} characters" in msg and ":2:" in msg

@@ -71,7 +71,7 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx=None) -> bo
     plans, add_to_rows_multi, set_const = _PLANS, CT.ADD_TO_ROWS_MULTI, CT.SET_CONST
     subs, indexes_multi = computation.submatrices, computation.indexes_multi
     multi_subs: dict[int, list[int]] = {}   # indexes_multi entry -> its submatrices
-    seen: list[list[int]] = [[] for _ in computation.matrices]   # touched so far
+    seen = _Touched(subs, len(computation.matrices))
     changed = False
     for c in computation.commands:
         ct = c.command_type
@@ -90,39 +90,74 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx=None) -> bo
             if get_written is not None:
                 s = get_written(c)
                 if s > 0:
-                    m, ro, nr, co, nc = subs[s]
-                    R1, C1 = ro + nr, co + nc
-                    for t in seen[m]:
-                        _, r0, n0, c0, k0 = subs[t]
-                        if r0 < R1 and ro < r0 + n0 and c0 < C1 and co < c0 + k0:
-                            first = False
-                            break
+                    first = seen.untouched(s)
             if first and multi_written:
-                first = all(_untouched(s, subs, seen) for s in multi)
+                first = all(seen.untouched(s) for s in multi)
             if first:
                 c.command_type = copy_form
                 changed = True
+        add = seen.add
         if get1 is not None:
             s = get1(c)
             if s > 0:
-                seen[subs[s][0]].append(s)
+                add(s)
         else:
             for s in get(c):
                 if s > 0:
-                    seen[subs[s][0]].append(s)
+                    add(s)
         for s in multi:
-            seen[subs[s][0]].append(s)
+            add(s)
     if changed and hasattr(ctx, "invalidate"):
         ctx.invalidate()
     return changed
 
 
-def _untouched(s: int, subs: list, seen: list[list[int]]) -> bool:
-    """No submatrix in ``seen`` (per matrix) overlaps submatrix ``s``."""
-    m, ro, nr, co, nc = subs[s]
-    R1, C1 = ro + nr, co + nc
-    for t in seen[m]:
-        _, r0, n0, c0, k0 = subs[t]
-        if r0 < R1 and ro < r0 + n0 and c0 < C1 and co < c0 + k0:
-            return False
-    return True
+class _Touched:
+    """The parts of each matrix touched so far: its distinct rectangles and their
+    bounding box.  A rectangle outside the box is untouched at once (the column blocks
+    of a long Append are written one after another: each test would otherwise scan all
+    the blocks before it, quadratic in the number of terms); otherwise the distinct
+    rectangles are scanned."""
+
+    __slots__ = ("subs", "rects", "box")
+
+    def __init__(self, subs: list, num_matrices: int) -> None:
+        self.subs = subs
+        self.rects: list[dict | None] = [None] * num_matrices
+        self.box: list[list[int] | None] = [None] * num_matrices
+
+    def add(self, s: int) -> None:
+        m, ro, nr, co, nc = self.subs[s]
+        rects = self.rects[m]
+        if rects is None:
+            self.rects[m] = {(ro, ro + nr, co, co + nc): None}
+            self.box[m] = [ro, ro + nr, co, co + nc]
+            return
+        key = (ro, ro + nr, co, co + nc)
+        if key in rects:
+            return
+        rects[key] = None
+        b = self.box[m]
+        if ro < b[0]:
+            b[0] = ro
+        if ro + nr > b[1]:
+            b[1] = ro + nr
+        if co < b[2]:
+            b[2] = co
+        if co + nc > b[3]:
+            b[3] = co + nc
+
+    def untouched(self, s: int) -> bool:
+        """No rectangle touched so far overlaps submatrix ``s``."""
+        m, ro, nr, co, nc = self.subs[s]
+        rects = self.rects[m]
+        if rects is None:
+            return True
+        R1, C1 = ro + nr, co + nc
+        b = self.box[m]
+        if not (b[0] < R1 and ro < b[1] and b[2] < C1 and co < b[3]):
+            return True
+        for r0, r1, c0, c1 in rects:
+            if r0 < R1 and ro < r1 and c0 < C1 and co < c1:
+                return False
+        return True
