@@ -11,9 +11,16 @@ a lookup it does not hold reads the hash and loads the bytes, and the id is chec
 again (sha256 of the bytes and seed), so bytes that are not what was registered
 under that id are refused and deleted.
 
+A deletion removes the hash and the id and lists the id in ``nnetc:deleted-models``:
+every process checks that set (and the hash) when it is asked for a model it holds,
+so a model deleted by one process is gone from all of them at their next lookup;
+registering the same bytes again takes the id off the list.
+
 When Redis cannot be reached: registering still loads the model here (the write is
 retried at the next registration of the same bytes), lookups of models held here
-work, a lookup of another model gets 503, listing shows the models held here.
+work, a lookup of another model gets 503, listing shows the models held here.  A
+model Redis lost without a deletion (a restart without persistence) keeps serving
+where it is held.
 """
 
 from __future__ import annotations
@@ -32,14 +39,23 @@ log = logging.getLogger("nnetc.registry")
 
 KEY_PREFIX = "nnetc:model:"
 SET_KEY = "nnetc:models"
+# ids of deleted models (a process that holds one of them drops it; registering the same
+# bytes again takes the id out)
+DELETED_KEY = "nnetc:deleted-models"
 
 
 class RedisModelRegistry:
     def __init__(self, client: redis.Redis, max_models: int = 64, prefix: str = KEY_PREFIX,
-                 set_key: str = SET_KEY, max_nodes: int = DEFAULT_MAX_NODES):
+                 set_key: str = SET_KEY, max_nodes: int = DEFAULT_MAX_NODES,
+                 deleted_key: str = DELETED_KEY):
         self.client = client
         self.local = InProcessRegistry(max_models, max_nodes)
-        self.prefix, self.set_key = prefix, set_key
+        self.prefix, self.set_key, self.deleted_key = prefix, set_key, deleted_key
+        # the models held here that are (or were) in Redis: one of them that Redis
+        # lists as deleted was deleted by another process; one Redis lost (a restart
+        # without persistence) is written there again.  (A model whose write to Redis
+        # failed stays this process's own until it is registered again.)
+        self._stored: set[str] = set()
 
     def _unavailable(self, e: Exception, what: str) -> ServiceError:
         return ServiceError(503, "StoreUnavailable",
@@ -72,6 +88,7 @@ class RedisModelRegistry:
                         extra={"model_id": entry.model_id,
                                "error": f"{type(e).__name__}: {e}"})
             return entry, created_here
+        self._stored.add(entry.model_id)
         return entry, not existed
 
     def _repair_index(self) -> None:
@@ -95,11 +112,12 @@ class RedisModelRegistry:
             pipe.exists(key)
             pipe.hset(key, mapping=record)
             pipe.sadd(self.set_key, model_id)
+            pipe.srem(self.deleted_key, model_id)
             return bool(pipe.execute()[0])
 
     def get(self, model_id: str) -> ModelEntry:
         try:
-            return self.local.get(model_id)
+            entry = self.local.get(model_id)
         except ServiceError as missing:
             try:
                 rec = self.client.hgetall(self.prefix + model_id)
@@ -110,6 +128,11 @@ class RedisModelRegistry:
                 raise self._unavailable(e, f"model {model_id} is not loaded here") from None
             if not rec:
                 raise missing from None
+        else:
+            if model_id in self._stored and self._deleted_elsewhere(entry):
+                self._forget(model_id)
+                raise not_found("model", model_id, "model_id")
+            return entry
         data = rec.get(b"data", b"")
         source = rec.get(b"source", b"").decode("utf-8", "replace")
         seed_s = rec.get(b"seed", b"").decode("ascii", "replace")
@@ -122,7 +145,28 @@ class RedisModelRegistry:
         except ValueError as e:
             raise self._corrupt(model_id, str(e)) from None
         entry, _ = self.local.register(data, source, name, seed)
+        self._stored.add(model_id)
         return entry
+
+    def _deleted_elsewhere(self, entry: ModelEntry) -> bool:
+        """Whether another process deleted the model held here.  False when Redis
+        cannot be reached, or lost the model without a deletion (a restart without
+        persistence): the model keeps serving here, as documented."""
+        try:
+            with self.client.pipeline() as pipe:
+                pipe.exists(self.prefix + entry.model_id)
+                pipe.sismember(self.deleted_key, entry.model_id)
+                exists, deleted = pipe.execute()
+        except redis.RedisError:
+            return False
+        return not exists and bool(deleted)
+
+    def _forget(self, model_id: str) -> None:
+        self._stored.discard(model_id)
+        try:
+            self.local.delete(model_id)
+        except ServiceError:
+            pass
 
     def _corrupt(self, model_id: str, why: str) -> ServiceError:
         """Delete the broken record of ``model_id``; the error to answer with."""
@@ -151,6 +195,11 @@ class RedisModelRegistry:
                 self._repair_index()
                 members = self.client.smembers(self.set_key)
             ids = sorted(i.decode("ascii", "replace") for i in members)
+            listed = set(ids)
+            for mid in [m for m in held if m in self._stored and m not in listed]:
+                if self._deleted_elsewhere(held[mid]):
+                    self._forget(mid)
+                    del held[mid]
             out = []
             for mid in ids:
                 if mid in held:
@@ -183,6 +232,7 @@ class RedisModelRegistry:
 
     def delete(self, model_id: str) -> None:
         found = True
+        self._stored.discard(model_id)
         try:
             self.local.delete(model_id)
         except ServiceError:
@@ -191,6 +241,7 @@ class RedisModelRegistry:
             with self.client.pipeline() as pipe:
                 pipe.delete(self.prefix + model_id)
                 pipe.srem(self.set_key, model_id)
+                pipe.sadd(self.deleted_key, model_id)
                 removed = pipe.execute()[0]
         except redis.RedisError as e:
             raise self._unavailable(e, f"model {model_id} cannot be deleted everywhere") \

@@ -368,13 +368,7 @@ class StreamManager:
                                                                  strict=True).model_dump())
         except ValueError as e:
             raise self.store.discard(sid, f"is not readable (its options: {e})") from None
-        try:
-            entry = self.registry.get(rec["model_id"])
-        except ServiceError:
-            raise ServiceError(409, "ModelNotRegistered",
-                               f"stream {sid} runs model {rec['model_id']}, which is not "
-                               f"registered on this server: register the same model again "
-                               f"(same bytes, same id) and retry", "model_id") from None
+        entry = self._model_of(sid, rec["model_id"])
         # bounded as opening the stream here would be (413; the checkpoint may come from
         # a server with a larger bound, so it is kept), before anything is compiled
         chunk_bound(entry.model.nnet, rec["options"], self.max_request_indexes,
@@ -433,6 +427,19 @@ class StreamManager:
             raise self._not_found(sid)
         return self._restore(sid, rec)
 
+    def _model_of(self, sid: str, model_id: str):
+        """The registry entry of the model stream ``sid`` runs; 409 ModelNotRegistered
+        when the model is not registered (deleted, here or by another process)."""
+        try:
+            return self.registry.get(model_id)
+        except ServiceError as e:
+            if e.status != 404:
+                raise
+            raise ServiceError(409, "ModelNotRegistered",
+                               f"stream {sid} runs model {model_id}, which is not "
+                               f"registered on this server: register the same model again "
+                               f"(same bytes, same id) and retry", "model_id") from None
+
     def _not_found(self, sid: str) -> ServiceError:
         return ServiceError(404, "NotFound",
                             f"no stream with id {sid!r} (never opened, finished, closed, or "
@@ -472,6 +479,7 @@ class StreamManager:
     def push(self, p: dict) -> tuple[np.ndarray, int, dict]:
         self._sweep()
         live = self.get(p["stream_id"])
+        self._model_of(live.stream_id, live.model_id)     # not deleted meanwhile
         with live.lock:
             offset = p.get("offset")
             if offset is not None and offset != live.frames_received:
@@ -526,6 +534,7 @@ class StreamManager:
 
     def finish(self, p: dict) -> tuple[np.ndarray, int, dict]:
         live = self.get(p["stream_id"])
+        self._model_of(live.stream_id, live.model_id)
         with live.lock:
             first = live.frames_output
             out = live.stream.finish()

@@ -360,6 +360,52 @@ def test_restore_needs_the_model_and_a_readable_checkpoint(server):
         assert c.get(f"/streams/{other}").status_code == 404     # deleted, not served again
 
 
+def test_a_stream_whose_model_is_deleted_answers_409(client):
+    """Held in this process: the next push (or finish) after the model's deletion is a
+    409 naming it; registering the same model again lets the stream go on."""
+    mid = _register_config(client, RECURRENT, 5)
+    sid = client.post("/streams", json={"model_id": mid}).json()["stream_id"]
+    assert client.post(f"/streams/{sid}/frames",
+                       json={"features": _enc(X_REC[:9])}).status_code == 200
+    assert client.delete(f"/models/{mid}").status_code == 204
+    for path, body in ((f"/streams/{sid}/frames", {"features": _enc(X_REC[9:12])}),
+                       (f"/streams/{sid}/finish", {})):
+        r = client.post(path, json=body)
+        assert r.status_code == 409 and r.json()["error"]["type"] == "ModelNotRegistered"
+        assert mid in r.json()["error"]["message"] and r.json()["error"]["field"] == "model_id"
+    assert _register_config(client, RECURRENT, 5) == mid
+    assert client.post(f"/streams/{sid}/frames",
+                       json={"features": _enc(X_REC[9:12]), "offset": 9}).status_code == 200
+
+
+@needs_redis
+def test_a_model_deleted_by_one_process_is_gone_in_the_others(server):
+    """Two service processes on one Redis: after A deletes a model that B has loaded
+    (and runs a stream on), B lists it no more, answers 404 for it and 409 for the
+    stream, as A does."""
+    server.client().flushall()
+    with make_client(redis_url=server.url) as a, make_client(redis_url=server.url) as b:
+        mid = _register_config(a, RECURRENT, 3)
+        assert b.get(f"/models/{mid}").status_code == 200            # b loads it
+        sid = b.post("/streams", json={"model_id": mid}).json()["stream_id"]
+        assert b.post(f"/streams/{sid}/frames",
+                      json={"features": _enc(X_REC[:9])}).status_code == 200
+        assert a.delete(f"/models/{mid}").status_code == 204
+        assert b.get(f"/models/{mid}").status_code == 404
+        assert mid not in [m["model_id"] for m in b.get("/models").json()["models"]]
+        for c in (b, a):
+            r = c.post(f"/streams/{sid}/frames", json={"features": _enc(X_REC[9:12])})
+            assert r.status_code == 409 and r.json()["error"]["type"] == "ModelNotRegistered"
+        r = b.post("/compute", json={"model_id": mid, "request": {
+            "inputs": [{"name": "input", "indexes": [[0, 0, 0]]}],
+            "outputs": [{"name": "output", "indexes": [[0, 0, 0]]}]}, "inputs": {}})
+        assert r.status_code == 404 and r.json()["error"]["field"] == "model_id"
+        # registered again (on either): back everywhere, and the stream goes on
+        assert _register_config(a, RECURRENT, 3) == mid
+        assert b.post(f"/streams/{sid}/frames",
+                      json={"features": _enc(X_REC[9:12]), "offset": 9}).status_code == 200
+
+
 @needs_redis
 def test_redis_outage_keeps_held_streams_going(server):
     server.client().flushall()
