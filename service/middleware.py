@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 import time
 
 import msgpack
@@ -24,6 +25,9 @@ log = logging.getLogger("nnetc.access")
 
 
 def _bytes_to_b64(obj):
+    """The msgpack body as JSON data: binary as base64 text; a non-finite number (which
+    JSON cannot carry: orjson would write null, and an optional field would quietly
+    take its default) is a ValueError naming where it is."""
     if isinstance(obj, (bytes, bytearray)):
         return base64.b64encode(obj).decode("ascii")
     if isinstance(obj, dict):
@@ -33,7 +37,35 @@ def _bytes_to_b64(obj):
     if isinstance(obj, msgpack.Timestamp):
         raise ValueError("msgpack timestamps are not accepted (plain maps, arrays, strings, "
                          "numbers and binary only)")
+    if type(obj) is float and not math.isfinite(obj):
+        raise _NonFinite(obj)
     return obj
+
+
+class _NonFinite(ValueError):
+    pass
+
+
+def _non_finite_path(obj, path: str = "") -> str | None:
+    """Where the first non-finite number of a decoded msgpack body is (``a.b.3``)."""
+    if type(obj) is float and not math.isfinite(obj):
+        return path or "the top level"
+    items = (obj.items() if isinstance(obj, dict) else
+             enumerate(obj) if isinstance(obj, (list, tuple)) else ())
+    for k, v in items:
+        found = _non_finite_path(v, f"{path}.{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+def _msgpack_to_json(body: bytes) -> bytes:
+    obj = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_no_ext)
+    try:
+        return orjson.dumps(_bytes_to_b64(obj))
+    except _NonFinite as e:
+        raise ValueError(f"the number {e.args[0]} at {_non_finite_path(obj)}: only finite "
+                         f"numbers are accepted") from None
 
 
 def _no_ext(code: int, data: bytes):
@@ -112,8 +144,7 @@ class WireMiddleware:
             # media types are case-insensitive (RFC 9110)
             if headers.get("content-type", "").split(";")[0].strip().lower() == MSGPACK:
                 try:
-                    obj = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_no_ext)
-                    body = orjson.dumps(_bytes_to_b64(obj))
+                    body = _msgpack_to_json(body)
                 except Exception as e:  # noqa: BLE001 - any undecodable body is the client's
                     state["status"] = 400
                     await _send_json(send, 400, error_body(

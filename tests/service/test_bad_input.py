@@ -242,6 +242,23 @@ def test_msgpack_extension_types_are_a_400_saying_so(client, packed, says):
     assert err["type"] == "BadRequest" and says in err["message"], err
 
 
+@pytest.mark.parametrize("body, where", [
+    ({"config": "input-node name=input dim=2\noutput-node name=output input=input\n",
+      "seed": float("inf")}, "seed"),
+    ({"model_id": "m", "request": {"inputs": [], "outputs": []},
+      "optimizer": {"min_deriv_time": float("nan")}}, "optimizer.min_deriv_time"),
+    ({"features": [[0.0, float("-inf")]], "offset": 0}, "features.0.1"),
+])
+def test_msgpack_non_finite_numbers_are_a_400_naming_where(client, body, where):
+    """JSON cannot carry NaN or an infinity: re-encoded for the schemas, they became null,
+    so an optional field quietly took its default (a stream push with offset NaN was
+    accepted as one without an offset)."""
+    r = client.post("/models", content=msgpack.packb(body),
+                    headers={"content-type": "application/msgpack"})
+    err = _err(r, 400)
+    assert err["type"] == "BadRequest" and f"at {where}:" in err["message"], err
+
+
 def test_computations_over_the_memory_limit_get_413_before_running():
     """max_computation_bytes: a compute request, or an infer request's chunks, whose
     computation needs more matrix memory at its peak is refused (413, naming the
