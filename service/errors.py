@@ -173,6 +173,21 @@ def _validation_message(errs: list) -> tuple[str, str | None]:
 _FASTAPI_BODY_ERROR = "There was an error parsing the body"
 
 
+def _unauthorized(request: Request) -> ServiceError | None:
+    """The 401 of a request to a route that needs the bearer token and lacks it, or
+    None."""
+    from service.deps import require_auth  # noqa: PLC0415 (deps imports this module)
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None or not any(d.call is require_auth for d in dependant.dependencies):
+        return None
+    try:
+        require_auth(request)
+    except ServiceError as e:
+        return e
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service(request: Request, e: ServiceError):
@@ -184,10 +199,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
+        # FastAPI reads and validates the body before the route's dependencies run:
+        # a client without the token learns nothing of the schemas (401 first)
+        unauthorized = _unauthorized(request)
+        if unauthorized is not None:
+            return _respond(*error_parts(unauthorized))
         return _respond(*error_parts(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
+        unauthorized = _unauthorized(request)
+        if unauthorized is not None:
+            return _respond(*error_parts(unauthorized))
         cause = e.__cause__
         if e.detail == _FASTAPI_BODY_ERROR and cause is not None:
             # FastAPI's answer to a body its JSON parser gave up on (not UTF-8, nested too

@@ -51,7 +51,7 @@ def get_chunk_size(nnet, frame_subsampling_factor: int, advised_chunk_size: int)
     """Kaldi's GetChunkSize: the smallest size >= the advised one that is a multiple of
     the network's modulus and of the frame-subsampling factor."""
     if frame_subsampling_factor < 1:
-        raise InferenceError(f"frame_subsampling_factor must be >= 1, got "
+        raise InferenceError(f"frame_subsampling_factor: must be >= 1, got "
                              f"{frame_subsampling_factor}")
     if advised_chunk_size < 1:
         raise InferenceError(f"chunk size must be >= 1, got {advised_chunk_size}")
@@ -338,11 +338,11 @@ class LoopedConfig:
 
     def check(self) -> None:
         if self.frames_per_chunk < 1:
-            raise InferenceError(f"chunk size (frames_per_chunk) must be >= 1, got "
+            raise InferenceError(f"frames_per_chunk: the chunk size must be >= 1, got "
                                  f"{self.frames_per_chunk}")
         if self.extra_left_context_initial < 0:
-            raise InferenceError(f"extra_left_context_initial must be >= 0, got "
+            raise InferenceError(f"extra_left_context_initial: must be >= 0, got "
                                  f"{self.extra_left_context_initial}")
         if self.frame_subsampling_factor < 1:
-            raise InferenceError(f"frame_subsampling_factor must be >= 1, got "
+            raise InferenceError(f"frame_subsampling_factor: must be >= 1, got "
                                  f"{self.frame_subsampling_factor}")

@@ -65,19 +65,21 @@ class InferenceOptions:
 
     def check(self) -> None:
         if self.frame_subsampling_factor < 1:
-            raise InferenceError(f"frame_subsampling_factor must be >= 1, got "
+            raise InferenceError(f"frame_subsampling_factor: must be >= 1, got "
                                  f"{self.frame_subsampling_factor}")
         if self.frames_per_chunk < 1:
-            raise InferenceError(f"frames_per_chunk must be >= 1, got {self.frames_per_chunk}")
-        if self.extra_left_context < 0 or self.extra_right_context < 0:
-            raise InferenceError("extra_left_context and extra_right_context must be >= 0")
-        if self.extra_left_context_initial < -1 or self.extra_right_context_final < -1:
-            raise InferenceError("extra_left_context_initial and extra_right_context_final "
-                                 "must be >= -1 (-1 meaning: same as the non-edge value)")
+            raise InferenceError(f"frames_per_chunk: must be >= 1, got {self.frames_per_chunk}")
+        for name in ("extra_left_context", "extra_right_context"):
+            if getattr(self, name) < 0:
+                raise InferenceError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("extra_left_context_initial", "extra_right_context_final"):
+            if getattr(self, name) < -1:
+                raise InferenceError(f"{name}: must be >= -1 (-1 meaning: same as the "
+                                     f"non-edge value), got {getattr(self, name)}")
         if self.max_batch < 1:
-            raise InferenceError(f"max_batch must be >= 1, got {self.max_batch}")
+            raise InferenceError(f"max_batch: must be >= 1, got {self.max_batch}")
         if not 1 <= self.threads <= 64:
-            raise InferenceError(f"threads must be in [1, 64], got {self.threads}")
+            raise InferenceError(f"threads: must be in [1, 64], got {self.threads}")
         check_acoustic_scale(self.acoustic_scale)
 
 

@@ -18,7 +18,10 @@ router = APIRouter(tags=["infer"], dependencies=AUTH)
 
 # request fields the engine's inference errors name at the start of their message
 _NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector", "options.output",
-                 "options.use_priors")
+                 "options.use_priors", "options.acoustic_scale", "options.frames_per_chunk",
+                 "options.frame_subsampling_factor", "options.extra_left_context",
+                 "options.extra_right_context", "options.extra_left_context_initial",
+                 "options.extra_right_context_final", "options.max_batch", "options.threads")
 
 
 @router.post("/infer", response_model=InferResponse)
@@ -35,7 +38,7 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
     if not 0 <= period <= INT32_MAX:      # Kaldi's --online-ivector-period is an int32
         raise FieldError("online_ivector_period", f"must be from 0 (no online i-vectors) to "
                                                   f"{INT32_MAX}, got {period}")
-    with blame(request, "options"):
+    with blame(request, "options", _NAMED_FIELDS):
         options = convert.inference_options(body.options, services.settings.infer_threads)
         options.check()
     limit = services.settings.max_request_indexes

@@ -86,7 +86,9 @@ def _push_payload(services, sid: str, body: PushRequest) -> dict:
 
 
 # request fields the engine's stream errors name at the start of their message
-_NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector", "options.use_priors")
+_NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector", "options.use_priors",
+                 "options.acoustic_scale", "options.frames_per_chunk",
+                 "options.frame_subsampling_factor", "options.extra_left_context_initial")
 
 
 @router.post("/streams", response_model=StreamInfo, status_code=201, dependencies=AUTH)

@@ -139,7 +139,14 @@ def test_oversize_body_and_auth():
         assert e["type"] == "Unauthorized"
         e = _err(c.post("/models", json={"config": TINY_CONFIG},
                         headers={"Authorization": "Bearer wrong"}), 401)
+        # without the token a malformed body is a 401 too, not a 422/400 about the body
+        for content in (b"{not json", b'{"config": 5}', b"\xff\xfe"):
+            e = _err(c.post("/models", content=content,
+                            headers={"content-type": "application/json"}), 401)
+            assert e["type"] == "Unauthorized"
         auth = {"Authorization": "Bearer s3cret"}
+        e = _err(c.post("/models", content=b"{not json", headers={
+            **auth, "content-type": "application/json"}), 422)
         assert c.post("/models", json={"config": TINY_CONFIG}, headers=auth).status_code == 201
         big = {"config": TINY_CONFIG + "#" * 5000}
         e = _err(c.post("/models", json=big, headers=auth), 413)
@@ -502,3 +509,17 @@ def test_a_config_cannot_make_the_service_read_its_files(client, tmp_path):
     passwd = fixed.replace(str(secret), "/etc/passwd")
     e = _err(client.post("/models", json={"config": passwd}), 400)
     assert "root:" not in e["message"]
+
+
+@pytest.mark.parametrize("opts", [{"acoustic_scale": 1e39}, {"frames_per_chunk": 0},
+                                  {"extra_left_context": -1}, {"threads": 100}])
+def test_bad_decoding_options_name_the_option(client, opts):
+    """/infer and /streams blame the option at fault (was the whole "options")."""
+    mid = register(client, config=TINY_CONFIG)["model_id"]
+    (name, _), = opts.items()
+    r = client.post("/infer", json={"model_id": mid, "features": [[0.0] * 4] * 3,
+                                    "options": opts})
+    assert _err(r, 422)["field"] == f"options.{name}"
+    if name != "threads":        # (not a stream option)
+        r = client.post("/streams", json={"model_id": mid, "options": opts})
+        assert _err(r, 422)["field"] == f"options.{name}"
