@@ -265,7 +265,7 @@ def test_parallel_only_where_it_pays():
     rec = Inferencer(make_nnet(RECURRENT), InferenceOptions(threads=2))
     assert rec._recurrent and not rec.parallel_pays(10 ** 6)
     assert not tdnn._recurrent
-    with pytest.raises(InferenceError, match="threads must be in"):
+    with pytest.raises(InferenceError, match="threads: must be in"):
         InferenceOptions(threads=0).check()
 
 

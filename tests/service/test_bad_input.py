@@ -436,10 +436,10 @@ def test_inference_option_errors_name_the_option(client):
                        ({"frame_subsampling_factor": 0}, "frame_subsampling_factor")):
         e = _err(client.post("/infer", json={"model_id": mid, "features": feats,
                                              "options": opts}), 422)
-        assert e["field"] == "options" and word in e["message"], e
+        assert e["field"] == f"options.{word}" and word in e["message"], e
     e = _err(client.post("/streams", json={"model_id": mid,
                                            "options": {"acoustic_scale": 1e39}}), 422)
-    assert e["field"] == "options" and "acoustic_scale" in e["message"]
+    assert e["field"] == "options.acoustic_scale" and "acoustic_scale" in e["message"]
     r = client.post("/infer", json={"model_id": mid, "features": feats,
                                     "options": {"acoustic_scale": 1e30}})
     assert r.status_code == 200 and None not in sum(r.json()["output"], [])
