@@ -36,6 +36,16 @@ class ServiceError(Exception):
         self.field = field
 
 
+def check_answer_size(values: int, limit: int, what: str, field: str) -> None:
+    """413 before computing an answer of ``values`` float32 values beyond ``limit`` bytes
+    (max_response_bytes: encoding an answer takes several times its size)."""
+    if 4 * values > limit:
+        raise ServiceError(413, "RequestTooLarge",
+                           f"{what} would be {values} float32 values ({4 * values} bytes), "
+                           f"more than this service's max_response_bytes ({limit}); ask "
+                           f"for less at a time", field)
+
+
 def not_found(what: str, ident: str, field: str) -> ServiceError:
     return ServiceError(404, "NotFound", f"unknown {what} {ident!r}", field)
 

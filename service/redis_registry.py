@@ -52,9 +52,9 @@ class RedisModelRegistry:
         self.local = InProcessRegistry(max_models, max_nodes)
         self.prefix, self.set_key, self.deleted_key = prefix, set_key, deleted_key
         # the models held here that are (or were) in Redis: one of them that Redis
-        # lists as deleted was deleted by another process; one Redis lost (a restart
-        # without persistence) is written there again.  (A model whose write to Redis
-        # failed stays this process's own until it is registered again.)
+        # lists as deleted was deleted by another process; one Redis lost without a
+        # deletion (a restart without persistence) keeps serving here.  (A model whose
+        # write to Redis failed stays this process's own until it is registered again.)
         self._stored: set[str] = set()
 
     def _unavailable(self, e: Exception, what: str) -> ServiceError:

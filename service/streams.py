@@ -41,7 +41,7 @@ from engine.inference.common import model_priors
 from engine.inference.looped import LoopedConfig, get_chunk_size
 from engine.inference.stream import LoopedModel, Stream
 from schemas.streams import StreamOptions
-from service.errors import ServiceError
+from service.errors import ServiceError, check_answer_size
 from service.redis_types import is_wrong_type
 
 log = logging.getLogger("nnetc.streams")
@@ -523,14 +523,9 @@ class StreamManager:
             return
         m = live.looped
         out_rows = -(-(live.frames_received + rows) // m.fsf) - live.frames_output
-        size = 4 * out_rows * m.output_dim
-        if size > self.max_response_bytes:
-            raise ServiceError(413, "RequestTooLarge",
-                               f"pushing {rows} frames to stream {live.stream_id} could "
-                               f"give {out_rows} output frames of dim {m.output_dim} "
-                               f"({size} bytes), more than this service's "
-                               f"max_response_bytes ({self.max_response_bytes}): push them "
-                               f"in pieces", "features")
+        check_answer_size(out_rows * m.output_dim, self.max_response_bytes,
+                          f"the answer to pushing {rows} frames to stream {live.stream_id} "
+                          f"(up to {out_rows} output frames of dim {m.output_dim})", "features")
 
     def finish(self, p: dict) -> tuple[np.ndarray, int, dict]:
         live = self.get(p["stream_id"])

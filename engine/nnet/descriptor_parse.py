@@ -288,9 +288,9 @@ def _append_terms(g: _General, counts: dict[int, int]) -> list[_General]:
 
 def _normalize_append(g: _General) -> _General:
     counts: dict[int, int] = {}
-    n = _num_append_terms(g, counts)
+    _num_append_terms(g, counts)        # (also checks that Sum() etc. terms agree)
     terms = _append_terms(g, counts)
-    if n == 1:
+    if len(terms) == 1:
         return terms[0]
     return _General(APPEND, children=terms)
 

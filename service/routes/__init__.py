@@ -42,13 +42,3 @@ def run_job(services, kind: str, payload: dict):
         raise ServiceError(504, "Timeout", f"{kind} job did not finish within "
                                            f"{services.settings.job_timeout_s} s") from None
 
-
-def check_answer_size(services, values: int, what: str, field: str) -> None:
-    """413 before computing an answer of ``values`` float32 values beyond the
-    service's max_response_bytes (encoding an answer takes several times its size)."""
-    limit = services.settings.max_response_bytes
-    if 4 * values > limit:
-        raise ServiceError(413, "RequestTooLarge",
-                           f"{what} would be {values} float32 values ({4 * values} bytes), "
-                           f"more than this service's max_response_bytes ({limit}); ask "
-                           f"for less at a time", field)

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request
 from schemas.compute import ComputeRequest, ComputeResponse
 from service import convert
 from service.deps import AUTH, ServicesDep
-from service.errors import FieldError
-from service.routes import blame, check_answer_size, run_job
+from service.errors import FieldError, check_answer_size
+from service.routes import blame, run_job
 from service.routes.compile import compile_payload
 
 router = APIRouter(tags=["compute"], dependencies=AUTH)
@@ -39,14 +39,12 @@ def compute_route(body: ComputeRequest, services: ServicesDep, request: Request
     payload = compile_payload(body, services, request)
     nnet = payload["entry"].model.nnet
     engine_request = payload["request"]    # checked against nnet by compile_payload
-    values = sum(len(s.indexes) * nnet.node_dim(nnet.get_node_index(s.name))
-                 for s in engine_request.outputs)
-    values += sum(len(s.indexes) * nnet.node_dim(nnet.get_node_index(s.name))
-                  for s in engine_request.inputs if s.has_deriv)
+    answered = [*engine_request.outputs, *(s for s in engine_request.inputs if s.has_deriv)]
+    values = sum(len(s.indexes) * nnet.node_dim(nnet.get_node_index(s.name)) for s in answered)
     if engine_request.need_model_derivative:
         values += nnet.num_parameters()
-    check_answer_size(services, values, "the answer (outputs, input derivatives and model "
-                                        "gradient)", "request")
+    check_answer_size(values, services.settings.max_response_bytes,
+                      "the answer (outputs, input derivatives and model gradient)", "request")
     payload["inputs"] = _matrices(body.inputs, engine_request.inputs, nnet, "inputs")
     payload["output_derivs"] = _matrices(
         body.output_derivs, [s for s in engine_request.outputs if s.has_deriv], nnet,

@@ -11,8 +11,8 @@ from engine.inference.looped import get_chunk_size
 from schemas.compute import InferRequest, InferResponse
 from service import convert
 from service.deps import AUTH, ServicesDep
-from service.errors import FieldError, ServiceError
-from service.routes import blame, check_answer_size, run_job
+from service.errors import FieldError, ServiceError, check_answer_size
+from service.routes import blame, run_job
 
 router = APIRouter(tags=["infer"], dependencies=AUTH)
 
@@ -74,9 +74,9 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
     if node >= 0 and nnet.is_output_node(node):     # (else the engine names it)
         fsf = options.frame_subsampling_factor
         rows = -(-int(features.shape[0]) // fsf)
-        check_answer_size(services, rows * nnet.output_dim(options.output),
-                          f"the output ({rows} frames x {nnet.output_dim(options.output)})",
-                          "features")
+        dim = nnet.output_dim(options.output)
+        check_answer_size(rows * dim, services.settings.max_response_bytes,
+                          f"the output ({rows} frames x {dim})", "features")
     with blame(request, "features", _NAMED_FIELDS):
         out = run_job(services, "infer", {
             "entry": entry, "features": features, "ivector": ivector,

@@ -133,15 +133,11 @@ class _StatisticsComponent(TokenFieldsComponent):
                 f"output-dim={self.output_dim()}")
 
     def input_rule(self):
-        """is_computable as a rule on the columns of ``input_times`` (the compiler's
-        array graph build reads it): None, computable when any input is, using
-        those that are."""
+        """is_computable as a rule on the columns of ``input_times`` (get_input_indexes
+        of many output Indexes at once, row i the t of the inputs of an output at t[i],
+        which each subclass gives; the compiler's array graph build reads both): None,
+        computable when any input is, using those that are."""
         return None
-
-    def input_times(self, t: np.ndarray) -> np.ndarray:
-        """get_input_indexes of many output Indexes at once: row i holds the t of the
-        inputs of an output at t[i] (n and x are the output's), in the same order."""
-        raise NotImplementedError
 
     def is_computable(self, misc_info, output_index, input_index_set, used_inputs):
         present = [i for i in self.get_input_indexes(misc_info, output_index)

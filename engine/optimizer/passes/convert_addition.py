@@ -72,6 +72,7 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx=None) -> bo
     subs, indexes_multi = computation.submatrices, computation.indexes_multi
     multi_subs: dict[int, list[int]] = {}   # indexes_multi entry -> its submatrices
     seen = _Touched(subs, len(computation.matrices))
+    add = seen.add
     changed = False
     for c in computation.commands:
         ct = c.command_type
@@ -96,7 +97,6 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx=None) -> bo
             if first:
                 c.command_type = copy_form
                 changed = True
-        add = seen.add
         if get1 is not None:
             s = get1(c)
             if s > 0:
@@ -123,20 +123,20 @@ class _Touched:
 
     def __init__(self, subs: list, num_matrices: int) -> None:
         self.subs = subs
-        self.rects: list[dict | None] = [None] * num_matrices
+        self.rects: list[set | None] = [None] * num_matrices
         self.box: list[list[int] | None] = [None] * num_matrices
 
     def add(self, s: int) -> None:
         m, ro, nr, co, nc = self.subs[s]
         rects = self.rects[m]
         if rects is None:
-            self.rects[m] = {(ro, ro + nr, co, co + nc): None}
+            self.rects[m] = {(ro, ro + nr, co, co + nc)}
             self.box[m] = [ro, ro + nr, co, co + nc]
             return
         key = (ro, ro + nr, co, co + nc)
         if key in rects:
             return
-        rects[key] = None
+        rects.add(key)
         b = self.box[m]
         if ro < b[0]:
             b[0] = ro
