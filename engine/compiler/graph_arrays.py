@@ -35,7 +35,8 @@ key; the table keeps a margin around every cindex so that such a key is always
 inside it.  Other descriptors go through their compiled NumPy form
 (engine.compiler.fast_descriptors); statistics extraction and pooling,
 time-height convolution and restricted attention give their inputs as arrays
-(``input_times``, with ``input_rule``: which inputs an output needs) and are
+(``input_times``, with ``input_rule``: which inputs an output needs), as does
+DistributeComponent (whose inputs are at another x: ``input_x``), and are
 settled and pruned like a descriptor with optional parts; other components that
 give their inputs only Index by Index are asked Index by Index.
 
@@ -663,7 +664,7 @@ class ArrayGraphBuild:
 
     def _expand_columns(self, v: int, g, n, t, x) -> None:
         """Inputs of a component that gives them as arrays (``input_times``: a fixed
-        number per row), settled and pruned by its _ColumnRule as a descriptor's
+        number per row, at the same x unless ``input_x`` says otherwise), settled and pruned by its _ColumnRule as a descriptor's
         with optional parts."""
         comp, src = self.nodes.component[v], self.nodes.src[v]
         try:
@@ -671,8 +672,10 @@ class ArrayGraphBuild:
         except ComponentError as e:
             raise GiveUp(f"input times: {e}") from None
         k = times.shape[1]
-        flat = self._lookup(self._key_checked(src, np.repeat(n, k), times.ravel(),
-                                              np.repeat(x, k)))
+        # the inputs' x: the output's, unless the component moves it (``input_x``)
+        input_x = getattr(comp, "input_x", None)
+        xs = input_x(x).ravel() if input_x is not None else np.repeat(x, k)
+        flat = self._lookup(self._key_checked(src, np.repeat(n, k), times.ravel(), xs))
         self._queue(flat, src)
         self._record(v, g, flat.reshape(len(g), k))
 
@@ -1191,7 +1194,7 @@ class _ColumnRule:
 def _column_rule(nodes, v: int) -> _ColumnRule | None:
     """The rule of node v, a component asked Index by Index that gives its inputs as
     arrays (``input_times`` and ``input_rule``: statistics, time-height
-    convolution, restricted attention), or None."""
+    convolution, restricted attention, distribute), or None."""
     comp = nodes.component[v]
     if (nodes.deps_mode[v] != DEPS_GENERAL or comp is None
             or not callable(getattr(comp, "input_times", None))

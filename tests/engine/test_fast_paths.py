@@ -390,11 +390,11 @@ def test_nested_rounds_compile_linearly_and_match():
         assert fast.deps(idx) == desc.get_dependencies(idx)
 
 
-@pytest.mark.parametrize("kind", ["statistics", "cnn_new", "attention"])
+@pytest.mark.parametrize("kind", ["statistics", "cnn_new", "attention", "distribute"])
 def test_array_form_components_take_the_array_build(kind, monkeypatch):
     """Statistics extraction and pooling (computable when any input is), time-height
     convolution and restricted attention (when the inputs at their required time
-    offsets are) get
+    offsets are), distribute (its one input, at x // blocks: ``input_x``) get
     their inputs as arrays (``input_times``, ``input_rule``), not Index by Index: on
     random networks (statistics periods 1-9 and contexts up to 90 frames; convolutions
     with optional time offsets) and two-segment requests the graph, statuses, outputs
@@ -428,6 +428,35 @@ def test_array_form_components_take_the_array_build(kind, monkeypatch):
         rows = comp.input_times(t).tolist()
         assert rows == [[i.t for i in comp.get_input_indexes(None, Index(0, int(u), 0))]
                         for u in t]
+
+
+def test_distribute_array_forms_equal_the_per_index_ones():
+    """DistributeComponent's input (``input_times``, ``input_x``) and its precomputed
+    indexes, made on arrays, equal the per-Index definition, negative x included; an
+    output whose input is missing names both Indexes."""
+    from engine.core.errors import ComponentError
+    from engine.nnet.components.distribute import DistributeComponent
+    comp = DistributeComponent()
+    comp.input_dim_, comp.output_dim_ = 12, 4
+    rng = np.random.default_rng(3)
+    out = [Index(int(n), int(t), int(x)) for n, t, x in
+           zip(rng.integers(0, 3, 60), rng.integers(-5, 5, 60), rng.integers(-7, 9, 60))]
+    out = sorted(set(out))
+    n, t, x = (np.array(c, dtype=np.int64) for c in zip(*out))
+    got = list(zip(n.tolist(), comp.input_times(t)[:, 0].tolist(),
+                   comp.input_x(x)[:, 0].tolist()))
+    per_index = [comp.get_input_indexes(None, o) for o in out]
+    assert all(len(p) == 1 for p in per_index)
+    assert got == [tuple(p[0]) for p in per_index]
+    inputs = sorted(set(p[0] for p in per_index))
+    rng.shuffle(inputs)
+    pre = comp.precompute_indexes(None, inputs, out, True)
+    for k, o in enumerate(out):
+        assert inputs[pre.input_rows[k]] == per_index[k][0]
+        assert pre.blocks[k] == o.x - (o.x // 3) * 3
+    with pytest.raises(ComponentError, match=r"input Index .* needed by output Index .* "
+                                             r"is not in the input"):
+        comp.precompute_indexes(None, inputs[1:], out, True)
 
 
 def test_statistics_pooling_off_its_period_reports_the_general_error():

@@ -177,19 +177,29 @@ def grid_indexes(nx: list[tuple[int, int]], t_start: int, t_step: int, num_t: in
 
 def _rows_in(rows: np.ndarray, ref: np.ndarray) -> np.ndarray:
     """Which of the (k, 3) ``rows`` are rows of ``ref``."""
+    return row_positions(rows, ref) >= 0
+
+
+def row_positions(rows: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """For each of the (k, 3) ``rows``, its position among the rows of ``ref`` (rows
+    that are distinct), or -1 where it is not one of them."""
     if not len(rows) or not len(ref):
-        return np.zeros(len(rows), dtype=bool)
+        return np.full(len(rows), -1, dtype=np.int64)
     both = np.concatenate([rows, ref])
     lo, hi = both.min(axis=0), both.max(axis=0)
     span = [int(h) - int(l) + 1 for l, h in zip(lo.tolist(), hi.tolist())]
     if span[0] * span[1] * span[2] >= 1 << 62:     # ranges too wide for one int64 key
-        have = set(map(tuple, ref.tolist()))
-        return np.fromiter((r in have for r in map(tuple, rows.tolist())), bool, len(rows))
+        where = {r: i for i, r in enumerate(map(tuple, ref.tolist()))}
+        return np.fromiter((where.get(r, -1) for r in map(tuple, rows.tolist())), np.int64,
+                           len(rows))
     off = both - lo
-
-    def key(a):
-        return (a[:, 0] * span[1] + a[:, 1]) * span[2] + a[:, 2]
-    return np.isin(key(off[:len(rows)]), key(off[len(rows):]))
+    key = (off[:, 0] * span[1] + off[:, 1]) * span[2] + off[:, 2]
+    want, have = key[:len(rows)], key[len(rows):]
+    order = np.argsort(have, kind="stable")
+    pos = np.searchsorted(have[order], want)
+    pos[pos == len(have)] = 0
+    found = order[pos]
+    return np.where(have[found] == want, found, -1)
 
 
 def _regularize_t_list(t_values: list[int]) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.core.errors import ComponentError
 from engine.core.index import Index
-from engine.nnet.components._nonsimple_utils import config_errors_name_type
+from engine.nnet.components._nonsimple_utils import _rows, config_errors_name_type, row_positions
 from engine.nnet.components._fields import INT, TokenFieldsComponent
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
@@ -89,19 +89,32 @@ class DistributeComponent(TokenFieldsComponent):
             used_inputs[:] = [idx]
         return True
 
+    def input_times(self, t: np.ndarray) -> np.ndarray:
+        """get_input_indexes of many output Indexes at once (the compiler's array
+        graph build), their t: the output's own."""
+        return t[:, None]
+
+    def input_x(self, x: np.ndarray) -> np.ndarray:
+        """The x of the input of each output x (one column, as ``input_times``)."""
+        return (x // self.num_blocks)[:, None]
+
+    def input_rule(self):
+        """is_computable on the columns of ``input_times``: the one input is there."""
+        return None
+
     def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        pos = {tuple(i): k for k, i in enumerate(input_indexes)}
-        rows = np.empty(len(output_indexes), dtype=np.int64)
-        blocks = np.empty(len(output_indexes), dtype=np.int64)
-        for k, o in enumerate(output_indexes):
-            idx, b = self._input_index_and_block(Index(*o))
-            r = pos.get(tuple(idx))
-            if r is None:
-                raise ComponentError(f"input Index {idx} needed by output Index {Index(*o)} "
-                                     "is not in the input", component=self.label())
-            rows[k] = r
-            blocks[k] = b
-        return DistributeIndexes(rows, blocks, len(input_indexes))
+        out = _rows(output_indexes)
+        nb = self.num_blocks
+        want = out.copy()
+        want[:, 2] = out[:, 2] // nb
+        rows = row_positions(want, _rows(input_indexes))
+        missing = np.flatnonzero(rows < 0)
+        if len(missing):
+            k = int(missing[0])
+            raise ComponentError(f"input Index {Index(*want[k].tolist())} needed by output "
+                                 f"Index {Index(*out[k].tolist())} is not in the input",
+                                 component=self.label())
+        return DistributeIndexes(rows, out[:, 2] - want[:, 2] * nb, len(input_indexes))
 
     # -- maths -------------------------------------------------------------------------
     def propagate(self, indexes, in_value, out):
