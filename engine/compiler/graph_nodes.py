@@ -574,7 +574,7 @@ def node_names(nnet) -> list[str]:
 # Kaldi's TdnnComponent (time offsets, all required) and DropoutMaskComponent
 # (no inputs, always computable).  For these the graph builders settle
 # computability from the dependency states alone.
-_ALL_INPUTS_COMPONENTS = ("TdnnComponent", "DropoutMaskComponent")
+_ALL_INPUTS_COMPONENTS = ("TdnnComponent", "DropoutMaskComponent", "ConstantComponent")
 
 
 def _needs_all_inputs(comp) -> bool:

@@ -430,6 +430,35 @@ def test_array_form_components_take_the_array_build(kind, monkeypatch):
                         for u in t]
 
 
+def test_constant_component_takes_the_array_build(monkeypatch):
+    """ConstantComponent (no input at all) is a node of fixed, empty shifts: the array
+    build does not ask it Index by Index, and builds what the per-cindex one does."""
+    from engine.compiler.graph_arrays import ArrayGraphBuild
+    from engine.nnet.nnet import Nnet
+    nnet = Nnet.from_config("""input-node name=input dim=4
+component name=c type=ConstantComponent output-dim=4
+component-node name=c component=c input=input
+component name=a type=AffineComponent input-dim=8 output-dim=2
+component-node name=a component=a input=Append(Offset(input, -1), c)
+output-node name=output input=a
+""")
+    req = ComputationRequest(
+        [IoSpecification("input", [Index(n, t, 0) for n in range(2) for t in range(-3, 9)])],
+        [IoSpecification("output", [Index(n, t, 0) for n in range(2) for t in range(6)],
+                         True)], need_model_derivative=True)
+
+    def refuse(*a, **k):
+        raise AssertionError("a component was asked Index by Index")
+
+    with monkeypatch.context() as m:
+        m.setattr(ArrayGraphBuild, "_expand_general", refuse)
+        m.setattr(ArrayGraphBuild, "_settle_general", refuse)
+        g, statuses, _ = _build(nnet, [req], True)
+    assert g is not None and statuses == ["used"]
+    assert _assert_same_build(nnet, [req]) == "used"
+    assert _assert_same_build(nnet, [req, _second_segment(req, nnet)]) == "used"
+
+
 def test_distribute_array_forms_equal_the_per_index_ones():
     """DistributeComponent's input (``input_times``, ``input_x``) and its precomputed
     indexes, made on arrays, equal the per-Index definition, negative x included; an

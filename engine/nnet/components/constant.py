@@ -218,6 +218,11 @@ class ConstantComponent(_ConstantBase):
     def get_input_indexes(self, misc_info, output_index):
         return []
 
+    def input_offsets(self) -> list[tuple[int, int, int]]:
+        """get_input_indexes as fixed shifts of the output Index: none (the compiler's
+        graph builders then take every output Index as computable at once)."""
+        return []
+
     def is_computable(self, misc_info, output_index, input_index_set, used_inputs) -> bool:
         if used_inputs is not None:
             used_inputs.clear()
