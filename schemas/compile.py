@@ -40,11 +40,12 @@ class OptimizerOptions(Strict):
     initialize_undefined: Bool | None = None
     move_sizing_commands: Bool | None = None
     allocate_from_other: Bool | None = None
-    min_deriv_time: Int | None = None
-    max_deriv_time: Int | None = None
-    max_deriv_time_relative: Int | None = None
+    # Kaldi's int32 (its "not set" values are the int32 extremes)
+    min_deriv_time: Int | None = Field(default=None, ge=-2 ** 31, le=2 ** 31 - 1)
+    max_deriv_time: Int | None = Field(default=None, ge=-2 ** 31, le=2 ** 31 - 1)
+    max_deriv_time_relative: Int | None = Field(default=None, ge=-2 ** 31, le=2 ** 31 - 1)
     snip_row_ops: Bool | None = None
-    memory_compression_level: Int | None = None
+    memory_compression_level: Int | None = Field(default=None, ge=0, le=3)
 
 
 class CompileOptions(Strict):

@@ -18,7 +18,8 @@ class RegisterModelRequest(Strict):
     name: str | None = Field(default=None, max_length=200,
                              description="a label for listings; not part of the id")
     seed: Int | None = Field(default=None, ge=0,
-                             description="seed for the random initial parameters of a config")
+                             description="seed for the random initial parameters of a config "
+                                         "(0 when absent)")
 
     @model_validator(mode="after")
     def _exactly_one(self):

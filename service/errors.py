@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.core.errors import (CheckError, ComponentError, ConfigError, ExecutionError,
-                                ModelFormatError, NnetcError, NotComputableError, RequestError,
-                                ResourceLimitError)
+from engine.core.errors import (CheckError, CompilerError, ComponentError, ConfigError,
+                                ExecutionError, ModelFormatError, NnetcError,
+                                NotComputableError, RequestError, ResourceLimitError)
 
 log = logging.getLogger("nnetc.service")
 
@@ -64,6 +64,7 @@ _ENGINE_STATUS: list[tuple[type, int]] = [
     (ConfigError, 400),
     (ModelFormatError, 400),
     (NotComputableError, 422),
+    (CompilerError, 422),
     (RequestError, 422),
     (ComponentError, 422),
     (ExecutionError, 422),

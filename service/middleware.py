@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import logging
 import math
+import re
 import time
 
 import msgpack
@@ -22,6 +23,23 @@ from service.errors import error_body
 
 MSGPACK = "application/msgpack"
 log = logging.getLogger("nnetc.access")
+# a JSON escape of a UTF-16 surrogate: legal JSON, but alone (not a high one followed by a
+# low one) it is no character, and no text made of it can be encoded (UTF-8, a hash, a
+# Redis key, an error message)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate(body: bytes) -> str | None:
+    """Why a JSON body is unusable because of a lone surrogate escape, or None (no such
+    escape, or the body is malformed for another reason: left to the routes' parser)."""
+    if _SURROGATE_ESCAPE.search(body) is None:
+        return None
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        if "surrogate" in str(e):
+            return str(e)
+    return None
 
 
 def _bytes_to_b64(obj):
@@ -157,6 +175,15 @@ class WireMiddleware:
                                     if k.lower() not in (b"content-type", b"content-length")]
                 scope["headers"] += [(b"content-type", b"application/json"),
                                      (b"content-length", str(len(body)).encode())]
+            elif "json" in headers.get("content-type", "json").lower():
+                why = lone_surrogate(body)
+                if why is not None:
+                    state["status"] = 422
+                    await _send_json(send, 422, error_body(
+                        "ValidationError", f"body: a string holds a lone UTF-16 surrogate "
+                                           f"escape, which is no character ({why})"),
+                        msgpack_out)
+                    return
         sent = False
 
         async def replay():

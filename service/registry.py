@@ -173,6 +173,12 @@ class InProcessRegistry:
                 raise not_found("model", model_id, "model_id")
 
 
+#: the seed of a config registered without one: its random parameters must be the same in
+#: every process that loads it by id (another server behind the same Redis, a queue
+#: worker, this one after the model was evicted), as Kaldi's own initialisation is
+CONFIG_DEFAULT_SEED = 0
+
+
 def _load(data: bytes, source_field: str, seed: int | None) -> Model:
     from engine.nnet.config import apply_config, no_file_options  # noqa: PLC0415
     # a client's config (or the config section of its model) must not make this
@@ -182,6 +188,7 @@ def _load(data: bytes, source_field: str, seed: int | None) -> Model:
             from engine.nnet.nnet import Nnet  # noqa: PLC0415
             nnet = Nnet()
             apply_config(nnet, data.decode("utf-8"), source="config",
-                         rng=np.random.default_rng(seed))
+                         rng=np.random.default_rng(CONFIG_DEFAULT_SEED if seed is None
+                                                   else seed))
             return Model(nnet, source="config")
         return load_model(data, source=source_field)

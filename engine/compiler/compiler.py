@@ -58,7 +58,7 @@ from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_CO
 from engine.compiler.fast_descriptors import compile_descriptor
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT, make_indexes
-from engine.core.errors import NnetcError, RequestError
+from engine.core.errors import CompilerError, RequestError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty as P
 from engine.nnet.descriptors import (Descriptor, ReplaceIndexForwardingDescriptor,
@@ -79,11 +79,6 @@ _PROPAGATE, _SET_CONST, _MATRIX_ADD, _ADD_ROWS = (CT.PROPAGATE, CT.SET_CONST, CT
                                                   CT.ADD_ROWS)
 _PROVIDE_OUTPUT, _ALLOC_MATRIX, _DEALLOC_MATRIX = (CT.PROVIDE_OUTPUT, CT.ALLOC_MATRIX,
                                                    CT.DEALLOC_MATRIX)
-
-
-class CompilerError(NnetcError):
-    """A network/request combination the compiler does not support (Kaldi's
-    'this case not handled' errors), naming the node at fault."""
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,11 @@ class NotComputableError(NnetcError):
     """Requested outputs cannot be computed from the supplied inputs."""
 
 
+class CompilerError(NnetcError):
+    """A network/request combination the compiler does not support (Kaldi's
+    'this case not handled' errors), naming the node at fault."""
+
+
 class CheckError(NnetcError):
     """A computation failed the checker (a bug in the compiler or a pass)."""
 

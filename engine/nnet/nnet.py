@@ -10,6 +10,8 @@ applying a config to an existing network) is in ``config.py``.
 
 from __future__ import annotations
 
+import math
+
 from enum import Enum, IntEnum
 from typing import Iterable
 
@@ -357,6 +359,7 @@ class Nnet:
                     raise self._node_error(i, f"node {self._user_name(i)}: {e.reason}") from None
                 if dim <= 0:
                     raise self._node_error(i, f"node {node.name}: descriptor dim {dim} <= 0")
+                self._check_scales(i)
             elif node.type == NodeType.COMPONENT:
                 if i == 0 or nodes[i - 1].type != NodeType.DESCRIPTOR:
                     raise self._node_error(i, f"component node {node.name} is not preceded "
@@ -406,6 +409,24 @@ class Nnet:
                 if not self.is_component_input_node(i):
                     raise self._node_error(i, f"node {nodes[i].name} is not used to compute "
                                               f"any output")
+
+    def _check_scales(self, i: int) -> None:
+        """Each input node of each part of node i's descriptor must come with one finite
+        scale (and its constant term be finite): what the compiler splits the part by
+        (Kaldi's SplitByScale, which stops at the first compile otherwise)."""
+        desc = self.nodes[i].descriptor
+        for p in range(desc.num_parts()):
+            part = desc.part(p)
+            for src in sorted(set(part.get_node_dependencies())) + [-1]:
+                what = f"input node {self._user_name(src)}" if src >= 0 else "the constant term"
+                try:
+                    alpha = part.get_scale_for_node(src)
+                except ConfigError as e:
+                    reason = e.reason.replace(f"node {src} ", f"node {self._user_name(src)} ")
+                    raise self._node_error(i, f"node {self._user_name(i)}: {reason}") from None
+                if not math.isfinite(alpha):
+                    raise self._node_error(i, f"node {self._user_name(i)}: the scale of "
+                                              f"{what} is not finite ({alpha})")
 
     def _user_name(self, i: int) -> str:
         """The name a user wrote: X for X's hidden input node X_input."""

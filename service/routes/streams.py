@@ -26,6 +26,7 @@ from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, Stre
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, ServiceError, error_body, error_parts
+from service.middleware import lone_surrogate
 from service.routes import blame, field_of, run_job
 from service.streams import chunk_bound
 
@@ -161,6 +162,10 @@ async def _receive_json(ws: WebSocket):
         raise WebSocketDisconnect(message.get("code", 1000))
     if message.get("text") is None:
         raise ValueError("not a text message")
+    why = lone_surrogate(message["text"].encode())
+    if why is not None:
+        raise ValueError(f"a string holds a lone UTF-16 surrogate escape, which is no "
+                         f"character ({why})")
     try:
         return json.loads(message["text"])
     except RecursionError:           # nested deeper than the parser goes: not usable JSON

@@ -71,6 +71,57 @@ def test_models_bad_input(client):
     assert "(100000000, 11)" in e["message"]
 
 
+@pytest.mark.parametrize("descriptor, says", [
+    ("Scale(1e200, Scale(1e200, affine2))", "the scale of input node affine2 is not finite"),
+    ("Sum(Scale(2.0, affine2), Scale(3.0, affine2))",
+     "node affine2 appears with scales 2 and 3"),
+])
+def test_descriptor_scales_the_compiler_cannot_use_are_refused_at_registration(
+        client, descriptor, says):
+    """An input node that comes to a descriptor with an infinite scale or two different
+    ones (Kaldi's SplitByScale stops on it at every compile) is the config's error,
+    named with its line and node when the model is registered, not at each compile."""
+    bad = TINY_CONFIG.replace("output-node name=output input=affine2",
+                              f"output-node name=output input={descriptor}")
+    e = _err(client.post("/models", json={"config": bad}), 400)
+    assert e["type"] == "ConfigError" and e["field"] == "config"
+    assert "config:8" in e["message"] and "node output" in e["message"]
+    assert says in e["message"], e["message"]
+
+
+def test_lone_surrogate_escapes_are_a_422(client):
+    """A JSON string escape of a lone UTF-16 surrogate (legal JSON, no character) in any
+    field, a key included, is a 422 saying so, and the connection stays usable; a pair
+    (a character beyond the BMP) is text like any other."""
+    mid = register(client, config=TINY_CONFIG)["model_id"]
+    compute = ('{"model_id": "%s", "request": %s, "inputs": {"input": [[1,2,3,4]]}, '
+               '"\\udc00": 1}' % (mid, json.dumps(request_for(0, 1))))
+    for route, body in (("/models", '{"config": "\\ud800"}'),
+                        ("/models", '{"text": "x\\udfff"}'),
+                        ("/compute", compute),
+                        ("/infer", '{"model_id": "\\ud800", "features": [[1,2,3,4]]}'),
+                        ("/streams", '{"model_id": "\\ud800"}')):
+        e = _err(client.post(route, content=body.encode(),
+                             headers={"content-type": "application/json"}), 422)
+        assert "lone UTF-16 surrogate" in e["message"], (route, e)
+        assert client.get("/models").status_code == 200
+    r = client.post("/models", json={"config": TINY_CONFIG, "name": "tiny \U0001F600"})
+    assert r.status_code in (200, 201) and r.json()["name"] == "tiny \U0001F600"
+
+
+def test_compiler_errors_are_the_clients(client):
+    """A network/request combination the compiler does not handle (CompilerError names
+    the node) is a 422, in process and through the queue's wire form alike."""
+    from engine.core.errors import CompilerError
+    from service.errors import engine_status
+    from service.jobs import _error, encode_error
+    import msgpack
+    e = CompilerError("node 'x': backprop through this descriptor needs a row mapping")
+    assert engine_status(e) == 422
+    back = _error(msgpack.unpackb(encode_error(e), raw=False)["error"])
+    assert type(back) is CompilerError and str(back) == str(e) and engine_status(back) == 422
+
+
 def test_compile_and_compute_bad_input(client):
     cfg = register(client, config=TINY_CONFIG)
     mid = cfg["model_id"]
@@ -87,8 +138,8 @@ def test_compile_and_compute_bad_input(client):
         **request_for(0, 3), "outputs": [{"name": "nope", "indexes": [[0, 0, 0]]}]}}), 422)
     assert e["type"] == "RequestError" and "'nope'" in e["message"] and e["field"] == "request"
     e = _err(client.post("/compile", json={"model_id": mid, "request": request_for(0, 3),
-                                           "optimizer": {"memory_compression_level": 9}}), 400)
-    assert "memory_compression_level" in e["message"] and e["field"] == "optimizer"
+                                           "optimizer": {"memory_compression_level": 9}}), 422)
+    assert e["field"] == "optimizer.memory_compression_level"
     e = _err(client.post("/compile", json={"model_id": mid, "request": request_for(0, 3),
                                            "optimizer": {"no_such_option": 1}}), 422)
     assert e["field"] == "optimizer.no_such_option"
@@ -363,17 +414,16 @@ def test_a_negative_seed_is_a_422_naming_it(client):
 
 def test_an_empty_derivative_time_window_is_a_400_naming_the_options(client):
     """min_deriv_time above max_deriv_time (or above max_deriv_time_relative plus the
-    request's last output t), or a deriv-time option beyond Kaldi's int32, is the
-    client's option error (Kaldi asserts), for /compile and /compute alike."""
+    request's last output t) is the client's option error (Kaldi asserts), for /compile
+    and /compute alike; one option out of its range (a deriv time beyond Kaldi's int32,
+    a memory compression level other than 0-3) a 422 naming it."""
     mid = register(client, config=TINY_CONFIG)["model_id"]
     body = {"model_id": mid, "request": request_for(0, 3)}
     x = {"inputs": {"input": encode(np.zeros((5, 4), np.float32))}}
     cases = (({"min_deriv_time": 10, "max_deriv_time": 5},
               ("min_deriv_time 10", "max_deriv_time 5")),
              ({"min_deriv_time": 10, "max_deriv_time_relative": 0},
-              ("min_deriv_time 10", "max_deriv_time_relative 0", "largest output t 2")),
-             ({"min_deriv_time": 2 ** 70}, ("min_deriv_time", "32-bit")),
-             ({"max_deriv_time_relative": -2 ** 40}, ("max_deriv_time_relative", "32-bit")))
+              ("min_deriv_time 10", "max_deriv_time_relative 0", "largest output t 2")))
     for opts, words in cases:
         for route, extra in (("/compile", {}), ("/compute", x)):
             e = _err(client.post(route, json={**body, **extra, "optimizer": opts}), 400)
@@ -383,6 +433,17 @@ def test_an_empty_derivative_time_window_is_a_400_naming_the_options(client):
                  {"min_deriv_time": 1, "max_deriv_time_relative": -1}):
         r = client.post("/compile", json={**body, "optimizer": opts})
         assert r.status_code == 200, r.text
+    # one option out of its range: a 422 naming it (the wire schema's bounds)
+    for opts, field, says in (({"min_deriv_time": 2 ** 70}, "min_deriv_time", "2147483647"),
+                              ({"max_deriv_time_relative": -2 ** 40},
+                               "max_deriv_time_relative", "-2147483648"),
+                              ({"memory_compression_level": 99}, "memory_compression_level",
+                               "3"),
+                              ({"memory_compression_level": -1}, "memory_compression_level",
+                               "0")):
+        for route, extra in (("/compile", {}), ("/compute", x)):
+            e = _err(client.post(route, json={**body, **extra, "optimizer": opts}), 422)
+            assert e["field"] == f"optimizer.{field}" and says in e["message"], (route, e)
 
 
 def test_infer_extra_context_is_bounded_like_frames_per_chunk():

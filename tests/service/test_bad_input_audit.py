@@ -186,6 +186,20 @@ def test_websocket_finish_must_be_true_and_deep_json_is_a_bad_message(client):
     assert info["frames_received"] == 1 and info["finished"] is False
 
 
+def test_websocket_lone_surrogate_escape_is_a_bad_message(client):
+    """A message whose JSON holds a lone UTF-16 surrogate escape (its error could not be
+    encoded to answer it) gets the BadMessage answer, and the stream is untouched."""
+    mid = client.post("/models", json={"config": RECURRENT, "seed": 0}).json()["model_id"]
+    sid = client.post("/streams", json={"model_id": mid}).json()["stream_id"]
+    with client.websocket_connect(f"/streams/{sid}/ws") as ws:
+        ws.send_text('{"finish": true, "encoding": "\\ud800"}')
+        err = ws.receive_json()
+        assert err["status"] == 400 and err["error"]["type"] == "BadMessage"
+        assert "lone UTF-16 surrogate" in err["error"]["message"]
+    info = client.get(f"/streams/{sid}").json()
+    assert info["frames_received"] == 0 and info["finished"] is False
+
+
 def test_upload_name_is_bounded_like_the_json_name(client):
     e = _err(client.post("/models/upload", content=TINY_CONFIG.encode(),
                          params={"name": "n" * 201}), 422)

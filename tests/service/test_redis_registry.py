@@ -40,6 +40,24 @@ def test_a_model_registered_on_one_service_is_known_to_another(url):
         assert b.post("/models", json={"config": TINY_CONFIG, "seed": 4}).status_code == 200
 
 
+def test_a_config_without_a_seed_is_one_network_everywhere(url):
+    """A config registered without a seed: every service that loads it by id builds the
+    same parameters (they are drawn with a fixed seed), so its answers agree and its
+    streams move between services."""
+    with make_client(redis_url=url) as a, make_client(redis_url=url) as b:
+        mid = a.post("/models", json={"config": TINY_CONFIG}).json()["model_id"]
+        body = {"model_id": mid, "request": request_for(0, 3),
+                "inputs": {"input": encode(np.arange(20.0).reshape(5, 4))}}
+        ya, yb = (c.post("/compute", json=body).json()["outputs"]["output"] for c in (a, b))
+        assert ya == yb
+        sid = a.post("/streams", json={"model_id": mid}).json()["stream_id"]
+        feats = encode(np.ones((3, 4)))
+        assert a.post(f"/streams/{sid}/frames", json={"features": feats, "offset": 0}
+                      ).status_code == 200
+        r = b.post(f"/streams/{sid}/frames", json={"features": feats, "offset": 3})
+        assert r.status_code == 200, r.text
+
+
 def test_binary_models_round_trip_through_redis(url):
     data = (BLSTM / "model.raw").read_bytes()
     with make_client(redis_url=url) as a:
