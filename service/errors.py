@@ -47,7 +47,8 @@ def check_answer_size(values: int, limit: int, what: str, field: str) -> None:
 
 
 def not_found(what: str, ident: str, field: str) -> ServiceError:
-    return ServiceError(404, "NotFound", f"unknown {what} {ident!r}", field)
+    shown = ident if len(ident) <= 200 else ident[:200] + "..."
+    return ServiceError(404, "NotFound", f"unknown {what} {shown!r}", field)
 
 
 class FieldError(ServiceError):

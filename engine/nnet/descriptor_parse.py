@@ -121,7 +121,8 @@ class _Parser:
             ctx = f"; next part of expression is: {rest[:40]!r}"
         else:
             where, ctx = " at end of expression", ""
-        return ConfigError(f"bad descriptor {self.text!r}: {message}{where}{ctx}")
+        text = self.text if len(self.text) <= 200 else self.text[:200] + "..."
+        return ConfigError(f"bad descriptor {text!r}: {message}{where}{ctx}")
 
     def expect(self, tok: str, what: str) -> None:
         got = self.peek()

@@ -397,8 +397,12 @@ def compute_simple_context(nnet: Nnet) -> tuple[int, int]:
             raise ConfigError("network context differs between time shifts that differ by "
                               "the modulus; the network is not time-invariant")
         return max(r[0] for r in results), max(r[1] for r in results)
-    raise ConfigError("could not compute the network's context (window of 800 frames too "
-                      "small, or no output is computable from the input)")
+    source, line = nnet.nodes[nnet.get_node_index("output")].origin
+    raise ConfigError(f"could not compute the network's context: no window of up to "
+                      f"{max_window} frames of input node 'input' makes frames of output "
+                      f"node 'output' computable (a time offset of more than "
+                      f"{max_window // 2} frames, or an input the output can never have)",
+                      source=source, line=line)
 
 
 def num_parameters(nnet: Nnet) -> int:

@@ -109,6 +109,29 @@ def test_lone_surrogate_escapes_are_a_422(client):
     assert r.status_code in (200, 201) and r.json()["name"] == "tiny \U0001F600"
 
 
+def test_errors_quote_a_bounded_part_of_the_input(client):
+    """A descriptor nested 5000 deep is refused for its depth, and an unknown model id of
+    100 kB is a 404, without the message repeating the whole input."""
+    d = "affine2"
+    for _ in range(5000):
+        d = f"Sum({d}, affine2)"
+    bad = TINY_CONFIG.replace("output-node name=output input=affine2",
+                              f"output-node name=output input={d}")
+    e = _err(client.post("/models", json={"config": bad}), 400)
+    assert "nested more than 64 deep" in e["message"] and len(e["message"]) < 1000
+    e = _err(client.post("/infer", json={"model_id": "a" * 100000, "features": [[0.0] * 4]}),
+             404)
+    assert e["field"] == "model_id" and len(e["message"]) < 1000
+
+
+def test_a_context_that_cannot_be_computed_names_the_output_line(client):
+    bad = TINY_CONFIG.replace("output-node name=output input=affine2",
+                              "output-node name=output input=Offset(affine2, 2147483647)")
+    e = _err(client.post("/models", json={"config": bad}), 400)
+    assert e["type"] == "ConfigError" and "config:8" in e["message"]
+    assert "output node 'output'" in e["message"] and "context" in e["message"]
+
+
 def test_compiler_errors_are_the_clients(client):
     """A network/request combination the compiler does not handle (CompilerError names
     the node) is a 422, in process and through the queue's wire form alike."""
