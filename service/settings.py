@@ -52,6 +52,12 @@ class Settings(BaseSettings):
                     "options with a larger frames_per_chunk, get 413 before compiling: "
                     "compiling costs about 25 kB per frame of a TDNN-F (2.5 GB at the "
                     "default)")
+    max_infer_work_factor: int = Field(
+        default=20, ge=1,
+        description="an infer request computes every chunk with its extra context: when "
+                    "that comes to more frames than this many times the utterance's (and "
+                    "more than max_request_indexes) it gets 413 before anything runs "
+                    "(tiny chunks with a huge extra context would hold a worker for hours)")
     max_computation_bytes: int = Field(
         default=4 << 30, ge=1 << 20,
         description="compute requests (and infer chunks) whose computation needs more "

@@ -69,6 +69,20 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
                            f"the network's modulus) with up to {left} frames of extra left "
                            f"and {right} of extra right context are more than this service's "
                            f"max_request_indexes ({limit})", f"options.{field}")
+    # the frames all chunks compute together: a bounded multiple of the utterance's
+    frames = int(features.shape[0])
+    chunks = -(-frames // fpc)
+    work = chunks * (fpc + left + right)
+    factor = services.settings.max_infer_work_factor
+    if work > max(limit, factor * frames):
+        raise ServiceError(413, "RequestTooLarge",
+                           f"frames_per_chunk {options.frames_per_chunk}: {chunks} chunks of "
+                           f"{fpc} frames with up to {left} frames of extra left and {right} "
+                           f"of extra right context compute {work} frames for {frames} frames "
+                           f"of features, more than this service's max_infer_work_factor "
+                           f"({factor}) times as many and more than its max_request_indexes "
+                           f"({limit}): use longer chunks or less extra context",
+                           "options.frames_per_chunk")
     nnet = entry.model.nnet
     node = nnet.get_node_index(options.output)
     if node >= 0 and nnet.is_output_node(node):     # (else the engine names it)

@@ -488,6 +488,28 @@ def test_infer_extra_context_is_bounded_like_frames_per_chunk():
         assert ok.status_code == 200 and ok.json()["num_frames"] == 20
 
 
+def test_infer_work_is_bounded_by_the_utterance():
+    """Tiny chunks with a large extra context (each chunk within max_request_indexes) made
+    a 40-frame request compute 400000 frames: the frames all chunks compute are bounded
+    by max_infer_work_factor times the utterance's (or max_request_indexes), a 413 naming
+    frames_per_chunk; chunks of a sensible size with the same context pass."""
+    with make_client(max_request_indexes=1000) as client:
+        mid = register(client, config=TINY_CONFIG)["model_id"]
+        feats = encode(np.zeros((40, 4), np.float32))
+        opts = {"frames_per_chunk": 1, "extra_left_context": 300, "extra_right_context": 300}
+        e = _err(client.post("/infer", json={"model_id": mid, "features": feats,
+                                             "options": opts}), 413)
+        assert e["field"] == "options.frames_per_chunk"
+        assert "40 chunks" in e["message"] and "max_infer_work_factor (20)" in e["message"]
+        ok = client.post("/infer", json={"model_id": mid, "features": feats, "options": {
+            **opts, "frames_per_chunk": 40}})
+        assert ok.status_code == 200 and ok.json()["num_frames"] == 40
+    with make_client(max_request_indexes=1000, max_infer_work_factor=1000) as client:
+        mid = register(client, config=TINY_CONFIG)["model_id"]
+        ok = client.post("/infer", json={"model_id": mid, "features": feats, "options": opts})
+        assert ok.status_code == 200 and ok.json()["num_frames"] == 40
+
+
 def test_encoded_matrix_dimensions_beyond_32_bits_are_a_422_naming_the_field(client):
     """An encoded matrix's shape may hold no values and still name a dimension NumPy
     cannot make (2**70 x 0): refused as a shape, like a negative one."""
