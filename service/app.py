@@ -66,21 +66,27 @@ def build_services(settings: Settings) -> Services:
         registry = RedisModelRegistry(client, settings.max_models,
                                       max_nodes=settings.max_model_nodes)
         cache = RedisComputationCache(capacity=settings.cache_size, client=client,
-                                      on_event=metrics.cache_event, ttl_s=settings.redis_ttl_s)
+                                      on_event=metrics.cache_event, ttl_s=settings.redis_ttl_s,
+                                      max_bytes=settings.cache_bytes)
         store = RedisStreamStore(client, ttl_s=settings.stream_idle_s)
     else:
         registry = InProcessRegistry(settings.max_models, settings.max_model_nodes)
-        cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event)
+        cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event,
+                                    max_bytes=settings.cache_bytes)
         store = NoStreamStore()
+    # one pool for the matrices inference and streams keep between chunks: what all
+    # their cached models keep together is bounded by max_pooled_bytes
+    from engine.runtime.backend import BufferPool  # noqa: PLC0415
+    pool = BufferPool(settings.max_pooled_bytes)
     operations = Operations(cache, metrics, backend,
-                            max_computation_bytes=settings.max_computation_bytes)
+                            max_computation_bytes=settings.max_computation_bytes, pool=pool)
     streams = StreamManager(registry, backend, store, max_streams=settings.max_streams,
                             idle_s=settings.stream_idle_s, metrics=metrics,
                             max_ivector_rows=settings.max_stream_ivector_rows,
                             max_held_frames=settings.max_request_indexes,
                             max_request_indexes=settings.max_request_indexes,
                             max_computation_bytes=settings.max_computation_bytes,
-                            max_response_bytes=settings.max_response_bytes)
+                            max_response_bytes=settings.max_response_bytes, pool=pool)
     if settings.queue == "redis":
         queue = RedisJobQueue(client, settings.job_timeout_s, settings.queue_size,
                               metrics=metrics)

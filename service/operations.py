@@ -49,11 +49,14 @@ class ComputeResult:
 
 
 class Operations:
-    def __init__(self, cache, metrics, backend, max_computation_bytes: int | None = None):
+    def __init__(self, cache, metrics, backend, max_computation_bytes: int | None = None,
+                 pool=None):
         self.cache = cache
         self.metrics = metrics
         self.xp = backend
         self.max_computation_bytes = max_computation_bytes
+        # the matrices every inferencer keeps between chunks (one bound for all of them)
+        self.pool = pool
         # Compiles are serialised: in the service they already run on the one worker;
         # the lock keeps direct callers (tests, a future pool) from compiling twice at once.
         self._compile_lock = threading.Lock()
@@ -239,7 +242,8 @@ class Operations:
             if inferencer is None:
                 inferencer = Inferencer(entry.model.nnet, opts,
                                         priors=model_priors(entry.model), backend=self.xp,
-                                        max_peak_bytes=self.max_computation_bytes)
+                                        max_peak_bytes=self.max_computation_bytes,
+                                        pool=self.pool)
                 cache[opts] = inferencer
                 while len(cache) > _INFERENCERS_PER_MODEL:
                     cache.popitem(last=False)

@@ -56,14 +56,14 @@ class RedisComputationCache:
     def __init__(self, url: str | None = None, capacity: int = 256, on_event=None, *,
                  client: redis.Redis | None = None, ttl_s: int | None = None,
                  timeout_s: float = 1.0, retry_after_s: float = 5.0,
-                 prefix: str = KEY_PREFIX):
+                 prefix: str = KEY_PREFIX, max_bytes: int | None = None):
         if client is None:
             if not url:
                 raise ValueError("RedisComputationCache needs a Redis URL or a client")
             client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                           socket_connect_timeout=timeout_s)
         self.client = client
-        self.front = LRUComputationCache(capacity)
+        self.front = LRUComputationCache(capacity, max_bytes=max_bytes)
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
         self.prefix = prefix

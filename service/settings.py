@@ -52,6 +52,14 @@ class Settings(BaseSettings):
                     "options with a larger frames_per_chunk, get 413 before compiling: "
                     "compiling costs about 25 kB per frame of a TDNN-F (2.5 GB at the "
                     "default)")
+    max_pooled_bytes: int = Field(
+        default=1 << 30, ge=0,
+        description="matrices that inference and streams keep between chunks for reuse, "
+                    "all cached models together (each kept its own 1 GiB pool before)")
+    cache_bytes: int = Field(
+        default=1 << 30, ge=1 << 20,
+        description="the in-process computation cache also drops its least recently used "
+                    "entries while their estimated size is above this")
     max_infer_work_factor: int = Field(
         default=20, ge=1,
         description="an infer request computes every chunk with its extra context: when "

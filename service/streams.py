@@ -262,8 +262,10 @@ class StreamManager:
                  idle_s: float = 600.0, metrics=None, max_ivector_rows: int = 4096,
                  max_held_frames: int = 100_000, max_request_indexes: int = 100_000,
                  max_computation_bytes: int | None = None,
-                 max_response_bytes: int | None = None):
+                 max_response_bytes: int | None = None, pool=None):
         self.registry = registry
+        # the matrices every looped model's streams keep between chunks (one bound for all)
+        self.pool = pool
         self.max_computation_bytes = max_computation_bytes
         self.max_response_bytes = max_response_bytes
         self.max_request_indexes = max_request_indexes
@@ -316,7 +318,8 @@ class StreamManager:
                                           options["frame_subsampling_factor"],
                                           truncate_future_recurrence=truncate),
                              priors=model_priors(entry.model), use_priors=options["use_priors"],
-                             backend=self.xp, max_peak_bytes=self.max_computation_bytes)
+                             backend=self.xp, max_peak_bytes=self.max_computation_bytes,
+                             pool=self.pool)
         with self._lock:
             self._looped[key] = looped
             while len(self._looped) > _LOOPED_MODELS:

@@ -110,10 +110,12 @@ class Inferencer:
 
     def __init__(self, nnet, options: InferenceOptions = InferenceOptions(), priors=None,
                  backend=np, collapse: bool = True, optimize: bool = True,
-                 max_peak_bytes: int | None = None):
+                 max_peak_bytes: int | None = None, pool=None):
         """``max_peak_bytes``: chunk computations needing more matrix memory at their
         peak, and utterances whose output matrix alone is larger, are refused
-        (ResourceLimitError) before they run."""
+        (ResourceLimitError) before they run.  ``pool``: the BufferPool the chunks'
+        matrices are kept in between runs (one shared by many inferencers bounds what
+        they keep together); a pool of its own when None."""
         options.check()
         self.max_peak_bytes = max_peak_bytes
         check_simple(nnet, options.output)
@@ -137,7 +139,7 @@ class Inferencer:
         from engine.nnet.graph import graph_has_cycles, nnet_to_directed_graph  # noqa: PLC0415
         self._recurrent = graph_has_cycles(nnet_to_directed_graph(self.nnet))
         from engine.runtime.backend import BufferPool  # noqa: PLC0415
-        self.pool = BufferPool()
+        self.pool = BufferPool() if pool is None else pool
 
     # -- chunk planning (DecodableNnetSimple::EnsureFrameIsComputed) ----------------------------
     def _plan(self, k: int, utt: Utterance) -> list[_Chunk]:

@@ -59,10 +59,12 @@ class LoopedModel:
     def __init__(self, nnet, config: LoopedConfig = LoopedConfig(), priors=None,
                  use_priors: bool = False, backend=np, collapse: bool = True,
                  optimize_options=None, num_sequences: int = 1,
-                 max_peak_bytes: int | None = None):
+                 max_peak_bytes: int | None = None, pool=None):
         """``max_peak_bytes``: a looped computation needing more matrix memory at its
         peak is refused (ResourceLimitError) here, and by the executors of its
-        streams, before anything is allocated."""
+        streams, before anything is allocated.  ``pool``: the BufferPool its streams'
+        matrices are kept in between chunks (shared by many looped models, it bounds
+        what they keep together); a pool of its own when None."""
         config.check()
         if num_sequences < 1:
             raise InferenceError(f"num_sequences must be >= 1, got {num_sequences}")
@@ -110,7 +112,7 @@ class LoopedModel:
         self.batch_plans: dict = {}
         self.batch_lock = threading.Lock()
         from engine.runtime.backend import BufferPool  # noqa: PLC0415
-        self.pool = BufferPool()
+        self.pool = BufferPool() if pool is None else pool
         self.fingerprint = self._fingerprint()
 
     def _fingerprint(self) -> str:

@@ -1,0 +1,95 @@
+"""What the service keeps between requests is bounded in bytes, not only in entries: the
+computation cache (cache_bytes: 256 entries of a large request were tens of GB) and the
+matrices inference and streams keep for reuse (one pool of max_pooled_bytes for every
+cached inferencer and looped model; each had a 1 GiB pool of its own)."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import numpy as np
+
+from conftest import TINY_CONFIG, encode, make_client, register
+from engine.compiler.compiler import compile_computation
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.core.index import Index
+from engine.nnet.nnet import Nnet
+from service.cache import LRUComputationCache, estimated_bytes, plain_and_validated
+
+
+def _computation(frames: int):
+    nnet = Nnet.from_config(TINY_CONFIG, rng=np.random.default_rng(0))
+    req = ComputationRequest(
+        [IoSpecification("input", [Index(0, t, 0) for t in range(-1, frames + 1)])],
+        [IoSpecification("output", [Index(0, t, 0) for t in range(frames)])])
+    return compile_computation(nnet, [req])
+
+
+def test_the_size_estimate_covers_what_an_entry_holds():
+    """The estimate is at least what the plain data and the rebuilt computation take
+    (tracemalloc), and not far above it."""
+    for frames in (10, 400, 3000):
+        comp = _computation(frames)
+        gc.collect()
+        tracemalloc.start()
+        data, validated = plain_and_validated(comp)
+        held, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        est = estimated_bytes(data)
+        assert held <= est <= 4 * held, (frames, held, est)
+
+
+def test_the_cache_drops_its_oldest_entries_beyond_its_byte_budget():
+    small, big = _computation(10), _computation(3000)
+    size_small = estimated_bytes(plain_and_validated(small)[0])
+    size_big = estimated_bytes(plain_and_validated(big)[0])
+    cache = LRUComputationCache(capacity=100, max_bytes=size_big + 2 * size_small)
+    cache.put("s1", small, {})
+    cache.put("s2", small, {})
+    assert len(cache) == 2 and cache.estimated_bytes == 2 * size_small
+    cache.put("b1", big, {})
+    assert len(cache) == 3 and cache.estimated_bytes == size_big + 2 * size_small
+    cache.put("s3", small, {})                       # over budget: s1 goes
+    assert cache.get("s1") is None and cache.get("s2") is not None
+    assert cache.estimated_bytes == size_big + 2 * size_small
+    cache.put("b2", big, {})                 # b1 goes (the least recently used)
+    assert [k for k in ("s2", "b1", "s3", "b2") if cache.raw(k) is not None] == [
+        "s2", "s3", "b2"]
+    cache.put("b3", big, {})                 # s3, s2 (the get made it recent) and b2 go
+    assert [k for k in ("s2", "s3", "b2", "b3") if cache.raw(k) is not None] == ["b3"]
+    assert cache.estimated_bytes == size_big
+    # an entry larger than the whole budget is still kept, alone (it was just made)
+    tiny = LRUComputationCache(capacity=100, max_bytes=size_small)
+    tiny.put("s", small, {})
+    tiny.put("b", big, {})
+    assert len(tiny) == 1 and tiny.get("b") is not None
+    # storing a key again replaces its size
+    tiny.put("b", big, {})
+    assert tiny.estimated_bytes == size_big
+
+
+def test_inference_and_streams_keep_their_matrices_in_one_bounded_pool():
+    limit = 1 << 20
+    with make_client(max_pooled_bytes=limit, cache_bytes=8 << 20) as c:
+        services = c.app.state.services
+        assert services.cache.max_bytes == 8 << 20
+        pool = services.operations.pool
+        assert pool is services.streams.pool and pool.max_bytes == limit
+        mid = register(c, config=TINY_CONFIG)["model_id"]
+        feats = encode(np.ones((300, 4), np.float32))
+        for fpc in (20, 50, 150):
+            r = c.post("/infer", json={"model_id": mid, "features": feats,
+                                       "options": {"frames_per_chunk": fpc}})
+            assert r.status_code == 200, r.text
+        for fpc in (20, 40):
+            sid = c.post("/streams", json={"model_id": mid, "options": {
+                "frames_per_chunk": fpc}}).json()["stream_id"]
+            r = c.post(f"/streams/{sid}/frames", json={"features": feats, "offset": 0})
+            assert r.status_code == 200, r.text
+        entry = services.registry.get(mid)
+        inferencers = list(entry.extras["inferencers"].values())
+        assert len(inferencers) == 3 and all(i.pool is pool for i in inferencers)
+        looped = list(services.streams._looped.values())
+        assert len(looped) == 2 and all(m.pool is pool for m in looped)
+        assert 0 < pool.pooled_bytes <= limit
