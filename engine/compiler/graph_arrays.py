@@ -664,8 +664,8 @@ class ArrayGraphBuild:
 
     def _expand_columns(self, v: int, g, n, t, x) -> None:
         """Inputs of a component that gives them as arrays (``input_times``: a fixed
-        number per row, at the same x unless ``input_x`` says otherwise), settled and pruned by its _ColumnRule as a descriptor's
-        with optional parts."""
+        number per row, at the row's x unless ``input_x`` gives another), settled and
+        pruned by its _ColumnRule as a descriptor's with optional parts."""
         comp, src = self.nodes.component[v], self.nodes.src[v]
         try:
             times = comp.input_times(t)

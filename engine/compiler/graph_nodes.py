@@ -571,8 +571,8 @@ def node_names(nnet) -> list[str]:
 
 # Non-simple components whose IsComputable is "every Index GetInputIndexes
 # lists is present" and which then use all of them: the base class's default,
-# Kaldi's TdnnComponent (time offsets, all required) and DropoutMaskComponent
-# (no inputs, always computable).  For these the graph builders settle
+# Kaldi's TdnnComponent (time offsets, all required), DropoutMaskComponent and
+# ConstantComponent (no inputs, always computable).  For these the graph builders settle
 # computability from the dependency states alone.
 _ALL_INPUTS_COMPONENTS = ("TdnnComponent", "DropoutMaskComponent", "ConstantComponent")
 

@@ -11,7 +11,6 @@ applying a config to an existing network) is in ``config.py``.
 from __future__ import annotations
 
 import math
-
 from enum import Enum, IntEnum
 from typing import Iterable
 
