@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.core.errors import (CheckError, CompilerError, ComponentError, ConfigError,
                                 ExecutionError, ModelFormatError, NnetcError,
-                                NotComputableError, RequestError, ResourceLimitError)
+                                NotComputableError, RequestError, ResourceLimitError,
+                                clipped)
 
 log = logging.getLogger("nnetc.service")
 
@@ -47,8 +48,7 @@ def check_answer_size(values: int, limit: int, what: str, field: str) -> None:
 
 
 def not_found(what: str, ident: str, field: str) -> ServiceError:
-    shown = ident if len(ident) <= 200 else ident[:200] + "..."
-    return ServiceError(404, "NotFound", f"unknown {what} {shown!r}", field)
+    return ServiceError(404, "NotFound", f"unknown {what} {clipped(ident)!r}", field)
 
 
 class FieldError(ServiceError):

@@ -42,8 +42,14 @@ class ConfigError(NnetcError, ValueError):
         super().__init__(msg)
 
 
-# how much of a config line an error message quotes
+# how much of a client's text (a config line, a descriptor, an id) an error message quotes
 _MAX_LINE_ECHO = 200
+
+
+def clipped(text: str) -> str:
+    """``text`` as an error message quotes it: at most its first _MAX_LINE_ECHO characters,
+    and "..." after them when there were more."""
+    return text if len(text) <= _MAX_LINE_ECHO else text[:_MAX_LINE_ECHO] + "..."
 
 
 class ModelFormatError(NnetcError, ValueError):

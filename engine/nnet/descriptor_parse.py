@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from engine.core.errors import ConfigError
+from engine.core.errors import ConfigError, clipped
 from engine.core.index import INT32_MAX, INT32_MIN, Index
 from engine.nnet.config_line import INT_RE as _INT_RE
 from engine.nnet.config_line import REAL_RE as _REAL_RE
@@ -121,8 +121,7 @@ class _Parser:
             ctx = f"; next part of expression is: {rest[:40]!r}"
         else:
             where, ctx = " at end of expression", ""
-        text = self.text if len(self.text) <= 200 else self.text[:200] + "..."
-        return ConfigError(f"bad descriptor {text!r}: {message}{where}{ctx}")
+        return ConfigError(f"bad descriptor {clipped(self.text)!r}: {message}{where}{ctx}")
 
     def expect(self, tok: str, what: str) -> None:
         got = self.peek()
