@@ -86,7 +86,8 @@ def build_services(settings: Settings) -> Services:
                             max_held_frames=settings.max_request_indexes,
                             max_request_indexes=settings.max_request_indexes,
                             max_computation_bytes=settings.max_computation_bytes,
-                            max_response_bytes=settings.max_response_bytes, pool=pool)
+                            max_response_bytes=settings.max_response_bytes, pool=pool,
+                            max_bytes=settings.max_stream_bytes)
     if settings.queue == "redis":
         queue = RedisJobQueue(client, settings.job_timeout_s, settings.queue_size,
                               metrics=metrics)

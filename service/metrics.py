@@ -38,6 +38,9 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.streams_open = Gauge("nnetc_streams_open", "streams held by this process",
                                   registry=r)
+        self.stream_bytes = Gauge(
+            "nnetc_stream_bytes", "bytes the open streams of this process may hold, each at "
+            "its estimate (counted against max_stream_bytes)", registry=r)
         self.stream_events = Counter(
             "nnetc_stream_events_total", "stream lifecycle: opened, finished, closed, expired, "
             "restored (from a checkpoint), conflict, checkpoint_error", ["event"], registry=r)

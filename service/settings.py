@@ -89,6 +89,14 @@ class Settings(BaseSettings):
                                                "a failure Redis is skipped for 5 s")
     max_streams: int = Field(default=256, ge=1,
                              description="open streams one process holds; more get 503")
+    max_stream_bytes: int = Field(
+        default=2 << 30, ge=1 << 20,
+        description="memory all open streams of this process may hold together, each "
+                    "counted at its estimate when opened (LoopedModel.stream_bytes: its "
+                    "looped computation's peak matrix bytes, the objects its executor "
+                    "binds per command, one chunk's input); an open (or a takeover of "
+                    "another process's stream) beyond gets 503, and a single stream larger "
+                    "than all of it 413")
     max_stream_ivector_rows: int = Field(
         default=4096, ge=1,
         description="online i-vector rows a stream holds before the chunks that read them "

@@ -224,6 +224,7 @@ class LiveStream:
     looped: LoopedModel
     stream: Stream
     version: int = 0             # of the last checkpoint this process saved or loaded
+    nbytes: int = 0              # what it may hold (LoopedModel.stream_bytes): max_stream_bytes
     unsaved: bool = False        # a save failed (store unreachable): memory is ahead
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -262,8 +263,12 @@ class StreamManager:
                  idle_s: float = 600.0, metrics=None, max_ivector_rows: int = 4096,
                  max_held_frames: int = 100_000, max_request_indexes: int = 100_000,
                  max_computation_bytes: int | None = None,
-                 max_response_bytes: int | None = None, pool=None):
+                 max_response_bytes: int | None = None, pool=None,
+                 max_bytes: int | None = None):
+        """``max_bytes``: what the open streams may hold together, each counted at its
+        looped model's ``stream_bytes()`` (max_stream_bytes; None: no bound)."""
         self.registry = registry
+        self.max_bytes = max_bytes
         # the matrices every looped model's streams keep between chunks (one bound for all)
         self.pool = pool
         self.max_computation_bytes = max_computation_bytes
@@ -283,7 +288,53 @@ class StreamManager:
     # -- bookkeeping -------------------------------------------------------------------------
     def _gauge(self) -> None:
         if self.metrics is not None:
-            self.metrics.streams_open.set(len(self._live))
+            with self._lock:
+                count, held = len(self._live), self._held_bytes()
+            self.metrics.streams_open.set(count)
+            self.metrics.stream_bytes.set(held)
+
+    def _held_bytes(self) -> int:
+        """What the open streams may hold together (under ``_lock``): the sum over the
+        streams held, so that a stream leaving ``_live`` by any path leaves the count."""
+        return sum(live.nbytes for live in self._live.values())
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held_bytes()
+
+    def _admit(self, looped: LoopedModel, sid: str | None, options: dict) -> int:
+        """The bytes a stream of ``looped`` is counted at, after checking that this
+        process can hold one more (``sid``: a stream restored here, which replaces the
+        copy of it held here, if any): 503 TooManyStreams beyond max_streams or beyond
+        max_stream_bytes, 413 for a stream larger than max_stream_bytes alone."""
+        est = looped.stream_bytes()
+        where = f"stream {sid}" if sid is not None else "this stream"
+        if self.max_bytes is not None and est > self.max_bytes:
+            raise ServiceError(413, "RequestTooLarge",
+                               f"{where} (frames_per_chunk {options['frames_per_chunk']}: "
+                               f"chunks of {looped.chunk_size} frames) may hold {est} bytes "
+                               f"(its looped computation's matrices and one chunk's input), "
+                               f"more than this server's max_stream_bytes ({self.max_bytes}) "
+                               f"for all its streams: use a smaller frames_per_chunk",
+                               "options.frames_per_chunk")
+        with self._lock:
+            old = self._live.get(sid) if sid is not None else None
+            count = len(self._live) - (old is not None)
+            held = self._held_bytes() - (old.nbytes if old is not None else 0)
+        if count >= self.max_streams:
+            raise ServiceError(503, "TooManyStreams",
+                               f"this server holds {self.max_streams} open streams (its "
+                               f"max_streams); finish or close some, or retry later")
+        if self.max_bytes is not None and held + est > self.max_bytes:
+            raise ServiceError(503, "TooManyStreams",
+                               f"{where} may hold {est} bytes (frames_per_chunk "
+                               f"{options['frames_per_chunk']}: its looped computation's "
+                               f"matrices and one chunk's input) and the {count} open "
+                               f"streams of this server hold {held}: together more than its "
+                               f"max_stream_bytes ({self.max_bytes}); finish or close some, "
+                               f"use a smaller frames_per_chunk, or retry later")
+        return est
 
     def _event(self, event: str, count: int = 1) -> None:
         if self.metrics is not None:
@@ -378,15 +429,22 @@ class StreamManager:
                     f"the checkpoint of stream {sid}: ")
         try:
             looped = self.looped_model(entry, rec["options"])
-            stream = looped.import_stream(rec["state"], rec["options"]["acoustic_scale"])
         except ResourceLimitError:
             raise                       # this server's bound (413), not a broken record
         except NnetcError as e:
             # options a client could not have opened the stream with (use_priors on a
-            # model without priors), or a state that does not fit the model
+            # model without priors)
+            raise self.store.discard(sid, f"cannot be restored ({e})") from None
+        # held here within this server's bounds (a takeover counts as an open), before
+        # the state is imported
+        nbytes = self._admit(looped, sid, rec["options"])
+        try:
+            stream = looped.import_stream(rec["state"], rec["options"]["acoustic_scale"])
+        except NnetcError as e:
+            # a state that does not fit the model
             raise self.store.discard(sid, f"cannot be restored ({e})") from None
         live = LiveStream(sid, rec["model_id"], rec["options"], looped, stream,
-                          version=rec["version"])
+                          version=rec["version"], nbytes=nbytes)
         with self._lock:
             old = self._live.pop(sid, None)
             self._live[sid] = live
@@ -462,16 +520,17 @@ class StreamManager:
     def open(self, p: dict) -> dict:
         self._sweep()
         with self._lock:
-            if len(self._live) >= self.max_streams:
+            if len(self._live) >= self.max_streams:     # (before compiling anything)
                 raise ServiceError(503, "TooManyStreams",
                                    f"this server holds {self.max_streams} open streams (its "
                                    f"max_streams); finish or close some, or retry later")
         entry, options = p["entry"], p["options"]
         looped = self.looped_model(entry, options)
+        nbytes = self._admit(looped, None, options)
         stream = looped.stream(p["ivector"], p.get("online_ivector_period"),
                                options["acoustic_scale"])
         sid = "s-" + secrets.token_urlsafe(18)
-        live = LiveStream(sid, entry.model_id, options, looped, stream)
+        live = LiveStream(sid, entry.model_id, options, looped, stream, nbytes=nbytes)
         self._checkpoint(live)
         with self._lock:
             self._live[sid] = live

@@ -50,6 +50,9 @@ from engine.inference.looped import (LoopedConfig, compile_looped, create_looped
                                      modify_nnet_ivector_period)
 
 STATE_VERSION = 1
+# the Python objects a stream's executor binds per command of its looped computation
+# (fast-path closures and their views: 330-450 bytes per command measured, CPython 3.11)
+_BOUND_BYTES_PER_COMMAND = 512
 
 
 class LoopedModel:
@@ -128,6 +131,31 @@ class LoopedModel:
                              None if self.log_priors is None else
                              hashlib.sha256(self.log_priors.tobytes()).hexdigest()]).encode())
         return h.hexdigest()
+
+    def stream_bytes(self) -> int:
+        """What one Stream of this model holds, in bytes, at most (the figure a server
+        budgets an open stream at): its executor's matrices, at most the looped
+        computation's peak (``peak_bytes``: the state carried between chunks
+        included), the Python objects it binds per command of the computation (fast
+        paths and views, engine.runtime.program), the chunk's input and i-vector
+        matrices it is given (which peak_bytes leaves out), and the input frames the
+        stream buffers for its next chunk (one chunk's input range).
+
+        Not in it: what all the model's streams share (the compiled computation, its
+        plans); the matrices released back to the model's BufferPool between chunks,
+        which the pool's own bound covers; the frames and rows an online i-vector
+        stream buffers while its chunks wait for their rows (its caller bounds those).
+        Nor, where the pool drops released buffers (beyond its max_bytes), the
+        buffers of the stream's last chunks that its bound fast paths still refer to:
+        up to twice every matrix of the computation.  Measured with tracemalloc in
+        tests/engine/test_stream_bytes.py."""
+        from engine.runtime.executor import peak_bytes_of  # noqa: PLC0415
+        comp = self.computation
+        frames = self.chunk_size + self.frames_left_context + self.frames_right_context
+        ivector_rows = max(self.num_ivectors) * self.num_sequences + 1
+        return (peak_bytes_of(comp) + _BOUND_BYTES_PER_COMMAND * len(comp.commands)
+                + 4 * self.num_sequences * 2 * frames * self.input_dim
+                + 4 * ivector_rows * self.ivector_dim)
 
     def input_range(self, k: int) -> tuple[int, int]:
         """[begin, end) of the input frames chunk k reads."""

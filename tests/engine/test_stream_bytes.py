@@ -1,0 +1,58 @@
+"""LoopedModel.stream_bytes, the figure a server budgets an open stream at, against what
+streams really hold: the memory (tracemalloc: NumPy's buffers and the Python objects)
+that streams of a model add once each has computed a few chunks, pushed in turn as a
+server pushes them, less what their shared buffer pool keeps (bounded on its own)."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from engine.inference.looped import LoopedConfig
+from engine.inference.stream import LoopedModel
+from engine.nnet.nnet import Nnet
+from engine.runtime.backend import BufferPool
+from tests.engine.inference_nets import GATED, RECURRENT, TDNN_IVECTOR, TDNN_PLAIN
+
+_STREAMS = 4
+
+
+def _held_per_stream(model: LoopedModel) -> float:
+    iv = np.zeros(model.ivector_dim, np.float32) if model.has_ivectors else None
+    rng = np.random.default_rng(0)
+    c, r = model.chunk_size, model.frames_right_context
+    x = rng.standard_normal((c * 4 + r, model.input_dim)).astype(np.float32)
+    pieces = [x[:c + r]] + [x[k * c + r:(k + 1) * c + r] for k in range(1, 4)]
+    model.stream(iv).push(x)       # the plans shared by the model's streams are made
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        pooled = model.pool.pooled_bytes
+        streams = [model.stream(iv) for _ in range(_STREAMS)]
+        for piece in pieces:
+            for s in streams:
+                s.push(piece)
+        gc.collect()
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert all(s.chunks_computed == 4 for s in streams)
+    return (after - before - (model.pool.pooled_bytes - pooled)) / _STREAMS
+
+
+@pytest.mark.parametrize("config,fpc", [(TDNN_PLAIN, 20), (TDNN_PLAIN, 1000),
+                                        (TDNN_IVECTOR, 300), (RECURRENT, 20),
+                                        (RECURRENT, 300), (GATED, 100)],
+                         ids=["tdnn-20", "tdnn-1000", "tdnn-ivector-300", "recurrent-20",
+                              "recurrent-300", "gated-100"])
+def test_stream_bytes_covers_what_a_stream_holds(config, fpc):
+    nnet = Nnet.from_config(config, rng=np.random.default_rng(0))
+    model = LoopedModel(nnet, LoopedConfig(fpc, 0, 1), pool=BufferPool(1 << 30))
+    held = _held_per_stream(model)
+    est = model.stream_bytes()
+    assert est >= model.computation.peak_bytes()
+    assert held <= est <= 3 * held, (held, est)
