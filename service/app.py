@@ -95,7 +95,8 @@ def build_services(settings: Settings) -> Services:
     queue = InProcessQueue(job_handlers(operations, streams), maxsize=settings.queue_size,
                            metrics=metrics, batchers=job_batchers(operations),
                            max_batch=settings.max_batch,
-                           batch_delay_s=settings.batch_delay_ms / 1000.0)
+                           batch_delay_s=settings.batch_delay_ms / 1000.0,
+                           job_timeout_s=settings.job_timeout_s)
     return Services(settings, registry, cache, queue, operations, metrics, streams)
 
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.core.errors import (CheckError, CompilerError, ComponentError, ConfigError,
+from engine.core.errors import (Cancelled, CheckError, CompilerError, ComponentError, ConfigError,
                                 ExecutionError, ModelFormatError, NnetcError,
                                 NotComputableError, RequestError, ResourceLimitError,
                                 clipped)
@@ -61,6 +61,7 @@ class FieldError(ServiceError):
 # Engine error class -> status.  Order matters: the first isinstance match wins
 # (InferenceError is a RequestError, DimensionError a ComponentError).
 _ENGINE_STATUS: list[tuple[type, int]] = [
+    (Cancelled, 504),               # past the job's deadline (run_job answers it as one)
     (ResourceLimitError, 413),
     (ConfigError, 400),
     (ModelFormatError, 400),

@@ -27,6 +27,10 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r)
         self.cache_events = Counter(
             "nnetc_cache_events_total", "computation cache lookups", ["event"], registry=r)
+        self.jobs_cancelled = Counter(
+            "nnetc_jobs_cancelled_total", "jobs past their deadline (job_timeout_s: the API "
+            "answered 504) that the worker did not start (when=queued) or stopped between "
+            "chunks (when=running)", ["kind", "when"], registry=r)
         self.queue_depth = Gauge("nnetc_queue_depth", "jobs waiting for the worker",
                                  registry=r)
         self.batch_size = Histogram(

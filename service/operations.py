@@ -18,11 +18,13 @@ import numpy as np
 from engine.compiler.computation import NnetComputation
 from engine.compiler.request import ComputationRequest
 from engine.compiler.shortcut import compile_request
+from engine.core.errors import Cancelled
 from engine.inference import InferenceOptions, Inferencer
 from engine.inference.common import model_priors
 from engine.optimizer.options import OptimizeOptions
 from engine.runtime.backend import to_host
 from engine.runtime.executor import Executor
+from service import deadlines
 from service.cache import cache_key
 from service.registry import ModelEntry
 
@@ -85,6 +87,7 @@ class Operations:
         return Compiled(key, computation, False, seconds * 1000.0, optimize)
 
     def compile_job(self, p: dict) -> Compiled:
+        deadlines.check(p, "compile")      # (compute jobs too: not started past it)
         return self.compile(p["entry"], p["request"], p["options"], p["optimize"],
                             p["use_shortcut"])
 
@@ -166,7 +169,10 @@ class Operations:
             return np.concatenate(parts)
 
         merged_req = req.replicated(size)
+        # stopped only when no job of the batch is waited for
+        last = [deadlines.deadline_of(p) for p in payloads]
         merged = dict(base, request=merged_req, jobs=b,
+                      deadline=None if None in last else max(last),
                       inputs={k: stacked(k, "inputs") for k in base["inputs"]},
                       output_derivs={k: stacked(k, "output_derivs")
                                      for k in base.get("output_derivs", {})})
@@ -194,8 +200,13 @@ class Operations:
 
     # -- infer -----------------------------------------------------------------------------
     def infer_job(self, p: dict):
+        """One utterance; stopped between chunks once the job's deadline has passed
+        (Cancelled: service/deadlines.py)."""
+        deadlines.check(p, "infer")
         return self._inferencer(p).infer(p["features"], p["ivector"], p["online_ivectors"],
-                                         p["online_ivector_period"])
+                                         p["online_ivector_period"],
+                                         should_stop=deadlines.stop_hook([
+                                             deadlines.deadline_of(p)]))
 
     @staticmethod
     def infer_batch_key(p: dict):
@@ -206,12 +217,15 @@ class Operations:
         """Infer jobs of one ``infer_batch_key`` together: the equal-shaped chunks of all
         their utterances computed as batches along n (Inferencer.infer_batch, as
         nnet3-compute's chunks of one utterance are).  A job whose inputs are unusable
-        fails alone; if the batch fails, the jobs run one by one."""
+        fails alone; if the batch fails, the jobs run one by one.  Jobs past their
+        deadline are not started, and the batch stops between chunks once every job's
+        deadline has passed (each then gets Cancelled)."""
         inferencer = self._inferencer(payloads[0])
         out: list = [None] * len(payloads)
         utts, where = [], []
         for k, p in enumerate(payloads):
             try:
+                deadlines.check(p, "infer")
                 utts.append(inferencer.make_utterance(p["features"], p["ivector"],
                                                       p["online_ivectors"],
                                                       p["online_ivector_period"]))
@@ -220,7 +234,10 @@ class Operations:
                 out[k] = e
         if utts:
             try:
-                results = inferencer.infer_batch(utts)
+                results = inferencer.infer_batch(utts, should_stop=deadlines.stop_hook(
+                    [deadlines.deadline_of(payloads[k]) for k in where]))
+            except Cancelled as e:          # nobody waits for any of them
+                results = [e] * len(where)
             except Exception:  # noqa: BLE001 - find which job it was: each alone
                 results = []
                 for k in where:

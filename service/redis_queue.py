@@ -16,7 +16,9 @@ pending for longer than ``claim_idle_s`` (XAUTOCLAIM) and run them: the job is
 redelivered -- up to ``max_deliveries`` times: a job every worker running it died with
 (a poison job) is then answered with an error (500 JobKilledWorkers) instead of taking
 the next worker down too.  Jobs past their deadline (the API has answered 504 already)
-are dropped.
+are dropped unstarted -- checked when read and again before each job or batch runs --
+and long infer work stops between chunks once it passes (service/deadlines.py), answered
+with Cancelled (which the API, if still waiting, answers with its 504).
 Each worker refreshes a heartbeat key (``nnetc:worker:<name>``, expiring) so that the
 API's ``/readyz`` can tell whether any worker is running.
 
@@ -37,6 +39,8 @@ from concurrent.futures import Future, InvalidStateError
 
 import redis
 
+from engine.core.errors import Cancelled
+from service import deadlines
 from service.errors import ServiceError
 from service.jobs import decode_job, decode_result, encode_error, encode_job, encode_result
 from service.worker import job_batchers, job_handlers
@@ -288,15 +292,31 @@ class RedisWorker:
                         extra={"worker": self.name, "jobs": len(keep)})
         return keep
 
+    def _metrics(self):
+        return getattr(self.operations, "metrics", None)
+
+    def _expired(self, job) -> bool:
+        """Whether ``job`` is past its deadline; if so it is dropped without running
+        or answering (the API has given up on it and answered 504)."""
+        try:
+            deadline = float(job[1].get(b"deadline", b"0"))
+        except ValueError:
+            return False            # (a job that cannot be read fails on its own)
+        if not deadlines.passed(deadline):
+            return False
+        deadlines.record(self._metrics(), job[2], "queued")
+        self._done(job[0])
+        return True
+
     def process(self, entries: list) -> None:
         jobs = []              # (entry id, fields, kind, payload or exception)
         for entry_id, fields in entries:
             kind = fields.get(b"kind", b"").decode("ascii", "replace")
             try:
-                if float(fields.get(b"deadline", b"0")) < time.time():
-                    self._done(entry_id)      # the API has given up on it
+                if self._expired((entry_id, fields, kind, None)):
                     continue
                 k, payload = decode_job(fields[b"job"], self.registry)
+                payload[deadlines.DEADLINE] = float(fields[b"deadline"])
                 jobs.append((entry_id, fields, k, payload))
             except Exception as e:  # noqa: BLE001 - a job that cannot be read fails alone
                 jobs.append((entry_id, fields, kind, e))
@@ -320,9 +340,11 @@ class RedisWorker:
                 groups[key] = [job]
                 order.append(groups[key])
         for group in order:
+            # the jobs before may have run past the deadlines of these
+            group = [job for job in group if not self._expired(job)]
             if len(group) > 1:
                 run = self.batchers[group[0][2]].run
-                metrics = getattr(self.operations, "metrics", None)
+                metrics = self._metrics()
                 if metrics is not None:
                     metrics.jobs_per_batch.labels(kind=group[0][2]).observe(len(group))
                 try:
@@ -330,7 +352,10 @@ class RedisWorker:
                 except Exception as e:  # noqa: BLE001 - every job of the group learns of it
                     results = [e] * len(group)
                 for job, r in zip(group, results):
+                    self._cancelled(job, r)
                     self._reply(job, r)
+                continue
+            if not group:
                 continue
             job = group[0]
             _, _, kind, payload = job
@@ -341,7 +366,12 @@ class RedisWorker:
                 result = self.handlers[kind](payload)
             except Exception as e:  # noqa: BLE001 - the job's error, not the worker's
                 result = e
+            self._cancelled(job, result)
             self._reply(job, result)
+
+    def _cancelled(self, job, result) -> None:
+        if isinstance(result, Cancelled):
+            deadlines.record(self._metrics(), job[2], "running", result)
 
     def _reply(self, job, result) -> None:
         entry_id, fields, kind, _ = job

@@ -33,7 +33,11 @@ class Settings(BaseSettings):
                     "with it: a 1500-node chain takes seconds")
     queue_size: int = Field(default=1024, ge=1, description="jobs waiting for the worker "
                                                             "before requests get 503")
-    job_timeout_s: float = Field(default=600.0, gt=0)
+    job_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="a job not answered by then gets 504; it is the job's deadline too: a "
+                    "worker does not start a job past it, and infer work stops between "
+                    "chunks once it passes (service/deadlines.py)")
     base64_threshold: int = Field(default=4096, ge=0,
                                   description="'auto' encoding returns matrices with more "
                                               "elements than this as base64")

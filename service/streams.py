@@ -36,11 +36,12 @@ import msgpack
 import numpy as np
 import redis
 
-from engine.core.errors import NnetcError, ResourceLimitError
+from engine.core.errors import Cancelled, NnetcError, ResourceLimitError
 from engine.inference.common import model_priors
 from engine.inference.looped import LoopedConfig, get_chunk_size
 from engine.inference.stream import LoopedModel, Stream
 from schemas.streams import StreamOptions
+from service import deadlines
 from service.errors import ServiceError, check_answer_size
 from service.redis_types import is_wrong_type
 
@@ -531,6 +532,12 @@ class StreamManager:
                                options["acoustic_scale"])
         sid = "s-" + secrets.token_urlsafe(18)
         live = LiveStream(sid, entry.model_id, options, looped, stream, nbytes=nbytes)
+        if deadlines.passed(deadlines.deadline_of(p)):
+            # the API answered 504 meanwhile: nobody would learn the stream's id, and it
+            # would hold its bytes until it idled out
+            _release(live)
+            raise Cancelled("stream_open job finished past its deadline; the stream was "
+                            "not kept")
         self._checkpoint(live)
         with self._lock:
             self._live[sid] = live

@@ -28,6 +28,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from engine.core.errors import Cancelled
+from service import deadlines
 from service.errors import ServiceError
 
 log = logging.getLogger("nnetc.worker")
@@ -39,6 +41,12 @@ class Job:
     payload: dict
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None      # time.time() when the API stops waiting for it
+
+    def started_payload(self) -> dict:
+        """The payload as the handler gets it: with the job's deadline
+        (service/deadlines.py)."""
+        return {**self.payload, deadlines.DEADLINE: self.deadline}
 
 
 class JobQueue(Protocol):
@@ -80,12 +88,16 @@ class InProcessQueue:
     """One worker thread.  With ``batchers``, a job of a batched kind is run together
     with the compatible jobs waiting behind it (up to ``max_batch``, waiting at most
     ``batch_delay_s`` for more to arrive); incompatible jobs taken out meanwhile run
-    next, in their order."""
+    next, in their order.  With ``job_timeout_s`` every job has a deadline that long
+    after its submission (service/deadlines.py): a job past it is not started, and its
+    handler is told it to stop long work there."""
 
     def __init__(self, handlers: dict[str, Callable[[dict], Any]], maxsize: int = 1024,
                  metrics=None, batchers: dict[str, Batcher] | None = None,
-                 max_batch: int = 1, batch_delay_s: float = 0.0):
+                 max_batch: int = 1, batch_delay_s: float = 0.0,
+                 job_timeout_s: float | None = None):
         self.handlers = handlers
+        self.job_timeout_s = job_timeout_s
         self.metrics = metrics
         self.batchers = batchers or {}
         self.max_batch = max_batch
@@ -116,6 +128,8 @@ class InProcessQueue:
         if kind not in self.handlers:
             raise ValueError(f"no handler for job kind {kind!r}")
         job = Job(kind, payload)
+        if self.job_timeout_s is not None:
+            job.deadline = time.time() + self.job_timeout_s
         try:
             self._q.put_nowait(job)
         except queue.Full:
@@ -173,24 +187,41 @@ class InProcessQueue:
             self._gauge()
             if job is _STOP:
                 return
-            if not job.future.set_running_or_notify_cancel():
+            if not self._start(job):
                 continue
             batcher = self.batchers.get(job.kind)
             key = self._key(batcher, job) if batcher is not None and self.max_batch > 1 else None
             if key is not None:
                 group = self._collect(job, batcher, key)
-                group = [job] + [j for j in group[1:] if j.future.set_running_or_notify_cancel()]
+                group = [job] + [j for j in group[1:] if self._start(j)]
                 self._gauge()
                 if len(group) > 1:
                     self._run_group(batcher, group)
                     continue
             self._run_one(job)
 
+    def _start(self, job: Job) -> bool:
+        """Whether to run ``job`` now: not when its caller gave up (cancelled it) or its
+        deadline has passed (it is answered with Cancelled, the 504 of a timeout)."""
+        if not job.future.set_running_or_notify_cancel():
+            deadlines.record(self.metrics, job.kind, "queued")
+            return False
+        if deadlines.passed(job.deadline):
+            job.future.set_exception(deadlines.not_started(job.kind, job.deadline))
+            deadlines.record(self.metrics, job.kind, "queued")
+            return False
+        return True
+
+    def _cancelled(self, job: Job, e: BaseException) -> None:
+        if isinstance(e, Cancelled):
+            deadlines.record(self.metrics, job.kind, "running", e)
+
     def _run_one(self, job: Job) -> None:
         t0 = time.perf_counter()
         try:
-            result = self.handlers[job.kind](job.payload)
+            result = self.handlers[job.kind](job.started_payload())
         except Exception as e:  # noqa: BLE001 - the job's error, not the worker's
+            self._cancelled(job, e)
             job.future.set_exception(e)
         else:
             job.future.set_result(result)
@@ -202,7 +233,7 @@ class InProcessQueue:
     def _run_group(self, batcher: Batcher, group: list[Job]) -> None:
         t0 = time.perf_counter()
         try:
-            results = batcher.run([j.payload for j in group])
+            results = batcher.run([j.started_payload() for j in group])
             if len(results) != len(group):
                 raise RuntimeError(f"batch handler gave {len(results)} results for "
                                    f"{len(group)} jobs")
@@ -213,6 +244,7 @@ class InProcessQueue:
             self.metrics.jobs_per_batch.labels(kind=group[0].kind).observe(len(group))
         for j, r in zip(group, results):
             if isinstance(r, BaseException):
+                self._cancelled(j, r)
                 j.future.set_exception(r)
             else:
                 j.future.set_result(r)

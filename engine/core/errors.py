@@ -107,6 +107,18 @@ class ResourceLimitError(NnetcError):
     (``Executor(max_peak_bytes=...)``); raised before anything is allocated."""
 
 
+class Cancelled(NnetcError):
+    """Work stopped because its caller asked it to (a ``should_stop`` hook that said so,
+    asked between chunks): nothing was wrong with the input, the result was no longer
+    wanted (e.g. past the caller's deadline).  ``done`` and ``total`` count the units of
+    work (chunk computations) finished before the stop and planned in all."""
+
+    def __init__(self, message: str, *, done: int | None = None, total: int | None = None):
+        self.done = done
+        self.total = total
+        super().__init__(message)
+
+
 class InferenceError(RequestError):
     """Inputs unusable for inference or streaming (engine.inference): a feature or
     i-vector matrix of the wrong dimension, missing i-vectors, chunk sizes or

@@ -24,12 +24,14 @@ partial minibatch gets its own (smaller) computation.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from engine.compiler.request import ComputationRequest, IoSpecification
-from engine.core.errors import InferenceError, ResourceLimitError
+from engine.core.errors import Cancelled, InferenceError, ResourceLimitError
 from engine.core.index import Index
 from engine.inference.common import (CachingCompiler, as_features, check_acoustic_scale,
                                      check_ivectors, check_simple, lcm, log_priors,
@@ -226,9 +228,14 @@ class Inferencer:
                                               online_ivector_period)
         return Utterance(feats, ivec, online, period)
 
-    def infer_batch(self, utterances: list[Utterance]) -> list[np.ndarray]:
+    def infer_batch(self, utterances: list[Utterance],
+                    should_stop: Callable[[], bool] | None = None) -> list[np.ndarray]:
         """Outputs (subsampled frames x output dim) for each utterance, in order,
-        computing equal-shaped chunks of all utterances together."""
+        computing equal-shaped chunks of all utterances together.  ``should_stop``
+        (optional) is asked before each chunk computation (and each compile): when it
+        returns True the call stops there with ``Cancelled`` (a caller's deadline that
+        passed; nothing more is computed, with threads each running computation
+        finishes first)."""
         chunks = [c for k, u in enumerate(utterances) for c in self._plan(k, u)]
         groups: dict[tuple, list[_Chunk]] = {}
         for c in chunks:
@@ -248,10 +255,14 @@ class Inferencer:
         for group in groups.values():
             size = self._batch_size(len(group), threads)
             batches += [group[s:s + size] for s in range(0, len(group), size)]
+        stop = _Stopper(should_stop, len(batches))
         # compiled here first: the jobs only run computations (with one thread,
         # run_concurrently runs them here in turn)
-        comps = [self.compiler.compile(self._request(b[0].key, len(b))) for b in batches]
-        results = run_concurrently([lambda b=b, c=c: self._run_batch(b, utterances, c)
+        comps = []
+        for b in batches:
+            stop.check()
+            comps.append(self.compiler.compile(self._request(b[0].key, len(b))))
+        results = run_concurrently([lambda b=b, c=c: stop.run(self._run_batch, b, utterances, c)
                                     for b, c in zip(batches, comps)], threads)
         for batch, result in zip(batches, results):
             per = batch[0].num_sub
@@ -287,10 +298,41 @@ class Inferencer:
         return out
 
     def infer(self, features, ivector=None, online_ivectors=None,
-              online_ivector_period: int = 0) -> np.ndarray:
-        """One utterance (nnet3-compute on a single matrix)."""
+              online_ivector_period: int = 0,
+              should_stop: Callable[[], bool] | None = None) -> np.ndarray:
+        """One utterance (nnet3-compute on a single matrix); ``should_stop`` as for
+        ``infer_batch``."""
         return self.infer_batch([self.make_utterance(features, ivector, online_ivectors,
-                                                     online_ivector_period)])[0]
+                                                     online_ivector_period)], should_stop)[0]
+
+
+class _Stopper:
+    """Asks a caller's ``should_stop`` hook before each of ``total`` chunk computations
+    (from one thread or several) and counts those finished."""
+
+    def __init__(self, should_stop: Callable[[], bool] | None, total: int):
+        self.should_stop = should_stop
+        self.total = total
+        self.done = 0
+        self.stopped = False
+        self._lock = threading.Lock()
+
+    def check(self) -> None:
+        # (once it has said stop, the hook is not asked again: the computations left to
+        # run_concurrently stop at once)
+        if self.should_stop is not None and (self.stopped or self.should_stop()):
+            with self._lock:
+                done = self.done
+                self.stopped = True
+            raise Cancelled(f"inference stopped by its caller after {done} of {self.total} "
+                            f"chunk computations", done=done, total=self.total)
+
+    def run(self, fn, *args):
+        self.check()
+        out = fn(*args)
+        with self._lock:
+            self.done += 1
+        return out
 
 
 def infer(model, features, options: InferenceOptions = InferenceOptions(), ivector=None,

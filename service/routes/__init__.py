@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from fastapi import Request
 
-from engine.core.errors import NnetcError
+from engine.core.errors import Cancelled, NnetcError
 from service.errors import ServiceError
 
 
@@ -38,7 +38,9 @@ def run_job(services, kind: str, payload: dict):
     try:
         return future.result(timeout=services.settings.job_timeout_s)
     except concurrent.futures.TimeoutError:
-        future.cancel()
-        raise ServiceError(504, "Timeout", f"{kind} job did not finish within "
-                                           f"{services.settings.job_timeout_s} s") from None
+        future.cancel()      # not started yet: never started; running: stops at its deadline
+    except Cancelled:
+        pass                 # the worker stopped it at its deadline (service/deadlines.py)
+    raise ServiceError(504, "Timeout", f"{kind} job did not finish within "
+                                       f"{services.settings.job_timeout_s} s")
 

@@ -1,0 +1,76 @@
+"""Inferencer's should_stop hook: asked before each chunk computation, it stops a long
+inference between chunks with Cancelled (what a server uses to stop work past its
+deadline); a hook that never says stop changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.core.errors import Cancelled
+from engine.inference import InferenceOptions, Inferencer
+from engine.nnet.nnet import Nnet
+from tests.engine.inference_nets import TDNN_PLAIN
+
+X = np.random.default_rng(7).standard_normal((500, 8)).astype(np.float32)
+
+
+def _inferencer(**options) -> Inferencer:
+    nnet = Nnet.from_config(TDNN_PLAIN, rng=np.random.default_rng(0))
+    return Inferencer(nnet, InferenceOptions(frames_per_chunk=10, max_batch=1, **options))
+
+
+def _counting(inf: Inferencer, monkeypatch) -> list:
+    runs = []
+    real = inf._run_batch
+
+    def run(chunks, utts, computation):
+        runs.append(len(chunks))
+        return real(chunks, utts, computation)
+    monkeypatch.setattr(inf, "_run_batch", run)
+    return runs
+
+
+def test_a_hook_that_says_stop_stops_between_chunks(monkeypatch):
+    inf = _inferencer()
+    runs = _counting(inf, monkeypatch)
+    asked = []
+
+    def should_stop():
+        asked.append(len(runs))
+        return len(runs) >= 5
+    with pytest.raises(Cancelled) as e:
+        inf.infer(X, should_stop=should_stop)
+    assert len(runs) == 5                      # 50 chunks planned, 5 computed
+    assert (e.value.done, e.value.total) == (5, 50)
+    assert "after 5 of 50 chunk computations" in str(e.value)
+    # asked before each chunk's compile (a cache hit but for 3 shapes) and before each
+    # chunk computation, the last time saying stop
+    assert asked[-1] == 5 and len(asked) == 50 + 6
+
+
+def test_a_hook_asked_first_stops_before_anything_is_computed(monkeypatch):
+    inf = _inferencer()
+    runs = _counting(inf, monkeypatch)
+    with pytest.raises(Cancelled) as e:
+        inf.infer(X, should_stop=lambda: True)
+    assert runs == [] and e.value.done == 0
+
+
+def test_a_hook_that_never_says_stop_changes_nothing():
+    inf = _inferencer()
+    calls = []
+    out = inf.infer(X, should_stop=lambda: calls.append(1) and False)
+    np.testing.assert_array_equal(out, inf.infer(X))
+    assert len(calls) == 50 + 50
+
+
+def test_with_threads_the_stop_holds_for_every_lane(monkeypatch):
+    inf = _inferencer(threads=2)
+    assert inf.parallel_pays(2000)
+    x = np.tile(X, (4, 1))
+    runs = _counting(inf, monkeypatch)
+    with pytest.raises(Cancelled) as e:
+        inf.infer(x, should_stop=lambda: len(runs) >= 6)
+    # each lane asks before its next chunk: at most one more per lane after the sixth
+    assert 6 <= len(runs) <= 7 and e.value.total == 200
