@@ -1,6 +1,7 @@
 """Kaldi's chunk requests on given models, compiled and run by Kaldi and by nnetc.
 
     python tests/kaldi_oracle/check_models.py BIN_DIR OUT_DIR MODEL... [--options K] [--train]
+        [--cases CHUNKxBATCHdD,...]
 
 For each MODEL (.raw, or .mdl: the network after the transition model) and each case of CASES (chunk, batch, with derivatives or not),
 BIN_DIR/genchunk writes a kaldi-ref style network case to OUT_DIR/NAME_cCHUNK_bBATCH_dD
@@ -14,6 +15,7 @@ more times, Kaldi optimizing with optimizer options drawn at random (genchunk's 
 options.json) and nnetc with the same.  With ``--train``, batch-norm runs in training mode
 (normalising by each minibatch's own statistics) and the request stores component
 statistics, which are compared with Kaldi's (test_compile_reference.check_stored_stats).
+``--cases`` replaces CASES, e.g. ``--cases 21x1d1,150x8d1``.
 Prints one line per failing case and a summary.
 
 A derivative through a ReLU whose input is within float32 rounding of zero depends on
@@ -79,6 +81,12 @@ def main() -> None:
         i = args.index("--options")
         k_options = int(args[i + 1])
         del args[i:i + 2]
+    cases = CASES
+    if "--cases" in args:
+        i = args.index("--cases")
+        cases = [tuple(int(v) for v in c.replace("x", " ").replace("d", " ").split())
+                 for c in args[i + 1].split(",")]
+        del args[i:i + 2]
     train = "--train" in args
     if train:
         args.remove("--train")
@@ -87,7 +95,7 @@ def main() -> None:
     for model in args[2:]:
         name = (Path(model).parent.name if Path(model).name in ("model.raw", "final.mdl")
                 else Path(model).stem)
-        for (chunk, batch, deriv), opt_seed in [(c, s) for c in CASES
+        for (chunk, batch, deriv), opt_seed in [(c, s) for c in cases
                                                 for s in [None, *range(1, k_options + 1)]]:
             case = out / (f"{name}_c{chunk}_b{batch}_d{deriv}"
                           + ("" if opt_seed is None else f"_o{opt_seed}")

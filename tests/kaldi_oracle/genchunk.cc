@@ -64,7 +64,9 @@ int main(int argc, char **argv) {
     for (int t = 0; t < chunk; t++) request.outputs[0].indexes.push_back(Index(n, t, 0));
   request.need_model_derivative = deriv;
   request.store_component_stats = train;
-  { std::ofstream mf((dir + "/model.txt").c_str()); nnet.Write(mf, false); }
+  // model.txt, model_grad.txt, model_after.txt with 9 digits (a float exactly; a plain
+  // ofstream has 6, and nnetc would then run a model rounded from the one computed here)
+  { std::ofstream mf((dir + "/model.txt").c_str()); mf.precision(9); nnet.Write(mf, false); }
   { std::ofstream rf((dir + "/request.json").c_str()); WriteRequest(rf, request); }
   NnetComputation unopt, comp;
   { Compiler compiler(request, nnet); CompilerOptions opts; compiler.CreateComputation(opts, &unopt); }
@@ -110,8 +112,8 @@ int main(int argc, char **argv) {
     computer.GetOutputDestructive("input", &di);
     Matrix<BaseFloat> dm(di);
     WriteMat(af, "input_deriv.input", dm);
-    std::ofstream gf((dir + "/model_grad.txt").c_str()); grad_nnet.Write(gf, false);
+    std::ofstream gf((dir + "/model_grad.txt").c_str()); gf.precision(9); grad_nnet.Write(gf, false);
   }
-  if (train) { std::ofstream sf((dir + "/model_after.txt").c_str()); nnet.Write(sf, false); }
+  if (train) { std::ofstream sf((dir + "/model_after.txt").c_str()); sf.precision(9); nnet.Write(sf, false); }
   return 0;
 }
