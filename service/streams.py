@@ -285,6 +285,9 @@ class StreamManager:
         self._live: dict[str, LiveStream] = {}
         self._looped: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
+        # held from the admission of a stream (_admit) until it is in _live, so that two
+        # opens or takeovers at once cannot both pass the same bounds
+        self._admitting = threading.Lock()
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _gauge(self) -> None:
@@ -438,17 +441,18 @@ class StreamManager:
             raise self.store.discard(sid, f"cannot be restored ({e})") from None
         # held here within this server's bounds (a takeover counts as an open), before
         # the state is imported
-        nbytes = self._admit(looped, sid, rec["options"])
-        try:
-            stream = looped.import_stream(rec["state"], rec["options"]["acoustic_scale"])
-        except NnetcError as e:
-            # a state that does not fit the model
-            raise self.store.discard(sid, f"cannot be restored ({e})") from None
-        live = LiveStream(sid, rec["model_id"], rec["options"], looped, stream,
-                          version=rec["version"], nbytes=nbytes)
-        with self._lock:
-            old = self._live.pop(sid, None)
-            self._live[sid] = live
+        with self._admitting:
+            nbytes = self._admit(looped, sid, rec["options"])
+            try:
+                stream = looped.import_stream(rec["state"], rec["options"]["acoustic_scale"])
+            except NnetcError as e:
+                # a state that does not fit the model
+                raise self.store.discard(sid, f"cannot be restored ({e})") from None
+            live = LiveStream(sid, rec["model_id"], rec["options"], looped, stream,
+                              version=rec["version"], nbytes=nbytes)
+            with self._lock:
+                old = self._live.pop(sid, None)
+                self._live[sid] = live
         if old is not None:
             _release(old)
         self._event("restored")
@@ -527,20 +531,21 @@ class StreamManager:
                                    f"max_streams); finish or close some, or retry later")
         entry, options = p["entry"], p["options"]
         looped = self.looped_model(entry, options)
-        nbytes = self._admit(looped, None, options)
-        stream = looped.stream(p["ivector"], p.get("online_ivector_period"),
-                               options["acoustic_scale"])
-        sid = "s-" + secrets.token_urlsafe(18)
-        live = LiveStream(sid, entry.model_id, options, looped, stream, nbytes=nbytes)
-        if deadlines.passed(deadlines.deadline_of(p)):
-            # the API answered 504 meanwhile: nobody would learn the stream's id, and it
-            # would hold its bytes until it idled out
-            _release(live)
-            raise Cancelled("stream_open job finished past its deadline; the stream was "
-                            "not kept")
-        self._checkpoint(live)
-        with self._lock:
-            self._live[sid] = live
+        with self._admitting:
+            nbytes = self._admit(looped, None, options)
+            stream = looped.stream(p["ivector"], p.get("online_ivector_period"),
+                                   options["acoustic_scale"])
+            sid = "s-" + secrets.token_urlsafe(18)
+            live = LiveStream(sid, entry.model_id, options, looped, stream, nbytes=nbytes)
+            if deadlines.passed(deadlines.deadline_of(p)):
+                # the API answered 504 meanwhile: nobody would learn the stream's id, and
+                # it would hold its bytes until it idled out
+                _release(live)
+                raise Cancelled("stream_open job finished past its deadline; the stream "
+                                "was not kept")
+            self._checkpoint(live)
+            with self._lock:
+                self._live[sid] = live
         self._event("opened")
         self._gauge()
         return live.summary()

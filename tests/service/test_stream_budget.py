@@ -7,10 +7,14 @@ gets the 503 of too many streams, over HTTP and over a WebSocket alike."""
 from __future__ import annotations
 
 import base64
+import threading
 
 import numpy as np
 import pytest
 
+from schemas.streams import StreamOptions
+from service.errors import ServiceError
+from service.streams import StreamManager
 from tests.engine.inference_nets import TDNN_IVECTOR, TDNN_PLAIN
 from tests.service.conftest import make_client, needs_redis
 
@@ -164,3 +168,43 @@ def test_the_counted_figure_is_the_looped_models_estimate(fpc):
         streams = _streams(c)
         (looped,) = streams._looped.values()
         assert streams.held_bytes == looped.stream_bytes() >= looped.computation.peak_bytes()
+
+
+def test_opens_at_the_same_time_cannot_both_pass_the_budget(monkeypatch):
+    """Admission and entry into the open streams are one step: with room for one more
+    stream, of eight opens racing (each slowed down between its admission and its entry,
+    where a check-then-act would let them all through) exactly one gets in."""
+    with make_client(max_stream_bytes=64 << 20) as c:
+        mid, streams = _model(c), _streams(c)
+        assert _open(c, mid).status_code == 201
+        one = streams.held_bytes
+        streams.max_bytes = int(2.5 * one)          # room for one more
+        entry = c.app.state.services.registry.get(mid)
+        options = StreamOptions(frames_per_chunk=40).model_dump()
+        real = StreamManager._admit
+        gate = threading.Barrier(8, timeout=10)
+
+        def slow_admit(self, *a, **k):
+            out = real(self, *a, **k)
+            try:
+                gate.wait(0.5)       # all eight admitted at once, were that possible
+            except threading.BrokenBarrierError:
+                pass
+            return out
+        monkeypatch.setattr(StreamManager, "_admit", slow_admit)
+        results: list = []
+
+        def go():
+            try:
+                results.append(streams.open({"entry": entry, "options": options,
+                                             "ivector": None}))
+            except ServiceError as e:
+                results.append(e.status)
+        threads = [threading.Thread(target=go) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(r if isinstance(r, int) else 201 for r in results) == [201] + [503] * 7
+        assert streams.held_bytes == 2 * one and len(streams) == 2
+
