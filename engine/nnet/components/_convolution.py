@@ -307,10 +307,10 @@ def _check_model_and_io(model: ConvolutionModel, io: ConvolutionComputationIo,
 
 
 def compile_convolution(model: ConvolutionModel, input_indexes, output_indexes,
-                        max_memory_mb: float):
+                        max_memory_mb: float, what: str = "a component"):
     """Kaldi's CompileConvolutionComputation: returns (computation, new input Indexes,
     new output Indexes).  Raises ComponentError where Kaldi would assert."""
-    io = get_computation_io(input_indexes, output_indexes)
+    io = get_computation_io(input_indexes, output_indexes, what)
     _check_model_and_io(model, io, False)
     _pad_computation_input_time(model, io)
     _check_model_and_io(model, io, False)
@@ -322,8 +322,9 @@ def compile_convolution(model: ConvolutionModel, input_indexes, output_indexes,
     _unpad_model_height(max_memory_mb, model, padded, cc)
     nx = get_nx_list(input_indexes)
     new_in = grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, io.reorder_t_in,
-                          input_indexes)
-    new_out = grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1, output_indexes)
+                          input_indexes, what)
+    new_out = grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1, output_indexes,
+                           what)
     return cc, new_in, new_out
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.core.errors import ComponentError
+from engine.core.errors import ComponentError, ResourceLimitError
 from engine.core.index import K_NO_TIME, Index, array_to_indexes, index_rows
 from engine.core.xp import array_module
 from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for the component modules)
@@ -152,12 +152,38 @@ def get_t_list(indexes) -> list[int]:
     return np.unique(t[t != K_NO_TIME]).tolist()
 
 
+# How many more Indexes than it was given a regular time grid may hold (see check_grid):
+# four times as many, plus this many.
+GRID_SLACK = 1 << 16
+
+
+def check_grid(num_images: int, t_start: int, t_step: int, num_t: int, given: int,
+               what: str) -> None:
+    """Refuse (ResourceLimitError, before anything is allocated) a regular time grid of
+    ``num_images`` x ``num_t`` Indexes far larger than the ``given`` Indexes it is made
+    for.  The grid's step is the greatest common divisor of the times' differences, so a
+    time stride or offsets far apart with times one apart between them (a time-stride of
+    2^31 - 1 in restricted attention, say) make a grid of billions of rows for a few
+    frames: Kaldi would try to allocate it; ``what`` names the component."""
+    cells = num_images * num_t
+    if cells > 4 * given + GRID_SLACK:
+        last = t_start + (num_t - 1) * (t_step or 1)
+        raise ResourceLimitError(
+            f"{what}: its {given} Indexes have times from {t_start} to {last} with a "
+            f"greatest common step of {t_step or 1}, a regular grid of {cells} Indexes "
+            f"({num_images} sequences x {num_t} times); at most {4 * given + GRID_SLACK} "
+            f"are allowed for that many (a time stride or time offsets this far apart "
+            f"cannot be computed)")
+
+
 def grid_indexes(nx: list[tuple[int, int]], t_start: int, t_step: int, num_t: int,
-                 reorder_t: int, present) -> list[Index]:
+                 reorder_t: int, present, what: str = "a component") -> list[Index]:
     """Kaldi's GetIndexesForComputation (convolution, restricted attention): the
     Indexes of a regular grid -- blocks of ``reorder_t`` times, in each block every
     (n, x) of ``nx`` with its times -- with t = kNoTime where the Index is not among
-    ``present`` (Indexes, or their rows)."""
+    ``present`` (Indexes, or their rows).  Refused by check_grid when far larger than
+    ``present`` (``what`` names the component)."""
+    check_grid(len(nx), t_start, t_step, num_t, len(present), what)
     t_step = t_step or 1
     outer = t_step * reorder_t
     blocks = np.arange(t_start, t_start + num_t * t_step, outer, dtype=np.int64)
@@ -237,7 +263,8 @@ class ConvolutionComputationIo:
                 self.start_t_out, self.t_step_out, self.num_t_out, self.reorder_t_in]
 
 
-def get_computation_io(input_indexes, output_indexes) -> ConvolutionComputationIo:
+def get_computation_io(input_indexes, output_indexes,
+                       what: str = "a component") -> ConvolutionComputationIo:
     nx = get_nx_list(input_indexes)
     if not nx:
         raise ComponentError("empty input index list")
@@ -245,6 +272,10 @@ def get_computation_io(input_indexes, output_indexes) -> ConvolutionComputationI
     io.start_t_in, io.t_step_in, io.num_t_in = _regularize_t_list(get_t_list(input_indexes))
     io.start_t_out, io.t_step_out, io.num_t_out = _regularize_t_list(
         get_t_list(output_indexes))
+    # (before the grids' sizes are used; grid_indexes checks again after padding)
+    check_grid(len(nx), io.start_t_in, io.t_step_in, io.num_t_in, len(input_indexes), what)
+    check_grid(len(nx), io.start_t_out, io.t_step_out, io.num_t_out, len(output_indexes),
+               what)
     io.reorder_t_in = 1
     return io
 

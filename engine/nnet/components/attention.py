@@ -261,7 +261,7 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
         return True
 
     def _computation_structure(self, input_indexes, output_indexes) -> ConvolutionComputationIo:
-        io = get_computation_io(input_indexes, output_indexes)
+        io = get_computation_io(input_indexes, output_indexes, self.label())
         s = self.time_stride
         if io.t_step_out == 0:
             io.t_step_out = s
@@ -294,9 +294,10 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
     def reorder_indexes(self, input_indexes, output_indexes):
         io = self._computation_structure(input_indexes, output_indexes)
         nx = get_nx_list(input_indexes)
-        return (grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, 1, input_indexes),
+        return (grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, 1, input_indexes,
+                             self.label()),
                 grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1,
-                             output_indexes))
+                             output_indexes, self.label()))
 
     def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
         return RestrictedAttentionIndexes(

@@ -321,7 +321,7 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
     def _compile(self, input_indexes, output_indexes):
         try:
             return compile_convolution(self.model, input_indexes, output_indexes,
-                                       self.max_memory_mb)
+                                       self.max_memory_mb, self.label())
         except ComponentError as e:
             raise ComponentError(e.reason, component=self.label()) from None
 
