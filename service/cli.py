@@ -10,15 +10,20 @@ Model commands (Kaldi's nnet3-info, nnet3-init, nnet3-copy):
 - ``nnetc copy IN OUT [--binary]``: convert between config, text and binary.
 
 Errors the engine raises on purpose (NnetcError) exit with status 2 and their
-message on stderr, without a traceback.
+message on stderr, without a traceback; so do the CLI's own: an output path that cannot
+be written (checked before any work, and again when writing), an input file numpy cannot
+read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
+import zipfile
+import zlib
 
 import click
 
@@ -34,6 +39,36 @@ def _typed_errors(fn):
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
     return wrapper
+
+
+def _check_out(path: str, what: str) -> None:
+    """Refuse an output path that cannot be written, before any work is done: its
+    directory must exist and be writable (``what``: the option or argument, for the
+    message)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        why = "is not a directory" if os.path.exists(folder) else "does not exist"
+        raise NnetcError(f"{what} {path}: cannot write: the directory {folder} {why}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise NnetcError(f"{what} {path}: cannot write: the directory {folder} is not "
+                         f"writable")
+
+
+@contextlib.contextmanager
+def _writing(path: str, what: str):
+    """A write that fails all the same (disk full, the directory removed meanwhile) is
+    the same error as one refused beforehand."""
+    try:
+        yield
+    except OSError as e:
+        raise NnetcError(f"{what} {path}: cannot write: {e.strerror or e}") from None
+
+
+# what numpy raises on a file that is not the .npy/.npz it expects (an empty or cut file:
+# EOFError; a damaged archive: BadZipFile, zlib.error, NotImplementedError for a
+# compression method zipfile lacks)
+_NUMPY_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error,
+                      NotImplementedError)
 
 
 @click.group()
@@ -121,6 +156,7 @@ def init(paths: tuple[str, ...], binary: bool, seed: int | None) -> None:
     if len(paths) < 2:
         raise click.UsageError("need at least one CONFIG and the OUT path")
     configs, out = list(paths[:-1]), paths[-1]
+    _check_out(out, "OUT")
     rng = np.random.default_rng(seed)
     nnet = Nnet()
     first = configs[0]
@@ -141,7 +177,8 @@ def init(paths: tuple[str, ...], binary: bool, seed: int | None) -> None:
         except UnicodeDecodeError as e:
             raise ConfigError(f"not UTF-8 text (byte {e.start})", source=path) from None
         apply_config(nnet, text, source=path, rng=rng)
-    save_model(Model(nnet), out, binary=binary)
+    with _writing(out, "OUT"):
+        save_model(Model(nnet), out, binary=binary)
 
 
 @main.command()
@@ -154,8 +191,10 @@ def init(paths: tuple[str, ...], binary: bool, seed: int | None) -> None:
 def copy(src: str, dst: str, binary: bool, raw_only: bool) -> None:
     """Copy a model, converting between config, text and binary forms."""
     from engine.nnet.model_io import load_model, save_model  # noqa: PLC0415
+    _check_out(dst, "OUT")
     model = load_model(src)
-    save_model(model, dst, binary=binary, as_am=False if raw_only else None)
+    with _writing(dst, "OUT"):
+        save_model(model, dst, binary=binary, as_am=False if raw_only else None)
 
 
 
@@ -170,7 +209,10 @@ def _load_request(path: str):
             data = f.read()
     except OSError as e:
         raise RequestError(f"{path}: cannot read: {e.strerror}") from None
-    return ComputationRequest.from_json(data)
+    try:
+        return ComputationRequest.from_json(data)
+    except RequestError as e:
+        raise RequestError(f"{path}: {e}") from None
 
 
 def _compile_for_cli(model_path: str, request_path: str, no_optimize: bool,
@@ -234,7 +276,8 @@ def compile_cmd(model_path: str, request_path: str, no_optimize: bool, no_shortc
               help="ComputationRequest as JSON.")
 @click.option("--inputs", "inputs_path", required=True, type=click.Path(dir_okay=False),
               help="NPZ with input.<name> for every input and output_deriv.<name> for every "
-                   "output with has_deriv.")
+                   "output with has_deriv (finite values; an input.<name> or "
+                   "output_deriv.<name> the request does not take is an error).")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
               help="NPZ to write: output.<name> and input_deriv.<name>.")
 @click.option("--model-grad", "grad_path", type=click.Path(dir_okay=False), default=None,
@@ -259,6 +302,10 @@ def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: 
     from engine.runtime.backend import get_backend, to_host  # noqa: PLC0415
     from engine.runtime.executor import Executor  # noqa: PLC0415
 
+    for path, what in ((out_path, "--out"), (grad_path, "--model-grad"),
+                       (stats_path, "--stats-model")):
+        if path is not None:
+            _check_out(path, what)
     nnet, request, computation, _, _ = _compile_for_cli(model_path, request_path, no_optimize,
                                                         no_shortcut)
     if grad_path is not None and not request.need_model_derivative:
@@ -266,38 +313,70 @@ def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: 
     if stats_path is not None and not request.store_component_stats:
         raise RequestError("--stats-model needs a request with store_component_stats: true")
     try:
-        arrays = dict(np.load(inputs_path))
-    except (OSError, ValueError) as e:
-        raise ExecutionError(f"{inputs_path}: cannot read the inputs: {e}") from None
+        loaded = np.load(inputs_path)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):    # a .npy: one array
+            raise ValueError("a .npy array, not an .npz archive of input.<name> arrays")
+        with loaded:
+            arrays = dict(loaded)
+    except _NUMPY_READ_ERRORS as e:
+        raise ExecutionError(f"{inputs_path}: cannot read the inputs as .npz: "
+                             f"{e or type(e).__name__}") from None
+    # as the service's /compute (fields inputs and output_derivs): an array for a name the
+    # request does not take is an error, not ignored
+    wanted = {"input": {s.name for s in request.inputs},
+              "output_deriv": {s.name for s in request.outputs if s.has_deriv}}
+    for key in sorted(arrays):
+        kind, _, name = key.partition(".")
+        if kind in wanted and name not in wanted[kind]:
+            expected = ", ".join(f"{kind}.{n}" for n in sorted(wanted[kind])) or "none"
+            because = (f" (output {name!r} does not have has_deriv: true)"
+                       if kind == "output_deriv" and request.index_of_output(name) >= 0
+                       else "")
+            raise ExecutionError(f"{inputs_path}: array {key!r} is not in the request"
+                                 f"{because}; expected {expected}")
 
     def need(key: str):
         if key not in arrays:
             raise ExecutionError(f"{inputs_path}: missing array {key!r}")
-        return arrays[key].astype(np.float32, copy=False)
+        a = arrays[key]
+        if a.dtype.kind not in "fiu":
+            raise ExecutionError(f"{inputs_path}: array {key!r}: expected numbers, got dtype "
+                                 f"{a.dtype}")
+        a = a.astype(np.float32, copy=False)
+        # the service's rule for input matrices (service/convert.py matrix_from_wire)
+        if not np.all(np.isfinite(a)):
+            raise ExecutionError(f"{inputs_path}: array {key!r} contains NaN or infinite "
+                                 f"values")
+        return a
 
+    # every array checked before anything is computed
+    inputs = {spec.name: need(f"input.{spec.name}") for spec in request.inputs}
+    derivs = {spec.name: need(f"output_deriv.{spec.name}") for spec in request.outputs
+              if spec.has_deriv}
     # with --stats-model, the network computed with is the one the statistics go to (as
     # nnet3-train's NnetComputer): it is this process's own copy of the model
     ex = Executor(computation, nnet, backend=get_backend(backend),
                   nnet_to_store_stats=nnet if stats_path is not None else None)
-    for spec in request.inputs:
-        ex.accept_input(spec.name, need(f"input.{spec.name}"))
+    for name, value in inputs.items():
+        ex.accept_input(name, value)
     ex.run()
     out = {f"output.{s.name}": to_host(ex.get_output(s.name)) for s in request.outputs}
-    if any(s.has_deriv for s in request.outputs):
-        for spec in request.outputs:
-            if spec.has_deriv:
-                ex.accept_output_deriv(spec.name, need(f"output_deriv.{spec.name}"))
+    if derivs:
+        for name, value in derivs.items():
+            ex.accept_output_deriv(name, value)
         ex.run()
         for spec in request.inputs:
             if spec.has_deriv:
                 out[f"input_deriv.{spec.name}"] = to_host(ex.get_input_deriv(spec.name))
-    np.savez(out_path, **out)
+    with _writing(out_path, "--out"):
+        np.savez(out_path, **out)
+    from engine.nnet.model_io import save_model  # noqa: PLC0415
     if grad_path is not None:
-        from engine.nnet.model_io import save_model  # noqa: PLC0415
-        save_model(ex.get_model_gradient(), grad_path, binary=False, as_am=False)
+        with _writing(grad_path, "--model-grad"):
+            save_model(ex.get_model_gradient(), grad_path, binary=False, as_am=False)
     if stats_path is not None:
-        from engine.nnet.model_io import save_model  # noqa: PLC0415
-        save_model(nnet, stats_path, binary=False, as_am=False)
+        with _writing(stats_path, "--stats-model"):
+            save_model(nnet, stats_path, binary=False, as_am=False)
 
 
 # -- infer / stream (Kaldi's nnet3-compute and the looped decodable) ------------------------
@@ -308,9 +387,15 @@ def _load_npy(path: str, what: str):
 
     from engine.core.errors import InferenceError  # noqa: PLC0415
     try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise InferenceError(f"{what} {path}: cannot read a .npy array: {e}") from None
+        loaded = np.load(path, allow_pickle=False)
+    except _NUMPY_READ_ERRORS as e:      # an empty file: EOFError
+        raise InferenceError(f"{what} {path}: cannot read a .npy array: "
+                             f"{e or type(e).__name__}") from None
+    if not isinstance(loaded, np.ndarray):      # an .npz archive
+        loaded.close()
+        raise InferenceError(f"{what} {path}: cannot read a .npy array: the file is an .npz "
+                             f"archive")
+    return loaded
 
 
 @main.command("infer")
@@ -353,6 +438,7 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
     from engine.nnet.model_io import load_model  # noqa: PLC0415
     if online_path is None and online_ivector_period:
         raise InferenceError("--online-ivector-period needs --online-ivectors")
+    _check_out(out_path, "--out")
     model = load_model(model_path)
     opts = InferenceOptions(frames_per_chunk=frames_per_chunk,
                             extra_left_context=extra_left_context,
@@ -368,7 +454,8 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
     from engine.inference.common import model_priors  # noqa: PLC0415
     out = Inferencer(model.nnet, opts, priors=model_priors(model)).infer(
         feats, ivector, online, online_ivector_period)
-    np.save(out_path, out.astype(np.float32, copy=False))
+    with _writing(out_path, "--out"):
+        np.save(out_path, out.astype(np.float32, copy=False))
 
 
 @main.command("stream")
@@ -407,6 +494,7 @@ def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivec
     from engine.inference.looped import LoopedConfig  # noqa: PLC0415
     from engine.inference.stream import LoopedModel  # noqa: PLC0415
     from engine.nnet.model_io import load_model  # noqa: PLC0415
+    _check_out(out_path, "--out")
     model = load_model(model_path)
     feats = _load_npy(features_path, "--features")
     ivector = _load_npy(ivector_path, "--ivector") if ivector_path else None
@@ -435,7 +523,8 @@ def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivec
     if online is not None and sent < len(online):
         pieces.append(stream.push(feats[:0], online_ivectors=online[sent:]))
     pieces.append(stream.finish())
-    np.save(out_path, np.concatenate(pieces, axis=0).astype(np.float32, copy=False))
+    with _writing(out_path, "--out"):
+        np.save(out_path, np.concatenate(pieces, axis=0).astype(np.float32, copy=False))
 
 
 @main.command("serve")

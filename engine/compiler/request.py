@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from engine.core.errors import RequestError
+from engine.core.errors import RequestError, clipped
 from engine.core.index import INT32_MAX, INT32_MIN, Index, array_to_indexes, index_rows
 from engine.nnet.components.base import MiscComputationInfo
 
@@ -51,6 +51,39 @@ def _to_index_list(indexes: Any, where: str) -> list[Index]:
             raise RequestError(f"{where}: index {k} is {row!r}, expected [n, t, x] "
                                f"integers") from None
     return out
+
+
+def _parse_json(text: str | bytes) -> Any:
+    """JSON text (bytes in UTF-8, or UTF-16/32 as json.loads detects them from the first
+    bytes, as the HTTP service reads a body), or RequestError naming what is wrong."""
+    try:
+        return json.loads(text)
+    except UnicodeDecodeError as e:
+        bom = ""
+        if text[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            bom = ", after a UTF-16 byte-order mark"
+        elif text[:3] == b"\xef\xbb\xbf":
+            bom = ", after a UTF-8 byte-order mark"
+        raise RequestError(f"request is not valid JSON: its bytes are not {e.encoding} text "
+                           f"({e.reason} at byte {e.start}{bom}); write it as UTF-8") from None
+    except RecursionError:
+        raise RequestError("request is not valid JSON: nested too deeply") from None
+    except ValueError as e:          # JSONDecodeError, an integer of too many digits
+        raise RequestError(f"request is not valid JSON: {e}") from None
+
+
+def _json_flag(obj: dict, key: str, where: str) -> bool:
+    """The switch ``key`` of a JSON object: false when absent, else a JSON boolean (as the
+    HTTP schema's StrictBool takes it: 1, "yes" or null are refused, not converted)."""
+    value = obj.get(key, False)
+    if not isinstance(value, bool):
+        try:
+            shown = json.dumps(value)
+        except (TypeError, ValueError):
+            shown = repr(value)
+        raise RequestError(f"{where}{key!r} must be true or false (a JSON boolean), got "
+                           f"{clipped(shown)}")
+    return value
 
 
 @dataclass(eq=True)
@@ -84,7 +117,7 @@ class IoSpecification:
         if "indexes" not in obj:
             raise RequestError(f"{where} {obj['name']!r}: missing 'indexes'")
         return cls(obj["name"], _to_index_list(obj["indexes"], f"{where} {obj['name']!r}"),
-                   bool(obj.get("has_deriv", False)))
+                   _json_flag(obj, "has_deriv", f"{where} {obj['name']!r}: "))
 
     def __str__(self) -> str:
         return (f"name={self.name}, has-deriv={'true' if self.has_deriv else 'false'}, "
@@ -158,10 +191,7 @@ class ComputationRequest:
     @classmethod
     def from_json(cls, obj: dict | str | bytes) -> "ComputationRequest":
         if isinstance(obj, (str, bytes)):
-            try:
-                obj = json.loads(obj)
-            except json.JSONDecodeError as e:
-                raise RequestError(f"request is not valid JSON: {e}") from None
+            obj = _parse_json(obj)
         if not isinstance(obj, dict):
             raise RequestError("request must be a JSON object with 'inputs' and 'outputs'")
         unknown = set(obj) - {"inputs", "outputs", "need_model_derivative",
@@ -174,8 +204,8 @@ class ComputationRequest:
         inputs = [IoSpecification.from_json(o, f"input {k}") for k, o in enumerate(obj["inputs"])]
         outputs = [IoSpecification.from_json(o, f"output {k}")
                    for k, o in enumerate(obj["outputs"])]
-        return cls(inputs, outputs, bool(obj.get("need_model_derivative", False)),
-                   bool(obj.get("store_component_stats", False)))
+        return cls(inputs, outputs, _json_flag(obj, "need_model_derivative", "request field "),
+                   _json_flag(obj, "store_component_stats", "request field "))
 
     def canonical_bytes(self) -> bytes:
         """A deterministic encoding of everything that affects compilation.

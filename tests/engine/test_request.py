@@ -121,6 +121,47 @@ def test_from_json_errors(obj, message):
     assert message in str(e.value)
 
 
+_IO = {"name": "input", "indexes": [[0, 0, 0]]}
+
+
+@pytest.mark.parametrize("obj, message", [
+    ({"inputs": [{**_IO, "has_deriv": "yes"}], "outputs": []},
+     "input 0 'input': 'has_deriv' must be true or false (a JSON boolean), got \"yes\""),
+    ({"inputs": [], "outputs": [{**_IO, "has_deriv": 1}]}, "output 0 'input': 'has_deriv'"),
+    ({"inputs": [], "outputs": [{**_IO, "has_deriv": None}]}, "got null"),
+    ({"inputs": [], "outputs": [], "need_model_derivative": "true"},
+     "'need_model_derivative' must be true or false"),
+    ({"inputs": [], "outputs": [], "store_component_stats": 0},
+     "'store_component_stats' must be true or false"),
+])
+def test_flags_must_be_json_booleans(obj, message):
+    """As the HTTP schema (StrictBool): 1, "yes" or null are not converted."""
+    with pytest.raises(RequestError) as e:
+        ComputationRequest.from_json(json.dumps(obj).encode())
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("data, message", [
+    (b'\xff\xfe{"a":1}', "after a UTF-16 byte-order mark"),
+    (b'{"inputs": [], "outputs": ["\xe9"]}', "not utf-8 text (invalid continuation byte"),
+    (b"[" * 100_000, "nested too deeply"),
+    (b'{"inputs": [1' + b"1" * 5000 + b"]}", "not valid JSON"),
+])
+def test_undecodable_bytes_are_a_request_error(data, message):
+    with pytest.raises(RequestError) as e:
+        ComputationRequest.from_json(data)
+    assert message in str(e.value)
+
+
+def test_every_reference_request_loads():
+    """The strict flags take every request.json of tests/data and ../shared/kaldi-ref."""
+    from refdata import DATA, SHARED_REF  # noqa: PLC0415
+    paths = sorted(DATA.rglob("request.json")) + sorted(SHARED_REF.rglob("request.json"))
+    assert len(paths) >= 100
+    for path in paths:
+        ComputationRequest.from_json(path.read_bytes())
+
+
 def test_replicated_lists_sequences_n_major():
     one = ComputationRequest(
         [IoSpecification("input", [Index(0, t, 0) for t in range(-1, 3)], has_deriv=True)],
