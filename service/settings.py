@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.registry import DEFAULT_MAX_NODES
+from service.registry import DEFAULT_MAX_MODEL_BYTES, DEFAULT_MAX_NODES
 
 
 class Settings(BaseSettings):
@@ -26,6 +26,14 @@ class Settings(BaseSettings):
                                                "'Authorization: Bearer <token>'")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     max_models: int = Field(default=64, ge=1, description="registered models kept in memory")
+    max_model_bytes: int = Field(
+        default=DEFAULT_MAX_MODEL_BYTES, ge=1 << 20,
+        description="the bytes of the arrays (parameters, statistics) of the models this "
+                    "process holds, all together: a registration beyond gets 413 naming "
+                    "it, before a config's random parameters are drawn; deleting a model "
+                    "frees its share (with Redis, models kept there are dropped from this "
+                    "process, least recently used first, to make room, and loaded again "
+                    "when asked for)")
     max_model_nodes: int = Field(
         default=DEFAULT_MAX_NODES, ge=2,
         description="networks with more nodes get 413 at registration (a component-node "

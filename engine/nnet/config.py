@@ -185,11 +185,34 @@ def _remove_redundant(lines: list[ConfigLine], num_initial: int) -> list[ConfigL
     return [c for c, r in zip(lines, remove) if not r]
 
 
-def apply_config(nnet: Nnet, text: str, source: str | None = None, rng=None) -> None:
+def _fresh_line(cfg: ConfigLine) -> ConfigLine:
+    """A copy of ``cfg`` with none of its options marked used (a component line is
+    read twice: counted, then drawn)."""
+    return ConfigLine.from_parts(cfg.first_token, cfg.values, text=cfg.text,
+                                 source=cfg.source, line=cfg.line)
+
+
+def apply_config(nnet: Nnet, text: str, source: str | None = None, rng=None,
+                 check=None) -> None:
     """Add the lines of ``text`` to ``nnet`` (Kaldi's Nnet::ReadConfig), then validate.
+
+    Nothing random is drawn before the whole config has passed its checks: the
+    components are first initialised without drawing (``_param_utils.planning``: their
+    random arrays are counted and hold no memory), their parameters counted against
+    MAX_CONFIG_PARAMETERS (or a caller's parameter_budget) for the whole config (a ConfigError naming the first
+    component line beyond), the nodes read and the network validated (dimensions)
+    with them; ``check``, when given, is then called with that network (its
+    components' arrays have their final shapes; the random ones hold no memory), e.g.
+    to refuse a network by its size; only then are the components initialised again,
+    drawing their parameters from ``rng`` (the same values as one pass would draw).
 
     On error ``nnet`` is left unchanged.
     """
+    from engine.nnet.components._param_utils import (  # noqa: PLC0415
+        budget_left,
+        parameter_budget,
+        planning,
+    )
     if rng is None:
         rng = np.random.default_rng()
     existing = [parse_config_line(t, EXISTING, None) for t in nnet.config_lines()]
@@ -201,21 +224,37 @@ def apply_config(nnet: Nnet, text: str, source: str | None = None, rng=None) -> 
         org = origins.get(cfg.values.get("name", ""), (EXISTING, None))
         cfg.source, cfg.line = org
     lines = _remove_redundant(existing + new, len(existing))
+    component_lines = [cfg for cfg in lines if cfg.first_token == "component"]
 
     work = Nnet()
     work.components = list(nnet.components)
     work.component_names = list(nnet.component_names)
     initial_components = len(work.components)
-    from engine.nnet.components._param_utils import parameter_budget  # noqa: PLC0415
     # name -> index tables kept along (a lookup by scan per line made reading an
     # N-line config O(N^2))
-    component_index: dict[str, int] = {}
+    initial_index: dict[str, int] = {}
     for i, name in enumerate(work.component_names):
-        component_index.setdefault(name, i)
-    with parameter_budget():
-        for cfg in lines:
-            if cfg.first_token == "component":
-                _component_line(work, cfg, initial_components, rng, component_index)
+        initial_index.setdefault(name, i)
+    component_index = dict(initial_index)
+    # 1. the components without their random values: sizes and options checked, the
+    # parameters of the whole config counted before any is drawn
+    in_all, left = budget_left()    # (a caller's parameter_budget, or the default)
+    planned = 0
+    with planning() as counted:
+        plan_rng = np.random.default_rng(0)     # (``rng`` is left for the real draw)
+        for cfg in component_lines:
+            before = counted[0]
+            _component_line(work, _fresh_line(cfg), initial_components, plan_rng,
+                            component_index)
+            n = counted[0] - before
+            if planned + n > left:
+                name = cfg.values.get("name", "")
+                raise cfg.error(f"component {name!r} ({cfg.values.get('type', '')}): its "
+                                f"random parameters would hold {n} values; the components "
+                                f"of one config may hold {in_all} in all, and "
+                                f"{left - planned} are left")
+            planned += n
+    # 2. the nodes, and the checks of the whole network, with those components
     taken: set[str] = set()
     for cfg in lines:
         _node_line_pass0(work, cfg, taken)
@@ -223,6 +262,16 @@ def apply_config(nnet: Nnet, text: str, source: str | None = None, rng=None) -> 
     for cfg in lines:
         _node_line_pass1(work, cfg, names, component_index)
     work.validate()
+    if check is not None:
+        check(work)
+    # 3. the components again, drawing their parameters (in the same order, so at the
+    # same indexes the nodes refer to)
+    work.components = list(nnet.components)
+    work.component_names = list(nnet.component_names)
+    component_index = dict(initial_index)
+    with parameter_budget():
+        for cfg in component_lines:
+            _component_line(work, cfg, initial_components, rng, component_index)
     nnet.nodes = work.nodes
     nnet.components = work.components
     nnet.component_names = work.component_names

@@ -20,6 +20,11 @@ from engine.core.errors import ComponentError, ConfigError
 from engine.nnet.descriptors import Descriptor
 
 
+def _is_component(obj) -> bool:
+    from engine.nnet.components.base import Component  # noqa: PLC0415
+    return isinstance(obj, Component)
+
+
 class NodeType(IntEnum):
     INPUT = 0
     DESCRIPTOR = 1
@@ -249,6 +254,29 @@ class Nnet:
         one's output depends on the others' inputs."""
         return [name for name, c in zip(self.component_names, self.components)
                 if c.couples_rows()]
+
+    def array_bytes(self) -> int:
+        """The bytes of the arrays the components hold (parameters, statistics, fixed
+        vectors; a CompositeComponent's members' too), each array counted once.  Of a
+        network apply_config has not drawn yet (its ``check``), the bytes its random
+        arrays will hold."""
+        seen: set[int] = set()
+        total = 0
+        stack: list = list(self.components)
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if hasattr(obj, "nbytes") and hasattr(obj, "shape"):      # NumPy or CuPy
+                total += int(obj.nbytes)
+            elif isinstance(obj, (list, tuple)):
+                stack.extend(obj)
+            elif isinstance(obj, dict):
+                stack.extend(obj.values())
+            elif _is_component(obj):
+                stack.extend(vars(obj).values())
+        return total
 
     def freeze_parameters(self) -> "Nnet":
         """Make every component's parameter and fixed arrays read-only (NumPy arrays

@@ -204,6 +204,95 @@ def test_parameter_budget_stops_huge_configs_before_allocating():
     assert build(three + nodes).num_parameters() == 3 * 100 * 101   # the default budget
 
 
+def _peak_bytes(fn):
+    """(tracemalloc's peak while ``fn`` runs, the ConfigError it raised or None)."""
+    import gc  # noqa: PLC0415
+    import tracemalloc  # noqa: PLC0415
+    gc.collect()
+    tracemalloc.start()
+    try:
+        try:
+            fn()
+            raised = None
+        except ConfigError as e:
+            raised = e
+        return tracemalloc.get_traced_memory()[1], raised
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_parameters_of_a_whole_config_are_counted_before_any_is_drawn():
+    """Fuzzing: AffineComponent input-dim=4 output-dim=33554000 drew its linear
+    parameters (under the 2^27 budget) and only then refused the bias, 1.5 GB a
+    request.  The whole component (and config) is counted first: nothing is drawn."""
+    one = ("input-node name=input dim=4\n"
+           "component name=a0 type=AffineComponent input-dim=4 output-dim=33554000\n"
+           "component-node name=a component=a0 input=input\noutput-node name=output input=a\n")
+    peak, e = _peak_bytes(lambda: build(one))
+    assert e is not None and "'a0' (AffineComponent)" in str(e)
+    assert "167770000 values" in str(e) and e.line == 2
+    assert peak < 20 << 20, peak          # the linear part alone would be 512 MiB
+    # two components that each fit, the second refused before the first is drawn
+    two = ("component name=a type=AffineComponent input-dim=4 output-dim=20000000\n"
+           "component name=b type=AffineComponent input-dim=4 output-dim=20000000\n")
+    peak, e = _peak_bytes(lambda: build(two))
+    assert e is not None and "'b' (AffineComponent)" in str(e) and e.line == 2
+    assert "34217728 are left" in str(e)
+    assert peak < 20 << 20, peak
+
+
+def test_node_checks_run_before_parameters_are_drawn():
+    """Fuzzing: ConstantComponent output-dim=99999999 in a config whose nodes then have
+    a dimension mismatch drew 1e8 values (13 s, 1.2 GB) before the error; the nodes
+    are checked against components initialised without drawing."""
+    cfg = ("input-node name=input dim=4\n"
+           "component name=k type=ConstantComponent output-dim=99999999\n"
+           "component-node name=k component=k input=input\n"
+           "component name=b type=AffineComponent input-dim=7 output-dim=3\n"
+           "component-node name=b component=b input=k\noutput-node name=output input=b\n")
+    peak, e = _peak_bytes(lambda: build(cfg))
+    assert e is not None and "dimension mismatch" in str(e)
+    assert peak < 20 << 20, peak
+    # a caller's check sees the network's sizes before anything is drawn
+    seen = []
+
+    def refuse(nnet):
+        seen.append(nnet.array_bytes())
+        raise ConfigError("too big")
+    big = ("input-node name=input dim=4\n"
+           "component name=a type=LinearComponent input-dim=4 output-dim=25000000\n"
+           "component-node name=a component=a input=input\noutput-node name=output input=a\n")
+    peak, e = _peak_bytes(lambda: apply_config(Nnet(), big, check=refuse))
+    assert e is not None and e.reason == "too big" and seen == [4 * 4 * 25000000]
+    assert peak < 20 << 20, peak
+
+
+def test_drawing_after_the_count_gives_the_values_of_one_draw():
+    """The counting pass takes nothing from ``rng``: the parameters are those one
+    draw in config order gives (as before), also across the block size of a draw."""
+    from engine.nnet.components import _param_utils  # noqa: PLC0415
+    cfg = ("input-node name=input dim=3\n"
+           "component name=a type=AffineComponent input-dim=3 output-dim=700000 "
+           "param-stddev=0.5 bias-stddev=2\n"
+           "component name=f type=FixedAffineComponent input-dim=3 output-dim=2\n"
+           "component-node name=a component=a input=input\n"
+           "component-node name=f component=f input=input\n"
+           "output-node name=output input=Append(a, f)\n")
+    nnet = Nnet()
+    apply_config(nnet, cfg, rng=np.random.default_rng(3))
+    rng = np.random.default_rng(3)
+    want_lin = (rng.standard_normal((700000, 3)) * 0.5).astype(np.float32)
+    want_bias = (rng.standard_normal(700000) * 2.0).astype(np.float32)
+    fixed = rng.standard_normal((2, 4)).astype(np.float32)
+    a, f = nnet.components
+    assert 3 * 700000 > _param_utils._DRAW_BLOCK
+    assert np.array_equal(a.linear_params, want_lin)
+    assert np.array_equal(a.bias_params, want_bias)
+    assert np.array_equal(f.linear_params, fixed[:, :3])
+    assert f.linear_params.flags.c_contiguous and f.linear_params.flags.writeable
+    assert nnet.array_bytes() == 4 * (700000 * 4 + 2 * 4)
+
+
 def test_memory_error_while_initialising_is_a_config_error(monkeypatch):
     from engine.nnet.components import affine  # noqa: PLC0415
 

@@ -93,3 +93,72 @@ def test_inference_and_streams_keep_their_matrices_in_one_bounded_pool():
         looped = list(services.streams._looped.values())
         assert len(looped) == 2 and all(m.pool is pool for m in looped)
         assert 0 < pool.pooled_bytes <= limit
+
+
+def _linear_config(i: int, out_dim: int) -> str:
+    return (f"input-node name=input dim=1024\ncomponent name=a{i} type=LinearComponent "
+            f"input-dim=1024 output-dim={out_dim}\ncomponent-node name=a component=a{i} "
+            f"input=input\noutput-node name=output input=a\n")
+
+
+def test_registered_models_are_bounded_in_bytes():
+    """Fuzzing: three 181-byte configs kept 0.5 GB each (only their count was bounded).
+    max_model_bytes bounds the arrays of the models held: a registration beyond gets 413
+    naming the setting, the model's bytes and what is held, before its parameters are
+    drawn; a deletion frees its share."""
+    one = 4 * 1024 * 1000                      # a model's bytes (4 MB)
+    with make_client(max_model_bytes=(2 * one + one // 2)) as c:
+        ids = [register(c, config=_linear_config(i, 1000))["model_id"] for i in range(2)]
+        gc.collect()
+        tracemalloc.start()
+        r = c.post("/models", json={"config": _linear_config(2, 1000)})
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert r.status_code == 413, r.text
+        e = r.json()["error"]
+        assert e["type"] == "RequestTooLarge" and e["field"] == "config"
+        assert f"{one} bytes" in e["message"] and f"hold {2 * one}" in e["message"]
+        assert f"max_model_bytes ({2 * one + one // 2})" in e["message"]
+        assert peak < one // 2, peak               # nothing of it was drawn
+        # a model larger than the whole budget, refused before drawing its 400 MB
+        gc.collect()
+        tracemalloc.start()
+        r = c.post("/models", json={"config": _linear_config(3, 100000)})
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert r.status_code == 413 and "409600000 bytes, more than" in r.text
+        assert peak < one // 2, peak
+        assert c.delete(f"/models/{ids[0]}").status_code in (200, 204)
+        register(c, config=_linear_config(2, 1000))      # room again
+
+
+def test_registrations_under_way_count_against_the_byte_budget(monkeypatch):
+    """Registrations at the same time reserve their bytes while their parameters are
+    drawn, so they cannot all pass the check together (four at once peaked at 6.2 GB)."""
+    import service.registry as registry_mod  # noqa: PLC0415
+    from service.errors import ServiceError  # noqa: PLC0415
+    reg = registry_mod.InProcessRegistry(max_bytes=6 << 20)
+    real_load = registry_mod._load
+    seen = []
+
+    def load(data, field, seed, check=None):
+        def check_then_another(nnet):
+            check(nnet)
+            if not seen:       # another registration while this one is being drawn
+                try:
+                    reg.register(_linear_config(1, 1000).encode(), "config")
+                except ServiceError as e:
+                    seen.append(e)
+                raise ServiceError(499, "Stop", "stop here")
+        return real_load(data, field, seed, check_then_another)
+    monkeypatch.setattr(registry_mod, "_load", load)
+    try:
+        reg.register(_linear_config(0, 1000).encode(), "config")
+    except ServiceError as e:
+        assert e.status == 499
+    assert len(seen) == 1 and seen[0].status == 413, seen
+    assert "(and 1 being registered) hold 4096000" in seen[0].message
+    assert reg.held_bytes() == 0                   # the refused and stopped ones hold nothing
+    monkeypatch.setattr(registry_mod, "_load", real_load)
+    reg.register(_linear_config(0, 1000).encode(), "config")
+    assert reg.held_bytes() == 4 * 1024 * 1000

@@ -106,10 +106,17 @@ def skip_old_is_gradient(comp: UpdatableComponent, reader: KaldiReader) -> None:
 # Parameters a config may make (random initial values, all components of one
 # config together): 2^27 values are 512 MiB of float32, several times any Kaldi model
 # (the largest reference layer holds 7M values), and a bound on what a config of a
-# few bytes (dim=100000000) can make a service worker allocate.
+# few bytes (dim=100000000) can make a service worker allocate.  apply_config counts
+# them for the whole config (``planning``) before anything is drawn.
 MAX_CONFIG_PARAMETERS = 1 << 27
+# values drawn at a time: the float64 draw is converted to float32 block by block, so
+# drawing an array costs its float32 size plus one block (8 MiB), not three times its
+# float64 size; the values are the same as one draw of the whole array
+_DRAW_BLOCK = 1 << 20
 _budget: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "parameter_budget", default=None)
+_planning: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "parameter_planning", default=None)
 
 
 @contextlib.contextmanager
@@ -129,11 +136,44 @@ def parameter_budget(limit: int | None = None):
         _budget.reset(token)
 
 
+@contextlib.contextmanager
+def planning():
+    """Within the block ``gaussian`` draws nothing and allocates nothing: it returns a
+    read-only array of the asked shape that holds no memory (every entry the mean, a
+    zero-stride view) and adds its size to the counter this yields (``[values]``).
+    apply_config initialises a config's components this way first, to know their
+    sizes (dimensions, parameter count) and check the whole config, before drawing
+    anything.  A component initialised here must not be used for computing."""
+    counter = [0]
+    token = _planning.set(counter)
+    try:
+        yield counter
+    finally:
+        _planning.reset(token)
+
+
+def budget_left() -> tuple[int, int]:
+    """(values in all, values left) of the enclosing parameter_budget, or
+    (MAX_CONFIG_PARAMETERS, MAX_CONFIG_PARAMETERS) outside one."""
+    budget = _budget.get()
+    if budget is None:
+        return MAX_CONFIG_PARAMETERS, MAX_CONFIG_PARAMETERS
+    return budget[1], budget[0]
+
+
+def is_planning() -> bool:
+    """Whether ``gaussian`` is counting, not drawing (see ``planning``)."""
+    return _planning.get() is not None
+
+
 def gaussian(rng: np.random.Generator, shape, stddev: float, mean: float = 0.0) -> np.ndarray:
     """Random initial parameters (float32), counted against the parameter budget
-    (without one, a single array may not exceed MAX_CONFIG_PARAMETERS values)."""
+    (without one, a single array may not exceed MAX_CONFIG_PARAMETERS values); inside
+    ``planning`` only counted."""
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     n = math.prod(int(d) for d in dims)
+    if any(int(d) < 0 for d in dims):
+        raise ConfigError(f"a parameter array of shape {dims} has a negative dimension")
     budget = _budget.get()
     limit = budget[0] if budget is not None else MAX_CONFIG_PARAMETERS
     if n > limit:
@@ -143,9 +183,20 @@ def gaussian(rng: np.random.Generator, shape, stddev: float, mean: float = 0.0) 
         raise ConfigError(f"a parameter array of shape {dims} would hold {n} values; the "
                           f"components of one config may hold {budget[1]} in all, and "
                           f"{limit} are left")
+    plan = _planning.get()
+    if plan is not None:
+        plan[0] += n
+        return np.broadcast_to(np.float32(mean), dims)
     if budget is not None:
         budget[0] -= n
-    return (rng.standard_normal(dims) * stddev + mean).astype(np.float32)
+    out = np.empty(dims, dtype=np.float32)
+    flat = out.reshape(-1)
+    for start in range(0, n, _DRAW_BLOCK):
+        block = rng.standard_normal(min(_DRAW_BLOCK, n - start))
+        block *= stddev
+        block += mean
+        flat[start:start + block.shape[0]] = block
+    return out
 
 
 def _g4(x: float) -> str:

@@ -23,6 +23,7 @@ from engine.nnet.components._param_utils import (
     config_errors,
     gaussian,
     init_learning_rates,
+    is_planning,
     linear_and_bias_stats,
     param_stats,
     rank_default,
@@ -417,6 +418,10 @@ class FixedAffineComponent(_AffineMap, Component):
         if mat.shape[1] < 2 or mat.shape[0] == 0:
             raise cfg.error(f"{what}: the matrix must have at least 1 row and 2 columns "
                             f"(linear part and bias), it is {mat.shape[0]}x{mat.shape[1]}")
+        if is_planning():
+            # apply_config's counting pass: the matrix holds no memory, nor may its parts
+            self.linear_params, self.bias_params = mat[:, :-1], mat[:, -1]
+            return
         self.linear_params = np.ascontiguousarray(mat[:, :-1])
         self.bias_params = np.ascontiguousarray(mat[:, -1])
 
