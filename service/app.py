@@ -90,6 +90,7 @@ def build_services(settings: Settings) -> Services:
                             max_computation_bytes=settings.max_computation_bytes,
                             max_response_bytes=settings.max_response_bytes, pool=pool,
                             max_bytes=settings.max_stream_bytes)
+    streams.max_recurrent_chunk_frames = settings.max_recurrent_chunk_frames
     if settings.queue == "redis":
         queue = RedisJobQueue(client, settings.job_timeout_s, settings.queue_size,
                               metrics=metrics)

@@ -78,6 +78,13 @@ class Settings(BaseSettings):
                     "that comes to more frames than this many times the utterance's (and "
                     "more than max_request_indexes) it gets 413 before anything runs "
                     "(tiny chunks with a huge extra context would hold a worker for hours)")
+    max_recurrent_chunk_frames: int = Field(
+        default=1024, ge=1,
+        description="streams and infer requests on a network with recurrence (LSTM, GRU) "
+                    "may have chunks of at most this many frames (frames_per_chunk rounded "
+                    "up to a multiple of frame_subsampling_factor), else 413: such a chunk "
+                    "is compiled frame by frame (a fast LSTM: about 14 s for 2000 frames on "
+                    "one core) while the worker serves nobody else")
     max_computation_bytes: int = Field(
         default=4 << 30, ge=1 << 20,
         description="compute requests (and infer chunks) whose computation needs more "

@@ -40,6 +40,7 @@ from engine.core.errors import Cancelled, NnetcError, ResourceLimitError
 from engine.inference.common import model_priors
 from engine.inference.looped import LoopedConfig, get_chunk_size
 from engine.inference.stream import LoopedModel, Stream
+from engine.nnet.graph import has_recurrence
 from schemas.streams import StreamOptions
 from service import deadlines
 from service.errors import ServiceError, check_answer_size
@@ -60,12 +61,34 @@ def _corrupt(sid: str, what: str) -> ServiceError:
                         f"a new one")
 
 
-def chunk_bound(nnet, options: dict, limit: int, where: str = "") -> None:
+def recurrent_chunk_bound(nnet, chunk: int, fpc: int, sub: int, limit: int | None,
+                          where: str = "") -> None:
+    """413 RequestTooLarge when ``nnet`` has a recurrence (an LSTM, a GRU: a cycle in its
+    node graph) and its chunks are longer than ``limit`` frames (max_recurrent_chunk_frames;
+    None: no bound): such a chunk's computation has steps frame by frame, and compiling it
+    takes time in proportion (about 7 ms a frame for a fast LSTM on one core), during which
+    the worker serves nobody else.  ``chunk``: frames_per_chunk ``fpc`` rounded up to a
+    multiple of the subsampling factor ``sub`` and the network's modulus."""
+    if limit is None or chunk <= limit or not has_recurrence(nnet):
+        return
+    field = "frame_subsampling_factor" if sub > fpc else "frames_per_chunk"
+    raise ServiceError(413, "RequestTooLarge",
+                       f"{where}{field} {sub if sub > fpc else fpc}: chunks of {chunk} frames "
+                       f"(frames_per_chunk {fpc} rounded up to a multiple of "
+                       f"frame_subsampling_factor {sub} and the network's modulus) on a "
+                       f"network with recurrence are more than this service's "
+                       f"max_recurrent_chunk_frames ({limit}): their computation is "
+                       f"compiled frame by frame; use shorter chunks", f"options.{field}")
+
+
+def chunk_bound(nnet, options: dict, limit: int, where: str = "",
+                recurrent_limit: int | None = None) -> None:
     """413 RequestTooLarge, naming the option, when the first chunk's computation of a
     stream with ``options`` (a dict of schemas.streams.StreamOptions) would read more
     than ``limit`` frames: chunk_size (frames_per_chunk rounded up to a multiple of the
-    subsampling factor and the network's modulus) plus extra_left_context_initial.
-    ``where`` starts the message (a checkpoint's stream)."""
+    subsampling factor and the network's modulus) plus extra_left_context_initial; or,
+    on a network with recurrence, when chunk_size is more than ``recurrent_limit``
+    (recurrent_chunk_bound).  ``where`` starts the message (a checkpoint's stream)."""
     fpc, sub = options["frames_per_chunk"], options["frame_subsampling_factor"]
     extra = options["extra_left_context_initial"]
     if fpc > limit:
@@ -82,6 +105,7 @@ def chunk_bound(nnet, options: dict, limit: int, where: str = "") -> None:
                            f"frame_subsampling_factor {sub} and the network's modulus) plus "
                            f"extra_left_context_initial {extra} is more than this service's "
                            f"max_request_indexes ({limit})", f"options.{field}")
+    recurrent_chunk_bound(nnet, chunk, fpc, sub, recurrent_limit, where)
 
 
 class StreamConflict(Exception):
@@ -275,6 +299,8 @@ class StreamManager:
         self.max_computation_bytes = max_computation_bytes
         self.max_response_bytes = max_response_bytes
         self.max_request_indexes = max_request_indexes
+        # chunks of networks with recurrence (recurrent_chunk_bound; None: no bound)
+        self.max_recurrent_chunk_frames: int | None = None
         self.max_ivector_rows = max_ivector_rows
         self.max_held_frames = max_held_frames
         self.xp = backend
@@ -430,7 +456,7 @@ class StreamManager:
         # bounded as opening the stream here would be (413; the checkpoint may come from
         # a server with a larger bound, so it is kept), before anything is compiled
         chunk_bound(entry.model.nnet, rec["options"], self.max_request_indexes,
-                    f"the checkpoint of stream {sid}: ")
+                    f"the checkpoint of stream {sid}: ", self.max_recurrent_chunk_frames)
         try:
             looped = self.looped_model(entry, rec["options"])
         except ResourceLimitError:

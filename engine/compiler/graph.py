@@ -168,8 +168,10 @@ class ComputationGraphBuilder:
                     f"the per-cindex build (the array build {self.array_status or 'was off'}"
                     f"); ask for fewer or denser Indexes")
         raise NotComputableError("loop detected while building the computation graph "
-                                 f"(more than {MAX_BUILD_ITERATIONS} rounds; bad network "
-                                 "topology?)")
+                                 f"(more than {MAX_BUILD_ITERATIONS} rounds, as Kaldi: a "
+                                 "recurrence followed over that many steps -- a request "
+                                 "this long on a recurrent network -- or a bad network "
+                                 "topology)")
 
     def _build_one_iter(self) -> None:
         queue = self.current_queue

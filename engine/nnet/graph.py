@@ -165,6 +165,12 @@ def graph_has_cycles(graph: Graph) -> bool:
     return any(a in succ for a, succ in enumerate(graph))
 
 
+def has_recurrence(nnet: Nnet) -> bool:
+    """Whether a node of ``nnet`` depends on itself through others (an LSTM's or GRU's
+    recurrence, at some time offset): then a computation has steps frame by frame."""
+    return graph_has_cycles(nnet_to_directed_graph(nnet))
+
+
 # -- orphans ------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, ServiceError, check_answer_size
 from service.routes import blame, run_job
+from service.streams import recurrent_chunk_bound
 
 router = APIRouter(tags=["infer"], dependencies=AUTH)
 
@@ -69,6 +70,9 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
                            f"the network's modulus) with up to {left} frames of extra left "
                            f"and {right} of extra right context are more than this service's "
                            f"max_request_indexes ({limit})", f"options.{field}")
+    recurrent_chunk_bound(entry.model.nnet, fpc, options.frames_per_chunk,
+                          options.frame_subsampling_factor,
+                          services.settings.max_recurrent_chunk_frames)
     # the frames all chunks compute together: a bounded multiple of the utterance's
     frames = int(features.shape[0])
     chunks = -(-frames // fpc)

@@ -100,7 +100,8 @@ def open_stream(body: OpenStreamRequest, services: ServicesDep, request: Request
         raise FieldError("online_ivector_period", f"must be at most {INT32_MAX}, got {period}")
     # bounded before the worker compiles anything
     chunk_bound(entry.model.nnet, body.options.model_dump(),
-                services.settings.max_request_indexes)
+                services.settings.max_request_indexes,
+                recurrent_limit=services.settings.max_recurrent_chunk_frames)
     with blame(request, "options", _NAMED_FIELDS):
         summary = run_job(services, "stream_open", {
             "entry": entry, "options": body.options.model_dump(),
