@@ -44,12 +44,21 @@ def check(p: dict, kind: str) -> None:
         raise not_started(kind, deadline)
 
 
-def stop_hook(deadlines: list[float | None]) -> Callable[[], bool] | None:
-    """The engine's ``should_stop`` for work done for jobs with these deadlines: stop when
-    every one of them has passed (None: one job has none, never stop)."""
+def latest(deadlines: list[float | None]) -> float | None:
+    """The deadline of work done for jobs with these deadlines together: the last of them
+    (it is wanted until every one has passed); None when one job has none (or none is
+    given)."""
     if not deadlines or any(d is None for d in deadlines):
         return None
-    last = max(deadlines)
+    return max(deadlines)
+
+
+def stop_hook(deadlines: list[float | None]) -> Callable[[], bool] | None:
+    """The engine's ``should_stop`` for work done for jobs with these deadlines: stop when
+    every one of them has passed (``latest``; None: never stop)."""
+    last = latest(deadlines)
+    if last is None:
+        return None
     return lambda: time.time() >= last
 
 

@@ -170,9 +170,8 @@ class Operations:
 
         merged_req = req.replicated(size)
         # stopped only when no job of the batch is waited for
-        last = [deadlines.deadline_of(p) for p in payloads]
         merged = dict(base, request=merged_req, jobs=b,
-                      deadline=None if None in last else max(last),
+                      deadline=deadlines.latest([deadlines.deadline_of(p) for p in payloads]),
                       inputs={k: stacked(k, "inputs") for k in base["inputs"]},
                       output_derivs={k: stacked(k, "output_derivs")
                                      for k in base.get("output_derivs", {})})

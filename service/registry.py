@@ -203,7 +203,8 @@ class InProcessRegistry:
 
         try:
             model = _load(data, source_field, seed, check)
-            check(model.nnet)       # a model file's sizes are known once it is read
+            if ticket not in self._pending:
+                check(model.nnet)   # a model file: its sizes are known once it is read
             # A registered model is never changed (statistics go to a private copy), so
             # its arrays are made read-only: the executors may then keep derived copies
             # (device-resident weights on a GPU, transposed weights for small products).

@@ -333,6 +333,11 @@ class StreamManager:
         with self._lock:
             return self._held_bytes()
 
+    def _too_many(self) -> ServiceError:
+        return ServiceError(503, "TooManyStreams",
+                            f"this server holds {self.max_streams} open streams (its "
+                            f"max_streams); finish or close some, or retry later")
+
     def _admit(self, looped: LoopedModel, sid: str | None, options: dict) -> int:
         """The bytes a stream of ``looped`` is counted at, after checking that this
         process can hold one more (``sid``: a stream restored here, which replaces the
@@ -353,9 +358,7 @@ class StreamManager:
             count = len(self._live) - (old is not None)
             held = self._held_bytes() - (old.nbytes if old is not None else 0)
         if count >= self.max_streams:
-            raise ServiceError(503, "TooManyStreams",
-                               f"this server holds {self.max_streams} open streams (its "
-                               f"max_streams); finish or close some, or retry later")
+            raise self._too_many()
         if self.max_bytes is not None and held + est > self.max_bytes:
             raise ServiceError(503, "TooManyStreams",
                                f"{where} may hold {est} bytes (frames_per_chunk "
@@ -552,9 +555,7 @@ class StreamManager:
         self._sweep()
         with self._lock:
             if len(self._live) >= self.max_streams:     # (before compiling anything)
-                raise ServiceError(503, "TooManyStreams",
-                                   f"this server holds {self.max_streams} open streams (its "
-                                   f"max_streams); finish or close some, or retry later")
+                raise self._too_many()
         entry, options = p["entry"], p["options"]
         looped = self.looped_model(entry, options)
         with self._admitting:

@@ -199,12 +199,13 @@ def apply_config(nnet: Nnet, text: str, source: str | None = None, rng=None,
     Nothing random is drawn before the whole config has passed its checks: the
     components are first initialised without drawing (``_param_utils.planning``: their
     random arrays are counted and hold no memory), their parameters counted against
-    MAX_CONFIG_PARAMETERS (or a caller's parameter_budget) for the whole config (a ConfigError naming the first
-    component line beyond), the nodes read and the network validated (dimensions)
-    with them; ``check``, when given, is then called with that network (its
-    components' arrays have their final shapes; the random ones hold no memory), e.g.
-    to refuse a network by its size; only then are the components initialised again,
-    drawing their parameters from ``rng`` (the same values as one pass would draw).
+    MAX_CONFIG_PARAMETERS (or a caller's parameter_budget) for the whole config (a
+    ConfigError naming the first component line beyond), the nodes read and the
+    network validated (dimensions) with them; ``check``, when given, is then called
+    with that network (its components' arrays have their final shapes; the random ones
+    hold no memory), e.g. to refuse a network by its size; only then are the
+    components initialised again, drawing their parameters from ``rng`` (the same
+    values as one pass would draw).
 
     On error ``nnet`` is left unchanged.
     """
