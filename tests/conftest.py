@@ -11,6 +11,25 @@ def data_dir() -> Path:
     return DATA
 
 
+@pytest.fixture
+def compiles(monkeypatch) -> list:
+    """The computations built while the test runs, one entry per call of
+    Compiler.create_computation (the root of every compile: plain, shortcut, looped):
+    tests of work that must be refused *before* compiling assert it stays empty,
+    which says what they mean and, unlike a time limit, does not depend on the
+    machine."""
+    from engine.compiler.compiler import Compiler
+
+    made: list = []
+    create = Compiler.create_computation
+
+    def counted(self, *args, **kw):
+        made.append(self)
+        return create(self, *args, **kw)
+    monkeypatch.setattr(Compiler, "create_computation", counted)
+    return made
+
+
 # -- the whole suite on the GPU -------------------------------------------------------------
 #
 # NNETC_TEST_BACKEND=cupy runs every network the engine tests execute on CuPy: each

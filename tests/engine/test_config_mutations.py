@@ -1,6 +1,6 @@
 """Mutated reference configs (tests/data/compiler/networks) and requests: whatever a
 client sends, building, compiling and running raise only typed errors (NnetcError),
-promptly.  The mutations are the ones that found real defects: dimensions set to 0,
+and what is built stays small.  The mutations are the ones that found real defects: dimensions set to 0,
 negative, 1e8, nan or inf (dim=100000000 made a config allocate 9-89 GB), truncated
 tokens, swapped descriptor functions and component types, Indexes at and beyond the
 int32 limits, duplicated, shifted and truncated Index lists."""
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,11 @@ TYPES = ["AffineComponent", "TdnnComponent", "LstmNonlinearityComponent",
          "TimeHeightConvolutionComponent", "StatisticsPoolingComponent",
          "RestrictedAttentionComponent", "BatchNormComponent", "NoOpComponent",
          "SumBlockComponent", "PermuteComponent"]
-SECONDS_EACH = 20.0
+# What a mutated case may build: parameters and a computation's peak bytes.  The
+# reference networks take at most about 0.25 MB; the defects this guards against
+# (dim=100000000 and the like) asked for gigabytes.  A bound on sizes rather than on
+# time: it does not depend on the machine (a hang is the per-test timeout's business).
+MAX_BYTES = 64 << 20
 
 
 def _mutate(line: str, r: random.Random) -> str:
@@ -68,6 +71,7 @@ def _mutate(line: str, r: random.Random) -> str:
 
 def _run(nnet, req, seed: int) -> None:
     comp = compile_request(nnet, req)
+    assert comp.peak_bytes() <= MAX_BYTES, ("computation", comp.peak_bytes())
     rng = np.random.default_rng(seed)
     ex = Executor(comp, nnet)
     x = random_inputs(nnet, req, rng)
@@ -91,16 +95,15 @@ def test_mutated_configs_raise_only_typed_errors(block):
             i = r.randrange(1, len(p)) if len(p) > 1 else 0
             p[i] = _mutate(p[i], r)
         texts = ["\n".join(p) for p in parts]
-        t0 = time.perf_counter()
         try:
             nnet = Nnet.from_config(*texts, rng=np.random.default_rng(it))
             if any(nnet.input_dim(n) > 100000 for n in nnet.input_names()):
                 continue    # (the inputs the test would make are the problem, not nnetc)
+            assert nnet.array_bytes() <= MAX_BYTES, (case.name, texts)
             built += 1
             _run(nnet, random_request(nnet, np.random.default_rng(it)), it)
         except NnetcError:
             pass
-        assert time.perf_counter() - t0 < SECONDS_EACH, ("slow", case.name, texts)
     assert built >= 10, built     # the mutations leave enough networks to compile and run
 
 
@@ -141,12 +144,10 @@ def test_mutated_requests_raise_only_typed_errors(block):
                 spec["indexes"] = [[n, t + shift, x] for n, t, x in spec["indexes"]]
             else:
                 spec["has_deriv"] = not spec.get("has_deriv", False)
-        t0 = time.perf_counter()
         try:
             req = ComputationRequest.from_json(json.dumps(d).encode())
             _run(nnet, req, it)
             compiled += 1
         except NnetcError:
             pass
-        assert time.perf_counter() - t0 < SECONDS_EACH, ("slow", case.name)
     assert compiled >= 3, compiled

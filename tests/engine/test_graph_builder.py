@@ -3,7 +3,6 @@ dependencies left after pruning, NotComputableError, recurrences far from t=0,
 multi-segment graphs.  Expectations are derived from Kaldi's algorithm (see the
 comments in each test)."""
 
-import time
 
 import pytest
 
@@ -170,10 +169,9 @@ def test_not_computable_names_outputs_and_missing_input():
 def test_recurrence_far_from_zero_terminates_quickly():
     nnet = net(RECURRENT)
     t0 = 10 ** 7
-    start = time.perf_counter()
     g = build_computation_graph(nnet, request([("input", ts(range(t0, t0 + 50)))],
                                               [("output", ts(range(t0, t0 + 50)))]))
-    assert time.perf_counter() - start < 5.0
+    # nothing beyond the 50 frames was explored (a(t0 - 1) is not followed down to t=0)
     assert len(g.cindexes) == 200
     assert deps_of(nnet, g, "a_input", Index(0, t0, 0)) == [("input", 0, t0, 0)]
 
@@ -182,11 +180,9 @@ def test_uncomputable_recurrence_raises_instead_of_hanging():
     # Without IfDefined, a(t) needs a(t-1) forever back: nothing is computable.
     cfg = RECURRENT.replace("IfDefined(Offset(a, -1))", "Offset(a, -1)")
     nnet = net(cfg)
-    start = time.perf_counter()
     with pytest.raises(NotComputableError) as e:
         build_computation_graph(nnet, request([("input", ts(range(-5, 1000)))],
                                               [("output", ts([500]))]))
-    assert time.perf_counter() - start < 10.0
     assert e.value.missing == ("input", Index(0, -6, 0))
 
 

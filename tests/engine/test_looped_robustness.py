@@ -6,7 +6,6 @@ computation."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -48,18 +47,16 @@ def _blstm_path() -> Path:
     return p if p is not None and p.is_file() else DATA / "blstm" / "model.raw"
 
 
-def test_blstm_fails_fast_naming_the_backward_recurrence():
+def test_blstm_fails_fast_naming_the_backward_recurrence(compiles):
     model = load_model(_blstm_path())
     nnet = getattr(model, "nnet", model)
-    start = time.perf_counter()
     with pytest.raises(InferenceError) as err:
         LoopedModel(nnet, LoopedConfig(frames_per_chunk=20))
-    elapsed = time.perf_counter() - start
     msg = str(err.value)
     assert "blstm1-backward" in msg and "t+1" in msg and "whole-utterance inference" in msg
     assert "blstm1-forward" not in msg            # the forward LSTM is fine
     # detected before any compilation (which took seconds and then looped anyway)
-    assert elapsed < 3.0, f"took {elapsed:.1f}s"
+    assert compiles == []
     # whole-utterance inference still works on it
     x = np.load(DATA / "blstm" / "infer_utt1_part.npz")
     out = Inferencer(nnet, InferenceOptions(frames_per_chunk=50)).infer(x["features"])
