@@ -209,7 +209,7 @@ class Compiler:
         # the steps whose first cindex is an input
         has = self._step_len[:-1] > 0
         first = self._all_ids[self._step_start[:-1][has]]
-        self._input_steps = np.flatnonzero(has)[graph.is_input_array[first]].tolist()
+        self._input_steps = has.nonzero()[0][graph.is_input_array[first]].tolist()
         table = graph.node_table
         # Facts that depend only on the network (node kinds, dims and strides,
         # compiled descriptor parts, scales, batch plans) live with the network's
@@ -346,7 +346,7 @@ class Compiler:
         step_len = self._step_len[:-1]
         chosen = (np.array(self.kind_dim_range)[np.array(self.step_nodes, dtype=np.int64)]
                   & (step_len > 0))
-        steps = np.flatnonzero(chosen).tolist()
+        steps = chosen.nonzero()[0].tolist()
         if not steps:
             return {}
         ids = self._all_ids[np.repeat(chosen, step_len)]
@@ -767,13 +767,13 @@ class Compiler:
         np.cumsum(lens[:-1], out=starts[1:])
         total = int(starts[-1] + lens[-1])
         # the rows of each column's step, gathered from all steps' ids
-        rows = self._all_ids[np.repeat(self._step_start[cs] - starts, lens) + np.arange(total)]
+        rows = self._all_ids[(self._step_start[cs] - starts).repeat(lens) + np.arange(total)]
         keys = table.key_of[rows]
         blank = keys < 0
         sh = np.array(col_shift, dtype=np.int64)
         delta = (sh[0::4] * table.stride_node + sh[1::4] * table.stride_n
                  + sh[2::4] * table.stride_t + sh[3::4])
-        keys = keys + np.repeat(delta, lens)
+        keys = keys + delta.repeat(lens)
         b = starts.tolist() + [len(rows)]
         absent = blank
         if fixed_spans:
@@ -801,7 +801,7 @@ class Compiler:
             row_seg = np.repeat(seg_of[cs], lens)
             present &= ~((src_step >= 0) & (seg_of[np.maximum(src_step, 0)] > row_seg))
         src_row = self.loc_row[safe]
-        local = np.arange(len(rows)) - np.repeat(starts, lens)
+        local = np.arange(len(rows)) - starts.repeat(lens)
         big = len(steps) + 1
         low = np.minimum.reduceat(np.where(present, src_step, big), starts)
         high = np.maximum.reduceat(np.where(present, src_step, -1), starts)
@@ -812,9 +812,9 @@ class Compiler:
         # rows and submatrices read, as lists only where a column needs them (most
         # columns copy a whole matrix)
         rows_arr = np.where(present, src_row, -1)
-        need = np.repeat(~ident, lens)
+        need = (~ident).repeat(lens)
         rows_out = np.where(need, rows_arr, -1).tolist() if need.any() else []
-        multi = np.repeat(low != high, lens)
+        multi = (low != high).repeat(lens)
         subs_out = (np.where(present & multi, self._value_subs[np.maximum(src_step, 0)],
                              -1).tolist() if multi.any() else [])
         vsub = self._value_subs.tolist()

@@ -92,6 +92,7 @@ class GiveUp(Exception):
 _all = _all_rows = np.logical_and.reduce
 _any = _any_rows = np.logical_or.reduce
 _sum = np.add.reduce
+_min, _max = np.minimum.reduce, np.maximum.reduce
 
 
 def _cat(parts: list) -> np.ndarray:
@@ -106,8 +107,9 @@ def _counts(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     step = a[1:] != a[:-1]
     if _all(step):
         return a, np.ones(len(a), dtype=np.int64)
-    starts = np.flatnonzero(np.concatenate(([True], step)))
-    return a[starts], np.diff(np.append(starts, len(a)))
+    starts = np.concatenate(([True], step)).nonzero()[0]
+    ends = np.append(starts, len(a))
+    return a[starts], ends[1:] - ends[:-1]
 
 
 class _NodeDeps:
@@ -270,8 +272,8 @@ class ArrayGraphBuild:
         """Keys of arbitrary (node, n, t, x) arrays, growing the table first if needed."""
         lo, hi = self.lo, self.hi
         if len(t):
-            ext = [int(n.min()), int(t.min()), int(x.min())], \
-                  [int(n.max()), int(t.max()), int(x.max())]
+            ext = [int(_min(n)), int(_min(t)), int(_min(x))], \
+                  [int(_max(n)), int(_max(t)), int(_max(x))]
             if any(ext[0][k] < lo[k] or ext[1][k] > hi[k] for k in range(3)):
                 self._regrow(ext[0], ext[1])
         return self._encode(node, n, t, x)
@@ -338,14 +340,14 @@ class ArrayGraphBuild:
             self.expanded[start:end] = on_input
             counts = np.bincount(nd)
             not_c = self.not_c
-            for node, k in zip(np.flatnonzero(counts).tolist(), counts[counts > 0].tolist()):
+            for node, k in zip(counts.nonzero()[0].tolist(), counts[counts > 0].tolist()):
                 not_c[node] += k
         self.size = end
         if shifted:
             # keep the margins: a new cindex near the edge of the table grows it
             mg, lo, hi = self.margin, self.lo, self.hi
             rel_t = (uk % self.stride_n) // self.stride_t
-            t_lo, t_hi = int(rel_t.min()) + lo[1], int(rel_t.max()) + lo[1]
+            t_lo, t_hi = int(_min(rel_t)) + lo[1], int(_max(rel_t)) + lo[1]
             grow = t_lo - mg[1] < lo[1] or t_hi + mg[1] > hi[1]
             if grow or mg[0] or mg[2]:
                 rows = self._decode(uk)
@@ -870,7 +872,7 @@ class ArrayGraphBuild:
                 before = self.size
                 # (the table was made around these Indexes: no margin to check)
                 ids = self._lookup(self._encode(node, a[:, 0], a[:, 1], a[:, 2]), node, False)
-                if ids.min() < before or self.size - before != len(a):
+                if _min(ids) < before or self.size - before != len(a):
                     raise GiveUp("an Index repeated or already in the graph")
                 ids_out.append(ids)
         inputs = _cat(input_ids) if input_ids else _EMPTY
@@ -993,7 +995,7 @@ class ArrayGraphBuild:
         # the kept cindexes of this segment, numbered canonically
         keep = required[base:size].copy()
         keep[input_ids - base] = False
-        rest = np.flatnonzero(keep) + base
+        rest = keep.nonzero()[0] + base
         # sorted by (node, t, x, n): one composite key (unique per cindex), whose
         # stable sort is fast on the runs discovery leaves
         node, n, t, x = self._split(self.keys[rest])

@@ -302,7 +302,7 @@ def compute_computation_phases(nnet, graph: ComputationGraph) -> list[PhaseList]
             sizes.extend(np.bincount(level).tolist())
         ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
         bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=bounds[1:])
+        np.add.accumulate(sizes, out=bounds[1:])   # (np.cumsum of a list is slower)
         out.append(PhaseList(ids, bounds))
         start = end
     return out
@@ -420,7 +420,7 @@ class ComputationStepsComputer:
         if self._steps_view is None or len(self._steps_view) != len(self.step_ids):
             lens = [len(a) for a in self.step_ids]
             ptr = np.zeros(len(lens) + 1, dtype=np.int64)
-            np.cumsum(lens, out=ptr[1:])
+            np.add.accumulate(lens, out=ptr[1:])   # (np.cumsum of a list is slower)
             ids = (np.concatenate(self.step_ids) if self.step_ids
                    else np.zeros(0, dtype=np.int64))
             self._steps_view = StepList(ids, ptr)
@@ -459,9 +459,9 @@ class ComputationStepsComputer:
         view = self.steps
         ptr = view.ptr[done:]
         ids = view.ids[ptr[0]:]
-        lens = np.diff(ptr)
-        self.loc_step[ids] = np.repeat(np.arange(done, n), lens)
-        self.loc_row[ids] = np.arange(len(ids)) - np.repeat(ptr[:-1] - ptr[0], lens)
+        lens = ptr[1:] - ptr[:-1]
+        self.loc_step[ids] = np.arange(done, n).repeat(lens)
+        self.loc_row[ids] = np.arange(len(ids)) - (ptr[:-1] - ptr[0]).repeat(lens)
         self._located = n
 
     def _fit_locations(self) -> None:
@@ -525,11 +525,12 @@ class ComputationStepsComputer:
             # sub-phases: each phase split by node, in Kaldi's Cindex order (ids
             # are in that order within a node, except supplied inputs, whose step
             # follows the request anyway)
-            phase = np.repeat(np.arange(len(phases)), np.diff(phases.ptr))
+            ptr = phases.ptr
+            phase = np.arange(len(phases)).repeat(ptr[1:] - ptr[:-1])
             node = self.graph.coords[ids, 0]
             order = np.lexsort((ids, node, phase))
             ids, node, phase = ids[order], node[order], phase[order]
-            cut = np.flatnonzero((node[1:] != node[:-1]) | (phase[1:] != phase[:-1])) + 1
+            cut = ((node[1:] != node[:-1]) | (phase[1:] != phase[:-1])).nonzero()[0] + 1
             bounds = [0] + cut.tolist() + [len(ids)]
             starts = bounds[:-1]
             sub_node = node[starts]
@@ -609,17 +610,18 @@ class ComputationStepsComputer:
             return None
         num = len(nodes)
         starts = np.array(bounds[:-1], dtype=np.int64)
-        sizes = np.diff(np.array(bounds, dtype=np.int64))
+        ends = np.array(bounds, dtype=np.int64)
+        sizes = ends[1:] - ends[:-1]
         # the position in ``ids`` of each row's source cindex (-1: none or elsewhere)
         where = np.full(len(self.graph), -1, dtype=np.int64)
         where[ids] = np.arange(len(ids))
         pos = np.where(linked >= 0, where[np.maximum(linked, 0)], -1)
         # rows whose source is as far along ``ids`` as their sub-phase's first row's
         lag = pos - np.arange(len(ids))
-        aligned = (pos >= 0) & (lag == np.repeat(lag[starts], sizes))
+        aligned = (pos >= 0) & (lag == lag[starts].repeat(sizes))
         ok = np.logical_and.reduceat(aligned, starts) & dim
         first = pos[starts]
-        sub = np.repeat(np.arange(num), sizes)
+        sub = np.arange(num).repeat(sizes)
         src = np.where(ok, sub[np.maximum(first, 0)], 0)
         ok &= ((starts[src] == first) & (sizes[src] == sizes) & plain[src]
                & (src < np.arange(num)))
@@ -637,7 +639,7 @@ class ComputationStepsComputer:
             return None
         to = self._link_src[node]
         out = np.full(len(ids), -1, dtype=np.int64)
-        sel = np.flatnonzero(to >= 0)
+        sel = (to >= 0).nonzero()[0]
         if len(sel):
             out[sel] = table._lookup(keys[sel] + (to[sel] - node[sel]) * table.stride_node)
         return out
