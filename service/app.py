@@ -89,8 +89,8 @@ def build_services(settings: Settings) -> Services:
                             max_request_indexes=settings.max_request_indexes,
                             max_computation_bytes=settings.max_computation_bytes,
                             max_response_bytes=settings.max_response_bytes, pool=pool,
-                            max_bytes=settings.max_stream_bytes)
-    streams.max_recurrent_chunk_frames = settings.max_recurrent_chunk_frames
+                            max_bytes=settings.max_stream_bytes,
+                            max_recurrent_chunk_frames=settings.max_recurrent_chunk_frames)
     if settings.queue == "redis":
         queue = RedisJobQueue(client, settings.job_timeout_s, settings.queue_size,
                               metrics=metrics)

@@ -72,3 +72,10 @@ def record(metrics, kind: str, when: str, error: BaseException | None = None) ->
     if total is not None:
         extra.update(chunks_done=done, chunks_total=total)
     log.warning("job cancelled: past its deadline", extra=extra)
+
+
+def record_if_cancelled(metrics, kind: str, result) -> None:
+    """``record`` a job's outcome ``result`` (its value or error) when it is Cancelled:
+    stopped while running, past its deadline."""
+    if isinstance(result, Cancelled):
+        record(metrics, kind, "running", result)

@@ -39,7 +39,6 @@ from concurrent.futures import Future, InvalidStateError
 
 import redis
 
-from engine.core.errors import Cancelled
 from service import deadlines
 from service.errors import ServiceError
 from service.jobs import decode_job, decode_result, encode_error, encode_job, encode_result
@@ -352,7 +351,7 @@ class RedisWorker:
                 except Exception as e:  # noqa: BLE001 - every job of the group learns of it
                     results = [e] * len(group)
                 for job, r in zip(group, results):
-                    self._cancelled(job, r)
+                    deadlines.record_if_cancelled(self._metrics(), job[2], r)
                     self._reply(job, r)
                 continue
             if not group:
@@ -366,12 +365,8 @@ class RedisWorker:
                 result = self.handlers[kind](payload)
             except Exception as e:  # noqa: BLE001 - the job's error, not the worker's
                 result = e
-            self._cancelled(job, result)
+            deadlines.record_if_cancelled(self._metrics(), job[2], result)
             self._reply(job, result)
-
-    def _cancelled(self, job, result) -> None:
-        if isinstance(result, Cancelled):
-            deadlines.record(self._metrics(), job[2], "running", result)
 
     def _reply(self, job, result) -> None:
         entry_id, fields, kind, _ = job

@@ -289,9 +289,12 @@ class StreamManager:
                  max_held_frames: int = 100_000, max_request_indexes: int = 100_000,
                  max_computation_bytes: int | None = None,
                  max_response_bytes: int | None = None, pool=None,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None,
+                 max_recurrent_chunk_frames: int | None = None):
         """``max_bytes``: what the open streams may hold together, each counted at its
-        looped model's ``stream_bytes()`` (max_stream_bytes; None: no bound)."""
+        looped model's ``stream_bytes()`` (max_stream_bytes; None: no bound).
+        ``max_recurrent_chunk_frames``: chunks of networks with recurrence
+        (recurrent_chunk_bound; None: no bound)."""
         self.registry = registry
         self.max_bytes = max_bytes
         # the matrices every looped model's streams keep between chunks (one bound for all)
@@ -299,8 +302,7 @@ class StreamManager:
         self.max_computation_bytes = max_computation_bytes
         self.max_response_bytes = max_response_bytes
         self.max_request_indexes = max_request_indexes
-        # chunks of networks with recurrence (recurrent_chunk_bound; None: no bound)
-        self.max_recurrent_chunk_frames: int | None = None
+        self.max_recurrent_chunk_frames = max_recurrent_chunk_frames
         self.max_ivector_rows = max_ivector_rows
         self.max_held_frames = max_held_frames
         self.xp = backend

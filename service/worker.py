@@ -28,7 +28,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from engine.core.errors import Cancelled
 from service import deadlines
 from service.errors import ServiceError
 
@@ -212,16 +211,12 @@ class InProcessQueue:
             return False
         return True
 
-    def _cancelled(self, job: Job, e: BaseException) -> None:
-        if isinstance(e, Cancelled):
-            deadlines.record(self.metrics, job.kind, "running", e)
-
     def _run_one(self, job: Job) -> None:
         t0 = time.perf_counter()
         try:
             result = self.handlers[job.kind](job.started_payload())
         except Exception as e:  # noqa: BLE001 - the job's error, not the worker's
-            self._cancelled(job, e)
+            deadlines.record_if_cancelled(self.metrics, job.kind, e)
             job.future.set_exception(e)
         else:
             job.future.set_result(result)
@@ -244,7 +239,7 @@ class InProcessQueue:
             self.metrics.jobs_per_batch.labels(kind=group[0].kind).observe(len(group))
         for j, r in zip(group, results):
             if isinstance(r, BaseException):
-                self._cancelled(j, r)
+                deadlines.record_if_cancelled(self.metrics, j.kind, r)
                 j.future.set_exception(r)
             else:
                 j.future.set_result(r)

@@ -137,9 +137,9 @@ class Inferencer:
         # Kaldi's CheckAndFixConfigs: round frames-per-chunk up to a multiple of n.
         self.frames_per_chunk = n * ((options.frames_per_chunk + n - 1) // n)
         self.compiler = CachingCompiler(self.nnet, optimize=optimize)
-        # a cycle in the node graph: recurrence (data parallelism does not pay)
-        from engine.nnet.graph import graph_has_cycles, nnet_to_directed_graph  # noqa: PLC0415
-        self._recurrent = graph_has_cycles(nnet_to_directed_graph(self.nnet))
+        # recurrence: data parallelism does not pay
+        from engine.nnet.graph import has_recurrence  # noqa: PLC0415
+        self._recurrent = has_recurrence(self.nnet)
         from engine.runtime.backend import BufferPool  # noqa: PLC0415
         self.pool = BufferPool() if pool is None else pool
 
