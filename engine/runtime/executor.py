@@ -275,7 +275,10 @@ class Executor:
         if a is None:
             raise ExecutionError(f"output {name!r} (matrix m{m}) has not been computed")
         if self._bound is not None and id(a) in self._bound.inst_ids:
-            a = a.copy()        # an output in the arena (CUDA graphs): the caller's copy
+            # an output in the arena (CUDA graphs): the caller gets a copy, which the
+            # list keeps in the view's place, so that giving the arena back cannot take
+            # it (and asking again gives the same array, as for any other output)
+            a = self._matrices[m] = a.copy()
         self._handed_out.add(id(a))
         self._maybe_finish()
         return a
@@ -389,11 +392,22 @@ class Executor:
             self.pool.release(self.xp, bound.buf)
 
     def _maybe_finish(self) -> None:
-        """At the end of the commands, give the arena back (nothing in it is alive
-        any more when the layout says so; outputs are never in it)."""
-        if (self._bound is not None and self._pc >= len(self.computation.commands)
-                and self._program.layout.all_freed_at_end):
-            self._release_arena()
+        """At the end of the commands, give the arena back: when the layout says
+        nothing in it is alive any more but outputs, and every output still pending is
+        out of it (an output in the arena is copied out when asked for; with several
+        outputs at the end, those not yet asked for keep the arena)."""
+        bound = self._bound
+        if (bound is None or self._pc < len(self.computation.commands)
+                or not self._program.layout.all_freed_at_end):
+            return
+        cmds, subs, ids = self.computation.commands, self.computation.submatrices, bound.inst_ids
+        for ci in self._pending:
+            c = cmds[ci]
+            if c.command_type == CT.PROVIDE_OUTPUT:
+                a = self._matrices[subs[c.arg1].matrix_index]
+                if a is not None and id(a) in ids:
+                    return
+        self._release_arena()
 
     # -- running ---------------------------------------------------------------------------
     def _check_no_pending_io(self) -> None:

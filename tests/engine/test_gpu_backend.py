@@ -392,3 +392,37 @@ def test_attention_on_gpu_equals_numpy():
         gcomp.backprop("t", pi_gpu, cp.asarray(x), y_g, cp.asarray(dy), memo_g, None, dx_g)
         _close(f"{cfg}: output", y_g, y)
         _close(f"{cfg}: input derivative", dx_g, dx)
+
+
+def test_row_range_sums_on_gpu_add_each_range_in_order():
+    """AddRowRanges (statistics extraction and pooling) on the GPU: each range's rows
+    added in order in float32 (Kaldi's AddRowRanges) -- the bits of a sequential loop --
+    with one-row, empty and overlapping ranges, a column view as source, and large rows
+    before small ones.  CuPy's add.reduceat left one-row windows of small values a
+    rounding residue: an x-vector's stddev of a one-frame window was then noise instead
+    of sqrt(variance floor), 1e-3 off NumPy's output (seen on an H200).  NumPy's
+    reduceat is within float32 rounding of it, and gives a one-row range's row exactly."""
+    from engine.nnet.components._nonsimple_utils import add_row_ranges  # noqa: PLC0415
+    rng = np.random.default_rng(12)
+    full = rng.standard_normal((200, 41)).astype(np.float32)
+    full[:100] *= 1e4
+    src = full[:, 1:]                                   # a column view
+    begins = np.array([0, 150, 199, 10, 10, 120, 60, 3], np.int64)
+    ends = np.array([200, 151, 200, 10, 90, 199, 61, 2], np.int64)   # 10:10, 3:2 empty
+    in_order = np.zeros((8, 40), np.float32)
+    for i, (b, e) in enumerate(zip(begins, ends)):
+        for k in range(b, e):
+            in_order[i] += src[k]
+    got = cp.zeros((8, 40), dtype=cp.float32)
+    add_row_ranges(cp.asarray(full)[:, 1:], cp.asarray(begins), cp.asarray(ends), got)
+    assert np.array_equal(to_host(got), in_order)
+    on_host = np.zeros((8, 40), np.float32)
+    add_row_ranges(src, begins, ends, on_host)
+    for i in range(8):
+        scale = np.abs(src[begins[i]:ends[i]]).sum(axis=0) if ends[i] > begins[i] else 0
+        assert np.all(np.abs(on_host[i] - in_order[i]) <= 1e-6 * scale + 1e-6), i
+    for i in (1, 2, 6):                                  # one-row ranges: the row itself
+        assert np.array_equal(to_host(got)[i], src[begins[i]])
+    half = cp.zeros((8, 40), dtype=cp.float32)
+    add_row_ranges(cp.asarray(src), cp.asarray(begins), cp.asarray(ends), half, alpha=0.5)
+    assert np.array_equal(to_host(half), np.float32(0.5) * in_order)

@@ -67,6 +67,9 @@ def test_a_hook_that_never_says_stop_changes_nothing():
 
 def test_with_threads_the_stop_holds_for_every_lane(monkeypatch):
     inf = _inferencer(threads=2)
+    # lanes are CPU threads: NumPy here (NNETC_TEST_BACKEND=cupy swaps the backend, and
+    # another backend computes in one lane)
+    inf.backend = np
     assert inf.parallel_pays(2000)
     x = np.tile(X, (4, 1))
     runs = _counting(inf, monkeypatch)

@@ -38,16 +38,22 @@ from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for the component
 
 def add_row_ranges(src, begins, ends, dst, alpha: float = 1.0) -> None:
     """``dst[i] += alpha * sum(src[begins[i]:ends[i]])`` for every row i (empty ranges,
-    marked begin == end, add nothing).  Exact per-range sums (no cumulative-sum
-    cancellation) via ``add.reduceat`` on interleaved (begin, end) boundaries."""
+    marked begin == end, add nothing).  Each range's own rows are summed in the
+    source's precision, with no cumulative-sum cancellation: ``add.reduceat`` on
+    interleaved (begin, end) boundaries on NumPy (pairwise within a long range), one
+    device thread per (range, column) adding in order on CuPy (Kaldi's AddRowRanges;
+    CuPy's own ``add.reduceat`` left a one-row range of small values a rounding residue
+    of the large rows before it, seen on an H200).  A one-row range gives that row
+    itself on both, so a statistic such as the variance of a one-frame window is
+    exactly 0 on either backend."""
     xp = array_module(src)
     n = int(begins.shape[0])
     if n == 0 or src.shape[1] == 0:
         return
-    bounds = xp.empty(2 * n, dtype=np.int64)
-    bounds[0::2] = begins
-    bounds[1::2] = ends
-    if hasattr(xp.add, "reduceat"):
+    if xp is np:
+        bounds = xp.empty(2 * n, dtype=np.int64)
+        bounds[0::2] = begins
+        bounds[1::2] = ends
         rows = src.shape[0]
         last = int(bounds[-1])
         if int(bounds[:-1].max()) < rows and last <= rows:
@@ -59,18 +65,38 @@ def add_row_ranges(src, begins, ends, dst, alpha: float = 1.0) -> None:
             base = xp.concatenate([src, xp.zeros((1, src.shape[1]), dtype=src.dtype)], axis=0)
             used = bounds
         sums = xp.add.reduceat(base, used, axis=0)[0::2]
-    else:  # backends without reduceat: cumulative sums in double precision
-        cs = xp.concatenate([xp.zeros((1, src.shape[1]), dtype=np.float64),
-                             xp.cumsum(src.astype(np.float64), axis=0)], axis=0)
-        sums = (cs[ends] - cs[begins]).astype(src.dtype)
-    # reduceat returns src[b] when b >= e; empty ranges must contribute nothing.
-    empty = xp.asarray(begins) >= xp.asarray(ends)
-    if bool(empty.any()):
-        sums = xp.where(empty[:, None], xp.zeros((), dtype=src.dtype), sums)
+        # reduceat returns src[b] when b >= e; empty ranges must contribute nothing.
+        empty = xp.asarray(begins) >= xp.asarray(ends)
+        if bool(empty.any()):
+            sums = xp.where(empty[:, None], xp.zeros((), dtype=src.dtype), sums)
+    else:
+        sums = _range_sums_on_device(xp, src, begins, ends)
     if alpha == 1.0:
         dst += sums
     else:
         dst += alpha * sums
+
+
+_RANGE_SUM_KERNELS: dict = {}
+
+
+def _range_sums_on_device(xp, src, begins, ends):
+    """Per-range sums on a device backend (CuPy): a kernel whose thread
+    for (range r, column c) adds rows begins[r] .. ends[r]-1 of column c in order."""
+    kernel = _RANGE_SUM_KERNELS.get(xp)
+    if kernel is None:
+        kernel = _RANGE_SUM_KERNELS[xp] = xp.ElementwiseKernel(
+            "raw T src, raw int64 begins, raw int64 ends, int64 cols", "T sums",
+            """const ptrdiff_t r = i / cols, c = i % cols;
+               T s = 0;
+               for (ptrdiff_t k = begins[r]; k < ends[r]; ++k) s += src[k * cols + c];
+               sums = s;""",
+            "nnetc_row_range_sums")
+    src = xp.ascontiguousarray(src)
+    sums = xp.empty((int(begins.shape[0]), int(src.shape[1])), dtype=src.dtype)
+    kernel(src, xp.asarray(begins, dtype=np.int64), xp.asarray(ends, dtype=np.int64),
+           int(src.shape[1]), sums)
+    return sums
 
 
 # --------------------------------------------------------------------------------------
