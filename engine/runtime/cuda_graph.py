@@ -37,7 +37,6 @@ name.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from itertools import islice
 
@@ -49,11 +48,11 @@ from engine.runtime.arena import _LIST_OPS
 
 log = logging.getLogger(__name__)
 
-# Graphs on unless NNETC_CUDA_GRAPHS=0 (tests also switch them off to compare with eager
-# runs).  Off is for callers that compute on the GPU from short-lived threads: a thread
-# that used CuPy ending while another captures can crash the process (engine/README.md,
-# Runtime, "Known defect").
-ENABLED = os.environ.get("NNETC_CUDA_GRAPHS", "1").strip() not in ("0", "false", "off", "no")
+# Graphs on; set False to run every command eagerly (tests do, to compare with eager runs).
+# Off is for callers that compute on the GPU from short-lived threads: a thread that used
+# CuPy ending while another captures can crash the process (engine/README.md, Runtime,
+# "Known defect").
+ENABLED = True
 CAPTURE_ON_RUN = 2      # the run of a segment that is captured
 
 _NOT_IN_GRAPHS = (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE, CT.COMPRESS_MATRIX,

@@ -1341,19 +1341,3 @@ def test_arena_scatter_of_to_rows_multi_equals_the_per_matrix_form(add, alpha, n
     twice = K.make_matrix_multi_plan(np, comp, pairs[:-1] + [pairs[0]], None, scatter=True)
     assert K.arena_rows_scatter(src, twice, got_mats, got_arena) is None
 
-
-@pytest.mark.parametrize("value,enabled", [(None, True), ("1", True), ("0", False),
-                                           ("off", False)])
-def test_cuda_graphs_switched_by_the_environment(value, enabled):
-    """NNETC_CUDA_GRAPHS=0 turns CUDA graphs off (engine/README: the thread-exit defect),
-    read when the engine is imported."""
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-    env = {k: v for k, v in os.environ.items() if k != "NNETC_CUDA_GRAPHS"}
-    if value is not None:
-        env["NNETC_CUDA_GRAPHS"] = value
-    out = subprocess.run([sys.executable, "-c",
-                          "from engine.runtime import cuda_graph; print(cuda_graph.ENABLED)"],
-                         env=env, capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.strip() == str(enabled)
