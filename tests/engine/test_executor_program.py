@@ -326,12 +326,12 @@ class OutputsInArenaExecutor(Executor):
 
     def _get_program(self):
         from engine.runtime import cuda_graph  # noqa: PLC0415
-        real = cuda_graph.usable, cuda_graph.run_segment
+        real = cuda_graph.usable
         cuda_graph.usable = lambda ex, plans: True
         try:
             return super()._get_program()
         finally:
-            cuda_graph.usable = real[0]
+            cuda_graph.usable = real
 
     def run(self) -> None:
         from engine.runtime import cuda_graph  # noqa: PLC0415

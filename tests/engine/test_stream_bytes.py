@@ -54,7 +54,11 @@ def _device_bytes(xp):
     if xp is np:
         return lambda: 0
     pool = xp.get_default_memory_pool()
-    return lambda: (xp.cuda.Device().synchronize(), pool.used_bytes())[1]
+
+    def in_use() -> int:
+        xp.cuda.Device().synchronize()
+        return pool.used_bytes()
+    return in_use
 
 
 @pytest.mark.parametrize("config,fpc", [(TDNN_PLAIN, 20), (TDNN_PLAIN, 1000),
