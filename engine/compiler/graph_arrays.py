@@ -221,7 +221,16 @@ class ArrayGraphBuild:
         mg = self.margin
         lo = [int(lo[0]) - mg[0], int(lo[1]) - mg[1], int(lo[2]) - mg[2]]
         hi = [int(hi[0]) + mg[0], int(hi[1]) + mg[1], int(hi[2]) + mg[2]]
-        pad = max(16, (hi[1] - lo[1]) // 2)
+        # room to grow in t: half the span on each side, less when that would take the
+        # table past its limit (a statistics pooling window of 10000 frames spans the
+        # table that far ahead of the data: padded by half, eight sequences of the
+        # x-vector network no longer fit; a cindex that later falls outside the table
+        # grows it, _regrow)
+        per_t = self.num_nodes * (hi[0] - lo[0] + 1) * (hi[2] - lo[2] + 1)
+        t_span = hi[1] - lo[1] + 1
+        pad = max(16, (t_span - 1) // 2)
+        if per_t * (t_span + 2 * pad) > self.max_cells:
+            pad = max(0, (self.max_cells // per_t - t_span) // 2)
         lo[1] -= pad
         hi[1] += pad
         span = [self.num_nodes, hi[0] - lo[0] + 1, hi[1] - lo[1] + 1, hi[2] - lo[2] + 1]

@@ -220,3 +220,68 @@ def test_an_error_in_a_long_line_quotes_only_its_start():
         Nnet.from_config("input-node name=input dim=2\n" + line + "\n")
     msg = str(e.value)
     assert len(msg) < 600 and f"of {len(line)} characters" in msg and ":2:" in msg
+
+
+# An x-vector-like network: statistics pooling looks 10000 frames ahead of each output
+# (Kaldi's `stats-layer config=mean+stddev(0:1:1:10000)`), so the graph builder's
+# table spans that far in t whatever the data.
+_XVECTOR_LIKE = """
+input-node name=input dim=6
+component name=a1 type=AffineComponent input-dim=18 output-dim=8
+component name=r1 type=RectifiedLinearComponent dim=8
+component name=a2 type=AffineComponent input-dim=8 output-dim=8
+component name=r2 type=RectifiedLinearComponent dim=8
+component name=extract type=StatisticsExtractionComponent input-dim=8 input-period=1 output-period=1 include-variance=true
+component name=pool type=StatisticsPoolingComponent input-dim=17 input-period=1 left-context=0 right-context=10000 num-log-count-features=0 output-stddevs=true variance-floor=1e-10
+component name=out type=AffineComponent input-dim=16 output-dim=3
+component-node name=a1 component=a1 input=Append(Offset(input, -1), input, Offset(input, 1))
+component-node name=r1 component=r1 input=a1
+component-node name=a2 component=a2 input=r1
+component-node name=r2 component=r2 input=a2
+component-node name=extract component=extract input=r2
+component-node name=pool component=pool input=extract
+component-node name=out component=out input=Round(pool, 1)
+output-node name=output input=out
+"""
+
+
+def test_a_long_pooling_window_fits_the_dense_table_unpadded(monkeypatch):
+    """Variable-length sequences (not decomposable: no shortcut) through statistics
+    pooling over 10000 frames ahead: the table spans ~10000 t values per node and
+    sequence, over the cell limit once padded by half its span for growth.  The
+    padding shrinks to what fits instead of the array build giving up (which left the
+    per-cindex build to run into its cindex limit: 8 x-vector utterances of up to 150
+    frames were refused that way, after 5-15 s); the outputs are those of each
+    sequence computed alone."""
+    nnet = Nnet.from_config(_XVECTOR_LIKE, rng=np.random.default_rng(3))
+    lens = [12, 9, 7]
+    # 3 sequences x 16 graph nodes x ~10030 t values: ~480,000 cells unpadded, ~960,000
+    # with the usual padding; a limit between the two
+    monkeypatch.setattr(graph_arrays, "MAX_TABLE_CELLS", 700_000)
+    rows = [Index(n, t, 0) for n, n_len in enumerate(lens) for t in range(n_len)]
+    outs = [Index(n, t, 0) for n, n_len in enumerate(lens) for t in range(1, n_len - 1)]
+    req = ComputationRequest([IoSpecification("input", rows)],
+                             [IoSpecification("output", outs)])
+    seen = []
+    real = graph_arrays.ArrayGraphBuild._make_table
+
+    def make_table(self, lo, hi, coords):
+        real(self, lo, hi, coords)
+        seen.append(len(self.table))
+    monkeypatch.setattr(graph_arrays.ArrayGraphBuild, "_make_table", make_table)
+    comp = optimize(compile_computation(nnet, [req]), nnet, request=req)
+    # the wide table was made (had the array build given up, the per-cindex build would
+    # have made the graph, and the last table would be the first, small one)
+    assert len(seen) >= 2 and 450_000 < seen[-1] <= 700_000
+    x = np.random.default_rng(4).standard_normal((len(rows), 6)).astype(np.float32)
+    got = run_computation(comp, nnet, {"input": x})[0]["output"]
+    start = 0
+    for n, n_len in enumerate(lens):
+        one = ComputationRequest([IoSpecification("input", [Index(0, t, 0) for t in range(n_len)])],
+                                 [IoSpecification("output", [Index(0, t, 0)
+                                                             for t in range(1, n_len - 1)])])
+        alone = run_computation(compile_computation(nnet, [one]), nnet,
+                                {"input": x[start:start + n_len]})[0]["output"]
+        o0 = sum(k - 2 for k in lens[:n])
+        np.testing.assert_allclose(got[o0:o0 + n_len - 2], alone, rtol=1e-5, atol=1e-5)
+        start += n_len
