@@ -56,6 +56,7 @@ from engine.compiler.array_ops import (column_bounds, distinct as _distinct, row
                                       rows_count)
 from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, DEPS_IDENTITY,
                                          DEPS_NONE, DEPS_OFFSETS, INPUT, CindexTable)
+from engine.compiler.graph_intervals import build_intervals
 from engine.core.errors import ComponentError
 from engine.core.index import Index, index_rows
 
@@ -1310,6 +1311,12 @@ def build_arrays(builder, request, max_sweeps: int):
     (what ComputationGraph.append_arrays takes; the table covers the graph's
     cindexes after that), or None when the array build does not apply
     (builder.array_status says why)."""
+    result = build_intervals(builder, request)
+    if result is not None:
+        builder.array_status = "used"
+        builder.array_method = "intervals"
+        return result
+    builder.array_method = "sweeps"
     try:
         result = ArrayGraphBuild(builder, request, max_sweeps).run()
     except GiveUp as e:

@@ -164,12 +164,15 @@ output-node name=output input=o
 """
 
 
-def test_graph_chains_kept_with_the_table_and_remade_on_edit():
+def test_graph_chains_kept_with_the_table_and_remade_on_edit(monkeypatch):
     """The array graph builder's chains (graph_arrays._chains: nodes read by one
     node only, expanded with their reader) live with the NodeTable: an edit that
     gives a chain node a second reader makes a new table whose chains stop there,
-    and the computation is what a fresh network gives."""
+    and the computation is what a fresh network gives.  (The interval build, which
+    takes this network's requests, is switched off: its plan is the next test's.)"""
+    import engine.compiler.graph_intervals as gi
     from engine.compiler.graph_arrays import _chains
+    monkeypatch.setattr(gi, "ENABLED", False)
     nnet = Nnet.from_config(CHAIN_NET)
     req = _request(deriv=False)
     before = _data(nnet, req)
@@ -190,3 +193,24 @@ def test_graph_chains_kept_with_the_table_and_remade_on_edit():
     assert after == _fresh(nnet, req2)
     assert _data(nnet, req) == _fresh(nnet, req)
     assert before["commands"] == _data(nnet, req)["commands"]
+
+
+def test_graph_interval_plan_kept_with_the_table_and_remade_on_edit():
+    """The interval graph build's plan (graph_intervals.plan_for) lives with the
+    NodeTable: made once, and made again for the new table after an edit (here a
+    second reader of a node), the computation being what a fresh network gives."""
+    from engine.compiler.graph_intervals import plan_for
+    nnet = Nnet.from_config(CHAIN_NET)
+    req = _request(deriv=False)
+    _data(nnet, req)
+    t1 = node_table_for(nnet)
+    plan1 = t1.extra["graph_interval_plan"]
+    assert plan1 is not None and plan_for(t1) is plan1
+    nnet.read_config("output-node name=output2 input=r")
+    t2 = node_table_for(nnet)
+    assert t2 is not t1 and "graph_interval_plan" not in t2.extra
+    req2 = ComputationRequest(req.inputs, req.outputs + [IoSpecification(
+        "output2", [Index(0, t, 0) for t in range(0, 8)], False)])
+    assert _data(nnet, req2) == _fresh(nnet, req2)
+    plan2 = t2.extra["graph_interval_plan"]
+    assert plan2 is not None and plan2 is not plan1

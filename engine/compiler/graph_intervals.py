@@ -1,0 +1,603 @@
+"""Kaldi's ComputationGraphBuilder Compute + Prune (nnet-computation-graph.cc) for
+the commonest requests on the commonest networks, by interval arithmetic.
+
+When it applies.  Every input of every node is the node's own Index with t mapped by
+``t + b`` (Offset in t) or set to a constant (ReplaceIndex(..., t, v)), n and x
+unchanged, combined by Append and Sum, possibly inside IfDefined, with Const()s;
+components need all their inputs; a recurrence goes through IfDefined (no Failover,
+no IfDefined around a Sum).  The request is one segment on an empty graph, and each
+of its inputs and outputs is a whole grid: every n of one range (the same range for
+all of them), every t of a range, one x (the same for all), each Index once; inputs
+are on input nodes.  That covers chunk requests (offline or online, batched, with
+or without i-vectors) on TDNN, TDNN-F, LSTM, BLSTM and GRU networks, and the
+two-sequence request of shortcut compilation on them.
+
+Why it is exact.  A cindex is computable exactly when its required (not IfDefined)
+inputs are, so each node is computable on one t range: the supplied range on
+inputs, the intersection of its required inputs' ranges mapped back elsewhere
+(sources of required inputs first; a cycle of required inputs is not planned).
+Kaldi's pruned graph holds the cindexes reachable from the requested outputs
+through used dependencies (a required input always, an IfDefined one where it is
+computable), all computable when the outputs are.  Each node's t set is therefore
+the union of what its readers ask of it, mapped through the (monotone) t maps and,
+for IfDefined inputs, cut to the computable range: consumers first, strongly
+connected component by component, a recurrence iterated to its fixed point (in
+jumps: once two rounds grow every range alike, the growth goes on alike until a
+range meets its computable bound).  Where a t set is not one interval (a gap
+between two Offsets' ranges), an input needed is not supplied, something asked for
+is not computable or a recurrence does not stop, this module declines and the
+array build (engine.compiler.graph_arrays) or Kaldi's own algorithm decides, as
+before (they also report the errors).  Ids are Kaldi's canonical ones as the array
+build makes them: the inputs in request order, then the rest sorted by (node, t,
+x, n); each cindex's dependencies are its distinct used input ids, sorted.  The
+work is a few operations per node in plain Python and a fixed number of
+whole-array operations, instead of the array build's sweeps of lookups per node.
+
+tests/engine/test_graph_intervals.py compares it with the array build and with
+Kaldi's per-cindex algorithm on random networks and requests, the compiler
+reference networks, the xconfig networks of tests/data/inference, recurrences
+of several shifts and the reference models' chunk requests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.compiler.graph_nodes import (DEPS_DESCRIPTOR, DEPS_IDENTITY, DEPS_OFFSETS, INPUT,
+                                         CindexTable)
+from engine.core.index import index_rows
+from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor,
+                                     OffsetForwardingDescriptor,
+                                     OptionalSumDescriptor, ReplaceIndexForwardingDescriptor,
+                                     RoundingForwardingDescriptor, SimpleForwardingDescriptor,
+                                     SimpleSumDescriptor, SumOp)
+
+# Switch for tests and profiling (the array build is used where this is off).
+ENABLED = True
+
+_PLAN_KEY = "graph_interval_plan"
+_NO_PLAN = ("no plan",)
+
+
+class _Plan:
+    """Per network (kept with its NodeTable): per node, its inputs as (source node,
+    a, b, optional) with the source's t = a * t + b (a is 1 or 0; optional: inside
+    IfDefined), distinct, or None for input nodes; the nodes in an order where the
+    sources of required inputs come first (for computability); and the strongly
+    connected components consumers first, each as (nodes consumers first, whether
+    it is a cycle)."""
+
+    __slots__ = ("slots", "is_input", "has_optional", "required_first", "sccs", "scc_of",
+                 "margin", "num_nodes")
+
+    def __init__(self, slots, is_input, has_optional, required_first, sccs, scc_of, margin,
+                 num_nodes) -> None:
+        self.slots = slots
+        self.is_input = is_input
+        self.has_optional = has_optional
+        self.required_first = required_first
+        self.sccs = sccs
+        self.scc_of = scc_of
+        self.margin = margin
+        self.num_nodes = num_nodes
+
+
+def _t_map(fd) -> tuple[int, int, int] | None:
+    """(source node, a, b) of a forwarding descriptor that maps Index (n, t, x) to
+    (node, (n, a * t + b, x)), else None."""
+    a, b = 1, 0
+    while True:
+        kind = type(fd)
+        if kind is SimpleForwardingDescriptor:
+            return fd.node_index, a, b
+        if kind is OffsetForwardingDescriptor:
+            o = fd.offset
+            if o.n or o.x:
+                return None
+            b += o.t
+        elif kind is ReplaceIndexForwardingDescriptor:
+            if fd.variable != "t":
+                return None
+            a, b = 0, fd.value
+        elif kind is RoundingForwardingDescriptor:
+            m = fd.t_modulus
+            if m != 1:
+                if a:
+                    return None
+                b = b // m * m
+        else:
+            return None
+        fd = fd.src
+
+
+def _positions(sd, out: list) -> bool:
+    """Append (forwarding descriptor, optional) for each input of a descriptor part
+    made of Sum()s of inputs, IfDefined(input)s and Const()s; False for anything
+    else (Failover, IfDefined of a Sum)."""
+    kind = type(sd)
+    if kind is SimpleSumDescriptor:
+        out.append((sd.src, False))
+        return True
+    if kind is OptionalSumDescriptor:
+        if type(sd.src) is not SimpleSumDescriptor:
+            return False
+        out.append((sd.src.src, True))
+        return True
+    if kind is BinarySumDescriptor and sd.op == SumOp.SUM:
+        return _positions(sd.src1, out) and _positions(sd.src2, out)
+    # a constant is computable everywhere and reads nothing
+    return kind is ConstantSumDescriptor
+
+
+def _node_maps(nodes, v: int) -> list | None:
+    mode = nodes.deps_mode[v]
+    if mode in (DEPS_IDENTITY, DEPS_OFFSETS):
+        sh = nodes.shifts[v]
+        if sh is None or any(dn or dx for _, dn, _, dx in sh):
+            return None
+        return [(p, 1, dt, False) for p, _, dt, _ in sh]
+    if mode != DEPS_DESCRIPTOR or nodes.fast[v] is None:
+        return None
+    found: list = []
+    for part in nodes.descriptor[v].parts:
+        if not _positions(part, found):
+            return None
+    maps = []
+    for fd, optional in found:
+        m = _t_map(fd)
+        if m is None:
+            return None
+        maps.append((*m, optional))
+    return maps or None
+
+
+def _make_plan(nodes) -> _Plan | None:
+    num = len(nodes.kind)
+    slots: list = []
+    is_input: list = []
+    for v in range(num):
+        if nodes.kind[v] == INPUT:
+            slots.append(None)
+            is_input.append(True)
+            continue
+        is_input.append(False)
+        maps = _node_maps(nodes, v)
+        if maps is None:
+            return None
+        slots.append(tuple(dict.fromkeys(maps)))
+    has_optional = any(sl is not None and any(m[3] for m in sl) for sl in slots)
+    # sources of required inputs first (Kahn); a cycle of required inputs (a
+    # recurrence without IfDefined) is not planned
+    users: list = [[] for _ in range(num)]
+    missing = [0] * num
+    for v, sl in enumerate(slots):
+        for src in {m[0] for m in sl or () if not m[3]}:
+            users[src].append(v)
+            missing[v] += 1
+    ready = [v for v in range(num) if not missing[v]]
+    required_first = []
+    while ready:
+        v = ready.pop()
+        required_first.append(v)
+        for u in users[v]:
+            missing[u] -= 1
+            if not missing[u]:
+                ready.append(u)
+    if len(required_first) < num:
+        return None
+    # strongly connected components (Kaldi's epochs), consumers first
+    epochs = nodes.epochs
+    sccs: list = []
+    scc_of = [0] * num
+    for v in reversed(nodes.order):
+        if sccs and epochs[sccs[-1][0][0]] == epochs[v]:
+            sccs[-1][0].append(v)
+        else:
+            sccs.append(([v], False))
+        scc_of[v] = len(sccs) - 1
+    sccs = [(members, len(members) > 1 or any(m[0] == members[0]
+                                               for m in slots[members[0]] or ()))
+            for members, _ in sccs]
+    return _Plan(slots, is_input, has_optional, required_first, sccs, scc_of,
+                 tuple(nodes.margin), num)
+
+
+def plan_for(nodes) -> _Plan | None:
+    """The network's plan (None when the network is not one this module handles),
+    made once per NodeTable."""
+    extra = nodes.extra
+    plan = extra.get(_PLAN_KEY, _NO_PLAN)
+    if plan is _NO_PLAN:
+        plan = extra[_PLAN_KEY] = _make_plan(nodes)
+    return plan
+
+
+def _grid(rows: np.ndarray):
+    """(n_lo, n_hi, t_lo, t_hi, x, position of each grid cell (t - t_lo) * num_n +
+    (n - n_lo) in ``rows``) when ``rows`` (n, t, x) are a whole grid, each Index
+    once; else None."""
+    lo, hi = rows.min(0).tolist(), rows.max(0).tolist()
+    if lo[2] != hi[2]:
+        return None
+    num_n = hi[0] - lo[0] + 1
+    num = len(rows)
+    if num_n * (hi[1] - lo[1] + 1) != num:
+        return None
+    if num_n == 1:
+        cell = rows[:, 1] - lo[1]
+    else:
+        cell = (rows[:, 1] - lo[1]) * num_n + (rows[:, 0] - lo[0])
+    pos = np.full(num, -1, dtype=np.int64)
+    pos[cell] = np.arange(num)
+    if pos.min() < 0:
+        return None          # an Index repeated (so another is missing)
+    return lo[0], hi[0], lo[1], hi[1], lo[2], pos
+
+
+_INF = 1 << 60
+# Rounds over a recurrence before declining (with the jumps below, a recurrence
+# takes a handful).
+_MAX_ROUNDS = 64
+
+
+def _computable(plan: _Plan, supplied: dict) -> list:
+    """Per node, the t range [lo, hi) where its cindexes are computable (None:
+    nowhere; unbounded sides are -_INF, _INF): the supplied range on inputs, the
+    intersection of what the required inputs allow elsewhere (IfDefined inputs
+    never make a cindex not computable)."""
+    slots = plan.slots
+    comp: list = [None] * plan.num_nodes
+    for v in plan.required_first:
+        sl = slots[v]
+        if sl is None:
+            got = supplied.get(v)
+            if got is not None:
+                comp[v] = (got[2][2], got[2][3] + 1)
+            continue
+        lo, hi = -_INF, _INF
+        for src, a, b, optional in sl:
+            if optional:
+                continue
+            cs = comp[src]
+            if cs is None:
+                lo = _INF
+                break
+            if a:
+                if cs[0] - b > lo:
+                    lo = cs[0] - b
+                if cs[1] - b < hi:
+                    hi = cs[1] - b
+            elif not cs[0] <= b < cs[1]:
+                lo = _INF
+                break
+        if lo < hi:
+            comp[v] = (lo, hi)
+    return comp
+
+
+def _merge(ivs: list):
+    """The union of intervals [lo, hi) as one interval, or None when there is a gap."""
+    if len(ivs) == 1:
+        return ivs[0]
+    ivs.sort()
+    lo, hi = ivs[0]
+    for a, b in ivs[1:]:
+        if a > hi:
+            return None
+        if b > hi:
+            hi = b
+    return lo, hi
+
+
+def _spans(plan: _Plan, demand: list, comp, supplied: dict) -> list | None:
+    """Per node, the t range [lo, hi) of its cindexes in the pruned graph (None: no
+    cindexes), from ``demand`` (the outputs' ranges), or None when some node's t
+    set is not one range, an input needed is not supplied, or something asked
+    for is not computable.  Consumers first, strongly connected component by
+    component; a recurrence (through IfDefined) is iterated to its fixed point."""
+    slots, is_input = plan.slots, plan.is_input
+    span: list = [None] * plan.num_nodes
+    scc_of = plan.scc_of
+
+    def push(v: int, lo: int, hi: int, inside: int) -> None:
+        # the ranges v asks of its inputs (only those inside SCC ``inside`` when
+        # inside >= 0, only those outside it otherwise)
+        for src, a, b, optional in slots[v]:
+            if inside >= 0:
+                if scc_of[src] != inside:
+                    continue
+            elif inside == -2 and scc_of[src] == scc_of[v]:
+                continue
+            if a:
+                lo2, hi2 = lo + b, hi + b
+            else:
+                lo2, hi2 = b, b + 1
+            if optional:
+                cs = comp[src]
+                if cs is None:
+                    continue
+                if cs[0] > lo2:
+                    lo2 = cs[0]
+                if cs[1] < hi2:
+                    hi2 = cs[1]
+                if lo2 >= hi2:
+                    continue
+            d = demand[src]
+            if d is None:
+                demand[src] = [(lo2, hi2)]
+            else:
+                d.append((lo2, hi2))
+
+    for index, (members, cyclic) in enumerate(plan.sccs):
+        if not cyclic:
+            v = members[0]
+            ivs = demand[v]
+            if ivs is None:
+                continue
+            got = _merge(ivs)
+            if got is None:
+                return None
+            span[v] = got
+            if not is_input[v]:
+                push(v, got[0], got[1], -1)
+            continue
+        # a recurrence: rounds until nothing grows; when two rounds in a row grow
+        # every range by the same amounts, the ranges go on so until one reaches
+        # its computable bound, and that many rounds are taken at once
+        last = None
+        jumped = False
+        for _ in range(_MAX_ROUNDS):
+            before = [span[v] for v in members]
+            for v in members:
+                ivs = demand[v]
+                if ivs is None:
+                    continue
+                got = _merge(ivs)
+                if got is None:
+                    return None
+                span[v] = got
+                demand[v] = [got]
+                push(v, got[0], got[1], index)
+            after = [span[v] for v in members]
+            if after == before and not jumped:
+                # (each node asked its inputs for what its range was, and every
+                # such request was taken in: a fixed point; after a jump, the
+                # requests from the new ranges are taken in by the next round)
+                break
+            jumped = False
+            if None in before or None in after:
+                last = None
+                continue
+            step = [(q[0] - p[0], q[1] - p[1]) for p, q in zip(before, after)]
+            if step == last:
+                k = _INF
+                for v, (dl, dh) in zip(members, step):
+                    lo, hi = span[v]
+                    cs = comp[v] if comp is not None else None
+                    if cs is None:
+                        return None
+                    if dl < 0:
+                        if cs[0] <= -_INF:
+                            return None      # grows without bound (Kaldi loops)
+                        k = min(k, (lo - cs[0]) // -dl)
+                    if dh > 0:
+                        if cs[1] >= _INF:
+                            return None
+                        k = min(k, (cs[1] - hi) // dh)
+                k -= 1
+                if k >= 1:
+                    for v, (dl, dh) in zip(members, step):
+                        lo, hi = span[v]
+                        got = (lo + k * dl, hi + k * dh)
+                        span[v] = got
+                        demand[v].append(got)
+                    jumped = True
+                last = None
+            else:
+                last = step
+        else:
+            return None
+        for v in members:
+            if span[v] is not None and not is_input[v]:
+                push(v, span[v][0], span[v][1], -2)
+    # inputs needed must be supplied; with IfDefined, every range must be
+    # computable (the outputs' ranges are what could fail)
+    for v, got in enumerate(span):
+        if got is None:
+            continue
+        if is_input[v]:
+            sup = supplied.get(v)
+            if sup is None or got[0] < sup[2][2] or got[1] > sup[2][3] + 1:
+                return None
+        elif comp is not None:
+            cs = comp[v]
+            if cs is None or got[0] < cs[0] or got[1] > cs[1]:
+                return None
+    return span
+
+
+def build_intervals(builder, request):
+    """(coords, is_input, dep_ptr, dep_idx, table) of the request's segment, as
+    engine.compiler.graph_arrays.build_arrays gives them, or None where this
+    module does not apply (the module docstring says when)."""
+    if not ENABLED or len(builder.graph):
+        return None
+    nodes = builder.nodes
+    plan = plan_for(nodes)
+    if plan is None:
+        return None
+    nnet = builder.nnet
+    is_input = plan.is_input
+    shape = None
+    # supplied inputs: node, rows, grid
+    supplied: dict[int, tuple] = {}
+    in_rows: list = []
+    for spec in request.inputs:
+        v = nnet.get_node_index(spec.name)
+        if v < 0 or not is_input[v] or v in supplied or not spec.indexes:
+            return None
+        rows = index_rows(spec.indexes)
+        g = _grid(rows)
+        if g is None or (shape is not None and g[:2] + g[4:5] != shape):
+            return None
+        shape = g[:2] + g[4:5]
+        supplied[v] = (len(in_rows), rows, g)
+        in_rows.append(rows)
+    demand: list = [None] * plan.num_nodes
+    for spec in request.outputs:
+        v = nnet.get_node_index(spec.name)
+        if v < 0 or is_input[v] or demand[v] is not None or not spec.indexes:
+            return None
+        g = _grid(index_rows(spec.indexes))
+        if g is None or (shape is not None and g[:2] + g[4:5] != shape):
+            return None
+        shape = g[:2] + g[4:5]
+        demand[v] = [(g[2], g[3] + 1)]
+    if shape is None or not supplied:
+        return None
+    n_lo, n_hi, x0 = shape
+    num_n = n_hi - n_lo + 1
+    comp = _computable(plan, supplied) if plan.has_optional else None
+    span = _spans(plan, demand, comp, supplied)
+    if span is None:
+        return None
+    slots = plan.slots
+    # ids: the inputs in request order, then node by node (t, then n)
+    base = sum(len(r) for r in in_rows)
+    rest = [v for v in range(plan.num_nodes) if span[v] is not None and not is_input[v]]
+    lens = [(span[v][1] - span[v][0]) * num_n for v in rest]
+    start: dict[int, int] = {}
+    # the grid of every node read, end to end: per node, where its cells start in
+    # ``cells`` and its lowest t (cell (t - lo) * num_n + (n - n_lo))
+    goff: dict[int, int] = {}
+    glo: dict[int, int] = {}
+    parts = []
+    at = 0
+    for v, (k, rows, g) in supplied.items():
+        goff[v], glo[v] = at, g[2]
+        off = sum(len(r) for r in in_rows[:k])
+        parts.append(g[5] + off if off else g[5])
+        at += len(rows)
+    pos = 0
+    for v, m in zip(rest, lens):
+        start[v] = pos
+        goff[v], glo[v] = at + pos, span[v][0]
+        pos += m
+    rest_total = pos
+    total = base + rest_total
+    parts.append(np.arange(base, total, dtype=np.int64))
+    cells = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    # coords of the rest
+    lens_arr = np.array(lens, dtype=np.int64)
+    rel = np.arange(rest_total, dtype=np.int64)
+    row_node = np.repeat(np.array(rest, dtype=np.int64), lens_arr)
+    within = rel - np.repeat(np.array([start[v] for v in rest], dtype=np.int64), lens_arr)
+    coords = np.empty((total, 4), dtype=np.int64)
+    if base:
+        coords[:base, 0] = np.repeat(np.array(list(supplied), dtype=np.int64),
+                                     [len(r) for r in in_rows])
+        coords[:base, 1:] = np.concatenate(in_rows) if len(in_rows) > 1 else in_rows[0]
+    coords[base:, 0] = row_node
+    t_lo = np.repeat(np.array([span[v][0] for v in rest], dtype=np.int64), lens_arr)
+    if num_n == 1:
+        coords[base:, 1] = n_lo
+        coords[base:, 2] = t_lo + within
+    else:
+        coords[base:, 1] = within % num_n + n_lo
+        coords[base:, 2] = t_lo + within // num_n
+    coords[base:, 3] = x0
+    # dependencies: per input (slot) of every node, one block of edges; a slot
+    # (src, 1, b) reads cell goff[src] + (lo + b - glo[src]) * num_n + within, a
+    # slot (src, 0, b) cell goff[src] + (b - glo[src]) * num_n + within % num_n
+    sh_c, sh_s, sh_m = [], [], []        # shift slots: cell base, first row, rows
+    rp_c, rp_s, rp_m = [], [], []        # replace slots
+    for v, m in zip(rest, lens):
+        lo, hi = span[v]
+        s = start[v]
+        for src, a, b, optional in slots[v]:
+            if a:
+                t0, t1 = lo, hi
+                if optional:
+                    # the rows whose input is computable (an interval)
+                    cs = comp[src]
+                    if cs is None:
+                        continue
+                    if cs[0] - b > t0:
+                        t0 = cs[0] - b
+                    if cs[1] - b < t1:
+                        t1 = cs[1] - b
+                    if t0 >= t1:
+                        continue
+                sh_c.append(goff[src] + (t0 + b - glo[src]) * num_n)
+                sh_s.append(s + (t0 - lo) * num_n)
+                sh_m.append((t1 - t0) * num_n)
+            else:
+                if optional:
+                    cs = comp[src]
+                    if cs is None or not cs[0] <= b < cs[1]:
+                        continue
+                rp_c.append(goff[src] + (b - glo[src]) * num_n)
+                rp_s.append(s)
+                rp_m.append(m)
+    src_parts, dst_parts = [], []
+    for c, s, m, shift in ((sh_c, sh_s, sh_m, True), (rp_c, rp_s, rp_m, False)):
+        if not c:
+            continue
+        m_arr = np.array(m, dtype=np.int64)
+        num_e = int(m_arr.sum())
+        first = np.cumsum(m_arr) - m_arr
+        k = np.arange(num_e, dtype=np.int64) - np.repeat(first, m_arr)   # row within node
+        row = k + np.repeat(np.array(s, dtype=np.int64), m_arr)
+        if shift:
+            cell = k + np.repeat(np.array(c, dtype=np.int64), m_arr)
+        else:
+            cell = (k % num_n if num_n > 1 else 0) + np.repeat(np.array(c, dtype=np.int64),
+                                                                m_arr)
+        src_parts.append(row)
+        dst_parts.append(cells[cell])
+    if src_parts:
+        src = np.concatenate(src_parts) if len(src_parts) > 1 else src_parts[0]
+        dst = np.concatenate(dst_parts) if len(dst_parts) > 1 else dst_parts[0]
+        key = (src + base) * total + dst
+        key.sort()
+        if len(key) > 1 and (key[1:] == key[:-1]).any():
+            key = np.unique(key)
+        src = key // total
+        dst = key - src * total
+        ptr = np.zeros(total + 1, dtype=np.int64)
+        np.cumsum(np.bincount(src, minlength=total), out=ptr[1:])
+    else:
+        ptr, dst = np.zeros(total + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    flags = np.zeros(total, dtype=bool)
+    flags[:base] = True
+    return coords, flags, ptr, dst, _table(plan, coords, span, supplied, shape)
+
+
+def _table(plan: _Plan, coords: np.ndarray, span: list, supplied: dict, shape: tuple
+           ) -> CindexTable:
+    """The graph's lookup table (dense, with the network's margins), made from the
+    ranges known here rather than from the coordinates."""
+    n_lo, n_hi, x0 = shape
+    t_lo = min([sp[0] for sp in span if sp is not None]
+               + [g[2] for _, _, g in supplied.values()])
+    t_hi = max([sp[1] - 1 for sp in span if sp is not None]
+               + [g[3] for _, _, g in supplied.values()])
+    mg = plan.margin
+    lo = [n_lo - mg[0], t_lo - mg[1], x0 - mg[2]]
+    hi = [n_hi + mg[0], t_hi + mg[1], x0 + mg[2]]
+    stride_t = hi[2] - lo[2] + 1
+    stride_n = (hi[1] - lo[1] + 1) * stride_t
+    stride_node = (hi[0] - lo[0] + 1) * stride_n
+    cells = plan.num_nodes * stride_node
+    num = len(coords)
+    if cells > max(CindexTable.MAX_DENSE, 8 * num):
+        return CindexTable(coords, plan.num_nodes, plan.margin)
+    keys = (coords[:, 0] * stride_node + coords[:, 1] * stride_n + coords[:, 2] * stride_t
+            + (x0 - lo[2] - lo[0] * stride_n - lo[1] * stride_t))
+    table = np.full(cells, -1, dtype=np.int64)
+    table[keys] = np.arange(num, dtype=np.int64)
+    return CindexTable.from_dense(table, lo, hi, (stride_n, stride_t, stride_node), keys,
+                                  plan.margin)
+
+
+__all__ = ["build_intervals", "plan_for", "ENABLED"]

@@ -1,0 +1,270 @@
+"""engine.compiler.graph_intervals (the graph build by interval arithmetic) gives
+exactly the graph of the array build (engine.compiler.graph_arrays, with the
+interval build switched off) and of Kaldi's per-cindex algorithm: the same
+cindexes with the same canonical ids, dependencies, inputs, lookup table and
+steps; on random networks of engine.nnet.random_config with their requests and with
+chunk requests, the compiler reference networks of tests/data/compiler, the
+xconfig TDNN-F of tests/data/inference and the reference models of
+../shared/kaldi-ref when present.  Where it does not apply (recurrences,
+IfDefined/Failover/Const, t sets with gaps, inputs not supplied, requests that are
+not whole grids) it declines and the other builds decide, errors included.
+No timing is asserted here (bench/ measures compile speed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engine.compiler.graph_intervals as gi
+from engine.compiler.graph import ComputationGraph, ComputationGraphBuilder
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.compiler.steps import compute_computation_phases, compute_computation_steps
+from engine.core.errors import NotComputableError, RequestError
+from engine.core.index import Index
+from engine.nnet.graph import compute_simple_context
+from engine.nnet.model_io import load_model
+from engine.nnet.nnet import Nnet
+from engine.nnet.random_config import GenerationOptions, generate_config_sequence, random_request
+
+from compiler_ref import CASES, load_case
+from refdata import shared_ref
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+OPTS = GenerationOptions(dim_scale=0.3)
+
+
+def _build(nnet, req, mode: str):
+    """(graph, builder's method) or the error message; ``mode``: "intervals" (as
+    compiled), "sweeps" (the array build alone) or "cindexes" (Kaldi's algorithm)."""
+    saved = gi.ENABLED
+    gi.ENABLED = mode == "intervals"
+    try:
+        graph = ComputationGraph()
+        builder = ComputationGraphBuilder(nnet, graph)
+        builder.use_arrays = mode != "cindexes"
+        builder.compute(req)
+        if not builder.all_outputs_are_computable():
+            raise builder.not_computable_error()
+        method = getattr(builder, "array_method", "") if builder.use_arrays else ""
+        if builder.array_status != "used":
+            method = ""
+        builder.prune()
+        return graph, method
+    except (NotComputableError, RequestError) as e:
+        return None, str(e)
+    finally:
+        gi.ENABLED = saved
+
+
+def _steps(nnet, req, graph):
+    phases = compute_computation_phases(nnet, graph)
+    return [list(s) for s in compute_computation_steps(nnet, [req], phases, graph)]
+
+
+def _same_graphs(nnet, req) -> str:
+    """Build all three ways and compare; returns the interval build's method
+    ("intervals" when it applied)."""
+    got, method = _build(nnet, req, "intervals")
+    sweeps, _ = _build(nnet, req, "sweeps")
+    slow, why = _build(nnet, req, "cindexes")
+    if slow is None:
+        assert got is None and sweeps is None, why
+        return ""
+    for g in (got, sweeps):
+        assert g is not None
+        assert np.array_equal(g.coords, slow.coords)
+        assert np.array_equal(g.is_input_array, slow.is_input_array)
+        assert np.array_equal(g.dep_ptr, slow.dep_ptr)
+        assert np.array_equal(g.dep_idx, slow.dep_idx)
+        assert g.segment_ends == slow.segment_ends
+    # the lookup table finds every cindex (and nothing else) at its id
+    c = got.coords
+    assert np.array_equal(got.find(c[:, 0], c[:, 1], c[:, 2], c[:, 3]), np.arange(len(c)))
+    assert (got.find(c[:, 0], c[:, 1] + 1000, c[:, 2], c[:, 3]) == -1).all()
+    assert _steps(nnet, req, got) == _steps(nnet, req, slow)
+    return method
+
+
+def _chunk_request(nnet, chunk: int, batch: int, extra: int = 0) -> ComputationRequest:
+    left, right = compute_simple_context(nnet)
+    ns = range(batch)
+    inputs = [IoSpecification("input", [Index(n, t, 0) for t in range(-left - extra,
+                                                                      chunk + right + extra)
+                                        for n in ns])]
+    if nnet.input_dim("ivector") != -1:
+        inputs.append(IoSpecification("ivector", [Index(n, 0, 0) for n in ns]))
+    return ComputationRequest(inputs, [IoSpecification("output", [Index(n, t, 0)
+                                                                  for t in range(chunk)
+                                                                  for n in ns])])
+
+
+def test_random_networks_and_requests_give_the_same_graph():
+    used = recurrent = 0
+    for seed in range(120):
+        rng = np.random.default_rng(seed)
+        nnet = generate_config_sequence(rng, OPTS).build(rng)
+        reqs = [random_request(nnet, rng)]
+        try:
+            reqs.append(_chunk_request(nnet, int(rng.integers(1, 25)), int(rng.integers(1, 4)),
+                                       int(rng.integers(0, 3))))
+        except Exception:   # a network without "input"/"output" as the chunk request needs
+            pass
+        for req in reqs:
+            if _same_graphs(nnet, req) == "intervals":
+                used += 1
+                recurrent += ComputationGraphBuilder(nnet, ComputationGraph()).nodes.recurrent
+    # more than half of them (RNNs, LSTMs and GRUs among them; 451 of 800 requests, 120
+    # of them recurrent, on seeds 0-399 when this was written)
+    assert used >= 100 and recurrent >= 20, (used, recurrent)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiler_reference_networks_give_the_same_graph(case):
+    nnet, req = load_case(case)
+    if nnet is None:
+        pytest.skip(req)
+    _same_graphs(nnet, req)
+
+
+def _xconfig_tdnnf() -> Nnet:
+    return load_model(str(DATA / "inference" / "xconfig" / "tdnnf_options" / "model.raw")).nnet
+
+
+XCONFIGS = ["attention", "basic_layers", "cnn_res", "fast_lstm", "lda_stats", "lstmp", "opgru",
+            "pgru", "tdnnf_options"]
+# those whose every node reads Offsets/ReplaceIndex of its inputs (recurrences through
+# IfDefined included); attention, convolution and statistics pooling are the array
+# build's
+PLANNED = {"basic_layers", "fast_lstm", "lstmp", "opgru", "pgru", "tdnnf_options"}
+
+
+@pytest.mark.parametrize("name", XCONFIGS)
+def test_xconfig_networks_give_the_same_graph(name):
+    nnet = load_model(str(DATA / "inference" / "xconfig" / name / "model.raw")).nnet
+    for chunk, batch in ((21, 1), (21, 2), (50, 1)):
+        method = _same_graphs(nnet, _chunk_request(nnet, chunk, batch))
+        assert (method == "intervals") == (name in PLANNED), (chunk, batch, method)
+
+
+@pytest.mark.parametrize("chunk,batch,applies", [
+    (21, 1, True), (21, 2, True), (150, 1, True), (8, 3, True),
+    # one frame: a layer reading t-3 and t+3 is asked for two t with a gap between
+    (1, 1, False)])
+def test_xconfig_tdnnf_chunk_requests_take_the_interval_build(chunk, batch, applies):
+    nnet = _xconfig_tdnnf()
+    method = _same_graphs(nnet, _chunk_request(nnet, chunk, batch))
+    assert (method == "intervals") == applies
+
+
+@pytest.mark.conformance
+@pytest.mark.parametrize("name", ["tdnn", "tdnnf", "tdnn_lstm", "blstm", "xvector"])
+def test_reference_models_give_the_same_graph(name):
+    ref = shared_ref()
+    if ref is None or not (ref / "models" / name / "model.raw").is_file():
+        pytest.skip("../shared/kaldi-ref models not present")
+    nnet = load_model(str(ref / "models" / name / "model.raw")).nnet
+    for chunk, batch in ((21, 1), (21, 2), (150, 1)):
+        method = _same_graphs(nnet, _chunk_request(nnet, chunk, batch))
+        # statistics pooling is the array build's
+        assert (method == "intervals") == (name != "xvector")
+
+
+NET = """input-node name=input dim=3
+component name=a type=AffineComponent input-dim=6 output-dim=4
+component-node name=a component=a input=Append(Offset(input, -6), input)
+component name=r type=RectifiedLinearComponent dim=4
+component-node name=r component=r input=a
+output-node name=output input=r
+"""
+
+
+def _request(ins, outs) -> ComputationRequest:
+    return ComputationRequest([IoSpecification("input", ins)], [IoSpecification("output", outs)])
+
+
+def _plain(ts, ns=(0,)):
+    return [Index(n, t, 0) for t in ts for n in ns]
+
+
+@pytest.mark.parametrize("why,req", [
+    # t sets with a gap: the input is read at t-6 and t for outputs 0..1
+    ("gap", _request(_plain(range(-6, 2)), _plain(range(2)))),
+    # an input needed and not supplied: the error comes from the general build
+    ("missing", _request(_plain(range(-3, 5)), _plain(range(5)))),
+    # not a whole grid: an Index missing in the middle
+    ("hole", _request(_plain([t for t in range(-6, 10) if t != 3]), _plain(range(6, 10)))),
+    # sequences with different n ranges
+    ("ranges", _request(_plain(range(-6, 10), (0, 1)), _plain(range(8), (1, 2)))),
+    # an input at several x
+    ("x", _request([Index(0, t, x) for t in range(-6, 10) for x in (0, 1)], _plain(range(8)))),
+])
+def test_requests_it_declines_get_the_general_answer(why, req):
+    nnet = Nnet.from_config(NET)
+    assert _same_graphs(nnet, req) != "intervals", why
+
+
+def test_it_applies_to_the_small_network_and_the_errors_stay_the_same():
+    nnet = Nnet.from_config(NET)
+    assert _same_graphs(nnet, _request(_plain(range(-6, 10), (0, 1)),
+                                       _plain(range(10), (0, 1)))) == "intervals"
+    # the same request with one input frame short: not computable, same message
+    got, msg = _build(nnet, _request(_plain(range(-5, 10)), _plain(range(10))), "intervals")
+    slow, msg0 = _build(nnet, _request(_plain(range(-5, 10)), _plain(range(10))), "cindexes")
+    assert got is None and slow is None and msg == msg0 and "output" in msg
+
+
+@pytest.mark.parametrize("config", [
+    # a recurrence without IfDefined (never computable: Kaldi's error, reported by the
+    # general build)
+    "input-node name=input dim=2\n"
+    "component name=a type=AffineComponent input-dim=4 output-dim=2\n"
+    "component-node name=a component=a input=Append(input, Offset(a, -1))\n"
+    "output-node name=output input=a\n",
+    # IfDefined around a Sum
+    "input-node name=input dim=2\n"
+    "component name=a type=AffineComponent input-dim=2 output-dim=2\n"
+    "component-node name=a component=a input=Sum(input, IfDefined(Sum(Offset(input, 1), "
+    "Offset(input, 2))))\n"
+    "output-node name=output input=a\n",
+    # Failover
+    "input-node name=input dim=2\n"
+    "component name=a type=AffineComponent input-dim=2 output-dim=2\n"
+    "component-node name=a component=a input=Failover(Offset(input, 1), input)\n"
+    "output-node name=output input=a\n",
+    # an n shift
+    "input-node name=input dim=2\n"
+    "component name=a type=AffineComponent input-dim=2 output-dim=2\n"
+    "component-node name=a component=a input=Offset(input, 0, 1)\n"
+    "output-node name=output input=a\n",
+])
+def test_networks_it_has_no_plan_for(config):
+    nnet = Nnet.from_config(config)
+    builder = ComputationGraphBuilder(nnet, ComputationGraph())
+    assert gi.plan_for(builder.nodes) is None
+
+
+RECURRENT = """input-node name=input dim=2
+component name=a type=AffineComponent input-dim=4 output-dim=2
+component-node name=a component=a input=Append(input, IfDefined(Offset(b, {shift})))
+component name=b type=TanhComponent dim=2
+component-node name=b component=b input=a
+output-node name=output input=b
+"""
+
+
+@pytest.mark.parametrize("shift", [-1, -3, 2, -7])
+@pytest.mark.parametrize("first,last,out_first,out_last", [
+    (-5, 30, 0, 21), (0, 21, 0, 21), (0, 21, 5, 9), (-3, 3, -3, 3), (0, 60, 40, 41)])
+def test_recurrences_through_ifdefined_reach_the_same_fixed_point(shift, first, last,
+                                                                   out_first, out_last):
+    """A recurrence back (or forward) in time is followed to where its input ends,
+    in jumps; outputs shorter than the shift leave gaps (declined), the rest is
+    the interval build's."""
+    nnet = Nnet.from_config(RECURRENT.format(shift=shift))
+    req = _request(_plain(range(first, last), (0, 1)), _plain(range(out_first, out_last),
+                                                               (0, 1)))
+    method = _same_graphs(nnet, req)
+    if out_last - out_first >= abs(shift):
+        assert method == "intervals"
