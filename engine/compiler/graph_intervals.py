@@ -583,8 +583,12 @@ def _table(plan: _Plan, coords: np.ndarray, span: list, supplied: dict, shape: t
     t_hi = max([sp[1] - 1 for sp in span if sp is not None]
                + [g[3] for _, _, g in supplied.values()])
     mg = plan.margin
-    lo = [n_lo - mg[0], t_lo - mg[1], x0 - mg[2]]
-    hi = [n_hi + mg[0], t_hi + mg[1], x0 + mg[2]]
+    # room in t beyond the margins, as the array build leaves: the steps add
+    # cindexes a little outside the graph's t range (a dim-range node's step made
+    # like its source's), and a table they do not fit in is made anew
+    pad = mg[1] + max(16, (t_hi - t_lo) // 2)
+    lo = [n_lo - mg[0], t_lo - pad, x0 - mg[2]]
+    hi = [n_hi + mg[0], t_hi + pad, x0 + mg[2]]
     stride_t = hi[2] - lo[2] + 1
     stride_n = (hi[1] - lo[1] + 1) * stride_t
     stride_node = (hi[0] - lo[0] + 1) * stride_n

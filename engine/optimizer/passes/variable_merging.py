@@ -403,6 +403,8 @@ def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
         order.renumbered(opt.groups, used, first)
         # the candidates that touch a merged matrix (see the module docstring)
         commands = sorted(touched.intersection(candidates).difference(settled))
+        if not commands:
+            break   # a round with nothing to try merges nothing
     if order is None:
         return False
     if _zeroing_next(ctx):
