@@ -281,7 +281,7 @@ def _check_indexes(kind: str, name: str, indexes: list[Index]) -> np.ndarray:
     # the common case on whole arrays and one set; a failure is located row by row
     try:
         rows = index_rows(indexes)
-        in_range = bool(((rows > INT32_MIN) & (rows <= INT32_MAX)).all())
+        in_range = int(rows.min()) > INT32_MIN and int(rows.max()) <= INT32_MAX
     except OverflowError:
         in_range = False
     if in_range and len(set(indexes)) == len(indexes):
