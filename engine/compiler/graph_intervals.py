@@ -235,6 +235,9 @@ def _grid(rows: np.ndarray):
 
 
 _INF = 1 << 60
+_UNBOUNDED = _INF // 2
+# More cindexes than this: left to the array build, whose table limits apply.
+_MAX_ROWS = 1 << 26
 # Rounds over a recurrence before declining (with the jumps below, a recurrence
 # takes a handful).
 _MAX_ROUNDS = 64
@@ -376,12 +379,14 @@ def _spans(plan: _Plan, demand: list, comp, supplied: dict) -> list | None:
                     cs = comp[v] if comp is not None else None
                     if cs is None:
                         return None
+                    # (a bound within _UNBOUNDED of infinity is one shifted from
+                    # it: the range grows without bound, and Kaldi loops)
                     if dl < 0:
-                        if cs[0] <= -_INF:
-                            return None      # grows without bound (Kaldi loops)
+                        if cs[0] <= -_UNBOUNDED:
+                            return None
                         k = min(k, (lo - cs[0]) // -dl)
                     if dh > 0:
-                        if cs[1] >= _INF:
+                        if cs[1] >= _UNBOUNDED:
                             return None
                         k = min(k, (cs[1] - hi) // dh)
                 k -= 1
@@ -484,6 +489,8 @@ def build_intervals(builder, request):
         goff[v], glo[v] = at + pos, span[v][0]
         pos += m
     rest_total = pos
+    if rest_total > _MAX_ROWS:
+        return None      # (the array build's limits decide, and report)
     total = base + rest_total
     parts.append(np.arange(base, total, dtype=np.int64))
     cells = np.concatenate(parts) if len(parts) > 1 else parts[0]
