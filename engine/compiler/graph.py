@@ -85,8 +85,10 @@ class ComputationGraphBuilder:
         # Try the array build first (engine.compiler.graph_arrays); it gives the
         # same graph, and declines where it does not apply.
         self.use_arrays = True
-        # "used" or "declined: <why>" for the last compute() (for tests and profiling).
+        # "used" or "declined: <why>" for the last compute() (for tests and profiling),
+        # and which array build was tried last ("intervals" or "sweeps", graph_arrays)
         self.array_status = ""
+        self.array_method = ""
         self._array_result = None
 
     def _sync_state(self) -> None:
@@ -150,6 +152,7 @@ class ComputationGraphBuilder:
             raise RuntimeError("call compute(), prune(), compute(), prune() ... in that order")
         self.request = request
         self.array_status = ""
+        self.array_method = ""
         self._array_result = None
         if self.use_arrays:
             self._array_result = build_arrays(self, request, MAX_BUILD_ITERATIONS)

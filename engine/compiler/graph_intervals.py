@@ -331,18 +331,25 @@ def _spans(plan: _Plan, demand: list, comp, supplied: dict) -> list | None:
             else:
                 d.append((lo2, hi2))
 
+    def settle(v: int, inside: int) -> bool:
+        # v's range from what it was asked (False: not one range), then what v
+        # asks of its inputs (``inside`` as for push)
+        ivs = demand[v]
+        if ivs is None:
+            return True
+        got = _merge(ivs)
+        if got is None:
+            return False
+        span[v] = got
+        demand[v] = [got]
+        if not is_input[v]:
+            push(v, got[0], got[1], inside)
+        return True
+
     for index, (members, cyclic) in enumerate(plan.sccs):
         if not cyclic:
-            v = members[0]
-            ivs = demand[v]
-            if ivs is None:
-                continue
-            got = _merge(ivs)
-            if got is None:
+            if not settle(members[0], -1):
                 return None
-            span[v] = got
-            if not is_input[v]:
-                push(v, got[0], got[1], -1)
             continue
         # a recurrence: rounds until nothing grows; when two rounds in a row grow
         # every range by the same amounts, the ranges go on so until one reaches
@@ -352,15 +359,8 @@ def _spans(plan: _Plan, demand: list, comp, supplied: dict) -> list | None:
         for _ in range(_MAX_ROUNDS):
             before = [span[v] for v in members]
             for v in members:
-                ivs = demand[v]
-                if ivs is None:
-                    continue
-                got = _merge(ivs)
-                if got is None:
+                if not settle(v, index):
                     return None
-                span[v] = got
-                demand[v] = [got]
-                push(v, got[0], got[1], index)
             after = [span[v] for v in members]
             if after == before and not jumped:
                 # (each node asked its inputs for what its range was, and every

@@ -47,7 +47,7 @@ def _build(nnet, req, mode: str):
         builder.compute(req)
         if not builder.all_outputs_are_computable():
             raise builder.not_computable_error()
-        method = getattr(builder, "array_method", "") if builder.use_arrays else ""
+        method = builder.array_method if builder.use_arrays else ""
         if builder.array_status != "used":
             method = ""
         builder.prune()
