@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from itertools import islice
 
 import numpy as np
@@ -49,15 +50,99 @@ from engine.runtime.arena import _LIST_OPS
 log = logging.getLogger(__name__)
 
 # Graphs on; set False to run every command eagerly (tests do, to compare with eager runs).
-# Off is for callers that compute on the GPU from short-lived threads: a thread that used
-# CuPy ending while another captures can crash the process (engine/README.md, Runtime,
-# "Known defect").
 ENABLED = True
+# Keep the CuPy state of threads that ran executors until no capture is under way
+# (``hold_thread_state``); False only to reproduce the crash it prevents (tests).
+HOLD_THREAD_STATE = True
 CAPTURE_ON_RUN = 2      # the run of a segment that is captured
 
 _NOT_IN_GRAPHS = (CT.BACKPROP, CT.BACKPROP_NO_MODEL_UPDATE, CT.COMPRESS_MATRIX,
                   CT.DECOMPRESS_MATRIX, CT.GOTO_LABEL)
 _capture_lock = threading.Lock()
+
+
+# -- threads that end while another captures ----------------------------------------------
+# CuPy keeps per-thread state in a ``threading.local``: the thread's cuBLAS handle among it,
+# destroyed when the thread ends.  Destroying a cuBLAS handle synchronizes the device, and
+# doing so while another thread's stream is capturing crashed the process (a segmentation
+# fault in the ending thread: 3 of 84 runs of six short-lived threads on an H200).  So every
+# thread that runs an executor on CuPy has its CuPy state held here (``_held``, by the id of
+# its per-thread dict, with a weak reference that dies with the thread), and the state of
+# threads that have ended is let go only under ``_capture_lock``, when no capture is under
+# way.  CuPy's thread-local object is found once, by the attribute its per-thread dict keeps
+# the cuBLAS handles in (``_cupy_local``; None when this CuPy keeps them elsewhere, and then
+# nothing is held: engine/README.md, Runtime).
+
+_cupy_local = None
+_cupy_local_searched = False
+_held: dict[int, tuple] = {}
+_this_thread = threading.local()        # our own per-thread marker (its death = the thread's)
+_HANDLES_ATTR = "cublas_handles"
+
+
+class _Alive:
+    """Kept in ``_this_thread``: freed when the thread ends."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _find_cupy_local():
+    """CuPy's per-thread state object: the plain ``threading.local`` whose dict in this
+    thread holds this thread's cuBLAS handle (made here first), or None."""
+    global _cupy_local, _cupy_local_searched
+    if _cupy_local_searched:
+        return _cupy_local
+    import gc  # noqa: PLC0415
+    import cupy  # noqa: PLC0415
+    handle = cupy.cuda.device.get_cublas_handle()
+
+    def holds_it(o) -> bool:
+        handles = o.__dict__.get(_HANDLES_ATTR)
+        return isinstance(handles, dict) and any(
+            getattr(h, "handle", None) == handle for h in handles.values())
+    # exact type only: touching a subclass's dict in this thread would run its __init__
+    found = [o for o in gc.get_objects()
+             if type(o) is threading.local and o is not _this_thread and holds_it(o)]
+    _cupy_local = found[0] if len(found) == 1 else None
+    _cupy_local_searched = True
+    if _cupy_local is None:
+        log.warning("CuPy's per-thread state was not found (%d candidates): threads that end "
+                    "while another captures a CUDA graph are not guarded", len(found))
+    return _cupy_local
+
+
+def hold_thread_state() -> None:
+    """Called by each run of an executor on CuPy: hold this thread's CuPy state (once per
+    thread) so that its end destroys nothing while a graph is being captured."""
+    local = _cupy_local if _cupy_local_searched else _find_cupy_local()
+    if local is None or not HOLD_THREAD_STATE:
+        return
+    d = local.__dict__
+    if id(d) in _held:
+        return
+    alive = _Alive()
+    _this_thread.alive = alive
+    _held[id(d)] = (weakref.ref(alive), d)
+    if _capture_lock.acquire(blocking=False):     # a new thread: let go of the ended ones
+        try:
+            _release_ended()
+        finally:
+            _capture_lock.release()
+
+
+def _release_ended() -> None:
+    """Let go of the CuPy state of threads that have ended; only under ``_capture_lock``.
+    The dict is emptied here so that its handles are destroyed now, not at some later
+    collection that might fall inside a capture."""
+    for key, (alive, d) in list(_held.items()):
+        if alive() is None:
+            del _held[key]
+            d.clear()
+
+
+def held_thread_count() -> int:
+    """How many threads' CuPy state is held (tests, diagnostics)."""
+    return len(_held)
 
 
 class CaptureFailed:
@@ -188,6 +273,7 @@ def run_segment(ex, bound, start: int, stop: int, mats) -> bool:
         return False
     items = list(islice(bound.runs[stop], bound.run_start[start], None))
     with _capture_lock:
+        _release_ended()
         try:
             pieces = _make_pieces(ex, bound, items, mats)
         except Exception as e:  # noqa: BLE001 (any failure: run eagerly, which reports real errors)

@@ -431,6 +431,8 @@ class Executor:
                                  f"{self._pc} of {n} commands)")
         self._check_no_pending_io()
         self._decide_mode()
+        if self.xp is not np:
+            cuda_graph.hold_thread_state()   # this thread's end must not fall in a capture
         if type(self)._execute is not Executor._execute:
             self._run_interpreted(cmds, n)   # a subclass handles some commands itself
             return
