@@ -61,8 +61,8 @@ from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT,
 from engine.core.errors import CompilerError, RequestError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty as P
-from engine.nnet.descriptors import (Descriptor, ReplaceIndexForwardingDescriptor,
-                                     SimpleForwardingDescriptor)
+from engine.nnet.descriptors import (Descriptor, OffsetForwardingDescriptor,
+                                     ReplaceIndexForwardingDescriptor, SimpleForwardingDescriptor)
 
 _tuple_new = tuple.__new__
 # component property flags as plain ints (NodeTable.props holds ints; IntFlag
@@ -112,6 +112,28 @@ def _compile_part(part):
     """The compiled form (engine.compiler.fast_descriptors) of one SumDescriptor
     part, or None when it has no compiled form."""
     return compile_descriptor(Descriptor([part]))
+
+
+def _input_positions(fast) -> list | None:
+    """Per dependency position of a fast descriptor part, (node, dn, dt, dx, fixed t):
+    the Index shifted by a constant (Offset chains; fixed t None) or, for
+    ReplaceIndex(node, t, value), (node, 0, 0, 0, value); None when an input is
+    anything else."""
+    out = []
+    for fd in fast.forwarding:
+        fixed = _fixed_time_input(fd)
+        if fixed is not None:
+            out.append((fixed[0], 0, 0, 0, fixed[1]))
+            continue
+        dn = dt = dx = 0
+        while type(fd) is OffsetForwardingDescriptor:
+            o = fd.offset
+            dn, dt, dx = dn + o.n, dt + o.t, dx + o.x
+            fd = fd.src
+        if type(fd) is not SimpleForwardingDescriptor:
+            return None
+        out.append((fd.node_index, dn, dt, dx, None))
+    return out
 
 
 def _fixed_time_input(fd) -> tuple[int, int] | None:
@@ -663,23 +685,19 @@ class Compiler:
 
     def _batch_plan(self, node: int, part: int):
         """How the forward commands of a descriptor part can be decided for all its
-        steps at once, when every input is the Index shifted by a constant, or the
-        part's one input is the Index with t replaced by a constant: (its
-        SplitByScale pieces in order, as [(alpha, shifts, optional)], where a piece
-        reads one input per row (required, or optional as in IfDefined) or sums
-        several required inputs (``shifts`` in the order each row sorts them); the
-        t read, or None for shifts); None otherwise."""
+        steps at once, when every input is the Index shifted by a constant or the
+        Index with t replaced by a constant (an i-vector input): its SplitByScale
+        pieces in order, as [(alpha, inputs, optional)], where a piece reads one
+        input per row (required, or optional as in IfDefined) or sums several
+        required inputs (``inputs``, (node, dn, dt, dx, fixed t or None) each, in the
+        order each row sorts them: a piece that sums an input of fixed t and another
+        of the same node is not done here); None otherwise."""
         key = ("plan", node, part)
         if key in self._part_cache:
             return self._part_cache[key]
         out = None
         fast = self._part_cache[(node, part)]
-        shifts = fast.linear_positions() if fast is not None else None
-        fixed_t = None
-        if shifts is None and fast is not None and fast.num_deps == 1:
-            fixed = _fixed_time_input(fast.forwarding[0])
-            if fixed is not None:
-                shifts, fixed_t = [(fixed[0], 0, 0, 0)], fixed[1]
+        shifts = _input_positions(fast) if fast is not None else None
         if shifts is not None and fast.num_deps:
             k = fast.num_deps
             shared, split, _ = self._scales(node, part)
@@ -699,19 +717,25 @@ class Compiler:
                 if not at or optional is None or (len(at) > 1 and optional):
                     pieces = None
                     break
+                if len(at) > 1 and any(shifts[j][4] is not None for j in at) and len(
+                        {shifts[j][0] for j in at}) < len(at):
+                    # a fixed t beside another input of its node: the order of the two
+                    # would depend on each row's t
+                    pieces = None
+                    break
                 pieces.append((alpha, sorted((shifts[j] for j in at),
                                              key=lambda sh: (sh[0], sh[2], sh[3], sh[1])),
                                optional))
-            out = None if pieces is None else (pieces, fixed_t)
+            out = pieces
         self._part_cache[key] = out
         return out
 
     def _node_batch_plans(self, node: int) -> list:
         """The parts of descriptor node ``node`` that _batch_plan can do, as [(part,
-        offset, pieces, shifts, fixed t)]: the part's constant offset, its pieces as
+        offset, pieces, shifts, fixed)]: the part's constant offset, its pieces as
         [(alpha, optional, number of inputs)], the (node - ``node``, n, t, x) shift
-        of every input of the pieces in order, flattened, and the t every input
-        reads (None: the shifts' t)."""
+        of every input of the pieces in order, flattened, and (position, t) of the
+        inputs that read a fixed t."""
         key = ("plans", node)
         out = self._part_cache.get(key)
         if out is None:
@@ -720,11 +744,11 @@ class Compiler:
                 plan = self._batch_plan(node, p)
                 if plan is None:
                     continue
-                plan, fixed_t = plan
                 pieces = [(float(alpha), optional, len(shs)) for alpha, shs, optional in plan]
-                shifts = [v for _, shs, _ in plan for w, dn, dt, dx in shs
-                          for v in (w - node, dn, dt, dx)]
-                out.append((p, float(self._scales(node, p)[2]), pieces, shifts, fixed_t))
+                inputs = [sh for _, shs, _ in plan for sh in shs]
+                shifts = [v for w, dn, dt, dx, _ in inputs for v in (w - node, dn, dt, dx)]
+                fixed = [(j, sh[4]) for j, sh in enumerate(inputs) if sh[4] is not None]
+                out.append((p, float(self._scales(node, p)[2]), pieces, shifts, fixed))
             self._part_cache[key] = out
         return out
 
@@ -750,12 +774,17 @@ class Compiler:
                 continue
             work.append((nsteps, plans))
             ns = len(nsteps)
-            for _, _, pieces, shifts, fixed_t in plans:
+            for _, _, pieces, shifts, fixed in plans:
                 k = len(shifts) >> 2
+                base = len(col_step)
                 col_step += nsteps if k == 1 else [st for st in nsteps for _ in range(k)]
                 col_shift += shifts * ns
-                if fixed_t is not None:
-                    fixed_spans.append((len(col_step) - k * ns, len(col_step), fixed_t))
+                if k == 1 and fixed:
+                    fixed_spans.append((base, base + ns, fixed[0][1]))
+                else:
+                    # columns are step-major: input j of the i-th step is base + i k + j
+                    fixed_spans += [(c, c + 1, t) for i in range(base, base + k * ns, k)
+                                    for j, t in fixed for c in (i + j,)]
         if not col_step:
             return {}
         steps = self.steps

@@ -133,7 +133,10 @@ def test_general_dropout_mask_rows_number_pairs_by_first_appearance():
 # SplitByScale pieces of one input, pieces summing several inputs of one step
 # (idct-style deltas) or of distinct steps, plain sums, IfDefined, and inputs
 # read at a fixed t (ReplaceIndex: present, absent inside the lookup table's
-# range, and outside it).
+# range, and outside it), and sums of shifted inputs with an input read at a
+# fixed t (an i-vector added to an affine output, as in TDNN-F; also split by
+# scale, in a three-input sum, and the same node at a fixed t and shifted, which
+# is left to the general path).
 _SUM_PIECES = """
 input-node name=input dim=4
 input-node name=ivector dim=2
@@ -145,7 +148,11 @@ component name=c type=AffineComponent input-dim=30 output-dim=4
 component-node name=c component=c input=Append(Sum(Scale(-2.0, a), Sum(Offset(b, -2), Offset(b, 2))), Sum(Scale(0.5, Sum(Offset(a, 1), Offset(a, -1))), b), Sum(Scale(2.0, input), Sum(a, Offset(b, 1))), Sum(Offset(a, -1), b), IfDefined(Offset(a, -3)), Offset(input, 1), ReplaceIndex(ivector, t, 0), IfDefined(ReplaceIndex(ivector, t, 3)), IfDefined(ReplaceIndex(ivector, t, 100)))
 component name=d type=AffineComponent input-dim=8 output-dim=3
 component-node name=d component=d input=Append(Sum(Scale(3.0, b), Sum(Offset(c, -1), Offset(c, 1))), Sum(Scale(-1.0, Offset(c, 2)), a))
-output-node name=output input=d
+component name=e type=AffineComponent input-dim=2 output-dim=4
+component-node name=e component=e input=ivector
+component name=f type=AffineComponent input-dim=20 output-dim=3
+component-node name=f component=f input=Append(Sum(a, ReplaceIndex(e, t, 0)), Sum(Scale(0.5, Offset(b, 1)), ReplaceIndex(e, t, 0)), Sum(ReplaceIndex(e, t, 0), Sum(Offset(a, -1), b)), Sum(a, ReplaceIndex(a, t, 2)), Sum(IfDefined(ReplaceIndex(e, t, 3)), a))
+output-node name=output input=Sum(d, f)
 """
 
 
