@@ -117,3 +117,22 @@ def test_full_grid_rejects_what_is_not_a_complete_grid():
     shifted_x = _grid([0, 1], [0], range(3, 8))
     shifted_x[-1, 2] = 1
     assert _full_grid(shifted_x) is None                 # a pair changes from block to block
+
+
+def test_grid_memo_answers_by_content_and_stays_bounded():
+    """_grid_unchanged remembers its answers by the rows' bytes (a compile asks for each
+    layer's rows twice, on different arrays): a strided view and a copy of the same rows
+    get the same grid, other rows their own, and the memo never grows past its size."""
+    from engine.nnet.components import tdnn as T
+    rows = np.array([[0, t, 0] for t in range(-3, 12)], dtype=np.int64)
+    wide = np.zeros((len(rows), 4), dtype=np.int64)
+    wide[:, 1:] = rows
+    outs = rows[3:10].copy()
+    a = T._grid_unchanged(wide[:, 1:], outs)
+    b = T._grid_unchanged(rows.copy(), outs.copy())
+    assert a is not None and b is a and a == T._grid_unchanged_of(rows, outs)
+    shifted = rows + [0, 1, 0]
+    assert T._grid_unchanged(shifted, outs) == T._grid_unchanged_of(shifted, outs) != a
+    for k in range(3 * T._GRID_MEMO_SIZE):
+        T._grid_unchanged(rows[: 1 + k % len(rows)] + [0, k, 0], outs)
+        assert len(T._GRID_MEMO) <= T._GRID_MEMO_SIZE

@@ -261,11 +261,31 @@ def _full_grid(rows: np.ndarray) -> tuple[int, int, int] | None:
     return t0, step, num_t
 
 
+# _grid_unchanged's answers by the rows' bytes: a compile asks twice for each layer's
+# rows (reorder_index_arrays while it orders the steps, precompute_index_arrays when
+# it writes the commands), on different arrays of the same rows.  The grids handed out
+# are shared: their readers (the two callers) never change them.
+_GRID_MEMO: dict = {}
+_GRID_MEMO_SIZE = 64
+
+
 def _grid_unchanged(ins: np.ndarray, outs: np.ndarray) -> TimeGrid | None:
     """The TimeGrid of a computation whose input and output rows are already the
     grid reorder_indexes makes (both complete grids, one t value per block, with
     the same (n, x) pairs and a t step the output's grid shares), else None (then
     the general path decides).  Most TDNN layers meet their rows this way."""
+    key = (len(ins), ins.tobytes(), outs.tobytes())
+    hit = _GRID_MEMO.get(key, _GRID_MEMO)
+    if hit is not _GRID_MEMO:
+        return hit
+    g = _grid_unchanged_of(ins, outs)
+    if len(_GRID_MEMO) >= _GRID_MEMO_SIZE:
+        _GRID_MEMO.clear()
+    _GRID_MEMO[key] = g
+    return g
+
+
+def _grid_unchanged_of(ins: np.ndarray, outs: np.ndarray) -> TimeGrid | None:
     gi = _full_grid(ins)
     if gi is None:
         return None
