@@ -55,14 +55,14 @@ from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_CO
                                          CommandType as CT, DebugCindexes, MatrixDebugInfo,
                                          MatrixInfo, NnetComputation, PrecomputedIndexesInfo,
                                          SubMatrixInfo)
-from engine.compiler.fast_descriptors import compile_descriptor
+from engine.compiler.fast_descriptors import compile_descriptor, offset_chain
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT, make_indexes
 from engine.core.errors import CompilerError, RequestError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty as P
-from engine.nnet.descriptors import (Descriptor, OffsetForwardingDescriptor,
-                                     ReplaceIndexForwardingDescriptor, SimpleForwardingDescriptor)
+from engine.nnet.descriptors import (Descriptor, ReplaceIndexForwardingDescriptor,
+                                     SimpleForwardingDescriptor)
 
 _tuple_new = tuple.__new__
 # component property flags as plain ints (NodeTable.props holds ints; IntFlag
@@ -125,14 +125,10 @@ def _input_positions(fast) -> list | None:
         if fixed is not None:
             out.append((fixed[0], 0, 0, 0, fixed[1]))
             continue
-        dn = dt = dx = 0
-        while type(fd) is OffsetForwardingDescriptor:
-            o = fd.offset
-            dn, dt, dx = dn + o.n, dt + o.t, dx + o.x
-            fd = fd.src
-        if type(fd) is not SimpleForwardingDescriptor:
+        shift = offset_chain(fd)
+        if shift is None:
             return None
-        out.append((fd.node_index, dn, dt, dx, None))
+        out.append((*shift, None))
     return out
 
 
@@ -783,8 +779,8 @@ class Compiler:
                     fixed_spans.append((base, base + ns, fixed[0][1]))
                 else:
                     # columns are step-major: input j of the i-th step is base + i k + j
-                    fixed_spans += [(c, c + 1, t) for i in range(base, base + k * ns, k)
-                                    for j, t in fixed for c in (i + j,)]
+                    fixed_spans += [(i + j, i + j + 1, t) for i in range(base, base + k * ns, k)
+                                    for j, t in fixed]
         if not col_step:
             return {}
         steps = self.steps

@@ -248,6 +248,19 @@ def _compile_eval_arrays(sd: SumDescriptor) -> _EvalArrays:
     raise UnsupportedDescriptor(type(sd).__name__)
 
 
+def offset_chain(fd) -> tuple[int, int, int, int] | None:
+    """(node, dn, dt, dx) when the forwarding descriptor ``fd`` reads the Index shifted
+    by a constant (a chain of Offsets over a node, or the node itself), else None."""
+    dn = dt = dx = 0
+    while type(fd) is OffsetForwardingDescriptor:
+        o = fd.offset
+        dn, dt, dx = dn + o.n, dt + o.t, dx + o.x
+        fd = fd.src
+    if type(fd) is not SimpleForwardingDescriptor:
+        return None
+    return fd.node_index, dn, dt, dx
+
+
 class FastDescriptor:
     """One node's Descriptor as generated functions (see the module docstring)."""
 
@@ -281,16 +294,10 @@ class FastDescriptor:
         shifted by a constant (Offset chains), else None."""
         out = []
         for fd in self.forwarding:
-            shift = [0, 0, 0]
-            while type(fd) is OffsetForwardingDescriptor:
-                o = fd.offset
-                shift[0] += o.n
-                shift[1] += o.t
-                shift[2] += o.x
-                fd = fd.src
-            if type(fd) is not SimpleForwardingDescriptor:
+            shift = offset_chain(fd)
+            if shift is None:
                 return None
-            out.append((fd.node_index, shift[0], shift[1], shift[2]))
+            out.append(shift)
         return out
 
     def deps_arrays(self, n: np.ndarray, t: np.ndarray, x: np.ndarray) -> list[tuple]:

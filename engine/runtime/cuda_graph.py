@@ -69,9 +69,9 @@ _capture_lock = threading.Lock()
 # thread that runs an executor on CuPy has its CuPy state held here (``_held``, by the id of
 # its per-thread dict, with a weak reference that dies with the thread), and the state of
 # threads that have ended is let go only under ``_capture_lock``, when no capture is under
-# way.  CuPy's thread-local object is found once, by the attribute its per-thread dict keeps
-# the cuBLAS handles in (``_cupy_local``; None when this CuPy keeps them elsewhere, and then
-# nothing is held: engine/README.md, Runtime).
+# way.  CuPy's thread-local object is found once, as the one whose per-thread dict holds the
+# cuBLAS handle CuPy gives the finding thread (``_cupy_local``; None when this CuPy keeps its
+# handles elsewhere, and then nothing is held: engine/README.md, Runtime).
 
 _cupy_local = None
 _cupy_local_searched = False
