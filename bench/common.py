@@ -151,8 +151,13 @@ def chunk_request(nnet, chunk: int, batch: int):
 
 
 def compile_cold(nnet, request, shortcut: bool = True):
-    """Compile + optimize with nothing cached (default optimize options)."""
+    """Compile + optimize with nothing cached (default optimize options): the memos
+    keyed by a request's contents are emptied first, so an earlier compile of the
+    same request leaves nothing behind; what depends on the network alone stays (it
+    is part of loading the network)."""
     from engine.compiler.shortcut import compile_request  # noqa: PLC0415
+    from engine.core.memo import clear_request_memos  # noqa: PLC0415
+    clear_request_memos()
     return compile_request(nnet, request, None, use_shortcut=shortcut)
 
 

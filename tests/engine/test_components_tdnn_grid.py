@@ -136,3 +136,30 @@ def test_grid_memo_answers_by_content_and_stays_bounded():
     for k in range(3 * T._GRID_MEMO_SIZE):
         T._grid_unchanged(rows[: 1 + k % len(rows)] + [0, k, 0], outs)
         assert len(T._GRID_MEMO) <= T._GRID_MEMO_SIZE
+
+
+def test_grid_memo_is_a_request_memo_that_cold_compiles_empty(monkeypatch):
+    """The grid memo is keyed by a request's rows, so it is registered with
+    engine.core.memo: clear_request_memos() empties it, and the benchmarks' cold
+    compile does so before compiling (an equal request compiled before leaves nothing
+    it could use)."""
+    from bench import common
+    from engine.core.memo import clear_request_memos
+    from engine.nnet.components import tdnn as T
+    rows = np.array([[0, t, 0] for t in range(-3, 12)], dtype=np.int64)
+    T._grid_unchanged(rows, rows[3:10].copy())
+    assert T._GRID_MEMO
+    clear_request_memos()
+    assert not T._GRID_MEMO
+    T._grid_unchanged(rows, rows[3:10].copy())
+    seen = []
+    import engine.compiler.shortcut as S
+    real = S.compile_request
+
+    def spy(*a, **k):
+        seen.append(len(T._GRID_MEMO))
+        return real(*a, **k)
+    monkeypatch.setattr(S, "compile_request", spy)
+    nnet = common.load_for_inference(dict(common.synthetic_models())["cnn-tdnn"])
+    common.compile_cold(nnet, common.chunk_request(nnet, 4, 1))
+    assert seen == [0]

@@ -31,6 +31,7 @@ import numpy as np
 
 from engine.core.errors import ComponentError, DimensionError
 from engine.core.index import K_NO_TIME, Index
+from engine.core.memo import request_memo
 from engine.core.xp import array_module
 from engine.nnet.components._param_utils import (
     begin_updatable_read,
@@ -264,8 +265,9 @@ def _full_grid(rows: np.ndarray) -> tuple[int, int, int] | None:
 # _grid_unchanged's answers by the rows' bytes: a compile asks twice for each layer's
 # rows (reorder_index_arrays while it orders the steps, precompute_index_arrays when
 # it writes the commands), on different arrays of the same rows.  The grids handed out
-# are shared: their readers (the two callers) never change them.
-_GRID_MEMO: dict = {}
+# are shared: their readers (the two callers) never change them.  Registered as a
+# request memo (engine.core.memo): a cold compile starts with it empty.
+_GRID_MEMO: dict = request_memo()
 _GRID_MEMO_SIZE = 64
 
 
