@@ -162,11 +162,15 @@ def _sort_rows(D: np.ndarray, coords: np.ndarray) -> np.ndarray:
 
 
 class Compiler:
-    def __init__(self, nnet, requests):
+    def __init__(self, nnet, requests, io_rows: list | None = None):
+        """``io_rows``: as for compile_computation."""
         if not requests:
             raise RequestError("no computation request given")
         self.nnet = nnet
         self.requests = list(requests)
+        if io_rows is not None and len(io_rows) != len(self.requests):
+            raise ValueError("io_rows: one list of arrays per request is needed")
+        self.io_rows = io_rows
         if len(self.requests) > 1:
             for r in self.requests:
                 if r.need_model_derivative:
@@ -187,12 +191,14 @@ class Compiler:
         nnet = self.nnet
         graph = ComputationGraph()
         builder = ComputationGraphBuilder(nnet, graph)
-        for req in self.requests:
-            build_computation_graph(nnet, req, graph, builder)
+        rows = self.io_rows or [None] * len(self.requests)
+        for req, io_rows in zip(self.requests, rows):
+            build_computation_graph(nnet, req, graph, builder, io_rows=io_rows)
         self.graph = graph
         phases_per_segment = compute_computation_phases(nnet, graph)
         computer = ComputationStepsComputer(nnet, graph)
-        compute_computation_steps(nnet, self.requests, phases_per_segment, graph, computer)
+        compute_computation_steps(nnet, self.requests, phases_per_segment, graph, computer,
+                                  io_rows=self.io_rows)
         self._setup(computer)
 
         computation = NnetComputation()
@@ -775,7 +781,9 @@ class Compiler:
                 base = len(col_step)
                 col_step += nsteps if k == 1 else [st for st in nsteps for _ in range(k)]
                 col_shift += shifts * ns
-                if k == 1 and fixed:
+                if not fixed:
+                    continue
+                if k == 1:
                     fixed_spans.append((base, base + ns, fixed[0][1]))
                 else:
                     # columns are step-major: input j of the i-th step is base + i k + j
@@ -1218,6 +1226,23 @@ def _positions(items: list, value) -> list[int]:
         return out
 
 
+def _io_in_place(kinds: list, markers: list[int], io: list[int], accept) -> bool:
+    """Whether each segment already starts with its kAcceptInput commands and ends
+    with its kProvideOutput ones (``io``: the positions of both, ascending;
+    ``markers``: the segment ends)."""
+    at, start = 0, 0
+    for end in markers:
+        ins, outs = [], []
+        while at < len(io) and io[at] < end:
+            (ins if kinds[io[at]] == accept else outs).append(io[at])
+            at += 1
+        if ins != list(range(start, start + len(ins))) or \
+                outs != list(range(end - len(outs), end)):
+            return False
+        start = end + 1
+    return True
+
+
 def consolidate_io_operations(computation: NnetComputation) -> None:
     """Kaldi's ConsolidateIoOperations: within each marker-separated segment, put
     kAcceptInput first and kProvideOutput last, keeping relative order."""
@@ -1226,6 +1251,11 @@ def consolidate_io_operations(computation: NnetComputation) -> None:
     kinds = list(map(_command_type, cmds))
     markers = _positions(kinds, marker) + [len(cmds)]
     io = sorted(_positions(kinds, accept) + _positions(kinds, provide))
+    if _io_in_place(kinds, markers, io, accept):
+        # (the usual case: the commands stay as they are)
+        computation.segments = [(0 if k == 0 else markers[k - 1] + 1, end)
+                                for k, end in enumerate(markers)]
+        return
     out: list[Command] = []
     segments = []
     start = 0
@@ -1254,10 +1284,13 @@ def consolidate_io_operations(computation: NnetComputation) -> None:
     computation.segments = segments
 
 
-def compile_computation(nnet, requests, options: CompilerOptions = CompilerOptions()
-                        ) -> NnetComputation:
+def compile_computation(nnet, requests, options: CompilerOptions = CompilerOptions(),
+                        io_rows: list | None = None) -> NnetComputation:
     """Kaldi's Compiler::CreateComputation for one request or a list of requests
-    (segments of a looped computation)."""
+    (segments of a looped computation).  ``io_rows``: per request, its Indexes as
+    ComputationRequest.validate returns them (inputs, then outputs, as (N, 3) int64
+    arrays), when the caller has them: the graph and the steps then read them
+    rather than converting the Index lists again."""
     if not isinstance(requests, (list, tuple)):
         requests = [requests]
     # The compiler allocates many small lists and tuples and frees them by
@@ -1265,4 +1298,4 @@ def compile_computation(nnet, requests, options: CompilerOptions = CompilerOptio
     # real time and find nothing, so it is paused for the duration (gc_pause:
     # nests, thread-safe).
     with gc_paused():
-        return Compiler(nnet, requests).create_computation(options)
+        return Compiler(nnet, requests, io_rows).create_computation(options)

@@ -72,6 +72,7 @@ class ComputationGraphBuilder:
         self.nodes = table if table is not None and table.nnet is nnet else node_table_for(nnet)
         graph.node_table = self.nodes
         self.request = None
+        self.io_rows: list | None = None     # the request's Indexes as arrays, if given
         # Per-cindex state of the general algorithm (sized by _sync_state).
         self.computable: list[int] = []
         self.usable: list[int] = []
@@ -147,10 +148,12 @@ class ComputationGraphBuilder:
         self.current_queue, self.next_queue = self.next_queue, []
 
     # -- the main loop --------------------------------------------------------------
-    def compute(self, request) -> None:
+    def compute(self, request, io_rows: list | None = None) -> None:
+        """``io_rows``: as for build_computation_graph."""
         if self.request is not None and not self.graph.segment_ends:
             raise RuntimeError("call compute(), prune(), compute(), prune() ... in that order")
         self.request = request
+        self.io_rows = io_rows
         self.array_status = ""
         self.array_method = ""
         self._array_result = None
@@ -597,9 +600,11 @@ class ComputationGraphBuilder:
 
 
 def build_computation_graph(nnet, request, graph: ComputationGraph | None = None,
-                            builder: ComputationGraphBuilder | None = None
-                            ) -> ComputationGraph:
+                            builder: ComputationGraphBuilder | None = None,
+                            io_rows: list | None = None) -> ComputationGraph:
     """Add one segment for ``request`` to ``graph`` (a new graph if None) and prune it.
+    ``io_rows``: the request's Indexes as ComputationRequest.validate returns them
+    (inputs, then outputs, as (N, 3) int64 arrays), when the caller has them.
 
     For multi-segment (looped) computations call it once per request with the
     same graph.  Raises NotComputableError naming the requested output Indexes
@@ -609,7 +614,7 @@ def build_computation_graph(nnet, request, graph: ComputationGraph | None = None
         graph = ComputationGraph()
     if builder is None:
         builder = ComputationGraphBuilder(nnet, graph)
-    builder.compute(request)
+    builder.compute(request, io_rows)
     if not builder.all_outputs_are_computable():
         raise builder.not_computable_error()
     builder.prune()

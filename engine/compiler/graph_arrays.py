@@ -860,18 +860,22 @@ class ArrayGraphBuild:
         nodes, nnet, req, graph = self.nodes, self.builder.nnet, self.request, self.graph
         base = len(graph)
         in_specs, out_specs = [], []
-        for spec in req.inputs:
+        # the Indexes as arrays: validated ones when the builder was given them
+        io_rows = self.builder.io_rows
+        if io_rows is None:
+            io_rows = [index_rows(s.indexes) for s in (*req.inputs, *req.outputs)]
+        for spec, rows in zip(req.inputs, io_rows):
             node = nnet.get_node_index(spec.name)
             if node == -1 or nodes.kind[node] != INPUT:
                 raise GiveUp("input at a component node (or not an input node)")
-            in_specs.append((node, index_rows(spec.indexes)))
+            in_specs.append((node, rows))
         if not any(spec.indexes for spec in req.outputs):
             raise GiveUp("no outputs")
-        for spec in req.outputs:
+        for spec, rows in zip(req.outputs, io_rows[len(req.inputs):]):
             node = nnet.get_node_index(spec.name)
             if node == -1 or nodes.kind[node] == INPUT:
                 raise GiveUp("no such output node, or an output at an input node")
-            out_specs.append((node, index_rows(spec.indexes)))
+            out_specs.append((node, rows))
         self._init_rows(graph.coords, [a for _, a in in_specs] + [a for _, a in out_specs])
         # supplied inputs (computable), then the outputs; all new and distinct
         input_ids, output_ids = [], []

@@ -437,11 +437,12 @@ def build_intervals(builder, request):
     # supplied inputs: node, rows, grid
     supplied: dict[int, tuple] = {}
     in_rows: list = []
-    for spec in request.inputs:
+    io_rows = builder.io_rows     # (validated: inputs, then outputs) or None
+    for k, spec in enumerate(request.inputs):
         v = nnet.get_node_index(spec.name)
         if v < 0 or not is_input[v] or v in supplied or not spec.indexes:
             return None
-        rows = index_rows(spec.indexes)
+        rows = io_rows[k] if io_rows is not None else index_rows(spec.indexes)
         g = _grid(rows)
         if g is None or (shape is not None and g[:2] + g[4:5] != shape):
             return None
@@ -449,11 +450,12 @@ def build_intervals(builder, request):
         supplied[v] = (len(in_rows), rows, g)
         in_rows.append(rows)
     demand: list = [None] * plan.num_nodes
-    for spec in request.outputs:
+    num_in = len(request.inputs)
+    for k, spec in enumerate(request.outputs):
         v = nnet.get_node_index(spec.name)
         if v < 0 or is_input[v] or demand[v] is not None or not spec.indexes:
             return None
-        g = _grid(index_rows(spec.indexes))
+        g = _grid(io_rows[num_in + k] if io_rows is not None else index_rows(spec.indexes))
         if g is None or (shape is not None and g[:2] + g[4:5] != shape):
             return None
         shape = g[:2] + g[4:5]

@@ -560,10 +560,13 @@ def _default_options(optimize_options):
     return DEFAULT_OPTIONS
 
 
-def _compile_normal(nnet, request, optimize_options, optimize: bool) -> NnetComputation:
-    """Compile (and, unless ``optimize`` is False, optimize) ``request``."""
+def _compile_normal(nnet, request, optimize_options, optimize: bool,
+                    io_rows: list[np.ndarray] | None = None) -> NnetComputation:
+    """Compile (and, unless ``optimize`` is False, optimize) ``request``; ``io_rows``:
+    its Indexes as ComputationRequest.validate returns them, when at hand."""
     from engine.compiler.compiler import compile_computation  # noqa: PLC0415
-    computation = compile_computation(nnet, [request])
+    computation = compile_computation(nnet, [request],
+                                      io_rows=None if io_rows is None else [io_rows])
     if not optimize:
         return computation
     from engine.optimizer.pipeline import optimize as run_optimizer  # noqa: PLC0415
@@ -622,7 +625,7 @@ def compile_request(nnet, request: ComputationRequest, optimize_options=None,
                                                optimize=optimize, io_rows=io_rows)
             if computation is not None:
                 return computation
-        return _compile_normal(nnet, request, optimize_options, optimize)
+        return _compile_normal(nnet, request, optimize_options, optimize, io_rows)
 
 
 __all__ = ["compile_request", "compile_via_shortcut", "expand_computation",

@@ -403,6 +403,7 @@ class ComputationStepsComputer:
         self._segment_range = (0, 0)
         self._names = node_names(nnet)
         self._located = 0        # steps whose cindexes have their (step, row) filled in
+        self._io_rows: list | None = None   # the segment's Indexes as arrays, if given
         self._steps_view: StepList | None = None
         table = graph.node_table
         if table is None or table.nnet is not nnet:
@@ -509,7 +510,10 @@ class ComputationStepsComputer:
         return self._add_step_ids(ids, node)
 
     # -- per segment ----------------------------------------------------------------------
-    def compute_for_segment(self, request, phases) -> None:
+    def compute_for_segment(self, request, phases, io_rows: list | None = None) -> None:
+        """The steps of the next segment: ``request``, its ``phases``; ``io_rows``:
+        the request's Indexes as ComputationRequest.validate returns them, if given."""
+        self._io_rows = io_rows
         if not isinstance(phases, PhaseList):
             lists = list(phases)
             sizes = [len(p) for p in lists]
@@ -677,9 +681,9 @@ class ComputationStepsComputer:
         name = self._names[node]
         specs = request.outputs if is_output else request.inputs
         spec = None
-        for s in specs:
+        for k, s in enumerate(specs):
             if s.name == name:
-                spec = s
+                spec, at = s, k
         if spec is None:
             raise AssertionError(f"{'output' if is_output else 'input'} node {name!r} is "
                                  f"not in the request")
@@ -689,7 +693,10 @@ class ComputationStepsComputer:
         if not is_output and self._supplied_in_request_order(sub):
             self._add_step_ids(sub, node)
             return
-        rows = index_rows(spec.indexes)
+        if self._io_rows is not None:
+            rows = self._io_rows[at + len(request.inputs) if is_output else at]
+        else:
+            rows = index_rows(spec.indexes)
         if self._listed_in_id_order(sub, rows):
             self._add_step_ids(sub, node)
             return
@@ -825,10 +832,12 @@ class ComputationStepsComputer:
 
 
 def compute_computation_steps(nnet, request, phases, graph: ComputationGraph,
-                              computer: ComputationStepsComputer | None = None
-                              ) -> StepList:
+                              computer: ComputationStepsComputer | None = None,
+                              io_rows: list | None = None) -> StepList:
     """Steps for one segment (``request``, its ``phases``), or for all segments when
     ``request`` is a list of requests and ``phases`` the per-segment phases.
+    ``io_rows``: the requests' Indexes as ComputationRequest.validate returns them
+    (one list of arrays per request; for one request, its list), when at hand.
 
     Pass the same ``computer`` for successive segments (Kaldi keeps one
     ComputationStepsComputer for the whole computation); its locations and
@@ -839,10 +848,10 @@ def compute_computation_steps(nnet, request, phases, graph: ComputationGraph,
     if isinstance(request, (list, tuple)):
         if len(request) != len(phases):
             raise ValueError("one list of phases per request is needed")
-        for req, ph in zip(request, phases):
-            computer.compute_for_segment(req, ph)
+        for req, ph, rows in zip(request, phases, io_rows or [None] * len(request)):
+            computer.compute_for_segment(req, ph, rows)
     else:
-        computer.compute_for_segment(request, phases)
+        computer.compute_for_segment(request, phases, io_rows)
     if computer.num_segments_done == len(graph.segment_ends):
         computer.check()
     return computer.steps

@@ -448,3 +448,45 @@ def test_io_steps_from_ids_equal_lookup(monkeypatch):
     monkeypatch.setattr(ComputationStepsComputer, "_listed_in_id_order",
                         lambda self, sub, rows: False)
     assert _compile_all(cases) == fast
+
+
+def test_validated_io_rows_are_read_once_and_compile_the_same(monkeypatch):
+    """compile_computation given the Indexes ComputationRequest.validate returns (what
+    compile_request does) builds the graph and the steps from them, converting no
+    Index list again, and gives the computations it gives without them; the sweeps
+    build (when the interval build declines) reads them too."""
+    import engine.compiler.graph_arrays as GA
+    import engine.compiler.graph_intervals as GI
+    import engine.compiler.steps as ST
+    from engine.compiler.compiler import compile_computation
+    from engine.compiler.serialize import computation_to_data
+
+    cases = _compile_cases()
+    plain = _compile_all(cases)
+    converted = []
+    for mod in (GA, GI, ST):
+        real = mod.index_rows
+
+        def spy(indexes, *a, _real=real, **k):
+            converted.append(len(indexes))
+            return _real(indexes, *a, **k)
+        monkeypatch.setattr(mod, "index_rows", spy)
+    given = []
+    for nnet, req in cases:
+        try:
+            rows = req.validate(nnet)
+            given.append(computation_to_data(compile_computation(nnet, [req], io_rows=[rows])))
+        except Exception as e:                             # noqa: BLE001
+            given.append(type(e).__name__)
+    assert given == plain
+    assert not converted, "no Index list is converted again"
+    monkeypatch.setattr(GI, "ENABLED", False)      # the sweeps build
+    swept = []
+    for nnet, req in cases[-6:]:
+        try:
+            rows = req.validate(nnet)
+            swept.append(computation_to_data(compile_computation(nnet, [req], io_rows=[rows])))
+        except Exception as e:                             # noqa: BLE001
+            swept.append(type(e).__name__)
+    assert not converted, "nor by the sweeps build"
+    assert swept == plain[-6:]

@@ -354,6 +354,50 @@ def test_optimize_false_only_consolidates_io():
     assert out.stats() == comp.stats()
 
 
+def test_consolidate_io_operations_reorders_only_what_is_out_of_place():
+    """Within each marker-separated segment, inputs go first and outputs last, the
+    rest keeping its order (a plain stable partition gives the same commands); a
+    computation already in that form is left as it is, with the same segments."""
+    from engine.compiler.compiler import consolidate_io_operations as consolidate
+
+    def partition(types):
+        out, seg, segments = [], [], []
+        for t in types + ["|"]:
+            if t != "|":
+                seg.append(t)
+                continue
+            first = len(out)
+            out += [x for x in seg if x[0] == "A"] + [x for x in seg if x[0] not in "AP"] \
+                + [x for x in seg if x[0] == "P"]
+            segments.append((first, len(out)))
+            out.append("|")
+            seg = []
+        return out[:-1], segments
+    kind = {"A": CT.ACCEPT_INPUT, "P": CT.PROVIDE_OUTPUT, "|": CT.NO_OPERATION_MARKER,
+            "x": CT.NO_OPERATION}
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(1, 14))
+        types = ["|" if k == 4 else f"{'AxxP'[int(k)]}{i}"
+                 for i, k in enumerate(rng.integers(0, 5, n))]
+        if trial % 3 == 0:               # already in place
+            types, _ = partition(types)
+        comp = NnetComputation()
+        comp.commands = [Command.make(kind[t[0]]) for t in types]
+        for c, t in zip(comp.commands, types):
+            c.alpha = float(t[1:]) if t != "|" else 1.0
+        expect, segments = partition(types)
+        before = list(comp.commands)
+        consolidate(comp)
+        got = ["|" if c.command_type == CT.NO_OPERATION_MARKER else
+               "AxxP"[[CT.ACCEPT_INPUT, CT.NO_OPERATION, CT.NO_OPERATION,
+                       CT.PROVIDE_OUTPUT].index(c.command_type)] + str(int(c.alpha))
+               for c in comp.commands]
+        assert got == expect and comp.segments == segments, types
+        if expect == types:
+            assert comp.commands == before
+
+
 # -- each pass, on small pieces --------------------------------------------------------------------
 
 
