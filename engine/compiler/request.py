@@ -275,7 +275,7 @@ class ComputationRequest:
 
 def _check_indexes(kind: str, name: str, indexes: list[Index]) -> np.ndarray:
     """The Indexes as an (N, 3) int64 array, once checked (non-empty, within 32 bits
-    and t not kNoTime, no repeats)."""
+    and t not kNoTime, no repeats); read-only, as the compiler's phases share it."""
     if not indexes:
         raise RequestError(f"{kind} {name!r} has an empty list of indexes")
     # the common case on whole arrays and one set; a failure is located row by row
@@ -285,6 +285,7 @@ def _check_indexes(kind: str, name: str, indexes: list[Index]) -> np.ndarray:
     except OverflowError:
         in_range = False
     if in_range and len(set(indexes)) == len(indexes):
+        rows.flags.writeable = False
         return rows
     seen: dict[Index, int] = {}
     for k, idx in enumerate(indexes):

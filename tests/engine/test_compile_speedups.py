@@ -454,7 +454,8 @@ def test_validated_io_rows_are_read_once_and_compile_the_same(monkeypatch):
     """compile_computation given the Indexes ComputationRequest.validate returns (what
     compile_request does) builds the graph and the steps from them, converting no
     Index list again, and gives the computations it gives without them; the sweeps
-    build (when the interval build declines) reads them too."""
+    build (when the interval build declines) reads them too.  The arrays are shared by
+    those phases and the shortcut, so validate hands them out read-only."""
     import engine.compiler.graph_arrays as GA
     import engine.compiler.graph_intervals as GI
     import engine.compiler.steps as ST
@@ -475,6 +476,7 @@ def test_validated_io_rows_are_read_once_and_compile_the_same(monkeypatch):
     for nnet, req in cases:
         try:
             rows = req.validate(nnet)
+            assert not any(r.flags.writeable for r in rows), "shared: read-only"
             given.append(computation_to_data(compile_computation(nnet, [req], io_rows=[rows])))
         except Exception as e:                             # noqa: BLE001
             given.append(type(e).__name__)
