@@ -58,7 +58,7 @@ from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERA
                                          DEPS_NONE, DEPS_OFFSETS, INPUT, CindexTable)
 from engine.compiler.graph_intervals import build_intervals
 from engine.core.errors import ComponentError
-from engine.core.index import Index, index_rows
+from engine.core.index import Index
 
 # Kaldi's ComputableInfo values (as in engine.compiler.graph).
 U, C, NC = 0, 1, 2
@@ -863,7 +863,7 @@ class ArrayGraphBuild:
         # the Indexes as arrays: validated ones when the builder was given them
         io_rows = self.builder.io_rows
         if io_rows is None:
-            io_rows = [index_rows(s.indexes) for s in (*req.inputs, *req.outputs)]
+            io_rows = req.index_rows()
         for spec, rows in zip(req.inputs, io_rows):
             node = nnet.get_node_index(spec.name)
             if node == -1 or nodes.kind[node] != INPUT:

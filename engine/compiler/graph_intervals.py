@@ -45,7 +45,6 @@ import numpy as np
 
 from engine.compiler.graph_nodes import (DEPS_DESCRIPTOR, DEPS_IDENTITY, DEPS_OFFSETS, INPUT,
                                          CindexTable)
-from engine.core.index import index_rows
 from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor,
                                      OffsetForwardingDescriptor,
                                      OptionalSumDescriptor, ReplaceIndexForwardingDescriptor,
@@ -437,12 +436,14 @@ def build_intervals(builder, request):
     # supplied inputs: node, rows, grid
     supplied: dict[int, tuple] = {}
     in_rows: list = []
-    io_rows = builder.io_rows     # (validated: inputs, then outputs) or None
-    for k, spec in enumerate(request.inputs):
+    # the Indexes as arrays (inputs, then outputs): validated ones when given
+    io_rows = builder.io_rows
+    if io_rows is None:
+        io_rows = request.index_rows()
+    for spec, rows in zip(request.inputs, io_rows):
         v = nnet.get_node_index(spec.name)
         if v < 0 or not is_input[v] or v in supplied or not spec.indexes:
             return None
-        rows = io_rows[k] if io_rows is not None else index_rows(spec.indexes)
         g = _grid(rows)
         if g is None or (shape is not None and g[:2] + g[4:5] != shape):
             return None
@@ -450,12 +451,11 @@ def build_intervals(builder, request):
         supplied[v] = (len(in_rows), rows, g)
         in_rows.append(rows)
     demand: list = [None] * plan.num_nodes
-    num_in = len(request.inputs)
-    for k, spec in enumerate(request.outputs):
+    for spec, rows in zip(request.outputs, io_rows[len(request.inputs):]):
         v = nnet.get_node_index(spec.name)
         if v < 0 or is_input[v] or demand[v] is not None or not spec.indexes:
             return None
-        g = _grid(io_rows[num_in + k] if io_rows is not None else index_rows(spec.indexes))
+        g = _grid(rows)
         if g is None or (shape is not None and g[:2] + g[4:5] != shape):
             return None
         shape = g[:2] + g[4:5]

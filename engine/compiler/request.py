@@ -242,6 +242,12 @@ class ComputationRequest:
                                   [many(s) for s in self.outputs],
                                   self.need_model_derivative, self.store_component_stats)
 
+    def index_rows(self) -> list[np.ndarray]:
+        """The Indexes of the inputs, then the outputs, as (N, 3) int64 arrays of [n,
+        t, x] rows, unchecked: what ``validate`` returns, for callers that did not
+        validate (the compiler's phases take either)."""
+        return [index_rows(s.indexes) for s in (*self.inputs, *self.outputs)]
+
     # -- validation ---------------------------------------------------------------------
     def validate(self, nnet) -> list[np.ndarray]:
         """Check the request against ``nnet``; raise RequestError naming what is wrong.

@@ -311,13 +311,16 @@ def _compile_cases() -> list:
     return cases
 
 
-def _compile_all(cases) -> list:
+def _compile_all(cases, io_rows: list | None = None) -> list:
+    """The computations of ``cases`` (an error's name where compiling fails); with
+    ``io_rows``, each compiled from its validated Indexes (one list per case)."""
     from engine.compiler.compiler import compile_computation
     from engine.compiler.serialize import computation_to_data
     out = []
-    for nnet, req in cases:
+    for k, (nnet, req) in enumerate(cases):
         try:
-            out.append(computation_to_data(compile_computation(nnet, [req])))
+            rows = None if io_rows is None else [io_rows[k]]
+            out.append(computation_to_data(compile_computation(nnet, [req], io_rows=rows)))
         except Exception as e:                             # noqa: BLE001
             out.append(type(e).__name__)
     return out
@@ -456,39 +459,25 @@ def test_validated_io_rows_are_read_once_and_compile_the_same(monkeypatch):
     Index list again, and gives the computations it gives without them; the sweeps
     build (when the interval build declines) reads them too.  The arrays are shared by
     those phases and the shortcut, so validate hands them out read-only."""
-    import engine.compiler.graph_arrays as GA
     import engine.compiler.graph_intervals as GI
+    import engine.compiler.request as R
     import engine.compiler.steps as ST
-    from engine.compiler.compiler import compile_computation
-    from engine.compiler.serialize import computation_to_data
 
     cases = _compile_cases()
     plain = _compile_all(cases)
+    rows = [req.validate(nnet) for nnet, req in cases]
+    assert not any(r.flags.writeable for lst in rows for r in lst), "shared: read-only"
     converted = []
-    for mod in (GA, GI, ST):
+    for mod in (R, ST):        # (the graph builds convert through ComputationRequest)
         real = mod.index_rows
 
         def spy(indexes, *a, _real=real, **k):
             converted.append(len(indexes))
             return _real(indexes, *a, **k)
         monkeypatch.setattr(mod, "index_rows", spy)
-    given = []
-    for nnet, req in cases:
-        try:
-            rows = req.validate(nnet)
-            assert not any(r.flags.writeable for r in rows), "shared: read-only"
-            given.append(computation_to_data(compile_computation(nnet, [req], io_rows=[rows])))
-        except Exception as e:                             # noqa: BLE001
-            given.append(type(e).__name__)
-    assert given == plain
+    assert _compile_all(cases, rows) == plain
     assert not converted, "no Index list is converted again"
     monkeypatch.setattr(GI, "ENABLED", False)      # the sweeps build
-    swept = []
-    for nnet, req in cases[-6:]:
-        try:
-            rows = req.validate(nnet)
-            swept.append(computation_to_data(compile_computation(nnet, [req], io_rows=[rows])))
-        except Exception as e:                             # noqa: BLE001
-            swept.append(type(e).__name__)
+    assert _compile_all(cases[-6:], rows[-6:]) == plain[-6:]
     assert not converted, "nor by the sweeps build"
-    assert swept == plain[-6:]
+    assert _compile_all(cases[-6:]) == plain[-6:] and converted, "(the spies see them)"
