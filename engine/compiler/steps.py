@@ -254,17 +254,28 @@ def _weighted_rounds(k: int, owner: np.ndarray, local: np.ndarray,
     return np.array(level, dtype=np.int64)
 
 
+def _epoch_facts(epochs: list[int]) -> tuple[np.ndarray, int, list[bool]]:
+    """(epoch + 1 of each node, number of epochs + 1, whether each of those holds at
+    most one node): epoch 0 is the supplied inputs'."""
+    node_to_epoch = np.array(epochs, dtype=np.int64) + 1
+    num_epochs = 1 + int(node_to_epoch.max())
+    trivial = (np.bincount(node_to_epoch, minlength=num_epochs) <= 1).tolist()
+    return node_to_epoch, num_epochs, trivial
+
+
 def compute_computation_phases(nnet, graph: ComputationGraph) -> list[PhaseList]:
     """Kaldi's ComputeComputationPhases: per segment, its phases (a PhaseList:
     lists of cindex ids).  Call after the graph is built and pruned for every
     segment."""
     table = graph.node_table
-    epochs = (table.epochs if table is not None and table.nnet is nnet
-              else compute_nnet_computation_epochs(nnet))
-    node_to_epoch = np.array(epochs, dtype=np.int64) + 1
-    num_epochs = 1 + int(node_to_epoch.max())
-    nodes_per_epoch = np.bincount(node_to_epoch, minlength=num_epochs)
-    trivial = (nodes_per_epoch <= 1).tolist()
+    if table is None or table.nnet is not nnet:
+        node_to_epoch, num_epochs, trivial = _epoch_facts(compute_nnet_computation_epochs(nnet))
+    else:
+        # (they depend on the network alone: kept with its NodeTable)
+        hit = table.extra.get("phase_epochs")
+        if hit is None:
+            hit = table.extra["phase_epochs"] = _epoch_facts(table.epochs)
+        node_to_epoch, num_epochs, trivial = hit
     n = len(graph)
     if not graph.segment_ends or graph.segment_ends[-1] != n:
         raise ValueError("the graph has cindexes outside any segment (was prune called?)")
@@ -339,8 +350,9 @@ def _step_roles(table) -> tuple:
     Indexes, whether its steps' locations are read while steps are still being made
     (the sources of dim-range nodes), and the node whose same Index a row reads
     (the input of a simple component, the source of a dim-range node; -1 for
-    others) and whether it is a simple component, as arrays.  Kept with the table
-    (it depends only on the network)."""
+    others) and whether it is a simple component, as arrays, and whether it is a
+    dim-range node, as an array.  Kept with the table (it depends only on the
+    network)."""
     hit = table.extra.get("step_roles")
     if hit is not None:
         return hit
@@ -375,7 +387,8 @@ def _step_roles(table) -> tuple:
                          for i in range(len(roles))], dtype=np.int64)
     simple_component = np.array([s and r == _R_COMPONENT for s, r in zip(simple, roles)],
                                 dtype=bool)
-    out = (roles, simple, reorders, read_early, link_src, simple_component)
+    out = (roles, simple, reorders, read_early, link_src, simple_component,
+           np.array(roles) == _R_DIM_RANGE)
     table.extra["step_roles"] = out
     return out
 
@@ -412,8 +425,7 @@ class ComputationStepsComputer:
         self._dim_range_src = table.dim_range_src
         self._margin = table.margin
         (self._roles, self._simple, self._reorders, self._read_early,
-         self._link_src, self._simple_component) = _step_roles(table)
-        self._is_dim_range = np.array(self._roles) == _R_DIM_RANGE
+         self._link_src, self._simple_component, self._is_dim_range) = _step_roles(table)
 
     # -- views ----------------------------------------------------------------------------
     @property
