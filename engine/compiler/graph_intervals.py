@@ -470,7 +470,7 @@ def build_intervals(builder, request):
         return None
     slots = plan.slots
     # ids: the inputs in request order, then node by node (t, then n)
-    base = sum(len(r) for r in in_rows)
+    base = sum(map(len, in_rows))
     rest = [v for v in range(plan.num_nodes) if span[v] is not None and not is_input[v]]
     lens = [(span[v][1] - span[v][0]) * num_n for v in rest]
     start: dict[int, int] = {}
@@ -482,7 +482,7 @@ def build_intervals(builder, request):
     at = 0
     for v, (k, rows, g) in supplied.items():
         goff[v], glo[v] = at, g[2]
-        off = sum(len(r) for r in in_rows[:k])
+        off = sum(map(len, in_rows[:k]))
         parts.append(g[5] + off if off else g[5])
         at += len(rows)
     pos = 0

@@ -15,12 +15,15 @@ the lists decide only what the walks leave open.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from engine.compiler.computation import NnetComputation
 from engine.optimizer.analysis import CT
 from engine.optimizer.pipeline import allocates_from_other
 from engine.optimizer.passes.remove_no_ops import remove_no_ops
 
 _R, _W = 1, 2   # read and write access, as bits (Analyzer.entries, variable_access_bits_of)
+_RECT = itemgetter(2)   # the rectangle of an entry
 
 
 def _decided_by_sweep(ents: list, nr: int, nc: int, is_output: bool) -> bool | None:
@@ -143,7 +146,7 @@ def _decided_by_rectangles(ents: list, nr: int, nc: int, is_output: bool) -> boo
             i += 1
             if a & _R and not _inside(r, reached):
                 return True
-        reached.extend(e[2] for e in ents[start:i])
+        reached.extend(map(_RECT, ents[start:i]))
     return is_output and not _inside(zr, reached)
 
 

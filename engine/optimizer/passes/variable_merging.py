@@ -46,6 +46,7 @@ Rounds are Kaldi's, computed with less work and the same result:
 from __future__ import annotations
 
 from collections import Counter
+from operator import itemgetter
 
 from engine.compiler.computation import K_STRIDE_EQUAL_NUM_COLS, NnetComputation
 from engine.nnet.components.base import ComponentProperty as P
@@ -57,6 +58,7 @@ from engine.optimizer.passes.renumber import (renumber_computation, renumber_wit
                                               submatrix_info)
 
 _PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE = int(P.PROPAGATE_IN_PLACE), int(P.BACKPROP_IN_PLACE)
+_FIRST = itemgetter(0)
 
 
 class VariableMergingOptimizer:
@@ -289,7 +291,7 @@ class _SubmatrixOrder:
         for m in matrices:
             ma = self.a.matrix_accesses[m]
             for ci, _, _ in self.a.entries[m]:
-                used.update(s for s, _ in cacc[ci])
+                used.update(map(_FIRST, cacc[ci]))
             for ci in (ma.allocate_command, ma.deallocate_command):
                 if ci >= 0:
                     cmd = cmds[ci]
