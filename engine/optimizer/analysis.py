@@ -338,6 +338,14 @@ class MatrixAccesses:
     def entries_changed(self) -> None:
         self._accesses = None
 
+    def restart(self, entries: list) -> None:
+        """As a new MatrixAccesses of the same matrix (same size) on ``entries``: nothing
+        known yet (what Analyzer.reanalyze fills in again)."""
+        self.allocate_command = self.deallocate_command = -1
+        self.is_input = self.is_output = False
+        self._entries = entries
+        self._accesses = None
+
     def __repr__(self) -> str:
         return (f"MatrixAccesses(allocate_command={self.allocate_command}, "
                 f"deallocate_command={self.deallocate_command}, accesses={self.accesses}, "
@@ -735,9 +743,8 @@ class Analyzer:
                 if m != keep:
                     moved.extend(of[m])
                     of[m] = []
-                    mi = mats[m]
                     entries[m] = []
-                    macc[m] = MatrixAccesses(entries[m], (0, mi.num_rows, 0, mi.num_cols))
+                    ma.restart(entries[m])
             mi = mats[keep]
             for s in moved:
                 m, ro, nr, co, nc = subs[s]
@@ -746,7 +753,7 @@ class Analyzer:
                 rect[s] = (ro, ro + nr, co, co + nc)
             of[keep] = sorted(of[keep] + moved)
             entries[keep] = []
-            macc[keep] = MatrixAccesses(entries[keep], (0, mi.num_rows, 0, mi.num_cols))
+            macc[keep].restart(entries[keep])   # (merging does not resize matrices)
         noop, io = CT.NO_OPERATION, (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
         cacc = self.command_accesses
         used: set[int] = set()
