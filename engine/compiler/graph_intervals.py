@@ -496,24 +496,26 @@ def build_intervals(builder, request):
     total = base + rest_total
     parts.append(np.arange(base, total, dtype=np.int64))
     cells = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    # coords of the rest
+    # coords of the rest: row start[v] + (t - lo) * num_n + (n - n_lo) of node v
     lens_arr = np.array(lens, dtype=np.int64)
-    rel = np.arange(rest_total, dtype=np.int64)
-    row_node = np.repeat(np.array(rest, dtype=np.int64), lens_arr)
-    within = rel - np.repeat(np.array([start[v] for v in rest], dtype=np.int64), lens_arr)
     coords = np.empty((total, 4), dtype=np.int64)
     if base:
         coords[:base, 0] = np.repeat(np.array(list(supplied), dtype=np.int64),
                                      [len(r) for r in in_rows])
         coords[:base, 1:] = np.concatenate(in_rows) if len(in_rows) > 1 else in_rows[0]
-    coords[base:, 0] = row_node
-    t_lo = np.repeat(np.array([span[v][0] for v in rest], dtype=np.int64), lens_arr)
+    coords[base:, 0] = np.repeat(np.array(rest, dtype=np.int64), lens_arr)
     if num_n == 1:
         coords[base:, 1] = n_lo
-        coords[base:, 2] = t_lo + within
+        # t: the row less one offset per node, start[v] - lo
+        coords[base:, 2] = np.arange(rest_total, dtype=np.int64) - np.repeat(
+            np.array([start[v] - span[v][0] for v in rest], dtype=np.int64), lens_arr)
     else:
-        coords[base:, 1] = within % num_n + n_lo
-        coords[base:, 2] = t_lo + within // num_n
+        within = np.arange(rest_total, dtype=np.int64) - np.repeat(
+            np.array([start[v] for v in rest], dtype=np.int64), lens_arr)
+        t_rel, n_rel = np.divmod(within, num_n)
+        coords[base:, 1] = n_rel + n_lo
+        coords[base:, 2] = t_rel + np.repeat(np.array([span[v][0] for v in rest],
+                                                      dtype=np.int64), lens_arr)
     coords[base:, 3] = x0
     # dependencies: per input (slot) of every node, one block of edges; a slot
     # (src, 1, b) reads cell goff[src] + (lo + b - glo[src]) * num_n + within, a
@@ -552,22 +554,25 @@ def build_intervals(builder, request):
     for c, s, m, shift in ((sh_c, sh_s, sh_m, True), (rp_c, rp_s, rp_m, False)):
         if not c:
             continue
+        # edge j of block i (the block's j-th row): position first[i] + j of the edges
         m_arr = np.array(m, dtype=np.int64)
-        num_e = int(m_arr.sum())
-        first = np.cumsum(m_arr) - m_arr
-        k = np.arange(num_e, dtype=np.int64) - np.repeat(first, m_arr)   # row within node
-        row = k + np.repeat(np.array(s, dtype=np.int64), m_arr)
+        ends = np.cumsum(m_arr)
+        first = ends - m_arr
+        pos = np.arange(int(ends[-1]), dtype=np.int64)
+        # its row (among all cindexes: after the base inputs) and the cell it reads
+        row = pos + np.repeat(np.array(s, dtype=np.int64) + (base - first), m_arr)
         if shift:
-            cell = k + np.repeat(np.array(c, dtype=np.int64), m_arr)
+            cell = pos + np.repeat(np.array(c, dtype=np.int64) - first, m_arr)
         else:
-            cell = (k % num_n if num_n > 1 else 0) + np.repeat(np.array(c, dtype=np.int64),
-                                                                m_arr)
+            cell = np.repeat(np.array(c, dtype=np.int64), m_arr)
+            if num_n > 1:
+                cell += (pos - np.repeat(first, m_arr)) % num_n
         src_parts.append(row)
         dst_parts.append(cells[cell])
     if src_parts:
         src = np.concatenate(src_parts) if len(src_parts) > 1 else src_parts[0]
         dst = np.concatenate(dst_parts) if len(dst_parts) > 1 else dst_parts[0]
-        key = (src + base) * total + dst
+        key = src * total + dst
         # sorted runs (one per slot block): the stable sort merges them, several
         # times faster than the default sort here
         key.sort(kind="stable")
