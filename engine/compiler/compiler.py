@@ -376,7 +376,7 @@ class Compiler:
         ids = self._all_ids[np.repeat(chosen, step_len)]
         lens = step_len[chosen]
         starts = np.zeros(len(steps), dtype=np.int64)
-        np.cumsum(lens[:-1], out=starts[1:])
+        np.add.accumulate(lens[:-1], out=starts[1:])
         ptr, idx = graph.dep_ptr, graph.dep_idx
         has = ptr[ids + 1] > ptr[ids]
         pos = np.minimum.reduceat(np.where(has, np.arange(len(ids)), len(ids)), starts)
@@ -533,7 +533,7 @@ class Compiler:
             ids = np.concatenate([all_steps[s].ids for s in steps])
             lens = [len(all_steps[s].ids) for s in steps]
             bounds = np.zeros(len(lens) + 1, dtype=np.int64)
-            np.cumsum(lens, out=bounds[1:])
+            np.add.accumulate(lens, out=bounds[1:])
             seg = np.repeat(np.array([all_steps[s].segment for s in steps], dtype=np.int64),
                             lens)
             b = bounds.tolist()
@@ -797,15 +797,15 @@ class Compiler:
         lens = step_len[cs]
         num_cols = len(col_step)
         starts = np.zeros(num_cols, dtype=np.int64)
-        np.cumsum(lens[:-1], out=starts[1:])
+        np.add.accumulate(lens[:-1], out=starts[1:])   # (np.cumsum with out= is slower)
         total = int(starts[-1] + lens[-1])
         # the rows of each column's step, gathered from all steps' ids
         rows = self._all_ids[(self._step_start[cs] - starts).repeat(lens) + np.arange(total)]
         keys = table.key_of[rows]
         blank = keys < 0
-        sh = np.array(col_shift, dtype=np.int64)
-        delta = (sh[0::4] * table.stride_node + sh[1::4] * table.stride_n
-                 + sh[2::4] * table.stride_t + sh[3::4])
+        # each column's shift (node, n, t, x) as a key offset: one product with the strides
+        delta = np.array(col_shift, dtype=np.int64).reshape(-1, 4) @ np.array(
+            [table.stride_node, table.stride_n, table.stride_t, 1], dtype=np.int64)
         keys = keys + delta.repeat(lens)
         b = starts.tolist() + [len(rows)]
         absent = blank

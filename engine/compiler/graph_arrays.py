@@ -1031,7 +1031,7 @@ class ArrayGraphBuild:
             src = pair // (base + m)
             dst = pair - src * (base + m)
             ptr = np.zeros(m + 1, dtype=np.int64)
-            np.cumsum(np.bincount(src, minlength=m), out=ptr[1:])
+            np.add.accumulate(np.bincount(src, minlength=m), out=ptr[1:])
         else:
             ptr, dst = np.zeros(m + 1, dtype=np.int64), _EMPTY
         is_input = np.zeros(m, dtype=bool)

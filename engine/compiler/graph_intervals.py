@@ -583,10 +583,9 @@ def build_intervals(builder, request):
         key.sort(kind="stable")
         if len(key) > 1 and (key[1:] == key[:-1]).any():
             key = np.unique(key)
-        src = key // total
-        dst = key - src * total
+        src, dst = np.divmod(key, total)
         ptr = np.zeros(total + 1, dtype=np.int64)
-        np.cumsum(np.bincount(src, minlength=total), out=ptr[1:])
+        np.add.accumulate(np.bincount(src, minlength=total), out=ptr[1:])
     else:
         ptr, dst = np.zeros(total + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     flags = np.zeros(total, dtype=bool)

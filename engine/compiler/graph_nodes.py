@@ -466,7 +466,7 @@ class ComputationGraph:
                            count=int(lens.sum()))
         flat = mapping[flat]
         ptr = np.zeros(m + 1, dtype=np.int64)
-        np.cumsum(lens, out=ptr[1:])
+        np.add.accumulate(lens, out=ptr[1:])
         # each list a sorted set of the new ids (the renumbering is one to one, so
         # sorting each list again is enough)
         owner = np.repeat(np.arange(m), lens)

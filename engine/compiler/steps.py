@@ -143,7 +143,7 @@ def _report_cycle(members: np.ndarray, deps_owner: np.ndarray, deps_local: np.nd
     # the users of member c: flat[b[c]:b[c + 1]]
     flat = deps_owner[order].tolist()
     bounds = np.zeros(k + 1, dtype=np.int64)
-    np.cumsum(np.bincount(deps_local, minlength=k), out=bounds[1:])
+    np.add.accumulate(np.bincount(deps_local, minlength=k), out=bounds[1:])
     b = bounds.tolist()
     frontier = [i for i, r in enumerate(remaining) if not r]
     if not frontier:
@@ -289,19 +289,20 @@ def compute_computation_phases(nnet, graph: ComputationGraph) -> list[PhaseList]
         ep = epoch_of[start:end]
         order = np.argsort(ep, kind="stable") + start
         counts = np.bincount(ep, minlength=num_epochs).tolist()
-        ids_parts, sizes = [], []
+        # the ids epoch by epoch as ``order`` has them; an epoch of one node (or the
+        # supplied inputs) is one phase as it is (nothing inside depends on anything
+        # else inside), the others are reordered by level in place (in a copy)
+        ids = order
+        sizes = []
         pos = 0
         for e, k in enumerate(counts):
             if not k:
                 continue
-            members = order[pos:pos + k]
-            pos += k
             if trivial[e]:
-                # One node (or the supplied inputs): nothing inside depends on
-                # anything else inside, so the whole epoch is one phase.
-                ids_parts.append(members)
                 sizes.append(k)
+                pos += k
                 continue
+            members = order[pos:pos + k]
             owner, dep = _csr_rows(ptr, idx, members)
             inside = (dep >= start) & (dep < end)
             inside[inside] = epoch_of[dep[inside]] == e
@@ -309,9 +310,11 @@ def compute_computation_phases(nnet, graph: ComputationGraph) -> list[PhaseList]
                 names = node_names(nnet)
             level = _epoch_levels(members, owner[inside],
                                   np.searchsorted(members, dep[inside]), graph, names)
-            ids_parts.append(members[np.lexsort((members, level))])
+            if ids is order:
+                ids = order.copy()
+            ids[pos:pos + k] = members[np.lexsort((members, level))]
             sizes.extend(np.bincount(level).tolist())
-        ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
+            pos += k
         bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.add.accumulate(sizes, out=bounds[1:])   # (np.cumsum of a list is slower)
         out.append(PhaseList(ids, bounds))
@@ -530,7 +533,7 @@ class ComputationStepsComputer:
             lists = list(phases)
             sizes = [len(p) for p in lists]
             bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
-            np.cumsum(sizes, out=bounds[1:])
+            np.add.accumulate(sizes, out=bounds[1:])
             phases = PhaseList(np.array([c for p in lists for c in p], dtype=np.int64), bounds)
         segment = self.num_segments_done
         ends = self.graph.segment_ends
