@@ -325,8 +325,8 @@ class ComputationGraph:
         t = self._table
         if t is not None and num_nodes == 0 and margin == (0, 0, 0):
             return t
-        if (t is None or t.hi[0] < num_nodes - 1
-                or any(t.margin[k] < margin[k] for k in range(3))):
+        if (t is None or t.hi[0] < num_nodes - 1 or t.margin[0] < margin[0]
+                or t.margin[1] < margin[1] or t.margin[2] < margin[2]):
             if t is not None:
                 num_nodes = max(num_nodes, t.hi[0] + 1)
                 margin = tuple(max(t.margin[k], margin[k]) for k in range(3))

@@ -654,7 +654,7 @@ class ComputationStepsComputer:
         or for other rows); None where the lookup table cannot do it."""
         table = self.graph.table(len(self._roles), self._margin)
         keys = table.key_of[ids]
-        if table.mode == "dict" or (len(keys) and keys.min() < 0):
+        if table.mode == "dict" or (len(keys) and np.minimum.reduce(keys) < 0):
             return None
         to = self._link_src[node]
         out = np.full(len(ids), -1, dtype=np.int64)
@@ -834,6 +834,11 @@ class ComputationStepsComputer:
         s, r = self.loc_step[:n], self.loc_row[:n]
         steps = self.steps
         flat = steps.ids
+        if n and np.minimum.reduce(s) >= 0 and np.minimum.reduce(r) >= 0:
+            # the usual case: every cindex has a place; it must hold that cindex
+            at = steps.ptr[s] + r
+            if np.maximum.reduce(at) < len(flat) and np.array_equal(flat[at], np.arange(n)):
+                return
         ok = (s >= 0) & (r >= 0)
         at = np.where(ok, steps.ptr[np.maximum(s, 0)] + r, 0)
         ok &= (at < len(flat))
