@@ -238,3 +238,26 @@ def test_longest_paths_equal_kahn_rounds():
         else:
             assert got is not None and got.tolist() == want
     assert cycles > 50
+
+
+def test_check_reports_a_cindex_whose_place_holds_another():
+    """ComputationStepsComputer.check: a located cindex whose (step, row) holds another
+    cindex, or that has no place, is reported by name; the usual case passes."""
+    nnet = Nnet.from_config(CHAIN)
+    req = ComputationRequest([io_spec("input", tlist(range(5)))],
+                             [io_spec("output", tlist(range(5)))])
+    g = build_computation_graph(nnet, req)
+    phases = compute_computation_phases(nnet, g)
+    computer = ComputationStepsComputer(nnet, g)
+    compute_computation_steps(nnet, req, phases[0], g, computer)
+    computer.check()
+    c = int(g.dep_idx[0]) if len(g.dep_idx) else 0
+    row = int(computer.loc_row[c])
+    computer.loc_row[c] = row + 1 if row == 0 else row - 1   # a neighbour's place
+    with pytest.raises(AssertionError, match="no consistent location"):
+        computer.check()
+    computer.loc_row[c] = row
+    computer.check()
+    computer.loc_step[c] = -1                                # no place at all
+    with pytest.raises(AssertionError, match="no consistent location"):
+        computer.check()
