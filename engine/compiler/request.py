@@ -287,7 +287,8 @@ def _check_indexes(kind: str, name: str, indexes: list[Index]) -> np.ndarray:
     # the common case on whole arrays and one set; a failure is located row by row
     try:
         rows = index_rows(indexes)
-        in_range = int(rows.min()) > INT32_MIN and int(rows.max()) <= INT32_MAX
+        in_range = (int(np.minimum.reduce(rows, axis=None)) > INT32_MIN
+                    and int(np.maximum.reduce(rows, axis=None)) <= INT32_MAX)
     except OverflowError:
         in_range = False
     if in_range and len(set(indexes)) == len(indexes):
