@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import compress, islice
-from operator import attrgetter
 
 import numpy as np
 
@@ -54,7 +53,7 @@ from engine.compiler.compile_utils import (convert_to_indexes,  # noqa: F401 (re
 from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_COLS, Command,
                                          CommandType as CT, DebugCindexes, MatrixDebugInfo,
                                          MatrixInfo, NnetComputation, PrecomputedIndexesInfo,
-                                         SubMatrixInfo)
+                                         SubMatrixInfo, command_types, positions)
 from engine.compiler.fast_descriptors import compile_descriptor, offset_chain
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT, make_indexes
@@ -1210,22 +1209,6 @@ class Compiler:
                                                               ends.tolist()))))]
 
 
-_command_type = attrgetter("command_type")
-
-
-def _positions(items: list, value) -> list[int]:
-    """The positions of ``value`` in ``items``, in order (list.index: few hits in a
-    long list)."""
-    out = []
-    at = -1
-    try:
-        while True:
-            at = items.index(value, at + 1)
-            out.append(at)
-    except ValueError:
-        return out
-
-
 def _io_in_place(kinds: list, markers: list[int], io: list[int], accept) -> bool:
     """Whether each segment already starts with its kAcceptInput commands and ends
     with its kProvideOutput ones (``io``: the positions of both, ascending;
@@ -1248,9 +1231,9 @@ def consolidate_io_operations(computation: NnetComputation) -> None:
     kAcceptInput first and kProvideOutput last, keeping relative order."""
     cmds = computation.commands
     accept, provide, marker = CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT, CT.NO_OPERATION_MARKER
-    kinds = list(map(_command_type, cmds))
-    markers = _positions(kinds, marker) + [len(cmds)]
-    io = sorted(_positions(kinds, accept) + _positions(kinds, provide))
+    kinds = command_types(cmds)
+    markers = positions(kinds, marker) + [len(cmds)]
+    io = sorted(positions(kinds, accept) + positions(kinds, provide))
     if _io_in_place(kinds, markers, io, accept):
         # (the usual case: the commands stay as they are)
         computation.segments = [(0 if k == 0 else markers[k - 1] + 1, end)

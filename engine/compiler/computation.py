@@ -31,7 +31,7 @@ import copy as _copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from enum import IntEnum
 from typing import Any, Callable, NamedTuple
 
@@ -711,3 +711,25 @@ def submatrix_accesses(computation: NnetComputation, command: Command,
 def indexes_multi_array(pairs) -> np.ndarray:
     """(N, 2) int array form of an indexes_multi entry."""
     return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+
+
+_command_type = attrgetter("command_type")
+
+
+def command_types(commands: list) -> list:
+    """The command type of each command, in order (made in C: no Python call per
+    command)."""
+    return list(map(_command_type, commands))
+
+
+def positions(items: list, value) -> list[int]:
+    """The positions of ``value`` in ``items``, in order (list.index: a scan in C, for
+    few hits in a long list)."""
+    out = []
+    at = -1
+    try:
+        while True:
+            at = items.index(value, at + 1)
+            out.append(at)
+    except ValueError:
+        return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.compiler.computation import (DebugCindexes, MatrixDebugInfo, NnetComputation,
-                                         SubMatrixInfo)
+                                         SubMatrixInfo, command_types, positions)
 from engine.core.errors import CheckError
 from engine.core.index import K_NO_TIME, Cindex, Index
 from engine.optimizer.analysis import CT
@@ -38,16 +38,16 @@ def _extend(c: NnetComputation) -> tuple[bool, dict[int, int]]:
     order, and points the copy at the new submatrices.  Returns whether a copy
     was extended and, for the matrices that grew, matrix -> rows before."""
     cmds, subs, mats = c.commands, c.submatrices, c.matrices
-    types = [cmd.command_type for cmd in cmds]
+    types = command_types(cmds)
     if CT.SWAP_MATRIX in types:
         raise CheckError("extend_matrices: the computation already has kSwapMatrix "
                          "commands (it must run before the allocation passes)")
-    copy_t = CT.MATRIX_COPY
     changed = False
     grown: dict[int, int] = {}    # matrix -> rows before it grew
     io: set[int] | None = None    # the matrices of inputs and outputs, when needed
-    for cmd, ct in zip(cmds, types):
-        if ct != copy_t or cmd.alpha != 1.0:
+    for i in positions(types, CT.MATRIX_COPY):     # (in command order)
+        cmd = cmds[i]
+        if cmd.alpha != 1.0:
             continue
         sm, sro, snr, sco, snc = subs[cmd.arg2]
         dm, dro, dnr, _, _ = subs[cmd.arg1]
