@@ -211,16 +211,17 @@ def plan_for(nodes) -> _Plan | None:
     return plan
 
 
-# the reductions without ndarray.min/max's Python-level wrapper (a small share of a
-# call on these few rows)
-_column_min, _column_max = np.minimum.reduce, np.maximum.reduce
+# the reductions without ndarray.min/max's Python-level wrapper, as in array_ops and
+# graph_arrays (array_ops.column_bounds, a column at a time, is slower on a request's
+# few rows: ~7 against ~4 us on 47 x 3)
+_min, _max = np.minimum.reduce, np.maximum.reduce
 
 
 def _grid(rows: np.ndarray):
     """(n_lo, n_hi, t_lo, t_hi, x, position of each grid cell (t - t_lo) * num_n +
     (n - n_lo) in ``rows``) when ``rows`` (n, t, x) are a whole grid, each Index
     once; else None."""
-    lo, hi = _column_min(rows, 0).tolist(), _column_max(rows, 0).tolist()
+    lo, hi = _min(rows, 0).tolist(), _max(rows, 0).tolist()
     if lo[2] != hi[2]:
         return None
     num_n = hi[0] - lo[0] + 1
@@ -233,7 +234,7 @@ def _grid(rows: np.ndarray):
         cell = (rows[:, 1] - lo[1]) * num_n + (rows[:, 0] - lo[0])
     pos = np.full(num, -1, dtype=np.int64)
     pos[cell] = np.arange(num)
-    if _column_min(pos) < 0:
+    if _min(pos) < 0:
         return None          # an Index repeated (so another is missing)
     return lo[0], hi[0], lo[1], hi[1], lo[2], pos
 

@@ -256,12 +256,11 @@ def _run_passes(computation, nnet, options, request, passes, in_place,
         ran.append(spec.name)
         if table is not None:
             rec = PassRecord(spec.name, spec.module, "ran", changed, time.perf_counter() - t0)
+            table.append(rec)
         if check:
             _check(nnet, comp, spec.name, ran, check_rewrite=spec.check_rewrite)
             if table is not None:
                 rec.stats = comp.stats()
-        if table is not None:
-            table.append(rec)
     if ctx.renumber_due:    # the pass it was left to did not run (a custom pass list)
         from engine.optimizer.passes.renumber import renumber_computation  # noqa: PLC0415
         renumber_computation(comp)
