@@ -59,9 +59,9 @@ def _extend(c: NnetComputation) -> tuple[bool, dict[int, int]]:
                 or snr < MIN_PROPORTION * grown.get(sm, src_mat.num_rows)
                 or dro + dnr != grown.get(dm, mats[dm].num_rows)):
             continue
-        if io is None:
-            io_types = (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
-            io = {subs[x.arg1][0] for x in cmds if x.command_type in io_types}
+        if io is None:   # (a scan in C for each kind: few hits among many commands)
+            io = {subs[cmds[k].arg1][0] for k in (positions(types, CT.ACCEPT_INPUT)
+                                                  + positions(types, CT.PROVIDE_OUTPUT))}
         if dm in io:
             continue
         # Kaldi's Extend
