@@ -143,6 +143,13 @@ def test_bench_forward_model_directory_and_kaldi_figures(tmp_path):
                / (case["exec_ms"] / work["gemm_s"])) < 1e-12
     assert abs(kaldi["compile_ratio"] - (figs["compile_ms"] / figs["python_s"])
                / (case["compile_ms"] / work["python_s"])) < 1e-12
+    assert kaldi["same_structure"] is True and "note" not in kaldi
+    # the decoding form (the default) is compared too, and says it is not Kaldi's structure
+    r = _run(["bench", "forward", model_dir, "--chunk", 21, "--repeat", 1, "--json"])
+    assert r.exit_code == 0, r.output
+    kaldi = json.loads(r.output)["kaldi"]
+    assert kaldi["same_structure"] is False and "--network as-stored" in kaldi["note"]
+    assert kaldi["commands_ratio"] < 1.0
     # a case Kaldi's file does not list: no comparison, the figures as before
     r = _run(["bench", "forward", model_dir, "--chunk", 5, "--repeat", 1, "--json"])
     assert r.exit_code == 0, r.output
