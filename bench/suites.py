@@ -212,21 +212,10 @@ def suite_compile(r: Runner) -> list[dict]:
             for key, runs in timed.items():
                 rounds[key].append((runs, work))
         k_py = figs[1]["python_s"] if figs else None
-
-        def figures(key, k_ms):
-            measured = rounds[key]
-            per_round = [(statistics.median(runs), work) for runs, work in measured]
-            ratios = ([common.normalised_ratio(m * 1e3, w, k_ms, k_py) for m, w in per_round]
-                      if k_ms and k_py else None)
-            return {"runs": sum(len(runs) for runs, _ in measured), "rounds": len(measured),
-                    "ms": statistics.median([x for runs, _ in measured for x in runs]) * 1e3,
-                    "per_python_s": statistics.median([m / w for m, w in per_round]),
-                    "ratio": statistics.median(ratios) if ratios else None,
-                    "ratio_rounds": ratios}
         for chunk, batch in COMPILE_CASES:
             k = figs[0].get((chunk, batch)) if figs else None
             k_ms = k["compile_ms"] if k else None
-            stored = figures(("as-stored", chunk, batch), k_ms)
+            stored = _round_figures(rounds[("as-stored", chunk, batch)], k_ms, k_py)
             row = {"model": name, "chunk": chunk, "batch": batch,
                    "runs": stored["runs"], "rounds": stored["rounds"],
                    "ours_ms": stored["ms"],
@@ -237,7 +226,7 @@ def suite_compile(r: Runner) -> list[dict]:
                    "commands": commands[("as-stored", chunk, batch)],
                    "kaldi_commands": k["commands"] if k else None}
             if len(forms) > 1:
-                other = figures((forms[1], chunk, batch), k_ms)
+                other = _round_figures(rounds[(forms[1], chunk, batch)], k_ms, k_py)
                 row.update({"timed_form": forms[1], "timed_form_ms": other["ms"],
                             "timed_form_ratio": other["ratio"],
                             "timed_form_commands": commands[(forms[1], chunk, batch)]})
@@ -249,6 +238,21 @@ def suite_compile(r: Runner) -> list[dict]:
                 row["timed_form_ratio_rounds"] = other["ratio_rounds"]
             rows.append(row)
     return rows
+
+
+def _round_figures(measured: list, k_ms, k_py) -> dict:
+    """One case's figures from its rounds (``measured``: (compile seconds, workload
+    seconds) per round): runs, rounds, median ms over all compiles, median per-round
+    compile per workload, and with Kaldi's figures the per-round normalised ratios and
+    their median."""
+    per_round = [(statistics.median(runs), work) for runs, work in measured]
+    ratios = ([common.normalised_ratio(m * 1e3, w, k_ms, k_py) for m, w in per_round]
+              if k_ms and k_py else None)
+    return {"runs": sum(len(runs) for runs, _ in measured), "rounds": len(measured),
+            "ms": statistics.median([x for runs, _ in measured for x in runs]) * 1e3,
+            "per_python_s": statistics.median([m / w for m, w in per_round]),
+            "ratio": statistics.median(ratios) if ratios else None,
+            "ratio_rounds": ratios}
 
 
 def suite_forward(r: Runner) -> list[dict]:
