@@ -16,8 +16,9 @@ import numpy as np
 # up to this many columns, one operation per column beats NumPy's axis reductions
 NARROW = 8
 # the reductions straight to the ufuncs (ndarray.min/max go through Python wrappers,
-# which cost more than the work on the short arrays a compile mostly has)
-_min, _max = np.minimum.reduce, np.maximum.reduce
+# which cost more than the work on the short arrays a compile mostly has): the
+# compiler's modules call these
+min_reduce, max_reduce = np.minimum.reduce, np.maximum.reduce
 
 
 def column_bounds(a: np.ndarray) -> tuple[list[int], list[int]]:
@@ -26,7 +27,7 @@ def column_bounds(a: np.ndarray) -> tuple[list[int], list[int]]:
     if a.shape[1] > NARROW:
         return a.min(axis=0).tolist(), a.max(axis=0).tolist()
     cols = [a[:, k] for k in range(a.shape[1])]
-    return [int(_min(c)) for c in cols], [int(_max(c)) for c in cols]
+    return [int(min_reduce(c)) for c in cols], [int(max_reduce(c)) for c in cols]
 
 
 def _rows_reduce(b: np.ndarray, op, empty: bool) -> np.ndarray:

@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.compiler.array_ops import (column_bounds, distinct as _distinct, rows_all, rows_any,
-                                      rows_count)
+from engine.compiler.array_ops import (column_bounds, distinct as _distinct, max_reduce as _max,
+                                      min_reduce as _min, rows_all, rows_any, rows_count)
 from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, DEPS_IDENTITY,
                                          DEPS_NONE, DEPS_OFFSETS, INPUT, CindexTable)
 from engine.compiler.graph_intervals import build_intervals
@@ -93,7 +93,6 @@ class GiveUp(Exception):
 _all = _all_rows = np.logical_and.reduce
 _any = _any_rows = np.logical_or.reduce
 _sum = np.add.reduce
-_min, _max = np.minimum.reduce, np.maximum.reduce
 
 
 def _cat(parts: list) -> np.ndarray:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.compiler.array_ops import max_reduce, min_reduce
 from engine.compiler.graph_nodes import (DEPS_DESCRIPTOR, DEPS_IDENTITY, DEPS_OFFSETS, INPUT,
                                          CindexTable)
 from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor,
@@ -211,17 +212,13 @@ def plan_for(nodes) -> _Plan | None:
     return plan
 
 
-# the reductions without ndarray.min/max's Python-level wrapper, as in array_ops and
-# graph_arrays (array_ops.column_bounds, a column at a time, is slower on a request's
-# few rows: ~7 against ~4 us on 47 x 3)
-_min, _max = np.minimum.reduce, np.maximum.reduce
-
-
 def _grid(rows: np.ndarray):
     """(n_lo, n_hi, t_lo, t_hi, x, position of each grid cell (t - t_lo) * num_n +
     (n - n_lo) in ``rows``) when ``rows`` (n, t, x) are a whole grid, each Index
     once; else None."""
-    lo, hi = _min(rows, 0).tolist(), _max(rows, 0).tolist()
+    # (array_ops.column_bounds, a column at a time, is slower on a request's few rows:
+    # ~7 against ~4 us on 47 x 3)
+    lo, hi = min_reduce(rows, 0).tolist(), max_reduce(rows, 0).tolist()
     if lo[2] != hi[2]:
         return None
     num_n = hi[0] - lo[0] + 1
@@ -234,7 +231,7 @@ def _grid(rows: np.ndarray):
         cell = (rows[:, 1] - lo[1]) * num_n + (rows[:, 0] - lo[0])
     pos = np.full(num, -1, dtype=np.int64)
     pos[cell] = np.arange(num)
-    if _min(pos) < 0:
+    if min_reduce(pos) < 0:
         return None          # an Index repeated (so another is missing)
     return lo[0], hi[0], lo[1], hi[1], lo[2], pos
 

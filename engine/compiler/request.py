@@ -24,6 +24,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from engine.compiler.array_ops import max_reduce, min_reduce
 from engine.core.errors import RequestError, clipped
 from engine.core.index import INT32_MAX, INT32_MIN, Index, array_to_indexes, index_rows
 from engine.nnet.components.base import MiscComputationInfo
@@ -287,8 +288,8 @@ def _check_indexes(kind: str, name: str, indexes: list[Index]) -> np.ndarray:
     # the common case on whole arrays and one set; a failure is located row by row
     try:
         rows = index_rows(indexes)
-        in_range = (int(np.minimum.reduce(rows, axis=None)) > INT32_MIN
-                    and int(np.maximum.reduce(rows, axis=None)) <= INT32_MAX)
+        in_range = (int(min_reduce(rows, axis=None)) > INT32_MIN
+                    and int(max_reduce(rows, axis=None)) <= INT32_MAX)
     except OverflowError:
         in_range = False
     if in_range and len(set(indexes)) == len(indexes):

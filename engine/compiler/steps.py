@@ -43,7 +43,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.compiler.array_ops import distinct
+from engine.compiler.array_ops import distinct, max_reduce, min_reduce
 from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
 from engine.compiler.graph_nodes import COMPONENT, DIM_RANGE, INPUT, node_table_for
@@ -654,7 +654,7 @@ class ComputationStepsComputer:
         or for other rows); None where the lookup table cannot do it."""
         table = self.graph.table(len(self._roles), self._margin)
         keys = table.key_of[ids]
-        if table.mode == "dict" or (len(keys) and np.minimum.reduce(keys) < 0):
+        if table.mode == "dict" or (len(keys) and min_reduce(keys) < 0):
             return None
         to = self._link_src[node]
         out = np.full(len(ids), -1, dtype=np.int64)
@@ -834,10 +834,10 @@ class ComputationStepsComputer:
         s, r = self.loc_step[:n], self.loc_row[:n]
         steps = self.steps
         flat = steps.ids
-        if n and np.minimum.reduce(s) >= 0 and np.minimum.reduce(r) >= 0:
+        if n and min_reduce(s) >= 0 and min_reduce(r) >= 0:
             # the usual case: every cindex has a place; it must hold that cindex
             at = steps.ptr[s] + r
-            if np.maximum.reduce(at) < len(flat) and np.array_equal(flat[at], np.arange(n)):
+            if max_reduce(at) < len(flat) and np.array_equal(flat[at], np.arange(n)):
                 return
         ok = (s >= 0) & (r >= 0)
         at = np.where(ok, steps.ptr[np.maximum(s, 0)] + r, 0)
