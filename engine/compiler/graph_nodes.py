@@ -52,12 +52,23 @@ _tuple_new = tuple.__new__
 _SIMPLE = int(ComponentProperty.SIMPLE_COMPONENT)
 
 
+_SLACK = 64
+
+
 def _grow(a: np.ndarray, need: int) -> np.ndarray:
+    """``a`` with room for ``need`` rows (a new array, the rows kept, when it has
+    less): doubled, or, the first time, what is needed and _SLACK rows more, so
+    that the few cindexes added after the graph is built (padding, dim-range
+    cindexes: steps.py) do not copy it."""
     if need <= len(a):
         return a
-    new = np.empty((max(need, 2 * len(a), 64),) + a.shape[1:], dtype=a.dtype)
+    new = np.empty((max(need + _SLACK, 2 * len(a)),) + a.shape[1:], dtype=a.dtype)
     new[:len(a)] = a
     return new
+
+
+# at most this many cindexes are added to a CindexTable by CindexTable._add_few
+_FEW_ROWS = 32
 
 
 class CindexTable:
@@ -148,6 +159,8 @@ class CindexTable:
         coords = np.asarray(coords, dtype=np.int64).reshape(-1, 4)
         if self.mode != "dense" or len(ids) and int(ids[0]) != len(self.key_of):
             return False
+        if len(coords) <= _FEW_ROWS:
+            return self._add_few(coords.tolist(), np.asarray(ids).tolist())
         blank = coords[:, 2] == K_NO_TIME
         keys = np.full(len(coords), -1, dtype=np.int64)
         real = ~blank
@@ -164,6 +177,31 @@ class CindexTable:
         for (node, n, _, x), i in zip(coords[blank].tolist(), ids[blank].tolist()):
             self.blank[(node, n, x)] = i
         self.key_of = np.concatenate((self.key_of, keys))
+        return True
+
+    def _add_few(self, rows: list, ids: list) -> bool:
+        """``add`` for a few cindexes (lists of rows and ids), in Python: the same
+        checks and entries without the dozen array operations, each of which costs
+        more than the whole of this for a handful of rows (the steps computer adds
+        2-4 dim-range cindexes at a time)."""
+        lo, hi, (mn, mt, mx) = self.lo, self.hi, self.margin
+        keys = []
+        for node, n, t, x in rows:
+            if t == K_NO_TIME:
+                keys.append(-1)
+                continue
+            if not (lo[0] <= node <= hi[0] and lo[1] <= n - mn and n + mn <= hi[1]
+                    and lo[2] <= t - mt and t + mt <= hi[2] and lo[3] <= x - mx
+                    and x + mx <= hi[3]):
+                return False
+            keys.append(self._key(node, n, t, x))
+        table, blank = self.table, self.blank
+        for (node, n, _, x), k, i in zip(rows, keys, ids):
+            if k < 0:
+                blank[(node, n, x)] = i
+            else:
+                table[k] = i
+        self.key_of = np.concatenate((self.key_of, np.array(keys, dtype=np.int64)))
         return True
 
     def _lookup(self, keys: np.ndarray) -> np.ndarray:

@@ -411,8 +411,9 @@ class ComputationStepsComputer:
         self.step_ids: list[np.ndarray] = []
         self.step_nodes: list[int] = []
         n = len(graph)
-        self.loc_step = np.full(max(n, 16), -1, dtype=np.int64)
-        self.loc_row = np.full(max(n, 16), -1, dtype=np.int64)
+        # (with room for the cindexes the steps add to the graph: see _fit_locations)
+        self.loc_step = np.full(n + 64, -1, dtype=np.int64)
+        self.loc_row = np.full(n + 64, -1, dtype=np.int64)
         self.step_to_segment: list[int] = []
         self.num_segments_done = 0
         self._dim_range_done: set[tuple[int, int]] = set()

@@ -301,3 +301,27 @@ def test_general_dropout_index_arrays_equal_index_lists(cfg):
         comp.precompute_index_arrays(None, one, one + 1, True)
     with pytest.raises(Exception, match="identical"):
         comp.precompute_index_arrays(None, one, np.zeros((0, 3), dtype=np.int64), True)
+
+
+@pytest.mark.parametrize("cfg", ["dim=8 block-dim=2 time-period=5", "dim=6 block-dim=3",
+                                 "dim=4 time-period=1", "dim=4 time-period=3"])
+def test_general_dropout_mask_rows_in_python_equal_the_array_path(cfg, monkeypatch):
+    """_mask_rows numbers up to _FEW_ROWS rows in Python and more with arrays: both
+    give the same mask rows (numbered by first appearance of each (n, t-block)
+    pair, negative times floored to their block), checked by running each case both
+    ways; also the empty case and rows past the threshold."""
+    from engine.nnet.components import dropout  # noqa: PLC0415
+    comp = component_from_config("GeneralDropoutComponent", cfg)
+    rng = np.random.default_rng(5)
+    few = dropout._FEW_ROWS
+    cases = [np.zeros((0, 3), dtype=np.int64)]
+    cases += [rng.integers(lo, hi, size=(k, 3)) for k, lo, hi in
+              ((1, -5, 5), (7, -9, 9), (40, -30, 30), (few, -50, 3), (few + 1, -4, 60),
+               (3 * few, -200, 200))]
+    for arr in cases:
+        arr = arr.astype(np.int64)
+        got = []
+        for limit in (few, 0):
+            monkeypatch.setattr(dropout, "_FEW_ROWS", limit)
+            got.append(comp.precompute_index_arrays(None, arr, arr.copy(), True).to_data())
+        assert got[0] == got[1], arr.tolist()[:5]

@@ -305,6 +305,49 @@ def test_cindex_table_lookups_in_every_mode():
                                   np.array([r[3]])).tolist() == [i]
 
 
+def test_cindex_table_adds_a_few_rows_as_it_adds_many(monkeypatch):
+    """CindexTable.add takes a few rows (up to _FEW_ROWS) in Python: the same
+    entries, blank cindexes, key_of and refusals (outside the table or its margin)
+    as the array path, checked by running both on the same additions."""
+    from engine.compiler import graph_nodes  # noqa: PLC0415
+    from engine.compiler.graph_nodes import CindexTable  # noqa: PLC0415
+    from engine.core.index import K_NO_TIME  # noqa: PLC0415
+    rng = np.random.default_rng(11)
+    rows = np.unique(np.stack([rng.integers(0, 4, 200), rng.integers(0, 2, 200),
+                               rng.integers(-20, 20, 200), rng.integers(0, 2, 200)], axis=1),
+                     axis=0)
+    have = {tuple(r) for r in rows.tolist()}
+    few_rows = graph_nodes._FEW_ROWS
+    tried = refused = 0
+    for trial in range(300):
+        k = int(rng.integers(1, 6))
+        # mostly within the table, t often at its edges (where the margin decides),
+        # now and then a node, n or x outside it, or a blank t
+        extra = np.stack([rng.integers(0, 5, k), rng.integers(0, 2, k),
+                          rng.integers(-24, 25, k), rng.integers(0, 2, k)], axis=1)
+        outside = rng.random(k) < 0.1
+        extra[outside, int(rng.integers(0, 4))] += 7
+        extra[rng.random(k) < 0.15, 2] = K_NO_TIME
+        extra = np.unique(extra, axis=0)
+        extra = extra[[tuple(r) not in have for r in extra.tolist()]]
+        if not len(extra):
+            continue
+        ids = np.arange(len(rows), len(rows) + len(extra))
+        tables = []
+        for few in (few_rows, 0):
+            monkeypatch.setattr(graph_nodes, "_FEW_ROWS", few)
+            table = CindexTable(rows, num_nodes=5, margin=(0, 2, 0))
+            tables.append((table.add(extra, ids), table))
+        (ok_few, a), (ok_arrays, b) = tables
+        assert ok_few == ok_arrays, extra.tolist()
+        tried += 1
+        refused += not ok_few
+        if ok_few:
+            assert a.key_of.tolist() == b.key_of.tolist()
+            assert np.array_equal(a.table, b.table) and a.blank == b.blank
+    assert tried > 100 and 0 < refused < tried
+
+
 def test_dense_table_scales_with_the_request(monkeypatch):
     """The array build's dense (node, n, t, x) table may grow with the request (up to
     TABLE_CELLS_PER_ROW cells per node and requested Index) beyond MAX_TABLE_CELLS: a

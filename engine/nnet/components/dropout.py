@@ -280,6 +280,10 @@ class IndexedMaskComponent(RandomComponent, SameDimComponent):
         self._apply(in_deriv, memo, indexes)
 
 
+# GeneralDropoutComponent._mask_rows numbers at most this many rows in Python
+_FEW_ROWS = 256
+
+
 class GeneralDropoutComponentPrecomputedIndexes(ComponentPrecomputedIndexes):
     """``indexes[r]``: the mask row for row r of the (block-reshaped) matrix;
     ``num_mask_rows``: how many mask rows to draw."""
@@ -410,11 +414,25 @@ class GeneralDropoutComponent(IndexedMaskComponent):
                                 input_rows: np.ndarray, output_rows: np.ndarray,
                                 need_backprop: bool) -> GeneralDropoutComponentPrecomputedIndexes:
         """precompute_indexes on (k, 3) n, t, x int64 arrays."""
-        self._check_identical(input_rows.shape == output_rows.shape
-                              and np.array_equal(input_rows, output_rows))
+        same = input_rows.shape == output_rows.shape and (
+            input_rows.tobytes() == output_rows.tobytes() if input_rows.dtype == output_rows.dtype
+            else np.array_equal(input_rows, output_rows))
+        self._check_identical(same)
         return self._mask_rows(input_rows)
 
     def _mask_rows(self, arr: np.ndarray) -> GeneralDropoutComponentPrecomputedIndexes:
+        multiple = self.dim // self.block_dim
+        if len(arr) <= _FEW_ROWS:
+            # a chunk's rows: numbered in Python (each array operation below costs
+            # more than this whole loop for a few dozen rows)
+            period = self.time_period
+            n = arr[:, 0].tolist()
+            blocks = [t // period for t in arr[:, 1].tolist()] if period > 0 else [0] * len(n)
+            first: dict = {}
+            rows = [first.setdefault(pair, len(first)) for pair in zip(n, blocks)]
+            indexes = np.array(rows, dtype=np.int64)
+            return GeneralDropoutComponentPrecomputedIndexes(
+                len(first) * multiple, np.repeat(indexes, multiple) if multiple > 1 else indexes)
         n = arr[:, 0]
         t = (np.floor_divide(arr[:, 1], self.time_period) if self.time_period > 0
              else np.zeros_like(n))
@@ -456,7 +474,6 @@ class GeneralDropoutComponent(IndexedMaskComponent):
             rank[order] = np.arange(order.size)
             rows = rank[inverse].astype(np.int64)
             num_pairs = int(order.size)
-        multiple = self.dim // self.block_dim
         num_mask_rows = num_pairs * multiple
         # every block of a row uses the row's mask (Kaldi draws 'multiple' times more
         # mask rows than it uses; we keep its sizes)
