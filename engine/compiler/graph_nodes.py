@@ -52,17 +52,19 @@ _tuple_new = tuple.__new__
 _SIMPLE = int(ComponentProperty.SIMPLE_COMPONENT)
 
 
-_SLACK = 64
+# room kept for the few cindexes added after a graph is built (padding, dim-range
+# cindexes: steps.py), in the graph's arrays and the steps' location arrays, so that
+# adding them does not copy those arrays
+ADDED_CINDEX_ROOM = 64
 
 
 def _grow(a: np.ndarray, need: int) -> np.ndarray:
     """``a`` with room for ``need`` rows (a new array, the rows kept, when it has
-    less): doubled, or, the first time, what is needed and _SLACK rows more, so
-    that the few cindexes added after the graph is built (padding, dim-range
-    cindexes: steps.py) do not copy it."""
+    less): doubled, or, the first time, what is needed and ADDED_CINDEX_ROOM rows
+    more."""
     if need <= len(a):
         return a
-    new = np.empty((max(need + _SLACK, 2 * len(a)),) + a.shape[1:], dtype=a.dtype)
+    new = np.empty((max(need + ADDED_CINDEX_ROOM, 2 * len(a)),) + a.shape[1:], dtype=a.dtype)
     new[:len(a)] = a
     return new
 

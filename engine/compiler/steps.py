@@ -46,7 +46,8 @@ import numpy as np
 from engine.compiler.array_ops import distinct, max_reduce, min_reduce
 from engine.compiler.compile_utils import unordered_map_order
 from engine.compiler.graph import ComputationGraph, node_names
-from engine.compiler.graph_nodes import COMPONENT, DIM_RANGE, INPUT, node_table_for
+from engine.compiler.graph_nodes import (ADDED_CINDEX_ROOM, COMPONENT, DIM_RANGE, INPUT,
+                                         node_table_for)
 from engine.core.errors import NotComputableError, RequestError
 from engine.core.index import K_NO_TIME, array_to_indexes, index_rows
 from engine.nnet.components.base import Component, ComponentProperty
@@ -412,8 +413,8 @@ class ComputationStepsComputer:
         self.step_nodes: list[int] = []
         n = len(graph)
         # (with room for the cindexes the steps add to the graph: see _fit_locations)
-        self.loc_step = np.full(n + 64, -1, dtype=np.int64)
-        self.loc_row = np.full(n + 64, -1, dtype=np.int64)
+        self.loc_step = np.full(n + ADDED_CINDEX_ROOM, -1, dtype=np.int64)
+        self.loc_row = np.full(n + ADDED_CINDEX_ROOM, -1, dtype=np.int64)
         self.step_to_segment: list[int] = []
         self.num_segments_done = 0
         self._dim_range_done: set[tuple[int, int]] = set()
