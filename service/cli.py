@@ -299,6 +299,7 @@ def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: 
     import numpy as np  # noqa: PLC0415
 
     from engine.core.errors import ExecutionError, RequestError  # noqa: PLC0415
+    from engine.core.finite import non_finite, to_float32  # noqa: PLC0415
     from engine.runtime.backend import get_backend, to_host  # noqa: PLC0415
     from engine.runtime.executor import Executor  # noqa: PLC0415
 
@@ -342,11 +343,11 @@ def compute_cmd(model_path: str, request_path: str, inputs_path: str, out_path: 
         if a.dtype.kind not in "fiu":
             raise ExecutionError(f"{inputs_path}: array {key!r}: expected numbers, got dtype "
                                  f"{a.dtype}")
-        a = a.astype(np.float32, copy=False)
-        # the service's rule for input matrices (service/convert.py matrix_from_wire)
-        if not np.all(np.isfinite(a)):
-            raise ExecutionError(f"{inputs_path}: array {key!r} contains NaN or infinite "
-                                 f"values")
+        a = to_float32(a)
+        # the service's rule for input matrices (engine.core.finite)
+        bad = non_finite(a)
+        if bad:
+            raise ExecutionError(f"{inputs_path}: array {key!r} {bad}")
         return a
 
     # every array checked before anything is computed

@@ -10,6 +10,7 @@ import binascii
 import numpy as np
 
 from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.core.finite import as_float32, non_finite
 from engine.core.index import INT32_MAX
 from engine.inference import InferenceOptions
 from engine.optimizer.options import OptimizeOptions
@@ -49,15 +50,15 @@ def matrix_from_wire(value, field: str, cols: int | None = None,
         widths = {len(row) for row in value}
         if len(widths) > 1:
             raise FieldError(field, f"rows have different lengths {sorted(widths)}")
-        arr = np.asarray(value, dtype=np.float32).reshape(len(value), widths.pop() if widths
-                                                          else 0)
+        arr = as_float32(value).reshape(len(value), widths.pop() if widths else 0)
     if rows is not None and cols is not None and arr.shape != (rows, cols):
         raise FieldError(field, f"expected a matrix of shape [{rows}, {cols}], got "
                                 f"{list(arr.shape)}")
     if cols is not None and arr.shape[1] != cols:
         raise FieldError(field, f"expected {cols} columns, got {arr.shape[1]}")
-    if not np.all(np.isfinite(arr)):
-        raise FieldError(field, "contains NaN or infinite values")
+    bad = non_finite(arr)
+    if bad:
+        raise FieldError(field, bad)
     return arr
 
 

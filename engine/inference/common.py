@@ -23,6 +23,7 @@ from collections import OrderedDict
 import numpy as np
 
 from engine.core.errors import ConfigError, InferenceError
+from engine.core.finite import as_float32, non_finite, to_float32
 from engine.core.index import Index
 from engine.optimizer.collapse import CollapseModelConfig
 
@@ -173,7 +174,8 @@ class CachingCompiler:
 def as_rows(rows, dim: int, dtype=None) -> np.ndarray:
     """``rows`` as an array; an empty list of rows (JSON ``[]``), which carries no
     width, as zero rows of width ``dim``."""
-    a = np.asarray(rows, dtype=dtype)
+    with np.errstate(over="ignore", invalid="ignore"):   # (see engine.core.finite)
+        a = np.asarray(rows, dtype=dtype)
     return np.zeros((0, dim), np.float32) if a.shape in ((0,), (0, 0)) else a
 
 
@@ -188,9 +190,10 @@ def as_features(feats, dim: int, what: str = "features") -> np.ndarray:
                              f"{dim} but the matrix has {a.shape[1]} columns")
     if a.dtype.kind not in "fiu":
         raise InferenceError(f"{what}: expected numbers, got dtype {a.dtype}")
-    a = a.astype(np.float32, copy=False)
-    if not np.all(np.isfinite(a)):
-        raise InferenceError(f"{what}: contains NaN or infinite values")
+    a = to_float32(a)
+    bad = non_finite(a)
+    if bad:
+        raise InferenceError(f"{what}: {bad}")
     return a
 
 
@@ -215,22 +218,26 @@ def check_ivectors(nnet, ivector, online_ivectors, online_ivector_period) -> tup
         raise InferenceError(f"ivector: the network expects 'ivector' features of dimension "
                              f"{want} but no i-vectors were given")
     if ivector is not None:
-        v = np.asarray(ivector, dtype=np.float32)
+        v = as_float32(ivector)
         if v.ndim == 2 and v.shape[0] == 1:
             v = v[0]
         if v.ndim != 1 or v.shape[0] != want:
             raise InferenceError(f"ivector: the network expects dimension {want}, got an "
                                  f"array of shape {np.shape(ivector)}")
-        if not np.all(np.isfinite(v)):
-            raise InferenceError("ivector: contains NaN or infinite values")
+        bad = non_finite(v)
+        if bad:
+            raise InferenceError(f"ivector: {bad}")
         return v, None, 0
-    m = np.asarray(online_ivectors, dtype=np.float32)
+    m = as_float32(online_ivectors)
     if m.ndim != 2 or m.shape[1] != want or m.shape[0] == 0:
         raise InferenceError(f"online_ivectors: expected a non-empty matrix with {want} "
                              f"columns, got shape {np.shape(online_ivectors)}")
     if online_ivector_period is None or int(online_ivector_period) <= 0:
         raise InferenceError(f"online_ivector_period: online i-vectors need a period > 0 "
                              f"(--online-ivector-period), got {online_ivector_period}")
+    bad = non_finite(m)
+    if bad:
+        raise InferenceError(f"online_ivectors: {bad}")
     return None, m, int(online_ivector_period)
 
 

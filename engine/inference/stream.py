@@ -43,6 +43,7 @@ import threading
 import numpy as np
 
 from engine.core.errors import InferenceError, StreamError
+from engine.core.finite import as_float32, non_finite
 from engine.inference.common import (as_features, as_rows, check_acoustic_scale, check_simple,
                                      log_priors, prepare_nnet, scale_output, simple_context)
 from engine.inference.looped import (LoopedConfig, compile_looped, create_looped_requests,
@@ -208,8 +209,9 @@ def check_online_rows(model: LoopedModel, rows) -> np.ndarray:
     if a.ndim != 2 or a.shape[1] != model.ivector_dim:
         raise InferenceError(f"online_ivectors: expected rows of dimension "
                              f"{model.ivector_dim}, got an array of shape {np.shape(rows)}")
-    if not np.all(np.isfinite(a)):
-        raise InferenceError("online_ivectors: contains NaN or infinite values")
+    bad = non_finite(a)
+    if bad:
+        raise InferenceError(f"online_ivectors: {bad}")
     return a
 
 
@@ -223,12 +225,13 @@ def check_ivector(model: LoopedModel, ivector):
     if ivector is None:
         raise InferenceError(f"ivector: the network expects an i-vector of dimension "
                              f"{model.ivector_dim} but none was given")
-    v = np.asarray(ivector, dtype=np.float32).reshape(-1)
+    v = as_float32(ivector).reshape(-1)
     if v.shape[0] != model.ivector_dim or np.ndim(ivector) > 2:
         raise InferenceError(f"ivector: the network expects dimension {model.ivector_dim}, "
                              f"got an array of shape {np.shape(ivector)}")
-    if not np.all(np.isfinite(v)):
-        raise InferenceError("ivector: contains NaN or infinite values")
+    bad = non_finite(v)
+    if bad:
+        raise InferenceError(f"ivector: {bad}")
     return v.copy()
 
 

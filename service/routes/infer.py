@@ -3,9 +3,9 @@ Kaldi's nnet3-compute (edge padding, chunking, frame subsampling, i-vectors)."""
 
 from __future__ import annotations
 
-import numpy as np
 from fastapi import APIRouter, Request
 
+from engine.core.finite import as_float32
 from engine.core.index import INT32_MAX
 from engine.inference.looped import get_chunk_size
 from schemas.compute import InferRequest, InferResponse
@@ -34,7 +34,7 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
         online = convert.matrix_from_wire(body.online_ivectors, "online_ivectors")
     ivector = None
     if body.ivector is not None:
-        ivector = np.asarray(body.ivector, dtype=np.float32)
+        ivector = as_float32(body.ivector)     # (checked by the engine)
     period = body.online_ivector_period
     if not 0 <= period <= INT32_MAX:      # Kaldi's --online-ivector-period is an int32
         raise FieldError("online_ivector_period", f"must be from 0 (no online i-vectors) to "

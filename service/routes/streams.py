@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import secrets
 
-import numpy as np
 from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from engine.core.errors import NnetcError
+from engine.core.finite import as_float32, non_finite
 from engine.core.index import INT32_MAX
 from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, StreamInfo,
                              StreamOptions, StreamOutput)
@@ -40,10 +40,10 @@ def stream_info(summary: dict) -> StreamInfo:
 def _vector(v, field: str):
     if v is None:
         return None
-    a = np.asarray(v, dtype=np.float32)
-    if not np.all(np.isfinite(a)):
-        raise ServiceError(422, "RequestError", f"{field}: contains NaN or infinite values",
-                           field)
+    a = as_float32(v)
+    bad = non_finite(a)
+    if bad:
+        raise ServiceError(422, "RequestError", f"{field}: {bad}", field)
     return a
 
 
@@ -78,10 +78,6 @@ def _push_payload(services, sid: str, body: PushRequest) -> dict:
             raise ServiceError(413, "RequestTooLarge",
                                f"{online.shape[0]} i-vector rows in one push is more than this "
                                f"service's max_request_indexes ({limit})", "online_ivectors")
-        if not np.all(np.isfinite(online)):
-            raise ServiceError(422, "RequestError",
-                               "online_ivectors: contains NaN or infinite values",
-                               "online_ivectors")
     return {"stream_id": sid, "features": features, "offset": body.offset,
             "ivector": _vector(body.ivector, "ivector"), "online_ivectors": online}
 

@@ -5,6 +5,9 @@ right field, integers a queued job cannot carry, WebSocket messages out of shape
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import msgpack
 import numpy as np
 import pytest
@@ -241,3 +244,49 @@ def test_integers_a_queued_job_cannot_carry_are_4xx(server):
         assert e["field"] == "offset"
         _good_compute(c, mid)
         assert w.thread.is_alive()
+
+
+def test_non_finite_values_are_named_by_position_and_make_no_warning(client):
+    """A value that is NaN, infinite, or too large for float32 (it becomes infinite when
+    converted) is a 422 naming the field and the first such value's row and column
+    (engine.core.finite), in every route that takes numbers; the conversion of a JSON
+    number beyond float32 made NumPy warn ("overflow encountered in cast") on the way."""
+    mid = register(client, config=TINY_CONFIG)["model_id"]
+    ivm = client.post("/models", json=IVECTOR_MODEL).json()["model_id"]
+    x = np.zeros((5, 4))
+    json_type = {"content-type": "application/json"}
+
+    def post(route, body):
+        # (json.dumps: NaN and Infinity as JavaScript writes them, which the API reads)
+        return client.post(route, content=json.dumps(body), headers=json_type)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = x.tolist()
+        rows[3][1] = 1e39
+        e = _err(post("/compute", {"model_id": mid, "request": request_for(0, 3),
+                                   "inputs": {"input": rows}}), 422)
+        assert e["field"] == "inputs.input"
+        assert "the first at row 3, column 1: +inf" in e["message"]
+        assert "float32 holds magnitudes up to 3.403e+38" in e["message"]
+        bad = x.astype(np.float32)
+        bad[4, 0] = np.nan
+        e = _err(post("/compute", {"model_id": mid, "request": request_for(0, 3),
+                                   "inputs": {"input": encode(bad)}}), 422)
+        assert e["message"].endswith("the first at row 4, column 0: NaN)"), e
+        feats = np.zeros((5, 8)).tolist()
+        e = _err(post("/infer", {"model_id": ivm, "features": feats,
+                                 "ivector": [0.0, 0.0, -1e300, float("nan")]}), 422)
+        assert e["field"] == "ivector" and "the first at element 2: -inf" in e["message"]
+        e = _err(post("/infer", {"model_id": ivm, "features": feats,
+                                 "online_ivectors": [[0.0] * 4, [0.0, float("inf"), 0, 0]],
+                                 "online_ivector_period": 2}), 422)
+        assert e["field"] == "online_ivectors" and "row 1, column 1: +inf" in e["message"]
+        sid = post("/streams", {"model_id": ivm, "ivector": [1.0] * 4}).json()["stream_id"]
+        e = _err(post(f"/streams/{sid}/frames", {"features": feats,
+                                                  "ivector": [0.0, 0.0, 0.0, 1e39]}), 422)
+        assert e["field"] == "ivector" and "element 3: +inf" in e["message"]
+        feats[2][5] = float("-inf")
+        e = _err(post(f"/streams/{sid}/frames", {"features": feats}), 422)
+        assert e["field"] == "features" and "row 2, column 5: -inf" in e["message"]
+        _good_compute(client, mid)
