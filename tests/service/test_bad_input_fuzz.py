@@ -1,0 +1,129 @@
+"""Mutated request bodies: whatever a client sends, the answer is a 2xx or a 4xx with
+the error body (never a 5xx), and the service goes on computing the same numbers.
+
+Each case starts from a valid body of one route (/compile, /compute with and without
+derivatives, /infer with and without i-vectors, /models, /streams, a stream push) and
+changes one to three places in it: a value replaced by one of a list of awkward ones
+(wrong types, huge and negative integers, numbers beyond float32, empty and nested
+containers, long strings, encoded matrices with impossible shapes), a key deleted, an
+unknown key added, a number shifted, a list cut short or repeated.  The seed is fixed,
+so a failure reproduces (NNETC_FUZZ_SEED and NNETC_FUZZ_CASES run others and more);
+tests/service/test_bad_input*.py check the messages of the cases found this way."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from tests.engine.inference_nets import RECURRENT, TDNN_IVECTOR
+from tests.service.conftest import TINY_CONFIG, decode, encode, make_client, register, request_for
+
+AWKWARD = [None, True, False, -1, 0, 1, 7, 2 ** 31, -2 ** 31 - 1, 2 ** 53, 2 ** 63,
+           -2 ** 63 - 5, 2 ** 70, 1e308, -1e308, 0.5, 1e-320, "", "x", "input", "output",
+           "ivector", "\x00", "é" * 3, "a" * 5000, [], {}, [[]], [[0, 0, 0]], [[0, 0]],
+           [1, 2, 3], [[1e10, 0, 0]], {"a": 1}, {"shape": [1, 1], "data": ""},
+           {"shape": [2 ** 40, 2 ** 40], "data": "AAAA"}, {"shape": [-1, 4], "data": "AAAA"},
+           [[float("inf")]], [[1.0] * 4] * 3, [0, 1, 2]]
+CASES = int(os.environ.get("NNETC_FUZZ_CASES", "400"))
+SEED = int(os.environ.get("NNETC_FUZZ_SEED", "20261130"))
+
+
+def _places(x, rng: random.Random, at=()):
+    yield at
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _places(v, rng, at + (k,))
+    elif isinstance(x, list) and x:
+        for i in rng.sample(range(len(x)), min(3, len(x))):
+            yield from _places(x[i], rng, at + (i,))
+
+
+def _value(body, at):
+    for k in at:
+        body = body[k]
+    return body
+
+
+def mutate(body, rng: random.Random):
+    out = copy.deepcopy(body)
+    places = list(_places(out, rng))
+    # half the time a container (a matrix, a list of Indexes, an options object): the
+    # places inside long lists would otherwise drown them
+    boxes = [at for at in places if isinstance(_value(out, at), (dict, list))]
+    at = rng.choice(boxes if boxes and rng.random() < 0.5 else places)
+    if not at:
+        return rng.choice(AWKWARD)
+    parent = _value(out, at[:-1])
+    k, op, value = at[-1], rng.random(), parent[at[-1]]
+    if isinstance(value, list) and value and op < 0.5:
+        # a list cut short (empty, one or two items, half, all but one) or repeated
+        n = len(value)
+        parent[k] = (value + value[:rng.randint(1, n)] if op < 0.15
+                     else value[:rng.choice([0, 1, 2, n // 2, n - 1])])
+    elif op < 0.15 and isinstance(parent, dict):
+        del parent[k]
+    elif op < 0.25 and isinstance(parent, dict):
+        parent[f"zz_{rng.randint(0, 9)}"] = rng.choice(AWKWARD)
+    elif op < 0.35 and isinstance(value, (int, float)) and not isinstance(value, bool):
+        parent[k] = value + rng.choice([-1, 1, -1000, 1000, 2 ** 31, -2 ** 31])
+    else:
+        parent[k] = rng.choice(AWKWARD)
+    return out
+
+
+@pytest.fixture(scope="module")
+def client():
+    with make_client() as c:
+        yield c
+
+
+def test_mutated_bodies_get_a_4xx_and_leave_the_service_computing(client):
+    rng = random.Random(SEED)
+    data = np.random.default_rng(0)
+    tiny = register(client, config=TINY_CONFIG)["model_id"]
+    rec = register(client, config=RECURRENT)["model_id"]
+    ivm = register(client, config=TDNN_IVECTOR)["model_id"]
+    x = data.standard_normal((5, 4)).astype(np.float32)
+    good = {"model_id": tiny, "request": request_for(0, 3), "inputs": {"input": x.tolist()}}
+    sid = client.post("/streams", json={"model_id": rec, "options": {"frames_per_chunk": 5}}
+                      ).json()["stream_id"]
+    feats = data.standard_normal((30, 8)).astype(np.float32)
+    bodies = [
+        ("/compile", {"model_id": tiny, "request": request_for(0, 3), "listing": True,
+                      "optimizer": {"min_deriv_time": 0, "memory_compression_level": 1}}),
+        ("/compute", {"model_id": tiny, "request": request_for(0, 3, deriv=True),
+                      "inputs": {"input": encode(x)},
+                      "output_derivs": {"output": x[:3, :3].tolist()}}),
+        ("/compute", good),
+        ("/infer", {"model_id": rec, "features": feats.tolist(),
+                    "options": {"frames_per_chunk": 7, "extra_left_context": 2}}),
+        ("/infer", {"model_id": ivm, "features": feats[:20].tolist(), "ivector": [0.5] * 4}),
+        ("/models", {"config": TINY_CONFIG, "seed": 3}),
+        ("/streams", {"model_id": rec, "options": {"frames_per_chunk": 5}}),
+        (f"/streams/{sid}/frames", {"features": feats[:6].tolist()}),
+    ]
+    for route, body in bodies:           # each starting body is valid
+        r = client.post(route, json=body)
+        assert r.status_code in (200, 201), (route, r.text)
+    want = decode(client.post("/compute", json=good).json()["outputs"]["output"])
+    seen = set()
+    for case in range(CASES):
+        route, body = rng.choice(bodies)
+        m = body
+        for _ in range(rng.randint(1, 3)):
+            m = mutate(m, rng) if isinstance(m, dict) else m
+        text = json.dumps(m)
+        r = client.post(route, content=text, headers={"content-type": "application/json"})
+        assert r.status_code < 500, (case, route, text[:500], r.text[:500])
+        seen.add(r.status_code)
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert set(err) == {"type", "message", "field"} and err["message"], (case, r.text)
+    assert {200, 422} <= seen        # the mutations made both kinds of answer
+    got = decode(client.post("/compute", json=good).json()["outputs"]["output"])
+    np.testing.assert_array_equal(got, want)
