@@ -7,7 +7,8 @@ changes one to three places in it: a value replaced by one of a list of awkward 
 (wrong types, huge and negative integers, numbers beyond float32, empty and nested
 containers, long strings, encoded matrices with impossible shapes), a key deleted, an
 unknown key added, a number shifted, a list cut short or repeated.  The seed is fixed,
-so a failure reproduces (NNETC_FUZZ_SEED and NNETC_FUZZ_CASES run others and more);
+so a failure reproduces (NNETC_FUZZ_SEED and NNETC_FUZZ_CASES run others and more).
+The same runs in process and through the Redis job queue and a worker;
 tests/service/test_bad_input*.py check the messages of the cases found this way."""
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import os
 import random
 
 import numpy as np
-import pytest
 
 from tests.engine.inference_nets import RECURRENT, TDNN_IVECTOR
-from tests.service.conftest import TINY_CONFIG, decode, encode, make_client, register, request_for
+from tests.service.conftest import (TINY_CONFIG, ThreadWorker, decode, encode, make_client,
+                                    needs_redis, register, request_for)
 
 AWKWARD = [None, True, False, -1, 0, 1, 7, 2 ** 31, -2 ** 31 - 1, 2 ** 53, 2 ** 63,
            -2 ** 63 - 5, 2 ** 70, 1e308, -1e308, 0.5, 1e-320, "", "x", "input", "output",
@@ -76,13 +77,7 @@ def mutate(body, rng: random.Random):
     return out
 
 
-@pytest.fixture(scope="module")
-def client():
-    with make_client() as c:
-        yield c
-
-
-def test_mutated_bodies_get_a_4xx_and_leave_the_service_computing(client):
+def _fuzz(client, cases: int) -> None:
     rng = random.Random(SEED)
     data = np.random.default_rng(0)
     tiny = register(client, config=TINY_CONFIG)["model_id"]
@@ -112,7 +107,7 @@ def test_mutated_bodies_get_a_4xx_and_leave_the_service_computing(client):
         assert r.status_code in (200, 201), (route, r.text)
     want = decode(client.post("/compute", json=good).json()["outputs"]["output"])
     seen = set()
-    for case in range(CASES):
+    for case in range(cases):
         route, body = rng.choice(bodies)
         m = body
         for _ in range(rng.randint(1, 3)):
@@ -127,3 +122,19 @@ def test_mutated_bodies_get_a_4xx_and_leave_the_service_computing(client):
     assert {200, 422} <= seen        # the mutations made both kinds of answer
     got = decode(client.post("/compute", json=good).json()["outputs"]["output"])
     np.testing.assert_array_equal(got, want)
+
+
+def test_mutated_bodies_get_a_4xx_and_leave_the_service_computing():
+    with make_client() as c:
+        _fuzz(c, CASES)
+
+
+@needs_redis
+def test_mutated_bodies_through_the_redis_queue(server):
+    """The same through Redis: jobs on the queue (msgpack-encoded: what a queued job can
+    carry is narrower than JSON), run by a worker, which must go on serving."""
+    server.client().flushall()
+    with ThreadWorker(server.url, max_batch=8) as w, \
+            make_client(redis_url=server.url, queue="redis", job_timeout_s=30) as c:
+        _fuzz(c, max(1, CASES // 2))
+        assert w.thread.is_alive()
