@@ -5,8 +5,10 @@ waiting and answers 504.  It is wall-clock time (``time.time()``), the same in e
 process, so it travels with a job on the Redis queue (service/redis_queue.py).  The
 queues hand it to the handlers in the payload (key ``deadline``); a worker does not
 start a job past it, and long work stops between chunks once it has passed (the
-engine's ``should_stop`` hook, engine.inference.simple.Inferencer.infer_batch), raising
-engine.core.errors.Cancelled, which the API answers with the 504 of a timeout.  A stream
+engine's ``should_stop`` hook, engine.inference.simple.Inferencer.infer_batch), and a
+compile between its phases and passes (engine.core.cancel.stopping_when, around the
+compile of a compile or compute job), raising engine.core.errors.Cancelled, which the API
+answers with the 504 of a timeout.  A stream
 push is not stopped halfway (its chunks change the stream's state), only not started.
 """
 

@@ -18,6 +18,7 @@ import numpy as np
 from engine.compiler.computation import NnetComputation
 from engine.compiler.request import ComputationRequest
 from engine.compiler.shortcut import compile_request
+from engine.core.cancel import stopping_when
 from engine.core.errors import Cancelled
 from engine.inference import InferenceOptions, Inferencer
 from engine.inference.common import model_priors
@@ -88,8 +89,11 @@ class Operations:
 
     def compile_job(self, p: dict) -> Compiled:
         deadlines.check(p, "compile")      # (compute jobs too: not started past it)
-        return self.compile(p["entry"], p["request"], p["options"], p["optimize"],
-                            p["use_shortcut"])
+        # and stopped between the compiler's phases and passes once the deadline passes
+        # (engine.core.cancel): a compile nobody waits for frees the worker
+        with stopping_when(deadlines.stop_hook([deadlines.deadline_of(p)])):
+            return self.compile(p["entry"], p["request"], p["options"], p["optimize"],
+                                p["use_shortcut"])
 
     # -- compute ---------------------------------------------------------------------------
     def compute_job(self, p: dict) -> tuple[Compiled, ComputeResult]:

@@ -57,6 +57,7 @@ from engine.compiler.computation import (K_DEFAULT_STRIDE, K_STRIDE_EQUAL_NUM_CO
 from engine.compiler.fast_descriptors import compile_descriptor, offset_chain
 from engine.compiler.gc_pause import gc_paused
 from engine.compiler.graph_nodes import COMPONENT, DESCRIPTOR, DIM_RANGE, INPUT, make_indexes
+from engine.core.cancel import checkpoint
 from engine.core.errors import CompilerError, RequestError
 from engine.core.index import K_NO_TIME, Index
 from engine.nnet.components.base import Component, ComponentProperty as P
@@ -193,17 +194,20 @@ class Compiler:
         rows = self.io_rows or [None] * len(self.requests)
         for req, io_rows in zip(self.requests, rows):
             build_computation_graph(nnet, req, graph, builder, io_rows=io_rows)
+            checkpoint("the computation graph")
         self.graph = graph
         phases_per_segment = compute_computation_phases(nnet, graph)
         computer = ComputationStepsComputer(nnet, graph)
         compute_computation_steps(nnet, self.requests, phases_per_segment, graph, computer,
                                   io_rows=self.io_rows)
+        checkpoint("the computation steps")
         self._setup(computer)
 
         computation = NnetComputation()
         deriv_needed = self._compute_deriv_needed()
         self._create_step_info(deriv_needed, computation)
         self._add_commands(deriv_needed, computation)
+        checkpoint("the commands")
         consolidate_io_operations(computation)
         if options.output_debug_info:
             self._output_debug_info(computation)

@@ -39,6 +39,7 @@ from __future__ import annotations
 from engine.compiler.graph_arrays import ArrayGraphBuild, GiveUp, build_arrays
 from engine.compiler.graph_nodes import (ComputationGraph, NodeTable, node_table_for,  # noqa: F401
                                          node_names, print_indexes)
+from engine.core.cancel import checkpoint
 from engine.core.errors import NotComputableError, RequestError, ResourceLimitError
 from engine.core.index import Cindex, Index
 
@@ -165,6 +166,7 @@ class ComputationGraphBuilder:
         self._add_inputs()
         self._add_outputs()
         for _ in range(MAX_BUILD_ITERATIONS):
+            checkpoint("the per-cindex graph build")
             self._build_one_iter()
             if not self.current_queue:
                 return
@@ -183,7 +185,13 @@ class ComputationGraphBuilder:
         queue = self.current_queue
         queued, deps_done, usable, computable = (self.queued, self.deps_done, self.usable,
                                                  self.computable)
+        todo = 0
         while queue:
+            if not todo:
+                # (about 20 ms of work between checks: this build is the slow fallback)
+                checkpoint("the per-cindex graph build")
+                todo = 4096
+            todo -= 1
             c = queue.pop()
             queued[c] = False
             if not deps_done[c] and usable[c] != 0:

@@ -57,6 +57,7 @@ from engine.compiler.array_ops import (column_bounds, distinct as _distinct, max
 from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL, DEPS_IDENTITY,
                                          DEPS_NONE, DEPS_OFFSETS, INPUT, CindexTable)
 from engine.compiler.graph_intervals import build_intervals
+from engine.core.cancel import checkpoint
 from engine.core.errors import ComponentError
 from engine.core.index import Index
 
@@ -899,6 +900,7 @@ class ArrayGraphBuild:
         pending = self.pending
         track = self.track_usable
         for _ in range(self.max_sweeps):
+            checkpoint("the graph build")
             work = False
             for v in rev:
                 parts = pending[v]
@@ -1102,6 +1104,7 @@ class ArrayGraphBuild:
         shifts = self.nodes.shifts
         edges_src, edges_dst = [], []
         for _ in range(self.max_sweeps):
+            checkpoint("the graph build")
             later: list[list] = [[] for _ in range(num)]
             later_dup = [False] * num
             any_later = False

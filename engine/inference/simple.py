@@ -31,6 +31,7 @@ from typing import Callable
 import numpy as np
 
 from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.core.cancel import stopping_when
 from engine.core.errors import Cancelled, InferenceError, ResourceLimitError
 from engine.core.index import Index
 from engine.inference.common import (CachingCompiler, as_features, check_acoustic_scale,
@@ -259,9 +260,10 @@ class Inferencer:
         # compiled here first: the jobs only run computations (with one thread,
         # run_concurrently runs them here in turn)
         comps = []
-        for b in batches:
-            stop.check()
-            comps.append(self.compiler.compile(self._request(b[0].key, len(b))))
+        with stopping_when(should_stop):     # (a compile stops between its phases too)
+            for b in batches:
+                stop.check()
+                comps.append(self.compiler.compile(self._request(b[0].key, len(b))))
         results = run_concurrently([lambda b=b, c=c: stop.run(self._run_batch, b, utterances, c)
                                     for b, c in zip(batches, comps)], threads)
         for batch, result in zip(batches, results):

@@ -29,6 +29,7 @@ from typing import Callable
 
 from engine.compiler.computation import NnetComputation
 from engine.compiler.gc_pause import gc_paused
+from engine.core.cancel import checkpoint
 from engine.core.errors import CheckError
 from engine.optimizer.analysis import Analyzer, ComponentProperties
 from engine.optimizer.checker import check_computation
@@ -236,6 +237,7 @@ def _run_passes(computation, nnet, options, request, passes, in_place,
         _check(nnet, comp, "input", ran, check_rewrite=False)
     t0 = 0.0
     for spec in passes:
+        checkpoint("before the optimizer pass", spec.name)
         if not spec.gate(options, ctx):
             if table is not None:
                 table.append(PassRecord(spec.name, spec.module, "off"))

@@ -1,5 +1,6 @@
 """Jobs past their deadline (job_timeout_s after submission, when the API answers 504)
-stop: a long /infer between chunks (the engine's should_stop hook), a job not started yet
+stop: a long /infer between chunks (the engine's should_stop hook), a compile between
+its phases (engine.core.cancel), a job not started yet
 is not started -- in process and on the Redis queue -- and the worker goes on to the next
 job; metrics (nnetc_jobs_cancelled_total) and logs say so.  Chunks are counted, never
 timed: a patched chunk computation waits until the deadline has passed."""
@@ -115,6 +116,49 @@ def test_a_long_infer_stops_between_chunks_at_its_deadline_and_the_worker_goes_o
         (rec,) = [r for r in logs.records if r.getMessage().startswith("job cancelled")]
         assert (rec.kind, rec.when) == ("infer", "running")
         assert (rec.chunks_done, rec.chunks_total) == (runs, 13)
+    finally:
+        logs.close()
+
+
+def test_a_compile_stops_at_its_deadline_and_nothing_is_cached(monkeypatch):
+    """A compile (of /compile, or inside /compute) is stopped between the compiler's
+    phases once its deadline has passed (engine.core.cancel): the patched graph build
+    waits past it, and the compile stops at the checkpoint after the graph instead of
+    going on to the steps, commands and optimizer passes.  Nothing reaches the cache (the
+    next compile of the request is not a hit), the worker is free for it, and
+    nnetc_jobs_cancelled_total{kind="compile",when="running"} counts the stop."""
+    import engine.compiler.graph as graph_module  # noqa: PLC0415
+    import engine.optimizer.pipeline as pipeline  # noqa: PLC0415
+    logs = _Logs()
+    try:
+        with make_client(job_timeout_s=TIMEOUT) as c:
+            mid = _model(c)
+            req = {"inputs": [{"name": "input", "indexes": [[0, t, 0] for t in range(-9, 30)]}],
+                   "outputs": [{"name": "output", "indexes": [[0, t, 0] for t in range(21)]}]}
+            start = time.time()
+            real_build, real_passes = graph_module.build_computation_graph, pipeline._run_passes
+            passes = []
+
+            def slow_build(*a, **k):
+                time.sleep(max(0.0, start + TIMEOUT + 1.0 - time.time()))
+                return real_build(*a, **k)
+
+            def counted_passes(*a, **k):
+                passes.append(1)
+                return real_passes(*a, **k)
+            monkeypatch.setattr(graph_module, "build_computation_graph", slow_build)
+            monkeypatch.setattr(pipeline, "_run_passes", counted_passes)
+            r = c.post("/compile", json={"model_id": mid, "request": req})
+            assert r.status_code == 504, r.text
+            _until(lambda: _cancelled(c.get("/metrics").text, "compile", "running") == 1)
+            assert passes == []                 # stopped before the optimizer
+            monkeypatch.undo()
+            r = c.post("/compile", json={"model_id": mid, "request": req})
+            assert r.status_code == 200, r.text
+            assert r.json()["cached"] is False  # the stopped compile left nothing
+            assert c.post("/compile", json={"model_id": mid, "request": req}).json()["cached"]
+        (rec,) = [r for r in logs.records if r.getMessage().startswith("job cancelled")]
+        assert (rec.kind, rec.when) == ("compile", "running")
     finally:
         logs.close()
 

@@ -49,6 +49,7 @@ from collections import Counter
 from operator import itemgetter
 
 from engine.compiler.computation import K_STRIDE_EQUAL_NUM_COLS, NnetComputation
+from engine.core.cancel import checkpoint
 from engine.nnet.components.base import ComponentProperty as P
 from engine.optimizer.analysis import CT, Analyzer, ComponentProperties, ComputationAnalysis
 from engine.optimizer.passes.initialize_undefined import unnecessary_zeroings
@@ -393,6 +394,7 @@ def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
     order = None
     settled: set[int] = set()
     while True:
+        checkpoint("a round of variable merging")
         opt = VariableMergingOptimizer(o, computation, analyzer, props,
                                        first_round=order is None, renumbered=not due)
         if not opt.merge_variables(commands):
