@@ -36,6 +36,7 @@ import msgpack
 import numpy as np
 import redis
 
+from engine.core.cancel import stopping_when
 from engine.core.errors import Cancelled, NnetcError, ResourceLimitError
 from engine.inference.common import model_priors
 from engine.inference.looped import LoopedConfig, get_chunk_size
@@ -559,7 +560,9 @@ class StreamManager:
             if len(self._live) >= self.max_streams:     # (before compiling anything)
                 raise self._too_many()
         entry, options = p["entry"], p["options"]
-        looped = self.looped_model(entry, options)
+        # (its compile stops between phases once the deadline has passed: engine.core.cancel)
+        with stopping_when(deadlines.stop_hook([deadlines.deadline_of(p)])):
+            looped = self.looped_model(entry, options)
         with self._admitting:
             nbytes = self._admit(looped, None, options)
             stream = looped.stream(p["ivector"], p.get("online_ivector_period"),

@@ -221,15 +221,17 @@ def test_queue_workers_stop_and_skip_jobs_past_their_deadline(server, monkeypatc
 
 def test_a_stream_opened_past_its_deadline_is_not_kept():
     """The API answered 504: nobody would learn the stream's id, so it does not stay
-    (counted against max_stream_bytes) until it idles out."""
+    (counted against max_stream_bytes) until it idles out; the compile of its looped
+    computation stops at its first checkpoint and is not kept either."""
     from schemas.streams import StreamOptions  # noqa: PLC0415
     with make_client() as c:
         services = c.app.state.services
         p = {"entry": services.registry.get(_model(c)), "options": StreamOptions().model_dump(),
              "ivector": None, "online_ivector_period": None, "deadline": time.time() - 1}
-        with pytest.raises(Cancelled):
-            services.streams.open(p)
+        with pytest.raises(Cancelled, match="compilation stopped by its caller"):
+            services.streams.open(p)         # its looped compile stopped at once
         assert len(services.streams) == 0 and services.streams.held_bytes == 0
+        assert len(services.streams._looped) == 0       # and nothing of it is kept
         p["deadline"] = time.time() + 60
         services.streams.open(p)
         assert len(services.streams) == 1 and services.streams.held_bytes > 0
