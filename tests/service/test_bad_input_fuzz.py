@@ -8,7 +8,8 @@ changes one to three places in it: a value replaced by one of a list of awkward 
 containers, long strings, encoded matrices with impossible shapes), a key deleted, an
 unknown key added, a number shifted, a list cut short or repeated.  The seed is fixed,
 so a failure reproduces (NNETC_FUZZ_SEED and NNETC_FUZZ_CASES run others and more).
-The same runs in process and through the Redis job queue and a worker;
+The same runs in process and through the Redis job queue and a worker, and for pushes
+over a stream's WebSocket (the stream must count exactly the frames it answered for);
 tests/service/test_bad_input*.py check the messages of the cases found this way."""
 
 from __future__ import annotations
@@ -138,3 +139,37 @@ def test_mutated_bodies_through_the_redis_queue(server):
             make_client(redis_url=server.url, queue="redis", job_timeout_s=30) as c:
         _fuzz(c, max(1, CASES // 2))
         assert w.thread.is_alive()
+
+
+def test_mutated_websocket_pushes_leave_the_stream_consistent():
+    """Pushes over a stream's WebSocket, mutated as above: each is answered with the
+    stream's output or an error message of status 4xx, the socket stays open, and the
+    stream counts exactly the frames of the pushes it answered with output."""
+    from tests.engine.inference_nets import RECURRENT as NET  # noqa: PLC0415
+    rng = random.Random(SEED + 1)
+    data = np.random.default_rng(1)
+    with make_client() as c:
+        mid = register(c, config=NET)["model_id"]
+        sid = c.post("/streams", json={"model_id": mid}).json()["stream_id"]
+        received = ok = 0
+        with c.websocket_connect(f"/streams/{sid}/ws") as ws:
+            for case in range(max(1, CASES // 2)):
+                body = {"features": data.standard_normal((rng.randint(1, 6), 8))
+                        .astype(np.float32).tolist(), "offset": received}
+                m = body
+                for _ in range(rng.randint(0, 2)):
+                    m = mutate(m, rng) if isinstance(m, dict) else m
+                if isinstance(m, dict) and "finish" in m:
+                    continue                  # (an unknown key named finish: not sent)
+                ws.send_text(json.dumps(m))
+                answer = ws.receive_json()    # (a closed socket raises here)
+                if "error" in answer:
+                    assert 400 <= answer["status"] < 500, (case, m, answer)
+                else:
+                    # (an empty push is answered too: it adds no frames)
+                    assert answer["frames_received"] >= received, (case, answer)
+                    received = answer["frames_received"]
+                    ok += 1
+        info = c.get(f"/streams/{sid}").json()
+        assert info["frames_received"] == received and not info["finished"]
+        assert ok > 10
