@@ -8,7 +8,8 @@ changes one to three places in it: a value replaced by one of a list of awkward 
 containers, long strings, encoded matrices with impossible shapes), a key deleted, an
 unknown key added, a number shifted, a list cut short or repeated.  The seed is fixed,
 so a failure reproduces (NNETC_FUZZ_SEED and NNETC_FUZZ_CASES run others and more).
-The same runs in process and through the Redis job queue and a worker, and for pushes
+The same runs in process (bodies as JSON and as msgpack) and through the Redis job queue
+and a worker, and for pushes
 over a stream's WebSocket (the stream must count exactly the frames it answered for);
 tests/service/test_bad_input*.py check the messages of the cases found this way."""
 
@@ -19,7 +20,9 @@ import json
 import os
 import random
 
+import msgpack
 import numpy as np
+import pytest
 
 from tests.engine.inference_nets import RECURRENT, TDNN_IVECTOR
 from tests.service.conftest import (TINY_CONFIG, ThreadWorker, decode, encode, make_client,
@@ -78,7 +81,9 @@ def mutate(body, rng: random.Random):
     return out
 
 
-def _fuzz(client, cases: int) -> None:
+def _fuzz(client, cases: int, body_type: str = "json") -> None:
+    """``body_type``: each mutated body sent as JSON or as msgpack (bodies msgpack cannot
+    carry, integers past 64 bits, are skipped)."""
     rng = random.Random(SEED)
     data = np.random.default_rng(0)
     tiny = register(client, config=TINY_CONFIG)["model_id"]
@@ -114,7 +119,15 @@ def _fuzz(client, cases: int) -> None:
         for _ in range(rng.randint(1, 3)):
             m = mutate(m, rng) if isinstance(m, dict) else m
         text = json.dumps(m)
-        r = client.post(route, content=text, headers={"content-type": "application/json"})
+        if body_type == "msgpack":
+            try:
+                content = msgpack.packb(m)
+            except (OverflowError, TypeError):
+                continue
+        else:
+            content = text
+        r = client.post(route, content=content,
+                        headers={"content-type": f"application/{body_type}"})
         assert r.status_code < 500, (case, route, text[:500], r.text[:500])
         seen.add(r.status_code)
         if r.status_code >= 400:
@@ -125,9 +138,10 @@ def _fuzz(client, cases: int) -> None:
     np.testing.assert_array_equal(got, want)
 
 
-def test_mutated_bodies_get_a_4xx_and_leave_the_service_computing():
+@pytest.mark.parametrize("body_type", ["json", "msgpack"])
+def test_mutated_bodies_get_a_4xx_and_leave_the_service_computing(body_type):
     with make_client() as c:
-        _fuzz(c, CASES)
+        _fuzz(c, CASES, body_type)
 
 
 @needs_redis
