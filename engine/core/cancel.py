@@ -18,9 +18,9 @@ dropped with the exception, and the caches of compiled computations see nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable, Iterator
 
 from engine.core.errors import Cancelled
 
@@ -48,4 +48,4 @@ def checkpoint(where: str, name: str = "") -> None:
         raise Cancelled(f"compilation stopped by its caller ({where}{' ' + name if name else ''})")
 
 
-__all__ = ["stopping_when", "checkpoint"]
+__all__ = ["checkpoint", "stopping_when"]

@@ -11,6 +11,8 @@ would only repeat what the error then says.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -44,11 +46,11 @@ def non_finite(a: np.ndarray) -> str | None:
     else:
         where = "index " + str(tuple(int(i) for i in at))
     v = float(a[at])
-    kind = "NaN" if v != v else ("+inf" if v > 0 else "-inf")
+    kind = "NaN" if math.isnan(v) else ("+inf" if v > 0 else "-inf")
     text = f"contains NaN or infinite values (the first at {where}: {kind}"
     if kind != "NaN":
         text += f"; float32 holds magnitudes up to {F32_MAX:.4g}, a larger number becomes infinite"
     return text + ")"
 
 
-__all__ = ["F32_MAX", "as_float32", "to_float32", "non_finite"]
+__all__ = ["F32_MAX", "as_float32", "non_finite", "to_float32"]
