@@ -6,8 +6,8 @@ process, so it travels with a job on the Redis queue (service/redis_queue.py).  
 queues hand it to the handlers in the payload (key ``deadline``); a worker does not
 start a job past it, and long work stops between chunks once it has passed (the
 engine's ``should_stop`` hook, engine.inference.simple.Inferencer.infer_batch), and a
-compile between its phases and passes (engine.core.cancel.stopping_when, around the
-compile of a compile or compute job), raising engine.core.errors.Cancelled, which the API
+compile between its phases and passes (``compiles_stopped``: around the compile of a
+compile or compute job and of a stream open), raising engine.core.errors.Cancelled, which the API
 answers with the 504 of a timeout.  A stream
 push is not stopped halfway (its chunks change the stream's state), only not started.
 """
@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Callable
 
+from engine.core.cancel import stopping_when
 from engine.core.errors import Cancelled
 
 log = logging.getLogger("nnetc.worker")
@@ -62,6 +63,12 @@ def stop_hook(deadlines: list[float | None]) -> Callable[[], bool] | None:
     if last is None:
         return None
     return lambda: time.time() >= last
+
+
+def compiles_stopped(p: dict):
+    """A ``with`` block in which the engine's compiles for job ``p`` stop between their
+    phases and passes once its deadline has passed (engine.core.cancel)."""
+    return stopping_when(stop_hook([deadline_of(p)]))
 
 
 def record(metrics, kind: str, when: str, error: BaseException | None = None) -> None:

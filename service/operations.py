@@ -18,7 +18,6 @@ import numpy as np
 from engine.compiler.computation import NnetComputation
 from engine.compiler.request import ComputationRequest
 from engine.compiler.shortcut import compile_request
-from engine.core.cancel import stopping_when
 from engine.core.errors import Cancelled
 from engine.inference import InferenceOptions, Inferencer
 from engine.inference.common import model_priors
@@ -91,7 +90,7 @@ class Operations:
         deadlines.check(p, "compile")      # (compute jobs too: not started past it)
         # and stopped between the compiler's phases and passes once the deadline passes
         # (engine.core.cancel): a compile nobody waits for frees the worker
-        with stopping_when(deadlines.stop_hook([deadlines.deadline_of(p)])):
+        with deadlines.compiles_stopped(p):
             return self.compile(p["entry"], p["request"], p["options"], p["optimize"],
                                 p["use_shortcut"])
 

@@ -36,7 +36,6 @@ import msgpack
 import numpy as np
 import redis
 
-from engine.core.cancel import stopping_when
 from engine.core.errors import Cancelled, NnetcError, ResourceLimitError
 from engine.inference.common import model_priors
 from engine.inference.looped import LoopedConfig, get_chunk_size
@@ -561,7 +560,7 @@ class StreamManager:
                 raise self._too_many()
         entry, options = p["entry"], p["options"]
         # (its compile stops between phases once the deadline has passed: engine.core.cancel)
-        with stopping_when(deadlines.stop_hook([deadlines.deadline_of(p)])):
+        with deadlines.compiles_stopped(p):
             looped = self.looped_model(entry, options)
         with self._admitting:
             nbytes = self._admit(looped, None, options)

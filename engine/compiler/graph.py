@@ -166,7 +166,6 @@ class ComputationGraphBuilder:
         self._add_inputs()
         self._add_outputs()
         for _ in range(MAX_BUILD_ITERATIONS):
-            checkpoint("the per-cindex graph build")
             self._build_one_iter()
             if not self.current_queue:
                 return
@@ -188,7 +187,8 @@ class ComputationGraphBuilder:
         todo = 0
         while queue:
             if not todo:
-                # (about 20 ms of work between checks: this build is the slow fallback)
+                # at the start of every round and then every 4096 cindexes (about 20 ms
+                # of work: this build is the slow fallback)
                 checkpoint("the per-cindex graph build")
                 todo = 4096
             todo -= 1
