@@ -4,13 +4,22 @@ the commonest requests on the commonest networks, by interval arithmetic.
 When it applies.  Every input of every node is the node's own Index with t mapped by
 ``t + b`` (Offset in t) or set to a constant (ReplaceIndex(..., t, v)), n and x
 unchanged, combined by Append and Sum, possibly inside IfDefined, with Const()s;
-components need all their inputs; a recurrence goes through IfDefined (no Failover,
-no IfDefined around a Sum).  The request is one segment on an empty graph, and each
-of its inputs and outputs is a whole grid: every n of one range (the same range for
-all of them), every t of a range, one x (the same for all), each Index once; inputs
-are on input nodes.  That covers chunk requests (offline or online, batched, with
-or without i-vectors) on TDNN, TDNN-F, LSTM, BLSTM and GRU networks, and the
-two-sequence request of shortcut compilation on them.
+components need all their inputs, except statistics components with period 1
+(extraction with input and output period 1, pooling with input period 1), which
+read a window t + b .. t + b + w and are computable where any of it is; a
+recurrence goes through IfDefined (no Failover, no IfDefined around a Sum, no
+statistics window inside it).  The request is one segment on an empty graph, its
+inputs are on input nodes, and each of its inputs and outputs is, for every n it
+has, one range of t at one x (the same for all), each Index once.  The common case
+is a whole grid (every n of one range with the same t range): chunk requests
+(offline or online, batched, with or without i-vectors) on TDNN, TDNN-F, LSTM,
+BLSTM and GRU networks, and the two-sequence request of shortcut compilation on
+them.  Otherwise (``_build_sequences``) each n has its own ranges -- a batch of
+utterances of different lengths, such as x-vector extraction, whose pooling
+window of 10000 frames made the general builds walk 10000 frames per utterance
+and node and refuse 16 utterances -- and the n with the same ranges are planned
+together: nothing is read across n, so each n's part of the pruned graph is
+what its own ranges give.
 
 Why it is exact.  A cindex is computable exactly when its required (not IfDefined)
 inputs are, so each node is computable on one t range: the supplied range on
@@ -44,8 +53,11 @@ from __future__ import annotations
 import numpy as np
 
 from engine.compiler.array_ops import max_reduce, min_reduce
-from engine.compiler.graph_nodes import (DEPS_DESCRIPTOR, DEPS_IDENTITY, DEPS_OFFSETS, INPUT,
-                                         CindexTable)
+from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL,
+                                         DEPS_IDENTITY, DEPS_OFFSETS, INPUT, CindexTable)
+from engine.core.index import K_NO_TIME
+from engine.nnet.components.statistics import (StatisticsExtractionComponent,
+                                               StatisticsPoolingComponent)
 from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor,
                                      OffsetForwardingDescriptor,
                                      OptionalSumDescriptor, ReplaceIndexForwardingDescriptor,
@@ -62,19 +74,21 @@ _NO_PLAN = ("no plan",)
 class _Plan:
     """Per network (kept with its NodeTable): per node, its inputs as (source node,
     a, b, optional) with the source's t = a * t + b (a is 1 or 0; optional: inside
-    IfDefined), distinct, or None for input nodes; the nodes in an order where the
+    IfDefined), or (source node, WINDOW, b, w) for a statistics component reading
+    t + b .. t + b + w (w >= 1), distinct, or None for input nodes; the nodes in an order where the
     sources of required inputs come first (for computability); and the strongly
     connected components consumers first, each as (nodes consumers first, whether
     it is a cycle)."""
 
-    __slots__ = ("slots", "is_input", "has_optional", "required_first", "sccs", "scc_of",
-                 "margin", "num_nodes")
+    __slots__ = ("slots", "is_input", "has_optional", "has_window", "required_first", "sccs",
+                 "scc_of", "margin", "num_nodes")
 
-    def __init__(self, slots, is_input, has_optional, required_first, sccs, scc_of, margin,
-                 num_nodes) -> None:
+    def __init__(self, slots, is_input, has_optional, has_window, required_first, sccs, scc_of,
+                 margin, num_nodes) -> None:
         self.slots = slots
         self.is_input = is_input
         self.has_optional = has_optional
+        self.has_window = has_window
         self.required_first = required_first
         self.sccs = sccs
         self.scc_of = scc_of
@@ -129,8 +143,40 @@ def _positions(sd, out: list) -> bool:
     return kind is ConstantSumDescriptor
 
 
+# ``a`` of a window slot (src, WINDOW, b, w): the inputs t + b .. t + b + w, computable
+# when any of them is, using those that are (Kaldi's statistics components)
+WINDOW = 2
+
+
+def _window(comp) -> tuple[int, int] | None:
+    """(b, w) when ``comp`` reads, for output t, its input at t + b .. t + b + w and is
+    computable when any of them is: statistics pooling with input-period 1 and
+    statistics extraction with both periods 1 (w = 0: the one input at t).  Other
+    periods (inputs every k frames, outputs only at multiples of k) are not planned."""
+    if not isinstance(comp, (StatisticsExtractionComponent, StatisticsPoolingComponent)):
+        return None
+    if comp.input_period != 1 or getattr(comp, "output_period", 1) != 1:
+        return None
+    if comp.input_rule() is not None:
+        return None
+    probe = np.array([-7, 0, 1, 5], dtype=np.int64)
+    rel = np.asarray(comp.input_times(probe)) - probe[:, None]
+    if rel.ndim != 2 or not rel.shape[1] or not (rel == rel[0]).all():
+        return None
+    steps = rel[0]
+    if not (np.diff(steps) == 1).all():
+        return None
+    return int(steps[0]), int(steps[-1] - steps[0])
+
+
 def _node_maps(nodes, v: int) -> list | None:
     mode = nodes.deps_mode[v]
+    if mode == DEPS_GENERAL:
+        win = _window(nodes.component[v]) if nodes.kind[v] == COMPONENT else None
+        if win is None:
+            return None
+        b, w = win
+        return [(nodes.src[v], 1, b, False) if w == 0 else (nodes.src[v], WINDOW, b, w)]
     if mode in (DEPS_IDENTITY, DEPS_OFFSETS):
         sh = nodes.shifts[v]
         if sh is None or any(dn or dx for _, dn, _, dx in sh):
@@ -165,13 +211,15 @@ def _make_plan(nodes) -> _Plan | None:
         if maps is None:
             return None
         slots.append(tuple(dict.fromkeys(maps)))
+    # (a window's computable range is found from its source's, like a required input's)
     has_optional = any(sl is not None and any(m[3] for m in sl) for sl in slots)
-    # sources of required inputs first (Kahn); a cycle of required inputs (a
-    # recurrence without IfDefined) is not planned
+    has_window = any(sl is not None and any(m[1] == WINDOW for m in sl) for sl in slots)
+    # sources of required inputs (and windows) first (Kahn); a cycle of required
+    # inputs (a recurrence without IfDefined) is not planned
     users: list = [[] for _ in range(num)]
     missing = [0] * num
     for v, sl in enumerate(slots):
-        for src in {m[0] for m in sl or () if not m[3]}:
+        for src in {m[0] for m in sl or () if not m[3] or m[1] == WINDOW}:
             users[src].append(v)
             missing[v] += 1
     ready = [v for v in range(num) if not missing[v]]
@@ -198,7 +246,13 @@ def _make_plan(nodes) -> _Plan | None:
     sccs = [(members, len(members) > 1 or any(m[0] == members[0]
                                                for m in slots[members[0]] or ()))
             for members, _ in sccs]
-    return _Plan(slots, is_input, has_optional, required_first, sccs, scc_of,
+    # a window inside a recurrence is not planned (the rounds below grow ranges by
+    # shifts only)
+    if has_window and any(cyclic and any(m[1] == WINDOW for v in members
+                                         for m in slots[v] or ())
+                          for members, cyclic in sccs):
+        return None
+    return _Plan(slots, is_input, has_optional, has_window, required_first, sccs, scc_of,
                  tuple(nodes.margin), num)
 
 
@@ -238,6 +292,7 @@ def _grid(rows: np.ndarray):
 
 _INF = 1 << 60
 _UNBOUNDED = _INF // 2
+_ABSENT = -(1 << 62)     # no range (an n without this input or output)
 # More cindexes than this: left to the array build, whose table limits apply.
 _MAX_ROWS = 1 << 26
 # Rounds over a recurrence before declining (with the jumps below, a recurrence
@@ -261,13 +316,19 @@ def _computable(plan: _Plan, supplied: dict) -> list:
             continue
         lo, hi = -_INF, _INF
         for src, a, b, optional in sl:
-            if optional:
+            if optional and a != WINDOW:
                 continue
             cs = comp[src]
             if cs is None:
                 lo = _INF
                 break
-            if a:
+            if a == WINDOW:
+                # t + b .. t + b + w meets the source's range
+                if cs[0] - b - optional > lo:
+                    lo = cs[0] - b - optional
+                if cs[1] - b < hi:
+                    hi = cs[1] - b
+            elif a:
                 if cs[0] - b > lo:
                     lo = cs[0] - b
                 if cs[1] - b < hi:
@@ -315,6 +376,8 @@ def _spans(plan: _Plan, demand: list, comp, supplied: dict) -> list | None:
                 continue
             if a:
                 lo2, hi2 = lo + b, hi + b
+                if a == WINDOW:
+                    hi2 += optional   # (w; a window uses what is computable, as IfDefined)
             else:
                 lo2, hi2 = b, b + 1
             if optional:
@@ -443,24 +506,24 @@ def build_intervals(builder, request):
     io_rows = builder.io_rows
     if io_rows is None:
         io_rows = request.index_rows()
-    for spec, rows in zip(request.inputs, io_rows):
-        v = nnet.get_node_index(spec.name)
-        if v < 0 or not is_input[v] or v in supplied or not spec.indexes:
-            return None
+    io_nodes = _io_nodes(nnet, request, is_input)
+    if io_nodes is None:
+        return None
+    if plan.has_window:
+        return _build_sequences(plan, request, io_rows, io_nodes)
+    num_in = len(request.inputs)
+    for v, rows in zip(io_nodes[:num_in], io_rows):
         g = _grid(rows)
         if g is None or (shape is not None and g[:2] + g[4:5] != shape):
-            return None
+            return _build_sequences(plan, request, io_rows, io_nodes)
         shape = g[:2] + g[4:5]
         supplied[v] = (len(in_rows), rows, g)
         in_rows.append(rows)
     demand: list = [None] * plan.num_nodes
-    for spec, rows in zip(request.outputs, io_rows[len(request.inputs):]):
-        v = nnet.get_node_index(spec.name)
-        if v < 0 or is_input[v] or demand[v] is not None or not spec.indexes:
-            return None
+    for v, rows in zip(io_nodes[num_in:], io_rows[num_in:]):
         g = _grid(rows)
         if g is None or (shape is not None and g[:2] + g[4:5] != shape):
-            return None
+            return _build_sequences(plan, request, io_rows, io_nodes)
         shape = g[:2] + g[4:5]
         demand[v] = [(g[2], g[3] + 1)]
     if shape is None or not supplied:
@@ -589,6 +652,200 @@ def build_intervals(builder, request):
     flags = np.zeros(total, dtype=bool)
     flags[:base] = True
     return coords, flags, ptr, dst, _table(plan, coords, span, supplied, shape)
+
+
+def _io_nodes(nnet, request, is_input) -> list[int] | None:
+    """The node of each input, then of each output, of the request; None when one is
+    not an input (output) node, is named twice or has no Indexes."""
+    out: list[int] = []
+    for specs, want in ((request.inputs, True), (request.outputs, False)):
+        for spec in specs:
+            v = nnet.get_node_index(spec.name)
+            if v < 0 or is_input[v] != want or v in out or not spec.indexes:
+                return None
+            out.append(v)
+    return out
+
+
+# Distinct sequence shapes (the t ranges of one n) beyond this many: left to the array
+# build (each shape is planned on its own).
+_MAX_SHAPES = 512
+
+
+def _sequences(rows: np.ndarray) -> tuple | None:
+    """(ns, lo, hi, x) when ``rows`` (n, t, x) hold, for each n, one range of t, each
+    Index once, and one x for all: the distinct n sorted, the first and last t of
+    each; else None."""
+    x = rows[:, 2]
+    if min_reduce(x) != max_reduce(x):
+        return None
+    n, t = rows[:, 0], rows[:, 1]
+    if (t == K_NO_TIME).any():
+        return None
+    order = np.lexsort((t, n))
+    n, t = n[order], t[order]
+    new = np.empty(len(n), dtype=bool)
+    new[0] = True
+    np.not_equal(n[1:], n[:-1], out=new[1:])
+    if not ((t[1:] - t[:-1] == 1) | new[1:]).all():
+        return None          # a gap or an Index repeated
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(n)) - 1
+    return n[first], t[first], t[last], int(x[0])
+
+
+def _build_sequences(plan: _Plan, request, io_rows: list, io_nodes: list[int]):
+    """build_intervals where the request is not one grid: each n has its own t range
+    on every input and output (variable-length sequences), or the network has
+    statistics windows.  Nothing is read across n (the plan maps t only), so each n's
+    part of the pruned graph is what its ranges give alone; the n with the same
+    ranges (their "shape") are planned once.  The ids are the canonical ones as
+    elsewhere (inputs in request order, then the rest by node, t, n), the
+    dependencies found through the graph's lookup table."""
+    num_in = len(request.inputs)
+    seqs = []
+    x0 = None
+    for rows in io_rows:
+        sq = _sequences(rows)
+        if sq is None or (x0 is not None and sq[3] != x0):
+            return None
+        x0 = sq[3]
+        seqs.append(sq)
+    if not num_in or len(seqs) == num_in:
+        return None
+    all_n = np.unique(np.concatenate([sq[0] for sq in seqs]))
+    num_n = len(all_n)
+    # per n its shape: per input and output, its (lo, hi) or (_ABSENT, _ABSENT)
+    table = np.full((num_n, 2 * len(seqs)), _ABSENT, dtype=np.int64)
+    for k, (ns, lo, hi, _) in enumerate(seqs):
+        at = np.searchsorted(all_n, ns)
+        table[at, 2 * k] = lo
+        table[at, 2 * k + 1] = hi
+    shapes, shape_of = np.unique(table, axis=0, return_inverse=True)
+    shape_of = shape_of.reshape(-1)
+    if len(shapes) > _MAX_SHAPES:
+        return None
+    num_nodes = plan.num_nodes
+    need_comp = plan.has_optional
+    # per shape: the span and computable range of every node
+    span_lo = np.zeros((len(shapes), num_nodes), dtype=np.int64)
+    span_hi = np.zeros((len(shapes), num_nodes), dtype=np.int64)
+    # (not computable anywhere: an empty range; the bounds, within +-2 * _INF, fit int64)
+    comp_lo = np.full((len(shapes), num_nodes), _INF, dtype=np.int64) if need_comp else None
+    comp_hi = np.full((len(shapes), num_nodes), -_INF, dtype=np.int64) if need_comp else None
+    for p, row in enumerate(shapes.tolist()):
+        supplied: dict[int, tuple] = {}
+        demand: list = [None] * num_nodes
+        for k, v in enumerate(io_nodes):
+            lo, hi = row[2 * k], row[2 * k + 1]
+            if lo == _ABSENT:
+                continue
+            if k < num_in:
+                supplied[v] = (k, None, (None, None, lo, hi))
+            else:
+                demand[v] = [(lo, hi + 1)]
+        comp = _computable(plan, supplied) if need_comp else None
+        span = _spans(plan, demand, comp, supplied)
+        if span is None:
+            return None
+        for v, sp in enumerate(span):
+            if sp is not None and not plan.is_input[v]:
+                span_lo[p, v], span_hi[p, v] = sp
+        if need_comp:
+            for v, cs in enumerate(comp):
+                if cs is not None:
+                    comp_lo[p, v], comp_hi[p, v] = cs
+    # the rest: per node and shape, its t range times the shape's n
+    members = [all_n[shape_of == p] for p in range(len(shapes))]
+    lens = (span_hi - span_lo) * np.array([len(m) for m in members])[:, None]
+    rest_total = int(lens.sum())
+    if rest_total > _MAX_ROWS:
+        return None
+    in_rows = io_rows[:num_in]
+    base = sum(map(len, in_rows))
+    total = base + rest_total
+    coords = np.empty((total, 4), dtype=np.int64)
+    coords[:base, 0] = np.repeat(np.array(io_nodes[:num_in], dtype=np.int64),
+                                 [len(r) for r in in_rows])
+    coords[:base, 1:] = np.concatenate(in_rows) if len(in_rows) > 1 else in_rows[0]
+    parts_node, parts_n, parts_t = [], [], []
+    for p, v in zip(*np.nonzero(lens)):
+        m = members[p]
+        lo, hi = int(span_lo[p, v]), int(span_hi[p, v])
+        parts_node.append(np.full((hi - lo) * len(m), v, dtype=np.int64))
+        parts_n.append(np.tile(m, hi - lo))
+        parts_t.append(np.repeat(np.arange(lo, hi, dtype=np.int64), len(m)))
+    if parts_node:
+        node, n, t = (np.concatenate(parts_node), np.concatenate(parts_n),
+                      np.concatenate(parts_t))
+        order = np.lexsort((n, t, node))
+        coords[base:, 0] = node[order]
+        coords[base:, 1] = n[order]
+        coords[base:, 2] = t[order]
+    coords[base:, 3] = x0
+    lookup = CindexTable(coords, num_nodes, plan.margin)
+    if lookup.mode == "dict":
+        return None
+    # dependencies, node by node (the rest is sorted by node: each node's rows are one
+    # stretch), slot by slot
+    rest_nodes = coords[base:, 0]
+    bounds = np.searchsorted(rest_nodes, np.arange(num_nodes + 1)) + base
+    src_parts, dst_parts = [], []
+    for v in range(num_nodes):
+        r0, r1 = int(bounds[v]), int(bounds[v + 1])
+        if r0 == r1 or plan.is_input[v]:
+            continue
+        rows = np.arange(r0, r1, dtype=np.int64)
+        n, t = coords[r0:r1, 1], coords[r0:r1, 2]
+        shape = shape_of[np.searchsorted(all_n, n)] if len(shapes) > 1 else None
+        for src, a, b, optional in plan.slots[v]:
+            if optional:
+                # the inputs used: those computable (per row, its shape's range)
+                if shape is None:
+                    c0, c1 = comp_lo[0, src], comp_hi[0, src]
+                else:
+                    c0, c1 = comp_lo[shape, src], comp_hi[shape, src]
+                if a == WINDOW:
+                    # row i reads t + b .. t + b + w cut to its computable range: count[i]
+                    # inputs from first[i] on
+                    first = np.maximum(t + b, c0)
+                    count = np.minimum(t + b + optional + 1, c1) - first
+                    keep = count > 0
+                    first, count = first[keep], count[keep]
+                    row_of = np.repeat(rows[keep], count)
+                    n_of = np.repeat(n[keep], count)
+                    ends = np.cumsum(count)
+                    ts = (np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+                          + np.repeat(first - (ends - count), count))
+                else:
+                    ts = t + b if a else np.full(len(rows), b, dtype=np.int64)
+                    keep = (ts >= c0) & (ts < c1)
+                    row_of, n_of, ts = rows[keep], n[keep], ts[keep]
+            else:
+                row_of, n_of = rows, n
+                ts = t + b if a else np.full(len(rows), b, dtype=np.int64)
+            if not len(row_of):
+                continue
+            ids = lookup.find(src, n_of, ts, np.full(len(ts), x0, dtype=np.int64))
+            if (ids < 0).any():
+                return None      # (not expected: every input used is in the graph)
+            src_parts.append(row_of)
+            dst_parts.append(ids)
+    if src_parts:
+        src = np.concatenate(src_parts)
+        dst = np.concatenate(dst_parts)
+        key = src * total + dst
+        key.sort()
+        if len(key) > 1 and (key[1:] == key[:-1]).any():
+            key = np.unique(key)
+        src, dst = np.divmod(key, total)
+        ptr = np.zeros(total + 1, dtype=np.int64)
+        np.add.accumulate(np.bincount(src, minlength=total), out=ptr[1:])
+    else:
+        ptr, dst = np.zeros(total + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    flags = np.zeros(total, dtype=bool)
+    flags[:base] = True
+    return coords, flags, ptr, dst, lookup
 
 
 def _table(plan: _Plan, coords: np.ndarray, span: list, supplied: dict, shape: tuple
