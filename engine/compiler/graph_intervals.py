@@ -651,7 +651,11 @@ def build_intervals(builder, request):
         ptr, dst = np.zeros(total + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     flags = np.zeros(total, dtype=bool)
     flags[:base] = True
-    return coords, flags, ptr, dst, _table(plan, coords, span, supplied, shape)
+    t_lo = min([sp[0] for sp in span if sp is not None]
+               + [g[2] for _, _, g in supplied.values()])
+    t_hi = max([sp[1] - 1 for sp in span if sp is not None]
+               + [g[3] for _, _, g in supplied.values()])
+    return coords, flags, ptr, dst, _table(plan, coords, t_lo, t_hi, n_lo, n_hi, x0)
 
 
 def _io_nodes(nnet, request, is_input) -> list[int] | None:
@@ -699,9 +703,11 @@ def _build_sequences(plan: _Plan, request, io_rows: list, io_nodes: list[int]):
     on every input and output (variable-length sequences), or the network has
     statistics windows.  Nothing is read across n (the plan maps t only), so each n's
     part of the pruned graph is what its ranges give alone; the n with the same
-    ranges (their "shape") are planned once.  The ids are the canonical ones as
-    elsewhere (inputs in request order, then the rest by node, t, n), the
-    dependencies found through the graph's lookup table."""
+    ranges (their "shape") are planned once.  The cindexes are the cells of a dense
+    (node, t, n) mask, which np.nonzero lists in the canonical order (inputs in
+    request order, then the rest by node, t, n); an id table of the same shape finds
+    the dependencies.  Declines (None) where that table would be large against the
+    graph (sequences far apart in t)."""
     num_in = len(request.inputs)
     seqs = []
     x0 = None
@@ -727,12 +733,13 @@ def _build_sequences(plan: _Plan, request, io_rows: list, io_nodes: list[int]):
         return None
     num_nodes = plan.num_nodes
     need_comp = plan.has_optional
-    # per shape: the span and computable range of every node
+    # per shape and node: the span [lo, hi) of the rest (empty for inputs and nodes
+    # not in the graph) and, where IfDefined or windows need it, the computable range
+    # (empty where nowhere; the bounds, within +-2 * _INF, fit int64)
     span_lo = np.zeros((len(shapes), num_nodes), dtype=np.int64)
     span_hi = np.zeros((len(shapes), num_nodes), dtype=np.int64)
-    # (not computable anywhere: an empty range; the bounds, within +-2 * _INF, fit int64)
-    comp_lo = np.full((len(shapes), num_nodes), _INF, dtype=np.int64) if need_comp else None
-    comp_hi = np.full((len(shapes), num_nodes), -_INF, dtype=np.int64) if need_comp else None
+    comp_lo = np.full((len(shapes), num_nodes), _INF, dtype=np.int64)
+    comp_hi = np.full((len(shapes), num_nodes), -_INF, dtype=np.int64)
     for p, row in enumerate(shapes.tolist()):
         supplied: dict[int, tuple] = {}
         demand: list = [None] * num_nodes
@@ -755,56 +762,55 @@ def _build_sequences(plan: _Plan, request, io_rows: list, io_nodes: list[int]):
             for v, cs in enumerate(comp):
                 if cs is not None:
                     comp_lo[p, v], comp_hi[p, v] = cs
-    # the rest: per node and shape, its t range times the shape's n
-    members = [all_n[shape_of == p] for p in range(len(shapes))]
-    lens = (span_hi - span_lo) * np.array([len(m) for m in members])[:, None]
-    rest_total = int(lens.sum())
-    if rest_total > _MAX_ROWS:
-        return None
+    # per node and n (n as its position in all_n)
+    span_lo, span_hi = span_lo[shape_of].T, span_hi[shape_of].T
+    comp_lo, comp_hi = comp_lo[shape_of].T, comp_hi[shape_of].T
+    has = span_hi > span_lo
     in_rows = io_rows[:num_in]
     base = sum(map(len, in_rows))
+    rest_total = int((span_hi - span_lo)[has].sum())
+    if rest_total > _MAX_ROWS:
+        return None
+    t_lo = min(int(min_reduce(sq[1])) for sq in seqs[:num_in])
+    t_hi = max(int(max_reduce(sq[2])) for sq in seqs[:num_in])
+    if has.any():
+        t_lo = min(t_lo, int(min_reduce(span_lo[has])))
+        t_hi = max(t_hi, int(max_reduce(span_hi[has])) - 1)
+    num_t = t_hi - t_lo + 1
     total = base + rest_total
+    if num_nodes * num_t * num_n > max(1 << 22, 8 * total):
+        return None
+    # the rest: mask[v, t - t_lo, n] where v's span for n holds t
+    tt = np.arange(t_lo, t_hi + 1, dtype=np.int64)[None, :, None]
+    mask = (tt >= span_lo[:, None, :]) & (tt < span_hi[:, None, :])
+    node, ti, ni = np.nonzero(mask)
     coords = np.empty((total, 4), dtype=np.int64)
     coords[:base, 0] = np.repeat(np.array(io_nodes[:num_in], dtype=np.int64),
                                  [len(r) for r in in_rows])
     coords[:base, 1:] = np.concatenate(in_rows) if len(in_rows) > 1 else in_rows[0]
-    parts_node, parts_n, parts_t = [], [], []
-    for p, v in zip(*np.nonzero(lens)):
-        m = members[p]
-        lo, hi = int(span_lo[p, v]), int(span_hi[p, v])
-        parts_node.append(np.full((hi - lo) * len(m), v, dtype=np.int64))
-        parts_n.append(np.tile(m, hi - lo))
-        parts_t.append(np.repeat(np.arange(lo, hi, dtype=np.int64), len(m)))
-    if parts_node:
-        node, n, t = (np.concatenate(parts_node), np.concatenate(parts_n),
-                      np.concatenate(parts_t))
-        order = np.lexsort((n, t, node))
-        coords[base:, 0] = node[order]
-        coords[base:, 1] = n[order]
-        coords[base:, 2] = t[order]
+    coords[base:, 0] = node
+    coords[base:, 1] = all_n[ni]
+    coords[base:, 2] = ti + t_lo
     coords[base:, 3] = x0
-    lookup = CindexTable(coords, num_nodes, plan.margin)
-    if lookup.mode == "dict":
-        return None
-    # dependencies, node by node (the rest is sorted by node: each node's rows are one
-    # stretch), slot by slot
-    rest_nodes = coords[base:, 0]
-    bounds = np.searchsorted(rest_nodes, np.arange(num_nodes + 1)) + base
+    # ids by (node, t - t_lo, position of n); the inputs' too
+    ids = np.full((num_nodes, num_t, num_n), -1, dtype=np.int64)
+    ids[node, ti, ni] = np.arange(base, total, dtype=np.int64)
+    inp = coords[:base]
+    ids[inp[:, 0], inp[:, 2] - t_lo, np.searchsorted(all_n, inp[:, 1])] = np.arange(base)
+    flat = ids.reshape(-1)
+    # dependencies, node by node (each node's rows are one stretch), slot by slot
+    bounds = np.searchsorted(node, np.arange(num_nodes + 1)) + base
     src_parts, dst_parts = [], []
     for v in range(num_nodes):
         r0, r1 = int(bounds[v]), int(bounds[v + 1])
-        if r0 == r1 or plan.is_input[v]:
+        if r0 == r1:
             continue
         rows = np.arange(r0, r1, dtype=np.int64)
-        n, t = coords[r0:r1, 1], coords[r0:r1, 2]
-        shape = shape_of[np.searchsorted(all_n, n)] if len(shapes) > 1 else None
+        t, n = ti[r0 - base:r1 - base] + t_lo, ni[r0 - base:r1 - base]
         for src, a, b, optional in plan.slots[v]:
             if optional:
-                # the inputs used: those computable (per row, its shape's range)
-                if shape is None:
-                    c0, c1 = comp_lo[0, src], comp_hi[0, src]
-                else:
-                    c0, c1 = comp_lo[shape, src], comp_hi[shape, src]
+                # the inputs used: those computable (per row, its n's range)
+                c0, c1 = comp_lo[src][n], comp_hi[src][n]
                 if a == WINDOW:
                     # row i reads t + b .. t + b + w cut to its computable range: count[i]
                     # inputs from first[i] on
@@ -826,16 +832,20 @@ def _build_sequences(plan: _Plan, request, io_rows: list, io_nodes: list[int]):
                 ts = t + b if a else np.full(len(rows), b, dtype=np.int64)
             if not len(row_of):
                 continue
-            ids = lookup.find(src, n_of, ts, np.full(len(ts), x0, dtype=np.int64))
-            if (ids < 0).any():
+            ts = ts - t_lo
+            if int(min_reduce(ts)) < 0 or int(max_reduce(ts)) >= num_t:
                 return None      # (not expected: every input used is in the graph)
+            got = flat[(src * num_t + ts) * num_n + n_of]
+            if int(min_reduce(got)) < 0:
+                return None      # (likewise)
             src_parts.append(row_of)
-            dst_parts.append(ids)
+            dst_parts.append(got)
     if src_parts:
         src = np.concatenate(src_parts)
         dst = np.concatenate(dst_parts)
         key = src * total + dst
-        key.sort()
+        # sorted runs (one per slot block): the stable sort merges them
+        key.sort(kind="stable")
         if len(key) > 1 and (key[1:] == key[:-1]).any():
             key = np.unique(key)
         src, dst = np.divmod(key, total)
@@ -845,18 +855,15 @@ def _build_sequences(plan: _Plan, request, io_rows: list, io_nodes: list[int]):
         ptr, dst = np.zeros(total + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     flags = np.zeros(total, dtype=bool)
     flags[:base] = True
-    return coords, flags, ptr, dst, lookup
+    return coords, flags, ptr, dst, _table(plan, coords, t_lo, t_hi, int(all_n[0]),
+                                           int(all_n[-1]), x0)
 
 
-def _table(plan: _Plan, coords: np.ndarray, span: list, supplied: dict, shape: tuple
-           ) -> CindexTable:
+def _table(plan: _Plan, coords: np.ndarray, t_lo: int, t_hi: int, n_lo: int, n_hi: int,
+           x0: int) -> CindexTable:
     """The graph's lookup table (dense, with the network's margins), made from the
-    ranges known here rather than from the coordinates."""
-    n_lo, n_hi, x0 = shape
-    t_lo = min([sp[0] for sp in span if sp is not None]
-               + [g[2] for _, _, g in supplied.values()])
-    t_hi = max([sp[1] - 1 for sp in span if sp is not None]
-               + [g[3] for _, _, g in supplied.values()])
+    ranges known here (the cindexes' t in [t_lo, t_hi], n in [n_lo, n_hi], x = x0)
+    rather than from the coordinates."""
     mg = plan.margin
     # room in t beyond the margins, as the array build leaves: the steps add
     # cindexes a little outside the graph's t range (a dim-range node's step made

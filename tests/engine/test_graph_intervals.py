@@ -474,6 +474,8 @@ def test_statistics_with_other_periods_are_not_planned():
     ("gap", [(0, -6, 3), (0, 4, 10), (1, -6, 10)], [(1, 0, 4)]),
     # one sequence too short for its output (not computable: the same error)
     ("short", [(0, -6, 10), (1, -2, 10)], [(0, 0, 8), (1, 0, 8)]),
+    # sequences far apart in t (a dense (node, t, n) table would be mostly empty)
+    ("far", [(0, -6, 10), (1, 10**7 - 6, 10**7 + 10)], [(0, 0, 10), (1, 10**7, 10**7 + 10)]),
 ])
 def test_variable_length_requests_it_declines_get_the_general_answer(why, ins, outs):
     nnet = Nnet.from_config(NET)
