@@ -635,12 +635,24 @@ def build_intervals(builder, request):
                 cell += (pos - np.repeat(first, m_arr)) % num_n
         src_parts.append(row)
         dst_parts.append(cells[cell])
+    ptr, dst, flags = _csr(src_parts, dst_parts, total, base)
+    t_lo = min([sp[0] for sp in span if sp is not None]
+               + [g[2] for _, _, g in supplied.values()])
+    t_hi = max([sp[1] - 1 for sp in span if sp is not None]
+               + [g[3] for _, _, g in supplied.values()])
+    return coords, flags, ptr, dst, _table(plan, coords, t_lo, t_hi, n_lo, n_hi, x0)
+
+
+def _csr(src_parts: list, dst_parts: list, total: int, base: int):
+    """(dep_ptr, dep_idx, is_input) of ``total`` cindexes, the first ``base`` the inputs,
+    from edges given as blocks of (reading row, id read), each block's rows in order:
+    each row's distinct ids, sorted."""
     if src_parts:
         src = np.concatenate(src_parts) if len(src_parts) > 1 else src_parts[0]
         dst = np.concatenate(dst_parts) if len(dst_parts) > 1 else dst_parts[0]
         key = src * total + dst
-        # sorted runs (one per slot block): the stable sort merges them, several
-        # times faster than the default sort here
+        # sorted runs (one per block): the stable sort merges them, several times
+        # faster than the default sort here
         key.sort(kind="stable")
         if len(key) > 1 and (key[1:] == key[:-1]).any():
             key = np.unique(key)
@@ -651,11 +663,7 @@ def build_intervals(builder, request):
         ptr, dst = np.zeros(total + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     flags = np.zeros(total, dtype=bool)
     flags[:base] = True
-    t_lo = min([sp[0] for sp in span if sp is not None]
-               + [g[2] for _, _, g in supplied.values()])
-    t_hi = max([sp[1] - 1 for sp in span if sp is not None]
-               + [g[3] for _, _, g in supplied.values()])
-    return coords, flags, ptr, dst, _table(plan, coords, t_lo, t_hi, n_lo, n_hi, x0)
+    return ptr, dst, flags
 
 
 def _io_nodes(nnet, request, is_input) -> list[int] | None:
@@ -840,21 +848,7 @@ def _build_sequences(plan: _Plan, request, io_rows: list, io_nodes: list[int]):
                 return None      # (likewise)
             src_parts.append(row_of)
             dst_parts.append(got)
-    if src_parts:
-        src = np.concatenate(src_parts)
-        dst = np.concatenate(dst_parts)
-        key = src * total + dst
-        # sorted runs (one per slot block): the stable sort merges them
-        key.sort(kind="stable")
-        if len(key) > 1 and (key[1:] == key[:-1]).any():
-            key = np.unique(key)
-        src, dst = np.divmod(key, total)
-        ptr = np.zeros(total + 1, dtype=np.int64)
-        np.add.accumulate(np.bincount(src, minlength=total), out=ptr[1:])
-    else:
-        ptr, dst = np.zeros(total + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    flags = np.zeros(total, dtype=bool)
-    flags[:base] = True
+    ptr, dst, flags = _csr(src_parts, dst_parts, total, base)
     return coords, flags, ptr, dst, _table(plan, coords, t_lo, t_hi, int(all_n[0]),
                                            int(all_n[-1]), x0)
 

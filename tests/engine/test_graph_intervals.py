@@ -430,6 +430,18 @@ def test_variable_length_sequences_give_the_same_graph():
     assert used >= 200 and windows >= 150, (used, windows)
 
 
+def _same_as_the_array_build(nnet, req) -> None:
+    """The interval build applies and gives the array build's graph and steps (for
+    requests where Kaldi's per-cindex algorithm would take seconds: windows of 10000
+    frames)."""
+    got, method = _build(nnet, req, "intervals")
+    sweeps, _ = _build(nnet, req, "sweeps")
+    assert method == "intervals"
+    for name in ("coords", "is_input_array", "dep_ptr", "dep_idx"):
+        assert np.array_equal(getattr(got, name), getattr(sweeps, name)), name
+    assert _steps(nnet, req, got) == _steps(nnet, req, sweeps)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_statistics_windows_of_10000_frames_take_the_interval_build(seed):
     """The x-vector shape: statistics pooling with a right context of 10000 frames,
@@ -441,12 +453,7 @@ def test_statistics_windows_of_10000_frames_take_the_interval_build(seed):
     lens = rng.integers(5, 60, size=int(rng.integers(2, 6))).tolist()
     req = _ragged_request(rng, [(n, -2, m + 2) for n, m in enumerate(lens)],
                           [(n, 0, 1) for n in range(len(lens))])
-    got, method = _build(nnet, req, "intervals")
-    sweeps, _ = _build(nnet, req, "sweeps")
-    assert method == "intervals"
-    for name in ("coords", "is_input_array", "dep_ptr", "dep_idx"):
-        assert np.array_equal(getattr(got, name), getattr(sweeps, name)), name
-    assert _steps(nnet, req, got) == _steps(nnet, req, sweeps)
+    _same_as_the_array_build(nnet, req)
 
 
 def test_statistics_with_other_periods_are_not_planned():
@@ -504,12 +511,7 @@ def test_reference_xvector_variable_length_batch_gives_the_same_graph():
     lens = [40, 25, 61, 33, 48]
     req = _ragged_request(rng, [(n, 0, m) for n, m in enumerate(lens)],
                           [(n, 0, 1) for n in range(len(lens))], shuffle=False)
-    got, method = _build(nnet, req, "intervals")
-    sweeps, _ = _build(nnet, req, "sweeps")
-    assert method == "intervals"
-    for name in ("coords", "is_input_array", "dep_ptr", "dep_idx"):
-        assert np.array_equal(getattr(got, name), getattr(sweeps, name)), name
-    assert _steps(nnet, req, got) == _steps(nnet, req, sweeps)
+    _same_as_the_array_build(nnet, req)
 
 
 @pytest.mark.conformance
@@ -536,9 +538,4 @@ def test_reference_models_on_variable_length_batches_give_the_same_graph(name):
         req = ComputationRequest(specs, [IoSpecification(
             "output", [Index(n, t, 0) for n in range(k)
                        for t in range(starts[n], starts[n] + lens[n])])])
-        got, method = _build(nnet, req, "intervals")
-        sweeps, _ = _build(nnet, req, "sweeps")
-        assert method == "intervals"
-        for field in ("coords", "is_input_array", "dep_ptr", "dep_idx"):
-            assert np.array_equal(getattr(got, field), getattr(sweeps, field)), field
-        assert _steps(nnet, req, got) == _steps(nnet, req, sweeps)
+        _same_as_the_array_build(nnet, req)
