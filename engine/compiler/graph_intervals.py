@@ -681,7 +681,7 @@ def _io_nodes(nnet, request, is_input) -> list[int] | None:
 
 # Distinct sequence shapes (the t ranges of one n) beyond this many: left to the array
 # build (each shape is planned on its own).
-_MAX_SHAPES = 512
+_MAX_SHAPES = 4096
 
 
 def _sequences(rows: np.ndarray) -> tuple | None:
