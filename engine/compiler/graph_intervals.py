@@ -55,6 +55,7 @@ import numpy as np
 from engine.compiler.array_ops import max_reduce, min_reduce
 from engine.compiler.graph_nodes import (COMPONENT, DEPS_DESCRIPTOR, DEPS_GENERAL,
                                          DEPS_IDENTITY, DEPS_OFFSETS, INPUT, CindexTable)
+from engine.core.cancel import checkpoint
 from engine.core.index import K_NO_TIME
 from engine.nnet.components.statistics import (StatisticsExtractionComponent,
                                                StatisticsPoolingComponent)
@@ -682,6 +683,8 @@ def _io_nodes(nnet, request, is_input) -> list[int] | None:
 # Distinct sequence shapes (the t ranges of one n) beyond this many: left to the array
 # build (each shape is planned on its own).
 _MAX_SHAPES = 4096
+# Sequence shapes planned between two asks of the compile's stop hook (engine.core.cancel).
+_SHAPES_PER_CHECKPOINT = 64
 
 
 def _sequences(rows: np.ndarray) -> tuple | None:
@@ -749,6 +752,8 @@ def _build_sequences(plan: _Plan, request, io_rows: list, io_nodes: list[int]):
     comp_lo = np.full((len(shapes), num_nodes), _INF, dtype=np.int64)
     comp_hi = np.full((len(shapes), num_nodes), -_INF, dtype=np.int64)
     for p, row in enumerate(shapes.tolist()):
+        if p and not p % _SHAPES_PER_CHECKPOINT:
+            checkpoint("the interval graph build, per sequence shape")
         supplied: dict[int, tuple] = {}
         demand: list = [None] * num_nodes
         for k, v in enumerate(io_nodes):

@@ -6,7 +6,8 @@ seconds (a per-cindex graph build of millions of cindexes, a long recurrent requ
 as stored), so the compiler and the optimizer call ``checkpoint`` at points where
 stopping leaves nothing behind: between the compiler's phases, every few thousand
 cindexes of the per-cindex graph build, between the rounds of the array build and
-of variable merging, and between optimizer passes.  ``checkpoint`` asks the hook
+of variable merging, every 64 sequence shapes of the interval build, and between
+optimizer passes.  ``checkpoint`` asks the hook
 given to the innermost ``stopping_when`` of the calling thread (a context variable:
 other threads, and code outside the ``with``, are not affected) and raises
 ``Cancelled`` when it says so.  Without a hook a checkpoint costs one context-variable

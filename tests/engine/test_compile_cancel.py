@@ -125,3 +125,24 @@ def test_inference_stops_inside_a_compile_too():
     assert hook.calls == 2
     (want,) = inf.infer_batch([inf.make_utterance(x)])
     np.testing.assert_array_equal(want, inf.infer(x))
+
+
+def test_the_interval_build_of_many_sequence_shapes_stops_between_shapes():
+    """A batch of sequences of many different lengths is planned shape by shape; the
+    build asks the hook every 64 shapes (the first ask at shape 64)."""
+    nnet = make_nnet(RECURRENT)
+    lens = [5 + k for k in range(200)]
+    req = ComputationRequest(
+        [IoSpecification("input", [Index(n, t, 0) for n, m in enumerate(lens)
+                                   for t in range(-3, m + 3)])],
+        [IoSpecification("output", [Index(n, t, 0) for n, m in enumerate(lens)
+                                    for t in range(m)])])
+    builder = ComputationGraphBuilder(nnet, ComputationGraph())
+    hook = _StopAt(2)
+    with stopping_when(hook), pytest.raises(Cancelled, match="per sequence shape"):
+        builder.compute(req)
+    assert hook.calls == 2
+    # without a stop it is the interval build's
+    builder = ComputationGraphBuilder(nnet, ComputationGraph())
+    builder.compute(req)
+    assert builder.array_method == "intervals"
