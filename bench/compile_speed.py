@@ -15,8 +15,8 @@ machine is shared; Kaldi's figures are wall times on an idle machine).  "Cold" m
 fresh Compiler and optimizer run per request, nothing cached; each case is timed
 ``--repeat`` times and the median kept.  With ``--split`` it also prints the time
 spent in the graph builder, steps, the rest of the compiler and the optimizer.
-The xvector request (request.json, stats pooling over 10000 frames) is timed
-once with ``--xvector``.
+The xvector request (request.json, stats pooling over 10000 frames) and a batch of 16
+utterances of different lengths are timed once with ``--xvector``.
 
     python3 bench/compile_speed.py [--repeat 3] [--split] [--xvector] [--models tdnn,tdnnf]
 """
@@ -186,6 +186,17 @@ def main() -> None:
             secs, parts, comp = timed_compile(nnet, req, args.split)
             print(f"xvector request: {secs * 1000:.0f} ms cold compile+optimize, "
                   f"{comp.stats()['commands']} commands; "
+                  + ", ".join(f"{k}={v * 1000:.0f}ms" for k, v in parts.items()))
+            # a batch of 16 utterances of different lengths (100-400 frames, context 7 on
+            # each side), the embedding at t=0 of each: one sequence shape per utterance
+            lens = [100 + (37 * k) % 301 for k in range(16)]
+            batch = ComputationRequest(
+                [IoSpecification("input", [Index(n, t, 0) for n, m in enumerate(lens)
+                                           for t in range(-7, m + 7)])],
+                [IoSpecification("output", [Index(n, 0, 0) for n in range(len(lens))])])
+            secs, parts, comp = timed_compile(nnet, batch, args.split)
+            print(f"xvector batch of 16 utterances of 100-400 frames: {secs * 1000:.0f} ms "
+                  f"cold compile+optimize, {comp.stats()['commands']} commands; "
                   + ", ".join(f"{k}={v * 1000:.0f}ms" for k, v in parts.items()))
 
 
