@@ -76,10 +76,10 @@ class _Plan:
     """Per network (kept with its NodeTable): per node, its inputs as (source node,
     a, b, optional) with the source's t = a * t + b (a is 1 or 0; optional: inside
     IfDefined), or (source node, WINDOW, b, w) for a statistics component reading
-    t + b .. t + b + w (w >= 1), distinct, or None for input nodes; the nodes in an order where the
-    sources of required inputs come first (for computability); and the strongly
-    connected components consumers first, each as (nodes consumers first, whether
-    it is a cycle)."""
+    t + b .. t + b + w (w >= 1), distinct, or None for input nodes; the nodes in an
+    order where the sources of required inputs come first (for computability); and the
+    strongly connected components consumers first, each as (nodes consumers first,
+    whether it is a cycle)."""
 
     __slots__ = ("slots", "is_input", "has_optional", "has_window", "required_first", "sccs",
                  "scc_of", "margin", "num_nodes")
@@ -212,11 +212,13 @@ def _make_plan(nodes) -> _Plan | None:
         if maps is None:
             return None
         slots.append(tuple(dict.fromkeys(maps)))
-    # (a window's computable range is found from its source's, like a required input's)
+    # (a window's w is truthy: windows count as optional inputs where the used inputs
+    # are cut to the computable ranges)
     has_optional = any(sl is not None and any(m[3] for m in sl) for sl in slots)
     has_window = any(sl is not None and any(m[1] == WINDOW for m in sl) for sl in slots)
-    # sources of required inputs (and windows) first (Kahn); a cycle of required
-    # inputs (a recurrence without IfDefined) is not planned
+    # sources of required inputs and of windows first (Kahn: a window's computable
+    # range is found from its source's); a cycle of required inputs (a recurrence
+    # without IfDefined) is not planned
     users: list = [[] for _ in range(num)]
     missing = [0] * num
     for v, sl in enumerate(slots):
