@@ -179,6 +179,14 @@ def as_rows(rows, dim: int, dtype=None) -> np.ndarray:
     return np.zeros((0, dim), np.float32) if a.shape in ((0,), (0, 0)) else a
 
 
+def require_finite(a: np.ndarray, what: str) -> None:
+    """InferenceError naming ``what`` and the first value of ``a`` that is NaN or infinite
+    (engine.core.finite), if any."""
+    bad = non_finite(a)
+    if bad:
+        raise InferenceError(f"{what}: {bad}")
+
+
 def as_features(feats, dim: int, what: str = "features") -> np.ndarray:
     """A float32 (frames, dim) matrix, or InferenceError naming what is wrong."""
     a = as_rows(feats, dim)
@@ -191,9 +199,7 @@ def as_features(feats, dim: int, what: str = "features") -> np.ndarray:
     if a.dtype.kind not in "fiu":
         raise InferenceError(f"{what}: expected numbers, got dtype {a.dtype}")
     a = to_float32(a)
-    bad = non_finite(a)
-    if bad:
-        raise InferenceError(f"{what}: {bad}")
+    require_finite(a, what)
     return a
 
 
@@ -224,9 +230,7 @@ def check_ivectors(nnet, ivector, online_ivectors, online_ivector_period) -> tup
         if v.ndim != 1 or v.shape[0] != want:
             raise InferenceError(f"ivector: the network expects dimension {want}, got an "
                                  f"array of shape {np.shape(ivector)}")
-        bad = non_finite(v)
-        if bad:
-            raise InferenceError(f"ivector: {bad}")
+        require_finite(v, "ivector")
         return v, None, 0
     m = as_float32(online_ivectors)
     if m.ndim != 2 or m.shape[1] != want or m.shape[0] == 0:
@@ -235,9 +239,7 @@ def check_ivectors(nnet, ivector, online_ivectors, online_ivector_period) -> tup
     if online_ivector_period is None or int(online_ivector_period) <= 0:
         raise InferenceError(f"online_ivector_period: online i-vectors need a period > 0 "
                              f"(--online-ivector-period), got {online_ivector_period}")
-    bad = non_finite(m)
-    if bad:
-        raise InferenceError(f"online_ivectors: {bad}")
+    require_finite(m, "online_ivectors")
     return None, m, int(online_ivector_period)
 
 

@@ -43,9 +43,10 @@ import threading
 import numpy as np
 
 from engine.core.errors import InferenceError, StreamError
-from engine.core.finite import as_float32, non_finite
+from engine.core.finite import as_float32
 from engine.inference.common import (as_features, as_rows, check_acoustic_scale, check_simple,
-                                     log_priors, prepare_nnet, scale_output, simple_context)
+                                     log_priors, prepare_nnet, require_finite, scale_output,
+                                     simple_context)
 from engine.inference.looped import (LoopedConfig, compile_looped, create_looped_requests,
                                      find_future_recurrence, get_chunk_size,
                                      modify_nnet_ivector_period)
@@ -209,9 +210,7 @@ def check_online_rows(model: LoopedModel, rows) -> np.ndarray:
     if a.ndim != 2 or a.shape[1] != model.ivector_dim:
         raise InferenceError(f"online_ivectors: expected rows of dimension "
                              f"{model.ivector_dim}, got an array of shape {np.shape(rows)}")
-    bad = non_finite(a)
-    if bad:
-        raise InferenceError(f"online_ivectors: {bad}")
+    require_finite(a, "online_ivectors")
     return a
 
 
@@ -229,9 +228,7 @@ def check_ivector(model: LoopedModel, ivector):
     if v.shape[0] != model.ivector_dim or np.ndim(ivector) > 2:
         raise InferenceError(f"ivector: the network expects dimension {model.ivector_dim}, "
                              f"got an array of shape {np.shape(ivector)}")
-    bad = non_finite(v)
-    if bad:
-        raise InferenceError(f"ivector: {bad}")
+    require_finite(v, "ivector")
     return v.copy()
 
 
