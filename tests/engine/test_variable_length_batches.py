@@ -18,27 +18,8 @@ from engine.nnet.model_io import load_model
 from engine.nnet.nnet import Nnet
 from engine.runtime.executor import run_computation
 
+from inference_nets import XVECTOR
 from refdata import shared_ref
-
-# an x-vector in miniature: frame layers with context, statistics extraction and
-# pooling over up to 10000 frames ahead (mean and standard deviation), segment layers
-XVECTOR = """input-node name=input dim=6
-component name=tdnn1 type=AffineComponent input-dim=30 output-dim=16
-component-node name=tdnn1 component=tdnn1 input=Append(Offset(input, -2), Offset(input, -1), input, Offset(input, 1), Offset(input, 2))
-component name=relu1 type=RectifiedLinearComponent dim=16
-component-node name=relu1 component=relu1 input=tdnn1
-component name=tdnn2 type=AffineComponent input-dim=48 output-dim=12
-component-node name=tdnn2 component=tdnn2 input=Append(Offset(relu1, -2), relu1, Offset(relu1, 2))
-component name=relu2 type=RectifiedLinearComponent dim=12
-component-node name=relu2 component=relu2 input=tdnn2
-component name=stats-extraction type=StatisticsExtractionComponent input-dim=12 input-period=1 output-period=1 include-variance=true
-component-node name=stats-extraction component=stats-extraction input=relu2
-component name=stats-pooling type=StatisticsPoolingComponent input-dim=25 input-period=1 left-context=0 right-context=10000 num-log-count-features=0 output-stddevs=true
-component-node name=stats-pooling component=stats-pooling input=stats-extraction
-component name=segment type=AffineComponent input-dim=24 output-dim=8
-component-node name=segment component=segment input=Round(stats-pooling, 1)
-output-node name=output input=segment
-"""
 
 
 def _request(lens: list[int], left: int, right: int) -> ComputationRequest:

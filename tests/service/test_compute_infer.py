@@ -283,7 +283,7 @@ def test_compute_a_batch_of_utterances_of_different_lengths(client):
     from engine.compiler.request import ComputationRequest  # noqa: PLC0415
     from engine.compiler.shortcut import compile_request  # noqa: PLC0415
     from engine.runtime.executor import run_computation  # noqa: PLC0415
-    from tests.engine.test_variable_length_batches import XVECTOR  # noqa: PLC0415
+    from tests.engine.inference_nets import XVECTOR  # noqa: PLC0415
     model = register(client, config=XVECTOR)
     rng = np.random.default_rng(11)
     lens = rng.integers(1, 90, size=20).tolist()
