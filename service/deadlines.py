@@ -9,7 +9,9 @@ engine's ``should_stop`` hook, engine.inference.simple.Inferencer.infer_batch), 
 compile between its phases and passes (``compiles_stopped``: around the compile of a
 compile or compute job and of a stream open), raising engine.core.errors.Cancelled, which the API
 answers with the 504 of a timeout.  A stream
-push is not stopped halfway (its chunks change the stream's state), only not started.
+push or finish stops between chunks as well, and is then undone: the engine's Stream.push
+and finish are all or nothing, and one that passes the deadline before it is done (even
+after its last chunk) puts the stream back as it was, so the client can send it again.
 """
 
 from __future__ import annotations

@@ -615,7 +615,10 @@ class StreamManager:
                                        f"({self.max_held_frames}): push the rows with the "
                                        f"frames", "features")
             self._check_answer(live, int(np.shape(p["features"])[0]))
-            out = s.push(p["features"], p.get("ivector"), rows)
+            # all or nothing: stopped between chunks once the job's deadline has passed,
+            # or done past it, the push is undone (engine Stream.push) and answered 504
+            out = s.push(p["features"], p.get("ivector"), rows,
+                         should_stop=deadlines.stop_hook([deadlines.deadline_of(p)]))
             self._checkpoint(live)
         return out, first, live.summary()
 
@@ -637,7 +640,8 @@ class StreamManager:
         self._model_of(live.stream_id, live.model_id)
         with live.lock:
             first = live.frames_output
-            out = live.stream.finish()
+            out = live.stream.finish(
+                should_stop=deadlines.stop_hook([deadlines.deadline_of(p)]))
             self._forget(live.stream_id)
         self._event("finished")
         return out, first, live.summary()

@@ -39,10 +39,11 @@ import hashlib
 import io
 import json
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
-from engine.core.errors import InferenceError, StreamError
+from engine.core.errors import Cancelled, InferenceError, StreamError
 from engine.core.finite import as_float32
 from engine.inference.common import (as_features, as_rows, check_acoustic_scale, check_simple,
                                      log_priors, prepare_nnet, require_finite, scale_output,
@@ -270,13 +271,27 @@ class Stream:
         self.finished = False
 
     # -- pushing ---------------------------------------------------------------------------
-    def push(self, frames, ivector=None, online_ivectors=None) -> np.ndarray:
+    def push(self, frames, ivector=None, online_ivectors=None,
+             should_stop: Callable[[], bool] | None = None) -> np.ndarray:
         """Append feature frames; returns the newly computable output rows (possibly
         none).  ``ivector`` replaces the stream's per-utterance i-vector for the
         chunks computed from now on; ``online_ivectors`` appends rows to an online
-        stream's i-vector matrix (module docstring)."""
-        self.feed(frames, ivector, online_ivectors)
-        return self._advance()
+        stream's i-vector matrix (module docstring).
+
+        All or nothing: when anything raises -- a chunk computation that fails, or
+        ``should_stop()`` answering True (asked before each chunk the push computes and
+        once after the last; ``Cancelled`` is raised) -- the stream is put back as it
+        was before the push, so no output row is lost and the same push may be sent
+        again."""
+        saved = _Saved(self)
+        try:
+            self.feed(frames, ivector, online_ivectors)
+            return self._advance(saved, should_stop)
+        except BaseException:
+            saved.restore(self)
+            raise
+        finally:
+            saved.drop(self)
 
     def feed(self, frames, ivector=None, online_ivectors=None) -> None:
         """Append frames (and i-vector rows) without computing anything: for a
@@ -324,13 +339,22 @@ class Stream:
             raise StreamError("online_ivectors: no i-vector row was pushed; push at least one "
                               "before ending the stream")
 
-    def finish(self) -> np.ndarray:
-        """Flush the right edge (repeating the last frame); the stream then ends."""
+    def finish(self, should_stop: Callable[[], bool] | None = None) -> np.ndarray:
+        """Flush the right edge (repeating the last frame); the stream then ends.  All or
+        nothing, as ``push``: on an error or a stop the stream is as before the call
+        (not ended)."""
         if self.finished:
             raise StreamError("finish() called twice: the stream has ended")
         self._check_rows_for_the_end()
-        self.input_ended = True
-        out = self._advance()
+        saved = _Saved(self)
+        try:
+            self.input_ended = True
+            out = self._advance(saved, should_stop)
+        except BaseException:
+            saved.restore(self)
+            raise
+        finally:
+            saved.drop(self)
         self._end()
         return out
 
@@ -391,14 +415,28 @@ class Stream:
         r = online_row(end, self.online_period, self.online_received)
         return self.online_rows[r - self.online_start]
 
-    def _advance(self) -> np.ndarray:
+    def _advance(self, saved: _Saved, should_stop: Callable[[], bool] | None
+                 ) -> np.ndarray:
+        """Compute every chunk that can be computed now; ``saved`` keeps the executor's
+        matrices before the first one runs (see push)."""
         pieces = []
         while (chunk := self.next_chunk()) is not None:
+            if should_stop is not None and should_stop():
+                raise self._stopped(len(pieces))
+            saved.keep_executor(self.executor)
             feats, ivectors = self.chunk_inputs(*chunk)
             pieces.append(self.take_output(self._run_chunk(feats, ivectors)))
         if not pieces:
             return np.zeros((0, self.model.output_dim), dtype=np.float32)
+        if should_stop is not None and should_stop():
+            raise self._stopped(len(pieces))
         return np.concatenate(pieces, axis=0)
+
+    @staticmethod
+    def _stopped(done: int) -> Cancelled:
+        return Cancelled(f"stream stopped by its caller after {done} chunk computation"
+                         f"{'' if done == 1 else 's'}; it is as before this call (send the "
+                         f"same frames again)", done=done)
 
     def chunk_inputs(self, k: int, begin: int, end: int):
         """The input rows of chunk k (frames before 0 repeat frame 0, frames past the
@@ -552,6 +590,59 @@ class Stream:
             raise StreamError(f"stream state is inconsistent: {e}") from None
         s.executor.restore_state((pc, pending), matrices)
         return s
+
+
+
+# what push() and finish() may change, put back when they fail or are stopped
+_STREAM_FIELDS = ("buffer", "buffer_start", "num_received", "chunks_computed", "num_emitted",
+                  "input_ended", "finished", "ivector", "online_rows", "online_start",
+                  "online_received")
+
+
+class _Saved:
+    """A stream as a push or finish found it.  The arrays among its fields are replaced,
+    never written in place, so they are kept by reference; the executor's matrices
+    (written in place by every chunk) are copied before the first chunk runs, into
+    buffers of the executor's pool, which go back to it when the call succeeds."""
+
+    __slots__ = ("fields", "matrices", "position")
+
+    def __init__(self, stream: Stream) -> None:
+        self.fields = [getattr(stream, k) for k in _STREAM_FIELDS]
+        self.position = None
+        self.matrices: list | None = None
+
+    def keep_executor(self, ex) -> None:
+        if self.matrices is not None:
+            return
+        pool, xp = ex.pool, ex.xp
+        copies = []
+        for a in ex.matrices:
+            if a is None:
+                copies.append(None)
+                continue
+            c = pool.get(xp, a.shape[0], a.shape[1])
+            c[...] = a
+            copies.append(c)
+        self.position = ex.position
+        self.matrices = copies
+
+    def restore(self, stream: Stream) -> None:
+        for k, v in zip(_STREAM_FIELDS, self.fields):
+            setattr(stream, k, v)
+        if self.matrices is not None:
+            ex = stream.executor
+            ex.release()     # what the chunks left half done goes back to the pool
+            ex.restore_state(self.position, self.matrices)
+            self.matrices = None     # now the executor's
+
+    def drop(self, stream: Stream) -> None:
+        if self.matrices is not None:
+            ex = stream.executor
+            for c in self.matrices:
+                if c is not None:
+                    ex.pool.release(ex.xp, c)
+            self.matrices = None
 
 
 class StreamBatch:

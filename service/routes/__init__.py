@@ -42,5 +42,18 @@ def run_job(services, kind: str, payload: dict):
     except Cancelled:
         pass                 # the worker stopped it at its deadline (service/deadlines.py)
     raise ServiceError(504, "Timeout", f"{kind} job did not finish within "
-                                       f"{services.settings.job_timeout_s} s")
+                                       f"{services.settings.job_timeout_s} s"
+                                       + _UNDONE.get(kind, ""))
+
+
+# the worker undoes a stream push or finish that has not finished by the job's deadline
+# (engine Stream.push, service/streams.py); one finished just as the deadline passed (the
+# answer on its way) is kept, which a push's offset tells apart
+_UNDONE = {
+    "stream_push": "; a push not finished by then is undone, the stream left as before it: "
+                   "send it again, with its offset (409 OffsetMismatch then says it was "
+                   "kept after all)",
+    "stream_finish": "; a finish not finished by then is undone, the stream left open: "
+                     "finish it again",
+}
 

@@ -235,3 +235,62 @@ def test_a_stream_opened_past_its_deadline_is_not_kept():
         p["deadline"] = time.time() + 60
         services.streams.open(p)
         assert len(services.streams) == 1 and services.streams.held_bytes > 0
+
+
+def test_a_stream_push_past_its_deadline_is_undone_and_can_be_sent_again(monkeypatch):
+    """A push whose chunks run past the job's deadline stops between chunks and is
+    undone (engine Stream.push): the API's 504 says so, the stream's frames_received is
+    as before, and sending the same frames again (with their offset) gives the output of
+    a stream never interrupted, bit for bit."""
+    from engine.inference.stream import Stream  # noqa: PLC0415
+    from tests.engine.inference_nets import RECURRENT  # noqa: PLC0415
+    from tests.service.conftest import decode  # noqa: PLC0415
+    x = np.random.default_rng(4).standard_normal((120, 8)).astype(np.float32)
+
+    def push(c, sid, lo, hi):
+        return c.post(f"/streams/{sid}/frames", json={"features": encode(x[lo:hi]),
+                                                      "offset": lo, "encoding": "base64"})
+
+    def rows(r):
+        j = r.json()
+        return decode(j["output"]).reshape(-1, j["output"]["shape"][1])
+
+    with make_client(job_timeout_s=TIMEOUT) as c:
+        r = c.post("/models", json={"config": RECURRENT, "seed": 2})
+        mid = r.json()["model_id"]
+        outs = {}
+        for interrupted in (False, True):
+            r = c.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 6}})
+            assert r.status_code == 201, r.text
+            sid = r.json()["stream_id"]
+            got = [rows(push(c, sid, 0, 10))]
+            if interrupted:
+                start, runs = time.time(), []
+                real = Stream._run_chunk
+
+                def slow(self, f, iv, runs=runs, start=start, real=real):
+                    runs.append(1)
+                    if len(runs) == 2:       # waits until past the deadline
+                        time.sleep(max(0.0, start + TIMEOUT + 0.5 - time.time()))
+                    return real(self, f, iv)
+                monkeypatch.setattr(Stream, "_run_chunk", slow)
+                r = push(c, sid, 10, 100)
+                assert r.status_code == 504, r.text
+                msg = r.json()["error"]["message"]
+                assert "is undone, the stream left as before it" in msg
+                # the worker stops before the third chunk and undoes the push
+                _until(lambda: _cancelled(c.get("/metrics").text, "stream_push",
+                                          "running") == 1)
+                assert len(runs) == 2
+                monkeypatch.undo()
+                info = c.get(f"/streams/{sid}").json()
+                assert info["frames_received"] == 10 and info["frames_output"] == len(got[0])
+            r = push(c, sid, 10, 100)
+            assert r.status_code == 200, r.text
+            got.append(rows(r))
+            got.append(rows(push(c, sid, 100, 120)))
+            r = c.post(f"/streams/{sid}/finish", json={"encoding": "base64"})
+            assert r.status_code == 200, r.text
+            got.append(rows(r))
+            outs[interrupted] = np.concatenate(got, axis=0)
+        assert outs[True].tobytes() == outs[False].tobytes()
