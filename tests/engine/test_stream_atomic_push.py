@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.core.errors import Cancelled, ExecutionError
 from engine.inference.looped import LoopedConfig
@@ -196,3 +198,69 @@ def test_a_push_that_computes_nothing_never_asks_the_hook():
     asked = []
     out = s.push(feats(2), should_stop=lambda: asked.append(1) or True)
     assert out.shape[0] == 0 and not asked and s.num_received == 2
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), config=st.sampled_from([RECURRENT, TDNN_IVECTOR]),
+       num_frames=st.integers(1, 70))
+def test_undone_calls_anywhere_leave_the_output_unchanged(data, config, num_frames):
+    """Pushes in random pieces; before each push and before finish, any number of
+    attempts that are stopped at a random question of the hook or fail in a random
+    chunk, each undone; then the call itself.  The output is the uninterrupted
+    stream's, bit for bit."""
+    model = looped(config, chunk=5)
+    x = feats(num_frames, seed=num_frames)
+    cuts = data.draw(st.lists(st.integers(0, 25), max_size=6))
+    cuts.append(num_frames - min(num_frames, sum(cuts)))
+    expected = _plain(model, x, cuts)
+    s = model.stream(_ivector(model))
+
+    def attempts(call):
+        for _ in range(data.draw(st.integers(0, 2))):
+            before = _state(s)
+            k = data.draw(st.integers(1, 6))
+            if data.draw(st.booleans()):
+                try:
+                    call(_StopAt(k))
+                except Cancelled:
+                    pass
+                else:
+                    # fewer questions than k: the call went through; nothing to undo
+                    return True
+            else:
+                runs = []
+                real = Stream._run_chunk
+
+                def failing(self, f, iv):
+                    runs.append(1)
+                    y = real(self, f, iv)
+                    if len(runs) == k:
+                        raise ExecutionError("failed (test)")
+                    return y
+                Stream._run_chunk = failing
+                try:
+                    call(None)
+                except ExecutionError:
+                    pass
+                else:
+                    return True
+                finally:
+                    Stream._run_chunk = real
+            assert _state(s) == before
+        return False
+
+    out, pos = [], 0
+    for n in cuts:
+        piece = x[pos:pos + n]
+        kept = []
+        if attempts(lambda hook: kept.append(s.push(piece, should_stop=hook))):
+            out += kept
+        else:
+            out.append(s.push(piece))
+        pos += n
+    kept = []
+    if attempts(lambda hook: kept.append(s.finish(should_stop=hook))):
+        out += kept
+    else:
+        out.append(s.finish())
+    assert np.concatenate(out, axis=0).tobytes() == expected.tobytes()
