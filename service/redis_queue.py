@@ -17,8 +17,9 @@ redelivered -- up to ``max_deliveries`` times: a job every worker running it die
 (a poison job) is then answered with an error (500 JobKilledWorkers) instead of taking
 the next worker down too.  Jobs past their deadline (the API has answered 504 already)
 are dropped unstarted -- checked when read and again before each job or batch runs --
-and long infer work stops between chunks once it passes (service/deadlines.py), answered
-with Cancelled (which the API, if still waiting, answers with its 504).
+and long infer work and stream pushes stop between chunks once it passes (a push is then
+undone: service/deadlines.py), answered with Cancelled (which the API, if still waiting,
+answers with its 504).
 Each worker refreshes a heartbeat key (``nnetc:worker:<name>``, expiring) so that the
 API's ``/readyz`` can tell whether any worker is running.
 
