@@ -237,7 +237,7 @@ def test_a_stream_opened_past_its_deadline_is_not_kept():
         assert len(services.streams) == 1 and services.streams.held_bytes > 0
 
 
-def test_a_stream_push_past_its_deadline_is_undone_and_can_be_sent_again(monkeypatch):
+def _undone_push(c, monkeypatch, metrics_text) -> None:
     """A push whose chunks run past the job's deadline stops between chunks and is
     undone (engine Stream.push): the API's 504 says so, the stream's frames_received is
     as before, and sending the same frames again (with their offset) gives the output of
@@ -247,7 +247,7 @@ def test_a_stream_push_past_its_deadline_is_undone_and_can_be_sent_again(monkeyp
     from tests.service.conftest import decode  # noqa: PLC0415
     x = np.random.default_rng(4).standard_normal((120, 8)).astype(np.float32)
 
-    def push(c, sid, lo, hi):
+    def push(sid, lo, hi):
         return c.post(f"/streams/{sid}/frames", json={"features": encode(x[lo:hi]),
                                                       "offset": lo, "encoding": "base64"})
 
@@ -255,42 +255,56 @@ def test_a_stream_push_past_its_deadline_is_undone_and_can_be_sent_again(monkeyp
         j = r.json()
         return decode(j["output"]).reshape(-1, j["output"]["shape"][1])
 
-    with make_client(job_timeout_s=TIMEOUT) as c:
-        r = c.post("/models", json={"config": RECURRENT, "seed": 2})
-        mid = r.json()["model_id"]
-        outs = {}
-        for interrupted in (False, True):
-            r = c.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 6}})
-            assert r.status_code == 201, r.text
-            sid = r.json()["stream_id"]
-            got = [rows(push(c, sid, 0, 10))]
-            if interrupted:
-                start, runs = time.time(), []
-                real = Stream._run_chunk
+    r = c.post("/models", json={"config": RECURRENT, "seed": 2})
+    mid = r.json()["model_id"]
+    outs = {}
+    for interrupted in (False, True):
+        r = c.post("/streams", json={"model_id": mid, "options": {"frames_per_chunk": 6}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["stream_id"]
+        got = [rows(push(sid, 0, 10))]
+        if interrupted:
+            start, runs = time.time(), []
+            real = Stream._run_chunk
 
-                def slow(self, f, iv, runs=runs, start=start, real=real):
-                    runs.append(1)
-                    if len(runs) == 2:       # waits until past the deadline
-                        time.sleep(max(0.0, start + TIMEOUT + 0.5 - time.time()))
-                    return real(self, f, iv)
-                monkeypatch.setattr(Stream, "_run_chunk", slow)
-                r = push(c, sid, 10, 100)
-                assert r.status_code == 504, r.text
-                msg = r.json()["error"]["message"]
-                assert "is undone, the stream left as before it" in msg
-                # the worker stops before the third chunk and undoes the push
-                _until(lambda: _cancelled(c.get("/metrics").text, "stream_push",
-                                          "running") == 1)
-                assert len(runs) == 2
-                monkeypatch.undo()
-                info = c.get(f"/streams/{sid}").json()
-                assert info["frames_received"] == 10 and info["frames_output"] == len(got[0])
-            r = push(c, sid, 10, 100)
-            assert r.status_code == 200, r.text
-            got.append(rows(r))
-            got.append(rows(push(c, sid, 100, 120)))
-            r = c.post(f"/streams/{sid}/finish", json={"encoding": "base64"})
-            assert r.status_code == 200, r.text
-            got.append(rows(r))
-            outs[interrupted] = np.concatenate(got, axis=0)
-        assert outs[True].tobytes() == outs[False].tobytes()
+            def slow(self, f, iv, runs=runs, start=start, real=real):
+                runs.append(1)
+                if len(runs) == 2:       # waits until past the deadline
+                    time.sleep(max(0.0, start + TIMEOUT + 0.5 - time.time()))
+                return real(self, f, iv)
+            monkeypatch.setattr(Stream, "_run_chunk", slow)
+            r = push(sid, 10, 100)
+            assert r.status_code == 504, r.text
+            msg = r.json()["error"]["message"]
+            assert "is undone, the stream left as before it" in msg
+            # the worker stops before the third chunk and undoes the push
+            _until(lambda: _cancelled(metrics_text(), "stream_push", "running") == 1)
+            assert len(runs) == 2
+            monkeypatch.undo()
+            info = c.get(f"/streams/{sid}").json()
+            assert info["frames_received"] == 10 and info["frames_output"] == len(got[0])
+        r = push(sid, 10, 100)
+        assert r.status_code == 200, r.text
+        got.append(rows(r))
+        got.append(rows(push(sid, 100, 120)))
+        r = c.post(f"/streams/{sid}/finish", json={"encoding": "base64"})
+        assert r.status_code == 200, r.text
+        got.append(rows(r))
+        outs[interrupted] = np.concatenate(got, axis=0)
+    assert outs[True].tobytes() == outs[False].tobytes()
+
+
+def test_a_stream_push_past_its_deadline_is_undone_and_can_be_sent_again(monkeypatch):
+    with make_client(job_timeout_s=TIMEOUT) as c:
+        _undone_push(c, monkeypatch, lambda: c.get("/metrics").text)
+
+
+@needs_redis
+def test_a_queue_worker_undoes_a_stream_push_past_its_deadline(server, monkeypatch):
+    """The same through the Redis queue and a worker of its own, the stream checkpointed in
+    Redis: the undone push saves no checkpoint, so whichever process takes the stream next
+    continues from the state before it."""
+    server.client().flushall()
+    with make_client(redis_url=server.url, queue="redis", job_timeout_s=TIMEOUT) as api:
+        with ThreadWorker(server.url) as w:
+            _undone_push(api, monkeypatch, lambda: w.services.metrics.render().decode())
