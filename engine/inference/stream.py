@@ -595,7 +595,6 @@ class Stream:
         return s
 
 
-
 # what push() and finish() may change, put back when they fail or are stopped
 _STREAM_FIELDS = ("buffer", "buffer_start", "num_received", "chunks_computed", "num_emitted",
                   "input_ended", "finished", "ivector", "online_rows", "online_start",
