@@ -334,14 +334,23 @@ class ProgramBuilder:
         return op
 
 
+# bindings kept per command and executor (see _bound_for)
+_BOUND_ENTRIES = 8
+
+
 def _bound_for(ex, k, ctype, a, key_a, b, key_b):
     """The bound fast propagate (fastpaths.bind_propagate) of command ``k`` on the
     matrices ``a`` (input) and ``b`` (output) as this executor holds them now, or
     None when there is none.  Dynamic programs (looped computations) run the same
-    command on the same few pool buffers chunk after chunk (two, when a swap
-    alternates them), so each command keeps its last two bindings, per executor
-    (a program is shared between threads; an executor is not).  An entry holds
-    the matrices themselves, so an identity match is always the same memory."""
+    command on a few pool buffers chunk after chunk, so each command keeps its last
+    ``_BOUND_ENTRIES`` bindings, per executor (a program is shared between threads;
+    an executor is not).  The buffers come round in a cycle set by the order of the
+    chunk's allocations, deallocations and swaps through the pool's last-in-first-out
+    free lists: six on the reference TDNN at 21-frame chunks, where two entries missed
+    every time; eight hit 87-93% of the time on the reference TDNN, TDNN-F and
+    TDNN-LSTM streams (bench/RESULTS.md, thirty-seventh session).  An entry holds the
+    matrices themselves, so an identity match is always the same memory; the oldest
+    entry goes first."""
     if a is None or b is None:
         return None
     cache = ex._dyn_bound
@@ -353,7 +362,12 @@ def _bound_for(ex, k, ctype, a, key_a, b, key_b):
     f = bind_propagate(ctype, a if key_a is None else a[key_a],
                        b if key_b is None else b[key_b], ex._program.dyn_scratch())
     e = (a, b, f)
-    cache[k] = [e] if entries is None else [e, entries[0]]
+    if entries is None:
+        cache[k] = [e]
+    else:
+        entries.insert(0, e)
+        if len(entries) > _BOUND_ENTRIES:
+            entries.pop()
     return f
 
 

@@ -367,8 +367,33 @@ def test_concurrent_streams_of_one_model_equal_sequential_ones():
         s = model.stream()
         s.push(xs[0])
         if s.executor.xp is np:      # the bound fast propagates are NumPy's (program.py)
+            from engine.runtime.program import _BOUND_ENTRIES  # noqa: PLC0415
             bound = s.executor._dyn_bound
-            assert bound and all(len(v) <= 2 for v in bound.values())
+            assert bound and all(len(v) <= _BOUND_ENTRIES for v in bound.values())
+
+
+@pytest.mark.parametrize("config", [RECURRENT, TDNN_PLAIN, TDNN_IVECTOR],
+                         ids=["recurrent", "tdnn", "tdnn_ivector"])
+def test_a_streams_steady_chunks_bind_no_new_fast_paths(config, monkeypatch):
+    """The pool buffers a stream's chunks run on come round in a cycle (the chunk's
+    allocations, deallocations and swaps through last-in-first-out free lists); the
+    bindings each command keeps (runtime/program._bound_for) cover it, so once the
+    stream is past its first chunks nothing is bound again.  (With the two bindings
+    kept before, these networks bound 3-5 propagates anew every chunk.)"""
+    import engine.runtime.program as program  # noqa: PLC0415
+    model = LoopedModel(make_nnet(config), LoopedConfig(5, 0, 1))
+    s = model.stream(feats(1, model.ivector_dim, seed=3)[0] if model.has_ivectors else None)
+    if s.executor.xp is not np:
+        pytest.skip("the bound fast propagates are NumPy's (runtime/program.py)")
+    x = feats(400, seed=2)
+    for i in range(0, 100, 5):
+        s.push(x[i:i + 5])
+    binds = []
+    real = program.bind_propagate
+    monkeypatch.setattr(program, "bind_propagate", lambda *a: binds.append(1) or real(*a))
+    for i in range(100, 400, 5):
+        s.push(x[i:i + 5])
+    assert s.chunks_computed > 70 and not binds
 
 
 def test_stream_batch_keeps_only_the_frames_later_chunks_read():
