@@ -150,7 +150,7 @@ class LoopedModel:
         stream buffers while its chunks wait for their rows (its caller bounds those).
         Nor, where the pool drops released buffers (beyond its max_bytes), the
         buffers of the stream's last chunks that its bound fast paths still refer to:
-        up to eight times every matrix its propagates read and write (the bindings
+        up to sixteen times every matrix its propagates read and write (the bindings
         each command keeps: engine.runtime.program._bound_for).  Nor the copies a push or finish
         makes of the matrices held between chunks (to undo itself: Stream.push) while it
         runs: they are taken from the pool and given back when it returns, so they count

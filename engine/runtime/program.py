@@ -335,7 +335,7 @@ class ProgramBuilder:
 
 
 # bindings kept per command and executor (see _bound_for)
-_BOUND_ENTRIES = 8
+_BOUND_ENTRIES = 16
 
 
 def _bound_for(ex, k, ctype, a, key_a, b, key_b):
@@ -346,9 +346,10 @@ def _bound_for(ex, k, ctype, a, key_a, b, key_b):
     ``_BOUND_ENTRIES`` bindings, per executor (a program is shared between threads;
     an executor is not).  The buffers come round in a cycle set by the order of the
     chunk's allocations, deallocations and swaps through the pool's last-in-first-out
-    free lists: six on the reference TDNN at 21-frame chunks, where two entries missed
-    every time; eight hit 87-93% of the time on the reference TDNN, TDNN-F and
-    TDNN-LSTM streams (bench/RESULTS.md, thirty-seventh session).  An entry holds the
+    free lists: six on the reference TDNN at 21-frame chunks and twelve for some of
+    TDNN-F's commands, where two entries missed every time (11 and 16 new bindings a
+    chunk); with sixteen, none of the three reference streams binds anything past its
+    first chunks (bench/RESULTS.md, thirty-seventh session).  An entry holds the
     matrices themselves, so an identity match is always the same memory; the oldest
     entry goes first."""
     if a is None or b is None:
