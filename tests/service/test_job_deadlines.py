@@ -277,9 +277,10 @@ def _undone_push(c, monkeypatch, metrics_text) -> None:
             assert r.status_code == 504, r.text
             msg = r.json()["error"]["message"]
             assert "is undone, the stream left as before it" in msg
-            # the worker stops before the third chunk and undoes the push
+            # the worker stops before the third chunk (on a slow machine the deadline may
+            # pass even earlier) and undoes the push
             _until(lambda: _cancelled(metrics_text(), "stream_push", "running") == 1)
-            assert len(runs) == 2
+            assert 1 <= len(runs) <= 2
             monkeypatch.undo()
             info = c.get(f"/streams/{sid}").json()
             assert info["frames_received"] == 10 and info["frames_output"] == len(got[0])
