@@ -67,10 +67,16 @@ def stop_hook(deadlines: list[float | None]) -> Callable[[], bool] | None:
     return lambda: time.time() >= last
 
 
+def job_stop_hook(p: dict) -> Callable[[], bool] | None:
+    """The engine's ``should_stop`` for work done for job ``p`` alone: stop once its
+    deadline has passed."""
+    return stop_hook([deadline_of(p)])
+
+
 def compiles_stopped(p: dict):
     """A ``with`` block in which the engine's compiles for job ``p`` stop between their
     phases and passes once its deadline has passed (engine.core.cancel)."""
-    return stopping_when(stop_hook([deadline_of(p)]))
+    return stopping_when(job_stop_hook(p))
 
 
 def record(metrics, kind: str, when: str, error: BaseException | None = None) -> None:

@@ -207,8 +207,7 @@ class Operations:
         deadlines.check(p, "infer")
         return self._inferencer(p).infer(p["features"], p["ivector"], p["online_ivectors"],
                                          p["online_ivector_period"],
-                                         should_stop=deadlines.stop_hook([
-                                             deadlines.deadline_of(p)]))
+                                         should_stop=deadlines.job_stop_hook(p))
 
     @staticmethod
     def infer_batch_key(p: dict):

@@ -618,7 +618,7 @@ class StreamManager:
             # all or nothing: stopped between chunks once the job's deadline has passed,
             # or done past it, the push is undone (engine Stream.push) and answered 504
             out = s.push(p["features"], p.get("ivector"), rows,
-                         should_stop=deadlines.stop_hook([deadlines.deadline_of(p)]))
+                         should_stop=deadlines.job_stop_hook(p))
             self._checkpoint(live)
         return out, first, live.summary()
 
@@ -640,8 +640,7 @@ class StreamManager:
         self._model_of(live.stream_id, live.model_id)
         with live.lock:
             first = live.frames_output
-            out = live.stream.finish(
-                should_stop=deadlines.stop_hook([deadlines.deadline_of(p)]))
+            out = live.stream.finish(should_stop=deadlines.job_stop_hook(p))
             self._forget(live.stream_id)
         self._event("finished")
         return out, first, live.summary()

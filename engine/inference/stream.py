@@ -40,6 +40,7 @@ import io
 import json
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -287,15 +288,9 @@ class Stream:
         once after the last; ``Cancelled`` is raised) -- the stream is put back as it
         was before the push, so no output row is lost and the same push may be sent
         again."""
-        saved = _Saved(self)
-        try:
+        with self._all_or_nothing() as saved:
             self.feed(frames, ivector, online_ivectors)
             return self._advance(saved, should_stop)
-        except BaseException:
-            saved.restore(self)
-            raise
-        finally:
-            saved.drop(self)
 
     def feed(self, frames, ivector=None, online_ivectors=None) -> None:
         """Append frames (and i-vector rows) without computing anything: for a
@@ -350,15 +345,9 @@ class Stream:
         if self.finished:
             raise StreamError("finish() called twice: the stream has ended")
         self._check_rows_for_the_end()
-        saved = _Saved(self)
-        try:
+        with self._all_or_nothing() as saved:
             self.input_ended = True
             out = self._advance(saved, should_stop)
-        except BaseException:
-            saved.restore(self)
-            raise
-        finally:
-            saved.drop(self)
         self._end()
         return out
 
@@ -418,6 +407,19 @@ class Stream:
                               "pushed")
         r = online_row(end, self.online_period, self.online_received)
         return self.online_rows[r - self.online_start]
+
+    @contextmanager
+    def _all_or_nothing(self):
+        """push and finish: what the block changes is undone when it raises (``_Saved``,
+        given to the block for ``_advance``)."""
+        saved = _Saved(self)
+        try:
+            yield saved
+        except BaseException:
+            saved.restore(self)
+            raise
+        finally:
+            saved.drop(self)
 
     def _advance(self, saved: _Saved, should_stop: Callable[[], bool] | None
                  ) -> np.ndarray:
