@@ -253,16 +253,16 @@ class CountingPool:
         self.live = 0
         self.peak = 0
 
-    def get(self, xp, rows, cols):
-        a = self._pool.get(xp, rows, cols)
+    def get(self, xp, rows, cols, owner=None):
+        a = self._pool.get(xp, rows, cols, owner)
         self.live += a.nbytes
         self.peak = max(self.peak, self.live)
         return a
 
-    def release(self, xp, a):
+    def release(self, xp, a, owner=None):
         if a is not None:
             self.live -= a.nbytes
-        self._pool.release(xp, a)
+        self._pool.release(xp, a, owner)
 
     def reset_peak(self):
         self.live = 0

@@ -279,8 +279,7 @@ class LiveStream:
 
 def _release(live: LiveStream) -> None:
     """Give the memory of a stream no longer held here back to its model's pool."""
-    if not live.stream.finished:
-        live.stream.executor.release()
+    live.stream.close()
 
 
 class StreamManager:

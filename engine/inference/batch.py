@@ -69,10 +69,10 @@ class _NanPool:
     of a spliced input, filled in the next chunk) read as NaN in both runs and
     are told apart from values that differ."""
 
-    def get(self, xp, num_rows: int, num_cols: int):
+    def get(self, xp, num_rows: int, num_cols: int, owner=None):
         return xp.full((num_rows, num_cols), np.nan, dtype=np.float32)
 
-    def release(self, xp, a) -> None:
+    def release(self, xp, a, owner=None) -> None:
         pass
 
 

@@ -39,6 +39,7 @@ import hashlib
 import io
 import json
 import threading
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -147,7 +148,8 @@ class LoopedModel:
 
         Not in it: what all the model's streams share (the compiled computation, its
         plans); the matrices released back to the model's BufferPool between chunks,
-        which the pool's own bound covers; the frames and rows an online i-vector
+        which the pool's own bound covers (each stream's kept apart for it: the
+        BufferPool owners); the frames and rows an online i-vector
         stream buffers while its chunks wait for their rows (its caller bounds those).
         Nor, where the pool drops released buffers (beyond its max_bytes), the
         buffers of the stream's last chunks that its bound fast paths still refer to:
@@ -255,7 +257,6 @@ class Stream:
 
     def __init__(self, model: LoopedModel, ivector=None, online_ivector_period=None,
                  acoustic_scale: float = 1.0):
-        from engine.runtime.executor import Executor  # noqa: PLC0415
         self.model = model
         self.acoustic_scale = check_acoustic_scale(acoustic_scale)
         # online i-vectors: the period, the rows kept (from row ``online_start`` on)
@@ -265,8 +266,7 @@ class Stream:
         self.online_start = 0
         self.online_received = 0
         self.ivector = None if self.online_period else check_ivector(self.model, ivector)
-        self.executor = Executor(model.computation, model.nnet, backend=model.backend,
-                                 pool=model.pool, max_peak_bytes=model.max_peak_bytes)
+        self.executor = _own_executor(self, model)
         self.buffer = np.zeros((0, model.input_dim), dtype=np.float32)
         self.buffer_start = 0        # frame index of buffer[0]
         self.num_received = 0
@@ -297,7 +297,7 @@ class Stream:
         scheduler that advances many streams in one batched computation
         (engine.inference.batch)."""
         if self.finished:
-            raise StreamError("push after finish(): the stream has ended")
+            raise StreamError("push after finish() or close(): the stream has ended")
         if self.input_ended:
             raise StreamError("push after end_input(): no more frames are accepted")
         feats = as_features(frames, self.model.input_dim, "pushed frames")
@@ -343,7 +343,7 @@ class Stream:
         nothing, as ``push``: on an error or a stop the stream is as before the call
         (not ended)."""
         if self.finished:
-            raise StreamError("finish() called twice: the stream has ended")
+            raise StreamError("finish() called twice (or after close()): the stream has ended")
         self._check_rows_for_the_end()
         with self._all_or_nothing() as saved:
             self.input_ended = True
@@ -354,6 +354,14 @@ class Stream:
     def _end(self) -> None:
         self.finished = True
         self.executor.release()
+        self._disown()
+
+    def close(self) -> None:
+        """Give what the stream holds back to its model's pool, when it is dropped
+        before its end (after ``finish()`` there is nothing left to give).  The
+        stream has ended: pushing more raises StreamError."""
+        if not self.finished:
+            self._end()
 
     @property
     def num_output_frames(self) -> int:
@@ -589,7 +597,8 @@ class Stream:
                 info = comp.matrices[i] if 0 < i < len(comp.matrices) else None
                 if info is None or a.shape != (info.num_rows, info.num_cols):
                     raise ValueError(f"array {key!r} does not match the computation")
-                buf_m = s.executor.pool.get(s.executor.xp, info.num_rows, info.num_cols)
+                buf_m = s.executor.pool.get(s.executor.xp, info.num_rows, info.num_cols,
+                                            s.executor.pool_owner)
                 buf_m[...] = s.executor.xp.asarray(a)
                 matrices[i] = buf_m
         except (KeyError, ValueError, TypeError) as e:
@@ -602,6 +611,27 @@ class Stream:
 _STREAM_FIELDS = ("buffer", "buffer_start", "num_received", "chunks_computed", "num_emitted",
                   "input_ended", "finished", "ivector", "online_rows", "online_start",
                   "online_received")
+
+
+def _own_executor(holder, model: LoopedModel):
+    """The executor of ``holder`` (a Stream or StreamBatch): it takes its model's pool
+    buffers under a name of its own (runtime/backend.BufferPool owners), so that its
+    chunks run on the same buffers chunk after chunk however many streams share the
+    pool.  ``holder._disown()`` makes its free buffers anyone's again; it runs by
+    itself when ``holder`` is collected."""
+    from engine.runtime.executor import Executor  # noqa: PLC0415
+    pool = model.pool
+    owner = pool.new_owner()
+    holder._disown = weakref.finalize(holder, pool.disown, owner)
+    return Executor(model.computation, model.nnet, backend=model.backend, pool=pool,
+                    max_peak_bytes=model.max_peak_bytes, pool_owner=owner)
+
+
+# the pool owner (runtime/backend.BufferPool) of the copies a push keeps to undo itself:
+# one for all streams, apart from theirs, so that taking and giving back the copies leaves
+# the buffers each stream's chunks run on (and their bound fast paths) where they were,
+# and the streams share one set of copies, as they push one after another
+_UNDO_OWNER = "stream undo copies"
 
 
 class _Saved:
@@ -620,13 +650,13 @@ class _Saved:
     def keep_executor(self, ex) -> None:
         if self.matrices is not None:
             return
-        pool, xp = ex.pool, ex.xp
+        pool, xp, owner = ex.pool, ex.xp, _UNDO_OWNER
         copies = []
         for a in ex.matrices:
             if a is None:
                 copies.append(None)
                 continue
-            c = pool.get(xp, a.shape[0], a.shape[1])
+            c = pool.get(xp, a.shape[0], a.shape[1], owner)
             c[...] = a
             copies.append(c)
         self.position = ex.position
@@ -646,7 +676,7 @@ class _Saved:
             ex = stream.executor
             for c in self.matrices:
                 if c is not None:
-                    ex.pool.release(ex.xp, c)
+                    ex.pool.release(ex.xp, c, _UNDO_OWNER)
             self.matrices = None
 
 
@@ -663,7 +693,6 @@ class StreamBatch:
 
     def __init__(self, model: LoopedModel, ivectors=None, online_ivector_period=None,
                  acoustic_scale: float = 1.0):
-        from engine.runtime.executor import Executor  # noqa: PLC0415
         self.model = model
         self.acoustic_scale = check_acoustic_scale(acoustic_scale)
         b = model.num_sequences
@@ -679,8 +708,7 @@ class StreamBatch:
                                      f"{len(ivectors)}")
             self.ivectors = [check_ivector(model, v) for v in ivectors]
             self.online_rows = None
-        self.executor = Executor(model.computation, model.nnet, backend=model.backend,
-                                 pool=model.pool, max_peak_bytes=model.max_peak_bytes)
+        self.executor = _own_executor(self, model)
         # per stream: the frames still needed (from frame ``start[j]`` on) and how
         # many were pushed in all; frames no later chunk reads are dropped
         self.frames = [np.zeros((0, model.input_dim), np.float32) for _ in range(b)]

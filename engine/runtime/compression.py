@@ -146,7 +146,7 @@ class CompressingExecutor(Executor):
             raise ExecutionError(f"cannot compress matrix m{m}: it is not allocated or is "
                                  "already compressed")
         self._compressed[m] = command_compressed_matrix(self.xp, a, c)
-        self.pool.release(self.xp, a)
+        self.pool.release(self.xp, a, self.pool_owner)
         self._matrices[m] = None
 
     def _decompress_matrix(self, m: int) -> None:
@@ -154,7 +154,7 @@ class CompressingExecutor(Executor):
         if cm is None or self._matrices[m] is not None:
             raise ExecutionError(f"cannot decompress matrix m{m}: it was not compressed")
         info = self.computation.matrices[m]
-        buf = self.pool.get(self.xp, info.num_rows, info.num_cols)
+        buf = self.pool.get(self.xp, info.num_rows, info.num_cols, self.pool_owner)
         self._matrices[m] = decompress_matrix(self.xp, cm, out=buf)
 
     def compressed_bytes(self) -> int:

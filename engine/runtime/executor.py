@@ -110,9 +110,11 @@ class Executor:
 
     def __init__(self, computation: NnetComputation, nnet, backend=np,
                  pool: BufferPool | None = None, nnet_to_store_stats=None,
-                 max_peak_bytes: int | None = None):
+                 max_peak_bytes: int | None = None, pool_owner=None):
         """``max_peak_bytes``: refuse (ResourceLimitError, before anything is
-        allocated) a computation whose matrices need more bytes at their peak."""
+        allocated) a computation whose matrices need more bytes at their peak.
+        ``pool_owner``: the name this executor takes and gives back the pool's
+        buffers under (``BufferPool.new_owner``; None: unnamed)."""
         if max_peak_bytes is not None:
             check_peak_bytes(computation, max_peak_bytes)
         self.computation = computation
@@ -120,6 +122,7 @@ class Executor:
         self.xp = backend
         self._own_pool = pool is None     # arenas then come from arena.IDLE_ARENAS
         self.pool = pool if pool is not None else BufferPool()
+        self.pool_owner = pool_owner
         self.nnet_to_store_stats = nnet_to_store_stats
         self._plans = _plans_for(computation, backend)
         # (device_component(c, np) is c: a copy of the list is all a NumPy run needs)
@@ -261,7 +264,7 @@ class Executor:
                 if m in self._bound.needed:
                     self._matrices[m] = view
                 return
-        buf = self.pool.get(self.xp, info.num_rows, info.num_cols)
+        buf = self.pool.get(self.xp, info.num_rows, info.num_cols, self.pool_owner)
         buf[...] = arr  # a private copy: the pool may recycle it after a dealloc
         self._matrices[m] = buf
 
@@ -292,7 +295,7 @@ class Executor:
         arena = self._bound.inst_ids if self._bound is not None else ()
         for m, a in enumerate(self._matrices):
             if a is not None and id(a) not in self._handed_out and id(a) not in arena:
-                self.pool.release(self.xp, a)
+                self.pool.release(self.xp, a, self.pool_owner)
             self._matrices[m] = None
         self._memos.clear()
         self._dyn_bound.clear()
@@ -372,7 +375,7 @@ class Executor:
             if bound is None:
                 bound = program.bind(self.xp.empty(shape, dtype=np.float32))
         else:
-            bound = program.bound_for(self.pool.get(self.xp, *shape))
+            bound = program.bound_for(self.pool.get(self.xp, *shape, self.pool_owner))
         self._bound = bound
 
     def _release_arena(self) -> None:
@@ -389,7 +392,7 @@ class Executor:
         if self._own_pool:
             IDLE_ARENAS.give(self._program, bound)
         else:
-            self.pool.release(self.xp, bound.buf)
+            self.pool.release(self.xp, bound.buf, self.pool_owner)
 
     def _maybe_finish(self) -> None:
         """At the end of the commands, give the arena back: when the layout says
@@ -554,13 +557,13 @@ class Executor:
         m = self.computation.submatrices[c.arg1].matrix_index
         info = self.computation.matrices[m]
         if self._matrices[m] is not None:
-            self.pool.release(self.xp, self._matrices[m])
-        self._matrices[m] = self.pool.get(self.xp, info.num_rows, info.num_cols)
+            self.pool.release(self.xp, self._matrices[m], self.pool_owner)
+        self._matrices[m] = self.pool.get(self.xp, info.num_rows, info.num_cols, self.pool_owner)
 
     def _dealloc(self, c):
         m = self.computation.submatrices[c.arg1].matrix_index
         if self._matrices[m] is not None:
-            self.pool.release(self.xp, self._matrices[m])
+            self.pool.release(self.xp, self._matrices[m], self.pool_owner)
         self._matrices[m] = None
 
     def _swap(self, c):

@@ -131,8 +131,8 @@ class ProgramBuilder:
         def op(ex, mats):
             old = mats[m]
             if old is not None:
-                ex.pool.release(xp, old)
-            mats[m] = ex.pool.get(xp, rows, cols)
+                ex.pool.release(xp, old, ex.pool_owner)
+            mats[m] = ex.pool.get(xp, rows, cols, ex.pool_owner)
         return op
 
     def dealloc(self, c):
@@ -142,7 +142,7 @@ class ProgramBuilder:
         def op(ex, mats):
             old = mats[m]
             if old is not None:
-                ex.pool.release(xp, old)
+                ex.pool.release(xp, old, ex.pool_owner)
                 mats[m] = None
         return op
 

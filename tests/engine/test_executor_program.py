@@ -993,7 +993,7 @@ def test_pool_never_receives_views_of_the_arena():
                 ex.get_output(s.name)
             if release:
                 ex.release()
-        held = [a for lst in pool._free.values() for a in lst]
+        held = pool.held()
         for i, a in enumerate(held):
             assert a.base is None or a.base.size == a.size, "a view was pooled"
             for b in held[i + 1:]:
@@ -1040,7 +1040,7 @@ def test_arena_given_back_at_the_end_leaves_nothing_behind():
         assert ex._bound is None           # the run is over: the arena went back
         ex.release()
         assert np.array_equal(out, (v * np.float32(2.0)) * 2)
-        held = [a for lst in pool._free.values() for a in lst]
+        held = pool.held()
         assert all(a.base is None or a.base.size == a.size for a in held)
 
 

@@ -396,6 +396,66 @@ def test_a_streams_steady_chunks_bind_no_new_fast_paths(config, monkeypatch):
     assert s.chunks_computed > 70 and not binds
 
 
+def _deep_tdnn(layers: int = 5, dim: int = 24) -> str:
+    """A TDNN of ``layers`` affine+ReLU layers of one width: several matrices of one
+    shape are live at once in a chunk, as in the reference TDNN."""
+    lines = ["input-node name=input dim=8",
+             f"component name=a0 type=AffineComponent input-dim=24 output-dim={dim}",
+             "component-node name=a0 component=a0 input=Append(Offset(input, -1), input, "
+             "Offset(input, 1))",
+             f"component name=r0 type=RectifiedLinearComponent dim={dim}",
+             "component-node name=r0 component=r0 input=a0"]
+    for i in range(1, layers):
+        off = 1 if i == 1 else 3
+        lines += [f"component name=a{i} type=NaturalGradientAffineComponent "
+                  f"input-dim={3 * dim} output-dim={dim}",
+                  f"component-node name=a{i} component=a{i} input=Append(Offset(r{i - 1}, "
+                  f"-{off}), r{i - 1}, Offset(r{i - 1}, {off}))",
+                  f"component name=r{i} type=RectifiedLinearComponent dim={dim}",
+                  f"component-node name=r{i} component=r{i} input=a{i}"]
+    lines += [f"component name=out type=AffineComponent input-dim={dim} output-dim=6",
+              f"component-node name=out component=out input=r{layers - 1}",
+              "output-node name=output input=out"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("config", [_deep_tdnn(), RECURRENT, TDNN_IVECTOR],
+                         ids=["deep_tdnn", "recurrent", "tdnn_ivector"])
+def test_streams_interleaved_on_one_pool_bind_no_new_fast_paths(config, monkeypatch):
+    """Streams of one model share its pool; each takes back the buffers it released
+    (BufferPool owners), so, pushed in turn, they bind nothing past their first
+    chunks either, and each gives the output it gives alone.  (Without owners each
+    took the buffers the one before had just released: the deep TDNN bound 2160
+    propagates over these 240 chunks.)"""
+    import engine.runtime.program as program  # noqa: PLC0415
+    model = LoopedModel(make_nnet(config), LoopedConfig(5, 0, 1))
+    iv = feats(1, model.ivector_dim, seed=3)[0] if model.has_ivectors else None
+    streams = [model.stream(iv) for _ in range(4)]
+    if streams[0].executor.xp is not np:
+        pytest.skip("the bound fast propagates are NumPy's (runtime/program.py)")
+    xs = [feats(400, seed=10 + j) for j in range(4)]
+    outs: list[list] = [[] for _ in streams]
+
+    def push(begin, end):
+        for j, s in enumerate(streams):
+            outs[j].append(s.push(xs[j][begin:end]))
+
+    for i in range(0, 100, 5):
+        push(i, i + 5)
+    binds = []
+    real = program.bind_propagate
+    monkeypatch.setattr(program, "bind_propagate", lambda *a: binds.append(1) or real(*a))
+    for i in range(100, 400, 5):
+        push(i, i + 5)
+    assert all(s.chunks_computed > 70 for s in streams) and not binds
+    monkeypatch.setattr(program, "bind_propagate", real)
+    for j, s in enumerate(streams):
+        alone = model.stream(iv)
+        want = np.concatenate([alone.push(xs[j]), alone.finish()])
+        got = np.concatenate(outs[j] + [s.finish()])
+        assert np.array_equal(got, want), f"stream {j}"
+
+
 def test_stream_batch_keeps_only_the_frames_later_chunks_read():
     """A long StreamBatch holds a bounded window of frames (not the whole history)
     and still equals single streams."""
