@@ -119,6 +119,9 @@ def is_shared_device_copy(comp, dev, xp) -> bool:
     return entry is not None and entry[1] is dev
 
 
+_NOBODY = object()    # BufferPool._lender: no free buffer to take
+
+
 class BufferPool:
     """Free float32 matrices keyed by shape, per backend.  Thread-safe; bounded
     by ``max_bytes`` (beyond that, released buffers are simply dropped).
@@ -156,27 +159,29 @@ class BufferPool:
         with self._lock:
             by_owner = self._free.get(key)
             if by_owner:
-                lst = by_owner.get(owner)
-                if lst is None:
-                    if None in by_owner:
-                        owner = None
-                    elif owner is None or self._bytes + 4 * num_rows * num_cols \
-                            > self.max_bytes:
-                        # an unnamed caller, or a pool too full to take a new buffer
-                        # back: the latest owner's
-                        owner = next(reversed(by_owner))
-                    else:                   # not another owner's: a new buffer
-                        self.misses += 1
-                        return xp.empty((num_rows, num_cols), dtype=np.float32)
-                    lst = by_owner[owner]
-                a = lst.pop()
-                if not lst:
-                    del by_owner[owner]
-                self.hits += 1
-                self._bytes -= a.nbytes
-                return a
+                lender = owner if owner in by_owner else self._lender(
+                    by_owner, owner, 4 * num_rows * num_cols)
+                if lender is not _NOBODY:
+                    lst = by_owner[lender]
+                    a = lst.pop()
+                    if not lst:
+                        del by_owner[lender]
+                    self.hits += 1
+                    self._bytes -= a.nbytes
+                    return a
             self.misses += 1
         return xp.empty((num_rows, num_cols), dtype=np.float32)
+
+    def _lender(self, by_owner: dict, owner, nbytes: int):
+        """Whose free buffer of one shape (``by_owner``: none of them ``owner``'s) a
+        get by ``owner`` takes: an unnamed one; else, for an unnamed caller or when
+        the pool is too full to take a new buffer back, the latest owner's; else
+        _NOBODY (a new buffer)."""
+        if None in by_owner:
+            return None
+        if owner is None or self._bytes + nbytes > self.max_bytes:
+            return next(reversed(by_owner))
+        return _NOBODY
 
     def release(self, xp, a, owner=None) -> None:
         # (called for every kDeallocMatrix: the cheap checks first; a dtype comparison
