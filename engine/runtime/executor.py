@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import weakref
 from itertools import islice
+from threading import get_ident
 
 import numpy as np
 
@@ -154,8 +155,12 @@ class Executor:
         self._program = None
         self._bound = None
         # dynamic programs: per command, its bound fast propagates on the matrices
-        # it last ran on (program._bound_for; their temporaries: Program.dyn_scratch)
+        # it last ran on (program._bound_for), and the thread they were bound on:
+        # their temporaries are that thread's (Program.dyn_scratch), so a run on
+        # another thread binds again rather than share them with the first thread's
+        # other executors
         self._dyn_bound: dict = {}
+        self._dyn_thread = 0
         if computation.need_model_derivative:
             self._make_gradient_nnet()
 
@@ -462,6 +467,10 @@ class Executor:
                         stretch()
                 pc = stop
             else:
+                tid = get_ident()
+                if tid != self._dyn_thread:
+                    self._dyn_bound.clear()
+                    self._dyn_thread = tid
                 ops = program.ops
                 while pc < n:
                     op = ops[pc]

@@ -456,6 +456,45 @@ def test_streams_interleaved_on_one_pool_bind_no_new_fast_paths(config, monkeypa
         assert np.array_equal(got, want), f"stream {j}"
 
 
+def test_a_stream_pushed_from_another_thread_runs_on_that_threads_temporaries(monkeypatch):
+    """The bound fast paths of a stream's executor (runtime/program._bound_for) hold
+    the temporaries of the thread that bound them (Program.dyn_scratch, one set per
+    thread).  A stream pushed from one thread and then another must not keep using
+    the first thread's set, which that thread's other streams are using meanwhile: its
+    bindings are made again on the new thread.  (They were kept: every bound call of
+    the second push ran on the first thread's temporaries.)"""
+    import threading  # noqa: PLC0415
+
+    import engine.runtime.program as program  # noqa: PLC0415
+    model = LoopedModel(make_nnet(_deep_tdnn()), LoopedConfig(5, 0, 1))
+    s = model.stream()
+    if s.executor.xp is not np:
+        pytest.skip("the bound fast propagates are NumPy's (runtime/program.py)")
+    prog = s.executor._get_program()
+    calls: list = []
+    real = program.bind_propagate
+
+    def spy(ctype, a, b, scratch):
+        f = real(ctype, a, b, scratch)
+        if f is None:
+            return None
+
+        def g(*args):
+            calls.append(scratch is prog.dyn_scratch())
+            return f(*args)
+        return g
+
+    monkeypatch.setattr(program, "bind_propagate", spy)
+    x = feats(200, seed=4)
+    want = np.concatenate([model.stream().push(x[:100])])
+    got = [s.push(x[:50])]
+    worker = threading.Thread(target=lambda: got.append(s.push(x[50:100])))
+    worker.start()
+    worker.join()
+    assert len(calls) > 20 and all(calls), f"{calls.count(False)} of {len(calls)} calls"
+    assert np.array_equal(np.concatenate(got), want)
+
+
 def test_stream_batch_keeps_only_the_frames_later_chunks_read():
     """A long StreamBatch holds a bounded window of frames (not the whole history)
     and still equals single streams."""
