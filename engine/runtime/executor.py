@@ -45,6 +45,9 @@ from engine.runtime.program import build_program, command_matrices
 _PLAN_CACHE: "weakref.WeakKeyDictionary[NnetComputation, dict]" = weakref.WeakKeyDictionary()
 
 _IO = (CT.ACCEPT_INPUT, CT.PROVIDE_OUTPUT)
+# the bindings of dynamic programs kept per executor for threads other than the current
+# one (Executor._switch_thread)
+_THREADS_KEPT = 4
 
 
 def _signature(computation: NnetComputation) -> tuple:
@@ -157,10 +160,13 @@ class Executor:
         # dynamic programs: per command, its bound fast propagates on the matrices
         # it last ran on (program._bound_for), and the thread they were bound on:
         # their temporaries are that thread's (Program.dyn_scratch), so a run on
-        # another thread binds again rather than share them with the first thread's
-        # other executors
+        # another thread uses bindings of its own, never the first thread's (whose
+        # other executors use those temporaries meanwhile).  The bindings of the
+        # last few other threads are kept for when the executor comes back to them
+        # (a stream pushed from a pool of threads).
         self._dyn_bound: dict = {}
         self._dyn_thread = 0
+        self._dyn_other: dict = {}      # thread -> its bindings, the latest last
         if computation.need_model_derivative:
             self._make_gradient_nnet()
 
@@ -304,6 +310,7 @@ class Executor:
             self._matrices[m] = None
         self._memos.clear()
         self._dyn_bound.clear()
+        self._dyn_other.clear()
         self._release_arena()
 
     # -- carried state (looped computations between chunks) ----------------------------------
@@ -469,8 +476,7 @@ class Executor:
             else:
                 tid = get_ident()
                 if tid != self._dyn_thread:
-                    self._dyn_bound.clear()
-                    self._dyn_thread = tid
+                    self._switch_thread(tid)
                 ops = program.ops
                 while pc < n:
                     op = ops[pc]
@@ -500,6 +506,16 @@ class Executor:
             raise self._error(e) from e
         self._pc = pc
         self._maybe_finish()
+
+    def _switch_thread(self, tid: int) -> None:
+        """Make the bindings of thread ``tid`` the current ones (see __init__)."""
+        other = self._dyn_other
+        if self._dyn_bound:
+            other[self._dyn_thread] = self._dyn_bound
+            if len(other) > _THREADS_KEPT:
+                del other[next(iter(other))]
+        self._dyn_bound = other.pop(tid, None) or {}
+        self._dyn_thread = tid
 
     def _run_interpreted(self, cmds, n) -> None:
         while self._pc < n:

@@ -495,6 +495,36 @@ def test_a_stream_pushed_from_another_thread_runs_on_that_threads_temporaries(mo
     assert np.array_equal(np.concatenate(got), want)
 
 
+def test_a_stream_pushed_from_two_threads_in_turn_keeps_each_threads_bindings(monkeypatch):
+    """An executor keeps the bindings of the last few threads it ran on
+    (Executor._switch_thread): a stream pushed from two threads in turn binds
+    nothing past its first chunks on each, and gives the output it gives alone.
+    (Made anew at every change of thread, they cost 13-27 new bindings a chunk on
+    the reference TDNN and TDNN-F.)"""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    import engine.runtime.program as program  # noqa: PLC0415
+    model = LoopedModel(make_nnet(_deep_tdnn()), LoopedConfig(5, 0, 1))
+    s = model.stream()
+    if s.executor.xp is not np:
+        pytest.skip("the bound fast propagates are NumPy's (runtime/program.py)")
+    x = feats(400, seed=6)
+    alone = model.stream()
+    want = np.concatenate([alone.push(x), alone.finish()])
+    binds: list = []
+    real = program.bind_propagate
+    got = []
+    with ThreadPoolExecutor(1) as a, ThreadPoolExecutor(1) as b:
+        for k, i in enumerate(range(0, 400, 5)):
+            if i == 100:
+                monkeypatch.setattr(program, "bind_propagate",
+                                    lambda *args: binds.append(1) or real(*args))
+            got.append((a if k % 2 else b).submit(s.push, x[i:i + 5]).result())
+    assert s.chunks_computed > 70 and not binds
+    monkeypatch.setattr(program, "bind_propagate", real)
+    assert np.array_equal(np.concatenate(got + [s.finish()]), want)
+
+
 def test_streams_pushed_from_a_thread_pool_give_what_they_give_alone():
     """Streams of one model, each push handed to a pool of two threads (so a stream's
     pushes hop between threads while the other thread runs another stream): every
