@@ -452,6 +452,11 @@ class Executor:
             self._run_interpreted(cmds, n)   # a subclass handles some commands itself
             return
         program = self._get_program()
+        tid = get_ident()
+        if tid != self._dyn_thread:
+            # (the dynamic closures: every command of a dynamic program, and those of a
+            # bound program that touch matrices outside its arena)
+            self._switch_thread(tid)
         mats = self._matrices
         pc = self._pc
         at = [pc]       # the command running, for the error report (set by the loop below)
@@ -474,9 +479,6 @@ class Executor:
                         stretch()
                 pc = stop
             else:
-                tid = get_ident()
-                if tid != self._dyn_thread:
-                    self._switch_thread(tid)
                 ops = program.ops
                 while pc < n:
                     op = ops[pc]
