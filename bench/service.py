@@ -7,7 +7,14 @@
   default (8, 2 ms delay) alternated; median ms per round, the ratio
   (batched / unbatched: below 1 is faster) and the mean computation batch size;
 - the computation cache: /compile of that request cold (a miss: compile + optimize +
-  store) against a hit, median ms.
+  store) against a hit, median ms;
+- streams: ``STREAM_CLIENTS`` threads, each opening a stream (the service's default
+  options; an i-vector when the network reads one), pushing ``STREAM_FRAMES`` frames in
+  ``PIECE``-frame pieces as audio would arrive, then finishing it, all at once: the
+  median and 95th percentile of a push's round trip and the real-time factor of the
+  whole (wall seconds over the seconds of audio, 100 frames/s, of all clients).  Each
+  client's output is checked against a stream run alone through the service first.
+  Networks that cannot stream (BLSTM) have none of these figures.
 
 Outputs of the batched runs are checked against the unbatched ones before timing.  Two
 warm-up rounds come first: each batch-size bucket (1, 2, 4, 8 sequences) is a computation of
@@ -30,6 +37,9 @@ from bench import common
 CLIENTS = 8
 ROUNDS = 12
 CHUNK = 21
+STREAM_CLIENTS = 8
+STREAM_FRAMES = 1000
+PIECE = 10          # frames per push: 100 ms of audio
 
 
 def _register_body(path: Path) -> dict:
@@ -117,9 +127,69 @@ def measure_service(name: str, path, clients: int = CLIENTS, rounds: int = ROUND
             "compile_hit_ms": results["compile_hit_ms"]}
 
 
+class _CannotStream(Exception):
+    pass
+
+
+def measure_service_streams(name: str, path, clients: int = STREAM_CLIENTS,
+                            frames: int = STREAM_FRAMES, piece: int = PIECE) -> dict:
+    """The streams part of the suite (see the module docstring)."""
+    from fastapi.testclient import TestClient  # noqa: PLC0415
+
+    from service.app import create_app  # noqa: PLC0415
+    from service.settings import Settings  # noqa: PLC0415
+    nnet = common.load_for_inference(path)
+    rng = np.random.default_rng(1)
+    feats = [rng.standard_normal((frames, nnet.input_dim("input"))).astype(np.float32)
+             for _ in range(clients)]
+    ivector = (rng.standard_normal(nnet.input_dim("ivector")).tolist()
+               if "ivector" in nnet.input_names() else None)
+
+    def one(c, mid, x, latencies=None) -> np.ndarray:
+        body = {"model_id": mid} if ivector is None else {"model_id": mid, "ivector": ivector}
+        r = c.post("/streams", json=body)
+        if r.status_code == 422 and "looped compilation is not possible" in r.text:
+            raise _CannotStream
+        assert r.status_code == 201, r.text
+        sid = r.json()["stream_id"]
+        out = []
+        for i in range(0, frames, piece):
+            t = time.perf_counter()
+            r = c.post(f"/streams/{sid}/frames",
+                       json={"features": _enc(x[i:i + piece]), "encoding": "base64"})
+            if latencies is not None:
+                latencies.append((time.perf_counter() - t) * 1e3)
+            assert r.status_code == 200, r.text
+            out.append(_dec(r.json()["output"]))
+        r = c.post(f"/streams/{sid}/finish", json={"encoding": "base64"})
+        assert r.status_code == 200, r.text
+        out.append(_dec(r.json()["output"]))      # (finished: the stream is gone)
+        return np.concatenate(out)
+
+    with TestClient(create_app(Settings(log_level="WARNING"))) as c:
+        mid = c.post("/models", json=_register_body(path)).json()["model_id"]
+        try:
+            alone = [one(c, mid, x) for x in feats]      # (also compiles the looped model)
+        except _CannotStream:       # a backward recurrence (BLSTM): no streams
+            return {}
+        latencies: list[float] = []
+        with ThreadPoolExecutor(clients) as pool:
+            t = time.perf_counter()
+            outs = list(pool.map(lambda x: one(c, mid, x, latencies), feats))
+            wall = time.perf_counter() - t
+    for a, b in zip(outs, alone):
+        np.testing.assert_array_equal(a, b)
+    latencies.sort()
+    return {"stream_clients": clients, "stream_push_ms": statistics.median(latencies),
+            "stream_push_ms_p95": latencies[int(0.95 * (len(latencies) - 1))],
+            "stream_rtf": wall / (clients * frames / 100.0)}
+
+
 def suite_service(r) -> list[dict]:
     rows = []
     with common.blas_threads(r.plain_settings[0]):
         for name, path in r.models():
-            rows.append(measure_service(name, path, rounds=max(2, min(r.repeat, ROUNDS))))
+            row = measure_service(name, path, rounds=max(2, min(r.repeat, ROUNDS)))
+            row.update(measure_service_streams(name, path))
+            rows.append(row)
     return rows
