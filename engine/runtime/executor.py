@@ -460,6 +460,7 @@ class Executor:
         mats = self._matrices
         pc = self._pc
         at = [pc]       # the command running, for the error report (set by the loop below)
+        dynamic = False
         try:
             if self._bound is not None:
                 # straight-line commands: no goto, no program-counter checks, only
@@ -480,22 +481,35 @@ class Executor:
                 pc = stop
             else:
                 ops = program.ops
-                while pc < n:
-                    op = ops[pc]
-                    if op is None:      # an input/output command: stop, as Kaldi's Run
-                        break
-                    target = op(self, mats)
-                    if target is not None:
-                        pc = target
-                    pc += 1
+                dynamic = True       # at[0] is then exactly the command running
+
+                def walk():
+                    p = pc
+                    while p < n:
+                        at[0] = p
+                        op = ops[p]
+                        if op is None:      # an input/output command: stop, as Kaldi's Run
+                            break
+                        target = op(self, mats)
+                        if target is not None:
+                            p = target
+                        p += 1
+                    return p
+                if self.xp is np:
+                    # on one BLAS thread where that is faster (parallel.ThreadChoice), as
+                    # the bound programs above: a looped computation's chunk is such a
+                    # stretch, run again and again from the same command
+                    pc = program.thread_choice(pc).run(walk)
+                else:
+                    pc = walk()
         except ExecutionError as e:
-            self._pc = pc = max(pc, at[0])
+            self._pc = pc = at[0] if dynamic else max(pc, at[0])
             if str(e).startswith("while executing"):
                 raise
             raise self._error(e) from e
         except (NnetcError, ValueError, IndexError, KeyError, TypeError, ArithmeticError,
                 AttributeError, MemoryError, RuntimeError) as e:
-            self._pc = pc = max(pc, at[0])
+            self._pc = pc = at[0] if dynamic else max(pc, at[0])
             if isinstance(e, MemoryError):
                 # (the arena or a matrix could not be allocated: not a missing matrix)
                 raise self._error(ExecutionError(

@@ -180,6 +180,28 @@ def test_io_errors_name_the_node():
         ex.get_input_deriv("input")
 
 
+def test_a_failure_after_a_goto_names_the_command_and_stops_there():
+    """A computation with a goto runs its dynamic program (one stretch per run, on the
+    BLAS thread count parallel.ThreadChoice picks): a command that fails on the second
+    pass, after the jump back, is the one named, and the program counter stays on it."""
+    c = NnetComputation()
+    a = c.new_matrix(3, 2)
+    b = c.new_matrix(2, 2)
+    c.indexes.append([0, 2])
+    c.add(CT.ALLOC_MATRIX, a)            # c0
+    c.add(CT.NO_OPERATION_LABEL)         # c1
+    c.add(CT.ALLOC_MATRIX, b)            # c2
+    c.add(CT.ADD_ROWS, b, a, 0)          # c3: a is gone on the second pass
+    c.add(CT.DEALLOC_MATRIX, b)          # c4
+    c.add(CT.DEALLOC_MATRIX, a)          # c5
+    c.add(CT.GOTO_LABEL, 1)              # c6
+    ex = Executor(c, _fake_nnet([]))
+    with pytest.raises(ExecutionError, match=r"while executing c3: m2\.AddRows.*before it "
+                                             r"is allocated"):
+        ex.run()
+    assert ex.position[0] == 3
+
+
 def test_failures_name_the_command():
     c = NnetComputation()
     a = c.new_matrix(3, 2)
