@@ -231,3 +231,25 @@ def test_executor_outputs_equal_in_either_setting():
         assert choice.one is not None
     else:
         assert choice.one is None
+
+
+def test_a_streams_chunks_choose_too_and_give_the_same_bits():
+    """A looped computation runs its dynamic program (no arena), a stretch per chunk from
+    the same command each time: those stretches choose their thread count as the bound
+    programs' do, and a stream's output is bit-identical whatever they choose."""
+    from engine.inference.looped import LoopedConfig  # noqa: PLC0415
+    from engine.inference.stream import LoopedModel  # noqa: PLC0415
+    model = LoopedModel(make_nnet(RECURRENT), LoopedConfig(5, 0, 1))
+    x = feats(300, seed=8)
+    outs = []
+    for one in (None, True, False):
+        s = model.stream()
+        if s.executor.xp is not np:
+            pytest.skip("BLAS threads are the CPU backend's")
+        program = s.executor._get_program()
+        for choice in program._thread_choices.values():
+            choice._reset()
+            choice.one, choice.left = one, 10 ** 9     # a setting held throughout
+        outs.append(np.concatenate([s.push(x), s.finish()]))
+        assert program._thread_choices, "the chunks' stretches choose no thread count"
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
