@@ -154,7 +154,9 @@ class LoopedModel:
         Nor, where the pool drops released buffers (beyond its max_bytes), the
         buffers of the stream's last chunks that its bound fast paths still refer to:
         up to sixteen times every matrix its propagates read and write (the bindings
-        each command keeps: engine.runtime.program._bound_for).  Nor the copies a push or finish
+        each command keeps: engine.runtime.program._bound_for), for each of the up to
+        five threads the stream was last pushed from (Executor._switch_thread).  Nor the
+        copies a push or finish
         makes of the matrices held between chunks (to undo itself: Stream.push) while it
         runs: they are taken from the pool and given back when it returns, so they count
         once per push running at a time, not per open stream.  Measured with tracemalloc
