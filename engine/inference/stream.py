@@ -156,11 +156,10 @@ class LoopedModel:
         up to sixteen times every matrix its propagates read and write (the bindings
         each command keeps: engine.runtime.program._bound_for), for each of the up to
         five threads the stream was last pushed from (Executor._switch_thread).  Nor the
-        copies a push or finish
-        makes of the matrices held between chunks (to undo itself: Stream.push) while it
-        runs: they are taken from the pool and given back when it returns, so they count
-        once per push running at a time, not per open stream.  Measured with tracemalloc
-        in tests/engine/test_stream_bytes.py."""
+        copies a push or finish makes of the matrices held between chunks (to undo
+        itself: Stream.push) while it runs: they are taken from the pool and given back
+        when it returns, so they count once per push running at a time, not per open
+        stream.  Measured with tracemalloc in tests/engine/test_stream_bytes.py."""
         from engine.runtime.executor import peak_bytes_of  # noqa: PLC0415
         comp = self.computation
         frames = self.chunk_size + self.frames_left_context + self.frames_right_context

@@ -459,31 +459,32 @@ class Executor:
             self._switch_thread(tid)
         mats = self._matrices
         pc = self._pc
-        at = [pc]       # the command running, for the error report (set by the loop below)
-        dynamic = False
+        # the command running, set by the stretches below: on an error, where the run
+        # stopped (for the error report and the program counter)
+        at = [pc]
         try:
             if self._bound is not None:
                 # straight-line commands: no goto, no program-counter checks, only
                 # the commands that do something (arena.BoundProgram.runs)
                 bound = self._bound
                 stop = program.stops[pc]
-                if not (self._graphs and cuda_graph.run_segment(self, bound, pc, stop, mats)):
+                if self._graphs and cuda_graph.run_segment(self, bound, pc, stop, mats):
+                    stretch = None
+                    pc = stop
+                else:
                     runs = islice(bound.runs[stop], bound.run_start[pc], None)
 
                     def stretch():
                         for at[0], op in runs:
                             op(self, mats)
-                    if self.xp is np:
-                        # on one BLAS thread where that is faster (parallel.ThreadChoice)
-                        program.thread_choice(pc).run(stretch)
-                    else:
-                        stretch()
-                pc = stop
+                        return stop
             else:
+                # every command of a dynamic program, gotos included (a looped
+                # computation's chunk is such a stretch, run again and again from the
+                # same command)
                 ops = program.ops
-                dynamic = True       # at[0] is then exactly the command running
 
-                def walk():
+                def stretch():
                     p = pc
                     while p < n:
                         at[0] = p
@@ -495,21 +496,17 @@ class Executor:
                             p = target
                         p += 1
                     return p
-                if self.xp is np:
-                    # on one BLAS thread where that is faster (parallel.ThreadChoice), as
-                    # the bound programs above: a looped computation's chunk is such a
-                    # stretch, run again and again from the same command
-                    pc = program.thread_choice(pc).run(walk)
-                else:
-                    pc = walk()
+            if stretch is not None:
+                # on one BLAS thread where that is faster (parallel.ThreadChoice)
+                pc = program.thread_choice(pc).run(stretch) if self.xp is np else stretch()
         except ExecutionError as e:
-            self._pc = pc = at[0] if dynamic else max(pc, at[0])
+            self._pc = pc = at[0]
             if str(e).startswith("while executing"):
                 raise
             raise self._error(e) from e
         except (NnetcError, ValueError, IndexError, KeyError, TypeError, ArithmeticError,
                 AttributeError, MemoryError, RuntimeError) as e:
-            self._pc = pc = at[0] if dynamic else max(pc, at[0])
+            self._pc = pc = at[0]
             if isinstance(e, MemoryError):
                 # (the arena or a matrix could not be allocated: not a missing matrix)
                 raise self._error(ExecutionError(

@@ -343,14 +343,15 @@ def _bound_for(ex, k, ctype, a, key_a, b, key_b):
     matrices ``a`` (input) and ``b`` (output) as this executor holds them now, or
     None when there is none.  Dynamic programs (looped computations) run the same
     command on a few pool buffers chunk after chunk, so each command keeps its last
-    ``_BOUND_ENTRIES`` bindings, per executor (a program is shared between threads;
-    an executor is not).  The buffers come round in a cycle set by the order of the
-    chunk's allocations, deallocations and swaps through the pool's last-in-first-out
-    free lists: six on the reference TDNN at 21-frame chunks and twelve for some of
-    TDNN-F's commands, where two entries missed every time (11 and 16 new bindings a
-    chunk); with sixteen, none of the three reference streams binds anything past its
-    first chunks (bench/RESULTS.md, thirty-seventh session).  An entry holds the
-    matrices themselves, so an identity match is always the same memory; the oldest
+    ``_BOUND_ENTRIES`` bindings, per executor and thread (``ex._dyn_bound``: a binding
+    holds its thread's temporaries, Program.dyn_scratch; Executor._switch_thread).  The
+    buffers come round in a cycle set by the order of the chunk's allocations,
+    deallocations and swaps through the executor's own last-in-first-out free lists in
+    the pool (BufferPool owners): six on the reference TDNN at 21-frame chunks and twelve
+    for some of TDNN-F's commands, where two entries missed every time (11 and 16 new
+    bindings a chunk); with sixteen, none of the three reference streams binds anything
+    past its first chunks (bench/RESULTS.md, thirty-seventh session).  An entry holds
+    the matrices themselves, so an identity match is always the same memory; the oldest
     entry goes first."""
     if a is None or b is None:
         return None
