@@ -47,6 +47,25 @@ class RowPlan:
     src_rows: object        # backend int array (their source rows)
     invalid_rows: object    # backend int array (rows with -1)
     max_src: int
+    # k when the indexes are source rows 0..k-1 over and over (indexes[i] == i % k, k
+    # below num_rows and dividing it), else 0: a per-sequence row such as an i-vector
+    # repeated for every t of a t-major batch (k sequences), or one row for every row
+    # (k = 1).  Such a row operation is a broadcast over the destination's rows seen as
+    # (num_rows // k, k, cols): one pass, no gathered temporary (TDNN-F 150x8's i-vector
+    # AddRows, 1328 x 384: 263 -> 60 us in the network), the same sums.
+    period: int = 0
+
+
+def _period(idx: np.ndarray) -> int:
+    """k when ``idx`` is 0..k-1 repeated (see RowPlan.period), else 0."""
+    n = idx.size
+    if n < 2 or idx[0] != 0:
+        return 0
+    k = int(idx.max()) + 1
+    if k >= n or n % k:
+        return 0
+    return k if np.array_equal(idx.reshape(n // k, k), np.broadcast_to(
+        np.arange(k, dtype=np.int64), (n // k, k))) else 0
 
 
 def make_row_plan(xp, indexes) -> RowPlan:
@@ -57,7 +76,13 @@ def make_row_plan(xp, indexes) -> RowPlan:
     return RowPlan(num_rows=n, identity=identity, all_valid=bool(valid.all()),
                    dest_rows=_asindex(xp, np.nonzero(valid)[0]), src_rows=_asindex(xp, idx[valid]),
                    invalid_rows=_asindex(xp, np.nonzero(~valid)[0]),
-                   max_src=int(idx.max()) if n else -1)
+                   max_src=int(idx.max()) if n else -1, period=_period(idx))
+
+
+def _tiles(dest, k: int):
+    """``dest`` (2-D) as (rows // k, k, cols): a view (splitting the row axis never
+    needs a copy, whatever the row stride)."""
+    return dest.reshape(dest.shape[0] // k, k, dest.shape[1])
 
 
 def _check_rows(plan_rows: int, dest, what: str) -> None:
@@ -78,6 +103,11 @@ def copy_rows(xp, dest, src, plan: RowPlan, alpha: float = 1.0) -> None:
     _check_src(plan.max_src, src, "CopyRows")
     if alpha == 0.0:
         return  # Kaldi fakes alpha by scaling and skips alpha == 0 entirely
+    k = plan.period
+    if k:
+        # (a source of fewer rows than k is refused above: max_src is k - 1)
+        _tiles(dest, k)[...] = src[:k] if alpha == 1.0 else alpha * src[:k]
+        return
     if plan.all_valid:
         if (alpha == 1.0 and xp is np and dest.flags.c_contiguous
                 and not np.may_share_memory(dest, src)):
@@ -98,6 +128,11 @@ def add_rows(xp, dest, src, plan: RowPlan, alpha: float = 1.0) -> None:
     _check_src(plan.max_src, src, "AddRows")
     if plan.identity and src.shape[0] == dest.shape[0]:
         dest += src if alpha == 1.0 else alpha * src
+        return
+    k = plan.period
+    if k:
+        tiles = _tiles(dest, k)
+        tiles += src[:k] if alpha == 1.0 else alpha * src[:k]
         return
     vals = src[plan.src_rows]
     if alpha != 1.0:

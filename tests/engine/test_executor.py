@@ -49,6 +49,39 @@ def test_copy_and_add_rows():
         K.add_rows(np, dest2, src[:2], K.make_row_plan(np, idx), 1.0)
 
 
+
+@pytest.mark.parametrize("idx,period", [
+    ([0, 1, 2] * 4, 3),            # a per-sequence row of a t-major batch of 3
+    ([0] * 5, 1),                  # one row for every row (batch 1)
+    ([0, 1, 0, 1, 0], 0),          # not a whole number of periods
+    ([0, 1, 2], 0),                # the identity (handled as such)
+    ([1, 0, 1, 0], 0),             # does not start at 0
+    ([0, 1, 0, 2], 0),
+    ([0, 1, -1, 0, 1, -1], 0),     # -1 entries
+])
+def test_repeated_source_rows_are_a_broadcast_with_the_same_bits(idx, period):
+    """RowPlan.period: indexes 0..k-1 over and over (an i-vector per sequence in a
+    t-major batch) run as a broadcast over the destination's rows; the results are
+    those of the gather form, bit for bit, on a strided destination (a column block)
+    and for alpha 1 and not 1; a source of fewer than k rows is refused."""
+    plan = K.make_row_plan(np, idx)
+    assert plan.period == period
+    gather = K.make_row_plan(np, idx)
+    gather.period = 0
+    src = _rand(4, 5)
+    for alpha in (1.0, 0.37):
+        for fn in (K.copy_rows, K.add_rows):
+            base = _rand(len(idx), 9)
+            a, b = base.copy(), base.copy()
+            fn(np, a[:, 2:7], src, plan, alpha)
+            fn(np, b[:, 2:7], src, gather, alpha)
+            assert np.array_equal(a, b), (fn.__name__, alpha)
+            # the columns outside the block are untouched
+            assert np.array_equal(a[:, :2], base[:, :2]) and np.array_equal(a[:, 7:], base[:, 7:])
+    if period > 1:
+        with pytest.raises(ValueError, match="out of range"):
+            K.add_rows(np, _rand(len(idx), 5), src[:period - 1], plan)
+
 def test_multi_row_kernels():
     a, b = _rand(4, 3), _rand(3, 3)
     subs = {1: a, 2: b}
