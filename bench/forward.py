@@ -43,9 +43,10 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
                     workloads: dict | None = None, split: int = 1,
                     network: str = "decoding") -> dict:
     """``model``: a path (loaded as ``network``: bench.common.load_for_inference) or an
-    already prepared Nnet.  ``workloads``: gemm_s/python_s
-    already measured in this process (measured here when None).  ``split``: see the
-    module docstring."""
+    already prepared Nnet; ``network`` names its form either way (the decoding form is
+    compiled as the inference front-end compiles it: compile_for_inference).
+    ``workloads``: gemm_s/python_s already measured in this process (measured here when
+    None).  ``split``: see the module docstring."""
     from engine.runtime.backend import get_backend  # noqa: PLC0415
     from engine.runtime.executor import Executor  # noqa: PLC0415
     if split < 1 or batch % split:
@@ -60,10 +61,12 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
     request = common.chunk_request(nnet, chunk, batch // split)
     c_rep = repeat if compile_repeat is None else compile_repeat
     computation = None
+    # the decoding form is compiled as the inference front-end compiles it
+    inference = network == "decoding"
 
     def compile_once():
         nonlocal computation
-        computation = common.compile_cold(nnet, request, shortcut=shortcut)
+        computation = common.compile_cold(nnet, request, shortcut=shortcut, inference=inference)
     compile_s = common.median_time(compile_once, c_rep, warmup=0)
     stats = computation.stats()
 
@@ -97,8 +100,8 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
         def forward():
             outs = run_concurrently([lambda b=b: run_one(b) for b in blocks], split)
             return np.concatenate(outs, axis=0)
-        whole = Executor(common.compile_cold(nnet, full_request, shortcut=shortcut), nnet,
-                         backend=xp)
+        whole = Executor(common.compile_cold(nnet, full_request, shortcut=shortcut,
+                                             inference=inference), nnet, backend=xp)
         for name, x in inputs.items():
             whole.accept_input(name, x)
         whole.run()

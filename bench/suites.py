@@ -120,7 +120,7 @@ class Runner:
                 self._forward[key] = measure_forward(self.nnet(name, path), chunk, batch,
                                                      repeat=self.repeat, backend=self.backend,
                                                      compile_repeat=1, workloads=self.workloads,
-                                                     split=split)
+                                                     split=split, network=self.network)
         return self._forward[key]
 
 

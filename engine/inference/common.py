@@ -139,6 +139,22 @@ def simple_context(nnet, output_name: str = "output") -> tuple[int, int]:
                          f"computable from 'input' within 800 frames (not a simple network?)")
 
 
+def compile_for_inference(nnet, request, optimize: bool = True, use_shortcut: bool = True):
+    """A forward computation for ``request`` as the inference front-end runs it: shortcut
+    compilation for the multi-chunk batches (the same computation as the Compiler's,
+    made from a two-sequence one), optimized with Kaldi's defaults, then (when
+    optimized) each output's row reordering moved before the row-wise components that
+    write it (engine.optimizer.gather_first: a batch's outputs are n-major, the
+    computation's rows t-major; the narrower input is reordered instead of the output,
+    the same rows, fewer bytes)."""
+    from engine.compiler.shortcut import compile_request  # noqa: PLC0415
+    computation = compile_request(nnet, request, optimize=optimize, use_shortcut=use_shortcut)
+    if optimize:
+        from engine.optimizer.gather_first import gather_before_row_wise  # noqa: PLC0415
+        gather_before_row_wise(computation, nnet)
+    return computation
+
+
 class CachingCompiler:
     """Kaldi's CachingOptimizingCompiler: compiled (and optimized) computations
     keyed by the request's canonical bytes, least recently used dropped first."""
@@ -151,16 +167,13 @@ class CachingCompiler:
         self._lock = threading.Lock()
 
     def compile(self, request):
-        from engine.compiler.shortcut import compile_request  # noqa: PLC0415
         key = request.canonical_bytes()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        # shortcut compilation for the multi-chunk batches (the same computation as the
-        # Compiler's, made from a two-sequence one), optimized with Kaldi's defaults
-        computation = compile_request(self.nnet, request, optimize=self.optimize)
+        computation = compile_for_inference(self.nnet, request, optimize=self.optimize)
         with self._lock:
             self._cache[key] = computation
             while len(self._cache) > self.capacity:
