@@ -48,7 +48,8 @@ import numpy as np
 
 from engine.compiler.computation import (COMMAND_SPECS, ArgKind, Command, CommandType as CT,
                                          DebugCindexes, MatrixDebugInfo, MatrixInfo,
-                                         NnetComputation, SubMatrixInfo)
+                                         NnetComputation, SubMatrixInfo, command_types,
+                                         positions)
 from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent,
                                            NaturalGradientAffineComponent)
 from engine.nnet.components.nonlinear import LogSoftmaxComponent, SoftmaxComponent
@@ -59,25 +60,27 @@ ROW_WISE = (AffineComponent, NaturalGradientAffineComponent, FixedAffineComponen
             SoftmaxComponent, LogSoftmaxComponent)
 
 _ARGS = ("arg1", "arg2", "arg3", "arg4", "arg5", "arg6", "arg7")
+# per command type: the names of its submatrix slots, and of its indexes_multi slot or None
+_SLOTS = {ct: (tuple(a for slot, a in zip(spec.slots, _ARGS) if slot.kind == ArgKind.SUBMATRIX),
+               next((a for slot, a in zip(spec.slots, _ARGS)
+                     if slot.kind == ArgKind.INDEXES_MULTI), None))
+          for ct, spec in COMMAND_SPECS.items()}
 
 
-def _matrix_users(computation: NnetComputation) -> list[list[int]]:
-    """Per matrix, the commands that name one of its submatrices (any slot, and the
-    lists of indexes_multi), in command order."""
+def _names(computation: NnetComputation, c: Command, m: int) -> bool:
+    """Command ``c`` names a submatrix of matrix ``m`` (any slot, or its indexes_multi list)."""
     subs = computation.submatrices
-    users: list[list[int]] = [[] for _ in computation.matrices]
-    for ci, c in enumerate(computation.commands):
-        seen = set()
-        for slot, name in zip(COMMAND_SPECS[c.command_type].slots, _ARGS):
-            a = getattr(c, name)
-            if slot.kind == ArgKind.SUBMATRIX and a > 0:
-                seen.add(subs[a].matrix_index)
-            elif slot.kind == ArgKind.INDEXES_MULTI and a >= 0:
-                seen.update(subs[s].matrix_index for s, _ in computation.indexes_multi[a]
-                            if s > 0)
-        for m in seen:
-            users[m].append(ci)
-    return users
+    names, multi = _SLOTS[c.command_type]
+    for a in names:
+        s = getattr(c, a)
+        if s > 0 and subs[s].matrix_index == m:
+            return True
+    if multi is not None:
+        k = getattr(c, multi)
+        if k >= 0:
+            return any(s > 0 and subs[s].matrix_index == m
+                       for s, _ in computation.indexes_multi[k])
+    return False
 
 
 def _whole(computation: NnetComputation, s: int) -> bool:
@@ -86,22 +89,41 @@ def _whole(computation: NnetComputation, s: int) -> bool:
     return ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
 
 
-def _movable(computation: NnetComputation, nnet, users: list[list[int]], ci: int):
+def _movable(computation: NnetComputation, nnet, ci: int):
     """(propagate command index, matrix M) when the kCopyRows at ``ci`` can move
-    before the propagate that writes its source (module docstring), else None."""
+    before the propagate that writes its source (module docstring), else None.  Only
+    M's lifetime is walked: back from the copy to M's allocation, forward to its
+    deallocation (no command outside them can name it)."""
     cmds, subs = computation.commands, computation.submatrices
     c = cmds[ci]
     if c.command_type != CT.COPY_ROWS or c.alpha != 1.0 or c.arg2 <= 0 or c.arg1 <= 0:
         return None
-    idx = computation.indexes[c.arg3]
-    if len(idx) == 0 or min(idx) < 0 or not _whole(computation, c.arg2):
+    if not _whole(computation, c.arg2):
         return None
     m = subs[c.arg2].matrix_index
-    named = [k for k in users[m]
-             if cmds[k].command_type not in (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX)]
-    if len(named) != 2 or named[1] != ci:
+    pi = -1
+    k = ci - 1
+    while True:
+        if k < 0:
+            return None        # no allocation: an input
+        d = cmds[k]
+        if _names(computation, d, m):
+            if d.command_type == CT.ALLOC_MATRIX:
+                break
+            if pi >= 0:
+                return None    # another command names M
+            pi = k
+        k -= 1
+    if pi < 0 or not _whole(computation, d.arg1):
         return None
-    pi = named[0]
+    for k in range(ci + 1, len(cmds)):
+        d = cmds[k]
+        if _names(computation, d, m):
+            if d.command_type != CT.DEALLOC_MATRIX or not _whole(computation, d.arg1):
+                return None    # read again, swapped, or an output
+            break
+    else:
+        return None
     p = cmds[pi]
     if (p.command_type != CT.PROPAGATE or p.arg2 != 0 or p.arg5 > 0 or p.arg6 > 0
             or p.arg3 <= 0 or p.arg4 <= 0 or not _whole(computation, p.arg4)
@@ -109,10 +131,9 @@ def _movable(computation: NnetComputation, nnet, users: list[list[int]], ci: int
             or type(nnet.components[p.arg1]) not in ROW_WISE
             or subs[p.arg3].num_rows != computation.matrices[m].num_rows):
         return None
-    # the allocation and deallocation must name M whole (the compiler's do)
-    for k in users[m]:
-        if k not in (pi, ci) and not _whole(computation, cmds[k].arg1):
-            return None
+    idx = computation.indexes[c.arg3]
+    if len(idx) == 0 or min(idx) < 0:
+        return None
     return pi, m
 
 
@@ -131,36 +152,32 @@ def _debug_rows(computation: NnetComputation, x: SubMatrixInfo, idx) -> MatrixDe
 def gather_before_row_wise(computation: NnetComputation, nnet) -> int:
     """Move each movable kCopyRows before the row-wise propagate that writes its source
     (module docstring), in place, until none moves; returns the number of moves."""
-    moves = 0
-    users = _matrix_users(computation)
     cmds, subs = computation.commands, computation.submatrices
-    while True:
-        moved = False
-        for ci in range(len(cmds)):
-            found = _movable(computation, nnet, users, ci)
-            if found is None:
-                continue
-            pi, m = found
-            p, c = cmds[pi], cmds[ci]
-            x = subs[p.arg3]
-            rows = len(computation.indexes[c.arg3])
-            old = computation.matrices[m]
-            computation.matrices[m] = MatrixInfo(rows, x.num_cols, old.stride_type)
-            for s in range(1, len(subs)):
-                if subs[s].matrix_index == m:
-                    subs[s] = SubMatrixInfo(m, 0, rows, 0, x.num_cols)
-            debug = _debug_rows(computation, x, computation.indexes[c.arg3])
-            if debug is not None:
-                computation.matrix_debug_info[m] = debug
-            # the gather where the propagate was (reading the input when it did), the
-            # propagate where the gather was (writing the copy's destination)
-            gather = Command.make(CT.COPY_ROWS, p.arg4, p.arg3, c.arg3)
-            propagate = Command.make(CT.PROPAGATE, p.arg1, p.arg2, c.arg2, c.arg1, p.arg5,
-                                     p.arg6, p.arg7)
-            cmds[pi], cmds[ci] = gather, propagate
-            # who names which matrix is unchanged: M by both, the input by the
-            # gather, the destination by the propagate
-            moves += 1
-            moved = True
-        if not moved:
-            return moves
+    # the copies, found by a scan in C; a moved copy is tried again where it went
+    todo = positions(command_types(cmds), CT.COPY_ROWS)
+    moves = 0
+    while todo:
+        ci = todo.pop()
+        found = _movable(computation, nnet, ci)
+        if found is None:
+            continue
+        pi, m = found
+        p, c = cmds[pi], cmds[ci]
+        x = subs[p.arg3]
+        rows = len(computation.indexes[c.arg3])
+        old = computation.matrices[m]
+        computation.matrices[m] = MatrixInfo(rows, x.num_cols, old.stride_type)
+        for s in range(1, len(subs)):
+            if subs[s].matrix_index == m:
+                subs[s] = SubMatrixInfo(m, 0, rows, 0, x.num_cols)
+        debug = _debug_rows(computation, x, computation.indexes[c.arg3])
+        if debug is not None:
+            computation.matrix_debug_info[m] = debug
+        # the gather where the propagate was (reading the input when it did), the
+        # propagate where the gather was (writing the copy's destination)
+        cmds[pi] = Command.make(CT.COPY_ROWS, p.arg4, p.arg3, c.arg3)
+        cmds[ci] = Command.make(CT.PROPAGATE, p.arg1, p.arg2, c.arg2, c.arg1, p.arg5, p.arg6,
+                                p.arg7)
+        todo.append(pi)
+        moves += 1
+    return moves
