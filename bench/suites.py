@@ -136,7 +136,8 @@ def suite_compile(r: Runner) -> list[dict]:
     with them (``ours_ms``, ``ratio_vs_kaldi``, ``commands``: the same computation as
     Kaldi's, command for command), as the memory suite does.  The form the other suites
     time (``r.network``: by default the decoding form, collapsed and fused, which has
-    fewer commands and is what the service compiles) is timed beside it in the same
+    fewer commands and is what the service compiles, as the inference front-end compiles
+    it: engine.inference.common.compile_for_inference) is timed beside it in the same
     rounds (``timed_form_ms``, ``timed_form_ratio``, ``timed_form_commands``).
 
     Measured in rounds (``r.compile_rounds``): one run of the workload, then
@@ -163,7 +164,8 @@ def suite_compile(r: Runner) -> list[dict]:
             # figures, which are compiles of a request never seen before on a loaded
             # network.
             t = clock()
-            common.compile_cold(nnet, common.chunk_request(nnet, 21, 1))
+            common.compile_cold(nnet, common.chunk_request(nnet, 21, 1),
+                                inference=form == "decoding")
             first_ms[form] = (clock() - t) * 1e3
             # Warm-up: compiles of requests that are not measured (other chunk sizes, and
             # batch 3 for the shortcut's path), untimed.  CPython specialises a function's
@@ -173,7 +175,8 @@ def suite_compile(r: Runner) -> list[dict]:
             # and the later ones would not.  Nothing of these requests serves the
             # measured ones: compile_cold empties the request memos.
             for chunk, batch in WARMUP_CASES:
-                common.compile_cold(nnet, common.chunk_request(nnet, chunk, batch))
+                common.compile_cold(nnet, common.chunk_request(nnet, chunk, batch),
+                                    inference=form == "decoding")
             cases += [(form, chunk, batch, nnet, common.chunk_request(nnet, chunk, batch))
                       for chunk, batch in COMPILE_CASES]
         rounds: dict = {case[:3]: [] for case in cases}   # (runs, work) per round
@@ -194,14 +197,15 @@ def suite_compile(r: Runner) -> list[dict]:
                 for i in range(r.compile_repeat):
                     comp = None    # the previous result is freed before the clock starts
                     t = clock()
-                    comp = common.compile_cold(nnet, request)
+                    comp = common.compile_cold(nnet, request, inference=form == "decoding")
                     runs.append(clock() - t)
                     if i == 0 and runs[0] > 5.0 and r.compile_repeat > 2:
                         # a slow case: two runs (their mean), in the first round only,
                         # keep the suite under its budget
                         comp = None
                         t = clock()
-                        comp = common.compile_cold(nnet, request)
+                        comp = common.compile_cold(nnet, request,
+                                                   inference=form == "decoding")
                         runs.append(clock() - t)
                         slow.add(key)
                         break
