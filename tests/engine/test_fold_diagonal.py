@@ -228,3 +228,124 @@ def test_kaldi_tdnnf_batchnorms_fold():
     got = [run_computation(compile_request(n, req, None), n, inputs, None)[0]["output"]
            for n in (stored, decoding)]
     np.testing.assert_allclose(got[1], got[0], rtol=1e-5, atol=1e-5 * (1 + np.abs(got[0]).max()))
+
+
+# -- residual scales (fold_residual_scales_in_place) -------------------------------------------
+
+# A chain of three TDNN-F-style residual sums, Sum(Scale(a, previous), relu(affine(...))),
+# with different scales, read by the next layers' linears and, at the end, by a Linear (as
+# the prefinal-l of Kaldi's chain models) and by an output through an affine.
+RESIDUAL = """
+input-node name=input dim=5
+component name=a0 type=AffineComponent input-dim=15 output-dim=6
+component name=relu0 type=RectifiedLinearComponent dim=6
+component name=lin1 type=TdnnComponent input-dim=6 output-dim=3 time-offsets=-1,0 use-bias=false
+component name=a1 type=TdnnComponent input-dim=3 output-dim=6 time-offsets=0,1
+component name=relu1 type=RectifiedLinearComponent dim=6
+component name=noop1 type=NoOpComponent dim=6
+component name=lin2 type=LinearComponent input-dim=6 output-dim=3
+component name=a2 type=NaturalGradientAffineComponent input-dim=3 output-dim=6
+component name=relu2 type=RectifiedLinearComponent dim=6
+component name=noop2 type=NoOpComponent dim=6
+component name=lin3 type=TdnnComponent input-dim=6 output-dim=3 time-offsets=0,1 use-bias=false
+component name=a3 type=TdnnComponent input-dim=3 output-dim=6 time-offsets=-1,0
+component name=relu3 type=RectifiedLinearComponent dim=6
+component name=pre type=LinearComponent input-dim=6 output-dim=4
+component name=out type=AffineComponent input-dim=4 output-dim=3
+component-node name=a0 component=a0 input=Append(Offset(input, -1), input, Offset(input, 1))
+component-node name=relu0 component=relu0 input=a0
+component-node name=lin1 component=lin1 input=relu0
+component-node name=a1 component=a1 input=lin1
+component-node name=relu1 component=relu1 input=a1
+component-node name=noop1 component=noop1 input=Sum(Scale(0.66, relu0), relu1)
+component-node name=lin2 component=lin2 input=noop1
+component-node name=a2 component=a2 input=lin2
+component-node name=relu2 component=relu2 input=a2
+component-node name=noop2 component=noop2 input=Sum(relu2, Scale(0.5, noop1))
+component-node name=lin3 component=lin3 input=noop2
+component-node name=a3 component=a3 input=lin3
+component-node name=relu3 component=relu3 input=a3
+component-node name=pre component=pre input=Sum(Scale(0.8, noop2), relu3)
+component-node name=out component=out input=pre
+output-node name=output input=out
+"""
+
+
+def _sums(nnet: Nnet) -> list[str]:
+    return [line.split("input=")[1] for line in nnet.config_text().splitlines()
+            if "input=Sum(" in line]
+
+
+def test_residual_scales_fold_into_the_branches():
+    """Each residual sum loses its scale; each branch's affine rows are scaled by the
+    product of the scales so far (relu(z / s) = relu(z) / s); the readers of the sums
+    (the linears, the last one a Linear that takes the transform into its columns)
+    absorb it; the outputs are the network's to float32 rounding, with fewer commands."""
+    from engine.optimizer.fold_diagonal import fold_residual_scales_in_place  # noqa: PLC0415
+    nnet = _nnet(RESIDUAL)
+    folded, n = rewritten(nnet, fold_residual_scales_in_place)
+    assert n == 1                                     # one chain
+    assert _sums(folded) == ["Sum(relu0, relu1)", "Sum(relu2, noop1)", "Sum(noop2, relu3)"]
+    for name, s in (("a1", 0.66), ("a2", 0.66 * 0.5), ("a3", 0.66 * 0.5 * 0.8)):
+        old = nnet.get_component_by_name(name)
+        new = folded.components[folded.nodes[folded.get_node_index(name)].component_index]
+        np.testing.assert_allclose(new.linear_params, old.linear_params / s, rtol=1e-6)
+        np.testing.assert_allclose(new.bias_params, old.bias_params / s, rtol=1e-6)
+    folded.validate()
+    assert_close_outputs(nnet, folded)
+    req = ComputationRequest(
+        [IoSpecification("input", [Index(0, t, 0) for t in range(-3, 12)])],
+        [IoSpecification("output", [Index(0, t, 0) for t in range(9)])])
+    assert (compile_request(folded, req, None).stats()["commands"]
+            < compile_request(nnet, req, None).stats()["commands"])
+
+
+@pytest.mark.parametrize("change", [
+    # a negative scale: relu(z / s) is not relu(z) / s
+    ("Sum(Scale(0.66, relu0), relu1)", "Sum(Scale(-0.66, relu0), relu1)"),
+    # the branch is not a ReLU
+    ("component name=relu1 type=RectifiedLinearComponent dim=6",
+     "component name=relu1 type=TanhComponent dim=6"),
+    # another node reads the branch
+    ("output-node name=output input=out", "output-node name=output input=out\n"
+     "output-node name=output2 input=relu1"),
+], ids=["negative", "tanh", "branch-read-elsewhere"])
+def test_residual_scale_stays(change):
+    """Where the first sum cannot take the rule, it keeps its scale (the later sums,
+    whose chain would start from it, are tried on their own), and outputs are equal."""
+    from engine.optimizer.fold_diagonal import fold_residual_scales_in_place  # noqa: PLC0415
+    nnet = _nnet(RESIDUAL.replace(*change))
+    folded, _ = rewritten(nnet, fold_residual_scales_in_place)
+    assert "Scale(" in _sums(folded)[0]
+    folded.validate()
+    names = ("output", "output2") if "output2" in change[1] else ("output",)
+    assert_close_outputs(nnet, folded, names=names)
+
+
+def test_residual_chain_stays_where_a_reader_cannot_take_it():
+    """A carried sum read by an output: the whole chain stays as it was."""
+    from engine.optimizer.fold_diagonal import fold_residual_scales_in_place  # noqa: PLC0415
+    nnet = _nnet(RESIDUAL.replace("output-node name=output input=out",
+                                  "output-node name=output input=out\n"
+                                  "output-node name=output2 input=noop2"))
+    folded, n = rewritten(nnet, fold_residual_scales_in_place)
+    assert n == 0 or all("Scale(" in s for s in _sums(folded)[:2])
+    assert_close_outputs(nnet, folded, names=("output", "output2"))
+
+
+def test_reference_tdnnf_decoding_form_has_no_residual_scales():
+    """The reference TDNN-F (Kaldi xconfig tdnnf-layers, bypass-scale 0.66): its decoding
+    form's residual sums carry no scale (the chain is folded from the first layer to
+    prefinal-l), and its outputs are the stored network's."""
+    nnet = load_model(str(DATA / "inference" / "xconfig" / "tdnnf_options" / "model.raw")).nnet
+    stored, decoding = prepare_nnet(nnet, collapse=False), prepare_nnet(nnet)
+    assert any("Scale(" in s for s in _sums(stored))
+    assert not any("Scale(" in s for s in _sums(decoding)), _sums(decoding)
+    ins = [Index(0, t, 0) for t in range(-30, 42)]
+    req = ComputationRequest([IoSpecification("input", ins),
+                              IoSpecification("ivector", [Index(0, 0, 0)])],
+                             [IoSpecification("output", [Index(0, t, 0) for t in range(12)])])
+    inputs = random_inputs(stored, req, np.random.default_rng(2))
+    got = [run_computation(compile_request(n, req, None), n, inputs, None)[0]["output"]
+           for n in (stored, decoding)]
+    np.testing.assert_allclose(got[1], got[0], rtol=1e-5, atol=1e-5 * (1 + np.abs(got[0]).max()))
