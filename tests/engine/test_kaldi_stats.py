@@ -219,10 +219,11 @@ def test_model_chunk_requests_match_kaldi_stats(model_dir, case):
     test mode (the structure Kaldi's figures were measured on): commands, matrices and
     peak bytes as Kaldi's optimized computation.  The decoding form of the network
     (collapsed, sibling affines fused, i-vector columns and recurrent affines split) is
-    never above them in commands, nor in matrices but for one per i-vector split; its
-    peak bytes are the same, except where a recurrent affine
-    was split: its input half, computed for every frame before the loop, lives through
-    it (memory traded for speed, engine.optimizer.fuse: 1.29-1.6x on the reference
+    never above them in commands, nor in matrices but for one per i-vector split; nor in
+    peak bytes (TDNN-F 150x1: 529200 against 534576 once its residual scales are folded:
+    the in-place scalings gone, merging pairs other matrices), except where a recurrent
+    affine was split: its input half, computed for every frame before the loop, lives
+    through it (memory traded for speed, engine.optimizer.fuse: 1.29-1.6x on the reference
     TDNN-LSTM and BLSTM)."""
     from bench import common  # noqa: PLC0415
     request_of = common.chunk_request
@@ -242,4 +243,4 @@ def test_model_chunk_requests_match_kaldi_stats(model_dir, case):
     if "r" in halves:
         assert st["peak_bytes"] < ds["peak_bytes"] <= 1.7 * st["peak_bytes"], (ds, st)
     else:
-        assert ds["peak_bytes"] == st["peak_bytes"], (ds, st)
+        assert ds["peak_bytes"] <= st["peak_bytes"], (ds, st)
