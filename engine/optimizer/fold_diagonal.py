@@ -346,12 +346,14 @@ def fold_residual_scales_in_place(nnet: Nnet) -> int:
             plan = _Plan(-1)
             try:
                 out = _through_component(table.comp(n), *_residual_rule(table, plan, n, res, {}))
-                if out is None or out[0] is not None:
-                    # (a node that absorbs the transform at once: one residual sum
-                    # alone, not a chain; left as it is)
+                if out is None:
                     continue
-                _check_read_later(table, n)
-                _carry(table, plan, {n: out[1]})
+                new, carry = out
+                if new is not None:      # a component that takes the transform at once
+                    plan.components[n] = new
+                if carry is not None:
+                    _check_read_later(table, n)
+                    _carry(table, plan, {n: carry})
             except _Abort:
                 continue
             _apply(nnet, plan)

@@ -349,3 +349,72 @@ def test_reference_tdnnf_decoding_form_has_no_residual_scales():
     got = [run_computation(compile_request(n, req, None), n, inputs, None)[0]["output"]
            for n in (stored, decoding)]
     np.testing.assert_allclose(got[1], got[0], rtol=1e-5, atol=1e-5 * (1 + np.abs(got[0]).max()))
+
+
+def _random_tdnnf(rng: np.random.Generator) -> str:
+    """A Kaldi tdnnf-layer stack (1-4 layers) with random sizes, time offsets, bypass
+    scales and batch-norm statistics: linear (TDNN, no bias) -> affine (TDNN) -> relu ->
+    batch-norm -> dropout -> noop = Sum(Scale(bypass, previous), dropout); a prefinal
+    Linear and affine, or an affine."""
+    dim, bottleneck = int(rng.integers(4, 9)), int(rng.integers(2, 5))
+    lines = ["input-node name=input dim=5",
+             f"component name=a0 type=AffineComponent input-dim=15 output-dim={dim}",
+             f"component name=relu0 type=RectifiedLinearComponent dim={dim}",
+             "component-node name=a0 component=a0 input=Append(Offset(input, -1), input, "
+             "Offset(input, 1))",
+             "component-node name=relu0 component=relu0 input=a0"]
+    prev = "relu0"
+    for k in range(1, int(rng.integers(2, 6))):
+        offs = [str(o) for o in sorted(rng.choice([-3, -1, 0, 1, 3], size=2, replace=False))]
+        bypass = float(rng.choice([0.66, 0.5, 0.8, 1.2]))
+        lines += [
+            f"component name=lin{k} type=TdnnComponent input-dim={dim} output-dim={bottleneck} "
+            f"time-offsets={','.join(offs)} use-bias=false",
+            f"component name=aff{k} type=TdnnComponent input-dim={bottleneck} output-dim={dim} "
+            f"time-offsets=0",
+            f"component name=relu{k} type=RectifiedLinearComponent dim={dim}",
+            f"component name=bn{k} type=BatchNormComponent dim={dim} target-rms=1.0",
+            f"component name=drop{k} type=GeneralDropoutComponent dim={dim} "
+            "dropout-proportion=0.5",
+            f"component name=noop{k} type=NoOpComponent dim={dim}",
+            f"component-node name=lin{k} component=lin{k} input={prev}",
+            f"component-node name=aff{k} component=aff{k} input=lin{k}",
+            f"component-node name=relu{k} component=relu{k} input=aff{k}",
+            f"component-node name=bn{k} component=bn{k} input=relu{k}",
+            f"component-node name=drop{k} component=drop{k} input=bn{k}",
+            f"component-node name=noop{k} component=noop{k} "
+            f"input=Sum(Scale({bypass}, {prev}), drop{k})"]
+        prev = f"noop{k}"
+    # the prefinal layer: a Linear and an affine after it (Kaldi's prefinal-l and the
+    # chain branch's affine: what a batch-norm's offset carried along the sums needs to
+    # end in a bias), or an affine alone
+    if rng.integers(0, 2):
+        lines += [f"component name=pre type=LinearComponent input-dim={dim} output-dim=4",
+                  "component name=out type=AffineComponent input-dim=4 output-dim=3",
+                  f"component-node name=pre component=pre input={prev}",
+                  "component-node name=out component=out input=pre",
+                  "output-node name=output input=out"]
+    else:
+        lines += [f"component name=pre type=AffineComponent input-dim={dim} output-dim=3",
+                  f"component-node name=pre component=pre input={prev}",
+                  "output-node name=output input=pre"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_tdnnf_stacks_decode_as_stored(seed):
+    """Random tdnnf-layer stacks through prepare_nnet (batch-norms folded, dropouts and
+    no-ops aliased, residual scales folded): no residual sum keeps its scale, and the
+    outputs of two sequences are the stored network's to float32 rounding."""
+    rng = np.random.default_rng(3300 + seed)
+    nnet = _nnet(_random_tdnnf(rng))
+    decoding = prepare_nnet(nnet)
+    assert not any("Scale(" in s for s in _sums(decoding)), _sums(decoding)
+    # (up to 4 layers of offsets up to 3 each side: inputs from -16 to 7 + 16)
+    req = ComputationRequest(
+        [IoSpecification("input", [Index(n, t, 0) for n in range(2) for t in range(-16, 23)])],
+        [IoSpecification("output", [Index(n, t, 0) for n in range(2) for t in range(7)])])
+    inputs = random_inputs(nnet, req, np.random.default_rng(seed))
+    got = [run_computation(compile_request(n, req, None), n, inputs, None)[0]["output"]
+           for n in (nnet, decoding)]
+    np.testing.assert_allclose(got[1], got[0], rtol=1e-5, atol=1e-5 * (1 + np.abs(got[0]).max()))
