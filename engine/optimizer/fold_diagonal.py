@@ -98,17 +98,23 @@ def fold_diagonal_nodes_in_place(nnet: Nnet) -> int:
     """Fold, in place, every diagonal node that can be folded (see the module
     docstring) into the affine components after (and, through a ReLU, before) it;
     returns the number of nodes folded.  Their nodes stay, as identities."""
+    return _fold_all(nnet, lambda table, b: _diagonal(table.comp(b)) is not None, _plan)
+
+
+def _fold_all(nnet: Nnet, candidate, make) -> int:
+    """The plan ``make(table, n)`` of the first component node n where
+    ``candidate(table, n)`` holds, applied; then again on the network as changed, until
+    no node gives one (each node tried once).  Returns the number of plans applied."""
     folded = 0
     tried: set[str] = set()
     while True:
         table = NodeTable(nnet)
-        for b, node in enumerate(nnet.nodes):
-            if node.type != NodeType.COMPONENT or node.name in tried:
-                continue
-            if _diagonal(table.comp(b)) is None:
+        for n, node in enumerate(nnet.nodes):
+            if (node.type != NodeType.COMPONENT or node.name in tried
+                    or not candidate(table, n)):
                 continue
             tried.add(node.name)
-            plan = _plan(table, b)
+            plan = make(table, n)
             if plan is not None:
                 _apply(nnet, plan)
                 folded += 1
@@ -332,39 +338,27 @@ def fold_residual_scales_in_place(nnet: Nnet) -> int:
     """Fold, in place, the scales of residual sums into the branches' affines (see
     ``_residual``): each chain of such sums is one plan, carried from its first sum to
     the components that absorb it; returns the number of chains folded."""
-    folded = 0
-    tried: set[int] = set()
-    while True:
-        table = NodeTable(nnet)
-        for n, node in enumerate(nnet.nodes):
-            if node.type != NodeType.COMPONENT or n in tried:
-                continue
-            res = _residual(table, n)
-            if res is None:
-                continue
-            tried.add(n)
-            plan = _Plan(-1)
-            try:
-                out = _through_component(table.comp(n), *_residual_rule(table, plan, n, res, {}))
-                if out is None:
-                    continue
-                new, carry = out
-                if new is not None:      # a component that takes the transform at once
-                    plan.components[n] = new
-                if carry is not None:
-                    _check_read_later(table, n)
-                    _carry(table, plan, {n: carry})
-            except _Abort:
-                continue
-            _apply(nnet, plan)
-            folded += 1
-            break
-        else:
-            break
-    if folded:
-        remove_orphan_components(nnet)
-        nnet.validate()
-    return folded
+    return _fold_all(nnet, lambda table, n: _residual(table, n) is not None, _residual_plan)
+
+
+def _residual_plan(table: NodeTable, n: int) -> _Plan | None:
+    """The plan that folds the chain of residual sums starting at node ``n``, or None
+    when something on its way cannot take the transform."""
+    plan = _Plan(-1)
+    try:
+        out = _through_component(table.comp(n),
+                                 *_residual_rule(table, plan, n, _residual(table, n), {}))
+        if out is None:
+            return None
+        new, carry = out
+        if new is not None:      # a component that takes the transform at once
+            plan.components[n] = new
+        if carry is not None:
+            _check_read_later(table, n)
+            _carry(table, plan, {n: carry})
+    except _Abort:
+        return None
+    return plan
 
 
 def _residual(table: NodeTable, n: int):
