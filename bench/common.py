@@ -150,17 +150,18 @@ def chunk_request(nnet, chunk: int, batch: int):
     return ComputationRequest(inputs, outputs)
 
 
-def compile_cold(nnet, request, shortcut: bool = True, inference: bool = False):
+def compile_cold(nnet, request, shortcut: bool = True, network: str | None = None):
     """Compile + optimize with nothing cached (default optimize options): the memos
     keyed by a request's contents are emptied first, so an earlier compile of the
     same request leaves nothing behind; what depends on the network alone stays (it
-    is part of loading the network).  ``inference``: as the inference front-end
-    compiles (engine.inference.common.compile_for_inference: also the output
-    reorderings moved before the row-wise components that write them)."""
+    is part of loading the network).  ``network``: the form ``nnet`` is in (NETWORKS);
+    the decoding form is compiled as the inference front-end compiles it
+    (engine.inference.common.compile_for_inference: also the output reorderings moved
+    before the row-wise components that write them)."""
     from engine.compiler.shortcut import compile_request  # noqa: PLC0415
     from engine.core.memo import clear_request_memos  # noqa: PLC0415
     clear_request_memos()
-    if inference:
+    if network == "decoding":
         from engine.inference.common import compile_for_inference  # noqa: PLC0415
         return compile_for_inference(nnet, request, use_shortcut=shortcut)
     return compile_request(nnet, request, None, use_shortcut=shortcut)

@@ -61,12 +61,10 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
     request = common.chunk_request(nnet, chunk, batch // split)
     c_rep = repeat if compile_repeat is None else compile_repeat
     computation = None
-    # the decoding form is compiled as the inference front-end compiles it
-    inference = network == "decoding"
 
     def compile_once():
         nonlocal computation
-        computation = common.compile_cold(nnet, request, shortcut=shortcut, inference=inference)
+        computation = common.compile_cold(nnet, request, shortcut=shortcut, network=network)
     compile_s = common.median_time(compile_once, c_rep, warmup=0)
     stats = computation.stats()
 
@@ -101,7 +99,7 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
             outs = run_concurrently([lambda b=b: run_one(b) for b in blocks], split)
             return np.concatenate(outs, axis=0)
         whole = Executor(common.compile_cold(nnet, full_request, shortcut=shortcut,
-                                             inference=inference), nnet, backend=xp)
+                                             network=network), nnet, backend=xp)
         for name, x in inputs.items():
             whole.accept_input(name, x)
         whole.run()

@@ -164,8 +164,7 @@ def suite_compile(r: Runner) -> list[dict]:
             # figures, which are compiles of a request never seen before on a loaded
             # network.
             t = clock()
-            common.compile_cold(nnet, common.chunk_request(nnet, 21, 1),
-                                inference=form == "decoding")
+            common.compile_cold(nnet, common.chunk_request(nnet, 21, 1), network=form)
             first_ms[form] = (clock() - t) * 1e3
             # Warm-up: compiles of requests that are not measured (other chunk sizes, and
             # batch 3 for the shortcut's path), untimed.  CPython specialises a function's
@@ -175,8 +174,7 @@ def suite_compile(r: Runner) -> list[dict]:
             # and the later ones would not.  Nothing of these requests serves the
             # measured ones: compile_cold empties the request memos.
             for chunk, batch in WARMUP_CASES:
-                common.compile_cold(nnet, common.chunk_request(nnet, chunk, batch),
-                                    inference=form == "decoding")
+                common.compile_cold(nnet, common.chunk_request(nnet, chunk, batch), network=form)
             cases += [(form, chunk, batch, nnet, common.chunk_request(nnet, chunk, batch))
                       for chunk, batch in COMPILE_CASES]
         rounds: dict = {case[:3]: [] for case in cases}   # (runs, work) per round
@@ -197,15 +195,14 @@ def suite_compile(r: Runner) -> list[dict]:
                 for i in range(r.compile_repeat):
                     comp = None    # the previous result is freed before the clock starts
                     t = clock()
-                    comp = common.compile_cold(nnet, request, inference=form == "decoding")
+                    comp = common.compile_cold(nnet, request, network=form)
                     runs.append(clock() - t)
                     if i == 0 and runs[0] > 5.0 and r.compile_repeat > 2:
                         # a slow case: two runs (their mean), in the first round only,
                         # keep the suite under its budget
                         comp = None
                         t = clock()
-                        comp = common.compile_cold(nnet, request,
-                                                   inference=form == "decoding")
+                        comp = common.compile_cold(nnet, request, network=form)
                         runs.append(clock() - t)
                         slow.add(key)
                         break

@@ -83,12 +83,6 @@ def _names(computation: NnetComputation, c: Command, m: int) -> bool:
     return False
 
 
-def _whole(computation: NnetComputation, s: int) -> bool:
-    m, ro, nr, co, nc = computation.submatrices[s]
-    mi = computation.matrices[m]
-    return ro == 0 and co == 0 and nr == mi.num_rows and nc == mi.num_cols
-
-
 def _movable(computation: NnetComputation, nnet, ci: int):
     """(propagate command index, matrix M) when the kCopyRows at ``ci`` can move
     before the propagate that writes its source (module docstring), else None.  Only
@@ -98,7 +92,7 @@ def _movable(computation: NnetComputation, nnet, ci: int):
     c = cmds[ci]
     if c.command_type != CT.COPY_ROWS or c.alpha != 1.0 or c.arg2 <= 0 or c.arg1 <= 0:
         return None
-    if not _whole(computation, c.arg2):
+    if not computation.is_whole_matrix(c.arg2):
         return None
     m = subs[c.arg2].matrix_index
     pi = -1
@@ -114,19 +108,19 @@ def _movable(computation: NnetComputation, nnet, ci: int):
                 return None    # another command names M
             pi = k
         k -= 1
-    if pi < 0 or not _whole(computation, d.arg1):
+    if pi < 0 or not computation.is_whole_matrix(d.arg1):
         return None
     for k in range(ci + 1, len(cmds)):
         d = cmds[k]
         if _names(computation, d, m):
-            if d.command_type != CT.DEALLOC_MATRIX or not _whole(computation, d.arg1):
+            if d.command_type != CT.DEALLOC_MATRIX or not computation.is_whole_matrix(d.arg1):
                 return None    # read again, swapped, or an output
             break
     else:
         return None
     p = cmds[pi]
     if (p.command_type != CT.PROPAGATE or p.arg2 != 0 or p.arg5 > 0 or p.arg6 > 0
-            or p.arg3 <= 0 or p.arg4 <= 0 or not _whole(computation, p.arg4)
+            or p.arg3 <= 0 or p.arg4 <= 0 or not computation.is_whole_matrix(p.arg4)
             or subs[p.arg3].matrix_index == m
             or type(nnet.components[p.arg1]) not in ROW_WISE
             or subs[p.arg3].num_rows != computation.matrices[m].num_rows):

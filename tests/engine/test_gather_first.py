@@ -16,12 +16,14 @@ from engine.compiler.request import ComputationRequest, IoSpecification
 from engine.compiler.shortcut import compile_request
 from engine.core.index import Index
 from engine.inference.common import compile_for_inference
-from engine.nnet.nnet import Nnet
 from engine.nnet.random_config import (GENERATOR_NAMES, generate_config_sequence,
                                        random_inputs, random_output_derivs, random_request)
 from engine.optimizer.checker import check_computation
 from engine.optimizer.gather_first import gather_before_row_wise
 from engine.runtime.executor import run_computation
+# networks from config text in test mode, chunk requests (input t in [-4, frames + 4),
+# n-major) and the float32-rounding comparison: those of the fusion tests
+from test_fuse import _nnet, _request, assert_dicts_close
 
 # a chain model's end: spliced hidden layer, then a wide output affine (and an xent
 # branch through a log-softmax)
@@ -42,19 +44,6 @@ output-node name=output-xent input=lsm
 """
 
 
-def _nnet(text: str, seed: int = 0) -> Nnet:
-    nnet = Nnet.from_config(text, rng=np.random.default_rng(seed))
-    nnet.set_test_mode(True)
-    return nnet
-
-
-def _batch(frames: int, seqs: int, outputs=("output",), deriv: bool = False):
-    ins = [Index(n, t, 0) for n in range(seqs) for t in range(-1, frames + 1)]
-    outs = [Index(n, t, 0) for n in range(seqs) for t in range(frames)]
-    return ComputationRequest([IoSpecification("input", ins, deriv)],
-                              [IoSpecification(o, outs, deriv) for o in outputs])
-
-
 def _run(nnet, comp, request, seed: int = 1):
     rng = np.random.default_rng(seed)
     inputs = random_inputs(nnet, request, rng)
@@ -71,13 +60,12 @@ def _moved(nnet, request):
 
 
 def _assert_same(a: dict, b: dict, exact: bool = False) -> None:
+    if not exact:
+        assert_dicts_close(a, b)
+        return
     assert a.keys() == b.keys()
     for k in a:
-        if exact:
-            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-        else:
-            scale = 1.0 + float(np.abs(a[k]).max()) if a[k].size else 1.0
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
 def test_batched_outputs_reorder_the_narrow_input():
@@ -87,7 +75,7 @@ def test_batched_outputs_reorder_the_narrow_input():
     here), same number of commands, fewer peak bytes, a computation the checker
     accepts, and the propagates now write the output matrices."""
     nnet = _nnet(CHAIN)
-    request = _batch(5, 3, outputs=("output", "output-xent"))
+    request = _request(nnet, 5, 3, outputs=("output", "output-xent"))
     plain, moved, moves = _moved(nnet, request)
     assert moves >= 2
     check_computation(nnet, moved)
@@ -111,7 +99,7 @@ def test_batched_outputs_reorder_the_narrow_input():
 def test_one_sequence_has_nothing_to_move():
     """One sequence: t-major and n-major are one order, no reordering to move."""
     nnet = _nnet(CHAIN)
-    plain, moved, moves = _moved(nnet, _batch(5, 1))
+    plain, moved, moves = _moved(nnet, _request(nnet, 5, 1))
     assert moves == 0
     assert moved.stats() == plain.stats()
 
@@ -148,7 +136,7 @@ def test_derivatives_unchanged(deriv):
     involved, so the conditions leave them alone), outputs and input derivatives are
     those of the computation as compiled."""
     nnet = _nnet(CHAIN)
-    request = _batch(4, 2, outputs=("output", "output-xent"), deriv=deriv)
+    request = _request(nnet, 4, 2, deriv=deriv, outputs=("output", "output-xent"))
     plain, moved, moves = _moved(nnet, request)
     assert moves >= (0 if deriv else 1)
     check_computation(nnet, moved)
@@ -184,7 +172,7 @@ def test_inference_compiles_move_the_gathers():
     the shortcut for a batch of 8; compile_request alone does not (its computations are
     Kaldi's, command for command)."""
     nnet = _nnet(CHAIN)
-    request = _batch(6, 8)
+    request = _request(nnet, 6, 8)
     kaldi = compile_request(nnet, request, None)
     ours = compile_for_inference(nnet, request)
     assert ours.stats()["peak_bytes"] < kaldi.stats()["peak_bytes"]
