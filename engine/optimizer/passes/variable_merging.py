@@ -319,8 +319,8 @@ class _SubmatrixOrder:
         members = [s for m in matrices for s in of[m] if s in used]
         # each member whose extent an earlier member has, with that first one
         # (each extent hashed once); the group's smallest key goes to all of it
-        first: dict = {}
-        setdefault = first.setdefault
+        first_of: dict = {}
+        setdefault = first_of.setdefault
         dups = [(t, s) for s in members if (t := setdefault(subs[s], s)) != s]
         for t, s in dups:
             if key[s] < key[t]:
