@@ -21,7 +21,11 @@ def _blas_facts() -> dict:
     """The BLAS libraries NumPy loaded and the environment variables that steer them
     (engine/runtime/blas.py): they change the products' speed."""
     from engine.runtime.blas import blas_environment, blas_libraries  # noqa: PLC0415
-    return {"blas": blas_libraries(), "blas_env": blas_environment(os.environ)}
+    from engine.runtime.parallel import products_depend_on_thread_count  # noqa: PLC0415
+    # where True, the runtime never changes the BLAS thread count (ThreadChoice keeps the
+    # library's count, split runs go in turn): engine/runtime/parallel.py
+    return {"blas": blas_libraries(), "blas_env": blas_environment(os.environ),
+            "blas_products_depend_on_threads": products_depend_on_thread_count()}
 
 
 def _thread_settings(ap, text: str) -> list:

@@ -29,18 +29,30 @@ what the library offers, found once by a probe:
   count is set to one once, when the first concurrent section of the process starts,
   and restored when the last one ends (a reference count under a lock, so
   overlapping and nested calls compose).  While any section runs, *every* thread of
-  the process computes its products on one BLAS thread -- a matter of speed only
-  (a product's numbers do not depend on its thread count), and what the cores can
+  the process computes its products on one BLAS thread, which is what the cores can
   give while several computations share them anyway.
 
 Where neither exists (``blas_threads_settable()`` is False: no threadpoolctl, another
 BLAS) the jobs run one after another in the calling thread: the count cannot be set, and
 computations left to fight over the cores are slower than run in turn.
 
+Whether a product's numbers depend on its BLAS thread count depends on the library and
+the machine: OpenBLAS 0.3.31's Haswell kernels (NumPy 2.4.6's wheel on an AVX2 AMD EPYC)
+round 251 of 768 float32 shapes tried differently on one thread than on two, its
+SkylakeX kernels none of those tried.  Changing the count is then not a matter of speed
+only: a computation run again could give other bits, and a section holding the process at
+one thread would change the numbers of whatever other threads compute meanwhile.  So the
+count is changed only where it changes no number: ``products_depend_on_thread_count()``
+finds out once per process, by computing a sample of products of the shapes and layouts
+speech networks have at the count in force and on one thread; where they differ,
+``run_concurrently`` runs the jobs in turn and ``ThreadChoice`` keeps the count in force
+(each computation's results are then the same run after run, whatever runs beside it,
+at the cost of those two speed-ups on such a machine).
+
 Every job computes what it would compute alone: results are exactly those of running
-the jobs one after another (each product's numbers do not depend on the thread that
-computes it, and the executor's shared state -- buffer pools, compiled programs, the
-product-form choices -- is guarded by locks).
+the jobs one after another (where the count is changed at all, the products' numbers do
+not depend on it, and the executor's shared state -- buffer pools, compiled programs,
+the product-form choices -- is guarded by locks).
 """
 
 from __future__ import annotations
@@ -50,6 +62,8 @@ import math
 import threading
 import time
 from typing import Callable, Sequence, TypeVar
+
+import numpy as np
 
 from engine.runtime.blas import scipys_own_library
 
@@ -198,13 +212,16 @@ def _leave_section() -> None:
 def run_concurrently(jobs: Sequence[Callable[[], T]], threads: int) -> list[T]:
     """The results of ``jobs`` (in order), run ``threads`` at a time: job i on lane
     i % threads, each lane a thread started for it (about 0.1 ms), its products on one
-    BLAS thread.  With one thread or one job, or without a BLAS thread setting
-    (``blas_threads_settable()``), the jobs simply run here one after another.  An
+    BLAS thread.  With one thread or one job, without a BLAS thread setting
+    (``blas_threads_settable()``), or where one BLAS thread would give other numbers than
+    the count in force (``products_depend_on_thread_count()``; at one thread already,
+    the lanes change nothing and run), the jobs simply run here one after another.  An
     exception of a job is raised once all jobs have ended (the first in job order)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     jobs = list(jobs)
-    if threads == 1 or len(jobs) <= 1 or not blas_threads_settable():
+    if (threads == 1 or len(jobs) <= 1 or not blas_threads_settable()
+            or (_above_one() and products_depend_on_thread_count())):
         return _run_in_turn(jobs)
     threads = min(threads, len(jobs))
     lanes = [jobs[k::threads] for k in range(threads)]
@@ -270,6 +287,57 @@ def _run_lane(lane: list, done: list, k: int, local: bool) -> None:
         done[k] = out
 
 
+# -- whether the thread count changes the numbers --------------------------------------------------
+
+_probe_lock = threading.Lock()
+_dependent: bool | None = None    # products_depend_on_thread_count's answer, once found
+
+# (rows, K, N): one- and few-row products (recurrent steps, small batches), a chunk's
+# tens of rows, a batch's hundreds; narrow and wide weights
+_PROBE_SHAPES = ((1, 384, 1024), (3, 384, 300), (5, 256, 1024), (8, 512, 640), (21, 128, 384),
+                 (24, 64, 384), (37, 384, 64), (64, 768, 256), (150, 768, 256), (300, 256, 500))
+
+
+def _probe_products() -> list[np.ndarray]:
+    """The sample of products compared by products_depend_on_thread_count, at the count
+    in force: each shape as ``x @ W.T`` (the components' form), ``W @ x.T`` (the
+    exchanged form) and ``x @ Wt`` with Wt contiguous (the transposed copy) -- the
+    layouts of engine.runtime.gemm."""
+    rng = np.random.default_rng(2024)
+    out = []
+    for rows, k, n in _PROBE_SHAPES:
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        out += [x @ w.T, w @ x.T, x @ np.ascontiguousarray(w.T)]
+    return out
+
+
+def products_depend_on_thread_count() -> bool:
+    """Whether float32 products computed on one BLAS thread differ, in any bit, from the
+    same products at the count in force (see the module docstring), found once per
+    process on a sample (``_PROBE_SHAPES``).  False where nothing can tell now -- the
+    count cannot be set, or is one already -- and then asked again next time: while the
+    count is one, nothing changes it anyway.  The comparison itself holds this thread's
+    products at one BLAS thread for a few milliseconds, once (with a process-wide
+    setting, as a concurrent section does, every thread's)."""
+    global _dependent
+    if _dependent is not None:
+        return _dependent
+    if not _above_one():
+        return False
+    with _probe_lock:
+        if _dependent is None:
+            with np.errstate(all="ignore"):
+                now = _probe_products()
+                token = _hold_one()
+                try:
+                    one = _probe_products()
+                finally:
+                    _let_go(token)
+            _dependent = not all(np.array_equal(a, b) for a, b in zip(now, one))
+    return _dependent
+
+
 # -- one BLAS thread for small work ----------------------------------------------------------------
 
 def _above_one() -> bool:
@@ -305,9 +373,12 @@ _epoch = 0      # bumped by forget_thread_choices
 
 def forget_thread_choices() -> None:
     """Make every ThreadChoice decide again (a process that changes its BLAS thread
-    count: the choices were timed under the old one)."""
-    global _epoch
+    count: the choices were timed under the old one), and products_depend_on_thread_count
+    look again (it compared one thread with the old count)."""
+    global _epoch, _dependent
     _epoch += 1
+    with _probe_lock:
+        _dependent = None
 
 
 class ThreadChoice:
@@ -339,10 +410,12 @@ class ThreadChoice:
     ``forget_thread_choices`` makes every choice start over.
     Nothing is decided while the count is one anyway (a one-thread BLAS, a
     concurrent section of ``run_concurrently``, a caller's own limit), nor where
-    the count cannot be set.  Only speed depends on it: a product's numbers do not
-    depend on how many threads compute it.  With a process-wide setting (NumPy's
-    OpenBLAS) holding one thread is a concurrent section: every thread's products
-    run on one BLAS thread meanwhile, as they do while sections run."""
+    the count cannot be set, nor where products on one BLAS thread give other numbers
+    (``products_depend_on_thread_count``): there the stretch always runs at the count
+    in force, so that a computation gives the same bits every run.  Elsewhere only
+    speed depends on the choice.  With a process-wide setting (NumPy's OpenBLAS)
+    holding one thread is a concurrent section: every thread's products run on one
+    BLAS thread meanwhile, as they do while sections run."""
 
     TRIALS = 3
     MARGIN = 0.03
@@ -392,8 +465,8 @@ class ThreadChoice:
         self.times = ([], [])
 
     def _trial(self, fn: Callable[[], T]) -> T:
-        if not _above_one():
-            return fn()         # nothing to choose between now
+        if products_depend_on_thread_count() or not _above_one():
+            return fn()         # a choice that would change bits, or nothing to choose now
         k = self.runs
         self.runs = k + 1
         if k == 0:

@@ -6,7 +6,8 @@ each) and what uses it: Inferencer(threads=K) and the service's infer_threads.
   one BLAS thread and the process's setting back as it was afterwards (also after many
   overlapping calls: a process-wide setting, as NumPy's OpenBLAS has, is held by a
   reference count), the probe telling a thread-local setting from a process-wide one,
-  jobs in turn without a BLAS setting, nested calls;
+  jobs in turn without a BLAS setting, nested calls; jobs in turn where one BLAS thread
+  changes the numbers, and the probe that finds that out;
 - Inferencer with threads=2 gives exactly the outputs of threads=1 (utterances of
   different lengths and chunk shapes, i-vectors, a recurrent network, subsampling), and
   splits a group of chunks into one batch per thread.
@@ -39,7 +40,14 @@ def _local_blas_threads() -> list[int]:
     return out
 
 
-def test_results_in_order_and_spread_over_threads():
+@pytest.fixture
+def independent(monkeypatch):
+    """The concurrent path, as on a BLAS whose products do not depend on the thread
+    count (where they do, run_concurrently runs in turn: tested below)."""
+    monkeypatch.setattr(parallel, "_dependent", False)
+
+
+def test_results_in_order_and_spread_over_threads(independent):
     seen: dict[int, int] = {}
 
     def job(i):
@@ -64,7 +72,7 @@ def test_one_thread_or_one_job_runs_here():
 
 @pytest.mark.parametrize("threads,settable", [(2, True), (2, False), (1, True)],
                          ids=["threads", "no-blas-setting", "one-thread"])
-def test_first_failure_raised_after_all_jobs_ended(monkeypatch, threads, settable):
+def test_first_failure_raised_after_all_jobs_ended(monkeypatch, threads, settable, independent):
     """The same contract whether the jobs run in threads or in turn here (one thread,
     or a BLAS whose thread count cannot be set): every job runs, then the first failure
     in job order is raised."""
@@ -89,7 +97,7 @@ def test_first_failure_raised_after_all_jobs_ended(monkeypatch, threads, settabl
 
 @pytest.mark.skipif(not parallel.blas_threads_settable(),
                     reason="the BLAS library's thread count cannot be set")
-def test_each_job_on_one_blas_thread_and_the_setting_restored():
+def test_each_job_on_one_blas_thread_and_the_setting_restored(independent):
     from threadpoolctl import ThreadpoolController  # noqa: PLC0415
     libs = ThreadpoolController().select(user_api="blas").lib_controllers
     before = [lib.get_num_threads() for lib in libs]
@@ -105,7 +113,7 @@ def test_each_job_on_one_blas_thread_and_the_setting_restored():
 
 @pytest.mark.skipif(not parallel.blas_threads_settable(),
                     reason="the BLAS library's thread count cannot be set")
-def test_overlapping_calls_leave_the_setting_as_it_was():
+def test_overlapping_calls_leave_the_setting_as_it_was(independent):
     """Lanes ending at different times, calls overlapping from several threads: every
     job sees one BLAS thread, and once all have ended the count is what it was (lanes
     restoring a process-wide count themselves left it at 1 or restored it under a lane
@@ -170,7 +178,95 @@ def test_without_a_blas_thread_setting_jobs_run_in_turn(monkeypatch):
     assert run_concurrently([threading.get_ident] * 3, 3) == [me] * 3
 
 
-def test_nested_calls_do_not_wait_for_each_other():
+def test_where_one_thread_changes_the_numbers_jobs_run_in_turn(monkeypatch):
+    """On a BLAS whose products round otherwise on one thread (OpenBLAS's Haswell
+    kernels), holding the process at one thread would change the numbers of every
+    thread's products: the jobs run here, one after another, at the count in force."""
+    monkeypatch.setattr(parallel, "_dependent", True)
+    monkeypatch.setattr(parallel, "_above_one", lambda: True)
+    me = threading.get_ident()
+    assert run_concurrently([threading.get_ident] * 3, 3) == [me] * 3
+    if parallel.blas_threads_settable():
+        before = _local_blas_threads()
+        assert run_concurrently([_local_blas_threads] * 2, 2) == [before] * 2
+
+
+def test_at_one_blas_thread_lanes_run_even_where_it_changes_the_numbers(monkeypatch):
+    """At one BLAS thread already (a caller's limit, an enclosing section) the lanes'
+    setting changes no count: the jobs run in threads as usual."""
+    if not parallel.blas_threads_settable():
+        pytest.skip("the BLAS library's thread count cannot be set")
+    monkeypatch.setattr(parallel, "_dependent", True)
+    monkeypatch.setattr(parallel, "_above_one", lambda: False)
+    me = threading.get_ident()
+
+    def job():
+        time.sleep(0.01)        # (a thread's ident is reused once it has ended)
+        return threading.get_ident()
+    seen = run_concurrently([job] * 3, 3)
+    assert me not in seen and len(set(seen)) == 3
+
+
+class _ProbeBlas:
+    """A BLAS for products_depend_on_thread_count: the sample of products it gives
+    at the count in force and on one thread."""
+
+    def __init__(self, monkeypatch, differ: bool, above_one: bool = True):
+        self.held = 0
+        self.holds = 0
+        monkeypatch.setattr(parallel, "_dependent", None)
+        monkeypatch.setattr(parallel, "_above_one", lambda: above_one)
+        monkeypatch.setattr(parallel, "_hold_one", self.hold)
+        monkeypatch.setattr(parallel, "_let_go", self.let_go)
+        base = [np.arange(6, dtype=np.float32).reshape(2, 3)]
+        other = [base[0] + np.float32(1e-7) * np.float32(differ)]
+        monkeypatch.setattr(parallel, "_probe_products",
+                            lambda: [a.copy() for a in (other if self.held else base)])
+
+    def hold(self):
+        self.held += 1
+        self.holds += 1
+        return "token"
+
+    def let_go(self, token):
+        assert token == "token"
+        self.held -= 1
+
+
+@pytest.mark.parametrize("differ", [True, False])
+def test_probe_compares_one_thread_with_the_count_in_force(monkeypatch, differ):
+    """The sample computed on one thread (held, then let go) against the count in
+    force decides, once: asked again, the answer is kept."""
+    blas = _ProbeBlas(monkeypatch, differ)
+    assert parallel.products_depend_on_thread_count() is differ
+    assert blas.held == 0 and blas.holds == 1
+    assert parallel.products_depend_on_thread_count() is differ
+    assert blas.holds == 1
+    parallel.forget_thread_choices()            # a process that changed its count: again
+    assert parallel._dependent is None
+
+
+def test_probe_waits_while_the_count_is_one(monkeypatch):
+    """At one BLAS thread (or none settable) nothing can be compared, and nothing
+    will change the count: False, and the question stays open."""
+    blas = _ProbeBlas(monkeypatch, differ=True, above_one=False)
+    assert parallel.products_depend_on_thread_count() is False
+    assert blas.holds == 0 and parallel._dependent is None
+
+
+def test_probe_products_cover_the_runtime_layouts():
+    """The real sample: per shape the components' form, the exchanged form and the
+    transposed copy (engine.runtime.gemm's layouts), float32."""
+    got = parallel._probe_products()
+    assert len(got) == 3 * len(parallel._PROBE_SHAPES)
+    for (rows, _, n), (a, b, c) in zip(parallel._PROBE_SHAPES,
+                                       zip(got[0::3], got[1::3], got[2::3])):
+        assert a.shape == c.shape == (rows, n) and b.shape == (n, rows)
+        assert a.dtype == np.float32
+    assert isinstance(parallel.products_depend_on_thread_count(), bool)
+
+
+def test_nested_calls_do_not_wait_for_each_other(independent):
     inner = [lambda i=i: i for i in range(4)]
     outer = [lambda: sum(run_concurrently(inner, 2)) for _ in range(3)]
     assert run_concurrently(outer, 3) == [6, 6, 6]
