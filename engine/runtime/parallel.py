@@ -58,6 +58,7 @@ the product-form choices -- is guarded by locks).
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import threading
 import time
@@ -68,6 +69,7 @@ import numpy as np
 from engine.runtime.blas import scipys_own_library
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _setters: list | None = None     # BLAS thread-count setters ``int f(int n)``, found once
@@ -335,6 +337,10 @@ def products_depend_on_thread_count() -> bool:
                 finally:
                     _let_go(token)
             _dependent = not all(np.array_equal(a, b) for a, b in zip(now, one))
+            if _dependent:
+                log.info("the BLAS library's products round otherwise on one thread than at "
+                         "its count in force: the BLAS thread count is left as it is (no "
+                         "one-thread choice for small work, concurrent jobs run in turn)")
     return _dependent
 
 
