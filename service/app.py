@@ -110,6 +110,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if settings.backend == "numpy":
+            # whether the BLAS rounds otherwise on one thread, found before anything
+            # computes: finding it out holds the process at one BLAS thread for a few
+            # milliseconds, which must not fall under another thread's products (a
+            # network loaded meanwhile would fold its weights at that count)
+            from engine.runtime.parallel import products_depend_on_thread_count  # noqa: PLC0415
+            products_depend_on_thread_count()
         services.queue.start()
         services.ready = True
         try:

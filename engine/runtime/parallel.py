@@ -321,7 +321,8 @@ def products_depend_on_thread_count() -> bool:
     count cannot be set, or is one already -- and then asked again next time: while the
     count is one, nothing changes it anyway.  The comparison itself holds this thread's
     products at one BLAS thread for a few milliseconds, once (with a process-wide
-    setting, as a concurrent section does, every thread's)."""
+    setting, as a concurrent section does, every thread's): a process that computes in
+    several threads asks before they start (the service does, at startup)."""
     global _dependent
     if _dependent is not None:
         return _dependent

@@ -45,6 +45,19 @@ def test_readyz_follows_the_worker():
         assert c.get("/readyz").json()["status"] == "ready"
 
 
+def test_startup_finds_out_whether_one_blas_thread_changes_the_numbers(monkeypatch):
+    """The CPU service asks engine.runtime.parallel before its worker starts (the
+    question holds the process at one BLAS thread for a moment: not while anything else
+    computes)."""
+    from engine.runtime import parallel  # noqa: PLC0415
+    asked = []
+    monkeypatch.setattr(parallel, "products_depend_on_thread_count",
+                        lambda: asked.append(True) or False)
+    with make_client(backend="numpy") as c:
+        assert asked == [True]
+        assert c.get("/readyz").status_code == 200
+
+
 def test_docs_offline_or_absent():
     with make_client() as c:
         assert "/infer" in c.get("/openapi.json").json()["paths"]
