@@ -63,12 +63,15 @@ def _steps(nnet, req, graph):
     return [list(s) for s in compute_computation_steps(nnet, [req], phases, graph)]
 
 
-def _same_graphs(nnet, req) -> str:
+def _same_graphs(nnet, req, per_cindex: bool = True) -> str:
     """Build all three ways and compare; returns the interval build's method
-    ("intervals" when it applied)."""
+    ("intervals" when it applied).  Without ``per_cindex``, the interval build is
+    compared with the array build alone (the per-cindex build left out)."""
     got, method = _build(nnet, req, "intervals")
-    sweeps, _ = _build(nnet, req, "sweeps")
-    slow, why = _build(nnet, req, "cindexes")
+    sweeps, why = _build(nnet, req, "sweeps")
+    slow = sweeps
+    if per_cindex:
+        slow, why = _build(nnet, req, "cindexes")
     if slow is None:
         assert got is None and sweeps is None, why
         return ""
@@ -164,9 +167,13 @@ def test_reference_models_give_the_same_graph(name):
     if ref is None or not (ref / "models" / name / "model.raw").is_file():
         pytest.skip("../shared/kaldi-ref models not present")
     nnet = load_model(str(ref / "models" / name / "model.raw")).nnet
-    for chunk, batch in ((21, 1), (21, 2), (150, 1)):
-        # (statistics pooling with period 1 included: the x-vector's windows)
-        assert _same_graphs(nnet, _chunk_request(nnet, chunk, batch)) == "intervals"
+    for k, (chunk, batch) in enumerate(((21, 1), (21, 2), (150, 1))):
+        # (statistics pooling with period 1 included: the x-vector's windows).  The
+        # per-cindex build walks the x-vector's 10000-frame pooling windows cindex by
+        # cindex, 10-26 s a request (2-core AMD EPYC, 2026-11-30): it checks the first
+        # request there, the array build checks the other two as well
+        per_cindex = name != "xvector" or k == 0
+        assert _same_graphs(nnet, _chunk_request(nnet, chunk, batch), per_cindex) == "intervals"
 
 
 NET = """input-node name=input dim=3
