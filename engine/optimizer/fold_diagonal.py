@@ -226,17 +226,24 @@ def _carry(table: NodeTable, plan: _Plan, carried: dict) -> None:
             S, C = _residual_rule(table, plan, owner, res, carried)
         else:
             S, C = _descriptor_transform(node.descriptor, carried, nnet)
-        comp = table.comp(owner)
-        out = _through_component(comp, S, C)
-        if out is None:
-            continue
-        new, carry = out
-        if new is not None:
-            plan.components[owner] = new
-        if carry is not None:
-            _check_read_later(table, owner)
-            carried[owner] = carry
+        _take(table, plan, owner, S, C, carried)
     # every carried node is read by nothing after the last node: done
+
+
+def _take(table: NodeTable, plan: _Plan, n: int, S: np.ndarray, C: np.ndarray,
+          carried: dict) -> None:
+    """Component node ``n`` given the input transform (S, C): its new component into
+    ``plan``, the transform its output carries into ``carried`` (every reader of n
+    after it, else _Abort)."""
+    out = _through_component(table.comp(n), S, C)
+    if out is None:
+        return
+    new, carry = out
+    if new is not None:
+        plan.components[n] = new
+    if carry is not None:
+        _check_read_later(table, n)
+        carried[n] = carry
 
 
 def _check_read_later(table: NodeTable, n: int) -> None:
@@ -345,17 +352,13 @@ def _residual_plan(table: NodeTable, n: int) -> _Plan | None:
     """The plan that folds the chain of residual sums starting at node ``n``, or None
     when something on its way cannot take the transform."""
     plan = _Plan(-1)
+    carried: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     try:
-        out = _through_component(table.comp(n),
-                                 *_residual_rule(table, plan, n, _residual(table, n), {}))
-        if out is None:
-            return None
-        new, carry = out
-        if new is not None:      # a component that takes the transform at once
-            plan.components[n] = new
-        if carry is not None:
-            _check_read_later(table, n)
-            _carry(table, plan, {n: carry})
+        S, C = _residual_rule(table, plan, n, _residual(table, n), carried)
+        # (the first sum's scale a != 1: the transform is never the identity)
+        _take(table, plan, n, S, C, carried)
+        if carried:             # else a component that took the transform at once
+            _carry(table, plan, carried)
     except _Abort:
         return None
     return plan
