@@ -40,6 +40,12 @@ def _local_blas_threads() -> list[int]:
     return out
 
 
+# where the count cannot be set (no threadpoolctl, a BLAS other than OpenBLAS or MKL)
+# run_concurrently runs its jobs in turn by design, as the tests of that path check
+needs_settable_blas = pytest.mark.skipif(not parallel.blas_threads_settable(),
+                                         reason="the BLAS library's thread count cannot be set")
+
+
 @pytest.fixture
 def independent(monkeypatch):
     """The concurrent path, as on a BLAS whose products do not depend on the thread
@@ -95,8 +101,7 @@ def test_first_failure_raised_after_all_jobs_ended(monkeypatch, threads, settabl
     assert sorted(ran) == [0, 2, 4]
 
 
-@pytest.mark.skipif(not parallel.blas_threads_settable(),
-                    reason="the BLAS library's thread count cannot be set")
+@needs_settable_blas
 def test_each_job_on_one_blas_thread_and_the_setting_restored(independent):
     from threadpoolctl import ThreadpoolController  # noqa: PLC0415
     libs = ThreadpoolController().select(user_api="blas").lib_controllers
@@ -111,8 +116,7 @@ def test_each_job_on_one_blas_thread_and_the_setting_restored(independent):
     assert seen == [before]
 
 
-@pytest.mark.skipif(not parallel.blas_threads_settable(),
-                    reason="the BLAS library's thread count cannot be set")
+@needs_settable_blas
 def test_overlapping_calls_leave_the_setting_as_it_was(independent):
     """Lanes ending at different times, calls overlapping from several threads: every
     job sees one BLAS thread, and once all have ended the count is what it was (lanes
@@ -191,11 +195,10 @@ def test_where_one_thread_changes_the_numbers_jobs_run_in_turn(monkeypatch):
         assert run_concurrently([_local_blas_threads] * 2, 2) == [before] * 2
 
 
+@needs_settable_blas
 def test_at_one_blas_thread_lanes_run_even_where_it_changes_the_numbers(monkeypatch):
     """At one BLAS thread already (a caller's limit, an enclosing section) the lanes'
     setting changes no count: the jobs run in threads as usual."""
-    if not parallel.blas_threads_settable():
-        pytest.skip("the BLAS library's thread count cannot be set")
     monkeypatch.setattr(parallel, "_dependent", True)
     monkeypatch.setattr(parallel, "_above_one", lambda: False)
     me = threading.get_ident()
