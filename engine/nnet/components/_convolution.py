@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.core.errors import ComponentError
+from engine.core.index import array_to_indexes
 from engine.core.xp import array_module, as_strided
 from engine.nnet.components._nonsimple_utils import (
     ConvolutionComputationIo,
     get_computation_io,
     get_nx_list,
-    grid_indexes,
+    grid_rows,
 )
 
 
@@ -310,6 +311,15 @@ def compile_convolution(model: ConvolutionModel, input_indexes, output_indexes,
                         max_memory_mb: float, what: str = "a component"):
     """Kaldi's CompileConvolutionComputation: returns (computation, new input Indexes,
     new output Indexes).  Raises ComponentError where Kaldi would assert."""
+    cc, new_in, new_out = compile_convolution_rows(model, input_indexes, output_indexes,
+                                                   max_memory_mb, what)
+    return cc, array_to_indexes(new_in), array_to_indexes(new_out)
+
+
+def compile_convolution_rows(model: ConvolutionModel, input_indexes, output_indexes,
+                             max_memory_mb: float, what: str = "a component"):
+    """``compile_convolution`` with the new Indexes as (k, 3) int64 n, t, x rows;
+    ``input_indexes`` and ``output_indexes`` may be Indexes or such rows."""
     io = get_computation_io(input_indexes, output_indexes, what)
     _check_model_and_io(model, io, False)
     _pad_computation_input_time(model, io)
@@ -321,10 +331,10 @@ def compile_convolution(model: ConvolutionModel, input_indexes, output_indexes,
     cc = _make_computation(appended, io_app, max_memory_mb)
     _unpad_model_height(max_memory_mb, model, padded, cc)
     nx = get_nx_list(input_indexes)
-    new_in = grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, io.reorder_t_in,
-                          input_indexes, what)
-    new_out = grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1, output_indexes,
-                           what)
+    new_in = grid_rows(nx, io.start_t_in, io.t_step_in, io.num_t_in, io.reorder_t_in,
+                       input_indexes, what)
+    new_out = grid_rows(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1, output_indexes,
+                        what)
     return cc, new_in, new_out
 
 

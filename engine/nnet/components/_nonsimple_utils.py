@@ -209,6 +209,12 @@ def grid_indexes(nx: list[tuple[int, int]], t_start: int, t_step: int, num_t: in
     (n, x) of ``nx`` with its times -- with t = kNoTime where the Index is not among
     ``present`` (Indexes, or their rows).  Refused by check_grid when far larger than
     ``present`` (``what`` names the component)."""
+    return array_to_indexes(grid_rows(nx, t_start, t_step, num_t, reorder_t, present, what))
+
+
+def grid_rows(nx: list[tuple[int, int]], t_start: int, t_step: int, num_t: int,
+              reorder_t: int, present, what: str = "a component") -> np.ndarray:
+    """``grid_indexes`` as (k, 3) int64 n, t, x rows."""
     check_grid(len(nx), t_start, t_step, num_t, len(present), what)
     t_step = t_step or 1
     outer = t_step * reorder_t
@@ -224,7 +230,7 @@ def grid_indexes(nx: list[tuple[int, int]], t_start: int, t_step: int, num_t: in
     have = _rows(present)
     have = have[have[:, 1] != K_NO_TIME]
     rows[~_rows_in(rows, have), 1] = K_NO_TIME
-    return array_to_indexes(rows)
+    return rows
 
 
 def _rows_in(rows: np.ndarray, ref: np.ndarray) -> np.ndarray:

@@ -22,11 +22,12 @@ import math
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, K_NO_TIME
+from engine.core.index import Index, K_NO_TIME, array_to_indexes
+from engine.core.memo import request_memo
 from engine.nnet.components._convolution import (
     ConvolutionComputation,
     ConvolutionModel,
-    compile_convolution,
+    compile_convolution_rows,
     convolve_backward_data,
     convolve_backward_params,
     convolve_forward,
@@ -34,6 +35,7 @@ from engine.nnet.components._convolution import (
 )
 from engine.nnet.components._fields import INT, FieldKind, read_fields, write_fields
 from engine.nnet.components._nonsimple_utils import (
+    _rows,
     config_errors_name_type,
     read_int_pair_vector,
     write_int_pair_vector,
@@ -81,6 +83,18 @@ class TimeHeightConvolutionIndexes(ComponentPrecomputedIndexes):
         self.temp_cols = cc.temp_cols
         self.height_maps = [list(s.height_map) for s in cc.steps]
         self.meta, self.columns, self.backward = step_arrays(cc)
+
+
+# The computation reorder_index_arrays compiled, under (component, the rows it returned),
+# for precompute_index_arrays of the same rows later in the same compile: Kaldi compiles the
+# convolution again there, from the reordered Indexes, and gets the same computation (it
+# depends on the model and on the (n, x) pairs and times the Indexes hold, which reordering
+# keeps: tests/engine/test_time_height_conv_rows.py).  Each entry keeps its model, so an entry
+# is used only for the model object it was made with (a component's id may be reused once it
+# is gone; its model cannot while the entry holds it).  A request memo: emptied for cold
+# compiles.
+_COMPILED: dict = request_memo()
+_COMPILED_SIZE = 64
 
 
 def _parse_int_list(cfg, key: str, text: str) -> list[int]:
@@ -318,24 +332,49 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         used_inputs[:] = used
         return True
 
-    def _compile(self, input_indexes, output_indexes):
+    def _compile_rows(self, input_rows: np.ndarray, output_rows: np.ndarray):
         try:
-            return compile_convolution(self.model, input_indexes, output_indexes,
-                                       self.max_memory_mb, self.label())
+            return compile_convolution_rows(self.model, input_rows, output_rows,
+                                            self.max_memory_mb, self.label())
         except ComponentError as e:
             raise ComponentError(e.reason, component=self.label()) from None
 
-    def reorder_indexes(self, input_indexes, output_indexes):
-        _, new_in, new_out = self._compile(input_indexes, output_indexes)
+    def reorder_index_arrays(self, input_rows, output_rows) -> tuple[np.ndarray, np.ndarray]:
+        """reorder_indexes on (k, 3) n, t, x int64 rows.  Rows already in that order
+        are given back as the same objects (the compiler tests identity to know that
+        nothing moved).  The computation compiled on the way is remembered for
+        precompute_index_arrays of the rows returned (see _COMPILED)."""
+        ins, outs = _rows(input_rows), _rows(output_rows)
+        cc, new_in, new_out = self._compile_rows(ins, outs)
+        if len(_COMPILED) >= _COMPILED_SIZE:
+            _COMPILED.clear()
+        _COMPILED[(id(self), new_in.tobytes(), new_out.tobytes())] = (
+            self.model, self.max_memory_mb, cc)
+        if np.array_equal(new_in, ins) and np.array_equal(new_out, outs):
+            return input_rows, output_rows
         return new_in, new_out
 
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        cc, new_in, new_out = self._compile(input_indexes, output_indexes)
-        if [tuple(i) for i in new_in] != [tuple(i) for i in input_indexes] or \
-                [tuple(i) for i in new_out] != [tuple(i) for i in output_indexes]:
+    def reorder_indexes(self, input_indexes, output_indexes):
+        new_in, new_out = self.reorder_index_arrays(_rows(input_indexes), _rows(output_indexes))
+        return array_to_indexes(new_in), array_to_indexes(new_out)
+
+    def precompute_index_arrays(self, misc_info, input_rows, output_rows,
+                                need_backprop: bool) -> TimeHeightConvolutionIndexes:
+        """precompute_indexes on (k, 3) n, t, x int64 rows, which must be in the order
+        reorder_indexes gives them (ComponentError otherwise)."""
+        ins, outs = _rows(input_rows), _rows(output_rows)
+        hit = _COMPILED.get((id(self), ins.tobytes(), outs.tobytes()))
+        if hit is not None and hit[0] is self.model and hit[1] == self.max_memory_mb:
+            return TimeHeightConvolutionIndexes(hit[2])
+        cc, new_in, new_out = self._compile_rows(ins, outs)
+        if not (np.array_equal(new_in, ins) and np.array_equal(new_out, outs)):
             raise ComponentError("precompute_indexes got Indexes that reorder_indexes "
                                  "would change (reorder them first)", component=self.label())
         return TimeHeightConvolutionIndexes(cc)
+
+    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
+        return self.precompute_index_arrays(misc_info, _rows(input_indexes),
+                                            _rows(output_indexes), need_backprop)
 
     # -- maths -------------------------------------------------------------------------
     def _check_rows(self, ci, in_rows: int, out_rows: int) -> None:
