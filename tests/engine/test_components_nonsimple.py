@@ -21,7 +21,7 @@ import pytest
 from component_harness import check_io_roundtrip, component_from_config
 from refdata import shared_ref
 from engine.core.errors import ComponentError, ConfigError, DimensionError
-from engine.core.index import Index, K_NO_TIME
+from engine.core.index import Index, K_NO_TIME, array_to_indexes
 from engine.nnet.components import read_component
 from engine.nnet.components.base import ComponentProperty as P
 from engine.nnet.kaldi_io import KaldiReader
@@ -407,6 +407,16 @@ def test_attention_index_functions():
                    Index(0, K_NO_TIME, 0)]
     with pytest.raises(ComponentError, match="RestrictedAttention"):
         comp.reorder_indexes([Index(0, 10, 0)], [Index(0, 10, 0)])   # t=8 required
+    # the same on (k, 3) rows, what the compiler hands it: rows in order come back as the
+    # same objects, and the precomputed grid is the one of the Index lists
+    rows_in = np.array([(0, 8, 0), (0, 10, 0)], dtype=np.int64)
+    rows_out = np.array([(0, 10, 0)], dtype=np.int64)
+    new_in, new_out = comp.reorder_index_arrays(rows_in, rows_out)
+    assert array_to_indexes(new_in) == ins and array_to_indexes(new_out) == outs
+    again_in, again_out = comp.reorder_index_arrays(new_in, new_out)
+    assert again_in is new_in and again_out is new_out
+    assert (vars(comp.precompute_index_arrays(None, new_in, new_out, False))
+            == vars(comp.precompute_indexes(None, ins, outs, False)))
 
 
 # --------------------------------------------------------------------------------------

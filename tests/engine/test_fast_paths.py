@@ -557,11 +557,16 @@ output-node name=output input=p
     assert errors[0] == errors[1] and "input-period=2" in errors[0]
 
 
-def test_grid_indexes_equal_their_definition():
+def test_grid_rows_equal_their_definition():
     """Kaldi's GetIndexesForComputation grid (convolution, restricted attention) made on
     arrays equals the definition written Index by Index, blanks included."""
-    from engine.core.index import K_NO_TIME
-    from engine.nnet.components._nonsimple_utils import get_nx_list, get_t_list, grid_indexes
+    from engine.core.index import K_NO_TIME, array_to_indexes
+    from engine.nnet.components._nonsimple_utils import get_nx_list, get_t_list, grid_rows
+
+    def grid_indexes(*args):
+        rows = grid_rows(*args)
+        assert rows.dtype == np.int64 and rows.ndim == 2 and rows.shape[1] == 3
+        return array_to_indexes(rows)
 
     def definition(nx, t_start, t_step, num_t, reorder_t, present):
         t_step = t_step or 1

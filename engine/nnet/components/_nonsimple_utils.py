@@ -4,8 +4,8 @@ double-precision I/O (base/io-funcs), the (n, x) / t lists of nnet-compile-utils
 (GetNxList, GetTList) and the regular-grid description of a convolution's input and
 output (convolution.h: ConvolutionComputationIo, GetComputationIo).
 
-The index helpers run at compile time on Index lists; the maths helpers are vectorised
-and backend-agnostic.
+The index helpers run at compile time on Index lists or their (k, 3) rows; the maths
+helpers are vectorised and backend-agnostic.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.errors import ComponentError, ResourceLimitError
-from engine.core.index import K_NO_TIME, Index, array_to_indexes, index_rows
+from engine.core.index import K_NO_TIME, Index, index_rows
 from engine.core.xp import array_module
 from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for the component modules)
     KaldiReader,
@@ -202,19 +202,13 @@ def check_grid(num_images: int, t_start: int, t_step: int, num_t: int, given: in
             f"cannot be computed)")
 
 
-def grid_indexes(nx: list[tuple[int, int]], t_start: int, t_step: int, num_t: int,
-                 reorder_t: int, present, what: str = "a component") -> list[Index]:
-    """Kaldi's GetIndexesForComputation (convolution, restricted attention): the
-    Indexes of a regular grid -- blocks of ``reorder_t`` times, in each block every
-    (n, x) of ``nx`` with its times -- with t = kNoTime where the Index is not among
-    ``present`` (Indexes, or their rows).  Refused by check_grid when far larger than
-    ``present`` (``what`` names the component)."""
-    return array_to_indexes(grid_rows(nx, t_start, t_step, num_t, reorder_t, present, what))
-
-
 def grid_rows(nx: list[tuple[int, int]], t_start: int, t_step: int, num_t: int,
               reorder_t: int, present, what: str = "a component") -> np.ndarray:
-    """``grid_indexes`` as (k, 3) int64 n, t, x rows."""
+    """Kaldi's GetIndexesForComputation (convolution, restricted attention), as (k, 3)
+    int64 n, t, x rows: the Indexes of a regular grid -- blocks of ``reorder_t`` times,
+    in each block every (n, x) of ``nx`` with its times -- with t = kNoTime where the
+    Index is not among ``present`` (Indexes, or their rows).  Refused by check_grid when
+    far larger than ``present`` (``what`` names the component)."""
     check_grid(len(nx), t_start, t_step, num_t, len(present), what)
     t_step = t_step or 1
     outer = t_step * reorder_t
@@ -304,7 +298,7 @@ def get_computation_io(input_indexes, output_indexes,
     io.start_t_in, io.t_step_in, io.num_t_in = _regularize_t_list(get_t_list(input_indexes))
     io.start_t_out, io.t_step_out, io.num_t_out = _regularize_t_list(
         get_t_list(output_indexes))
-    # (before the grids' sizes are used; grid_indexes checks again after padding)
+    # (before the grids' sizes are used; grid_rows checks again after padding)
     check_grid(len(nx), io.start_t_in, io.t_step_in, io.num_t_in, len(input_indexes), what)
     check_grid(len(nx), io.start_t_out, io.t_step_out, io.num_t_out, len(output_indexes),
                what)

@@ -26,14 +26,15 @@ import math
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, K_NO_TIME
+from engine.core.index import Index, K_NO_TIME, array_to_indexes
 from engine.core.xp import array_module, as_strided
 from engine.nnet.components._nonsimple_utils import (
+    _rows,
     config_errors_name_type,
     ConvolutionComputationIo,
     get_computation_io,
     get_nx_list,
-    grid_indexes,
+    grid_rows,
     read_double_matrix,
     read_double_vector,
     write_double_matrix,
@@ -291,17 +292,33 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
         io.num_t_in = 1 + (last_requested - first_requested) // step
         return io
 
+    def reorder_index_arrays(self, input_rows, output_rows) -> tuple[np.ndarray, np.ndarray]:
+        """reorder_indexes on (k, 3) n, t, x int64 rows.  Rows already in that order
+        are given back as the same objects (the compiler tests identity to know that
+        nothing moved)."""
+        ins, outs = _rows(input_rows), _rows(output_rows)
+        io = self._computation_structure(ins, outs)
+        nx = get_nx_list(ins)
+        new_in = grid_rows(nx, io.start_t_in, io.t_step_in, io.num_t_in, 1, ins, self.label())
+        new_out = grid_rows(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1, outs,
+                            self.label())
+        if np.array_equal(new_in, ins) and np.array_equal(new_out, outs):
+            return input_rows, output_rows
+        return new_in, new_out
+
     def reorder_indexes(self, input_indexes, output_indexes):
-        io = self._computation_structure(input_indexes, output_indexes)
-        nx = get_nx_list(input_indexes)
-        return (grid_indexes(nx, io.start_t_in, io.t_step_in, io.num_t_in, 1, input_indexes,
-                             self.label()),
-                grid_indexes(nx, io.start_t_out, io.t_step_out, io.num_t_out, 1,
-                             output_indexes, self.label()))
+        new_in, new_out = self.reorder_index_arrays(_rows(input_indexes), _rows(output_indexes))
+        return array_to_indexes(new_in), array_to_indexes(new_out)
+
+    def precompute_index_arrays(self, misc_info, input_rows, output_rows,
+                                need_backprop: bool) -> "RestrictedAttentionIndexes":
+        """precompute_indexes on (k, 3) n, t, x int64 rows."""
+        return RestrictedAttentionIndexes(
+            self._computation_structure(_rows(input_rows), _rows(output_rows)))
 
     def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        return RestrictedAttentionIndexes(
-            self._computation_structure(input_indexes, output_indexes))
+        return self.precompute_index_arrays(misc_info, _rows(input_indexes),
+                                            _rows(output_indexes), need_backprop)
 
     # -- maths -------------------------------------------------------------------------
     def _layout(self, indexes, in_rows: int, out_rows: int):
