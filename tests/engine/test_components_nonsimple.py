@@ -282,6 +282,41 @@ def test_statistics_pooling(ip, lc, rc, nlog, stddevs):
     check_io_roundtrip(comp)
 
 
+def test_statistics_index_hooks_on_rows():
+    """The (k, 3) rows the compiler hands over: reorder_index_arrays sorts on (n, x, t)
+    stably as the Index-list form does, gives rows already in order back as the same
+    objects, and precompute_index_arrays equals the Index-list form, its refusals naming
+    the Index at fault."""
+    ext = component_from_config("StatisticsExtractionComponent",
+                                "input-dim=2 input-period=1 output-period=3")
+    pool = component_from_config("StatisticsPoolingComponent",
+                                 "input-dim=3 input-period=3 left-context=3 right-context=3 "
+                                 "num-log-count-features=0 output-stddevs=false")
+    rng = np.random.default_rng(9)
+    for comp, tin, tout in ((ext, range(0, 12), range(0, 12, 3)),
+                            (pool, range(0, 12, 3), range(0, 12, 3))):
+        ins = [Index(n, t, x) for n in (2, 0) for x in (1, 0) for t in tin]
+        outs = [Index(n, t, x) for n in (2, 0) for x in (1, 0) for t in tout]
+        rows_in = np.array(ins, dtype=np.int64)[rng.permutation(len(ins))]
+        rows_out = np.array(outs, dtype=np.int64)[rng.permutation(len(outs))]
+        new_in, new_out = comp.reorder_index_arrays(rows_in, rows_out)
+        want_in, want_out = comp.reorder_indexes(array_to_indexes(rows_in),
+                                                 array_to_indexes(rows_out))
+        assert want_in == sorted(ins, key=lambda i: (i.n, i.x, i.t))
+        assert array_to_indexes(new_in) == want_in and array_to_indexes(new_out) == want_out
+        again_in, again_out = comp.reorder_index_arrays(new_in, new_out)
+        assert again_in is new_in and again_out is new_out
+        got = vars(comp.precompute_index_arrays(None, new_in, new_out, True))
+        want = vars(comp.precompute_indexes(None, want_in, want_out, True))
+        assert got.keys() == want.keys()
+        for k in got:
+            np.testing.assert_array_equal(got[k], want[k])
+    # an output with no inputs, named as an Index
+    with pytest.raises(ComponentError, match=r"output Index .*has no inputs"):
+        ext.precompute_index_arrays(None, np.array([[0, 0, 0]]), np.array([[0, 0, 0],
+                                                                            [0, 6, 0]]), False)
+
+
 def test_statistics_pipeline_xvector_style():
     """Extraction then pooling over one long sequence, as in an x-vector network."""
     ext = component_from_config("StatisticsExtractionComponent",

@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, index_rows
+from engine.core.index import Index, array_to_indexes
 from engine.core.xp import array_module
-from engine.nnet.components._nonsimple_utils import add_row_ranges, config_errors_name_type
+from engine.nnet.components._nonsimple_utils import _rows, add_row_ranges, config_errors_name_type
 from engine.nnet.components._fields import BOOL, FLOAT, INT, TokenFieldsComponent
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
@@ -44,9 +44,21 @@ def _span_problem(what: str, num_inputs: int) -> list[str]:
     return []
 
 
-def _sort_nxt(indexes: list[Index]) -> list[Index]:
-    # Kaldi's IndexLessNxt: n, then x, then t.
-    return sorted(indexes, key=lambda i: (i[0], i[2], i[1]))
+def _nxt_order(rows: np.ndarray) -> np.ndarray | None:
+    """The stable permutation sorting (k, 3) n, t, x rows as Kaldi's IndexLessNxt (n, then
+    x, then t); None when they are in that order already."""
+    if len(rows) < 2:
+        return None
+    n, t, x = rows[:, 0], rows[:, 1], rows[:, 2]
+    dn, dx, dt = n[1:] - n[:-1], x[1:] - x[:-1], t[1:] - t[:-1]
+    if ((dn > 0) | ((dn == 0) & ((dx > 0) | ((dx == 0) & (dt >= 0))))).all():
+        return None
+    return np.lexsort((t, x, n))
+
+
+def _indexes(rows: np.ndarray, i: int) -> Index:
+    """Row ``i`` of (k, 3) n, t, x rows as an Index (for messages)."""
+    return Index(*rows[i].tolist())
 
 
 def _range_lookup(input_indexes, output_indexes, lo_t: np.ndarray, hi_t: np.ndarray,
@@ -57,8 +69,8 @@ def _range_lookup(input_indexes, output_indexes, lo_t: np.ndarray, hi_t: np.ndar
     Kaldi looks each grid time up separately and asserts the hits are contiguous;
     here the sort order makes the hits a searchsorted range, and off-grid inputs
     inside a range (which Kaldi's assertion would reject) are reported."""
-    inp = index_rows(input_indexes)
-    out = index_rows(output_indexes)
+    inp = _rows(input_indexes)
+    out = _rows(output_indexes)
     if inp.shape[0] > 1:
         prev, nxt = inp[:-1], inp[1:]
         ok = (prev[:, 0] < nxt[:, 0]) | ((prev[:, 0] == nxt[:, 0]) & (
@@ -146,8 +158,23 @@ class _StatisticsComponent(TokenFieldsComponent):
             used_inputs[:] = present
         return bool(present)
 
+    def reorder_index_arrays(self, input_rows, output_rows) -> tuple[np.ndarray, np.ndarray]:
+        """reorder_indexes on (k, 3) n, t, x int64 rows: both sorted on (n, x, t), stably.
+        Rows already in that order are given back as the same objects (the compiler tests
+        identity to know that nothing moved)."""
+        ins, outs = _rows(input_rows), _rows(output_rows)
+        oi, oo = _nxt_order(ins), _nxt_order(outs)
+        if oi is None and oo is None:
+            return input_rows, output_rows
+        return (ins if oi is None else ins[oi]), (outs if oo is None else outs[oo])
+
     def reorder_indexes(self, input_indexes, output_indexes):
-        return _sort_nxt(input_indexes), _sort_nxt(output_indexes)
+        new_in, new_out = self.reorder_index_arrays(_rows(input_indexes), _rows(output_indexes))
+        return array_to_indexes(new_in), array_to_indexes(new_out)
+
+    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
+        return self.precompute_index_arrays(misc_info, _rows(input_indexes),
+                                            _rows(output_indexes), need_backprop)
 
 
 class StatisticsExtractionIndexes(ComponentPrecomputedIndexes):
@@ -232,17 +259,20 @@ class StatisticsExtractionComponent(_StatisticsComponent):
         start = self.output_period * np.floor_divide(t, self.output_period)
         return start[:, None] + np.arange(0, self.output_period, self.input_period)[None, :]
 
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        out_t = np.asarray([i[1] for i in output_indexes], dtype=np.int64)
+    def precompute_index_arrays(self, misc_info, input_rows, output_rows,
+                                need_backprop: bool) -> StatisticsExtractionIndexes:
+        """precompute_indexes on (k, 3) n, t, x int64 rows."""
+        input_rows, output_rows = _rows(input_rows), _rows(output_rows)
+        out_t = output_rows[:, 1]
         lo = self.output_period * np.floor_divide(out_t, self.output_period)
         hi = lo + self.output_period - 1
-        begins, ends = _range_lookup(input_indexes, output_indexes, lo, hi,
+        begins, ends = _range_lookup(input_rows, output_rows, lo, hi,
                                      self.input_period, self.label())
         counts = (ends - begins).astype(np.float32)
         if (counts == 0).any():
-            bad = output_indexes[int(np.nonzero(counts == 0)[0][0])]
+            bad = _indexes(output_rows, int(np.nonzero(counts == 0)[0][0]))
             raise ComponentError(f"output Index {bad} has no inputs", component=self.label())
-        n_in = len(input_indexes)
+        n_in = len(input_rows)
         backward = np.full(n_in, -1, dtype=np.int64)
         cover = np.zeros(n_in + 1, dtype=np.int64)
         np.add.at(cover, begins, 1)
@@ -397,15 +427,18 @@ class StatisticsPoolingComponent(_StatisticsComponent):
             return False
         return super().is_computable(misc_info, output_index, input_index_set, used_inputs)
 
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        out_t = np.asarray([i[1] for i in output_indexes], dtype=np.int64)
-        begins, ends = _range_lookup(input_indexes, output_indexes,
+    def precompute_index_arrays(self, misc_info, input_rows, output_rows,
+                                need_backprop: bool) -> StatisticsPoolingIndexes:
+        """precompute_indexes on (k, 3) n, t, x int64 rows."""
+        input_rows, output_rows = _rows(input_rows), _rows(output_rows)
+        out_t = output_rows[:, 1]
+        begins, ends = _range_lookup(input_rows, output_rows,
                                      out_t - self.left_context, out_t + self.right_context,
                                      self.input_period, self.label())
         if (ends <= begins).any():
-            bad = output_indexes[int(np.nonzero(ends <= begins)[0][0])]
+            bad = _indexes(output_rows, int(np.nonzero(ends <= begins)[0][0]))
             raise ComponentError(f"output Index {bad} has no inputs", component=self.label())
-        n_in = len(input_indexes)
+        n_in = len(input_rows)
         # Outputs are sorted (n, x, t) like the inputs, so both range ends are
         # non-decreasing; the outputs using input j are those with begin <= j < end,
         # a contiguous range found by two searchsorted calls.
@@ -416,7 +449,7 @@ class StatisticsPoolingComponent(_StatisticsComponent):
         bb = np.searchsorted(ends, j, side="right")
         be = np.searchsorted(begins, j, side="right")
         if (be <= bb).any():
-            bad = input_indexes[int(np.nonzero(be <= bb)[0][0])]
+            bad = _indexes(input_rows, int(np.nonzero(be <= bb)[0][0]))
             raise ComponentError(f"input Index {bad} is used by no output",
                                  component=self.label())
         return StatisticsPoolingIndexes(begins, ends,
