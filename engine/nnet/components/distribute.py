@@ -102,19 +102,27 @@ class DistributeComponent(TokenFieldsComponent):
         """is_computable on the columns of ``input_times``: the one input is there."""
         return None
 
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        out = _rows(output_indexes)
+    def precompute_index_arrays(self, misc_info, input_rows, output_rows,
+                                need_backprop: bool) -> "DistributeIndexes":
+        """precompute_indexes on (k, 3) n, t, x int64 rows (what the compiler hands
+        over; the Index-list form calls this)."""
+        out = _rows(output_rows)
         nb = self.num_blocks
         want = out.copy()
         want[:, 2] = out[:, 2] // nb
-        rows = row_positions(want, _rows(input_indexes))
+        ins = _rows(input_rows)
+        rows = row_positions(want, ins)
         missing = np.flatnonzero(rows < 0)
         if len(missing):
             k = int(missing[0])
             raise ComponentError(f"input Index {Index(*want[k].tolist())} needed by output "
                                  f"Index {Index(*out[k].tolist())} is not in the input",
                                  component=self.label())
-        return DistributeIndexes(rows, out[:, 2] - want[:, 2] * nb, len(input_indexes))
+        return DistributeIndexes(rows, out[:, 2] - want[:, 2] * nb, len(ins))
+
+    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
+        return self.precompute_index_arrays(misc_info, _rows(input_indexes),
+                                            _rows(output_indexes), need_backprop)
 
     # -- maths -------------------------------------------------------------------------
     def propagate(self, indexes, in_value, out):
