@@ -16,7 +16,7 @@ from component_harness import (
     run_backward,
     run_forward,
 )
-from engine.core.errors import ConfigError
+from engine.core.errors import ComponentError, ConfigError
 from engine.core.index import Index
 from engine.nnet.components.base import ComponentPrecomputedIndexes, ComponentProperty as P
 
@@ -173,6 +173,18 @@ def test_specaugment_time_mask():
     np.testing.assert_array_equal(pre.seq_starts, [0, 40, 80])
     # sequence n=2 first (sorted by n), rows in time order
     np.testing.assert_array_equal(pre.rows[:3], [1, 3, 5])
+    # on (k, 3) rows, as the compiler hands them over: the same; refusals as Kaldi's
+    rows = np.array(idx, dtype=np.int64)
+    by_rows = comp.precompute_index_arrays(None, rows, rows.copy(), True)
+    assert vars(by_rows).keys() == vars(pre).keys()
+    for k, v in vars(pre).items():
+        np.testing.assert_array_equal(getattr(by_rows, k), v)
+    with pytest.raises(ComponentError, match="identical"):
+        comp.precompute_index_arrays(None, rows, rows[::-1].copy(), True)
+    with pytest.raises(ComponentError, match="identical"):
+        comp.precompute_indexes(None, idx, idx[:-1], True)
+    with pytest.raises(ComponentError, match="no indexes"):
+        comp.precompute_indexes(None, [], [], True)
     x = np.ones((80, 3), dtype=np.float32)
     out = x.copy()
     comp.reset_generator(0)

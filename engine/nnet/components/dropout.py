@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, indexes_to_array
+from engine.core.index import Index, index_rows, indexes_to_array
 from engine.core.xp import array_module
 from engine.nnet.components.base import (
     Component,
@@ -585,10 +585,19 @@ class SpecAugmentTimeMaskComponent(IndexedMaskComponent):
         writer.write_token("</SpecAugmentTimeMaskComponent>")
 
     def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        self._check_identical(list(input_indexes) == list(output_indexes))
-        if not input_indexes:
+        return self.precompute_index_arrays(misc_info, index_rows(input_indexes),
+                                            index_rows(output_indexes), need_backprop)
+
+    def precompute_index_arrays(self, misc_info, input_rows: np.ndarray,
+                                output_rows: np.ndarray, need_backprop: bool
+                                ) -> SpecAugmentTimeMaskComponentPrecomputedIndexes:
+        """precompute_indexes on (k, 3) n, t, x int64 arrays (the Index-list form calls
+        this): the rows sorted by (n, t), stably, and where each sequence starts."""
+        self._check_identical(input_rows.shape == output_rows.shape
+                              and np.array_equal(input_rows, output_rows))
+        if not len(input_rows):
             raise ComponentError("no indexes", component=self.label())
-        arr = indexes_to_array(input_indexes).astype(np.int64)
+        arr = np.asarray(input_rows, dtype=np.int64).reshape(-1, 3)
         order = np.lexsort((np.arange(arr.shape[0]), arr[:, 1], arr[:, 0]))
         n_sorted = arr[order, 0]
         starts = np.flatnonzero(np.r_[True, n_sorted[1:] != n_sorted[:-1]])
