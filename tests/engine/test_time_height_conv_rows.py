@@ -129,3 +129,26 @@ def test_the_memo_stays_bounded_and_is_a_request_memo():
         assert len(time_height_conv._COMPILED) <= time_height_conv._COMPILED_SIZE
     clear_request_memos()
     assert not time_height_conv._COMPILED
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_step_arrays_kept_by_content_equal_a_fresh_build(seed):
+    """step_arrays keeps its results by what they are made of: a second call (another
+    computation object of the same structure) gives the same numbers as a build from
+    scratch, the arrays read-only and the meta rows the caller's own."""
+    from engine.nnet.components import _convolution
+    comp, ins, outs = _case(seed)
+    cc = compile_convolution_rows(comp.model, ins, outs, comp.max_memory_mb)[0]
+    cc_again = compile_convolution_rows(comp.model, ins, outs, comp.max_memory_mb)[0]
+    assert cc_again is not cc and cc_again == cc
+    _convolution._STEP_ARRAYS.clear()
+    first = _convolution.step_arrays(cc)
+    second = _convolution.step_arrays(cc_again)
+    fresh = _convolution._step_arrays(cc)
+    for got in (first, second):
+        assert got[0] == fresh[0]
+        np.testing.assert_array_equal(got[1], fresh[1])
+        np.testing.assert_array_equal(got[2], fresh[2])
+        assert not got[1].flags.writeable and not got[2].flags.writeable
+    first[0][0][0] += 1          # a caller's meta rows are its own
+    assert _convolution.step_arrays(cc)[0] == fresh[0]

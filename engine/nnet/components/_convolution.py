@@ -342,12 +342,37 @@ def compile_convolution_rows(model: ConvolutionModel, input_indexes, output_inde
 # the maths
 
 
+# step_arrays' results by what they are made of (the filters, the input height and each
+# step's time shift, first parameter column and height map: the model's structure, and its
+# frames appended when the output's time step is a multiple of the input's), so that the
+# compiles of a network after its first reuse them, as they reuse its other per-node plans;
+# the arrays are read-only and the meta rows copied for each caller.
+_STEP_ARRAYS: dict = {}
+_STEP_ARRAYS_SIZE = 256
+
+
 def step_arrays(cc: ConvolutionComputation):
     """Per-step column data: (meta rows, gather columns, backward column passes).
 
     meta[s] = [time shift, params start col, number of columns, contiguous (0/1),
     first column, offset into ``columns``, number of backward passes, offset into
     ``backward``]; columns use ``input_dim`` for a zero column (height -1)."""
+    key = (cc.num_filters_in, cc.height_in,
+           tuple((s.input_time_shift, s.params_start_col, tuple(s.height_map))
+                 for s in cc.steps))
+    hit = _STEP_ARRAYS.get(key)
+    if hit is None:
+        meta, columns, backward = _step_arrays(cc)
+        columns.flags.writeable = False
+        backward.flags.writeable = False
+        if len(_STEP_ARRAYS) >= _STEP_ARRAYS_SIZE:
+            _STEP_ARRAYS.clear()
+        _STEP_ARRAYS[key] = hit = (tuple(map(tuple, meta)), columns, backward)
+    meta, columns, backward = hit
+    return [list(m) for m in meta], columns, backward
+
+
+def _step_arrays(cc: ConvolutionComputation):
     f_in = cc.num_filters_in
     input_dim = cc.height_in * f_in
     meta, cols_all, bw_all = [], [], []
