@@ -110,6 +110,17 @@ def index_rows(indexes: Iterable[Index], dtype=np.int64) -> np.ndarray:
     return flat.reshape(-1, 3)
 
 
+def as_index_rows(indexes) -> np.ndarray:
+    """(k, 3) int64 n, t, x rows of a sequence of Indexes or of an array of such rows; a
+    (k, 3) int64 array is returned as it is (the components' row hooks give such arrays
+    back unchanged to say that nothing moved)."""
+    if isinstance(indexes, np.ndarray):
+        if indexes.dtype == np.int64 and indexes.ndim == 2 and indexes.shape[1] == 3:
+            return indexes
+        return indexes.reshape(-1, 3).astype(np.int64, copy=False)
+    return index_rows(indexes)
+
+
 def indexes_to_array(indexes: Iterable[Index]) -> np.ndarray:
     """Bulk form: (N, 3) int32 array of [n, t, x] rows."""
     return index_rows(indexes, np.int32)

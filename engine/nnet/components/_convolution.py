@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import array_to_indexes
 from engine.core.xp import array_module, as_strided
 from engine.nnet.components._nonsimple_utils import (
     ConvolutionComputationIo,
@@ -307,19 +306,12 @@ def _check_model_and_io(model: ConvolutionModel, io: ConvolutionComputationIo,
             raise ComponentError(f"time {int(t[~ok][0])} is required but not in the input")
 
 
-def compile_convolution(model: ConvolutionModel, input_indexes, output_indexes,
-                        max_memory_mb: float, what: str = "a component"):
-    """Kaldi's CompileConvolutionComputation: returns (computation, new input Indexes,
-    new output Indexes).  Raises ComponentError where Kaldi would assert."""
-    cc, new_in, new_out = compile_convolution_rows(model, input_indexes, output_indexes,
-                                                   max_memory_mb, what)
-    return cc, array_to_indexes(new_in), array_to_indexes(new_out)
-
-
 def compile_convolution_rows(model: ConvolutionModel, input_indexes, output_indexes,
                              max_memory_mb: float, what: str = "a component"):
-    """``compile_convolution`` with the new Indexes as (k, 3) int64 n, t, x rows;
-    ``input_indexes`` and ``output_indexes`` may be Indexes or such rows."""
+    """Kaldi's CompileConvolutionComputation: returns (computation, new input Indexes,
+    new output Indexes), the new Indexes as (k, 3) int64 n, t, x rows (``input_indexes``
+    and ``output_indexes`` may be Indexes or such rows).  Raises ComponentError where
+    Kaldi would assert."""
     io = get_computation_io(input_indexes, output_indexes, what)
     _check_model_and_io(model, io, False)
     _pad_computation_input_time(model, io)

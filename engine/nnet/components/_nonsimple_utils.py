@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.errors import ComponentError, ResourceLimitError
-from engine.core.index import K_NO_TIME, Index, index_rows
+from engine.core.index import K_NO_TIME, Index, as_index_rows
 from engine.core.xp import array_module
 from engine.nnet.kaldi_io import (  # noqa: F401  (re-exported for the component modules)
     KaldiReader,
@@ -157,16 +157,9 @@ def read_basic_bool(reader: KaldiReader) -> bool:
 # index helpers (nnet-compile-utils, convolution.cc)
 
 
-def _rows(indexes) -> np.ndarray:
-    """(N, 3) int64 n, t, x rows of a list of Indexes (or of such an array)."""
-    if isinstance(indexes, np.ndarray):
-        return indexes.reshape(-1, 3).astype(np.int64, copy=False)
-    return index_rows(indexes)
-
-
 def get_nx_list(indexes) -> list[tuple[int, int]]:
     """Sorted unique (n, x) pairs over all indexes (blank ones included, as Kaldi)."""
-    a = _rows(indexes)
+    a = as_index_rows(indexes)
     if not len(a):
         return []
     return list(map(tuple, np.unique(a[:, ::2], axis=0).tolist()))
@@ -174,7 +167,7 @@ def get_nx_list(indexes) -> list[tuple[int, int]]:
 
 def get_t_list(indexes) -> list[int]:
     """Sorted unique t values, ignoring blank (kNoTime) indexes."""
-    t = _rows(indexes)[:, 1]
+    t = as_index_rows(indexes)[:, 1]
     return np.unique(t[t != K_NO_TIME]).tolist()
 
 
@@ -221,7 +214,7 @@ def grid_rows(nx: list[tuple[int, int]], t_start: int, t_step: int, num_t: int,
     rows[..., 1] = blocks[:, None, None] + inner[None, None, :]
     rows[..., 2] = nxa[None, :, 1:2]
     rows = rows.reshape(-1, 3)
-    have = _rows(present)
+    have = as_index_rows(present)
     have = have[have[:, 1] != K_NO_TIME]
     rows[~_rows_in(rows, have), 1] = K_NO_TIME
     return rows

@@ -26,10 +26,9 @@ import math
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, K_NO_TIME, array_to_indexes
+from engine.core.index import Index, K_NO_TIME, as_index_rows
 from engine.core.xp import array_module, as_strided
 from engine.nnet.components._nonsimple_utils import (
-    _rows,
     config_errors_name_type,
     ConvolutionComputationIo,
     get_computation_io,
@@ -52,6 +51,8 @@ from engine.nnet.components.base import (
     Component,
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
+    PrecomputeOnRows,
+    ReorderOnRows,
     register_component,
 )
 
@@ -91,7 +92,7 @@ _DOUBLE_MATRIX = FieldKind(read_double_matrix,
 
 
 @register_component
-class RestrictedAttentionComponent(TokenFieldsComponent):
+class RestrictedAttentionComponent(ReorderOnRows, PrecomputeOnRows, TokenFieldsComponent):
     type_name = "RestrictedAttentionComponent"
     ARRAYS = ("entropy_stats", "posterior_stats")
     STAT_FIELDS = ("entropy_stats", "posterior_stats", "stats_count")
@@ -296,7 +297,7 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
         """reorder_indexes on (k, 3) n, t, x int64 rows.  Rows already in that order
         are given back as the same objects (the compiler tests identity to know that
         nothing moved)."""
-        ins, outs = _rows(input_rows), _rows(output_rows)
+        ins, outs = as_index_rows(input_rows), as_index_rows(output_rows)
         io = self._computation_structure(ins, outs)
         nx = get_nx_list(ins)
         new_in = grid_rows(nx, io.start_t_in, io.t_step_in, io.num_t_in, 1, ins, self.label())
@@ -306,19 +307,11 @@ class RestrictedAttentionComponent(TokenFieldsComponent):
             return input_rows, output_rows
         return new_in, new_out
 
-    def reorder_indexes(self, input_indexes, output_indexes):
-        new_in, new_out = self.reorder_index_arrays(_rows(input_indexes), _rows(output_indexes))
-        return array_to_indexes(new_in), array_to_indexes(new_out)
-
     def precompute_index_arrays(self, misc_info, input_rows, output_rows,
                                 need_backprop: bool) -> "RestrictedAttentionIndexes":
         """precompute_indexes on (k, 3) n, t, x int64 rows."""
         return RestrictedAttentionIndexes(
-            self._computation_structure(_rows(input_rows), _rows(output_rows)))
-
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        return self.precompute_index_arrays(misc_info, _rows(input_indexes),
-                                            _rows(output_indexes), need_backprop)
+            self._computation_structure(as_index_rows(input_rows), as_index_rows(output_rows)))
 
     # -- maths -------------------------------------------------------------------------
     def _layout(self, indexes, in_rows: int, out_rows: int):

@@ -36,7 +36,7 @@ from typing import Any, Callable, ClassVar, Iterable
 import numpy as np
 
 from engine.core.errors import ComponentError, ConfigError, DimensionError, ModelFormatError
-from engine.core.index import Index
+from engine.core.index import Index, array_to_indexes, as_index_rows
 from engine.core.xp import to_numpy
 from engine.nnet.config_line import ConfigLine
 from engine.nnet.kaldi_io import KaldiReader, KaldiWriter
@@ -352,6 +352,28 @@ class Component:
             want = f"({rows if rows is not None else '*'}, {cols})"
             raise DimensionError(f"{what} has shape {tuple(arr.shape)}, expected {want}",
                                  component=self.label())
+
+
+class ReorderOnRows:
+    """Mixin (before Component in the bases) for a component whose reordering works on
+    (k, 3) n, t, x int64 rows (``reorder_index_arrays``, what the compiler calls): the
+    Index-list form converts and calls it."""
+
+    def reorder_indexes(self, input_indexes, output_indexes):
+        new_in, new_out = self.reorder_index_arrays(as_index_rows(input_indexes),
+                                                    as_index_rows(output_indexes))
+        return array_to_indexes(new_in), array_to_indexes(new_out)
+
+
+class PrecomputeOnRows:
+    """Mixin (before Component in the bases) for a component whose precomputed indexes
+    are made from (k, 3) n, t, x int64 rows (``precompute_index_arrays``, what the
+    compiler and the shortcut's expansion call): the Index-list form converts and calls
+    it."""
+
+    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
+        return self.precompute_index_arrays(misc_info, as_index_rows(input_indexes),
+                                            as_index_rows(output_indexes), need_backprop)
 
 
 class UpdatableComponent(Component):

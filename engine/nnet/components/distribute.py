@@ -15,12 +15,13 @@ from __future__ import annotations
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index
-from engine.nnet.components._nonsimple_utils import _rows, config_errors_name_type, row_positions
+from engine.core.index import Index, as_index_rows
+from engine.nnet.components._nonsimple_utils import config_errors_name_type, row_positions
 from engine.nnet.components._fields import INT, TokenFieldsComponent
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
+    PrecomputeOnRows,
     register_component,
 )
 
@@ -35,7 +36,7 @@ class DistributeIndexes(ComponentPrecomputedIndexes):
 
 
 @register_component
-class DistributeComponent(TokenFieldsComponent):
+class DistributeComponent(PrecomputeOnRows, TokenFieldsComponent):
     type_name = "DistributeComponent"
     _FIELDS = (("<InputDim>", "input_dim_", INT), ("<OutputDim>", "output_dim_", INT))
 
@@ -106,11 +107,11 @@ class DistributeComponent(TokenFieldsComponent):
                                 need_backprop: bool) -> "DistributeIndexes":
         """precompute_indexes on (k, 3) n, t, x int64 rows (what the compiler hands
         over; the Index-list form calls this)."""
-        out = _rows(output_rows)
+        out = as_index_rows(output_rows)
         nb = self.num_blocks
         want = out.copy()
         want[:, 2] = out[:, 2] // nb
-        ins = _rows(input_rows)
+        ins = as_index_rows(input_rows)
         rows = row_positions(want, ins)
         missing = np.flatnonzero(rows < 0)
         if len(missing):
@@ -119,10 +120,6 @@ class DistributeComponent(TokenFieldsComponent):
                                  f"Index {Index(*out[k].tolist())} is not in the input",
                                  component=self.label())
         return DistributeIndexes(rows, out[:, 2] - want[:, 2] * nb, len(ins))
-
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        return self.precompute_index_arrays(misc_info, _rows(input_indexes),
-                                            _rows(output_indexes), need_backprop)
 
     # -- maths -------------------------------------------------------------------------
     def propagate(self, indexes, in_value, out):

@@ -20,13 +20,14 @@ from __future__ import annotations
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, index_rows, indexes_to_array
+from engine.core.index import Index
 from engine.core.xp import array_module
 from engine.nnet.components.base import (
     Component,
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
     MiscComputationInfo,
+    PrecomputeOnRows,
     register_component,
 )
 from engine.nnet.components._fields import (
@@ -251,9 +252,11 @@ class IndexedMaskComponent(RandomComponent, SameDimComponent):
 
     PRECOMPUTED: type[ComponentPrecomputedIndexes]
 
-    def _check_identical(self, identical: bool) -> None:
-        """Raises unless the input and output indexes are identical (as Kaldi asks)."""
-        if not identical:
+    def _check_identical(self, input_rows: np.ndarray, output_rows: np.ndarray) -> None:
+        """Raises unless the input and output indexes ((k, 3) rows) are identical (as
+        Kaldi asks)."""
+        if not (input_rows.shape == output_rows.shape
+                and np.array_equal(input_rows, output_rows)):
             raise ComponentError("input and output indexes must be identical",
                                  component=self.label())
 
@@ -301,7 +304,7 @@ _GENERAL_PROPS_BLOCKS = _GENERAL_PROPS | P.INPUT_CONTIGUOUS | P.OUTPUT_CONTIGUOU
 
 
 @register_component
-class GeneralDropoutComponent(IndexedMaskComponent):
+class GeneralDropoutComponent(PrecomputeOnRows, IndexedMaskComponent):
     """Dropout with one mask per sequence (n), or per block of time-period frames;
     optionally continuous, or SpecAugment's frequency masking."""
 
@@ -404,20 +407,11 @@ class GeneralDropoutComponent(IndexedMaskComponent):
         w.write_token("</GeneralDropoutComponent>")
 
     # -- index interface ---------------------------------------------------------------
-    def precompute_indexes(self, misc_info: MiscComputationInfo | None,
-                           input_indexes: list[Index], output_indexes: list[Index],
-                           need_backprop: bool) -> GeneralDropoutComponentPrecomputedIndexes:
-        self._check_identical(list(input_indexes) == list(output_indexes))
-        return self._mask_rows(indexes_to_array(input_indexes).astype(np.int64))
-
     def precompute_index_arrays(self, misc_info: MiscComputationInfo | None,
                                 input_rows: np.ndarray, output_rows: np.ndarray,
                                 need_backprop: bool) -> GeneralDropoutComponentPrecomputedIndexes:
         """precompute_indexes on (k, 3) n, t, x int64 arrays."""
-        same = input_rows.shape == output_rows.shape and (
-            input_rows.tobytes() == output_rows.tobytes() if input_rows.dtype == output_rows.dtype
-            else np.array_equal(input_rows, output_rows))
-        self._check_identical(same)
+        self._check_identical(input_rows, output_rows)
         return self._mask_rows(input_rows)
 
     def _mask_rows(self, arr: np.ndarray) -> GeneralDropoutComponentPrecomputedIndexes:
@@ -539,7 +533,7 @@ class SpecAugmentTimeMaskComponentPrecomputedIndexes(ComponentPrecomputedIndexes
 
 
 @register_component
-class SpecAugmentTimeMaskComponent(IndexedMaskComponent):
+class SpecAugmentTimeMaskComponent(PrecomputeOnRows, IndexedMaskComponent):
     """SpecAugment's time masking: alternating kept and zeroed runs of frames."""
 
     type_name = "SpecAugmentTimeMaskComponent"
@@ -584,17 +578,12 @@ class SpecAugmentTimeMaskComponent(IndexedMaskComponent):
             writer.write_token("<TestMode>")
         writer.write_token("</SpecAugmentTimeMaskComponent>")
 
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        return self.precompute_index_arrays(misc_info, index_rows(input_indexes),
-                                            index_rows(output_indexes), need_backprop)
-
     def precompute_index_arrays(self, misc_info, input_rows: np.ndarray,
                                 output_rows: np.ndarray, need_backprop: bool
                                 ) -> SpecAugmentTimeMaskComponentPrecomputedIndexes:
-        """precompute_indexes on (k, 3) n, t, x int64 arrays (the Index-list form calls
-        this): the rows sorted by (n, t), stably, and where each sequence starts."""
-        self._check_identical(input_rows.shape == output_rows.shape
-                              and np.array_equal(input_rows, output_rows))
+        """precompute_indexes on (k, 3) n, t, x int64 arrays: the rows sorted by (n, t),
+        stably, and where each sequence starts."""
+        self._check_identical(input_rows, output_rows)
         if not len(input_rows):
             raise ComponentError("no indexes", component=self.label())
         arr = np.asarray(input_rows, dtype=np.int64).reshape(-1, 3)

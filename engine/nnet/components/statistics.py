@@ -18,13 +18,15 @@ from __future__ import annotations
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, array_to_indexes
+from engine.core.index import Index, as_index_rows
 from engine.core.xp import array_module
-from engine.nnet.components._nonsimple_utils import _rows, add_row_ranges, config_errors_name_type
+from engine.nnet.components._nonsimple_utils import add_row_ranges, config_errors_name_type
 from engine.nnet.components._fields import BOOL, FLOAT, INT, TokenFieldsComponent
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
+    PrecomputeOnRows,
+    ReorderOnRows,
     register_component,
 )
 from engine.nnet.kaldi_io import KaldiReader
@@ -69,8 +71,8 @@ def _range_lookup(input_indexes, output_indexes, lo_t: np.ndarray, hi_t: np.ndar
     Kaldi looks each grid time up separately and asserts the hits are contiguous;
     here the sort order makes the hits a searchsorted range, and off-grid inputs
     inside a range (which Kaldi's assertion would reject) are reported."""
-    inp = _rows(input_indexes)
-    out = _rows(output_indexes)
+    inp = as_index_rows(input_indexes)
+    out = as_index_rows(output_indexes)
     if inp.shape[0] > 1:
         prev, nxt = inp[:-1], inp[1:]
         ok = (prev[:, 0] < nxt[:, 0]) | ((prev[:, 0] == nxt[:, 0]) & (
@@ -128,7 +130,7 @@ def _range_lookup(input_indexes, output_indexes, lo_t: np.ndarray, hi_t: np.ndar
 # --------------------------------------------------------------------------------------
 
 
-class _StatisticsComponent(TokenFieldsComponent):
+class _StatisticsComponent(ReorderOnRows, PrecomputeOnRows, TokenFieldsComponent):
     """What extraction and pooling share: input-dim and input-period, the info line,
     the (n, x, t) index order and computability (any of the inputs present)."""
 
@@ -162,19 +164,12 @@ class _StatisticsComponent(TokenFieldsComponent):
         """reorder_indexes on (k, 3) n, t, x int64 rows: both sorted on (n, x, t), stably.
         Rows already in that order are given back as the same objects (the compiler tests
         identity to know that nothing moved)."""
-        ins, outs = _rows(input_rows), _rows(output_rows)
+        ins, outs = as_index_rows(input_rows), as_index_rows(output_rows)
         oi, oo = _nxt_order(ins), _nxt_order(outs)
         if oi is None and oo is None:
             return input_rows, output_rows
         return (ins if oi is None else ins[oi]), (outs if oo is None else outs[oo])
 
-    def reorder_indexes(self, input_indexes, output_indexes):
-        new_in, new_out = self.reorder_index_arrays(_rows(input_indexes), _rows(output_indexes))
-        return array_to_indexes(new_in), array_to_indexes(new_out)
-
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        return self.precompute_index_arrays(misc_info, _rows(input_indexes),
-                                            _rows(output_indexes), need_backprop)
 
 
 class StatisticsExtractionIndexes(ComponentPrecomputedIndexes):
@@ -262,7 +257,7 @@ class StatisticsExtractionComponent(_StatisticsComponent):
     def precompute_index_arrays(self, misc_info, input_rows, output_rows,
                                 need_backprop: bool) -> StatisticsExtractionIndexes:
         """precompute_indexes on (k, 3) n, t, x int64 rows."""
-        input_rows, output_rows = _rows(input_rows), _rows(output_rows)
+        input_rows, output_rows = as_index_rows(input_rows), as_index_rows(output_rows)
         out_t = output_rows[:, 1]
         lo = self.output_period * np.floor_divide(out_t, self.output_period)
         hi = lo + self.output_period - 1
@@ -430,7 +425,7 @@ class StatisticsPoolingComponent(_StatisticsComponent):
     def precompute_index_arrays(self, misc_info, input_rows, output_rows,
                                 need_backprop: bool) -> StatisticsPoolingIndexes:
         """precompute_indexes on (k, 3) n, t, x int64 rows."""
-        input_rows, output_rows = _rows(input_rows), _rows(output_rows)
+        input_rows, output_rows = as_index_rows(input_rows), as_index_rows(output_rows)
         out_t = output_rows[:, 1]
         begins, ends = _range_lookup(input_rows, output_rows,
                                      out_t - self.left_context, out_t + self.right_context,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.errors import ComponentError, DimensionError
-from engine.core.index import K_NO_TIME, Index
+from engine.core.index import K_NO_TIME, Index, as_index_rows
 from engine.core.memo import request_memo
 from engine.core.xp import array_module
 from engine.nnet.components._param_utils import (
@@ -48,6 +48,8 @@ from engine.nnet.components._param_utils import (
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
+    PrecomputeOnRows,
+    ReorderOnRows,
     UpdatableComponent,
     register_component,
 )
@@ -86,15 +88,6 @@ class TimeGrid:
     reorder_t_in: int = 1
 
 
-def _as_rows(indexes) -> np.ndarray:
-    """(k, 3) int64 n, t, x rows of a list of Indexes or an array (a (k, 3) int64
-    array is returned as it is)."""
-    if type(indexes) is np.ndarray and indexes.dtype == np.int64 and indexes.ndim == 2 \
-            and indexes.shape[1] == 3:
-        return indexes
-    return np.asarray(indexes, dtype=np.int64).reshape(-1, 3)
-
-
 def _distinct(a: np.ndarray) -> np.ndarray:
     a = np.sort(a)
     if len(a) > 1:
@@ -130,7 +123,7 @@ def _regular_t(rows: np.ndarray, what: str) -> tuple[int, int, int]:
 def tdnn_time_grid(input_indexes, output_indexes) -> TimeGrid:
     """GetComputationIo followed by TdnnComponent::ModifyComputationIo (Indexes as
     lists or (k, 3) n, t, x arrays)."""
-    ins, outs = _as_rows(input_indexes), _as_rows(output_indexes)
+    ins, outs = as_index_rows(input_indexes), as_index_rows(output_indexes)
     return _time_grid(ins, outs, _nx_pairs(ins))
 
 
@@ -329,8 +322,8 @@ def tdnn_index_rows_for_grid(g: TimeGrid, input_rows: np.ndarray, output_rows: n
 def tdnn_indexes_for_grid(g: TimeGrid, input_indexes: list[Index],
                           output_indexes: list[Index]) -> tuple[list[Index], list[Index]]:
     """Kaldi's GetIndexesForComputation."""
-    new_in, new_out = tdnn_index_rows_for_grid(g, _as_rows(input_indexes),
-                                               _as_rows(output_indexes))
+    new_in, new_out = tdnn_index_rows_for_grid(g, as_index_rows(input_indexes),
+                                               as_index_rows(output_indexes))
     return ([Index(*r) for r in new_in.tolist()], [Index(*r) for r in new_out.tolist()])
 
 
@@ -377,7 +370,7 @@ _PROPS_NO_BIAS = _PROPS | P.PROPAGATE_ADDS
 
 
 @register_component
-class TdnnComponent(UpdatableComponent):
+class TdnnComponent(ReorderOnRows, PrecomputeOnRows, UpdatableComponent):
     """Options: time-offsets (e.g. -1,0,1), input-dim, output-dim (required);
     param-stddev (1/sqrt(input-dim * #offsets)), bias-mean (0), bias-stddev (1),
     use-bias (true), orthonormal-constraint (0), use-natural-gradient (true),
@@ -530,7 +523,7 @@ class TdnnComponent(UpdatableComponent):
         Rows already in the order reorder_indexes gives (the common case) are
         returned as they are, the same array objects when given as (k, 3) int64
         arrays (the caller may test identity to know nothing moved)."""
-        input_rows, output_rows = _as_rows(input_rows), _as_rows(output_rows)
+        input_rows, output_rows = as_index_rows(input_rows), as_index_rows(output_rows)
         if _grid_unchanged(input_rows, output_rows) is not None:
             return input_rows, output_rows
         pairs = _nx_pairs(input_rows)
@@ -540,16 +533,11 @@ class TdnnComponent(UpdatableComponent):
             raise ComponentError(e.reason, component=self.label()) from None
         return tdnn_index_rows_for_grid(grid, input_rows, output_rows, pairs)
 
-    def reorder_indexes(self, input_indexes, output_indexes):
-        new_in, new_out = self.reorder_index_arrays(_as_rows(input_indexes),
-                                                    _as_rows(output_indexes))
-        return ([Index(*r) for r in new_in.tolist()], [Index(*r) for r in new_out.tolist()])
-
     def precompute_index_arrays(self, misc_info, input_rows: np.ndarray,
                                 output_rows: np.ndarray, need_backprop: bool
                                 ) -> TdnnPrecomputedIndexes:
         """precompute_indexes on (k, 3) n, t, x int64 arrays."""
-        input_rows, output_rows = _as_rows(input_rows), _as_rows(output_rows)
+        input_rows, output_rows = as_index_rows(input_rows), as_index_rows(output_rows)
         g = _grid_unchanged(input_rows, output_rows)
         if g is None:
             g = self._checked_grid(input_rows, output_rows)
@@ -585,11 +573,6 @@ class TdnnComponent(UpdatableComponent):
             input_t = rel // g.t_step_in
             offsets.append((input_t // n) * n * g.num_images + input_t % n)
         return TdnnPrecomputedIndexes(n, offsets)
-
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes,
-                           need_backprop: bool) -> TdnnPrecomputedIndexes:
-        return self.precompute_index_arrays(misc_info, _as_rows(input_indexes),
-                                            _as_rows(output_indexes), need_backprop)
 
     # -- maths --------------------------------------------------------------------------
     def _layout(self, indexes, num_in_rows: int, num_out_rows: int) -> tuple[int, list[int]]:

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, K_NO_TIME, array_to_indexes
+from engine.core.index import Index, K_NO_TIME, as_index_rows
 from engine.core.memo import request_memo
 from engine.nnet.components._convolution import (
     ConvolutionComputation,
@@ -35,7 +35,6 @@ from engine.nnet.components._convolution import (
 )
 from engine.nnet.components._fields import INT, FieldKind, read_fields, write_fields
 from engine.nnet.components._nonsimple_utils import (
-    _rows,
     config_errors_name_type,
     read_int_pair_vector,
     write_int_pair_vector,
@@ -50,6 +49,8 @@ from engine.nnet.components._param_utils import (
 from engine.nnet.components.base import (
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
+    PrecomputeOnRows,
+    ReorderOnRows,
     UpdatableComponent,
     register_component,
 )
@@ -107,7 +108,7 @@ def _parse_int_list(cfg, key: str, text: str) -> list[int]:
 
 
 @register_component
-class TimeHeightConvolutionComponent(UpdatableComponent):
+class TimeHeightConvolutionComponent(ReorderOnRows, PrecomputeOnRows, UpdatableComponent):
     type_name = "TimeHeightConvolutionComponent"
     PARAMS = ("linear_params", "bias_params")
 
@@ -344,7 +345,7 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
         are given back as the same objects (the compiler tests identity to know that
         nothing moved).  The computation compiled on the way is remembered for
         precompute_index_arrays of the rows returned (see _COMPILED)."""
-        ins, outs = _rows(input_rows), _rows(output_rows)
+        ins, outs = as_index_rows(input_rows), as_index_rows(output_rows)
         cc, new_in, new_out = self._compile_rows(ins, outs)
         if len(_COMPILED) >= _COMPILED_SIZE:
             _COMPILED.clear()
@@ -354,15 +355,11 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
             return input_rows, output_rows
         return new_in, new_out
 
-    def reorder_indexes(self, input_indexes, output_indexes):
-        new_in, new_out = self.reorder_index_arrays(_rows(input_indexes), _rows(output_indexes))
-        return array_to_indexes(new_in), array_to_indexes(new_out)
-
     def precompute_index_arrays(self, misc_info, input_rows, output_rows,
                                 need_backprop: bool) -> TimeHeightConvolutionIndexes:
         """precompute_indexes on (k, 3) n, t, x int64 rows, which must be in the order
         reorder_indexes gives them (ComponentError otherwise)."""
-        ins, outs = _rows(input_rows), _rows(output_rows)
+        ins, outs = as_index_rows(input_rows), as_index_rows(output_rows)
         hit = _COMPILED.get((id(self), ins.tobytes(), outs.tobytes()))
         if hit is not None and hit[0] is self.model and hit[1] == self.max_memory_mb:
             return TimeHeightConvolutionIndexes(hit[2])
@@ -371,10 +368,6 @@ class TimeHeightConvolutionComponent(UpdatableComponent):
             raise ComponentError("precompute_indexes got Indexes that reorder_indexes "
                                  "would change (reorder them first)", component=self.label())
         return TimeHeightConvolutionIndexes(cc)
-
-    def precompute_indexes(self, misc_info, input_indexes, output_indexes, need_backprop):
-        return self.precompute_index_arrays(misc_info, _rows(input_indexes),
-                                            _rows(output_indexes), need_backprop)
 
     # -- maths -------------------------------------------------------------------------
     def _check_rows(self, ci, in_rows: int, out_rows: int) -> None:
