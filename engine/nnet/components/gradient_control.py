@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 from engine.core.errors import ComponentError
-from engine.core.index import Index, indexes_to_array
 from engine.core.xp import array_module
 from engine.nnet.components.base import (
     Component,
     ComponentPrecomputedIndexes,
     ComponentProperty as P,
     MiscComputationInfo,
+    PrecomputeOnRows,
     register_component,
 )
 from engine.nnet.components._fields import (
@@ -237,7 +237,7 @@ _BACKPROP_TRUNCATION_PROPS = P.PROPAGATE_IN_PLACE | P.BACKPROP_IN_PLACE
 
 
 @register_component
-class BackpropTruncationComponent(SameDimComponent, TokenFieldsComponent):
+class BackpropTruncationComponent(PrecomputeOnRows, SameDimComponent, TokenFieldsComponent):
     type_name = "BackpropTruncationComponent"
     STAT_FIELDS = ("num_clipped", "num_zeroed", "count", "count_zeroing_boundaries")
     # <Scale> may be absent from old models
@@ -324,14 +324,6 @@ class BackpropTruncationComponent(SameDimComponent, TokenFieldsComponent):
         self.num_zeroed += alpha * other.num_zeroed
 
     # -- index interface (inputs = outputs; only the precomputed zeroing pattern) --
-    def precompute_indexes(self, misc_info: MiscComputationInfo | None,
-                           input_indexes: list[Index], output_indexes: list[Index],
-                           need_backprop: bool) -> BackpropTruncationComponentPrecomputedIndexes:
-        if len(input_indexes) != len(output_indexes):
-            raise ComponentError(f"{len(input_indexes)} input vs {len(output_indexes)} "
-                                 "output indexes (must be equal)", component=self.label())
-        return self._zeroing(indexes_to_array(output_indexes).astype(np.int64))
-
     def precompute_index_arrays(self, misc_info: MiscComputationInfo | None,
                                 input_rows: np.ndarray, output_rows: np.ndarray,
                                 need_backprop: bool
