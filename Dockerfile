@@ -20,7 +20,9 @@ RUN pip install . \
     && useradd --system --uid 10001 --no-create-home nnetc
 
 USER nnetc
-# listen on every interface inside the container; one BLAS thread per core by default
+# listen on every interface inside the container.  OpenBLAS starts a thread per core it
+# may run on, which a CPU quota (docker run --cpus N) does not reduce: set
+# OPENBLAS_NUM_THREADS=N with it (the service logs a warning at start otherwise)
 ENV NNETC_HOST=0.0.0.0 \
     NNETC_PORT=8000
 EXPOSE 8000

@@ -19,9 +19,9 @@ import redis
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
-from engine.runtime import blas
+from engine.runtime import blas, parallel
 from engine.runtime.backend import get_backend
-from service import logs
+from service import cpu_limit, logs
 from service.cache import LRUComputationCache
 from service.deps import Services
 from service.errors import install_error_handlers
@@ -55,10 +55,19 @@ def _swagger_path() -> str | None:
 def build_services(settings: Settings) -> Services:
     metrics = Metrics()
     backend = get_backend(settings.backend)
-    # the products' speed depends on NumPy's BLAS and on environment overrides of its
-    # kernel choice: say which, in the log and in /metrics (nnetc_blas_info)
-    metrics.set_blas(blas.blas_libraries(), blas.blas_environment(os.environ))
-    log.info(blas.describe(os.environ))
+    # the BLAS thread policy (process-wide, as the BLAS thread count is); the products'
+    # speed depends on NumPy's BLAS and on environment overrides of its kernel choice:
+    # say which, in the log and in /metrics (nnetc_blas_info)
+    parallel.set_thread_policy(settings.blas_thread_policy)
+    libraries = blas.blas_libraries()
+    metrics.set_blas(libraries, blas.blas_environment(os.environ), parallel.thread_policy())
+    log.info(f"{blas.describe(os.environ)}; thread policy {parallel.thread_policy()}")
+    if settings.backend == "numpy":
+        # a container's CPU quota does not shrink OpenBLAS's thread pool
+        warning = cpu_limit.blas_threads_over_quota(
+            libraries[0].get("threads") if libraries else None, cpu_limit.cpu_quota())
+        if warning:
+            log.warning(warning)
     if settings.redis_url:
         client = redis.Redis.from_url(settings.redis_url,
                                       socket_timeout=settings.redis_timeout_s,

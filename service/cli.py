@@ -605,10 +605,15 @@ def bench_group() -> None:
                    "identities as aliases, sibling-affine fusion and recurrent-affine "
                    "splitting) or as stored (test mode only: the structure of Kaldi's "
                    "kaldi_stats.json figures).")
+@click.option("--thread-policy", type=click.Choice(["stable", "adaptive"]), default="stable",
+              show_default=True,
+              help="BLAS thread policy (engine/runtime/parallel.py, the service's "
+                   "NNETC_BLAS_THREAD_POLICY): whether the BLAS thread count may change "
+                   "where one thread rounds otherwise (numpy backend).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_typed_errors
 def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, network,
-                      as_json) -> None:
+                      thread_policy, as_json) -> None:
     """Cold compile and forward time of MODEL on the chunk request of kaldi_stats.json.
 
     MODEL is a model or config file, or a directory holding model.raw or final.mdl
@@ -628,9 +633,16 @@ def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, network,
         model_path = resolve_model(model_path)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="MODEL") from None
-    figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend,
-                              split=split, network=network)
+    from engine.runtime import parallel  # noqa: PLC0415
+    before = parallel.thread_policy()
+    parallel.set_thread_policy(thread_policy)
+    try:
+        figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend,
+                                  split=split, network=network)
+    finally:
+        parallel.set_thread_policy(before)
     figures["network"] = network
+    figures["thread_policy"] = thread_policy
     kaldi = kaldi_comparison(model_path, figures)
     if kaldi is not None:
         # Kaldi's figures were taken on the network as stored: only that form compares

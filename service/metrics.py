@@ -53,15 +53,17 @@ class Metrics:
             "nnetc_blas", "the BLAS the CPU backend's products run on: library, version, "
             "kernel set, threads, and environment overrides of the kernel choice", registry=r)
 
-    def set_blas(self, libraries: list[dict], environment: dict) -> None:
+    def set_blas(self, libraries: list[dict], environment: dict,
+                 thread_policy: str = "stable") -> None:
         """Fill nnetc_blas_info from engine.runtime.blas (the first library; NumPy
-        loads one)."""
+        loads one) and the BLAS thread policy (engine.runtime.parallel)."""
         lib = libraries[0] if libraries else {}
         self.blas.info({"library": str(lib.get("library") or "unknown"),
                         "version": str(lib.get("version") or ""),
                         "kernels": str(lib.get("architecture") or ""),
                         "threads": str(lib.get("threads") or ""),
-                        "coretype_override": environment.get("OPENBLAS_CORETYPE", "")})
+                        "coretype_override": environment.get("OPENBLAS_CORETYPE", ""),
+                        "thread_policy": thread_policy})
 
     def cache_event(self, event: str) -> None:
         self.cache_events.labels(event=event).inc()

@@ -58,6 +58,16 @@ class Settings(BaseSettings):
                     "decode long utterances faster this way than with a multi-threaded "
                     "BLAS; used only for such networks and at least 400 output frames per "
                     "thread (Inferencer.parallel_pays)")
+    blas_thread_policy: Literal["stable", "adaptive"] = Field(
+        default="stable",
+        description="'stable': the BLAS thread count is changed (one thread for small "
+                    "computations, infer_threads) only where that changes no number, so a "
+                    "computation gives the same bits every run; 'adaptive': changed for "
+                    "speed also where the BLAS rounds otherwise on one thread (OpenBLAS's "
+                    "Haswell kernels on AVX2 machines), results then agreeing from run to "
+                    "run to float32 rounding -- on a machine shared with other work a "
+                    "small computation's products at two threads can take 3-13 times "
+                    "their one-thread time (engine.runtime.parallel)")
     max_request_indexes: int = Field(
         default=100_000, ge=1,
         description="requests with more Indexes (inputs and outputs together), and infer "

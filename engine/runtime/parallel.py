@@ -47,7 +47,15 @@ finds out once per process, by computing a sample of products of the shapes and 
 speech networks have at the count in force and on one thread; where they differ,
 ``run_concurrently`` runs the jobs in turn and ``ThreadChoice`` keeps the count in force
 (each computation's results are then the same run after run, whatever runs beside it,
-at the cost of those two speed-ups on such a machine).
+at the cost of those two speed-ups on such a machine).  That is the ``"stable"`` thread
+policy, the default.  Its price is steepest on a machine shared with other work: while
+another process holds a core, a product split over two OpenBLAS threads waits for a
+thread that has none (a TDNN-F 150-frame forward: 18-77 ms at two threads against 5.7-5.9
+ms on one, AMD EPYC Zen 3 with the Haswell kernels, a compile job on the other core).
+``set_thread_policy("adaptive")`` lets ``ThreadChoice`` and ``run_concurrently`` change
+the count there too: results then agree from run to run to float32 rounding (as they do
+across batch compositions), not bit for bit.  Where products do not depend on the count
+the two policies are the same.
 
 Every job computes what it would compute alone: results are exactly those of running
 the jobs one after another (where the count is changed at all, the products' numbers do
@@ -223,7 +231,7 @@ def run_concurrently(jobs: Sequence[Callable[[], T]], threads: int) -> list[T]:
         raise ValueError(f"threads must be >= 1, got {threads}")
     jobs = list(jobs)
     if (threads == 1 or len(jobs) <= 1 or not blas_threads_settable()
-            or (_above_one() and products_depend_on_thread_count())):
+            or (_above_one() and count_is_fixed())):
         return _run_in_turn(jobs)
     threads = min(threads, len(jobs))
     lanes = [jobs[k::threads] for k in range(threads)]
@@ -345,6 +353,39 @@ def products_depend_on_thread_count() -> bool:
     return _dependent
 
 
+# -- the policy: may the count change where the numbers then change? ----------------------------
+
+THREAD_POLICIES = ("stable", "adaptive")
+_adaptive = False       # set_thread_policy("adaptive")
+
+
+def set_thread_policy(policy: str) -> None:
+    """``"stable"`` (the default): the runtime changes no BLAS thread count where products
+    on one thread round otherwise than at the count in force, so a computation gives the
+    same bits every run; ``"adaptive"``: ``ThreadChoice`` and ``run_concurrently`` change
+    it for speed there too (see the module docstring).  A change of policy makes every
+    ThreadChoice decide again (``forget_thread_choices``)."""
+    global _adaptive
+    if policy not in THREAD_POLICIES:
+        raise ValueError(f"unknown BLAS thread policy {policy!r}: expected one of "
+                         f"{', '.join(THREAD_POLICIES)}")
+    adaptive = policy == "adaptive"
+    if adaptive != _adaptive:
+        _adaptive = adaptive
+        forget_thread_choices()
+
+
+def thread_policy() -> str:
+    return "adaptive" if _adaptive else "stable"
+
+
+def count_is_fixed() -> bool:
+    """Whether the runtime must keep the BLAS thread count in force: under the stable
+    policy, where one BLAS thread would give other numbers
+    (``products_depend_on_thread_count()``)."""
+    return not _adaptive and products_depend_on_thread_count()
+
+
 # -- one BLAS thread for small work ----------------------------------------------------------------
 
 def _above_one() -> bool:
@@ -417,10 +458,10 @@ class ThreadChoice:
     ``forget_thread_choices`` makes every choice start over.
     Nothing is decided while the count is one anyway (a one-thread BLAS, a
     concurrent section of ``run_concurrently``, a caller's own limit), nor where
-    the count cannot be set, nor where products on one BLAS thread give other numbers
-    (``products_depend_on_thread_count``): there the stretch always runs at the count
-    in force, so that a computation gives the same bits every run.  Elsewhere only
-    speed depends on the choice.  With a process-wide setting (NumPy's OpenBLAS)
+    the count cannot be set, nor, under the stable thread policy, where products on
+    one BLAS thread give other numbers (``count_is_fixed``): there the stretch always
+    runs at the count in force, so that a computation gives the same bits every run.
+    Elsewhere (and under the adaptive policy) only speed depends on the choice.  With a process-wide setting (NumPy's OpenBLAS)
     holding one thread is a concurrent section: every thread's products run on one
     BLAS thread meanwhile, as they do while sections run."""
 
@@ -472,7 +513,7 @@ class ThreadChoice:
         self.times = ([], [])
 
     def _trial(self, fn: Callable[[], T]) -> T:
-        if products_depend_on_thread_count() or not _above_one():
+        if count_is_fixed() or not _above_one():
             return fn()         # a choice that would change bits, or nothing to choose now
         k = self.runs
         self.runs = k + 1

@@ -1,5 +1,6 @@
 """``nnetc bench forward``: the JSON object it prints on a tiny model (shape and
-internal consistency only -- wall-clock times are never asserted)."""
+internal consistency only -- wall-clock times are never asserted); its --split,
+--network and --thread-policy options."""
 
 from __future__ import annotations
 
@@ -77,6 +78,27 @@ def test_bench_forward_split(tmp_path):
     assert abs(figures["frames_per_s"] * figures["exec_ms"] / 1e3 - 12) < 1e-6 * 12
     r = _run(["bench", "forward", cfg, "--chunk", 6, "--batch", 3, "--split", 2])
     assert r.exit_code != 0 and "divide --batch 3" in r.output
+
+
+def test_bench_forward_thread_policy(tmp_path):
+    """--thread-policy: named in the figures, the process's policy as it was afterwards,
+    an unknown one refused."""
+    from engine.runtime import parallel  # noqa: PLC0415
+    cfg = tmp_path / "tiny.config"
+    cfg.write_text(CONFIG)
+    seen = []
+    real = parallel.set_thread_policy
+    parallel.set_thread_policy = lambda p: (seen.append(p), real(p))
+    try:
+        r = _run(["bench", "forward", cfg, "--chunk", 4, "--repeat", 1,
+                  "--thread-policy", "adaptive", "--json"])
+    finally:
+        parallel.set_thread_policy = real
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["thread_policy"] == "adaptive"
+    assert seen == ["adaptive", "stable"] and parallel.thread_policy() == "stable"
+    r = _run(["bench", "forward", cfg, "--chunk", 4, "--thread-policy", "fast"])
+    assert r.exit_code == 2 and "--thread-policy" in r.output
 
 
 def test_bench_forward_network_forms():

@@ -7,7 +7,8 @@ each) and what uses it: Inferencer(threads=K) and the service's infer_threads.
   overlapping calls: a process-wide setting, as NumPy's OpenBLAS has, is held by a
   reference count), the probe telling a thread-local setting from a process-wide one,
   jobs in turn without a BLAS setting, nested calls; jobs in turn where one BLAS thread
-  changes the numbers, and the probe that finds that out;
+  changes the numbers (in their lanes under the adaptive thread policy), and the probe
+  that finds that out;
 - Inferencer with threads=2 gives exactly the outputs of threads=1 (utterances of
   different lengths and chunk shapes, i-vectors, a recurrent network, subsampling), and
   splits a group of chunks into one batch per thread.
@@ -207,6 +208,29 @@ def test_at_one_blas_thread_lanes_run_even_where_it_changes_the_numbers(monkeypa
         time.sleep(0.01)        # (a thread's ident is reused once it has ended)
         return threading.get_ident()
     seen = run_concurrently([job] * 3, 3)
+    assert me not in seen and len(set(seen)) == 3
+
+
+def test_adaptive_policy_runs_lanes_where_one_thread_changes_the_numbers(monkeypatch):
+    """Under the adaptive BLAS thread policy the jobs run in their lanes even where one
+    BLAS thread rounds otherwise (under the stable one they run in turn: above)."""
+    monkeypatch.setattr(parallel, "_dependent", True)
+    monkeypatch.setattr(parallel, "_above_one", lambda: True)
+    monkeypatch.setattr(parallel, "blas_threads_settable", lambda: True)
+    monkeypatch.setattr(parallel, "blas_setting_is_thread_local", lambda: True)
+    monkeypatch.setattr(parallel, "_blas_setters", lambda: [])
+    me = threading.get_ident()
+
+    def job():
+        time.sleep(0.01)
+        return threading.get_ident()
+    assert run_concurrently([job] * 3, 3) == [me] * 3       # stable: in turn
+    parallel.set_thread_policy("adaptive")
+    try:
+        monkeypatch.setattr(parallel, "_dependent", True)  # (the policy change forgot it)
+        seen = run_concurrently([job] * 3, 3)
+    finally:
+        parallel.set_thread_policy("stable")
     assert me not in seen and len(set(seen)) == 3
 
 

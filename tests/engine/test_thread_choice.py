@@ -6,7 +6,8 @@ where that is faster.
   when faster by MARGIN; kept afterwards, and timed again after RECHECK runs (a choice
   made while the machine was loaded heals; one that stands is checked half as often);
 - nothing is timed or decided while the count is one anyway, nor where one BLAS thread
-  gives other numbers (products_depend_on_thread_count);
+  gives other numbers (products_depend_on_thread_count) under the stable thread policy;
+  under the adaptive one it is (set_thread_policy; unknown policy names refused);
 - forget_thread_choices makes it decide again;
 - a failing run lets the thread go and reaches the caller;
 - with the real BLAS: the count is one while held, and as it was afterwards;
@@ -176,6 +177,45 @@ def test_nothing_decided_where_one_thread_changes_the_numbers(fake, monkeypatch)
         choice.run(clock.work)
     assert choice.one is None and choice.runs == 0
     assert clock.settings == [False] * len(clock.settings)
+
+
+@pytest.fixture
+def adaptive():
+    """The adaptive BLAS thread policy for one test (the stable one, the default, after)."""
+    parallel.set_thread_policy("adaptive")
+    try:
+        yield
+    finally:
+        parallel.set_thread_policy("stable")
+
+
+def test_the_adaptive_policy_decides_where_one_thread_changes_the_numbers(fake, monkeypatch,
+                                                                            adaptive):
+    """Under set_thread_policy("adaptive") the choice is made where products on one BLAS
+    thread round otherwise too (speed first: a loaded machine's two-thread products of a
+    small computation can be many times slower); back on the stable policy the choice
+    starts over and nothing is decided there any more."""
+    clock = fake(1.0, 3.5)
+    monkeypatch.setattr(parallel, "products_depend_on_thread_count", lambda: True)
+    assert parallel.thread_policy() == "adaptive" and not parallel.count_is_fixed()
+    choice = ThreadChoice()
+    for _ in range(3):                      # untimed, one thread, library's count
+        choice.run(clock.work)
+    assert choice.one is True and clock.settings == [False, True, False]
+    choice.run(clock.work)
+    assert clock.settings[-1] is True and clock.held == 0
+    parallel.set_thread_policy("stable")
+    assert parallel.count_is_fixed()
+    start = len(clock.settings)
+    for _ in range(10):
+        choice.run(clock.work)
+    assert choice.one is None and clock.settings[start:] == [False] * 10
+
+
+def test_thread_policy_names_are_checked():
+    with pytest.raises(ValueError, match="unknown BLAS thread policy 'fast'.*stable, adaptive"):
+        parallel.set_thread_policy("fast")
+    assert parallel.thread_policy() == "stable"
 
 
 def test_forget_makes_it_decide_again(fake):

@@ -1,12 +1,14 @@
 """Operations endpoints: metrics, readiness, offline docs, internal errors that leak
-nothing."""
+nothing; the BLAS thread policy setting."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import numpy as np
+import pytest
 
+from service.settings import Settings
 from tests.service.conftest import TINY_CONFIG, encode, make_client, register, request_for
 
 
@@ -56,6 +58,30 @@ def test_startup_finds_out_whether_one_blas_thread_changes_the_numbers(monkeypat
     with make_client(backend="numpy") as c:
         assert asked == [True]
         assert c.get("/readyz").status_code == 200
+
+
+def test_blas_thread_policy_setting(monkeypatch):
+    """NNETC_BLAS_THREAD_POLICY reaches engine.runtime.parallel (process-wide, as the BLAS
+    thread count is) and /metrics; the default is the stable policy; an unknown name is
+    refused when the settings are read, naming the field."""
+    from engine.runtime import parallel  # noqa: PLC0415
+    from pydantic import ValidationError  # noqa: PLC0415
+    monkeypatch.setenv("NNETC_BLAS_THREAD_POLICY", "adaptive")
+    try:
+        with make_client() as c:
+            assert parallel.thread_policy() == "adaptive"
+            text = c.get("/metrics").text
+        info = [line for line in text.splitlines() if line.startswith("nnetc_blas_info{")]
+        assert 'thread_policy="adaptive"' in info[0]
+    finally:
+        monkeypatch.delenv("NNETC_BLAS_THREAD_POLICY")
+        parallel.set_thread_policy("stable")
+    with make_client() as c:
+        assert parallel.thread_policy() == "stable"
+        assert 'thread_policy="stable"' in c.get("/metrics").text
+    monkeypatch.setenv("NNETC_BLAS_THREAD_POLICY", "fastest")
+    with pytest.raises(ValidationError, match="blas_thread_policy"):
+        Settings()
 
 
 def test_docs_offline_or_absent():
