@@ -454,7 +454,12 @@ class ThreadChoice:
     loaded machine's two-thread run of a small computation can take 200 times the
     one-thread one: no need to pay for two more); and the next check waits long
     enough for the runs it spends on the slower setting to cost at most
-    ``CHECK_COST`` of the work in between.
+    ``CHECK_COST`` of the work in between.  Runs on the chosen setting are timed too:
+    ``SLOW_RUNS`` in a row that each take ``DECISIVE`` times the setting's fastest timing
+    at the decision bring the check forward to the next run (a choice of the library's
+    count made on an idle machine, when another process then takes a core, would
+    otherwise cost 2-17x per run for up to ``RECHECK_MAX`` runs: TDNN-LSTM 150x8 under
+    such load 62 -> 117-1072 ms).
     ``forget_thread_choices`` makes every choice start over.
     Nothing is decided while the count is one anyway (a one-thread BLAS, a
     concurrent section of ``run_concurrently``, a caller's own limit), nor where
@@ -471,7 +476,9 @@ class ThreadChoice:
     RECHECK_MAX = 65536
     DECISIVE = 3.0
     CHECK_COST = 0.01
-    __slots__ = ("runs", "times", "one", "epoch", "left", "interval", "last", "decisions")
+    SLOW_RUNS = 3
+    __slots__ = ("runs", "times", "one", "epoch", "left", "interval", "last", "decisions",
+                 "best", "slow")
 
     def __init__(self) -> None:
         self._reset()
@@ -485,26 +492,35 @@ class ThreadChoice:
         self.interval = self.RECHECK
         self.last: bool | None = None      # the choice before the check under way
         self.decisions = 0                 # how many times it has decided (checks too)
+        self.best = 0.0                    # the chosen setting's fastest timing
+        self.slow = 0                      # runs in a row since, DECISIVE times slower
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` in the setting chosen (or on trial)."""
         if self.epoch != _epoch:
             self._reset()
         one = self.one
-        if one is not None:
-            self.left -= 1
-            if self.left <= 0:
-                self._recheck()
-                return self._trial(fn)
-        if one is False:
-            return fn()
-        if one is True:
-            token = _hold_one()
-            try:
-                return fn()
-            finally:
+        if one is None:
+            return self._trial(fn)
+        self.left -= 1
+        if self.left <= 0:
+            self._recheck()
+            return self._trial(fn)
+        token = _hold_one() if one else None
+        try:
+            t = time.perf_counter()
+            out = fn()
+            secs = time.perf_counter() - t
+        finally:
+            if one:
                 _let_go(token)
-        return self._trial(fn)
+        if self.best > 0.0 and secs >= self.DECISIVE * self.best:
+            self.slow += 1
+            if self.slow >= self.SLOW_RUNS:
+                self.left = 0           # the machine has changed: check at the next run
+        else:
+            self.slow = 0
+        return out
 
     def _recheck(self) -> None:
         """Time both settings again (the one-off costs of a first run are paid)."""
@@ -549,4 +565,5 @@ class ThreadChoice:
         needed = math.ceil(len(other) * slower / self.CHECK_COST)
         self.interval = min(max(interval, needed), self.RECHECK_MAX)
         self.one, self.last, self.left = one, None, self.interval
+        self.best, self.slow = min(chosen), 0
         self.decisions += 1

@@ -4,7 +4,8 @@ where that is faster.
 - the choice follows the faster setting (a fake clock: no wall-clock assertion), after a
   first untimed run and TRIALS timed runs of each setting, alternating; one thread only
   when faster by MARGIN; kept afterwards, and timed again after RECHECK runs (a choice
-  made while the machine was loaded heals; one that stands is checked half as often);
+  made while the machine was loaded heals; one that stands is checked half as often), or
+  at once after SLOW_RUNS runs that each take DECISIVE times the chosen setting's best;
 - nothing is timed or decided while the count is one anyway, nor where one BLAS thread
   gives other numbers (products_depend_on_thread_count) under the stable thread policy;
   under the adaptive one it is (set_thread_policy; unknown policy names refused);
@@ -115,6 +116,32 @@ def test_a_choice_is_checked_again_and_heals(fake, monkeypatch):
     assert choice.one is False and choice.decisions == 2
     assert choice.interval == 4       # changed: checked again soon
     assert clock.held == 0
+
+
+def test_a_run_of_slow_runs_brings_the_check_forward(fake):
+    """The library's count chosen on an idle machine; then another process takes a core
+    and its runs take DECISIVE times as long: after SLOW_RUNS of them the next run starts
+    the check, which turns the choice round at once (a decisive gap).  A single slow run
+    (a hiccup) does not."""
+    clock = fake(2.0, 1.0)                  # (one thread, library's count)
+    choice = ThreadChoice()
+    for _ in range(1 + 2 * ThreadChoice.TRIALS):
+        choice.run(clock.work)
+    assert choice.one is False and choice.best == 1.0 and choice.left == choice.interval
+    clock.costs = (10.0, 2.0)               # (free, held): the library's count 10x slower
+    choice.run(clock.work)                  # one slow run, then back to normal
+    clock.costs = (1.0, 2.0)
+    choice.run(clock.work)
+    assert choice.slow == 0 and choice.one is False
+    clock.costs = (10.0, 2.0)
+    start = len(clock.settings)
+    for _ in range(ThreadChoice.SLOW_RUNS):
+        choice.run(clock.work)
+    assert choice.one is False and choice.left == 0
+    choice.run(clock.work)                  # the check: one thread first ...
+    choice.run(clock.work)                  # ... then the library's count: 5x apart
+    assert clock.settings[start:] == [False] * ThreadChoice.SLOW_RUNS + [True, False]
+    assert choice.one is True and choice.decisions == 2 and clock.held == 0
 
 
 def test_a_choice_that_stands_is_checked_less_often(fake, monkeypatch):
