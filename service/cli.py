@@ -528,6 +528,25 @@ def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivec
         np.save(out_path, np.concatenate(pieces, axis=0).astype(np.float32, copy=False))
 
 
+def _settings(settings_class, overrides: dict):
+    """The service settings from NNETC_* environment variables and the command's options;
+    a value that does not validate is a usage error naming its variable (exit status 2),
+    not a traceback."""
+    from pydantic import ValidationError  # noqa: PLC0415
+    try:
+        return settings_class(**overrides)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            field = ".".join(str(x) for x in err["loc"]) or "settings"
+            where = (f"--{field.replace('_', '-')}" if field in overrides
+                     else f"NNETC_{field.upper()}")
+            value = err.get("input")
+            shown = f" (got {value!r})" if isinstance(value, (str, int, float)) else ""
+            problems.append(f"{where}: {err['msg']}{shown}")
+        raise click.UsageError("invalid settings: " + "; ".join(problems)) from None
+
+
 @main.command("serve")
 @click.option("--host", default=None, help="Interface to listen on (default: settings, "
                                            "127.0.0.1).")
@@ -545,7 +564,7 @@ def serve_cmd(host, port, log_level) -> None:
     from service.settings import Settings  # noqa: PLC0415
     overrides = {k: v for k, v in (("host", host), ("port", port), ("log_level", log_level))
                  if v is not None}
-    settings = Settings(**overrides)
+    settings = _settings(Settings, overrides)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level.lower(), access_log=False)
 
@@ -567,7 +586,7 @@ def worker_cmd(name, log_level) -> None:
     from service.redis_queue import RedisWorker  # noqa: PLC0415
     from service.settings import Settings  # noqa: PLC0415
     overrides = {"log_level": log_level} if log_level else {}
-    settings = Settings(**overrides)
+    settings = _settings(Settings, overrides)
     if not settings.redis_url:
         raise click.UsageError("nnetc worker needs NNETC_REDIS_URL")
     logs.configure(settings.log_level)

@@ -1,6 +1,7 @@
 """`nnetc serve` as a subprocess on a free port: /healthz, /readyz and /docs answer, and a
 stream runs over a real WebSocket (uvicorn needs a WebSocket library for that, which
-Starlette's TestClient in the other tests does not)."""
+Starlette's TestClient in the other tests does not); settings that do not validate are
+a usage error naming the variable."""
 
 from __future__ import annotations
 
@@ -90,3 +91,24 @@ def test_nnetc_serve_subprocess():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_invalid_settings_are_a_usage_error(monkeypatch):
+    """A NNETC_* value that does not validate stops `nnetc serve` and `nnetc worker` with
+    exit status 2 and a message naming the variable, its problem and the value given (not
+    a traceback); an option given on the command line is named as the option."""
+    from click.testing import CliRunner
+
+    from service.cli import main
+    monkeypatch.setenv("NNETC_BLAS_THREAD_POLICY", "bogus")
+    r = CliRunner().invoke(main, ["serve", "--port", "1"])
+    assert r.exit_code == 2
+    assert "NNETC_BLAS_THREAD_POLICY" in r.output and "'stable' or 'adaptive'" in r.output
+    assert "'bogus'" in r.output and "Traceback" not in r.output
+    monkeypatch.delenv("NNETC_BLAS_THREAD_POLICY")
+    monkeypatch.setenv("NNETC_MAX_BATCH", "abc")
+    r = CliRunner().invoke(main, ["worker"])
+    assert r.exit_code == 2 and "NNETC_MAX_BATCH" in r.output and "integer" in r.output
+    monkeypatch.delenv("NNETC_MAX_BATCH")
+    r = CliRunner().invoke(main, ["serve", "--port", "70000"])
+    assert r.exit_code == 2 and "--port" in r.output
