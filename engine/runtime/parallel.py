@@ -466,9 +466,10 @@ class ThreadChoice:
     the count cannot be set, nor, under the stable thread policy, where products on
     one BLAS thread give other numbers (``count_is_fixed``): there the stretch always
     runs at the count in force, so that a computation gives the same bits every run.
-    Elsewhere (and under the adaptive policy) only speed depends on the choice.  With a process-wide setting (NumPy's OpenBLAS)
-    holding one thread is a concurrent section: every thread's products run on one
-    BLAS thread meanwhile, as they do while sections run."""
+    Elsewhere (and under the adaptive policy) only speed depends on the choice.  With a
+    process-wide setting (NumPy's OpenBLAS) holding one thread is a concurrent section:
+    every thread's products run on one BLAS thread meanwhile, as they do while sections
+    run."""
 
     TRIALS = 3
     MARGIN = 0.03
