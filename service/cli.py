@@ -41,6 +41,28 @@ def _typed_errors(fn):
     return wrapper
 
 
+def _with_thread_policy(fn):
+    """The command with a --thread-policy option (also NNETC_BLAS_THREAD_POLICY, as for
+    the service): engine.runtime.parallel's BLAS thread policy for the command's run, put
+    back afterwards."""
+    @click.option("--thread-policy", type=click.Choice(["stable", "adaptive"]),
+                  default="stable", show_default=True, envvar="NNETC_BLAS_THREAD_POLICY",
+                  help="BLAS thread policy (engine/runtime/parallel.py; env "
+                       "NNETC_BLAS_THREAD_POLICY): 'adaptive' lets the BLAS thread count "
+                       "change for speed also where one thread rounds otherwise (OpenBLAS's "
+                       "Haswell kernels), results then agreeing to float32 rounding.")
+    @functools.wraps(fn)
+    def wrapped(*args, thread_policy, **kwargs):
+        from engine.runtime import parallel  # noqa: PLC0415
+        before = parallel.thread_policy()
+        parallel.set_thread_policy(thread_policy)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            parallel.set_thread_policy(before)
+    return wrapped
+
+
 def _check_out(path: str, what: str) -> None:
     """Refuse an output path that cannot be written, before any work is done: its
     directory must exist and be writable (``what``: the option or argument, for the
@@ -426,6 +448,7 @@ def _load_npy(path: str, what: str):
               help="Chunk batches computed at the same time, each matrix product on one BLAS "
                    "thread (faster than a multi-threaded BLAS for TDNN/TDNN-F/CNN models on "
                    "long inputs; not used for recurrent networks or short inputs).")
+@_with_thread_policy
 @_typed_errors
 def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivector_period,
               frames_per_chunk, extra_left_context, extra_right_context,
@@ -483,6 +506,7 @@ def infer_cmd(model_path, features_path, ivector_path, online_path, online_ivect
                    "Kaldi's looped decodable does: that recurrence cut at each chunk's end.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
               help="Where to write the output matrix (.npy).")
+@_with_thread_policy
 @_typed_errors
 def stream_cmd(model_path, features_path, ivector_path, online_path, online_ivector_period,
                chunk_size, frame_subsampling_factor, extra_left_context_initial,
@@ -624,15 +648,11 @@ def bench_group() -> None:
                    "identities as aliases, sibling-affine fusion and recurrent-affine "
                    "splitting) or as stored (test mode only: the structure of Kaldi's "
                    "kaldi_stats.json figures).")
-@click.option("--thread-policy", type=click.Choice(["stable", "adaptive"]), default="stable",
-              show_default=True,
-              help="BLAS thread policy (engine/runtime/parallel.py, the service's "
-                   "NNETC_BLAS_THREAD_POLICY): whether the BLAS thread count may change "
-                   "where one thread rounds otherwise (numpy backend).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_with_thread_policy
 @_typed_errors
 def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, network,
-                      thread_policy, as_json) -> None:
+                      as_json) -> None:
     """Cold compile and forward time of MODEL on the chunk request of kaldi_stats.json.
 
     MODEL is a model or config file, or a directory holding model.raw or final.mdl
@@ -652,16 +672,11 @@ def bench_forward_cmd(model_path, chunk, batch, repeat, backend, split, network,
         model_path = resolve_model(model_path)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="MODEL") from None
-    from engine.runtime import parallel  # noqa: PLC0415
-    before = parallel.thread_policy()
-    parallel.set_thread_policy(thread_policy)
-    try:
-        figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend,
-                                  split=split, network=network)
-    finally:
-        parallel.set_thread_policy(before)
+    from engine.runtime.parallel import thread_policy  # noqa: PLC0415
+    figures = measure_forward(model_path, chunk, batch, repeat=repeat, backend=backend,
+                              split=split, network=network)
     figures["network"] = network
-    figures["thread_policy"] = thread_policy
+    figures["thread_policy"] = thread_policy()
     kaldi = kaldi_comparison(model_path, figures)
     if kaldi is not None:
         # Kaldi's figures were taken on the network as stored: only that form compares

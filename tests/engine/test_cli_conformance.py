@@ -5,7 +5,8 @@ model gradients (arrays.npz, model_grad.txt); always on the 14 Kaldi-made cases 
 tests/data/networks_kaldi_gen, on every case of ../shared/kaldi-ref/networks when it is
 there.  Models: ``nnetc infer`` against nnet3-compute (infer.json) and ``nnetc stream``
 against the looped decodable (looped.json), on the Kaldi-made online-i-vector cases always
-and the reference models of ../shared when present."""
+and the reference models of ../shared when present; both under the adaptive BLAS thread
+policy too (--thread-policy, NNETC_BLAS_THREAD_POLICY)."""
 
 from __future__ import annotations
 
@@ -124,3 +125,37 @@ def test_reference_streams_through_the_cli(kind, folder: Path, setting, tmp_path
         _run("stream", model, *_io_args(tmp_path, j, feats, ivector, online,
                                         o["online_ivector_period"]), *flags)
         assert_close(np.load(tmp_path / f"o{j}.npy"), want, f"{folder.name} nnetc stream")
+
+
+def test_infer_and_stream_take_the_thread_policy(tmp_path, monkeypatch):
+    """``--thread-policy adaptive`` (or NNETC_BLAS_THREAD_POLICY) holds for the command's
+    run and is put back afterwards; the outputs still agree with Kaldi's; an unknown
+    policy is a usage error."""
+    from engine.runtime import parallel  # noqa: PLC0415
+    seen = []
+    real = parallel.set_thread_policy
+    monkeypatch.setattr(parallel, "set_thread_policy", lambda p: (seen.append(p), real(p)))
+    kind, folder, setting = infer_reference_params()[0].values
+    model, o, jobs = infer_reference(kind, folder, setting)
+    flags = [a for k, f in _FLAGS.items() if k in o for a in (f, o[k])]
+    flags += [f"--{k.replace('_', '-')}" for k in ("apply_exp", "use_priors") if o.get(k)]
+    feats, ivector, online, want = jobs[0]
+    io = _io_args(tmp_path, 0, feats, ivector, online, o.get("online_ivector_period"))
+    _run("infer", model, *io, *flags, "--thread-policy", "adaptive")
+    assert_close(np.load(tmp_path / "o0.npy"), want, f"{folder.name} nnetc infer adaptive")
+    assert seen == ["adaptive", "stable"] and parallel.thread_policy() == "stable"
+    monkeypatch.setenv("NNETC_BLAS_THREAD_POLICY", "adaptive")
+    kind, folder, setting = looped_reference_params()[0].values
+    model, o, jobs = looped_reference(kind, folder, setting)
+    feats, ivector, online, want = jobs[0]
+    _run("stream", model, *_io_args(tmp_path, 1, feats, ivector, online,
+                                    o["online_ivector_period"]),
+         "--frames-per-chunk", o["frames_per_chunk"],
+         "--extra-left-context-initial", o["extra_left_context_initial"],
+         "--frame-subsampling-factor", o["frame_subsampling_factor"],
+         *(["--truncate-future-recurrence"] if o["truncate_future_recurrence"] else []))
+    assert_close(np.load(tmp_path / "o1.npy"), want, f"{folder.name} nnetc stream adaptive")
+    assert seen[2:] == ["adaptive", "stable"] and parallel.thread_policy() == "stable"
+    monkeypatch.setenv("NNETC_BLAS_THREAD_POLICY", "fast")
+    r = CliRunner().invoke(main, ["infer", str(model), *map(str, io), *map(str, flags)])
+    assert r.exit_code == 2 and "--thread-policy" in r.output and "'fast'" in r.output
