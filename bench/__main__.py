@@ -21,11 +21,14 @@ def _blas_facts() -> dict:
     """The BLAS libraries NumPy loaded and the environment variables that steer them
     (engine/runtime/blas.py): they change the products' speed."""
     from engine.runtime.blas import blas_environment, blas_libraries  # noqa: PLC0415
-    from engine.runtime.parallel import products_depend_on_thread_count  # noqa: PLC0415
-    # where True, the runtime never changes the BLAS thread count (ThreadChoice keeps the
-    # library's count, split runs go in turn): engine/runtime/parallel.py
+    from engine.runtime.parallel import (products_depend_on_thread_count,  # noqa: PLC0415
+                                         thread_policy)
+    # where True under the stable thread policy, the runtime never changes the BLAS thread
+    # count (ThreadChoice keeps the library's count, split runs go in turn):
+    # engine/runtime/parallel.py
     return {"blas": blas_libraries(), "blas_env": blas_environment(os.environ),
-            "blas_products_depend_on_threads": products_depend_on_thread_count()}
+            "blas_products_depend_on_threads": products_depend_on_thread_count(),
+            "thread_policy": thread_policy()}
 
 
 def _thread_settings(ap, text: str) -> list:
@@ -78,7 +81,20 @@ def main(argv=None) -> int:
                          "kaldi_stats.json figures were measured on)")
     ap.add_argument("--json", dest="json_path", default=None, help="also write JSON here")
     ap.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
+    ap.add_argument("--thread-policy", default="stable", choices=["stable", "adaptive"],
+                    help="BLAS thread policy of the run (engine/runtime/parallel.py; the "
+                         "service's NNETC_BLAS_THREAD_POLICY)")
     args = ap.parse_args(argv)
+    from engine.runtime import parallel  # noqa: PLC0415
+    before = parallel.thread_policy()
+    parallel.set_thread_policy(args.thread_policy)
+    try:
+        return _run(ap, args)
+    finally:
+        parallel.set_thread_policy(before)
+
+
+def _run(ap, args) -> int:
     names = args.suites or list(SUITES)
     unknown = [n for n in names if n not in SUITES]
     if unknown:

@@ -141,6 +141,29 @@ def test_split_setting_rows(tiny_models):
         (21, 1), (150, 1), (150, 8)]
 
 
+def test_thread_policy_of_a_run(tiny_models):
+    """--thread-policy adaptive: recorded with the machine facts, in force during the run,
+    the process's policy put back afterwards; the default run records 'stable'."""
+    from engine.runtime import parallel  # noqa: PLC0415
+    out = tiny_models / "p.json"
+    during = []
+    real = parallel.thread_policy
+
+    def spy():
+        during.append(real())
+        return during[-1]
+    parallel.thread_policy = spy
+    try:
+        assert bench_main.main(["memory", "--models", "tiny", "--thread-policy", "adaptive",
+                                "--json", str(out)]) == 0
+    finally:
+        parallel.thread_policy = real
+    assert json.loads(out.read_text())["machine"]["thread_policy"] == "adaptive"
+    assert "adaptive" in during and parallel.thread_policy() == "stable"
+    assert bench_main.main(["memory", "--models", "tiny", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["machine"]["thread_policy"] == "stable"
+
+
 def test_measure_forward_split_checks_its_batch(tiny_models):
     from bench.forward import measure_forward  # noqa: PLC0415
     path = tiny_models / "models" / "tiny" / "model.raw"
