@@ -85,13 +85,9 @@ def main(argv=None) -> int:
                     help="BLAS thread policy of the run (engine/runtime/parallel.py; the "
                          "service's NNETC_BLAS_THREAD_POLICY)")
     args = ap.parse_args(argv)
-    from engine.runtime import parallel  # noqa: PLC0415
-    before = parallel.thread_policy()
-    parallel.set_thread_policy(args.thread_policy)
-    try:
+    from engine.runtime.parallel import thread_policy_set  # noqa: PLC0415
+    with thread_policy_set(args.thread_policy):
         return _run(ap, args)
-    finally:
-        parallel.set_thread_policy(before)
 
 
 def _run(ap, args) -> int:

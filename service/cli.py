@@ -53,13 +53,9 @@ def _with_thread_policy(fn):
                        "Haswell kernels), results then agreeing to float32 rounding.")
     @functools.wraps(fn)
     def wrapped(*args, thread_policy, **kwargs):
-        from engine.runtime import parallel  # noqa: PLC0415
-        before = parallel.thread_policy()
-        parallel.set_thread_policy(thread_policy)
-        try:
+        from engine.runtime.parallel import thread_policy_set  # noqa: PLC0415
+        with thread_policy_set(thread_policy):
             return fn(*args, **kwargs)
-        finally:
-            parallel.set_thread_policy(before)
     return wrapped
 
 

@@ -65,6 +65,7 @@ the product-form choices -- is guarded by locks).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -379,6 +380,18 @@ def thread_policy() -> str:
     return "adaptive" if _adaptive else "stable"
 
 
+@contextlib.contextmanager
+def thread_policy_set(policy: str):
+    """``set_thread_policy(policy)`` for the block, the policy in force before it put back
+    afterwards (a command line run, a benchmark run)."""
+    before = thread_policy()
+    set_thread_policy(policy)
+    try:
+        yield
+    finally:
+        set_thread_policy(before)
+
+
 def count_is_fixed() -> bool:
     """Whether the runtime must keep the BLAS thread count in force: under the stable
     policy, where one BLAS thread would give other numbers
@@ -427,6 +440,18 @@ def forget_thread_choices() -> None:
     _epoch += 1
     with _probe_lock:
         _dependent = None
+
+
+def _timed(fn: Callable[[], T], one: bool) -> tuple[T, float]:
+    """(``fn()``, its seconds), its products on one BLAS thread if ``one``."""
+    token = _hold_one() if one else None
+    try:
+        t = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t
+    finally:
+        if one:
+            _let_go(token)
 
 
 class ThreadChoice:
@@ -507,14 +532,7 @@ class ThreadChoice:
         if self.left <= 0:
             self._recheck()
             return self._trial(fn)
-        token = _hold_one() if one else None
-        try:
-            t = time.perf_counter()
-            out = fn()
-            secs = time.perf_counter() - t
-        finally:
-            if one:
-                _let_go(token)
+        out, secs = _timed(fn, one)
         if self.best > 0.0 and secs >= self.DECISIVE * self.best:
             self.slow += 1
             if self.slow >= self.SLOW_RUNS:
@@ -537,14 +555,7 @@ class ThreadChoice:
         if k == 0:
             return fn()
         one = k % 2 == 1
-        token = _hold_one() if one else None
-        try:
-            t = time.perf_counter()
-            out = fn()
-            secs = time.perf_counter() - t
-        finally:
-            if one:
-                _let_go(token)
+        out, secs = _timed(fn, one)
         times = self.times
         times[one].append(secs)
         lib, held = times

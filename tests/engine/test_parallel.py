@@ -225,12 +225,9 @@ def test_adaptive_policy_runs_lanes_where_one_thread_changes_the_numbers(monkeyp
         time.sleep(0.01)
         return threading.get_ident()
     assert run_concurrently([job] * 3, 3) == [me] * 3       # stable: in turn
-    parallel.set_thread_policy("adaptive")
-    try:
+    with parallel.thread_policy_set("adaptive"):
         monkeypatch.setattr(parallel, "_dependent", True)  # (the policy change forgot it)
         seen = run_concurrently([job] * 3, 3)
-    finally:
-        parallel.set_thread_policy("stable")
     assert me not in seen and len(set(seen)) == 3
 
 

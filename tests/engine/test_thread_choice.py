@@ -209,11 +209,8 @@ def test_nothing_decided_where_one_thread_changes_the_numbers(fake, monkeypatch)
 @pytest.fixture
 def adaptive():
     """The adaptive BLAS thread policy for one test (the stable one, the default, after)."""
-    parallel.set_thread_policy("adaptive")
-    try:
+    with parallel.thread_policy_set("adaptive"):
         yield
-    finally:
-        parallel.set_thread_policy("stable")
 
 
 def test_the_adaptive_policy_decides_where_one_thread_changes_the_numbers(fake, monkeypatch,
