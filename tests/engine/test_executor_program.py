@@ -902,9 +902,9 @@ def test_element_wise_forms_on_special_values():
     with np.errstate(all="ignore"):
         # ReLU: one zeros block, several (1100 columns: 59 rows a block), none (a row
         # longer than the block)
-        # sigmoid: expit (up to 20 rows), the exp form with its cap in a same-shape
-        # array (21 rows and more) or as a scalar (66,000 elements: beyond the block)
-        for cls, dim, row_counts in ((SigmoidComponent, 37, (1, 5, 20, 21, 40)),
+        # sigmoid: expit (up to 13 rows), the exp form with its cap in a same-shape
+        # array (14 rows and more) or as a scalar (66,000 elements: beyond the block)
+        for cls, dim, row_counts in ((SigmoidComponent, 37, (1, 5, 13, 14, 40)),
                                      (SigmoidComponent, 1100, (60,)),
                                      (TanhComponent, 37, (1, 5)),
                                      (LogSoftmaxComponent, 37, (1, 5)),
@@ -920,8 +920,8 @@ def test_element_wise_forms_on_special_values():
         for use_dropout in (False, True):
             cd = 16
             comp = _random_lstm(rng, cd, use_dropout)
-            # gates of 16 and 48 elements: expit; of 1120: the exp form
-            for rows in (1, 3, 70):
+            # gates of 16, 48 and 512 elements: expit; of 528 and 1120: the exp form
+            for rows in (1, 3, 32, 33, 70):
                 x = _special((rows, comp.input_dim()), rng)
                 _forms_give_the_components_bits(LstmNonlinearityComponent, comp, x, 2 * cd,
                                                 (use_dropout, rows))
@@ -932,19 +932,19 @@ def test_sigmoid_forms_by_size_agree_with_the_exact_logistic():
     exp form: both within a few ulps of the float64 logistic (or below float32's
     smallest normal number), on either side
     of the threshold, special values included; the component and its fast forms take
-    the same one on the same size (20 x 37 = 740 elements: expit; 21 x 37 = 777:
+    the same one on the same size (13 x 37 = 481 elements: expit; 14 x 37 = 518:
     the exp form)."""
     from engine.nnet.components.nonlinear import (SMALL_SIGMOID,  # noqa: PLC0415
                                                   SigmoidComponent, small_sigmoid)
     rng = np.random.default_rng(11)
-    assert small_sigmoid(np, np.zeros((20, 37), np.float32))
-    assert not small_sigmoid(np, np.zeros((21, 37), np.float32))
+    assert small_sigmoid(np, np.zeros((13, 37), np.float32))
+    assert not small_sigmoid(np, np.zeros((14, 37), np.float32))
     assert small_sigmoid(np, np.zeros(SMALL_SIGMOID, np.float32))
     assert not small_sigmoid(np, np.zeros(SMALL_SIGMOID + 1, np.float32))
     assert not small_sigmoid(np, np.zeros(4, np.float16))
     comp = SigmoidComponent()
     comp.dim = 37
-    for rows in (1, 20, 21, 200):
+    for rows in (1, 13, 14, 200):
         x = (rng.standard_normal((rows, 37)) * 12).astype(np.float32)
         x[0, :7] = [0.0, -0.0, 90.0, -90.0, -87.0, 88.72, 88.73]
         got = _forms_give_the_components_bits(SigmoidComponent, comp, x, 37, rows)

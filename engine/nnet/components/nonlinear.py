@@ -297,8 +297,14 @@ class NonlinearComponent(Component):
 #: Intel Xeon), the exp form four calls of NumPy's vector loops (1.6, 2.5 and 46 us).
 #: A BLSTM's gates are 128-element sigmoids at batch 1 (900 of them per 150 frames) and
 #: 1024-element ones at batch 8.  The fast forms (engine/runtime/fastpaths.py) make the
-#: same choice on the same size, so they give the same bits.
-SMALL_SIGMOID = 768
+#: same choice on the same size, so they give the same bits.  Where the two cross depends on
+#: the host (one call, fastest of seven rounds: 768 elements 4.11 against 2.58 us, 384 2.25
+#: against 1.99, 256 1.64 against 1.81 on an Intel Xeon model 167, whose SIMD exp is fast;
+#: 768 on the host that first set it), and an LSTM step takes its i and f gates in one call
+#: of twice a gate's size: from 768 down to 512, a TDNN-LSTM step of 3 x 256 per gate takes
+#: the exp form, 150x1 forward 10.47 -> 9.61 ms, 21x1 2.10 -> 1.97 ms (model 167, the two
+#: settings alternated in one process; BLSTM and batch-8 gates are outside the change).
+SMALL_SIGMOID = 512
 #: the exp form's input is capped here: below ln(largest float32) = 88.7228, so exp stays
 #: finite, and the logistic of anything above it is 1 in float32 and in float64
 EXP_INPUT_MAX = 88.72
