@@ -189,13 +189,13 @@ _FASTAPI_BODY_ERROR = "There was an error parsing the body"
 def _unauthorized(request: Request) -> ServiceError | None:
     """The 401 of a request to a route that needs the bearer token and lacks it, or
     None."""
-    from service.deps import require_auth  # noqa: PLC0415 (deps imports this module)
+    from service.deps import check_auth, require_auth  # noqa: PLC0415 (deps imports this)
     route = request.scope.get("route")
     dependant = getattr(route, "dependant", None)
     if dependant is None or not any(d.call is require_auth for d in dependant.dependencies):
         return None
     try:
-        require_auth(request)
+        check_auth(request)
     except ServiceError as e:
         return e
     return None
