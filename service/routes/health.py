@@ -12,7 +12,9 @@ router = APIRouter(tags=["operations"])
 
 
 @router.get("/healthz")
-def healthz() -> dict:
+async def healthz() -> dict:
+    # a coroutine: it answers from the event loop even when every thread of FastAPI's
+    # pool is taken by requests waiting for their computations
     return {"status": "ok"}
 
 

@@ -139,6 +139,9 @@ def test_route_dependencies_run_in_the_event_loop():
                     seen += 1
                     assert inspect.iscoroutinefunction(call), (route.path, call)
     assert seen >= 10     # (the routes do have dependencies: services, settings, auth)
+    # and the liveness probe needs no thread of the pool either
+    from service.routes.health import healthz  # noqa: PLC0415
+    assert inspect.iscoroutinefunction(healthz)
 
 
 def test_auth_outside_a_dependency_still_refuses():
