@@ -585,16 +585,8 @@ def serve_cmd(host, port, log_level) -> None:
     overrides = {k: v for k, v in (("host", host), ("port", port), ("log_level", log_level))
                  if v is not None}
     settings = _settings(Settings, overrides)
-    uvicorn.run(create_app(settings), **uvicorn_options(settings))
-
-
-def uvicorn_options(settings) -> dict:
-    """What `nnetc serve` gives uvicorn besides the app.  loop and http "auto": uvloop and
-    httptools, which the project installs (pyproject.toml: about 0.3 ms less per request
-    than asyncio and h11), and asyncio / h11 where they cannot be (uvloop on Windows)."""
-    return {"host": settings.host, "port": settings.port,
-            "log_level": settings.log_level.lower(), "access_log": False,
-            "loop": "auto", "http": "auto"}
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level.lower(), access_log=False)
 
 
 @main.command("worker")

@@ -14,7 +14,6 @@ import time
 
 import httpx
 import numpy as np
-import pytest
 
 
 def _free_port() -> int:
@@ -92,26 +91,6 @@ def test_nnetc_serve_subprocess():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="uvloop does not run on Windows")
-def test_serve_runs_on_uvloop_and_httptools():
-    """`nnetc serve`'s uvicorn options pick uvloop's event loop and httptools' parser (the
-    faster pair, dependencies of the project), not asyncio's loop and h11."""
-    import uvicorn
-
-    from service.app import create_app
-    from service.cli import uvicorn_options
-    from service.settings import Settings
-    settings = Settings(log_level="WARNING")
-    config = uvicorn.Config(create_app(settings), **uvicorn_options(settings))
-    config.load()
-    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
-    if hasattr(config, "get_loop_factory"):      # uvicorn 0.36 and later
-        assert config.get_loop_factory().__module__.split(".")[0] == "uvloop"
-    else:                                          # "auto" installs uvloop's policy if it imports
-        import uvloop  # noqa: F401
-    assert (config.host, config.port) == (settings.host, settings.port)
 
 
 def test_invalid_settings_are_a_usage_error(monkeypatch):
