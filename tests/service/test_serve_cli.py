@@ -1,7 +1,7 @@
 """`nnetc serve` as a subprocess on a free port: /healthz, /readyz and /docs answer, and a
 stream runs over a real WebSocket (uvicorn needs a WebSocket library for that, which
 Starlette's TestClient in the other tests does not); settings that do not validate are
-a usage error naming the variable."""
+a usage error naming the variable; a request whose header never ends is cut off."""
 
 from __future__ import annotations
 
@@ -63,6 +63,46 @@ def _websocket_stream(base: str) -> None:
     np.testing.assert_array_equal(outs["ws"], outs["http"])
 
 
+def _rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except OSError:
+        return None
+
+
+def _endless_header_refused(port: int, pid: int) -> None:
+    """A request whose header block never ends (8 MiB of one header, sent in 64 KiB pieces)
+    is cut off by the server long before the end -- a 4xx answer or the connection
+    closed -- and not held in memory; the server answers as before."""
+    before = _rss_kib(pid)
+    refused = False
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        try:
+            for _ in range(128):
+                s.sendall(b"a" * 65536)
+            s.sendall(b"\r\n\r\n")
+            answer = s.recv(64)
+            refused = answer == b"" or answer.startswith(b"HTTP/1.1 4")
+        except OSError:         # reset or broken pipe: the server closed the connection
+            refused = True
+    assert refused, "a request with an 8 MiB header was served"
+    after = _rss_kib(pid)
+    if before is not None and after is not None:
+        assert after - before < 4096, f"the server grew by {after - before} KiB"
+    assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+
+
+def test_serve_parses_http_with_h11():
+    """`nnetc serve` names h11 as uvicorn's HTTP parser (see cli.uvicorn_options: uvicorn's
+    httptools protocol, which its default takes when httptools is installed, keeps an
+    endless header block in memory)."""
+    from service.cli import uvicorn_options
+    from service.settings import Settings
+    assert uvicorn_options(Settings())["http"] == "h11"
+
+
 def test_nnetc_serve_subprocess():
     port = _free_port()
     env = {**os.environ, "NNETC_LOG_LEVEL": "WARNING"}
@@ -84,6 +124,7 @@ def test_nnetc_serve_subprocess():
         assert httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
         assert "/compile" in httpx.get(f"http://127.0.0.1:{port}/openapi.json").json()["paths"]
         _websocket_stream(f"http://127.0.0.1:{port}")
+        _endless_header_refused(port, proc.pid)
     finally:
         proc.terminate()
         try:
