@@ -596,7 +596,11 @@ def uvicorn_options(settings) -> dict:
     every byte of it (200 MB sent, 375 MB resident), where h11 closes the connection
     after its 16 KiB limit.  (httptools answered a small /compute about 0.3 ms sooner.)"""
     return {"host": settings.host, "port": settings.port,
-            "log_level": settings.log_level.lower(), "access_log": False, "http": "h11"}
+            "log_level": settings.log_level.lower(), "access_log": False, "http": "h11",
+            # uvicorn answers 503 once the open connections, the requesting one
+            # included, reach limit_concurrency: max_connections are served
+            "limit_concurrency": (None if settings.max_connections is None
+                                  else settings.max_connections + 1)}
 
 
 @main.command("worker")

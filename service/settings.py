@@ -116,6 +116,15 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(default=1.0, gt=0,
                                    description="connect/read timeout of a Redis call; after "
                                                "a failure Redis is skipped for 5 s")
+    max_connections: int | None = Field(
+        default=None, ge=1,
+        description="`nnetc serve`: HTTP connections (WebSockets included) open at once; "
+                    "a request arriving on one more gets 503 and its connection is closed "
+                    "(uvicorn's limit_concurrency, its plain-text 'Service Unavailable').  Each "
+                    "request is bounded on its own (max_body_bytes, max_request_indexes, "
+                    "max_response_bytes); requests in flight together add up: three "
+                    "concurrent /compute of 40000 TDNN frames with JSON-rows answers held "
+                    "6.4 GB at their peak.  Unset: no limit")
     max_streams: int = Field(default=256, ge=1,
                              description="open streams one process holds; more get 503")
     max_stream_bytes: int = Field(

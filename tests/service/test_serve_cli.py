@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import httpx
 import numpy as np
@@ -103,9 +104,12 @@ def test_serve_parses_http_with_h11():
     assert uvicorn_options(Settings())["http"] == "h11"
 
 
-def test_nnetc_serve_subprocess():
+@contextmanager
+def _serve(**env_extra):
+    """`nnetc serve` in a subprocess on a free port, up and answering /healthz: (port,
+    process); stopped on the way out."""
     port = _free_port()
-    env = {**os.environ, "NNETC_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "NNETC_LOG_LEVEL": "WARNING", **env_extra}
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host",
                              "127.0.0.1", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -121,10 +125,7 @@ def test_nnetc_serve_subprocess():
                     raise AssertionError(f"server did not come up: {out[-2000:]}")
                 time.sleep(0.1)
         assert r.status_code == 200 and r.json() == {"status": "ok"}
-        assert httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
-        assert "/compile" in httpx.get(f"http://127.0.0.1:{port}/openapi.json").json()["paths"]
-        _websocket_stream(f"http://127.0.0.1:{port}")
-        _endless_header_refused(port, proc.pid)
+        yield port, proc
     finally:
         proc.terminate()
         try:
@@ -132,6 +133,54 @@ def test_nnetc_serve_subprocess():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_nnetc_serve_subprocess():
+    with _serve() as (port, proc):
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
+        assert "/compile" in httpx.get(f"http://127.0.0.1:{port}/openapi.json").json()["paths"]
+        _websocket_stream(f"http://127.0.0.1:{port}")
+        _endless_header_refused(port, proc.pid)
+
+
+def _healthz_status(sock) -> bytes:
+    """The status line of a /healthz asked on ``sock``, the whole answer read (b"" if
+    the server closed the connection instead)."""
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = sock.recv(4096)
+        if not more:
+            return b""
+        data += more
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                   if h.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        more = sock.recv(4096)
+        if not more:
+            break
+        body += more
+    return head.split(b"\r\n", 1)[0]
+
+
+def test_max_connections():
+    """NNETC_MAX_CONNECTIONS=2: two keep-alive connections are served; a request on a third
+    gets 503 and the server closes that connection; the two are served as before."""
+    ok, busy = b"HTTP/1.1 200 OK", b"HTTP/1.1 503 Service Unavailable"
+    with _serve(NNETC_MAX_CONNECTIONS="2") as (port, _):
+        a = socket.create_connection(("127.0.0.1", port), timeout=10)
+        b = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            assert _healthz_status(a) == ok and _healthz_status(b) == ok
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+                assert _healthz_status(c) == busy
+                assert c.recv(1) == b""      # closed by the server
+            time.sleep(0.2)                  # (the server's own bookkeeping of the close)
+            assert _healthz_status(a) == ok and _healthz_status(b) == ok
+        finally:
+            a.close()
+            b.close()
 
 
 def test_invalid_settings_are_a_usage_error(monkeypatch):
