@@ -5,9 +5,10 @@ from __future__ import annotations
 import concurrent.futures
 from contextlib import contextmanager
 
-from fastapi import Request
+from fastapi import Request, Response
 
 from engine.core.errors import Cancelled, NnetcError
+from service.convert import wire_json
 from service.errors import ServiceError
 
 
@@ -29,6 +30,14 @@ def blame(request: Request, field: str, named: tuple[str, ...] = ()):
         if getattr(request.state, "error_field", None) is None:
             request.state.error_field = field_of(e, field, named)
         raise
+
+
+def json_answer(model, exclude_none: bool = False) -> Response:
+    """``model`` (a wire model made with ``model_construct``, its JSON-rows matrices as
+    arrays: service.convert.wire_json) as the HTTP answer.  A route returning it skips
+    FastAPI's validation of its response model, which such a model would not pass; the
+    route's response_model still describes it in the OpenAPI schema."""
+    return Response(wire_json(model, exclude_none), media_type="application/json")
 
 
 def run_job(services, kind: str, payload: dict):

@@ -3,13 +3,13 @@ input derivatives and model-parameter gradients as requested."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from schemas.compute import ComputeRequest, ComputeResponse
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, check_answer_size
-from service.routes import blame, run_job
+from service.routes import blame, json_answer, run_job
 from service.routes.compile import compile_payload
 
 router = APIRouter(tags=["compute"], dependencies=AUTH)
@@ -35,7 +35,7 @@ def _matrices(given: dict, specs, nnet, field: str) -> dict:
 
 @router.post("/compute", response_model=ComputeResponse, response_model_exclude_none=True)
 def compute_route(body: ComputeRequest, services: ServicesDep, request: Request
-                  ) -> ComputeResponse:
+                  ) -> Response:
     payload = compile_payload(body, services, request)
     nnet = payload["entry"].model.nnet
     engine_request = payload["request"]    # checked against nnet by compile_payload
@@ -55,10 +55,11 @@ def compute_route(body: ComputeRequest, services: ServicesDep, request: Request
     gradient = None
     if result.gradient is not None:
         gradient = convert.gradient_to_wire(result.gradient, enc, thr)
-    return ComputeResponse(
+    return json_answer(ComputeResponse.model_construct(
         computation_id=compiled.key,
         outputs={k: convert.matrix_to_wire(v, enc, thr) for k, v in result.outputs.items()},
         input_derivs={k: convert.matrix_to_wire(v, enc, thr)
                       for k, v in result.input_derivs.items()},
         model_gradient=gradient,
-        component_stats=None if result.stats is None else convert.stats_to_wire(result.stats))
+        component_stats=None if result.stats is None else convert.stats_to_wire(result.stats)),
+        exclude_none=True)

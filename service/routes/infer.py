@@ -3,7 +3,7 @@ Kaldi's nnet3-compute (edge padding, chunking, frame subsampling, i-vectors)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from engine.core.finite import as_float32
 from engine.core.index import INT32_MAX
@@ -12,7 +12,7 @@ from schemas.compute import InferRequest, InferResponse
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, ServiceError, check_answer_size
-from service.routes import blame, run_job
+from service.routes import blame, json_answer, run_job
 from service.streams import recurrent_chunk_bound
 
 router = APIRouter(tags=["infer"], dependencies=AUTH)
@@ -26,7 +26,7 @@ _NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector", "options
 
 
 @router.post("/infer", response_model=InferResponse)
-def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> InferResponse:
+def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> Response:
     entry = services.registry.get(body.model_id)
     features = convert.matrix_from_wire(body.features, "features")
     online = None
@@ -100,6 +100,6 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
             "entry": entry, "features": features, "ivector": ivector,
             "online_ivectors": online, "online_ivector_period": period,
             "options": options})
-    return InferResponse(output=convert.matrix_to_wire(out, body.encoding,
-                                                       services.settings.base64_threshold),
-                         num_frames=int(out.shape[0]))
+    return json_answer(InferResponse.model_construct(
+        output=convert.matrix_to_wire(out, body.encoding, services.settings.base64_threshold),
+        num_frames=int(out.shape[0])))

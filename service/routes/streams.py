@@ -24,10 +24,11 @@ from engine.core.index import INT32_MAX
 from schemas.streams import (FinishRequest, OpenStreamRequest, PushRequest, StreamInfo,
                              StreamOptions, StreamOutput)
 from service import convert
+from service.convert import wire_json
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, ServiceError, error_body, error_parts
 from service.middleware import lone_surrogate
-from service.routes import blame, field_of, run_job
+from service.routes import blame, field_of, json_answer, run_job
 from service.streams import chunk_bound
 
 router = APIRouter(tags=["streams"])
@@ -49,10 +50,10 @@ def _vector(v, field: str):
 
 def _output(services, result, encoding: str) -> StreamOutput:
     out, first, summary = result
-    return StreamOutput(output=convert.matrix_to_wire(out, encoding,
-                                                      services.settings.base64_threshold),
-                        first_frame=first, frames_received=summary["frames_received"],
-                        frames_output=summary["frames_output"], finished=summary["finished"])
+    return StreamOutput.model_construct(
+        output=convert.matrix_to_wire(out, encoding, services.settings.base64_threshold),
+        first_frame=int(first), frames_received=int(summary["frames_received"]),
+        frames_output=int(summary["frames_output"]), finished=bool(summary["finished"]))
 
 
 # a push's offset counts frames: beyond this no stream has received that many (and the
@@ -113,19 +114,19 @@ def get_stream(stream_id: str, services: ServicesDep) -> StreamInfo:
 
 @router.post("/streams/{stream_id}/frames", response_model=StreamOutput, dependencies=AUTH)
 def push_frames(stream_id: str, body: PushRequest, services: ServicesDep,
-                request: Request) -> StreamOutput:
+                request: Request) -> Response:
     payload = _push_payload(services, stream_id, body)
     with blame(request, "features", _NAMED_FIELDS):
         result = run_job(services, "stream_push", payload)
-    return _output(services, result, body.encoding)
+    return json_answer(_output(services, result, body.encoding))
 
 
 @router.post("/streams/{stream_id}/finish", response_model=StreamOutput, dependencies=AUTH)
 def finish_stream(stream_id: str, services: ServicesDep, request: Request,
-                  body: FinishRequest | None = None) -> StreamOutput:
+                  body: FinishRequest | None = None) -> Response:
     with blame(request, "stream_id", _NAMED_FIELDS):
         result = run_job(services, "stream_finish", {"stream_id": stream_id})
-    return _output(services, result, (body or FinishRequest()).encoding)
+    return json_answer(_output(services, result, (body or FinishRequest()).encoding))
 
 
 @router.delete("/streams/{stream_id}", status_code=204, dependencies=AUTH)
@@ -202,14 +203,15 @@ async def stream_ws(ws: WebSocket, stream_id: str) -> None:
                     blamed = "stream_id"     # engine errors: as finish_stream blames them
                     result = await run_in_threadpool(run_job, services, "stream_finish",
                                                      {"stream_id": stream_id})
-                    await ws.send_json(_output(services, result, fin.encoding).model_dump())
+                    await ws.send_text(
+                        wire_json(_output(services, result, fin.encoding)).decode())
                     await ws.close(code=1000)
                     return
                 body = PushRequest.model_validate(message)
                 payload = _push_payload(services, stream_id, body)
                 blamed = "features"          # engine errors: as push_frames blames them
                 result = await run_in_threadpool(run_job, services, "stream_push", payload)
-                await ws.send_json(_output(services, result, body.encoding).model_dump())
+                await ws.send_text(wire_json(_output(services, result, body.encoding)).decode())
             except (ServiceError, ValidationError, NnetcError) as e:
                 await ws.send_json(_ws_error(e, field_of(e, blamed, _NAMED_FIELDS)
                                              if blamed else None))

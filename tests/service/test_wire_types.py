@@ -97,3 +97,53 @@ def test_stream_options_and_push_offset(client, mid):
                              json={"features": [[0.0] * 4], "offset": "0"}), "offset")
     r = client.post(f"/streams/{sid}/frames", json={"features": [[0.0] * 4], "offset": 0})
     assert r.status_code == 200, r.text
+
+
+def test_json_rows_answers_carry_the_float32_values_exactly(client, mid):
+    """A JSON-rows answer (written by orjson from float64 arrays: service.convert.wire_json)
+    holds each float32 value of the output exactly: parsed as float64 and cast back, the
+    same bits as the base64 answer; it validates against the response model; None fields
+    are left out of /compute's answer, at every level."""
+    import base64
+
+    from schemas.compute import ComputeResponse, InferResponse
+    rng = np.random.default_rng(3)
+    req = request_for(0, 6)
+    x = (rng.standard_normal((len(req["inputs"][0]["indexes"]), 4)) * 1e3).astype(np.float32)
+    x[0, 0] = np.float32(1e-30)     # a tiny one: written with an exponent
+    answers = {}
+    for enc in ("json", "base64"):
+        r = client.post("/compute", json={"model_id": mid, "request": req,
+                                          "inputs": {"input": x.tolist()}, "encoding": enc})
+        assert r.status_code == 200, r.text
+        answers[enc] = ComputeResponse.model_validate_json(r.content)
+        assert "model_gradient" not in r.json() and "component_stats" not in r.json()
+    rows = np.array(answers["json"].outputs["output"], dtype=np.float64)
+    enc = answers["base64"].outputs["output"]
+    exact = np.frombuffer(base64.b64decode(enc.data), "<f4").reshape(enc.shape)
+    assert np.array_equal(rows, exact.astype(np.float64))        # float32 values, exactly
+    r = client.post("/infer", json={"model_id": mid, "features": x.tolist(),
+                                    "encoding": "json"})
+    assert r.status_code == 200, r.text
+    InferResponse.model_validate_json(r.content)
+
+
+def test_wire_json_writes_arrays_and_models():
+    """wire_json: float64 arrays as JSON rows, nested wire models as objects, and with
+    exclude_none no None field at any level."""
+    import orjson
+
+    from schemas.common import EncodedMatrix
+    from schemas.compute import ComputeResponse
+    from service.convert import matrix_to_wire, wire_json
+    a = np.array([[0.1, -2.5e-8], [3.0, 1e20]], dtype=np.float32)
+    m = ComputeResponse.model_construct(
+        computation_id="k", outputs={"o": matrix_to_wire(a, "json", 0)},
+        input_derivs={"i": matrix_to_wire(a, "base64", 0)}, model_gradient=None,
+        component_stats=None)
+    assert isinstance(m.input_derivs["i"], EncodedMatrix)
+    doc = orjson.loads(wire_json(m, exclude_none=True))
+    assert set(doc) == {"computation_id", "outputs", "input_derivs"}
+    assert np.array_equal(np.array(doc["outputs"]["o"], dtype=np.float32), a)
+    assert doc["input_derivs"]["i"]["shape"] == [2, 2]
+    assert set(orjson.loads(wire_json(m))) == set(ComputeResponse.model_fields)
