@@ -66,8 +66,8 @@ def matrix_from_wire(value, field: str, cols: int | None = None,
 
 def matrix_to_wire(arr, encoding: str, threshold: int):
     """JSON rows (a C-ordered float64 array, for an answer made with ``model_construct``
-    and written by ``wire_json``), or the base64 form (``encoding`` 'base64', or 'auto' above ``threshold``
-    elements).  A matrix holding NaN or infinite values (a network's output can overflow
+    and written by ``wire_json``), or the base64 form (``encoding`` 'base64', or 'auto'
+    above ``threshold`` elements).  A matrix holding NaN or infinite values (a network's output can overflow
     on finite input) always goes in the base64 form, which keeps them: JSON has no such
     numbers, and the JSON encoder would write them as null."""
     a = np.ascontiguousarray(np.asarray(arr), dtype=_F32_LE)
@@ -148,4 +148,3 @@ def wire_json(model: BaseModel, exclude_none: bool = False) -> bytes:
             return {k: v for k, v in obj if not (exclude_none and v is None)}
         raise TypeError(f"{type(obj).__name__} is not a wire type")
     return orjson.dumps(model, default=plain, option=orjson.OPT_SERIALIZE_NUMPY)
-

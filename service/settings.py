@@ -122,9 +122,9 @@ class Settings(BaseSettings):
                     "a request arriving on one more gets 503 and its connection is closed "
                     "(uvicorn's limit_concurrency, its plain-text 'Service Unavailable').  Each "
                     "request is bounded on its own (max_body_bytes, max_request_indexes, "
-                    "max_response_bytes); requests in flight together add up: three "
-                    "concurrent /compute of 40000 TDNN frames with JSON-rows answers held "
-                    "6.4 GB at their peak.  Unset: no limit")
+                    "max_response_bytes); requests in flight together add up (one "
+                    "/compute of 40000 TDNN frames with a JSON-rows answer: about 2 GB at "
+                    "its peak).  Unset: no limit")
     max_streams: int = Field(default=256, ge=1,
                              description="open streams one process holds; more get 503")
     max_stream_bytes: int = Field(
