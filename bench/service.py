@@ -16,6 +16,11 @@
   client's output is checked against a stream run alone through the service first.
   Networks that cannot stream (BLSTM) have none of these figures.
 
+- the server as deployed (``measure_service_http``): `nnetc serve` in a process of its own
+  and one client sending requests one after another over real HTTP: median milliseconds of
+  /healthz, of a one-sequence /compute and of a stream push (what the in-process figures
+  above leave out: the HTTP parser, the socket, the answer written out).
+
 Outputs of the batched runs are checked against the unbatched ones before timing.  Two
 warm-up rounds come first: each batch-size bucket (1, 2, 4, 8 sequences) is a computation of
 its own, compiled the first time a batch of that size forms; with few timed rounds one of
@@ -185,11 +190,104 @@ def measure_service_streams(name: str, path, clients: int = STREAM_CLIENTS,
             "stream_rtf": wall / (clients * frames / 100.0)}
 
 
+HTTP_REQUESTS = 200
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_service_http(name: str, path, requests: int = HTTP_REQUESTS,
+                         chunk: int = CHUNK) -> dict:
+    """The service as deployed: `nnetc serve` in a process of its own (its HTTP parser, its
+    event loop, the answer written to a socket), one httpx client in this process sending
+    requests one after another; the median milliseconds of /healthz, of a /compute of one
+    ``chunk``-frame sequence (base64 input and answer: a warm cache) and of a stream push
+    of ``PIECE`` frames, each over ``requests`` requests after ten of warm-up."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    import httpx  # noqa: PLC0415
+    nnet = common.load_for_inference(path)
+    req = common.chunk_request(nnet, chunk, 1)
+    wire_req = {"inputs": [s.to_json() for s in req.inputs],
+                "outputs": [s.to_json() for s in req.outputs]}
+    rng = np.random.default_rng(0)
+    inputs = {s.name: _enc(rng.standard_normal((len(s.indexes), nnet.input_dim(s.name))))
+              for s in req.inputs}
+    port = _free_port()
+    env = {**os.environ, "NNETC_LOG_LEVEL": "WARNING"}
+    root = Path(__file__).resolve().parent.parent
+    import tempfile  # noqa: PLC0415
+    log = tempfile.TemporaryFile()      # the server's output, told if it does not come up
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+                            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    c.get("/healthz")
+                    break
+                except httpx.TransportError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        log.seek(0)
+                        tail = log.read().decode(errors="replace")[-2000:]
+                        raise RuntimeError(f"nnetc serve did not come up: {tail}") from None
+                    time.sleep(0.1)
+            mid = c.post("/models", json=_register_body(path)).json()["model_id"]
+            body = {"model_id": mid, "request": wire_req, "inputs": inputs,
+                    "encoding": "base64"}
+
+            def timed(send) -> float:
+                for _ in range(10):
+                    send()
+                times = []
+                for _ in range(requests):
+                    t = time.perf_counter()
+                    send()
+                    times.append((time.perf_counter() - t) * 1e3)
+                return statistics.median(times)
+
+            def compute():
+                r = c.post("/compute", json=body)
+                assert r.status_code == 200, r.text
+            row = {"http_healthz_ms": timed(lambda: c.get("/healthz")),
+                   "http_compute_ms": timed(compute)}
+            open_body = {"model_id": mid}
+            if "ivector" in nnet.input_names():
+                open_body["ivector"] = rng.standard_normal(nnet.input_dim("ivector")).tolist()
+            r = c.post("/streams", json=open_body)
+            if r.status_code == 201:     # (a backward recurrence cannot stream)
+                sid = r.json()["stream_id"]
+                piece = {"features": _enc(rng.standard_normal((PIECE, nnet.input_dim("input")))),
+                         "encoding": "base64"}
+
+                def push():
+                    r = c.post(f"/streams/{sid}/frames", json=piece)
+                    assert r.status_code == 200, r.text
+                row["http_push_ms"] = timed(push)
+            return row
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
 def suite_service(r) -> list[dict]:
     rows = []
     with common.blas_threads(r.plain_settings[0]):
         for name, path in r.models():
             row = measure_service(name, path, rounds=max(2, min(r.repeat, ROUNDS)))
             row.update(measure_service_streams(name, path))
+            row.update(measure_service_http(name, path))
             rows.append(row)
     return rows

@@ -46,3 +46,14 @@ component name=o type=AffineComponent input-dim=6 output-dim=3
 component-node name=o component=o input=t
 output-node name=output input=o
 """
+
+
+def test_service_bench_over_http(tmp_path):
+    """The real-HTTP part: `nnetc serve` in its own process answers /healthz, a /compute
+    and stream pushes; the figures are medians in milliseconds."""
+    from bench.service import measure_service_http  # noqa: PLC0415
+    cfg = tmp_path / "tiny.cfg"
+    cfg.write_text(TINY_CONFIG)
+    row = measure_service_http("tiny", cfg, requests=5, chunk=5)
+    assert set(row) == {"http_healthz_ms", "http_compute_ms", "http_push_ms"}
+    assert all(v > 0 for v in row.values())
