@@ -37,7 +37,7 @@ from service.routes import compute, health, infer, models
 from service.routes import streams as stream_routes
 from service.settings import Settings
 from service.streams import NoStreamStore, RedisStreamStore, StreamManager
-from service.worker import InProcessQueue, job_batchers, job_handlers
+from service.worker import Arrivals, InProcessQueue, job_batchers, job_handlers
 
 log = logging.getLogger("nnetc.service")
 
@@ -108,7 +108,7 @@ def build_services(settings: Settings) -> Services:
                            metrics=metrics, batchers=job_batchers(operations),
                            max_batch=settings.max_batch,
                            batch_delay_s=settings.batch_delay_ms / 1000.0,
-                           job_timeout_s=settings.job_timeout_s)
+                           job_timeout_s=settings.job_timeout_s, arrivals=Arrivals())
     return Services(settings, registry, cache, queue, operations, metrics, streams)
 
 
@@ -144,7 +144,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(r)
     _mount_docs(app)
     app.add_middleware(WireMiddleware, max_body_bytes=settings.max_body_bytes,
-                       metrics=services.metrics)
+                       metrics=services.metrics,
+                       arrivals=getattr(services.queue, "arrivals", None))
     return app
 
 

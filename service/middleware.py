@@ -107,10 +107,13 @@ async def _send_json(send, status: int, body: dict, msgpack_out: bool) -> None:
 
 
 class WireMiddleware:
-    def __init__(self, app, max_body_bytes: int, metrics):
+    def __init__(self, app, max_body_bytes: int, metrics, arrivals=None):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        # requests of the batched kinds in flight, for the worker's batching
+        # (service.worker.Arrivals)
+        self.arrivals = arrivals
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -118,9 +121,15 @@ class WireMiddleware:
             return
         t0 = time.perf_counter()
         state = {"status": 500}
+        kind = (self.arrivals.kind_of(scope["method"], scope["path"])
+                if self.arrivals is not None else None)
+        if kind is not None:
+            self.arrivals.enter(kind)
         try:
             await self._handle(scope, receive, send, state)
         finally:
+            if kind is not None:
+                self.arrivals.leave(kind)
             seconds = time.perf_counter() - t0
             route = scope.get("route")
             path = getattr(route, "path", "unmatched")

@@ -149,7 +149,10 @@ class Settings(BaseSettings):
                                        "off")
     batch_delay_ms: float = Field(default=2.0, ge=0.0, le=1000.0,
                                   description="how long the worker waits for more "
-                                              "compatible compute jobs before running a batch")
+                                              "compatible compute jobs before running a "
+                                              "batch, while other compute (or infer) "
+                                              "requests are in flight: a lone request does "
+                                              "not wait")
     queue: Literal["inprocess", "redis"] = Field(
         default="inprocess",
         description="where jobs run: 'inprocess' (a worker thread in this process) or "

@@ -83,10 +83,36 @@ def job_batchers(operations) -> dict[str, Batcher]:
             "infer": Batcher(operations.infer_batch_key, operations.infer_batch)}
 
 
+class Arrivals:
+    """Requests of the batched kinds between their arrival and their answer, counted by
+    the HTTP layer (service.middleware.WireMiddleware, in the event loop): the worker
+    waits for more jobs to join a batch only while more such requests are in flight than
+    the batch holds -- a lone request is not held back ``batch_delay_s`` for company that
+    is not on its way."""
+
+    PATHS = {"/compute": "compute", "/infer": "infer"}
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+
+    def kind_of(self, method: str, path: str) -> str | None:
+        return self.PATHS.get(path) if method == "POST" else None
+
+    def enter(self, kind: str) -> None:
+        self.counts[kind] += 1
+
+    def leave(self, kind: str) -> None:
+        self.counts[kind] -= 1
+
+    def __call__(self, kind: str) -> int:
+        return self.counts[kind]
+
+
 class InProcessQueue:
     """One worker thread.  With ``batchers``, a job of a batched kind is run together
     with the compatible jobs waiting behind it (up to ``max_batch``, waiting at most
-    ``batch_delay_s`` for more to arrive); incompatible jobs taken out meanwhile run
+    ``batch_delay_s`` for more to arrive -- with ``arrivals``, only while requests of its
+    kind are in flight beyond the batch's own); incompatible jobs taken out meanwhile run
     next, in their order.  With ``job_timeout_s`` every job has a deadline that long
     after its submission (service/deadlines.py): a job past it is not started, and its
     handler is told it to stop long work there."""
@@ -94,8 +120,9 @@ class InProcessQueue:
     def __init__(self, handlers: dict[str, Callable[[dict], Any]], maxsize: int = 1024,
                  metrics=None, batchers: dict[str, Batcher] | None = None,
                  max_batch: int = 1, batch_delay_s: float = 0.0,
-                 job_timeout_s: float | None = None):
+                 job_timeout_s: float | None = None, arrivals: Arrivals | None = None):
         self.handlers = handlers
+        self.arrivals = arrivals
         self.job_timeout_s = job_timeout_s
         self.metrics = metrics
         self.batchers = batchers or {}
@@ -161,6 +188,9 @@ class InProcessQueue:
                 skipped.append(other)
         while len(group) < self.max_batch and not (skipped and skipped[-1] is _STOP):
             wait = deadline - time.perf_counter()
+            if wait > 0 and self.arrivals is not None and self._q.empty() \
+                    and self.arrivals(job.kind) <= len(group):
+                break       # nothing queued, and no other such request on its way
             try:
                 other = self._q.get_nowait() if wait <= 0 else self._q.get(timeout=wait)
             except queue.Empty:

@@ -152,6 +152,71 @@ def test_no_delay_when_alone():
     assert waits == []
 
 
+def _recording_waits(q) -> list:
+    """The timeouts of the worker's waits on the queue (recorded, not timed)."""
+    waits = []
+    get = q._q.get
+
+    def recorded_get(block=True, timeout=None):
+        if block and timeout is not None:
+            waits.append(timeout)
+        return get(block, timeout)
+    q._q.get = recorded_get
+    return waits
+
+
+def test_no_wait_for_company_that_is_not_on_its_way():
+    """With Arrivals (the HTTP layer's count of compute/infer requests in flight) a lone
+    job -- its own request the only one in flight -- runs without waiting batch_delay_s
+    (30 s here) for more jobs; with a second request in flight the worker waits, and the
+    second job, submitted meanwhile, joins the batch."""
+    from service.worker import Arrivals
+    handled, batches = [], []
+    q = _queue(handled, batches, delay=30.0)
+    q.arrivals = arrivals = Arrivals()
+    waits = _recording_waits(q)
+    q.start()
+    try:
+        arrivals.enter("a")
+        assert q.submit("a", {"v": 1, "key": "k"}).result(5) == 10
+        assert waits == [] and handled == [1]
+        arrivals.enter("a")              # a second request arrives (two in flight)
+        second = []
+        get = q._q.get
+
+        def get_then_submit(block=True, timeout=None):
+            if block and timeout is not None and not second:
+                second.append(q.submit("a", {"v": 3, "key": "k"}))
+            return get(block, timeout)
+        q._q.get = get_then_submit
+        first = q.submit("a", {"v": 2, "key": "k"})
+        assert first.result(5) == 20 and second[0].result(5) == 30
+        assert batches == [[2, 3]]
+    finally:
+        q.stop()
+
+
+def test_arrivals_count_requests_in_flight_and_return_to_zero():
+    """The middleware counts POST /compute and /infer from arrival to answer, whatever the
+    answer: after good ones, refused ones (413, 422, 404) and other routes, nothing is left
+    counted."""
+    with make_client() as c:
+        arrivals = c.app.state.services.queue.arrivals
+        mid = register(c, config=TINY_CONFIG)["model_id"]
+        x = np.ones((5, 4), np.float32).tolist()
+        assert c.post("/compute", json={"model_id": mid, "request": request_for(0, 3),
+                                        "inputs": {"input": x}}).status_code == 200
+        assert c.post("/compute", json={"model_id": mid, "request": request_for(0, 3),
+                                        "inputs": {"input": x[:2]}}).status_code == 422
+        assert c.post("/compute", json={"model_id": "0" * 64, "request": request_for(0, 3),
+                                        "inputs": {"input": x}}).status_code == 404
+        assert c.post("/infer", json={"model_id": mid, "features": x}).status_code == 200
+        assert c.post("/compute", content=b"x" * (65 << 20),
+                      headers={"content-type": "application/json"}).status_code == 413
+        assert c.get("/healthz").status_code == 200
+        assert arrivals("compute") == 0 and arrivals("infer") == 0
+
+
 def _compute_jobs(c, xs):
     """(operations, compute payloads of TINY_CONFIG's 3-frame request, one per input)."""
     from engine.optimizer.options import OptimizeOptions  # noqa: PLC0415
