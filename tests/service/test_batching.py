@@ -135,14 +135,7 @@ def test_no_delay_when_alone():
     timeout (the waits are recorded rather than timed)."""
     handled, batches = [], []
     q = _queue(handled, batches, delay=0.0)
-    waits = []
-    get = q._q.get
-
-    def recorded_get(block=True, timeout=None):
-        if block and timeout is not None:
-            waits.append(timeout)
-        return get(block, timeout)
-    q._q.get = recorded_get
+    waits = _recording_waits(q)
     q.start()
     try:
         assert q.submit("a", {"v": 1, "key": "k"}).result(5) == 10
