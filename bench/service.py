@@ -33,6 +33,7 @@ import base64
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -200,6 +201,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def serving(start_timeout_s: float = 60.0, **env_extra):
+    """`nnetc serve` (this checkout's) in a process of its own on a free loopback port, up
+    and answering /healthz: yields (port, process, the first /healthz answer); stopped on
+    the way out.  ``env_extra``: NNETC_* settings.  Its output goes to a temporary file
+    (a pipe nobody reads could fill and stall it), told if it does not come up."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    import httpx  # noqa: PLC0415
+    port = _free_port()
+    env = {**os.environ, "NNETC_LOG_LEVEL": "WARNING", **env_extra}
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host",
+                                 "127.0.0.1", "--port", str(port)],
+                                cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                try:
+                    first = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0)
+                    break
+                except httpx.TransportError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        log.seek(0)
+                        tail = log.read().decode(errors="replace")[-2000:]
+                        raise RuntimeError(f"nnetc serve did not come up: {tail}") from None
+                    time.sleep(0.1)
+            yield port, proc, first
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def measure_service_http(name: str, path, requests: int = HTTP_REQUESTS,
                          chunk: int = CHUNK) -> dict:
     """The service as deployed: `nnetc serve` in a process of its own (its HTTP parser, its
@@ -207,10 +249,6 @@ def measure_service_http(name: str, path, requests: int = HTTP_REQUESTS,
     requests one after another; the median milliseconds of /healthz, of a /compute of one
     ``chunk``-frame sequence (base64 input and answer: a warm cache) and of a stream push
     of ``PIECE`` frames, each over ``requests`` requests after ten of warm-up."""
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
     import httpx  # noqa: PLC0415
     nnet = common.load_for_inference(path)
     req = common.chunk_request(nnet, chunk, 1)
@@ -219,67 +257,40 @@ def measure_service_http(name: str, path, requests: int = HTTP_REQUESTS,
     rng = np.random.default_rng(0)
     inputs = {s.name: _enc(rng.standard_normal((len(s.indexes), nnet.input_dim(s.name))))
               for s in req.inputs}
-    port = _free_port()
-    env = {**os.environ, "NNETC_LOG_LEVEL": "WARNING"}
-    root = Path(__file__).resolve().parent.parent
-    import tempfile  # noqa: PLC0415
-    log = tempfile.TemporaryFile()      # the server's output, told if it does not come up
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
-                            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    c.get("/healthz")
-                    break
-                except httpx.TransportError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        log.seek(0)
-                        tail = log.read().decode(errors="replace")[-2000:]
-                        raise RuntimeError(f"nnetc serve did not come up: {tail}") from None
-                    time.sleep(0.1)
-            mid = c.post("/models", json=_register_body(path)).json()["model_id"]
-            body = {"model_id": mid, "request": wire_req, "inputs": inputs,
-                    "encoding": "base64"}
+    with serving() as (port, _, _), \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+        mid = c.post("/models", json=_register_body(path)).json()["model_id"]
+        body = {"model_id": mid, "request": wire_req, "inputs": inputs, "encoding": "base64"}
 
-            def timed(send) -> float:
-                for _ in range(10):
-                    send()
-                times = []
-                for _ in range(requests):
-                    t = time.perf_counter()
-                    send()
-                    times.append((time.perf_counter() - t) * 1e3)
-                return statistics.median(times)
+        def timed(send) -> float:
+            for _ in range(10):
+                send()
+            times = []
+            for _ in range(requests):
+                t = time.perf_counter()
+                send()
+                times.append((time.perf_counter() - t) * 1e3)
+            return statistics.median(times)
 
-            def compute():
-                r = c.post("/compute", json=body)
+        def compute():
+            r = c.post("/compute", json=body)
+            assert r.status_code == 200, r.text
+        row = {"http_healthz_ms": timed(lambda: c.get("/healthz")),
+               "http_compute_ms": timed(compute)}
+        open_body = {"model_id": mid}
+        if "ivector" in nnet.input_names():
+            open_body["ivector"] = rng.standard_normal(nnet.input_dim("ivector")).tolist()
+        r = c.post("/streams", json=open_body)
+        if r.status_code == 201:     # (a backward recurrence cannot stream)
+            sid = r.json()["stream_id"]
+            piece = {"features": _enc(rng.standard_normal((PIECE, nnet.input_dim("input")))),
+                     "encoding": "base64"}
+
+            def push():
+                r = c.post(f"/streams/{sid}/frames", json=piece)
                 assert r.status_code == 200, r.text
-            row = {"http_healthz_ms": timed(lambda: c.get("/healthz")),
-                   "http_compute_ms": timed(compute)}
-            open_body = {"model_id": mid}
-            if "ivector" in nnet.input_names():
-                open_body["ivector"] = rng.standard_normal(nnet.input_dim("ivector")).tolist()
-            r = c.post("/streams", json=open_body)
-            if r.status_code == 201:     # (a backward recurrence cannot stream)
-                sid = r.json()["stream_id"]
-                piece = {"features": _enc(rng.standard_normal((PIECE, nnet.input_dim("input")))),
-                         "encoding": "base64"}
-
-                def push():
-                    r = c.post(f"/streams/{sid}/frames", json=piece)
-                    assert r.status_code == 200, r.text
-                row["http_push_ms"] = timed(push)
-            return row
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            row["http_push_ms"] = timed(push)
+        return row
 
 
 def suite_service(r) -> list[dict]:

@@ -67,9 +67,9 @@ def matrix_from_wire(value, field: str, cols: int | None = None,
 def matrix_to_wire(arr, encoding: str, threshold: int):
     """JSON rows (a C-ordered float64 array, for an answer made with ``model_construct``
     and written by ``wire_json``), or the base64 form (``encoding`` 'base64', or 'auto'
-    above ``threshold`` elements).  A matrix holding NaN or infinite values (a network's output can overflow
-    on finite input) always goes in the base64 form, which keeps them: JSON has no such
-    numbers, and the JSON encoder would write them as null."""
+    above ``threshold`` elements).  A matrix holding NaN or infinite values (a network's
+    output can overflow on finite input) always goes in the base64 form, which keeps them:
+    JSON has no such numbers, and the JSON encoder would write them as null."""
     a = np.ascontiguousarray(np.asarray(arr), dtype=_F32_LE)
     if a.ndim == 1:
         a = a.reshape(1, -1)

@@ -6,21 +6,12 @@ a usage error naming the variable; a request whose header never ends is cut off.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 
 import httpx
 import numpy as np
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 STREAM_NET = """input-node name=input dim=3
@@ -106,33 +97,12 @@ def test_serve_parses_http_with_h11():
 
 @contextmanager
 def _serve(**env_extra):
-    """`nnetc serve` in a subprocess on a free port, up and answering /healthz: (port,
-    process); stopped on the way out."""
-    port = _free_port()
-    env = {**os.environ, "NNETC_LOG_LEVEL": "WARNING", **env_extra}
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host",
-                             "127.0.0.1", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0)
-                break
-            except httpx.TransportError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out = proc.stdout.read().decode(errors="replace") if proc.poll() else ""
-                    raise AssertionError(f"server did not come up: {out[-2000:]}")
-                time.sleep(0.1)
-        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    """`nnetc serve` in a subprocess on a free port (bench.service.serving), its /healthz
+    answering {"status": "ok"}: (port, process)."""
+    from bench.service import serving
+    with serving(start_timeout_s=30, **env_extra) as (port, proc, first):
+        assert first.status_code == 200 and first.json() == {"status": "ok"}
         yield port, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_nnetc_serve_subprocess():
