@@ -22,6 +22,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from engine.runtime import blas, parallel
 from engine.runtime.backend import get_backend
 from service import cpu_limit, logs
+from service.body_parse import BodyParser
 from service.cache import LRUComputationCache
 from service.deps import Services
 from service.errors import install_error_handlers
@@ -100,16 +101,17 @@ def build_services(settings: Settings) -> Services:
                             max_response_bytes=settings.max_response_bytes, pool=pool,
                             max_bytes=settings.max_stream_bytes,
                             max_recurrent_chunk_frames=settings.max_recurrent_chunk_frames)
+    parser = BodyParser(settings.parse_processes, settings.parse_offload_bytes)
     if settings.queue == "redis":
         queue = RedisJobQueue(client, settings.job_timeout_s, settings.queue_size,
                               metrics=metrics)
-        return Services(settings, registry, cache, queue, operations, metrics, streams)
+        return Services(settings, registry, cache, queue, operations, metrics, streams, parser)
     queue = InProcessQueue(job_handlers(operations, streams), maxsize=settings.queue_size,
                            metrics=metrics, batchers=job_batchers(operations),
                            max_batch=settings.max_batch,
                            batch_delay_s=settings.batch_delay_ms / 1000.0,
                            job_timeout_s=settings.job_timeout_s, arrivals=Arrivals())
-    return Services(settings, registry, cache, queue, operations, metrics, streams)
+    return Services(settings, registry, cache, queue, operations, metrics, streams, parser)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -133,6 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             services.ready = False
             services.queue.stop()
+            services.body_parser.close()
 
     app = FastAPI(title="nnetc", version="0.1.0", lifespan=lifespan, docs_url=None,
                   redoc_url=None,

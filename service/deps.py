@@ -14,7 +14,8 @@ from service.settings import Settings
 class Services:
     """What the app's lifespan builds and the routes use (on ``app.state.services``)."""
 
-    def __init__(self, settings, registry, cache, queue, operations, metrics, streams=None):
+    def __init__(self, settings, registry, cache, queue, operations, metrics, streams=None,
+                 body_parser=None):
         self.settings = settings
         self.registry = registry
         self.cache = cache
@@ -22,6 +23,7 @@ class Services:
         self.operations = operations
         self.metrics = metrics
         self.streams = streams          # service.streams.StreamManager
+        self.body_parser = body_parser  # service.body_parse.BodyParser
         self.ready = False
 
 

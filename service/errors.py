@@ -183,7 +183,16 @@ def _validation_message(errs: list) -> tuple[str, str | None]:
     return f"{where or 'body'}: {msg}{more}", where
 
 
-_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
+
+class BodyReadError(Exception):
+    """Why a body could not be read as JSON, as told by the helper process that tried
+    (service/body_parse.py): ``kind`` is the exception's class name there."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 def _unauthorized(request: Request) -> ServiceError | None:
@@ -225,11 +234,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if unauthorized is not None:
             return _respond(*error_parts(unauthorized))
         cause = e.__cause__
-        if e.detail == _FASTAPI_BODY_ERROR and cause is not None:
+        if e.detail == FASTAPI_BODY_ERROR and cause is not None:
             # FastAPI's answer to a body its JSON parser gave up on (not UTF-8, nested too
             # deeply, an integer too long to read): say why
+            kind = getattr(cause, "kind", type(cause).__name__)
             return _respond(400, "BadRequest", f"body: not readable as JSON "
-                                               f"({type(cause).__name__}: {cause})"[:500])
+                                               f"({kind}: {cause})"[:500])
         return _respond(e.status_code, "HTTPError", str(e.detail))
 
     @app.exception_handler(Exception)

@@ -97,6 +97,25 @@ def _headers(scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
+# an answer is handed to the server this many bytes at a time: the server's flow control
+# then holds the rest until the client has read what went before, where one message of the
+# whole answer was copied into the socket's buffer in one go (a 107 MB answer held the
+# event loop 0.4 s, every other client waiting)
+ANSWER_PIECE = 1 << 20
+
+
+async def send_body(send, body: bytes) -> None:
+    """``body`` as the answer's body messages, ``ANSWER_PIECE`` bytes each."""
+    if len(body) <= ANSWER_PIECE:
+        await send({"type": "http.response.body", "body": body})
+        return
+    view = memoryview(body)
+    for at in range(0, len(body), ANSWER_PIECE):
+        end = at + ANSWER_PIECE
+        await send({"type": "http.response.body", "body": bytes(view[at:end]),
+                    "more_body": end < len(body)})
+
+
 async def _send_json(send, status: int, body: dict, msgpack_out: bool) -> None:
     data = msgpack.packb(body) if msgpack_out else orjson.dumps(body)
     ctype = MSGPACK if msgpack_out else "application/json"
@@ -222,7 +241,7 @@ class WireMiddleware:
                 hdrs += [(b"content-type", MSGPACK.encode()),
                          (b"content-length", str(len(data)).encode())]
                 await send({**start, "headers": hdrs})
-                await send({"type": "http.response.body", "body": data})
+                await send_body(send, data)
                 return
             await send(message)
 

@@ -46,6 +46,16 @@ class Settings(BaseSettings):
         description="a job not answered by then gets 504; it is the job's deadline too: a "
                     "worker does not start a job past it, and infer work stops between "
                     "chunks once it passes (service/deadlines.py)")
+    parse_processes: int = Field(
+        default=1, ge=0, le=64,
+        description="helper processes that parse large JSON bodies (service/body_parse.py), "
+                    "so that one large body does not hold the event loop, and every other "
+                    "client, while it is read; 0: every body is parsed in the event loop")
+    parse_offload_bytes: int = Field(
+        default=1 << 20, ge=0,
+        description="JSON bodies of at least this many bytes go to the helper processes "
+                    "(parse_processes); smaller ones are parsed in the event loop, where "
+                    "it is quicker than the hop")
     base64_threshold: int = Field(default=4096, ge=0,
                                   description="'auto' encoding returns matrices with more "
                                               "elements than this as base64")

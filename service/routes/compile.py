@@ -9,9 +9,9 @@ from schemas.compile import CompileRequest, CompileResponse, CompileStats
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, ServiceError
-from service.routes import blame, run_job
+from service.routes import ParsedBodyRoute, blame, run_job
 
-router = APIRouter(tags=["compile"], dependencies=AUTH)
+router = APIRouter(route_class=ParsedBodyRoute, tags=["compile"], dependencies=AUTH)
 
 
 def compile_payload(body, services, request: Request) -> dict:

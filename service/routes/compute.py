@@ -9,10 +9,10 @@ from schemas.compute import ComputeRequest, ComputeResponse
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, check_answer_size
-from service.routes import blame, json_answer, run_job
+from service.routes import ParsedBodyRoute, blame, json_answer, run_job
 from service.routes.compile import compile_payload
 
-router = APIRouter(tags=["compute"], dependencies=AUTH)
+router = APIRouter(route_class=ParsedBodyRoute, tags=["compute"], dependencies=AUTH)
 
 
 def _matrices(given: dict, specs, nnet, field: str) -> dict:

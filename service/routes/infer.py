@@ -12,10 +12,10 @@ from schemas.compute import InferRequest, InferResponse
 from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, ServiceError, check_answer_size
-from service.routes import blame, json_answer, run_job
+from service.routes import ParsedBodyRoute, blame, json_answer, run_job
 from service.streams import recurrent_chunk_bound
 
-router = APIRouter(tags=["infer"], dependencies=AUTH)
+router = APIRouter(route_class=ParsedBodyRoute, tags=["infer"], dependencies=AUTH)
 
 # request fields the engine's inference errors name at the start of their message
 _NAMED_FIELDS = ("online_ivector_period", "online_ivectors", "ivector", "options.output",

@@ -12,9 +12,10 @@ from service import convert
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError
 from service.registry import ModelEntry, decode_model_bytes
-from service.routes import blame
+from service.routes import ParsedBodyRoute, blame
 
-router = APIRouter(prefix="/models", tags=["models"], dependencies=AUTH)
+router = APIRouter(route_class=ParsedBodyRoute, prefix="/models", tags=["models"],
+                   dependencies=AUTH)
 
 
 def _response(entry: ModelEntry, created: bool) -> ModelResponse:

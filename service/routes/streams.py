@@ -28,10 +28,10 @@ from service.convert import wire_json
 from service.deps import AUTH, ServicesDep
 from service.errors import FieldError, ServiceError, error_body, error_parts
 from service.middleware import lone_surrogate
-from service.routes import blame, field_of, json_answer, run_job
+from service.routes import ParsedBodyRoute, blame, field_of, json_answer, run_job
 from service.streams import chunk_bound
 
-router = APIRouter(tags=["streams"])
+router = APIRouter(route_class=ParsedBodyRoute, tags=["streams"])
 
 
 def stream_info(summary: dict) -> StreamInfo:

@@ -17,13 +17,16 @@ from tests.service.conftest import (CASES, REDIS_BINARY, TINY_CONFIG, ThreadWork
 CASE = CASES / "case024"
 
 
-@pytest.fixture(scope="module", params=["in-process", "redis-queue"])
+@pytest.fixture(scope="module", params=["in-process", "parsed-apart", "redis-queue"])
 def client(request):
-    """The service in-process, and with its jobs on a Redis Stream run by a worker with
-    services of its own (NNETC_QUEUE=redis): bad input gets the same answers through the
-    queue, and a bad job leaves the worker serving the next ones."""
-    if request.param == "in-process":
-        with make_client() as c:
+    """The service in-process, with every JSON body parsed by the helper process
+    (service/body_parse.py, which packs matrices sent as rows), and with its jobs on a
+    Redis Stream run by a worker with services of its own (NNETC_QUEUE=redis): bad input
+    gets the same answers each way, and a bad job leaves the worker serving the next
+    ones."""
+    if request.param in ("in-process", "parsed-apart"):
+        settings = {"parse_offload_bytes": 0} if request.param == "parsed-apart" else {}
+        with make_client(**settings) as c:
             yield c
         return
     if REDIS_BINARY is None:

@@ -11,9 +11,12 @@ import pytest
 from tests.service.conftest import TINY_CONFIG, make_client, register, request_for
 
 
-@pytest.fixture(scope="module")
-def client():
-    with make_client() as c:
+@pytest.fixture(scope="module", params=["in-event-loop", "parsed-apart"])
+def client(request):
+    """Bodies parsed as FastAPI parses them, and every JSON body parsed by the helper
+    process (service/body_parse.py), its matrices packed there: the same answers."""
+    settings = {"parse_offload_bytes": 0} if request.param == "parsed-apart" else {}
+    with make_client(**settings) as c:
         yield c
 
 

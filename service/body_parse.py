@@ -1,0 +1,262 @@
+"""Large JSON bodies are parsed in a process of their own.
+
+FastAPI reads a JSON body with ``json.loads`` and validates it in the event loop: a
+single call holding the GIL for the whole body (a 34 MB /compute body with its input as
+JSON rows held the loop 0.65 s to parse and 0.15 s to validate, and every other client
+waited -- a /healthz as long).  A thread would not help: neither the parse nor the
+validation lets the GIL go.  So a body of at least ``min_bytes`` (``NNETC_PARSE_OFFLOAD_
+BYTES``) is parsed by a helper process (``NNETC_PARSE_PROCESSES``, started on first
+use), which also packs each matrix sent as JSON rows into the encoded form the schemas
+accept (``{"shape": [r, c], "data": <little-endian float32 bytes>}``): what comes back
+is small to unpickle and quick to validate, and the routes decode it as they decode
+any encoded matrix.  The event loop only waits.
+
+The packing keeps the answer of the in-process parse exactly: a matrix is packed only
+when every row is a list of the same, non-zero length of JSON numbers whose float32 value
+does not depend on the route (floats, and integers no larger than 2**53, which a float64
+holds exactly); anything else (ragged rows, a string or a boolean in a row, an empty
+matrix) is left as sent, for validation to judge as before.  A JSON syntax error comes
+back as FastAPI would raise it (422, naming the character), any other failure to read
+the body (not UTF-8, nested too deeply) as FastAPI's 400.  Should the helper process die,
+the body is parsed in the event loop as before and the next one starts a new helper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.message
+import itertools
+import json
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import types
+import typing
+
+import numpy as np
+
+log = logging.getLogger("nnetc.service")
+
+_EXACT_INT = 2 ** 53
+_F32_LE = np.dtype("<f4")
+
+
+# -- in the helper process ------------------------------------------------------------------
+
+def parse_body(body: bytes, paths: tuple[tuple[str, ...], ...]) -> tuple:
+    """``("ok", value)`` with the matrices at ``paths`` packed, ``("json_invalid", msg,
+    pos)`` for a JSON syntax error, ``("error", kind, message)`` for any other failure to
+    read the body (what FastAPI turns into its 400).  (``("unsent",)`` comes back instead
+    when the answer cannot be sent: see ``_serve``.)"""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ("json_invalid", e.msg, e.pos)
+    except Exception as e:  # noqa: BLE001 - reported as FastAPI reports it
+        return ("error", type(e).__name__, str(e))
+    for path in paths:
+        _pack_at(value, path)
+    return ("ok", value)
+
+
+def _pack_at(node, path: tuple[str, ...]) -> None:
+    """Pack the matrices at ``path`` below ``node`` (``*``: every value of a dict)."""
+    if not isinstance(node, dict) or not path:
+        return
+    key, rest = path[0], path[1:]
+    keys = list(node) if key == "*" else [key] if key in node else []
+    for k in keys:
+        if rest:
+            _pack_at(node[k], rest)
+        else:
+            packed = pack_rows(node[k])
+            if packed is not None:
+                node[k] = packed
+
+
+def pack_rows(rows) -> dict | None:
+    """The encoded form of a matrix sent as JSON rows, or None where packing could change
+    what validation and decoding make of it (see the module docstring)."""
+    if type(rows) is not list or not rows:
+        return None
+    if any(type(r) is not list for r in rows):
+        return None
+    widths = set(map(len, rows))
+    if len(widths) != 1 or 0 in widths:
+        return None
+    kinds = set(map(type, itertools.chain.from_iterable(rows)))
+    if not kinds <= {float, int}:
+        return None
+    if int in kinds and any(type(v) is int and not -_EXACT_INT <= v <= _EXACT_INT
+                            for v in itertools.chain.from_iterable(rows)):
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = np.array(rows, dtype=np.float64).astype(_F32_LE)
+    return {"shape": [len(rows), widths.pop()], "data": values.tobytes()}
+
+
+# -- in the service ------------------------------------------------------------------------
+
+def matrix_paths(model: type) -> tuple[tuple[str, ...], ...]:
+    """Where a body model's matrices are: ``("features",)`` for a ``Matrix`` field (or an
+    optional one), ``("inputs", "*")`` for a ``dict[str, Matrix]``, through nested
+    models."""
+    from pydantic import BaseModel  # noqa: PLC0415
+
+    from schemas.common import EncodedMatrix  # noqa: PLC0415
+
+    def is_matrix(t) -> bool:
+        args = typing.get_args(t)
+        return EncodedMatrix in args and any(typing.get_origin(a) is list for a in args)
+
+    def walk(t, prefix) -> list:
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return [p for name, f in t.model_fields.items()
+                    for p in walk(f.annotation, (*prefix, f.alias or name))]
+        origin, args = typing.get_origin(t), typing.get_args(t)
+        if is_matrix(t):
+            return [prefix]
+        if origin in (typing.Union, types.UnionType):
+            return [p for a in args if a is not type(None) for p in walk(a, prefix)]
+        if origin is dict and len(args) == 2:
+            return walk(args[1], (*prefix, "*"))
+        return []
+    return tuple(dict.fromkeys(walk(model, ())))
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this content type as JSON (``application/json``
+    or ``application/*+json``; a body without one it does not read as JSON)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    if message.get_content_maintype() != "application":
+        return False
+    subtype = message.get_content_subtype()
+    return subtype == "json" or subtype.endswith("+json")
+
+
+class _Helper:
+    """One helper process: ``python -m service.body_parse``, bodies and answers as
+    length-prefixed pickles over its standard input and output.  A process started this
+    way, not by multiprocessing, does not import the service's main module again (which
+    a script that does not guard its start would then run again)."""
+
+    def __init__(self):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.body_parse"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def call(self, body: bytes, paths) -> tuple:
+        _send(self.proc.stdin, (body, paths))
+        return _receive(self.proc.stdout)
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()       # the helper ends at the end of its input
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def _send(stream, value) -> None:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def _receive(stream):
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError("the helper's output ended")
+    (size,) = struct.unpack("<Q", head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("the helper's output ended")
+    return pickle.loads(data)
+
+
+def _serve() -> None:
+    """The helper process: parse each body its input brings, answer on its output."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr          # nothing else may write to the answers' stream
+    while True:
+        try:
+            body, paths = _receive(stdin)
+        except EOFError:
+            return
+        result = parse_body(body, paths)
+        try:
+            _send(stdout, result)
+        except Exception:  # noqa: BLE001 - e.g. nested too deeply to pickle: the service
+            _send(stdout, ("unsent",))   # parses this one itself
+
+
+class BodyParser:
+    """The helper processes (started when first needed) and the size from which a body
+    goes to them."""
+
+    def __init__(self, processes: int, min_bytes: int):
+        self.processes = processes
+        self.min_bytes = min_bytes
+        self._idle: list[_Helper] = []
+        self._all: list[_Helper] = []
+        self._lock = threading.Lock()
+        self._free = threading.Semaphore(processes)
+        self._closed = False
+
+    def wanted(self, size: int) -> bool:
+        return self.processes > 0 and size >= self.min_bytes and not self._closed
+
+    def _call(self, body: bytes, paths) -> tuple | None:
+        with self._free:
+            with self._lock:
+                if self._closed:
+                    return None
+                helper = self._idle.pop() if self._idle else None
+                if helper is None:
+                    helper = _Helper()
+                    self._all.append(helper)
+            try:
+                result = helper.call(body, paths)
+            except (OSError, EOFError, pickle.UnpicklingError, struct.error):
+                log.warning("the body parser process stopped; this body is parsed in the "
+                            "event loop and the next large one starts a new process")
+                with self._lock:
+                    self._all.remove(helper)
+                helper.proc.kill()
+                helper.stop()
+                return None
+            with self._lock:
+                self._idle.append(helper)
+            return None if result[0] == "unsent" else result
+
+    async def parse(self, body: bytes, paths) -> tuple | None:
+        """What ``parse_body`` makes of ``body`` in a helper process; None when the
+        helper process died meanwhile or could not send its answer (the caller parses
+        the body as before)."""
+        return await asyncio.to_thread(self._call, body, paths)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            helpers, self._all, self._idle = self._all, [], []
+        for helper in helpers:
+            helper.stop()
+
+
+if __name__ == "__main__":
+    _serve()
