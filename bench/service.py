@@ -46,6 +46,7 @@ CHUNK = 21
 STREAM_CLIENTS = 8
 STREAM_FRAMES = 1000
 PIECE = 10          # frames per push: 100 ms of audio
+LARGE_FRAMES = 20000  # the large body of measure_service_http: 17 MB of JSON rows (TDNN)
 
 
 def _register_body(path: Path) -> dict:
@@ -243,12 +244,16 @@ def serving(start_timeout_s: float = 60.0, **env_extra):
 
 
 def measure_service_http(name: str, path, requests: int = HTTP_REQUESTS,
-                         chunk: int = CHUNK) -> dict:
+                         chunk: int = CHUNK, large_frames: int = LARGE_FRAMES) -> dict:
     """The service as deployed: `nnetc serve` in a process of its own (its HTTP parser, its
     event loop, the answer written to a socket), one httpx client in this process sending
     requests one after another; the median milliseconds of /healthz, of a /compute of one
     ``chunk``-frame sequence (base64 input and answer: a warm cache) and of a stream push
-    of ``PIECE`` frames, each over ``requests`` requests after ten of warm-up."""
+    of ``PIECE`` frames, each over ``requests`` requests after ten of warm-up.  Then what
+    one large body does to the others: a /compute of ``large_frames`` frames with its
+    input as JSON rows (its computation cached by a first one) while a second client asks
+    for /healthz every 5 ms: the large request's milliseconds, the slowest /healthz meanwhile
+    and that over the median /healthz (``http_healthz_during_large_ratio``)."""
     import httpx  # noqa: PLC0415
     nnet = common.load_for_inference(path)
     req = common.chunk_request(nnet, chunk, 1)
@@ -290,7 +295,50 @@ def measure_service_http(name: str, path, requests: int = HTTP_REQUESTS,
                 r = c.post(f"/streams/{sid}/frames", json=piece)
                 assert r.status_code == 200, r.text
             row["http_push_ms"] = timed(push)
+        row.update(_large_body(c, port, mid, nnet, large_frames))
+        row["http_healthz_during_large_ratio"] = (row["http_healthz_max_during_large_ms"]
+                                                  / row["http_healthz_ms"])
         return row
+
+
+def _large_body(c, port: int, mid: str, nnet, frames: int) -> dict:
+    """See measure_service_http."""
+    import json  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    import httpx  # noqa: PLC0415
+    req = common.chunk_request(nnet, frames, 1)
+    rng = np.random.default_rng(1)
+    body = json.dumps({
+        "model_id": mid, "encoding": "base64",
+        "request": {"inputs": [s.to_json() for s in req.inputs],
+                    "outputs": [s.to_json() for s in req.outputs]},
+        "inputs": {s.name: rng.standard_normal((len(s.indexes), nnet.input_dim(s.name)))
+                   .astype(np.float32).tolist() for s in req.inputs}}).encode()
+    headers = {"content-type": "application/json"}
+    assert c.post("/compute", content=body, headers=headers).status_code == 200
+    waits: list[float] = []
+    stop = threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as h:
+            while not stop.is_set():
+                t = time.perf_counter()
+                h.get("/healthz")
+                waits.append((time.perf_counter() - t) * 1e3)
+                time.sleep(0.005)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.1)
+    t = time.perf_counter()
+    r = c.post("/compute", content=body, headers=headers)
+    took = (time.perf_counter() - t) * 1e3
+    time.sleep(0.1)
+    stop.set()
+    poller.join()
+    assert r.status_code == 200, r.text[:300]
+    return {"http_large_body_mb": len(body) / 1e6, "http_large_compute_ms": took,
+            "http_healthz_max_during_large_ms": max(waits)}
 
 
 def suite_service(r) -> list[dict]:

@@ -54,6 +54,9 @@ def test_service_bench_over_http(tmp_path):
     from bench.service import measure_service_http  # noqa: PLC0415
     cfg = tmp_path / "tiny.cfg"
     cfg.write_text(TINY_CONFIG)
-    row = measure_service_http("tiny", cfg, requests=5, chunk=5)
-    assert set(row) == {"http_healthz_ms", "http_compute_ms", "http_push_ms"}
+    row = measure_service_http("tiny", cfg, requests=5, chunk=5, large_frames=2000)
+    assert set(row) == {"http_healthz_ms", "http_compute_ms", "http_push_ms",
+                        "http_large_body_mb", "http_large_compute_ms",
+                        "http_healthz_max_during_large_ms", "http_healthz_during_large_ratio"}
     assert all(v > 0 for v in row.values())
+    assert row["http_large_body_mb"] > 0.05
