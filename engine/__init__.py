@@ -6,4 +6,4 @@ GPU backend is asked for). Never imports the web stack.
 
 __version__ = "0.1.0"
 # Bumped whenever the compiled IR or its semantics change; part of every cache key.
-IR_VERSION = 1
+IR_VERSION = 2

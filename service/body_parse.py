@@ -155,8 +155,11 @@ class _Helper:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
 
     def call(self, body: bytes, paths) -> tuple:
+        from engine.compiler.gc_pause import gc_paused  # noqa: PLC0415 (not in the helper)
         _send(self.proc.stdin, (body, paths))
-        return _receive(self.proc.stdout)
+        data = _receive(self.proc.stdout, load=False)
+        with gc_paused():     # the value's lists make no cycles: no collections meanwhile
+            return pickle.loads(data)
 
     def stop(self) -> None:
         try:
@@ -178,7 +181,7 @@ def _send(stream, value) -> None:
     stream.flush()
 
 
-def _receive(stream):
+def _receive(stream, load: bool = True):
     head = stream.read(8)
     if len(head) < 8:
         raise EOFError("the helper's output ended")
@@ -186,7 +189,7 @@ def _receive(stream):
     data = stream.read(size)
     if len(data) < size:
         raise EOFError("the helper's output ended")
-    return pickle.loads(data)
+    return pickle.loads(data) if load else data
 
 
 def _serve() -> None:

@@ -49,18 +49,25 @@ def plain_and_validated(computation: NnetComputation) -> tuple[dict, NnetComputa
 #: and the computation rebuilt from it (measured with tracemalloc: 56-73 bytes on the
 #: reference models' chunk requests, 81 on a long request of a small network)
 BYTES_PER_ITEM = 100
+#: the same for an item of a flat list of integers (the rows of Indexes, IR version 2):
+#: at most a list slot, an int object and an int64 of the rebuilt array (tracemalloc: 17-23
+#: bytes on average, small integers being shared)
+BYTES_PER_INT = 48
 
 
 def estimated_bytes(data) -> int:
     """The memory a cache entry of plain computation ``data`` takes, estimated from the
     number of items its lists and dicts hold."""
-    count, stack = 0, [data]
+    total, stack = 0, [data]
     while stack:
         x = stack.pop()
         values = x.values() if isinstance(x, dict) else x
-        count += len(x)
-        stack.extend(v for v in values if isinstance(v, (list, tuple, dict)))
-    return count * BYTES_PER_ITEM
+        nested = [v for v in values if isinstance(v, (list, tuple, dict))]
+        flat_ints = (not nested and not isinstance(x, dict) and len(x) > 0
+                     and type(x[0]) is int)
+        total += len(x) * (BYTES_PER_INT if flat_ints else BYTES_PER_ITEM)
+        stack.extend(nested)
+    return total
 
 
 class ComputationCache(Protocol):

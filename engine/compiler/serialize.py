@@ -9,19 +9,48 @@ validates it on the way in, so a corrupted or hostile cache entry raises
 Precomputed component indexes are stored through their own ``to_data`` with the
 name of their class; on reading, only classes defined in ``engine.nnet.components``
 are accepted.
+
+Rows of Indexes are flat lists of integers: a matrix's debug cindexes as node, n, t, x,
+node, n, t, x, ...; a precomputed info's Indexes as n, t, x, ...  (IR version 2; version
+1 held one list per row).  A cached computation of a 40000-frame request then holds a few
+lists of integers, not 1.4 million lists, tuples and Index objects, which every full
+collection of Python's garbage collector walked (about 0.18 s each, the service's event
+loop and every other client waiting); the rebuilt computation holds its debug cindexes
+as arrays (``DebugCindexes``).
 """
 
 from __future__ import annotations
 
 import importlib
+from itertools import chain
+
+import numpy as np
 
 from engine.compiler.computation import (COMMAND_SPECS, ArgKind, Command, CommandType,
-                                         MatrixDebugInfo, MatrixInfo, NnetComputation,
-                                         PrecomputedIndexesInfo, SubMatrixInfo)
+                                         DebugCindexes, MatrixDebugInfo, MatrixInfo,
+                                         NnetComputation, PrecomputedIndexesInfo,
+                                         SubMatrixInfo)
+from engine.compiler.graph_nodes import make_indexes
 from engine.core.errors import CheckError
-from engine.core.index import Index
 
-IR_VERSION = 1
+IR_VERSION = 2
+
+
+def _flat_cindexes(cindexes) -> list[int]:
+    """node, n, t, x, node, n, ... of a matrix's debug cindexes."""
+    if type(cindexes) is DebugCindexes:
+        return cindexes.rows.ravel().tolist()
+    return [v for node, idx in cindexes for v in (node, *idx)]
+
+
+def _rows(flat, width: int, what: str) -> np.ndarray:
+    """A flat list of integers as a (k, width) int64 array."""
+    if not isinstance(flat, list) or len(flat) % width:
+        raise CheckError(f"{what}: expected a flat list of integers, {width} per row")
+    try:
+        return np.array(flat, dtype=np.int64).reshape(-1, width)
+    except (TypeError, ValueError, OverflowError):
+        raise CheckError(f"{what}: expected integers") from None
 _ALLOWED_PREFIX = "engine.nnet.components."
 
 
@@ -32,14 +61,14 @@ def computation_to_data(c: NnetComputation) -> dict:
         pre.append({
             "class": f"{type(d).__module__}:{type(d).__qualname__}" if d is not None else None,
             "data": d.to_data() if d is not None else None,
-            "input_indexes": [list(i) for i in info.input_indexes],
-            "output_indexes": [list(i) for i in info.output_indexes],
+            "input_indexes": list(chain.from_iterable(info.input_indexes)),
+            "output_indexes": list(chain.from_iterable(info.output_indexes)),
         })
     return {
         "ir_version": IR_VERSION,
         "matrices": [list(m) for m in c.matrices],
         "submatrices": [list(s) for s in c.submatrices],
-        "matrix_debug_info": [[d.is_deriv, [[n, *idx] for n, idx in d.cindexes]]
+        "matrix_debug_info": [[d.is_deriv, _flat_cindexes(d.cindexes)]
                               for d in c.matrix_debug_info],
         "precomputed_indexes": pre,
         "indexes": [list(map(int, v)) for v in c.indexes],
@@ -70,15 +99,17 @@ def computation_from_data(data: dict) -> NnetComputation:
         c.matrices = [MatrixInfo(*map(int, m)) for m in data["matrices"]]
         c.submatrices = [SubMatrixInfo(*map(int, s)) for s in data["submatrices"]]
         c.matrix_debug_info = [
-            MatrixDebugInfo(bool(d), [(int(x[0]), Index(int(x[1]), int(x[2]), int(x[3])))
-                                      for x in cidx])
-            for d, cidx in data["matrix_debug_info"]]
+            MatrixDebugInfo(bool(d), DebugCindexes(_rows(cidx, 4, f"matrix_debug_info[{m}]")))
+            for m, (d, cidx) in enumerate(data["matrix_debug_info"])]
         c.component_precomputed_indexes = [PrecomputedIndexesInfo()]
-        for p in data["precomputed_indexes"]:
+        for k, p in enumerate(data["precomputed_indexes"], start=1):
             obj = _load_class(p["class"]).from_data(p["data"]) if p["class"] else None
-            c.component_precomputed_indexes.append(PrecomputedIndexesInfo(
-                obj, [Index(*map(int, i)) for i in p["input_indexes"]],
-                [Index(*map(int, i)) for i in p["output_indexes"]]))
+            rows_in = _rows(p["input_indexes"], 3, f"precomputed_indexes[{k}].input_indexes")
+            rows_out = _rows(p["output_indexes"], 3,
+                             f"precomputed_indexes[{k}].output_indexes")
+            info = PrecomputedIndexesInfo(obj, make_indexes(rows_in), make_indexes(rows_out))
+            info.remember_index_rows(rows_in, rows_out)
+            c.component_precomputed_indexes.append(info)
         c.indexes = [[int(v) for v in lst] for lst in data["indexes"]]
         c.indexes_multi = [[(int(a), int(b)) for a, b in lst] for lst in data["indexes_multi"]]
         c.indexes_ranges = [[(int(a), int(b)) for a, b in lst] for lst in data["indexes_ranges"]]

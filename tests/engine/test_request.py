@@ -197,3 +197,20 @@ def test_input_at_a_component_node_is_refused_by_name(inputs):
         [IoSpecification("output", [Index(0, t, 0) for t in range(5)])])
     with pytest.raises(RequestError, match="input 'relu1' is a component node"):
         compile_request(nnet, req)
+
+
+def test_canonical_bytes_tell_apart_where_each_index_belongs():
+    """The Index counts in the header line: the same Indexes split differently between
+    two inputs, or an input's name holding what looks like the header's end, encode
+    differently; the rows are the Indexes' n, t, x as little-endian int64."""
+    def req(split: int, name: str = "a") -> ComputationRequest:
+        rows = [Index(0, t, 0) for t in range(4)]
+        return ComputationRequest([IoSpecification(name, rows[:split]),
+                                   IoSpecification("b", rows[split:])],
+                                  [IoSpecification("output", [Index(0, 0, 0)])])
+    encodings = {req(k).canonical_bytes() for k in range(5)}
+    assert len(encodings) == 5
+    assert req(2, 'a"]\n').canonical_bytes() != req(2).canonical_bytes()
+    head, _, rows = req(4).canonical_bytes().partition(b"\n")
+    assert np.frombuffer(rows, "<i8").reshape(-1, 3).tolist() == \
+        [[0, t, 0] for t in range(4)] + [[0, 0, 0]]

@@ -162,3 +162,22 @@ def test_registrations_under_way_count_against_the_byte_budget(monkeypatch):
     monkeypatch.setattr(registry_mod, "_load", real_load)
     reg.register(_linear_config(0, 1000).encode(), "config")
     assert reg.held_bytes() == 4 * 1024 * 1000
+
+
+def test_a_cache_entry_holds_few_objects_the_garbage_collector_tracks():
+    """The plain data and the rebuilt computation of a cache entry hold the rows of
+    Indexes as flat integer lists and arrays (IR version 2): the objects the cyclic
+    garbage collector walks at each full collection do not grow with the request (one
+    list and one (node, Index) tuple per row made a 40000-frame TDNN entry 1.4 million
+    objects, and each full collection took about 0.18 s while the event loop waited)."""
+    def tracked_after(frames: int) -> int:
+        comp = _computation(frames)
+        gc.collect()
+        before = len(gc.get_objects())
+        entry = plain_and_validated(comp)
+        gc.collect()
+        count = len(gc.get_objects()) - before
+        del entry
+        return count
+    small, large = tracked_after(20), tracked_after(4000)
+    assert large <= small + 50, (small, large)
