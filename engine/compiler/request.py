@@ -221,8 +221,14 @@ class ComputationRequest:
                 "need_model_derivative": int(self.need_model_derivative),
                 "store_component_stats": int(self.store_component_stats)}
         parts = [json.dumps(head, sort_keys=True, separators=(",", ":")).encode("ascii"), b"\n"]
-        parts += [index_rows(s.indexes).astype("<i8", copy=False).tobytes()
-                  for s in (*self.inputs, *self.outputs)]
+        for s in (*self.inputs, *self.outputs):
+            try:
+                parts.append(index_rows(s.indexes).astype("<i8", copy=False).tobytes())
+            except OverflowError:     # beyond 64 bits (never valid): as JSON text instead
+                head["v"] = 3
+                return json.dumps([head, [[[*i] for i in t.indexes] for t in (
+                    *self.inputs, *self.outputs)]], sort_keys=True,
+                    separators=(",", ":")).encode("ascii")
         return b"".join(parts)
 
     def hash(self) -> str:

@@ -214,3 +214,6 @@ def test_canonical_bytes_tell_apart_where_each_index_belongs():
     head, _, rows = req(4).canonical_bytes().partition(b"\n")
     assert np.frombuffer(rows, "<i8").reshape(-1, 3).tolist() == \
         [[0, t, 0] for t in range(4)] + [[0, 0, 0]]
+    huge = req(2)
+    huge.inputs[0].indexes.append(Index(2 ** 70, 0, 0))     # never valid, still encoded
+    assert huge.canonical_bytes() != req(2).canonical_bytes() and hash(huge) is not None
