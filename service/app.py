@@ -148,7 +148,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _mount_docs(app)
     app.add_middleware(WireMiddleware, max_body_bytes=settings.max_body_bytes,
                        metrics=services.metrics,
-                       arrivals=getattr(services.queue, "arrivals", None))
+                       arrivals=getattr(services.queue, "arrivals", None),
+                       parser=services.body_parser)
     return app
 
 

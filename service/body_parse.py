@@ -24,10 +24,12 @@ the body is parsed in the event loop as before and the next one starts a new hel
 from __future__ import annotations
 
 import asyncio
+import base64
 import email.message
 import itertools
 import json
 import logging
+import math
 import os
 import pickle
 import struct
@@ -37,7 +39,9 @@ import threading
 import types
 import typing
 
+import msgpack
 import numpy as np
+import orjson
 
 log = logging.getLogger("nnetc.service")
 
@@ -99,6 +103,82 @@ def pack_rows(rows) -> dict | None:
     return {"shape": [len(rows), widths.pop()], "data": values.tobytes()}
 
 
+# msgpack bodies are made JSON data (binary as base64 text), and JSON answers msgpack for
+# clients that accept it, here too: in the event loop for small ones, in a helper process
+# for large ones (service/middleware.py)
+
+def _bytes_to_b64(obj):
+    """The msgpack body as JSON data: binary as base64 text; a non-finite number (which
+    JSON cannot carry: orjson would write null, and an optional field would quietly
+    take its default) is a ValueError naming where it is."""
+    if isinstance(obj, (bytes, bytearray)):
+        return base64.b64encode(obj).decode("ascii")
+    if isinstance(obj, dict):
+        return {str(k): _bytes_to_b64(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_bytes_to_b64(v) for v in obj]
+    if isinstance(obj, msgpack.Timestamp):
+        raise ValueError("msgpack timestamps are not accepted (plain maps, arrays, strings, "
+                         "numbers and binary only)")
+    if type(obj) is float and not math.isfinite(obj):
+        raise _NonFinite(obj)
+    return obj
+
+
+class _NonFinite(ValueError):
+    pass
+
+
+def _non_finite_path(obj, path: str = "") -> str | None:
+    """Where the first non-finite number of a decoded msgpack body is (``a.b.3``)."""
+    if type(obj) is float and not math.isfinite(obj):
+        return path or "the top level"
+    items = (obj.items() if isinstance(obj, dict) else
+             enumerate(obj) if isinstance(obj, (list, tuple)) else ())
+    for k, v in items:
+        found = _non_finite_path(v, f"{path}.{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+def _msgpack_to_json(body: bytes) -> bytes:
+    obj = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_no_ext)
+    try:
+        return orjson.dumps(_bytes_to_b64(obj))
+    except _NonFinite as e:
+        raise ValueError(f"the number {e.args[0]} at {_non_finite_path(obj)}: only finite "
+                         f"numbers are accepted") from None
+
+
+def _no_ext(code: int, data: bytes):
+    """msgpack ``ext_hook``: the wire format has no extension types (a Timestamp or an
+    application's own would otherwise reach the schemas as a bare tuple)."""
+    raise ValueError(f"msgpack extension type {code} is not accepted (plain maps, arrays, "
+                     f"strings, numbers and binary only)")
+
+
+def msgpack_to_json(body: bytes) -> tuple:
+    """``("ok", JSON bytes)`` of a msgpack body, or ``("error", the 400's message)``."""
+    try:
+        return ("ok", _msgpack_to_json(body))
+    except Exception as e:  # noqa: BLE001 - any undecodable body is the client's
+        return ("error", f"body is not valid msgpack: {type(e).__name__}"
+                         + (f" ({e})" if str(e) else ""))
+
+
+def json_to_msgpack(data: bytes) -> tuple:
+    """``("ok", msgpack bytes)`` of a JSON answer, or ``("error", why)``."""
+    try:
+        return ("ok", msgpack.packb(orjson.loads(data)))
+    except Exception as e:  # noqa: BLE001 - told to the caller, which converts it itself
+        return ("error", f"{type(e).__name__}: {e}")
+
+
+_OPERATIONS = {"json": parse_body, "msgpack_to_json": msgpack_to_json,
+               "json_to_msgpack": json_to_msgpack}
+
+
 # -- in the service ------------------------------------------------------------------------
 
 def matrix_paths(model: type) -> tuple[tuple[str, ...], ...]:
@@ -154,9 +234,9 @@ class _Helper:
         self.proc = subprocess.Popen([sys.executable, "-m", "service.body_parse"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
 
-    def call(self, body: bytes, paths) -> tuple:
+    def call(self, op: str, *args) -> tuple:
         from engine.compiler.gc_pause import gc_paused  # noqa: PLC0415 (not in the helper)
-        _send(self.proc.stdin, (body, paths))
+        _send(self.proc.stdin, (op, args))
         data = _receive(self.proc.stdout, load=False)
         with gc_paused():     # the value's lists make no cycles: no collections meanwhile
             return pickle.loads(data)
@@ -193,15 +273,16 @@ def _receive(stream, load: bool = True):
 
 
 def _serve() -> None:
-    """The helper process: parse each body its input brings, answer on its output."""
+    """The helper process: do what each message of its input asks (``_OPERATIONS``),
+    answer on its output."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr          # nothing else may write to the answers' stream
     while True:
         try:
-            body, paths = _receive(stdin)
+            op, args = _receive(stdin)
         except EOFError:
             return
-        result = parse_body(body, paths)
+        result = _OPERATIONS[op](*args)
         try:
             _send(stdout, result)
         except Exception:  # noqa: BLE001 - e.g. nested too deeply to pickle: the service
@@ -224,7 +305,7 @@ class BodyParser:
     def wanted(self, size: int) -> bool:
         return self.processes > 0 and size >= self.min_bytes and not self._closed
 
-    def _call(self, body: bytes, paths) -> tuple | None:
+    def _call(self, op: str, *args) -> tuple | None:
         with self._free:
             with self._lock:
                 if self._closed:
@@ -234,7 +315,7 @@ class BodyParser:
                     helper = _Helper()
                     self._all.append(helper)
             try:
-                result = helper.call(body, paths)
+                result = helper.call(op, *args)
             except (OSError, EOFError, pickle.UnpicklingError, struct.error):
                 log.warning("the body parser process stopped; this body is parsed in the "
                             "event loop and the next large one starts a new process")
@@ -247,11 +328,15 @@ class BodyParser:
                 self._idle.append(helper)
             return None if result[0] == "unsent" else result
 
+    async def call(self, op: str, *args) -> tuple | None:
+        """What operation ``op`` (``_OPERATIONS``) gives for ``args`` in a helper process;
+        None when the helper process died meanwhile or could not send its answer (the
+        caller does the work itself, as before)."""
+        return await asyncio.to_thread(self._call, op, *args)
+
     async def parse(self, body: bytes, paths) -> tuple | None:
-        """What ``parse_body`` makes of ``body`` in a helper process; None when the
-        helper process died meanwhile or could not send its answer (the caller parses
-        the body as before)."""
-        return await asyncio.to_thread(self._call, body, paths)
+        """``parse_body`` of ``body`` in a helper process (see ``call``)."""
+        return await self.call("json", body, paths)
 
     def close(self) -> None:
         with self._lock:

@@ -5,20 +5,22 @@ msgpack: a request with ``Content-Type: application/msgpack`` is decoded and
 handed to the routes as JSON (raw ``bytes`` values become base64 strings, which
 is what the matrix ``data`` field expects), so routes, validation and the
 OpenAPI schema are the same for both content types; a request with ``Accept:
-application/msgpack`` gets its JSON response re-encoded as msgpack.
+application/msgpack`` gets its JSON response re-encoded as msgpack (the routes that
+answer with matrices write msgpack themselves: service.routes.json_answer).  Large
+bodies and answers are converted by the helper processes of service/body_parse.py,
+not in the event loop.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
-import math
 import re
 import time
 
 import msgpack
 import orjson
 
+from service.body_parse import json_to_msgpack, msgpack_to_json
 from service.errors import error_body
 
 MSGPACK = "application/msgpack"
@@ -40,57 +42,6 @@ def lone_surrogate(body: bytes) -> str | None:
         if "surrogate" in str(e):
             return str(e)
     return None
-
-
-def _bytes_to_b64(obj):
-    """The msgpack body as JSON data: binary as base64 text; a non-finite number (which
-    JSON cannot carry: orjson would write null, and an optional field would quietly
-    take its default) is a ValueError naming where it is."""
-    if isinstance(obj, (bytes, bytearray)):
-        return base64.b64encode(obj).decode("ascii")
-    if isinstance(obj, dict):
-        return {str(k): _bytes_to_b64(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_bytes_to_b64(v) for v in obj]
-    if isinstance(obj, msgpack.Timestamp):
-        raise ValueError("msgpack timestamps are not accepted (plain maps, arrays, strings, "
-                         "numbers and binary only)")
-    if type(obj) is float and not math.isfinite(obj):
-        raise _NonFinite(obj)
-    return obj
-
-
-class _NonFinite(ValueError):
-    pass
-
-
-def _non_finite_path(obj, path: str = "") -> str | None:
-    """Where the first non-finite number of a decoded msgpack body is (``a.b.3``)."""
-    if type(obj) is float and not math.isfinite(obj):
-        return path or "the top level"
-    items = (obj.items() if isinstance(obj, dict) else
-             enumerate(obj) if isinstance(obj, (list, tuple)) else ())
-    for k, v in items:
-        found = _non_finite_path(v, f"{path}.{k}" if path else str(k))
-        if found is not None:
-            return found
-    return None
-
-
-def _msgpack_to_json(body: bytes) -> bytes:
-    obj = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_no_ext)
-    try:
-        return orjson.dumps(_bytes_to_b64(obj))
-    except _NonFinite as e:
-        raise ValueError(f"the number {e.args[0]} at {_non_finite_path(obj)}: only finite "
-                         f"numbers are accepted") from None
-
-
-def _no_ext(code: int, data: bytes):
-    """msgpack ``ext_hook``: the wire format has no extension types (a Timestamp or an
-    application's own would otherwise reach the schemas as a bare tuple)."""
-    raise ValueError(f"msgpack extension type {code} is not accepted (plain maps, arrays, "
-                     f"strings, numbers and binary only)")
 
 
 def _headers(scope) -> dict[str, str]:
@@ -126,10 +77,13 @@ async def _send_json(send, status: int, body: dict, msgpack_out: bool) -> None:
 
 
 class WireMiddleware:
-    def __init__(self, app, max_body_bytes: int, metrics, arrivals=None):
+    def __init__(self, app, max_body_bytes: int, metrics, arrivals=None, parser=None):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        # large msgpack bodies and answers are converted by its helper processes
+        # (service.body_parse.BodyParser), not in the event loop
+        self.parser = parser
         # requests of the batched kinds in flight, for the worker's batching
         # (service.worker.Arrivals)
         self.arrivals = arrivals
@@ -157,6 +111,14 @@ class WireMiddleware:
             log.info("request", extra={"method": scope["method"], "path": scope["path"],
                                        "route": path, "status": state["status"],
                                        "ms": round(seconds * 1000.0, 3)})
+
+    async def _convert(self, op: str, convert, data: bytes) -> tuple:
+        """``convert(data)``: in a helper process when ``data`` is large, else here."""
+        if self.parser is not None and self.parser.wanted(len(data)):
+            result = await self.parser.call(op, data)
+            if result is not None:
+                return result
+        return convert(data)
 
     async def _handle(self, scope, receive, send, state):
         outer = scope
@@ -189,15 +151,13 @@ class WireMiddleware:
             body = b"".join(chunks)
             # media types are case-insensitive (RFC 9110)
             if headers.get("content-type", "").split(";")[0].strip().lower() == MSGPACK:
-                try:
-                    body = _msgpack_to_json(body)
-                except Exception as e:  # noqa: BLE001 - any undecodable body is the client's
+                converted = await self._convert("msgpack_to_json", msgpack_to_json, body)
+                if converted[0] != "ok":
                     state["status"] = 400
-                    await _send_json(send, 400, error_body(
-                        "BadRequest", f"body is not valid msgpack: {type(e).__name__}"
-                                      + (f" ({e})" if str(e) else "")),
-                        msgpack_out)
+                    await _send_json(send, 400, error_body("BadRequest", converted[1]),
+                                     msgpack_out)
                     return
+                body = converted[1]
                 scope = dict(scope)
                 scope["headers"] = [(k, v) for k, v in scope["headers"]
                                     if k.lower() not in (b"content-type", b"content-length")]
@@ -235,7 +195,10 @@ class WireMiddleware:
                 parts.append(message.get("body", b""))
                 if message.get("more_body", False):
                     return
-                data = msgpack.packb(orjson.loads(b"".join(parts)))
+                joined = b"".join(parts)
+                converted = await self._convert("json_to_msgpack", json_to_msgpack, joined)
+                data = (converted[1] if converted[0] == "ok"
+                        else msgpack.packb(orjson.loads(joined)))   # (raises as it did)
                 hdrs = [(k, v) for k, v in start.get("headers", [])
                         if k.lower() not in (b"content-type", b"content-length")]
                 hdrs += [(b"content-type", MSGPACK.encode()),

@@ -13,9 +13,10 @@ from pydantic import BaseModel
 
 from engine.core.errors import Cancelled, NnetcError
 from service.body_parse import is_json, matrix_paths
-from service.convert import wire_pieces
+from service.convert import msgpack_pieces, wire_pieces
 from service.deps import check_auth, require_auth
 from service.errors import FASTAPI_BODY_ERROR, BodyReadError, ServiceError
+from service.middleware import MSGPACK
 
 
 class ParsedBodyRoute(APIRoute):
@@ -107,11 +108,16 @@ class PiecewiseResponse(Response):
             await send({"type": "http.response.body", "body": b""})
 
 
-def json_answer(model, exclude_none: bool = False) -> Response:
+def json_answer(model, exclude_none: bool = False, request: Request | None = None
+                ) -> Response:
     """``model`` (a wire model made with ``model_construct``, its JSON-rows matrices as
-    arrays: service.convert.wire_json) as the HTTP answer.  A route returning it skips
-    FastAPI's validation of its response model, which such a model would not pass; the
-    route's response_model still describes it in the OpenAPI schema."""
+    arrays: service.convert.wire_json) as the HTTP answer: JSON, or msgpack when
+    ``request`` accepts it (written here, the bytes the middleware's re-encoding of the
+    JSON gives, without the JSON).  A route returning it skips FastAPI's validation of
+    its response model, which such a model would not pass; the route's response_model
+    still describes it in the OpenAPI schema."""
+    if request is not None and MSGPACK in request.headers.get("accept", "").lower():
+        return PiecewiseResponse(msgpack_pieces(model, exclude_none), media_type=MSGPACK)
     return PiecewiseResponse(wire_pieces(model, exclude_none))
 
 

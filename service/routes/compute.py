@@ -62,4 +62,4 @@ def compute_route(body: ComputeRequest, services: ServicesDep, request: Request
                       for k, v in result.input_derivs.items()},
         model_gradient=gradient,
         component_stats=None if result.stats is None else convert.stats_to_wire(result.stats)),
-        exclude_none=True)
+        exclude_none=True, request=request)

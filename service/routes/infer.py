@@ -102,4 +102,4 @@ def infer_route(body: InferRequest, services: ServicesDep, request: Request) -> 
             "options": options})
     return json_answer(InferResponse.model_construct(
         output=convert.matrix_to_wire(out, body.encoding, services.settings.base64_threshold),
-        num_frames=int(out.shape[0])))
+        num_frames=int(out.shape[0])), request=request)

@@ -118,7 +118,7 @@ def push_frames(stream_id: str, body: PushRequest, services: ServicesDep,
     payload = _push_payload(services, stream_id, body)
     with blame(request, "features", _NAMED_FIELDS):
         result = run_job(services, "stream_push", payload)
-    return json_answer(_output(services, result, body.encoding))
+    return json_answer(_output(services, result, body.encoding), request=request)
 
 
 @router.post("/streams/{stream_id}/finish", response_model=StreamOutput, dependencies=AUTH)
@@ -126,7 +126,8 @@ def finish_stream(stream_id: str, services: ServicesDep, request: Request,
                   body: FinishRequest | None = None) -> Response:
     with blame(request, "stream_id", _NAMED_FIELDS):
         result = run_job(services, "stream_finish", {"stream_id": stream_id})
-    return json_answer(_output(services, result, (body or FinishRequest()).encoding))
+    return json_answer(_output(services, result, (body or FinishRequest()).encoding),
+                       request=request)
 
 
 @router.delete("/streams/{stream_id}", status_code=204, dependencies=AUTH)

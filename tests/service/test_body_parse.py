@@ -1,6 +1,7 @@
 """Large bodies are parsed in a helper process and large answers written a piece at a
-time (service/body_parse.py, service.convert.wire_pieces): the answers are those of the
-plain path, and the event loop's process never parses a large body itself."""
+time (service/body_parse.py, service.convert.wire_pieces and msgpack_pieces): the answers
+are those of the plain path, and the event loop's process never parses a large body
+itself."""
 
 from __future__ import annotations
 
@@ -160,11 +161,11 @@ def test_a_helper_that_dies_is_replaced_and_its_body_still_answered(clients):
 
 def test_closing_stops_the_helpers():
     parser = BodyParser(2, 0)
-    assert parser._call(b'{"a": [[1.0]]}', (("a",),))[0] == "ok"
+    assert parser._call("json", b'{"a": [[1.0]]}', (("a",),))[0] == "ok"
     procs = [h.proc for h in parser._all]
     parser.close()
     assert procs and all(p.poll() is not None for p in procs)
-    assert not parser.wanted(10) and parser._call(b"{}", ()) is None
+    assert not parser.wanted(10) and parser._call("json", b"{}", ()) is None
 
 
 def test_unauthorized_large_bodies_get_401_before_being_read():
@@ -197,6 +198,8 @@ def test_wire_pieces_join_to_the_document(small_pieces, shape):
     assert i["shape"] == list(shape)
     assert i["data"] == base64.b64encode(a.astype("<f4").tobytes()).decode()
     assert b"".join(pieces) == convert.wire_json(m, exclude_none=True)
+    packed = convert.msgpack_pieces(m, exclude_none=True)
+    assert b"".join(packed) == msgpack.packb(orjson.loads(b"".join(pieces)))
     if a.nbytes > 256:       # in pieces of about 256 bytes, or of one row where longer
         row = len(orjson.dumps(a[:1].astype(np.float64), option=orjson.OPT_SERIALIZE_NUMPY))
         assert len(pieces) > 3 and max(map(len, pieces)) < max(256 * 4, 2 * row)
@@ -215,6 +218,9 @@ def test_large_answers_arrive_whole_as_json_and_msgpack(clients, small_pieces):
         want = decode(r.json()["output"])
         assert want.shape[0] == 30
         np.testing.assert_array_equal(decode(msgpack.unpackb(m.content)["output"]), want)
+        # written as msgpack by the route: the bytes of the JSON answer re-encoded
+        assert m.headers["content-type"] == "application/msgpack"
+        assert m.content == msgpack.packb(orjson.loads(r.content))
 
 
 # -- base64 a piece at a time ----------------------------------------------------------------
@@ -260,3 +266,20 @@ def test_base64_in_pieces_is_base64(small_pieces):
             assert _verdict(convert.b64decode, bad) == \
                 _verdict(lambda t: base64.b64decode(t, validate=True), bad), bad
     assert math.isclose(len(convert.b64encode(bytes(1000))), 4 * math.ceil(1000 / 3))
+
+
+def test_msgpack_answers_with_gradients_and_statistics_are_the_json_re_encoded(clients):
+    plain, apart, mid = clients
+    x = np.random.default_rng(4).standard_normal((5, 4))
+    body = {"model_id": mid, "request": {**request_for(0, 3, deriv=True),
+                                         "store_component_stats": True},
+            "inputs": {"input": x.tolist()}, "output_derivs": {"output": np.ones((3, 3))
+                                                              .tolist()}}
+    for client in (plain, apart):
+        for enc in ("json", "base64"):
+            r = client.post("/compute", json={**body, "encoding": enc})
+            m = client.post("/compute", json={**body, "encoding": enc},
+                            headers={"accept": "application/msgpack"})
+            assert r.status_code == m.status_code == 200, r.text
+            assert {"model_gradient", "component_stats"} <= set(r.json())
+            assert m.content == msgpack.packb(orjson.loads(r.content))
