@@ -253,7 +253,8 @@ def measure_service_http(name: str, path, requests: int = HTTP_REQUESTS,
     one large body does to the others: a /compute of ``large_frames`` frames with its
     input as JSON rows (its computation cached by a first one) while a second client asks
     for /healthz every 5 ms: the large request's milliseconds, the slowest /healthz meanwhile
-    and that over the median /healthz (``http_healthz_during_large_ratio``); left out when
+    and that over the median /healthz (``http_healthz_during_large_ratio``); the same in
+    msgpack with raw float32 bytes (``http_large_msgpack_*``); left out when
     ``large_frames`` is None."""
     import httpx  # noqa: PLC0415
     nnet = common.load_for_inference(path)
@@ -304,21 +305,40 @@ def measure_service_http(name: str, path, requests: int = HTTP_REQUESTS,
 
 
 def _large_body(c, port: int, mid: str, nnet, frames: int) -> dict:
-    """See measure_service_http."""
+    """See measure_service_http: the input as JSON rows (answer JSON, its matrix in
+    base64), then the same request in msgpack with raw float32 bytes (answer msgpack)."""
     import json  # noqa: PLC0415
+
+    import msgpack  # noqa: PLC0415
+    req = common.chunk_request(nnet, frames, 1)
+    rng = np.random.default_rng(1)
+    inputs = {s.name: rng.standard_normal((len(s.indexes), nnet.input_dim(s.name)))
+              .astype("<f4") for s in req.inputs}
+    wire_req = {"inputs": [s.to_json() for s in req.inputs],
+                "outputs": [s.to_json() for s in req.outputs]}
+    as_json = json.dumps({"model_id": mid, "encoding": "base64", "request": wire_req,
+                          "inputs": {k: v.tolist() for k, v in inputs.items()}}).encode()
+    as_msgpack = msgpack.packb({"model_id": mid, "encoding": "base64", "request": wire_req,
+                                "inputs": {k: {"shape": list(v.shape), "data": v.tobytes()}
+                                           for k, v in inputs.items()}})
+    row = {}
+    for body, ctype, key in ((as_json, "application/json", "large"),
+                             (as_msgpack, "application/msgpack", "large_msgpack")):
+        headers = {"content-type": ctype, "accept": ctype}
+        assert c.post("/compute", content=body, headers=headers).status_code == 200
+        took, waited = _while_polling(port, lambda: c.post("/compute", content=body,
+                                                           headers=headers))
+        row.update({f"http_{key}_body_mb": len(body) / 1e6, f"http_{key}_compute_ms": took,
+                    f"http_healthz_max_during_{key}_ms": waited})
+    return row
+
+
+def _while_polling(port: int, send) -> tuple[float, float]:
+    """(milliseconds of ``send()``, the slowest /healthz that a second client asking every
+    5 ms got meanwhile)."""
     import threading  # noqa: PLC0415
 
     import httpx  # noqa: PLC0415
-    req = common.chunk_request(nnet, frames, 1)
-    rng = np.random.default_rng(1)
-    body = json.dumps({
-        "model_id": mid, "encoding": "base64",
-        "request": {"inputs": [s.to_json() for s in req.inputs],
-                    "outputs": [s.to_json() for s in req.outputs]},
-        "inputs": {s.name: rng.standard_normal((len(s.indexes), nnet.input_dim(s.name)))
-                   .astype(np.float32).tolist() for s in req.inputs}}).encode()
-    headers = {"content-type": "application/json"}
-    assert c.post("/compute", content=body, headers=headers).status_code == 200
     waits: list[float] = []
     stop = threading.Event()
 
@@ -333,14 +353,13 @@ def _large_body(c, port: int, mid: str, nnet, frames: int) -> dict:
     poller.start()
     time.sleep(0.1)
     t = time.perf_counter()
-    r = c.post("/compute", content=body, headers=headers)
+    r = send()
     took = (time.perf_counter() - t) * 1e3
     time.sleep(0.1)
     stop.set()
     poller.join()
     assert r.status_code == 200, r.text[:300]
-    return {"http_large_body_mb": len(body) / 1e6, "http_large_compute_ms": took,
-            "http_healthz_max_during_large_ms": max(waits)}
+    return took, max(waits)
 
 
 def suite_service(r) -> list[dict]:

@@ -57,6 +57,8 @@ def test_service_bench_over_http(tmp_path):
     row = measure_service_http("tiny", cfg, requests=5, chunk=5, large_frames=2000)
     assert set(row) == {"http_healthz_ms", "http_compute_ms", "http_push_ms",
                         "http_large_body_mb", "http_large_compute_ms",
-                        "http_healthz_max_during_large_ms", "http_healthz_during_large_ratio"}
+                        "http_healthz_max_during_large_ms", "http_healthz_during_large_ratio",
+                        "http_large_msgpack_body_mb", "http_large_msgpack_compute_ms",
+                        "http_healthz_max_during_large_msgpack_ms"}
     assert all(v > 0 for v in row.values())
     assert row["http_large_body_mb"] > 0.05
