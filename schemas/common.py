@@ -3,7 +3,9 @@
 A matrix travels either as JSON rows (``[[1.0, 2.0], [3.0, 4.0]]``, handy for
 small data) or, for anything large, as ``{"shape": [r, c], "dtype": "float32",
 "data": <base64 of the little-endian float32 bytes, row-major>}``.  In a msgpack
-body ``data`` may also be the raw bytes (msgpack has a binary type).
+body ``data`` may also be the raw bytes (msgpack has a binary type).  A request's
+Indexes likewise: ``[[n, t, x], ...]`` or ``{"shape": [k, 3], "dtype": "int32",
+"data": <base64 of the little-endian int32 n, t, x values, row by row>}``.
 """
 
 from __future__ import annotations
@@ -35,8 +37,17 @@ class EncodedMatrix(Strict):
                     "(raw bytes allowed in msgpack bodies)")
 
 
+class EncodedIndexes(Strict):
+    shape: tuple[Int, Int] = Field(description="[rows, 3]")
+    dtype: Literal["int32"] = "int32"
+    data: Union[str, bytes] = Field(
+        description="base64 of rows*3 little-endian int32 values n, t, x, row-major "
+                    "(raw bytes allowed in msgpack bodies)")
+
+
 # JSON rows or the encoded form
 Matrix = Union[list[list[Float]], EncodedMatrix]
+Indexes = Union[list[tuple[Int, Int, Int]], EncodedIndexes]
 Vector = list[Float]
 
 MatrixEncoding = Literal["json", "base64", "auto"]

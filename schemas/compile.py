@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from schemas.common import Bool, Int, Strict
+from schemas.common import Bool, Indexes, Int, Strict
 
 
 class IoSpec(Strict):
     name: str = Field(description="node name")
     has_deriv: Bool = False
-    indexes: list[tuple[Int, Int, Int]] = Field(description="[[n, t, x], ...]: the rows of "
-                                                            "the matrix, in order")
+    indexes: Indexes = Field(description="[[n, t, x], ...]: the rows of the matrix, in "
+                                         "order; or, for many, {\"shape\": [k, 3], \"data\": "
+                                         "<base64 of little-endian int32 n, t, x rows>}")
 
 
 class ComputationRequestModel(Strict):

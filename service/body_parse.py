@@ -46,40 +46,67 @@ import orjson
 log = logging.getLogger("nnetc.service")
 
 _EXACT_INT = 2 ** 53
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 _F32_LE = np.dtype("<f4")
 
 
 # -- in the helper process ------------------------------------------------------------------
 
 def parse_body(body: bytes, paths: tuple[tuple[str, ...], ...]) -> tuple:
-    """``("ok", value)`` with the matrices at ``paths`` packed, ``("json_invalid", msg,
-    pos)`` for a JSON syntax error, ``("error", kind, message)`` for any other failure to
-    read the body (what FastAPI turns into its 400).  (``("unsent",)`` comes back instead
-    when the answer cannot be sent: see ``_serve``.)"""
+    """``("ok", value)`` with the matrices and Indexes at ``paths`` (``packed_paths``)
+    packed, ``("json_invalid", msg, pos)`` for a JSON syntax error, ``("error", kind,
+    message)`` for any other failure to read the body (what FastAPI turns into its 400).
+    (``("unsent",)`` comes back instead when the answer cannot be sent: see ``_serve``.)"""
     try:
         value = json.loads(body)
     except json.JSONDecodeError as e:
         return ("json_invalid", e.msg, e.pos)
     except Exception as e:  # noqa: BLE001 - reported as FastAPI reports it
         return ("error", type(e).__name__, str(e))
-    for path in paths:
-        _pack_at(value, path)
+    for kind, *path in paths:
+        _pack_at(value, tuple(path), _PACKERS[kind])
     return ("ok", value)
 
 
-def _pack_at(node, path: tuple[str, ...]) -> None:
-    """Pack the matrices at ``path`` below ``node`` (``*``: every value of a dict)."""
-    if not isinstance(node, dict) or not path:
+def _pack_at(node, path: tuple[str, ...], pack) -> None:
+    """Pack what is at ``path`` below ``node`` with ``pack`` (``*``: every value of a
+    dict, ``[]``: every item of a list)."""
+    if not path:
         return
     key, rest = path[0], path[1:]
-    keys = list(node) if key == "*" else [key] if key in node else []
+    if key == "[]":
+        keys = range(len(node)) if isinstance(node, list) else []
+    elif not isinstance(node, dict):
+        return
+    else:
+        keys = list(node) if key == "*" else [key] if key in node else []
     for k in keys:
         if rest:
-            _pack_at(node[k], rest)
+            _pack_at(node[k], rest, pack)
         else:
-            packed = pack_rows(node[k])
+            packed = pack(node[k])
             if packed is not None:
                 node[k] = packed
+
+
+def pack_indexes(rows) -> dict | None:
+    """The encoded form of Indexes sent as ``[[n, t, x], ...]``, or None where packing
+    could change what validation and the engine make of them: anything but lists of three
+    integers, or an integer outside 32 bits (the engine's own check names it)."""
+    if type(rows) is not list or not rows:
+        return None
+    if any(type(r) is not list or len(r) != 3 for r in rows):
+        return None
+    flat = list(itertools.chain.from_iterable(rows))
+    if set(map(type, flat)) != {int}:
+        return None
+    try:
+        values = np.array(flat, dtype=np.int64)
+    except OverflowError:
+        return None
+    if values.min() < _INT32_MIN or values.max() > _INT32_MAX:
+        return None
+    return {"shape": [len(rows), 3], "data": values.astype("<i4").tobytes()}
 
 
 def pack_rows(rows) -> dict | None:
@@ -175,35 +202,44 @@ def json_to_msgpack(data: bytes) -> tuple:
         return ("error", f"{type(e).__name__}: {e}")
 
 
+_PACKERS = {"matrix": pack_rows, "indexes": pack_indexes}
 _OPERATIONS = {"json": parse_body, "msgpack_to_json": msgpack_to_json,
                "json_to_msgpack": json_to_msgpack}
 
 
 # -- in the service ------------------------------------------------------------------------
 
-def matrix_paths(model: type) -> tuple[tuple[str, ...], ...]:
-    """Where a body model's matrices are: ``("features",)`` for a ``Matrix`` field (or an
-    optional one), ``("inputs", "*")`` for a ``dict[str, Matrix]``, through nested
+def packed_paths(model: type) -> tuple[tuple[str, ...], ...]:
+    """Where a body model's matrices and Indexes are, each as (kind, *keys):
+    ``("matrix", "features")`` for a ``Matrix`` field (or an optional one),
+    ``("matrix", "inputs", "*")`` for a ``dict[str, Matrix]``, ``("indexes", "request",
+    "inputs", "[]", "indexes")`` for the Indexes of each item of a list, through nested
     models."""
     from pydantic import BaseModel  # noqa: PLC0415
 
-    from schemas.common import EncodedMatrix  # noqa: PLC0415
+    from schemas.common import EncodedIndexes, EncodedMatrix  # noqa: PLC0415
 
-    def is_matrix(t) -> bool:
+    def kind_of(t) -> str | None:
         args = typing.get_args(t)
-        return EncodedMatrix in args and any(typing.get_origin(a) is list for a in args)
+        if not any(typing.get_origin(a) is list for a in args):
+            return None
+        return ("matrix" if EncodedMatrix in args else
+                "indexes" if EncodedIndexes in args else None)
 
     def walk(t, prefix) -> list:
         if isinstance(t, type) and issubclass(t, BaseModel):
             return [p for name, f in t.model_fields.items()
                     for p in walk(f.annotation, (*prefix, f.alias or name))]
         origin, args = typing.get_origin(t), typing.get_args(t)
-        if is_matrix(t):
-            return [prefix]
+        kind = kind_of(t)
+        if kind is not None:
+            return [(kind, *prefix)]
         if origin in (typing.Union, types.UnionType):
             return [p for a in args if a is not type(None) for p in walk(a, prefix)]
         if origin is dict and len(args) == 2:
             return walk(args[1], (*prefix, "*"))
+        if origin is list and len(args) == 1:
+            return walk(args[0], (*prefix, "[]"))
         return []
     return tuple(dict.fromkeys(walk(model, ())))
 

@@ -20,11 +20,11 @@ from engine.compiler.gc_pause import gc_paused
 from engine.core.index import INT32_MAX, index_rows
 from engine.inference import InferenceOptions
 from engine.optimizer.options import OptimizeOptions
-from schemas.common import EncodedMatrix
+from schemas.common import EncodedIndexes, EncodedMatrix
 from schemas.compile import ComputationRequestModel, OptimizerOptions
 from schemas.compute import InferOptions
 from schemas.models import ModelInfo
-from service.errors import FieldError
+from service.errors import FieldError, ServiceError
 
 _F32_LE = np.dtype("<f4")
 
@@ -143,21 +143,59 @@ def b64decode(text: str) -> bytes:
 
 # -- requests and options ---------------------------------------------------------------------
 
-def request_to_engine(req: ComputationRequestModel) -> ComputationRequest:
-    """The engine's request for a validated wire request: each Index list read into an
-    array in one pass (the schema has made them integer triples), the Index objects made
-    from it in bulk, with the cyclic garbage collector paused meanwhile (none of this
-    makes cycles; a 40000-frame request's Indexes set off full collections otherwise)."""
-    def spec(s, kind, k):
+def indexes_from_wire(value: EncodedIndexes, field: str) -> np.ndarray:
+    """(k, 3) int64 n, t, x rows of Indexes sent in the encoded form (errors name
+    ``field``)."""
+    rows, cols = value.shape
+    if cols != 3 or rows < 0:
+        raise FieldError(field, f"shape {list(value.shape)}: expected [rows, 3]")
+    raw = value.data
+    if isinstance(raw, str):
         try:
-            rows = index_rows(s.indexes)
-        except OverflowError:         # beyond 64 bits: the plain path names the index
-            return IoSpecification.from_json(s.model_dump(), f"{kind} {k}")
+            raw = b64decode(raw)
+        except (binascii.Error, ValueError):
+            raise FieldError(field, "data is not valid base64") from None
+    if len(raw) != rows * 12:
+        raise FieldError(field, f"data has {len(raw)} bytes, shape [{rows}, 3] int32 needs "
+                                f"{rows * 12}")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int64).reshape(rows, 3)
+
+
+def request_to_engine(req: ComputationRequestModel,
+                      max_indexes: int | None = None) -> ComputationRequest:
+    """The engine's request for a validated wire request: each spec's Indexes read into an
+    array in one pass (the schema has made them integer triples, or they came encoded),
+    counted against ``max_indexes`` (413 beyond it, before any Index object is made),
+    then the Index objects made in bulk with the cyclic garbage collector paused (none
+    of this makes cycles; a 40000-frame request's Indexes set off full collections
+    otherwise)."""
+    specs = []
+    for kind, group in (("inputs", req.inputs), ("outputs", req.outputs)):
+        for k, s in enumerate(group):
+            if isinstance(s.indexes, EncodedIndexes):
+                rows = indexes_from_wire(s.indexes, f"request.{kind}.{k}.indexes")
+            else:
+                try:
+                    rows = index_rows(s.indexes)
+                except OverflowError:    # beyond 64 bits: the plain path names the index
+                    rows = None
+            specs.append((kind, k, s, rows))
+    count = sum(len(s.indexes) if rows is None else len(rows) for _, _, s, rows in specs)
+    if max_indexes is not None and count > max_indexes:
+        raise ServiceError(413, "RequestTooLarge",
+                           f"the request has {count} Indexes (inputs and outputs), more than "
+                           f"this service's max_request_indexes ({max_indexes}); split it",
+                           "request")
+
+    def spec(kind, k, s, rows):
+        if rows is None:
+            return IoSpecification.from_json(s.model_dump(), f"{kind[:-1]} {k}")
         return IoSpecification(s.name, rows, s.has_deriv)
     with gc_paused():
-        return ComputationRequest([spec(s, "input", k) for k, s in enumerate(req.inputs)],
-                                  [spec(s, "output", k) for k, s in enumerate(req.outputs)],
-                                  req.need_model_derivative, req.store_component_stats)
+        made = [spec(*x) for x in specs]
+    n_in = len(req.inputs)
+    return ComputationRequest(made[:n_in], made[n_in:], req.need_model_derivative,
+                              req.store_component_stats)
 
 
 def optimize_options(opts: OptimizerOptions | None) -> OptimizeOptions:

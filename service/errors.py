@@ -125,8 +125,10 @@ def error_parts(e: BaseException, field: str | None = None
 # The members of the wire's unions (schemas.common.Matrix: JSON rows or the encoded form;
 # EncodedMatrix.data: text or bytes), which pydantic names in the location of an error
 # inside them, one error per member, when a value fits none.
-_UNION_TAGS = frozenset({"list[list[float]]", "EncodedMatrix", "str", "bytes"})
+_UNION_TAGS = frozenset({"list[list[float]]", "EncodedMatrix", "str", "bytes",
+                         "list[tuple[int, int, int]]", "EncodedIndexes"})
 _MATRIX_TAGS = frozenset({"list[list[float]]", "EncodedMatrix"})
+_INDEXES_TAGS = frozenset({"list[tuple[int, int, int]]", "EncodedIndexes"})
 
 
 def _union_at(err: dict, errs: list, start: int) -> int | None:
@@ -179,6 +181,9 @@ def _validation_message(errs: list) -> tuple[str, str | None]:
         # a value that is neither form of a matrix
         msg = ('expected a matrix: a list of rows ([[1.0, 2.0], ...]) or {"shape": '
                '[rows, cols], "data": <base64 of little-endian float32>}')
+    if cut and loc[max(cut)] in _INDEXES_TAGS and len(loc) == max(cut) + 1:
+        msg = ('expected Indexes: a list of [n, t, x] ([[0, 5, 0], ...]) or {"shape": '
+               '[rows, 3], "data": <base64 of little-endian int32 n, t, x>}')
     more = f" (and {count - 1} more)" if count > 1 else ""
     return f"{where or 'body'}: {msg}{more}", where
 

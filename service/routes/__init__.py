@@ -12,7 +12,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from engine.core.errors import Cancelled, NnetcError
-from service.body_parse import is_json, matrix_paths
+from service.body_parse import is_json, packed_paths
 from service.convert import msgpack_pieces, wire_pieces
 from service.deps import check_auth, require_auth
 from service.errors import FASTAPI_BODY_ERROR, BodyReadError, ServiceError
@@ -34,7 +34,7 @@ class ParsedBodyRoute(APIRoute):
         hints = typing.get_type_hints(self.endpoint)
         paths = tuple(p for name, t in hints.items()
                       if name != "return" and isinstance(t, type) and issubclass(t, BaseModel)
-                      for p in matrix_paths(t))
+                      for p in packed_paths(t))
         needs_auth = any(d.call is require_auth for d in self.dependant.dependencies)
 
         async def parse_then_handle(request: Request) -> Response:

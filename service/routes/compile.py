@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from schemas.compile import CompileRequest, CompileResponse, CompileStats
 from service import convert
 from service.deps import AUTH, ServicesDep
-from service.errors import FieldError, ServiceError
+from service.errors import FieldError
 from service.routes import ParsedBodyRoute, blame, run_job
 
 router = APIRouter(route_class=ParsedBodyRoute, tags=["compile"], dependencies=AUTH)
@@ -18,13 +18,8 @@ def compile_payload(body, services, request: Request) -> dict:
     """The compile part of a compile or compute body, converted and checked."""
     entry = services.registry.get(body.model_id)
     with blame(request, "request"):
-        engine_request = convert.request_to_engine(body.request)
-    count = sum(len(s.indexes) for s in (*engine_request.inputs, *engine_request.outputs))
-    limit = services.settings.max_request_indexes
-    if count > limit:
-        raise ServiceError(413, "RequestTooLarge",
-                           f"the request has {count} Indexes (inputs and outputs), more than "
-                           f"this service's max_request_indexes ({limit}); split it", "request")
+        engine_request = convert.request_to_engine(
+            body.request, max_indexes=services.settings.max_request_indexes)
     nnet = entry.model.nnet
     with blame(request, "request"):
         # here, before a job is queued: node names, and Indexes within Kaldi's 32 bits

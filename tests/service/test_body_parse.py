@@ -21,7 +21,8 @@ from engine.core.finite import as_float32
 from schemas.compute import ComputeRequest, ComputeResponse, InferRequest
 from schemas.streams import PushRequest
 from service import convert
-from service.body_parse import BodyParser, matrix_paths, pack_rows, parse_body
+from service.body_parse import (BodyParser, pack_indexes, pack_rows, packed_paths,
+                                parse_body)
 from tests.service.conftest import TINY_CONFIG, decode, make_client, register, request_for
 
 
@@ -50,16 +51,31 @@ def test_rows_that_packing_could_change_are_left_as_sent(rows):
     assert pack_rows(rows) is None
 
 
-def test_matrix_paths_follow_the_body_models():
-    assert matrix_paths(ComputeRequest) == (("inputs", "*"), ("output_derivs", "*"))
-    assert matrix_paths(InferRequest) == (("features",), ("online_ivectors",))
-    assert matrix_paths(PushRequest) == (("features",), ("online_ivectors",))
+def test_packed_paths_follow_the_body_models():
+    request = ("indexes", "request", "inputs", "[]", "indexes"), \
+        ("indexes", "request", "outputs", "[]", "indexes")
+    assert packed_paths(ComputeRequest) == (*request, ("matrix", "inputs", "*"),
+                                            ("matrix", "output_derivs", "*"))
+    assert packed_paths(InferRequest) == (("matrix", "features"),
+                                          ("matrix", "online_ivectors"))
+    assert packed_paths(PushRequest) == (("matrix", "features"),
+                                         ("matrix", "online_ivectors"))
+
+
+def test_packed_indexes_are_the_rows():
+    packed = pack_indexes([[0, -5, 0], [1, 2 ** 31 - 1, -(2 ** 31)]])
+    assert packed["shape"] == [2, 3]
+    assert np.frombuffer(packed["data"], "<i4").tolist() == [0, -5, 0, 1, 2 ** 31 - 1,
+                                                              -(2 ** 31)]
+    for rows in ([], [[0, 1]], [[0, 1, 2, 3]], [[0, 1.0, 2]], [[0, True, 2]], [[0, 2 ** 31, 0]],
+                 [[0, 2 ** 70, 0]], [(0, 1, 2)], [[0, "1", 2]], "rows", [[0, None, 2]]):
+        assert pack_indexes(rows) is None, rows
 
 
 def test_parse_body_packs_only_at_the_paths_and_reports_bad_json_as_fastapi():
     body = json.dumps({"inputs": {"a": [[1.0, 2.0]], "b": [[1, True]]},
                        "request": {"indexes": [[0, 1, 0]]}}).encode()
-    kind, value = parse_body(body, (("inputs", "*"),))
+    kind, value = parse_body(body, (("matrix", "inputs", "*"),))
     assert kind == "ok"
     assert value["inputs"]["a"] == {"shape": [1, 2],
                                     "data": np.float32([1, 2]).astype("<f4").tobytes()}
@@ -105,6 +121,12 @@ def _bodies(mid: str):
     yield "/compute", json.dumps({**good, "inputs": {"input": x.tolist(), "other": [[1.0]]}})
     yield "/compute", json.dumps({**good, "inputs": {"input": []}})
     yield "/compute", json.dumps({**good, "inputs": {"input": x.tolist()}, "extra": 1})
+    for bad in ([[0, 0, 0]] * 5, [[0, t, 0] for t in range(-1, 3)] + [[0, 2 ** 40, 0]],
+                [[0, t, 0] for t in range(-1, 3)] + [[0, 9, 0.0]],
+                [[0, t, 0] for t in range(-1, 3)] + [[0, True, 0]],
+                [[0, t, 0] for t in range(-1, 3)] + [[0, 9]]):
+        spec = {**req["inputs"][0], "indexes": bad}
+        yield "/compute", json.dumps({**good, "request": {**req, "inputs": [spec]}})
     yield "/compute", json.dumps(good)[:-5]
     yield "/compute", "[" * 5000 + "]" * 5000
     yield "/infer", json.dumps({"model_id": mid, "features": rng.standard_normal((30, 4))
@@ -161,7 +183,7 @@ def test_a_helper_that_dies_is_replaced_and_its_body_still_answered(clients):
 
 def test_closing_stops_the_helpers():
     parser = BodyParser(2, 0)
-    assert parser._call("json", b'{"a": [[1.0]]}', (("a",),))[0] == "ok"
+    assert parser._call("json", b'{"a": [[1.0]]}', (("matrix", "a"),))[0] == "ok"
     procs = [h.proc for h in parser._all]
     parser.close()
     assert procs and all(p.poll() is not None for p in procs)

@@ -91,3 +91,19 @@ def test_stream_with_online_ivectors(nc):
         got.append(s.finish())
     ours = np.concatenate(got)
     assert np.max(np.abs(ours - ref)) <= 1e-4 + 2e-3 * np.max(np.abs(ref))
+
+
+def test_long_index_lists_travel_encoded_and_compute_the_same(nc):
+    """An engine request with more than 64 Indexes per input or output goes with its
+    Indexes as int32 bytes: the same computation (id) and outputs as its JSON form."""
+    from engine.compiler.request import ComputationRequest  # noqa: PLC0415
+    from service.client import _request_json  # noqa: PLC0415
+    mid = nc.register(config=TINY_CONFIG, seed=2)["model_id"]
+    req = ComputationRequest.from_json(request_for(0, 200))
+    wire = _request_json(req)
+    assert wire["inputs"][0]["indexes"]["shape"] == [202, 3]
+    x = np.random.default_rng(1).standard_normal((202, 4)).astype(np.float32)
+    encoded = nc.compute(mid, req, {"input": x})
+    plain = nc.compute(mid, req.to_json(), {"input": x})
+    assert encoded["computation_id"] == plain["computation_id"]
+    np.testing.assert_array_equal(encoded["outputs"]["output"], plain["outputs"]["output"])
