@@ -632,3 +632,21 @@ def test_bad_decoding_options_name_the_option(client, opts):
     if name != "threads":        # (not a stream option)
         r = client.post("/streams", json={"model_id": mid, "options": opts})
         assert _err(r, 422)["field"] == f"options.{name}"
+
+
+@pytest.mark.parametrize("indexes, says", [
+    ("abc", "expected Indexes: a list of [n, t, x]"),
+    ({"shape": [5, 3], "data": "####"}, "data is not valid base64"),
+    ({"shape": [5, 2], "data": ""}, "shape [5, 2]: expected [rows, 3]"),
+    ({"shape": [-1, 3], "data": ""}, "shape [-1, 3]: expected [rows, 3]"),
+    ({"shape": [5, 3], "data": base64.b64encode(b"x" * 12).decode()},
+     "data has 12 bytes, shape [5, 3] int32 needs 60"),
+])
+def test_bad_encoded_indexes_are_a_422_naming_them(client, indexes, says):
+    mid = register(client, config=TINY_CONFIG)["model_id"]
+    req = request_for(0, 3)
+    req["inputs"][0]["indexes"] = indexes
+    r = client.post("/compile", json={"model_id": mid, "request": req})
+    _err(r, 422)
+    assert r.json()["error"]["field"] == "request.inputs.0.indexes"
+    assert says in r.json()["error"]["message"], r.json()
