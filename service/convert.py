@@ -42,15 +42,7 @@ def matrix_from_wire(value, field: str, cols: int | None = None,
         if r > INT32_MAX or c > INT32_MAX:     # rows and columns are 32-bit, as in Kaldi
             raise FieldError(field, f"shape {list(value.shape)}: a dimension is more than "
                                     f"{INT32_MAX}")
-        raw = value.data
-        if isinstance(raw, str):
-            try:
-                raw = b64decode(raw)
-            except (binascii.Error, ValueError):
-                raise FieldError(field, "data is not valid base64") from None
-        if len(raw) != r * c * 4:
-            raise FieldError(field, f"data has {len(raw)} bytes, shape {[r, c]} float32 "
-                                    f"needs {r * c * 4}")
+        raw = _encoded_data(value, field, "float32", 4)
         arr = np.frombuffer(raw, dtype=_F32_LE).astype(np.float32).reshape(r, c)
     else:
         widths = {len(row) for row in value}
@@ -149,16 +141,25 @@ def indexes_from_wire(value: EncodedIndexes, field: str) -> np.ndarray:
     rows, cols = value.shape
     if cols != 3 or rows < 0:
         raise FieldError(field, f"shape {list(value.shape)}: expected [rows, 3]")
+    raw = _encoded_data(value, field, "int32", 4)
+    return np.frombuffer(raw, dtype="<i4").astype(np.int64).reshape(rows, 3)
+
+
+def _encoded_data(value, field: str, dtype: str, itemsize: int) -> bytes:
+    """The bytes of an encoded matrix or Index list (raw, or base64 text), as many as its
+    (non-negative) shape needs."""
     raw = value.data
     if isinstance(raw, str):
         try:
             raw = b64decode(raw)
         except (binascii.Error, ValueError):
             raise FieldError(field, "data is not valid base64") from None
-    if len(raw) != rows * 12:
-        raise FieldError(field, f"data has {len(raw)} bytes, shape [{rows}, 3] int32 needs "
-                                f"{rows * 12}")
-    return np.frombuffer(raw, dtype="<i4").astype(np.int64).reshape(rows, 3)
+    shape = list(value.shape)
+    need = shape[0] * shape[1] * itemsize
+    if len(raw) != need:
+        raise FieldError(field, f"data has {len(raw)} bytes, shape {shape} {dtype} needs "
+                                f"{need}")
+    return raw
 
 
 def request_to_engine(req: ComputationRequestModel,
@@ -263,31 +264,7 @@ def wire_pieces(model: BaseModel, exclude_none: bool = False) -> list[bytes]:
     base64 answer was coded in one 0.2 s call, then copied twice in one piece each, while
     the event loop and every other client waited).  ``exclude_none``: fields that are None
     are left out, at every level (FastAPI's response_model_exclude_none)."""
-    large: list = []
-    mark = f"nnetc-piece-{secrets.token_hex(8)}-"
-
-    def plain(obj):
-        if isinstance(obj, BaseModel):
-            return {k: v for k, v in obj if not (exclude_none and v is None)}
-        if isinstance(obj, np.ndarray):
-            if obj.nbytes <= _PIECE:
-                return orjson.Fragment(orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY))
-        elif isinstance(obj, Float32Data):
-            if obj.values.nbytes <= _PIECE:
-                return str(obj)
-        else:
-            raise TypeError(f"{type(obj).__name__} is not a wire type")
-        large.append(obj)
-        return f"{mark}{len(large) - 1}"
-    doc = orjson.dumps(model, default=plain)
-    if not large:
-        return [doc]
-    parts = re.split(rb'"' + mark.encode() + rb'(\d+)"', doc)
-    pieces = [parts[0]]
-    for k in range(1, len(parts), 2):
-        pieces.extend(_large_pieces(large[int(parts[k])]))
-        pieces.append(parts[k + 1])
-    return [p for p in pieces if p]
+    return _pieces(model, exclude_none, msgpack_out=False)
 
 
 def msgpack_pieces(model: BaseModel, exclude_none: bool = False) -> list[bytes]:
@@ -295,6 +272,13 @@ def msgpack_pieces(model: BaseModel, exclude_none: bool = False) -> list[bytes]:
     JSON answer re-encoded as msgpack gives (``msgpack.packb(orjson.loads(json))``: base64
     text stays text, JSON rows are float64 arrays), made without the JSON and a copy of the
     whole answer."""
+    return _pieces(model, exclude_none, msgpack_out=True)
+
+
+def _pieces(model: BaseModel, exclude_none: bool, msgpack_out: bool) -> list[bytes]:
+    """``wire_pieces`` or ``msgpack_pieces``: the document written with a marker string
+    in place of each large matrix, then split at the markers (as the format writes them)
+    and the matrices' pieces put between."""
     large: list = []
     mark = f"nnetc-piece-{secrets.token_hex(8)}-"
 
@@ -303,27 +287,33 @@ def msgpack_pieces(model: BaseModel, exclude_none: bool = False) -> list[bytes]:
             return {k: v for k, v in obj if not (exclude_none and v is None)}
         if isinstance(obj, np.ndarray):
             if obj.nbytes <= _PIECE:
-                return obj.tolist()
+                return obj.tolist() if msgpack_out else orjson.Fragment(
+                    orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY))
         elif isinstance(obj, Float32Data):
             if obj.values.nbytes <= _PIECE:
                 return str(obj)
-        elif isinstance(obj, tuple):
+        elif msgpack_out and isinstance(obj, tuple):
             return list(obj)
-        elif isinstance(obj, np.generic):
+        elif msgpack_out and isinstance(obj, np.generic):    # (orjson writes them itself)
             return obj.item()
         else:
             raise TypeError(f"{type(obj).__name__} is not a wire type")
         large.append(obj)
         return f"{mark}{len(large) - 1}"
-    doc = msgpack.packb(_plain_tree(model, plain))
+    if msgpack_out:
+        doc = msgpack.packb(_plain_tree(model, plain))
+        marks = {msgpack.packb(f"{mark}{k}"): k for k in range(len(large))}
+        write = _large_msgpack_pieces
+    else:
+        doc = orjson.dumps(model, default=plain)
+        marks = {f'"{mark}{k}"'.encode(): k for k in range(len(large))}
+        write = _large_pieces
     if not large:
         return [doc]
-    packed_marks = {msgpack.packb(f"{mark}{k}"): k for k in range(len(large))}
-    pattern = b"(" + b"|".join(re.escape(m) for m in packed_marks) + b")"
-    parts = re.split(pattern, doc)
+    parts = re.split(b"(" + b"|".join(map(re.escape, marks)) + b")", doc)
     pieces = [parts[0]]
     for k in range(1, len(parts), 2):
-        pieces.extend(_large_msgpack_pieces(large[packed_marks[parts[k]]]))
+        pieces.extend(write(large[marks[parts[k]]]))
         pieces.append(parts[k + 1])
     return [p for p in pieces if p]
 
