@@ -6,19 +6,23 @@ JSON rows held the loop 0.65 s to parse and 0.15 s to validate, and every other 
 waited -- a /healthz as long).  A thread would not help: neither the parse nor the
 validation lets the GIL go.  So a body of at least ``min_bytes`` (``NNETC_PARSE_OFFLOAD_
 BYTES``) is parsed by a helper process (``NNETC_PARSE_PROCESSES``, started on first
-use), which also packs each matrix sent as JSON rows into the encoded form the schemas
-accept (``{"shape": [r, c], "data": <little-endian float32 bytes>}``): what comes back
-is small to unpickle and quick to validate, and the routes decode it as they decode
-any encoded matrix.  The event loop only waits.
+use), which also packs each matrix sent as JSON rows, and each list of Indexes, into the
+encoded forms the schemas accept (``{"shape": [r, c], "data": <little-endian float32
+bytes>}``, ``{"shape": [k, 3], "data": <little-endian int32 n, t, x>}``): what comes back
+is small to unpickle and quick to validate, and the routes decode it as they decode any
+encoded matrix or Index list.  The event loop only waits.
 
 The packing keeps the answer of the in-process parse exactly: a matrix is packed only
 when every row is a list of the same, non-zero length of JSON numbers whose float32 value
 does not depend on the route (floats, and integers no larger than 2**53, which a float64
-holds exactly); anything else (ragged rows, a string or a boolean in a row, an empty
-matrix) is left as sent, for validation to judge as before.  A JSON syntax error comes
-back as FastAPI would raise it (422, naming the character), any other failure to read
-the body (not UTF-8, nested too deeply) as FastAPI's 400.  Should the helper process die,
-the body is parsed in the event loop as before and the next one starts a new helper.
+holds exactly), Indexes only when each is a list of three integers within 32 bits;
+anything else (ragged rows, a string or a boolean in a row, an empty matrix, an Index out
+of range) is left as sent, for validation and the engine to judge as before.  A JSON
+syntax error comes back as FastAPI would raise it (422, naming the character), any other
+failure to read the body (not UTF-8, nested too deeply) as FastAPI's 400.  Should the
+helper process die, the body is parsed in the event loop as before and the next one
+starts a new helper.  The helper also makes large msgpack bodies JSON and JSON answers
+msgpack for the middleware (``_OPERATIONS``).
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ from service.middleware import MSGPACK
 
 class ParsedBodyRoute(APIRoute):
     """A route whose large JSON bodies are parsed in a helper process
-    (service/body_parse.py), the matrices of its body model packed there: the parsed
-    value is handed to FastAPI as Starlette's cached ``request.json()``, which FastAPI
-    then reads instead of parsing the body itself; a body that is not valid JSON is
-    refused as FastAPI refuses it.  A route that needs the bearer token checks it first
+    (service/body_parse.py), the matrices and Indexes of its body model packed there: the
+    parsed value is handed to FastAPI as Starlette's cached ``request.json()``, which
+    FastAPI then reads instead of parsing the body itself; a body that is not valid JSON
+    is refused as FastAPI refuses it.  A route that needs the bearer token checks it first
     (401 before anything of the body is read, as before)."""
 
     def get_route_handler(self):
