@@ -104,7 +104,7 @@ def _row_map(computation, m: int, batch_size: int):
         return None
     cindexes = dbg[m].cindexes
     if type(cindexes) is DebugCindexes:
-        a = cindexes.rows        # (no (node, Index) pairs made and kept)
+        a = np.asarray(cindexes.rows, dtype=np.int64)   # (no (node, Index) pairs made)
     else:
         a = np.array([(node, ix.n, ix.t, ix.x) for node, ix in cindexes],
                      dtype=np.int64).reshape(-1, 4)
