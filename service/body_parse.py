@@ -351,21 +351,31 @@ class BodyParser:
                 if self._closed:
                     return None
                 helper = self._idle.pop() if self._idle else None
-                if helper is None:
+            if helper is None:
+                try:
                     helper = _Helper()
+                except OSError as e:
+                    log.warning(f"no body parser process could be started ({e}); this "
+                                f"body is handled in the event loop")
+                    return None
+                with self._lock:
                     self._all.append(helper)
             try:
                 result = helper.call(op, *args)
-            except (OSError, EOFError, pickle.UnpicklingError, struct.error):
-                log.warning("the body parser process stopped; this body is parsed in the "
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError, struct.error):
+                log.warning("the body parser process stopped; this body is handled in the "
                             "event loop and the next large one starts a new process")
                 with self._lock:
-                    self._all.remove(helper)
+                    if helper in self._all:      # (close() may have let it go already)
+                        self._all.remove(helper)
                 helper.proc.kill()
                 helper.stop()
                 return None
             with self._lock:
-                self._idle.append(helper)
+                if self._closed:                 # closed meanwhile: not kept
+                    helper.stop()
+                else:
+                    self._idle.append(helper)
             return None if result[0] == "unsent" else result
 
     async def call(self, op: str, *args) -> tuple | None:

@@ -181,6 +181,19 @@ def test_a_helper_that_dies_is_replaced_and_its_body_still_answered(clients):
     assert new is not helper and new.proc.poll() is None
 
 
+def test_a_helper_that_cannot_start_leaves_the_body_to_the_event_loop(monkeypatch):
+    import service.body_parse as body_parse  # noqa: PLC0415
+
+    def refuse():
+        raise OSError("Resource temporarily unavailable")
+    monkeypatch.setattr(body_parse, "_Helper", refuse)
+    parser = BodyParser(1, 0)
+    assert parser._call("json", b"{}", ()) is None and parser._all == []
+    with make_client(parse_offload_bytes=0) as c:
+        r = c.post("/models", json={"config": TINY_CONFIG, "seed": 1})
+        assert r.status_code in (200, 201), r.text
+
+
 def test_closing_stops_the_helpers():
     parser = BodyParser(2, 0)
     assert parser._call("json", b'{"a": [[1.0]]}', (("matrix", "a"),))[0] == "ok"

@@ -18,6 +18,8 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -411,8 +413,24 @@ def test_reference_network_batched(case: Path):
         r = client.post("/models", json={"text": (case / "model.txt").read_text()})
         body = {"model_id": r.json()["model_id"], "request": sub, "encoding": "base64",
                 "inputs": {k: _b64(v) for k, v in inputs.items()}}
+        # the worker is held by a job of its own until the four are queued behind it:
+        # four requests sent at once did not always overlap (on a loaded machine one was
+        # sometimes answered before the next arrived, and all four ran alone)
+        work = client.app.state.services.queue
+        release = threading.Event()
+        work.handlers["hold"] = lambda payload: release.wait(60)
+        held = work.submit("hold", {})
+        deadline = time.monotonic() + 60
+        while work.depth() > 0 and time.monotonic() < deadline:    # the worker has it
+            time.sleep(0.005)
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda _: client.post("/compute", json=body), range(4)))
+            futures = [pool.submit(client.post, "/compute", json=body) for _ in range(4)]
+            deadline = time.monotonic() + 60
+            while work.depth() < 4 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            release.set()
+            answers = [f.result() for f in futures]
+        held.result(timeout=60)
         sizes = {line.split(" ")[0]: float(line.split(" ")[1])
                  for line in client.get("/metrics").text.splitlines()
                  if line.startswith(("nnetc_batch_size_count", "nnetc_batch_size_sum"))}
