@@ -104,11 +104,17 @@ _B64_PIECE = 3 << 18                      # bytes, 1 MiB of text
 _B64_TEXT = re.compile("[A-Za-z0-9+/]*")
 
 
+def b64_pieces(raw) -> list[bytes]:
+    """The base64 text of ``raw`` (bytes-like), as pieces of 1 MiB whose concatenation is
+    ``base64.b64encode(raw)``."""
+    view = memoryview(raw)
+    return [binascii.b2a_base64(view[at:at + _B64_PIECE], newline=False)
+            for at in range(0, len(view), _B64_PIECE)]
+
+
 def b64encode(raw) -> str:
     """``base64.b64encode(raw).decode("ascii")``, piece by piece."""
-    view = memoryview(raw)
-    return "".join(binascii.b2a_base64(view[at:at + _B64_PIECE], newline=False).decode("ascii")
-                   for at in range(0, len(view), _B64_PIECE)) if len(view) else ""
+    return "".join(piece.decode("ascii") for piece in b64_pieces(raw))
 
 
 def b64decode(text: str) -> bytes:
@@ -334,8 +340,7 @@ def _large_msgpack_pieces(obj) -> list[bytes]:
     if isinstance(obj, Float32Data):
         view = obj.view()
         size = (len(view) + 2) // 3 * 4
-        coded = [binascii.b2a_base64(view[at:at + _B64_PIECE], newline=False)
-                 for at in range(0, len(view), _B64_PIECE)]
+        coded = b64_pieces(view)
         return [_msgpack_str_head(size), *coded]
     rows = max(1, _PIECE // max(1, obj.shape[1] * 9))    # 9 bytes a float64
     out = [_msgpack_array_head(obj.shape[0])]
@@ -366,8 +371,7 @@ def _msgpack_array_head(count: int) -> bytes:
 def _large_pieces(obj) -> list[bytes]:
     if isinstance(obj, Float32Data):
         view = obj.view()
-        coded = [binascii.b2a_base64(view[at:at + _B64_PIECE], newline=False)
-                 for at in range(0, len(view), _B64_PIECE)]
+        coded = b64_pieces(view)
         return [b'"', *coded, b'"']
     rows = max(1, _PIECE // max(1, obj.shape[1] * 20))    # about 20 bytes a value
     blocks = [orjson.dumps(obj[at:at + rows], option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]

@@ -57,14 +57,18 @@ ANSWER_PIECE = 1 << 20
 
 async def send_body(send, body: bytes) -> None:
     """``body`` as the answer's body messages, ``ANSWER_PIECE`` bytes each."""
-    if len(body) <= ANSWER_PIECE:
-        await send({"type": "http.response.body", "body": body})
-        return
     view = memoryview(body)
-    for at in range(0, len(body), ANSWER_PIECE):
-        end = at + ANSWER_PIECE
-        await send({"type": "http.response.body", "body": bytes(view[at:end]),
-                    "more_body": end < len(body)})
+    await send_pieces(send, [bytes(view[at:at + ANSWER_PIECE])
+                             for at in range(0, len(body), ANSWER_PIECE)])
+
+
+async def send_pieces(send, pieces: list[bytes]) -> None:
+    """``pieces`` as the answer's body messages, one each (an empty body for none)."""
+    last = len(pieces) - 1
+    for k, piece in enumerate(pieces):
+        await send({"type": "http.response.body", "body": piece, "more_body": k < last})
+    if not pieces:
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def _send_json(send, status: int, body: dict, msgpack_out: bool) -> None:

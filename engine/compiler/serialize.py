@@ -51,6 +51,8 @@ def _rows(flat, width: int, what: str) -> np.ndarray:
         return np.array(flat, dtype=np.int64).reshape(-1, width)
     except (TypeError, ValueError, OverflowError):
         raise CheckError(f"{what}: expected integers") from None
+
+
 _ALLOWED_PREFIX = "engine.nnet.components."
 
 

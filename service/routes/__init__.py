@@ -16,7 +16,7 @@ from service.body_parse import is_json, packed_paths
 from service.convert import msgpack_pieces, wire_pieces
 from service.deps import check_auth, require_auth
 from service.errors import FASTAPI_BODY_ERROR, BodyReadError, ServiceError
-from service.middleware import MSGPACK
+from service.middleware import MSGPACK, send_pieces
 
 
 class ParsedBodyRoute(APIRoute):
@@ -101,11 +101,7 @@ class PiecewiseResponse(Response):
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
-        last = len(self.pieces) - 1
-        for k, piece in enumerate(self.pieces):
-            await send({"type": "http.response.body", "body": piece, "more_body": k < last})
-        if not self.pieces:
-            await send({"type": "http.response.body", "body": b""})
+        await send_pieces(send, self.pieces)
 
 
 def json_answer(model, exclude_none: bool = False, request: Request | None = None
