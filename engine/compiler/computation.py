@@ -237,6 +237,21 @@ class DebugCindexes(Sequence):
         return f"DebugCindexes({self._list()!r})"
 
 
+def debug_rows(cindexes) -> np.ndarray:
+    """A matrix's debug cindexes as a (k, 4) int64 array of node, n, t, x rows: the
+    array of a DebugCindexes (not to be written to), a list of (node, Index) pairs
+    read in one go."""
+    if type(cindexes) is DebugCindexes:
+        return cindexes.rows
+    k = len(cindexes)
+    out = np.empty((k, 4), dtype=np.int64)
+    if k:
+        out[:, 0] = np.fromiter(map(itemgetter(0), cindexes), np.int64, k)
+        out[:, 1:] = np.fromiter(chain.from_iterable(map(itemgetter(1), cindexes)),
+                                 np.int64, 3 * k).reshape(k, 3)
+    return out
+
+
 @dataclass
 class MatrixDebugInfo:
     is_deriv: bool = False
@@ -596,7 +611,7 @@ class NnetComputation:
     def debug_cindex_rows(self) -> np.ndarray:
         """The debug-info cindexes of matrices 1.. in order as a (k, 4) int64 array of
         node, n, t, x rows (not to be written to): the arrays of the entries held as
-        such (DebugCindexes), the other entries' lists read in one go."""
+        such (DebugCindexes), the other entries' lists read in one go (debug_rows)."""
         entries = self.matrix_debug_info[1:]
         parts: list = [None] * len(entries)
         missing = []
@@ -607,13 +622,7 @@ class NnetComputation:
                 missing.append(i)
         if missing:
             lists = [entries[i].cindexes for i in missing]
-            k = sum(map(len, lists))
-            read = np.empty((k, 4), dtype=np.int64)
-            if k:
-                flat = [ci for lst in lists for ci in lst]
-                read[:, 0] = np.fromiter(map(itemgetter(0), flat), np.int64, k)
-                read[:, 1:] = np.fromiter(chain.from_iterable(map(itemgetter(1), flat)),
-                                          np.int64, 3 * k).reshape(k, 3)
+            read = debug_rows([ci for lst in lists for ci in lst])
             at = 0
             for i, lst in zip(missing, lists):
                 parts[i] = read[at:at + len(lst)]

@@ -29,7 +29,7 @@ import numpy as np
 from engine.compiler.computation import (COMMAND_SPECS, ArgKind, Command, CommandType,
                                          DebugCindexes, MatrixDebugInfo, MatrixInfo,
                                          NnetComputation, PrecomputedIndexesInfo,
-                                         SubMatrixInfo)
+                                         SubMatrixInfo, debug_rows)
 from engine.compiler.graph_nodes import make_indexes
 from engine.core.errors import CheckError
 
@@ -38,9 +38,7 @@ IR_VERSION = 2
 
 def _flat_cindexes(cindexes) -> list[int]:
     """node, n, t, x, node, n, ... of a matrix's debug cindexes."""
-    if type(cindexes) is DebugCindexes:
-        return cindexes.rows.ravel().tolist()
-    return [v for node, idx in cindexes for v in (node, *idx)]
+    return debug_rows(cindexes).ravel().tolist()
 
 
 def _rows(flat, width: int, what: str) -> np.ndarray:

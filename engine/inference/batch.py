@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.compiler.computation import DebugCindexes
+from engine.compiler.computation import debug_rows
 from engine.core.errors import InferenceError, StreamError
 from engine.inference.looped import compile_looped, create_looped_requests
 from engine.inference.stream import LoopedModel, Stream
@@ -102,12 +102,7 @@ def _row_map(computation, m: int, batch_size: int):
     num_rows = computation.matrices[m].num_rows
     if m >= len(dbg) or len(dbg[m].cindexes) != num_rows or num_rows % batch_size:
         return None
-    cindexes = dbg[m].cindexes
-    if type(cindexes) is DebugCindexes:
-        a = np.asarray(cindexes.rows, dtype=np.int64)   # (no (node, Index) pairs made)
-    else:
-        a = np.array([(node, ix.n, ix.t, ix.x) for node, ix in cindexes],
-                     dtype=np.int64).reshape(-1, 4)
+    a = debug_rows(dbg[m].cindexes)   # (no (node, Index) pairs made for DebugCindexes)
     order = np.argsort(a[:, 1], kind="stable")
     r = num_rows // batch_size
     if not np.array_equal(a[order, 1], np.repeat(np.arange(batch_size), r)):

@@ -171,13 +171,17 @@ def test_a_cache_entry_holds_few_objects_the_garbage_collector_tracks():
     list and one (node, Index) tuple per row made a 40000-frame TDNN entry 1.4 million
     objects, and each full collection took about 0.18 s while the event loop waited)."""
     def tracked_after(frames: int) -> int:
+        # the tracked objects made and still alive, counted by identity: a difference
+        # of totals also counted what the call let go (a memo emptied by an earlier
+        # test's state: the 20-frame call alone then "made" 72 objects fewer)
         comp = _computation(frames)
         gc.collect()
-        before = len(gc.get_objects())
+        held = gc.get_objects()           # kept alive: no identity is reused meanwhile
+        before = set(map(id, held))
         entry = plain_and_validated(comp)
         gc.collect()
-        count = len(gc.get_objects()) - before
-        del entry
+        count = sum(1 for o in gc.get_objects() if id(o) not in before)
+        del entry, held
         return count
     small, large = tracked_after(20), tracked_after(4000)
     assert large <= small + 50, (small, large)
