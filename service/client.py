@@ -23,6 +23,8 @@ import httpx
 import msgpack
 import numpy as np
 
+from service.body_parse import pack_indexes
+
 MSGPACK = "application/msgpack"
 
 
@@ -61,10 +63,10 @@ def _request_json(request) -> dict:
         return request
     wire = request.to_json()
     for spec in (*wire["inputs"], *wire["outputs"]):
-        rows = np.array(spec["indexes"], dtype=np.int64).reshape(-1, 3)
-        if len(rows) > 64 and rows.min() >= -2 ** 31 and rows.max() < 2 ** 31:
-            spec["indexes"] = {"shape": [len(rows), 3], "dtype": "int32",
-                               "data": rows.astype("<i4").tobytes()}
+        if len(spec["indexes"]) > 64:
+            packed = pack_indexes(spec["indexes"])   # as the service packs large bodies
+            if packed is not None:
+                spec["indexes"] = packed
     return wire
 
 
