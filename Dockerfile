@@ -16,7 +16,14 @@ COPY engine ./engine
 COPY service ./service
 COPY schemas ./schemas
 COPY bench ./bench
-RUN pip install . \
+# gcc only while installing: it builds the optimizer's C variable merging
+# (engine/optimizer/_merging.c), then goes
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install . \
+    && apt-get purge -y --auto-remove gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && (cd / && python -c "import engine.optimizer._merging") \
     && useradd --system --uid 10001 --no-create-home nnetc
 
 USER nnetc

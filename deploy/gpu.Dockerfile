@@ -11,7 +11,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -22,7 +22,9 @@ COPY engine ./engine
 COPY service ./service
 COPY schemas ./schemas
 COPY bench ./bench
+# (gcc builds the optimizer's C variable merging, engine/optimizer/_merging.c)
 RUN pip install ".[gpu]" \
+    && (cd / && python -c "import engine.optimizer._merging") \
     && useradd --system --uid 10001 --no-create-home nnetc
 
 USER nnetc

@@ -90,12 +90,13 @@ def _adds(rule: int, props, component: int) -> bool:
 
 
 def _make_plan(ct) -> tuple:
-    """(getter, is a submatrix slot, access as int, refinement rule) for each slot
-    of ``ct`` that names submatrices (directly or through indexes_multi)."""
+    """(getter, is a submatrix slot, access as int, refinement rule, slot number
+    from 0) for each slot of ``ct`` that names submatrices (directly or through
+    indexes_multi)."""
     items = []
     for i, slot in enumerate(COMMAND_SPECS[ct].slots):
         if slot.kind == ArgKind.INDEXES_MULTI:
-            items.append((attrgetter(f"arg{i + 1}"), False, int(slot.access), _PLAIN))
+            items.append((attrgetter(f"arg{i + 1}"), False, int(slot.access), _PLAIN, i))
         elif slot.kind == ArgKind.SUBMATRIX and slot.access in (READ, WRITE, READWRITE):
             rule = _PLAIN
             if ct == CT.COPY_ROWS and i == 0:
@@ -106,7 +107,7 @@ def _make_plan(ct) -> tuple:
                 rule = _ADDS_PROP
             elif slot.access == WRITE and ct in _BACKPROP_TYPES:
                 rule = _ADDS_BACK
-            items.append((attrgetter(f"arg{i + 1}"), True, int(slot.access), rule))
+            items.append((attrgetter(f"arg{i + 1}"), True, int(slot.access), rule, i))
     return tuple(items)
 
 
@@ -117,20 +118,40 @@ def _make_short(ct, plan: tuple) -> tuple | None:
     commands that access nothing (0, None, (), 0); None for the others."""
     if not plan:
         return (0, None, (), _PLAIN)
-    if len(plan) > 2 or not all(is_sub for _, is_sub, _, _ in plan):
+    if len(plan) > 2 or not all(item[1] for item in plan):
         return None
     if plan[0][3] != _PLAIN or (len(plan) == 2 and plan[1][3] not in (
             _PLAIN, _ADDS_PROP, _ADDS_BACK)):
         return None
     names = [f"arg{i + 1}" for i, slot in enumerate(COMMAND_SPECS[ct].slots)
              if slot.kind == ArgKind.SUBMATRIX and slot.access in (READ, WRITE, READWRITE)]
-    return (len(plan), attrgetter(*names), tuple(acc for _, _, acc, _ in plan),
+    return (len(plan), attrgetter(*names), tuple(item[2] for item in plan),
             plan[-1][3])
 
 
 # indexed by command type
 _PLANS = [_make_plan(CommandType(t)) for t in range(len(CommandType))]
 _SHORT = [_make_short(CommandType(t), plan) for t, plan in enumerate(_PLANS)]
+
+
+def native_plans() -> tuple:
+    """The plans as the native variable merging takes them (engine/optimizer/_merging.c):
+    per command type, (0, ()) when it accesses nothing, (1, slots) when every slot is a
+    submatrix whose access is the table's or, for the written slot of a propagate or
+    backprop, the component's PROPAGATE_ADDS / BACKPROP_ADDS (slots: (slot number from
+    0, access bits, 0 plain / 1 propagate adds / 2 backprop adds)), and (2, ()) for
+    the others, whose accesses it asks of ``_accesses_of``."""
+    out = []
+    for plan in _PLANS:
+        if not plan:
+            out.append((0, ()))
+        elif all(is_sub and rule in (_PLAIN, _ADDS_PROP, _ADDS_BACK)
+                 for _, is_sub, _, rule, _ in plan):
+            rules = {_PLAIN: 0, _ADDS_PROP: 1, _ADDS_BACK: 2}
+            out.append((1, tuple((i, acc, rules[rule]) for _, _, acc, rule, i in plan)))
+        else:
+            out.append((2, ()))
+    return tuple(out)
 
 
 def accesses_submatrices(command_type) -> bool:
@@ -171,7 +192,7 @@ def _accesses_of(cmd, computation: NnetComputation, props) -> list[tuple[int, in
     """The (submatrix, access) pairs of one command (``command_accesses``), slot
     by slot."""
     lst = []
-    for get, is_sub, acc, rule in _PLANS[cmd.command_type]:
+    for get, is_sub, acc, rule, _ in _PLANS[cmd.command_type]:
         a = get(cmd)
         if is_sub:
             if a <= 0:

@@ -41,17 +41,29 @@ Rounds are Kaldi's, computed with less work and the same result:
   group of equal submatrices (the first one in use at that time): that is
   tracked as a sort key per submatrix (``_SubmatrixOrder``) and handed to the
   final renumbering.
+
+With the default options (remove_unnecessary_zeroing next), the rounds and the
+zeroing decisions run in C when the extension ``engine.optimizer._merging`` is
+built (``native_rounds``): the same decisions on the same data held as flat
+arrays, about ten times faster.  This module stays the reference: the C code
+hands back the edits for ``_apply_native`` to make, or None when the
+computation holds something it leaves to Python (an error the analysis reports,
+a zeroing only the per-variable access lists decide), and the Python rounds
+then run.  ``NNETC_NATIVE=0`` in the environment, or ``NATIVE = None``, keeps
+the pass in Python; tests/engine/test_native_merging.py compares the two.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from operator import itemgetter
 
 from engine.compiler.computation import K_STRIDE_EQUAL_NUM_COLS, NnetComputation
 from engine.core.cancel import checkpoint
 from engine.nnet.components.base import ComponentProperty as P
-from engine.optimizer.analysis import CT, Analyzer, ComponentProperties, ComputationAnalysis
+from engine.optimizer.analysis import (CT, Analyzer, ComponentProperties, ComputationAnalysis,
+                                       _accesses_of, native_plans)
 from engine.optimizer.passes.initialize_undefined import unnecessary_zeroings
 from engine.optimizer.passes.remove_no_ops import remove_no_ops, remove_no_ops_from
 from engine.optimizer.pipeline import removes_unnecessary_zeroing
@@ -60,6 +72,23 @@ from engine.optimizer.passes.renumber import (renumber_computation, renumber_wit
 
 _PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE = int(P.PROPAGATE_IN_PLACE), int(P.BACKPROP_IN_PLACE)
 _FIRST = itemgetter(0)
+
+
+def _load_native():
+    """The C rounds (engine/optimizer/_merging.c), configured, or None when the
+    extension was not built or NNETC_NATIVE=0."""
+    if os.environ.get("NNETC_NATIVE", "1").strip() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from engine.optimizer import _merging  # noqa: PLC0415
+    except ImportError:
+        return None
+    _merging.configure(native_plans(), (_PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE,
+                                        int(P.PROPAGATE_ADDS), int(P.BACKPROP_ADDS)))
+    return _merging
+
+
+NATIVE = _load_native()
 
 
 class VariableMergingOptimizer:
@@ -87,10 +116,11 @@ class VariableMergingOptimizer:
         self.settled: list[int] = []
 
     def _same(self, s: int, t: int) -> bool:
-        """s and t are the same submatrix (as numbered after a renumbering)."""
-        if self.by_number:
+        """s and t are the same submatrix (as numbered after a renumbering); an
+        argument left out (-1 or 0) is no submatrix."""
+        if self.by_number or s == t:
             return s == t
-        return s == t or self.c.submatrices[s] == self.c.submatrices[t]
+        return s > 0 and t > 0 and self.c.submatrices[s] == self.c.submatrices[t]
 
     def _candidate(self, cmd) -> tuple[int, int]:
         """(s1, s2): source and destination that might be merged, or (-1, -1)."""
@@ -385,6 +415,10 @@ def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
     props = getattr(ctx, "props", None)   # (an empty one is falsy: test for None)
     if props is None:
         props = ComponentProperties(ctx.nnet)
+    if NATIVE is not None and _zeroing_next(ctx):
+        edits = native_rounds(computation, o, props, due)
+        if edits is not None:
+            return _apply_native(computation, ctx, edits)
     commands = merge_candidates(computation, o, props)
     if not commands:
         return False
@@ -430,4 +464,44 @@ def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
     analyzer.renumbered(matrix_used, sub_source)
     if hasattr(ctx, "analysis_updated"):
         ctx.analysis_updated(analyzer, computation)
+    return True
+
+
+def native_rounds(computation: NnetComputation, options, props, due: bool):
+    """The rounds of ``_merge_rounds`` and the zeroing decisions after them, in C,
+    on ``computation`` as it is (left unchanged): False when nothing merges,
+    None when the Python pass must decide, else the edits for ``_apply_native``:
+    (moved submatrices as (s, matrix, row offset, rows, column offset, columns),
+    commands that became kNoOperation, merged copies (their arguments go),
+    matrices that became of stride equal to their columns, the zeroings that
+    remove_unnecessary_zeroing drops, the ``_SubmatrixOrder`` key)."""
+    c = computation
+    o = options
+    return NATIVE.merge(c.commands, c.submatrices, c.matrices, props,
+                        lambda cmd: _accesses_of(cmd, c, props),
+                        (o.remove_assignments, o.propagate_in_place, o.backprop_in_place,
+                         o.allow_left_merge, o.allow_right_merge), not due)
+
+
+def _apply_native(computation: NnetComputation, ctx, edits) -> bool:
+    """Make the edits of ``native_rounds`` and what ``_merge_rounds`` does after its
+    rounds when remove_unnecessary_zeroing runs next."""
+    if edits is False:
+        return False
+    moved, noops, cleared, strides, zeroings, key = edits
+    subs, cmds, mats = computation.submatrices, computation.commands, computation.matrices
+    for s, m, ro, nr, co, nc in moved:
+        subs[s] = submatrix_info((m, ro, nr, co, nc))
+    noop = CT.NO_OPERATION
+    for ci in noops:
+        cmds[ci].command_type = noop
+    for ci in cleared:
+        cmd = cmds[ci]
+        cmd.arg1 = cmd.arg2 = -1
+    for m in strides:
+        mats[m] = mats[m]._replace(stride_type=K_STRIDE_EQUAL_NUM_COLS)
+    gone = [cmds[z] for z in zeroings]
+    remove_no_ops(computation)
+    renumber_with_maps(computation, submatrix_order=key)
+    ctx.zeroings = (computation, len(computation.commands), gone)
     return True

@@ -1,0 +1,1192 @@
+/* Variable merging rounds in C: the native form of
+ * engine/optimizer/passes/variable_merging.py (_merge_rounds, with the
+ * analysis of engine/optimizer/analysis.py and the zeroing decisions of
+ * engine/optimizer/passes/initialize_undefined.py that follow it).
+ *
+ * The Python pass is the reference: this file decides the same merges on the
+ * same data, held as flat int arrays instead of lists of tuples.  It reads
+ * the computation (commands, submatrices, matrices) and edits nothing: it
+ * returns the edits for the caller to apply.  Whenever something is outside
+ * what it handles -- an error the Python analysis would report, a zeroing
+ * only the per-variable lists can decide -- it returns None and the caller
+ * runs the Python pass, which then reports or decides it.  See
+ * variable_merging.native_rounds for the interface.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* command types (engine.compiler.computation.CommandType, Kaldi's order) */
+enum {
+    ALLOC_MATRIX = 0, DEALLOC_MATRIX = 1, SWAP_MATRIX = 2, SET_CONST = 3, PROPAGATE = 4,
+    BACKPROP = 5, BACKPROP_NO_MODEL_UPDATE = 6, MATRIX_COPY = 7, ACCEPT_INPUT = 18,
+    PROVIDE_OUTPUT = 19, NO_OPERATION = 20, NUM_TYPES = 25
+};
+#define R_ 1
+#define W_ 2
+#define RW_ 3
+#define MAX_SLOTS 4
+#define STRIDE_EQUAL 1
+
+/* Per command type, how its accesses are found (set by configure()):
+ * kind 0: accesses nothing; 1: the slots below; 2: ask the Python callback. */
+static int plan_kind[NUM_TYPES];
+static int plan_n[NUM_TYPES];
+static int plan_arg[NUM_TYPES][MAX_SLOTS];   /* 0-based argument slot */
+static int plan_acc[NUM_TYPES][MAX_SLOTS];
+static int plan_rule[NUM_TYPES][MAX_SLOTS];  /* 0 plain, 1 propagate adds, 2 backprop adds */
+static long prop_propagate_in_place, prop_backprop_in_place, prop_propagate_adds,
+    prop_backprop_adds;
+static int configured = 0;
+
+static PyObject *s_type, *s_alpha, *s_args[7];
+
+/* -- growable arrays ---------------------------------------------------------------- */
+
+typedef struct { int *d; Py_ssize_t n, cap; } ivec;
+typedef struct { int ci, a, r0, r1, c0, c1; } entry;
+typedef struct { entry *d; Py_ssize_t n, cap; } evec;
+
+static int iv_push(ivec *v, int x) {
+    if (v->n == v->cap) {
+        Py_ssize_t cap = v->cap ? 2 * v->cap : 4;
+        int *d = realloc(v->d, cap * sizeof(int));
+        if (!d) return -1;
+        v->d = d; v->cap = cap;
+    }
+    v->d[v->n++] = x;
+    return 0;
+}
+
+static int ev_push(evec *v, int ci, int a, int r0, int r1, int c0, int c1) {
+    if (v->n == v->cap) {
+        Py_ssize_t cap = v->cap ? 2 * v->cap : 4;
+        entry *d = realloc(v->d, cap * sizeof(entry));
+        if (!d) return -1;
+        v->d = d; v->cap = cap;
+    }
+    entry *e = &v->d[v->n++];
+    e->ci = ci; e->a = a; e->r0 = r0; e->r1 = r1; e->c0 = c0; e->c1 = c1;
+    return 0;
+}
+
+static int cmp_int(const void *x, const void *y) {
+    int a = *(const int *)x, b = *(const int *)y;
+    return (a > b) - (a < b);
+}
+
+/* -- state ---------------------------------------------------------------------------- */
+
+typedef struct {
+    Py_ssize_t n, ns, nm;
+    /* commands: current type (merges turn some into no-ops), the type as given, the
+     * arguments, alpha == 0 / alpha == 1 (only read for the types that need them) */
+    int *ct, *ct0, *arg;
+    char *alpha0, *alpha1, *cleared;
+    long *cprops;            /* properties of arg1's component (-1: not asked yet) */
+    /* the command accesses: cacc_s/cacc_a[cacc_at[c] .. + cacc_n[c]] */
+    Py_ssize_t *cacc_at;
+    int *cacc_n;
+    ivec acc_s, acc_a;
+    /* submatrices as the computation has them now (merges move them) and as given */
+    int *sm, *sro, *snr, *sco, *snc, *sm0, *sro0, *sco0;
+    /* the analysis's view of each submatrix (brought up to date between rounds) */
+    int *as2m, *ar0, *ar1, *ac0, *ac1;
+    char *awhole;
+    /* matrices */
+    int *rows, *cols, *stride, *stride0;
+    int *alloc, *dealloc;
+    char *is_in, *is_out;
+    evec *ent;               /* the accesses of each matrix, in command order */
+    ivec *of;                /* matrix -> its submatrices, increasing */
+    /* one round */
+    evec *dirty;             /* per matrix: rectangles of the kept submatrices */
+    ivec dirty_mats;
+    char *moved;             /* per submatrix */
+    ivec moved_list;
+    char *in_group;          /* per matrix: a receiving matrix of this round */
+    ivec *group;             /* receiving matrix -> itself and the ones it took */
+    ivec keeps;              /* the receiving matrices, in the order of their first merge */
+    char by_number;
+    char bad;                /* an argument out of range was read: the Python pass decides */
+    /* candidates */
+    char *is_cand, *is_settled;
+    int *key;                /* the submatrix order key (NULL until the first merge) */
+    /* options */
+    int remove_assignments, propagate_in_place, backprop_in_place, allow_left, allow_right;
+    PyObject *commands, *props, *accesses_of;
+} M;
+
+static void m_free(M *m) {
+    free(m->ct); free(m->ct0); free(m->arg); free(m->alpha0); free(m->alpha1);
+    free(m->cleared); free(m->cprops); free(m->cacc_at); free(m->cacc_n);
+    free(m->acc_s.d); free(m->acc_a.d);
+    free(m->sm); free(m->sro); free(m->snr); free(m->sco); free(m->snc);
+    free(m->sm0); free(m->sro0); free(m->sco0);
+    free(m->as2m); free(m->ar0); free(m->ar1); free(m->ac0); free(m->ac1); free(m->awhole);
+    free(m->rows); free(m->cols); free(m->stride); free(m->stride0);
+    free(m->alloc); free(m->dealloc); free(m->is_in); free(m->is_out);
+    if (m->ent) for (Py_ssize_t i = 0; i < m->nm; i++) free(m->ent[i].d);
+    if (m->of) for (Py_ssize_t i = 0; i < m->nm; i++) free(m->of[i].d);
+    if (m->dirty) for (Py_ssize_t i = 0; i < m->nm; i++) free(m->dirty[i].d);
+    if (m->group) for (Py_ssize_t i = 0; i < m->nm; i++) free(m->group[i].d);
+    free(m->ent); free(m->of); free(m->dirty); free(m->group);
+    free(m->dirty_mats.d); free(m->moved); free(m->moved_list.d); free(m->in_group);
+    free(m->keeps.d); free(m->is_cand); free(m->is_settled); free(m->key);
+}
+
+/* status codes: OK, FALLBACK (let the Python pass run), ERR (a Python error is set) */
+#define OK 0
+#define FALLBACK 1
+#define ERR -1
+
+static long as_long(PyObject *o, int *err) {
+    if (!o) { *err = 1; return 0; }
+    long v = PyLong_AsLong(o);
+    Py_DECREF(o);
+    if (v == -1 && PyErr_Occurred()) *err = 1;
+    return v;
+}
+
+static int get_arg(M *m, PyObject *cmd, Py_ssize_t c, int i) {
+    /* argument i (0-based) of command c, read once */
+    int *slot = &m->arg[c * 7 + i];
+    if (*slot == -2) {
+        int err = 0;
+        long v = as_long(PyObject_GetAttr(cmd, s_args[i]), &err);
+        if (err) return -3;
+        if (v < -1 || v > 0x7fffffff) {   /* not what a compiled computation holds */
+            m->bad = 1;
+            v = -1;
+        }
+        *slot = (int)v;
+    }
+    return *slot;
+}
+
+static int read_alpha(M *m, PyObject *cmd, Py_ssize_t c) {
+    PyObject *a = PyObject_GetAttr(cmd, s_alpha);
+    if (!a) return ERR;
+    double v = PyFloat_AsDouble(a);
+    Py_DECREF(a);
+    if (v == -1.0 && PyErr_Occurred()) return ERR;
+    m->alpha0[c] = v == 0.0;
+    m->alpha1[c] = v == 1.0;
+    return OK;
+}
+
+static long comp_props(M *m, Py_ssize_t c) {
+    /* the properties of the component command c names (arg1); -2 on error */
+    if (m->cprops[c] == -1) {
+        int err = 0;
+        PyObject *k = PyLong_FromLong(m->arg[c * 7]);
+        if (!k) return -2;
+        long v = as_long(PyObject_GetItem(m->props, k), &err);
+        Py_DECREF(k);
+        if (err) return -2;
+        m->cprops[c] = v;
+    }
+    return m->cprops[c];
+}
+
+#define ALLOC(p, k) do { size_t k_ = (size_t)(k); (p) = calloc(k_ ? k_ : 1, sizeof(*(p))); \
+        if (!(p)) { PyErr_NoMemory(); return ERR; } } while (0)
+
+/* Read the computation.  Returns OK, FALLBACK or ERR. */
+static int m_read(M *m, PyObject *commands, PyObject *subs, PyObject *mats) {
+    Py_ssize_t n = m->n = PyList_GET_SIZE(commands);
+    Py_ssize_t ns = m->ns = PyList_GET_SIZE(subs);
+    Py_ssize_t nm = m->nm = PyList_GET_SIZE(mats);
+    ALLOC(m->ct, n); ALLOC(m->ct0, n); ALLOC(m->arg, n * 7); ALLOC(m->alpha0, n);
+    ALLOC(m->alpha1, n); ALLOC(m->cleared, n); ALLOC(m->cprops, n);
+    ALLOC(m->cacc_at, n); ALLOC(m->cacc_n, n); ALLOC(m->is_cand, n); ALLOC(m->is_settled, n);
+    ALLOC(m->sm, ns); ALLOC(m->sro, ns); ALLOC(m->snr, ns); ALLOC(m->sco, ns);
+    ALLOC(m->snc, ns); ALLOC(m->sm0, ns); ALLOC(m->sro0, ns); ALLOC(m->sco0, ns);
+    ALLOC(m->as2m, ns); ALLOC(m->ar0, ns); ALLOC(m->ar1, ns); ALLOC(m->ac0, ns);
+    ALLOC(m->ac1, ns); ALLOC(m->awhole, ns); ALLOC(m->moved, ns);
+    ALLOC(m->rows, nm); ALLOC(m->cols, nm); ALLOC(m->stride, nm); ALLOC(m->stride0, nm);
+    ALLOC(m->alloc, nm); ALLOC(m->dealloc, nm); ALLOC(m->is_in, nm); ALLOC(m->is_out, nm);
+    ALLOC(m->ent, nm); ALLOC(m->of, nm); ALLOC(m->dirty, nm); ALLOC(m->group, nm);
+    ALLOC(m->in_group, nm);
+    for (Py_ssize_t i = 0; i < n * 7; i++) m->arg[i] = -2;   /* not read yet */
+    for (Py_ssize_t i = 0; i < n; i++) m->cprops[i] = -1;
+    for (Py_ssize_t j = 0; j < nm; j++) {
+        PyObject *mi = PyList_GET_ITEM(mats, j);
+        if (!PyTuple_Check(mi) || PyTuple_GET_SIZE(mi) < 3) return FALLBACK;
+        int err = 0;
+        long r = PyLong_AsLong(PyTuple_GET_ITEM(mi, 0));
+        long c = PyLong_AsLong(PyTuple_GET_ITEM(mi, 1));
+        long st = PyLong_AsLong(PyTuple_GET_ITEM(mi, 2));
+        if (PyErr_Occurred()) return ERR;
+        (void)err;
+        m->rows[j] = (int)r; m->cols[j] = (int)c; m->stride[j] = m->stride0[j] = (int)st;
+        m->alloc[j] = m->dealloc[j] = -1;
+    }
+    for (Py_ssize_t s = 1; s < ns; s++) {
+        PyObject *si = PyList_GET_ITEM(subs, s);
+        if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) return FALLBACK;
+        long v[5];
+        for (int k = 0; k < 5; k++) v[k] = PyLong_AsLong(PyTuple_GET_ITEM(si, k));
+        if (PyErr_Occurred()) return ERR;
+        if (!(0 < v[0] && v[0] < nm)) return FALLBACK;   /* the analysis reports it */
+        int mm = (int)v[0];
+        m->sm[s] = m->sm0[s] = mm; m->sro[s] = m->sro0[s] = (int)v[1];
+        m->snr[s] = (int)v[2]; m->sco[s] = m->sco0[s] = (int)v[3]; m->snc[s] = (int)v[4];
+        m->as2m[s] = mm;
+        m->awhole[s] = v[1] == 0 && v[3] == 0 && v[2] == m->rows[mm] && v[4] == m->cols[mm];
+        m->ar0[s] = (int)v[1]; m->ar1[s] = (int)(v[1] + v[2]);
+        m->ac0[s] = (int)v[3]; m->ac1[s] = (int)(v[3] + v[4]);
+        if (iv_push(&m->of[mm], (int)s)) { PyErr_NoMemory(); return ERR; }
+    }
+    for (Py_ssize_t c = 0; c < n; c++) {
+        PyObject *cmd = PyList_GET_ITEM(commands, c);
+        int err = 0;
+        long t = as_long(PyObject_GetAttr(cmd, s_type), &err);
+        if (err) return ERR;
+        if (t < 0 || t >= NUM_TYPES) return FALLBACK;
+        m->ct[c] = m->ct0[c] = (int)t;
+        if (t == SET_CONST || t == MATRIX_COPY)
+            if (read_alpha(m, cmd, c)) return ERR;
+    }
+    return OK;
+}
+
+/* -- the analysis (Analyzer.__init__) ------------------------------------------------- */
+
+static int add_access(M *m, Py_ssize_t c, int s, int a) {
+    if (iv_push(&m->acc_s, s) || iv_push(&m->acc_a, a)) { PyErr_NoMemory(); return ERR; }
+    m->cacc_n[c]++;
+    if (ev_push(&m->ent[m->as2m[s]], (int)c, a, m->ar0[s], m->ar1[s], m->ac0[s], m->ac1[s])) {
+        PyErr_NoMemory();
+        return ERR;
+    }
+    return OK;
+}
+
+/* the matrix of whole submatrix s (argument of a sizing / io command), or -1 */
+static int whole_matrix(M *m, int s) {
+    if (0 < s && s < m->ns && m->awhole[s]) return m->as2m[s];
+    return -1;
+}
+
+/* _Life.apply for command c; only matrices with in_group set when only_groups */
+static int life_apply(M *m, Py_ssize_t c, int only_groups) {
+    int t = m->ct[c];
+    PyObject *cmd = PyList_GET_ITEM(m->commands, c);
+    int s1 = get_arg(m, cmd, c, 0);
+    if (s1 == -3) return ERR;
+    if (t == ALLOC_MATRIX || t == DEALLOC_MATRIX || t == ACCEPT_INPUT || t == PROVIDE_OUTPUT) {
+        int mm = whole_matrix(m, s1);
+        if (mm < 0) return FALLBACK;
+        if (only_groups && !m->in_group[mm]) return OK;
+        if (t == ALLOC_MATRIX) {
+            if (m->alloc[mm] != -1) return FALLBACK;
+            m->alloc[mm] = (int)c;
+        } else if (t == DEALLOC_MATRIX) {
+            if (m->dealloc[mm] != -1) return FALLBACK;
+            m->dealloc[mm] = (int)c;
+        } else if (t == ACCEPT_INPUT) {
+            m->is_in[mm] = 1;
+            if (m->alloc[mm] == -1) m->alloc[mm] = (int)c;
+        } else {
+            m->is_out[mm] = 1;
+        }
+    } else if (t == SWAP_MATRIX) {
+        int s2 = get_arg(m, cmd, c, 1);
+        if (s2 == -3) return ERR;
+        int ma = whole_matrix(m, s1), mb = whole_matrix(m, s2);
+        if (ma < 0 || mb < 0) return FALLBACK;
+        if (!only_groups || m->in_group[ma]) {
+            if (m->alloc[ma] != -1) return FALLBACK;
+            m->alloc[ma] = (int)c;
+        }
+        if (!only_groups || m->in_group[mb]) {
+            if (m->dealloc[mb] != -1) return FALLBACK;
+            m->dealloc[mb] = (int)c;
+        }
+    }
+    return OK;
+}
+
+static int m_analyze(M *m) {
+    for (Py_ssize_t c = 0; c < m->n; c++) {
+        PyObject *cmd = PyList_GET_ITEM(m->commands, c);
+        int t = m->ct[c];
+        m->cacc_at[c] = m->acc_s.n;
+        if (plan_kind[t] == 1) {
+            for (int k = 0; k < plan_n[t]; k++) {
+                int s = get_arg(m, cmd, c, plan_arg[t][k]);
+                if (s == -3) return ERR;
+                if (s <= 0) continue;
+                if (s >= m->ns) return FALLBACK;
+                int a = plan_acc[t][k];
+                if (plan_rule[t][k]) {
+                    if (get_arg(m, cmd, c, 0) == -3) return ERR;
+                    long p = comp_props(m, c);
+                    if (p == -2) return ERR;
+                    if (p & (plan_rule[t][k] == 1 ? prop_propagate_adds : prop_backprop_adds))
+                        a = RW_;
+                }
+                if (add_access(m, c, s, a)) return ERR;
+            }
+        } else if (plan_kind[t] == 2) {
+            PyObject *lst = PyObject_CallOneArg(m->accesses_of, cmd);
+            if (!lst) return ERR;
+            if (!PyList_Check(lst)) { Py_DECREF(lst); return FALLBACK; }
+            for (Py_ssize_t k = 0; k < PyList_GET_SIZE(lst); k++) {
+                PyObject *pr = PyList_GET_ITEM(lst, k);
+                long s = PyLong_AsLong(PyTuple_GET_ITEM(pr, 0));
+                long a = PyLong_AsLong(PyTuple_GET_ITEM(pr, 1));
+                if (PyErr_Occurred()) { Py_DECREF(lst); return ERR; }
+                if (s <= 0 || s >= m->ns) { Py_DECREF(lst); return FALLBACK; }
+                if (add_access(m, c, (int)s, (int)a)) { Py_DECREF(lst); return ERR; }
+            }
+            Py_DECREF(lst);
+        }
+        if (t == ALLOC_MATRIX || t == DEALLOC_MATRIX || t == SWAP_MATRIX || t == ACCEPT_INPUT
+                || t == PROVIDE_OUTPUT) {
+            int r = life_apply(m, c, 0);
+            if (r) return r;
+        }
+    }
+    return OK;
+}
+
+/* -- the merge candidates (merge_candidates) ------------------------------------------- */
+
+/* (s1, s2) of a candidate command, or 0 when it is not one; FALLBACK/ERR codes < 0 */
+static int candidate_args(M *m, Py_ssize_t c, int *s1, int *s2) {
+    int t = m->ct0[c];
+    PyObject *cmd = PyList_GET_ITEM(m->commands, c);
+    *s1 = *s2 = -1;
+    if (t == MATRIX_COPY && m->remove_assignments) {
+        *s2 = get_arg(m, cmd, c, 0); *s1 = get_arg(m, cmd, c, 1);
+    } else if (t == PROPAGATE && m->propagate_in_place) {
+        if (get_arg(m, cmd, c, 0) == -3) return -2;
+        long p = comp_props(m, c);
+        if (p == -2) return -2;
+        if (!(p & prop_propagate_in_place)) return 0;
+        *s1 = get_arg(m, cmd, c, 2); *s2 = get_arg(m, cmd, c, 3);
+    } else if ((t == BACKPROP || t == BACKPROP_NO_MODEL_UPDATE) && m->backprop_in_place) {
+        if (get_arg(m, cmd, c, 0) == -3) return -2;
+        long p = comp_props(m, c);
+        if (p == -2) return -2;
+        if (!(p & prop_backprop_in_place)) return 0;
+        *s1 = get_arg(m, cmd, c, 4); *s2 = get_arg(m, cmd, c, 5);
+        if (get_arg(m, cmd, c, 2) == -3 || get_arg(m, cmd, c, 3) == -3) return -2;
+    } else {
+        return 0;
+    }
+    if (*s1 == -3 || *s2 == -3) return -2;
+    if (*s1 >= m->ns || *s2 >= m->ns) return -1;
+    return *s1 > 0 && *s2 > 0;
+}
+
+/* -- one round (VariableMergingOptimizer) ----------------------------------------------- */
+
+static int overlaps(int R0, int R1, int C0, int C1, const entry *e) {
+    return e->r0 < R1 && R0 < e->r1 && e->c0 < C1 && C0 < e->c1;
+}
+
+static int same_sub(M *m, int s, int t) {
+    if (s == t) return 1;
+    if (m->by_number) return 0;
+    if (s <= 0 || t <= 0) return 0;
+    return m->sm[s] == m->sm[t] && m->sro[s] == m->sro[t] && m->snr[s] == m->snr[t]
+        && m->sco[s] == m->sco[t] && m->snc[s] == m->snc[t];
+}
+
+static int is_dirty(M *m, int s) {
+    if (m->moved[s]) return 1;
+    evec *rects = &m->dirty[m->sm[s]];
+    int R0 = m->sro[s], R1 = R0 + m->snr[s], C0 = m->sco[s], C1 = C0 + m->snc[s];
+    for (Py_ssize_t i = 0; i < rects->n; i++)
+        if (overlaps(R0, R1, C0, C1, &rects->d[i])) return 1;
+    return 0;
+}
+
+static int is_zeroing(M *m, int c) {
+    return m->ct[c] == SET_CONST && m->alpha0[c];
+}
+
+/* ComputationAnalysis.first_use_at */
+static int first_use_at(M *m, int s, int c) {
+    evec *ents = &m->ent[m->sm[s]];
+    int R0 = m->sro[s], R1 = R0 + m->snr[s], C0 = m->sco[s], C1 = C0 + m->snc[s];
+    Py_ssize_t i = 0;
+    for (; i < ents->n; i++) {
+        entry *e = &ents->d[i];
+        if (overlaps(R0, R1, C0, C1, e) && !is_zeroing(m, e->ci)) break;
+    }
+    if (i == ents->n) return -1;
+    if (ents->d[i].ci != c) return -1;
+    int ans = m->dealloc[m->sm[s]];
+    if (ans == -1) ans = (int)m->n;
+    for (i++; i < ents->n; i++) {
+        entry *e = &ents->d[i];
+        if (e->ci > c && (e->a & W_) && overlaps(R0, R1, C0, C1, e))
+            return ans < e->ci ? ans : e->ci;
+    }
+    return ans;
+}
+
+/* ComputationAnalysis.last_access_and_write */
+static void last_access_and_write(M *m, int s, int *last, int *last_write) {
+    int mm = m->sm[s];
+    evec *ents = &m->ent[mm];
+    int R0 = m->sro[s], R1 = R0 + m->snr[s], C0 = m->sco[s], C1 = C0 + m->snc[s];
+    int output = m->is_out[mm];
+    *last = -1;
+    for (Py_ssize_t i = ents->n - 1; i >= 0; i--) {
+        entry *e = &ents->d[i];
+        if (!overlaps(R0, R1, C0, C1, e)) continue;
+        if (*last == -1) {
+            *last = e->ci;
+            if (output) break;
+        }
+        if (e->a & W_) {
+            *last_write = output ? (int)m->n : e->ci;
+            return;
+        }
+    }
+    *last_write = output ? (int)m->n : -1;
+}
+
+static int last_access(M *m, int s) {
+    evec *ents = &m->ent[m->sm[s]];
+    int R0 = m->sro[s], R1 = R0 + m->snr[s], C0 = m->sco[s], C1 = C0 + m->snc[s];
+    for (Py_ssize_t i = ents->n - 1; i >= 0; i--)
+        if (overlaps(R0, R1, C0, C1, &ents->d[i])) return ents->d[i].ci;
+    return -1;
+}
+
+static int cmd_index(M *m, int c) {
+    /* a command index as Python's list indexing takes it (-1: the last) */
+    return c < 0 ? (int)m->n + c : c;
+}
+
+static int alloc_precedes(M *m, int keep, int discard) {
+    if (m->ct[cmd_index(m, m->alloc[discard])] == ACCEPT_INPUT) return 1;
+    int first = (int)m->n;
+    evec *ents = &m->ent[discard];
+    for (Py_ssize_t i = 0; i < ents->n; i++) {
+        int c = ents->d[i].ci;
+        if (!is_zeroing(m, c)) { first = c; break; }
+    }
+    return first > m->alloc[keep];
+}
+
+static int kept_side(M *m, int ci, int s1, int s2, int left, int right) {
+    if (m->dirty_mats.n || m->moved_list.n)
+        if (is_dirty(m, s1) || is_dirty(m, s2)) return 0;
+    int m1 = m->as2m[s1], m2 = m->as2m[s2];
+    int whole1 = m->awhole[s1], whole2 = m->awhole[s2];
+    if ((m->is_in[m1] && m->is_in[m2]) || (m->is_out[m1] && m->is_out[m2])) return 0;
+    if ((m->is_in[m1] || m->is_out[m1] || m->is_in[m2] || m->is_out[m2]) && !(whole1 && whole2))
+        return 0;
+    if (!whole1 && m->stride[m2] == STRIDE_EQUAL) left = 0;
+    if (!whole2 && m->stride[m1] == STRIDE_EQUAL) right = 0;
+    if (!(left || right)) return 0;
+    int invalidated = first_use_at(m, s2, ci);
+    if (invalidated < 0) return 0;
+    if (m->ct[ci] == MATRIX_COPY && m->alpha1[ci]) {
+        int last, last_write;
+        last_access_and_write(m, s1, &last, &last_write);
+        if (!(last_write < ci && last < invalidated)) return 0;
+    } else if (last_access(m, s1) != ci) {
+        return 0;
+    }
+    if (left && alloc_precedes(m, m1, m2)) return s1;
+    if (right && alloc_precedes(m, m2, m1)) return s2;
+    return 0;
+}
+
+static int do_merge(M *m, int ci, int s_keep, int s_discard) {
+    int m_keep = m->sm[s_keep], ro = m->sro[s_keep], nr = m->snr[s_keep];
+    int co = m->sco[s_keep], nc = m->snc[s_keep];
+    int m_discard = m->sm[s_discard];
+    if (m_keep == m_discard || m_keep <= 0 || m_discard <= 0) return FALLBACK;
+    if (m->dirty[m_keep].n == 0 && iv_push(&m->dirty_mats, m_keep)) goto nomem;
+    if (ev_push(&m->dirty[m_keep], 0, 0, ro, ro + nr, co, co + nc)) goto nomem;
+    ivec *subs_d = &m->of[m_discard];
+    for (Py_ssize_t i = 0; i < subs_d->n; i++) {
+        int s = subs_d->d[i];
+        if (!m->moved[s]) {
+            m->moved[s] = 1;
+            if (iv_push(&m->moved_list, s)) goto nomem;
+        }
+    }
+    if (!m->in_group[m_keep]) {
+        m->in_group[m_keep] = 1;
+        m->group[m_keep].n = 0;
+        if (iv_push(&m->group[m_keep], m_keep) || iv_push(&m->keeps, m_keep)) goto nomem;
+    }
+    if (iv_push(&m->group[m_keep], m_discard)) goto nomem;
+    for (Py_ssize_t i = 0; i < subs_d->n; i++) {
+        int s = subs_d->d[i];
+        m->sm[s] = m_keep;
+        m->sro[s] += ro;
+        m->sco[s] += co;
+    }
+    if (m->ct[ci] == MATRIX_COPY && m->alpha1[ci]) {
+        m->ct[ci] = NO_OPERATION;
+        m->cleared[ci] = 1;
+    }
+    if (m->dealloc[m_discard] != -1) {
+        m->ct[cmd_index(m, m->dealloc[m_discard])] = NO_OPERATION;
+    } else {
+        if (m->dealloc[m_keep] == -1) return FALLBACK;
+        m->ct[cmd_index(m, m->dealloc[m_keep])] = NO_OPERATION;
+    }
+    int alloc_keep = m->alloc[m_keep], alloc_discard = m->alloc[m_discard];
+    if (alloc_keep == -1 || alloc_discard == -1) return FALLBACK;
+    int zero_of;
+    if (m->ct[alloc_discard] == ACCEPT_INPUT) {
+        m->ct[alloc_keep] = NO_OPERATION;
+        zero_of = m_keep;
+    } else {
+        m->ct[alloc_discard] = NO_OPERATION;
+        zero_of = m_discard;
+    }
+    evec *ents = &m->ent[zero_of];
+    if (ents->n) {
+        int z = ents->d[0].ci;
+        if (is_zeroing(m, z)) m->ct[z] = NO_OPERATION;
+    }
+    if (m->stride[m_discard] == STRIDE_EQUAL) m->stride[m_keep] = STRIDE_EQUAL;
+    return OK;
+nomem:
+    PyErr_NoMemory();
+    return ERR;
+}
+
+/* merge_variables over the candidate commands `cands` (increasing); *merged set when
+ * something merged; settled commands flagged in is_settled */
+static int merge_round(M *m, ivec *cands, int *merged) {
+    *merged = 0;
+    for (Py_ssize_t i = 0; i < cands->n; i++) {
+        int ci = cands->d[i];
+        int s1, s2;
+        int r = candidate_args(m, ci, &s1, &s2);
+        if (r < 0) return r == -2 ? ERR : FALLBACK;
+        if (r == 0) continue;
+        int t = m->ct0[ci];
+        if (t == BACKPROP || t == BACKPROP_NO_MODEL_UPDATE) {
+            int in_v = m->arg[ci * 7 + 2], out_v = m->arg[ci * 7 + 3];
+            if (same_sub(m, in_v, s1) || same_sub(m, in_v, s2) || same_sub(m, out_v, s1)
+                    || same_sub(m, out_v, s2))
+                continue;
+        }
+        int left = m->allow_left && m->awhole[s2], right = m->allow_right && m->awhole[s1];
+        if (!(left || right) || m->sm[s1] == m->sm[s2]) {
+            m->is_settled[ci] = 1;
+            continue;
+        }
+        int keep = kept_side(m, ci, s1, s2, left, right);
+        if (keep) {
+            int rr = keep == s1 ? do_merge(m, ci, s1, s2) : do_merge(m, ci, s2, s1);
+            if (rr) return rr;
+            m->is_settled[ci] = 1;
+            *merged = 1;
+        }
+    }
+    return OK;
+}
+
+static void round_reset(M *m) {
+    for (Py_ssize_t i = 0; i < m->dirty_mats.n; i++) m->dirty[m->dirty_mats.d[i]].n = 0;
+    m->dirty_mats.n = 0;
+    for (Py_ssize_t i = 0; i < m->moved_list.n; i++) m->moved[m->moved_list.d[i]] = 0;
+    m->moved_list.n = 0;
+    for (Py_ssize_t i = 0; i < m->keeps.n; i++) m->in_group[m->keeps.d[i]] = 0;
+    m->keeps.n = 0;
+}
+
+/* -- Analyzer.reanalyze ---------------------------------------------------------------- */
+
+static int reanalyze(M *m, char *used, char *touched, ivec *touched_list) {
+    ivec life = {0};
+    int rc = OK;
+    for (Py_ssize_t g = 0; g < m->keeps.n; g++) {
+        int keep = m->keeps.d[g];
+        ivec *grp = &m->group[keep];
+        ivec moved = {0};
+        for (Py_ssize_t k = 0; k < grp->n; k++) {
+            int mm = grp->d[k];
+            evec *e = &m->ent[mm];
+            for (Py_ssize_t i = 0; i < e->n; i++) {
+                int c = e->d[i].ci;
+                if (!touched[c]) { touched[c] = 1; if (iv_push(touched_list, c)) goto nomem; }
+            }
+            if (iv_push(&life, m->alloc[mm]) || iv_push(&life, m->dealloc[mm])) goto nomem;
+            if (mm != keep) {
+                for (Py_ssize_t i = 0; i < m->of[mm].n; i++)
+                    if (iv_push(&moved, m->of[mm].d[i])) goto nomem;
+                m->of[mm].n = 0;
+                m->ent[mm].n = 0;
+                m->alloc[mm] = m->dealloc[mm] = -1;
+                m->is_in[mm] = m->is_out[mm] = 0;
+            }
+        }
+        for (Py_ssize_t i = 0; i < moved.n; i++) {
+            int s = moved.d[i];
+            int ro = m->sro[s], nr = m->snr[s], co = m->sco[s], nc = m->snc[s];
+            m->as2m[s] = m->sm[s];
+            m->awhole[s] = ro == 0 && co == 0 && nr == m->rows[keep] && nc == m->cols[keep];
+            m->ar0[s] = ro; m->ar1[s] = ro + nr; m->ac0[s] = co; m->ac1[s] = co + nc;
+            if (iv_push(&m->of[keep], s)) { free(moved.d); goto nomem; }
+        }
+        free(moved.d);
+        qsort(m->of[keep].d, m->of[keep].n, sizeof(int), cmp_int);
+        m->ent[keep].n = 0;
+        m->alloc[keep] = m->dealloc[keep] = -1;
+        m->is_in[keep] = m->is_out[keep] = 0;
+    }
+    qsort(touched_list->d, touched_list->n, sizeof(int), cmp_int);
+    for (Py_ssize_t i = 0; i < touched_list->n; i++) {
+        int c = touched_list->d[i];
+        int t = m->ct[c];
+        if (t == NO_OPERATION) { m->cacc_n[c] = 0; continue; }
+        for (int k = 0; k < m->cacc_n[c]; k++) {
+            int s = m->acc_s.d[m->cacc_at[c] + k], a = m->acc_a.d[m->cacc_at[c] + k];
+            int mm = m->as2m[s];
+            if (m->in_group[mm]) {
+                used[s] = 1;
+                if (ev_push(&m->ent[mm], c, a, m->ar0[s], m->ar1[s], m->ac0[s], m->ac1[s]))
+                    goto nomem;
+            }
+        }
+        if (t == ACCEPT_INPUT || t == PROVIDE_OUTPUT)
+            if (iv_push(&life, c)) goto nomem;
+    }
+    qsort(life.d, life.n, sizeof(int), cmp_int);
+    for (Py_ssize_t i = 0; i < life.n; i++) {
+        int c = life.d[i];
+        if (c == -1 || (i > 0 && life.d[i - 1] == c)) continue;
+        int t = m->ct[c];
+        if (t == NO_OPERATION) { m->cacc_n[c] = 0; continue; }
+        PyObject *cmd = PyList_GET_ITEM(m->commands, c);
+        int s = get_arg(m, cmd, c, 0);
+        if (s == -3) { rc = ERR; goto out; }
+        if ((t == ALLOC_MATRIX || t == DEALLOC_MATRIX) && whole_matrix(m, s) >= 0) {
+            int mm = m->as2m[s];
+            if (!m->in_group[mm]) continue;
+            used[s] = 1;
+            if (t == ALLOC_MATRIX && m->alloc[mm] == -1) { m->alloc[mm] = c; continue; }
+            if (t == DEALLOC_MATRIX && m->dealloc[mm] == -1) { m->dealloc[mm] = c; continue; }
+        }
+        rc = life_apply(m, c, 1);
+        if (rc) goto out;
+        int ss[2] = {s, -1}, k2 = 1;
+        if (t == SWAP_MATRIX) {
+            ss[1] = get_arg(m, cmd, c, 1);
+            if (ss[1] == -3) { rc = ERR; goto out; }
+            k2 = 2;
+        }
+        for (int k = 0; k < k2; k++) {
+            int x = ss[k];
+            if (x <= 0 || x >= m->ns) { rc = FALLBACK; goto out; }
+            if (m->in_group[m->as2m[x]]) used[x] = 1;
+        }
+    }
+out:
+    free(life.d);
+    return rc;
+nomem:
+    free(life.d);
+    PyErr_NoMemory();
+    return ERR;
+}
+
+/* -- _SubmatrixOrder ------------------------------------------------------------------- */
+
+static M *sort_m;
+static int cmp_sub(const void *x, const void *y) {
+    M *m = sort_m;
+    int s = *(const int *)x, t = *(const int *)y;
+    int a[5] = {m->sm[s], m->sro[s], m->snr[s], m->sco[s], m->snc[s]};
+    int b[5] = {m->sm[t], m->sro[t], m->snr[t], m->sco[t], m->snc[t]};
+    for (int k = 0; k < 5; k++)
+        if (a[k] != b[k]) return (a[k] > b[k]) - (a[k] < b[k]);
+    return (s > t) - (s < t);
+}
+
+static int same_extent(M *m, int s, int t) {
+    return m->sm[s] == m->sm[t] && m->sro[s] == m->sro[t] && m->snr[s] == m->snr[t]
+        && m->sco[s] == m->sco[t] && m->snc[s] == m->snc[t];
+}
+
+/* the submatrices the commands touching matrix mm refer to (_SubmatrixOrder._in_use) */
+static int in_use(M *m, int mm, char *used) {
+    evec *e = &m->ent[mm];
+    for (Py_ssize_t i = 0; i < e->n; i++) {
+        int c = e->d[i].ci;
+        for (int k = 0; k < m->cacc_n[c]; k++) used[m->acc_s.d[m->cacc_at[c] + k]] = 1;
+    }
+    int cs[2] = {m->alloc[mm], m->dealloc[mm]};
+    for (int k = 0; k < 2; k++) {
+        int c = cs[k];
+        if (c < 0) continue;
+        PyObject *cmd = PyList_GET_ITEM(m->commands, c);
+        int s = get_arg(m, cmd, c, 0);
+        if (s == -3) return ERR;
+        if (s >= m->ns) return FALLBACK;
+        if (s >= 0) used[s] = 1;
+        if (m->ct[c] == SWAP_MATRIX) {
+            int s2 = get_arg(m, cmd, c, 1);
+            if (s2 == -3) return ERR;
+            if (s2 >= m->ns) return FALLBACK;
+            if (s2 >= 0) used[s2] = 1;
+        }
+    }
+    return OK;
+}
+
+static int order_renumbered(M *m, char *used, int first) {
+    Py_ssize_t ns = m->ns, nm = m->nm;
+    char *mats = calloc(nm ? nm : 1, 1);
+    int *members = NULL;
+    int rc = OK;
+    if (!mats) { PyErr_NoMemory(); return ERR; }
+    for (Py_ssize_t g = 0; g < m->keeps.n; g++) mats[m->keeps.d[g]] = 1;
+    if (first && ns > 2) {
+        /* the matrices of submatrices that have an equal one, the changed aside */
+        int *order = malloc((ns - 1) * sizeof(int));
+        if (!order) { free(mats); PyErr_NoMemory(); return ERR; }
+        for (Py_ssize_t s = 1; s < ns; s++) order[s - 1] = (int)s;
+        sort_m = m;
+        qsort(order, ns - 1, sizeof(int), cmp_sub);
+        for (Py_ssize_t i = 1; i < ns - 1; i++) {
+            if (!same_extent(m, order[i - 1], order[i])) continue;
+            int mm = m->sm[order[i]];
+            if (mats[mm]) continue;
+            mats[mm] = 2;   /* another matrix (marked, its uses added below) */
+        }
+        free(order);
+        for (Py_ssize_t mm = 1; mm < nm; mm++)
+            if (mats[mm] == 2) {
+                rc = in_use(m, (int)mm, used);
+                if (rc) goto out;
+            }
+    }
+    /* members: the submatrices in use on these matrices, grouped by extent; each
+     * group takes its smallest key */
+    Py_ssize_t nmem = 0;
+    members = malloc((ns ? ns : 1) * sizeof(int));
+    if (!members) { rc = ERR; PyErr_NoMemory(); goto out; }
+    for (Py_ssize_t mm = 1; mm < nm; mm++) {
+        if (!mats[mm]) continue;
+        ivec *o = &m->of[mm];
+        for (Py_ssize_t i = 0; i < o->n; i++)
+            if (used[o->d[i]]) members[nmem++] = o->d[i];
+    }
+    sort_m = m;
+    qsort(members, nmem, sizeof(int), cmp_sub);
+    for (Py_ssize_t i = 0; i < nmem;) {
+        Py_ssize_t j = i + 1;
+        int lo = m->key[members[i]];
+        while (j < nmem && same_extent(m, members[i], members[j])) {
+            if (m->key[members[j]] < lo) lo = m->key[members[j]];
+            j++;
+        }
+        for (Py_ssize_t k = i; k < j; k++) m->key[members[k]] = lo;
+        i = j;
+    }
+out:
+    free(members);
+    free(mats);
+    return rc;
+}
+
+/* -- the zeroings (initialize_undefined.unnecessary_zeroings) --------------------------- */
+
+typedef struct { int lo, hi; } span;
+
+static int cmp_span(const void *x, const void *y) {
+    const span *a = x, *b = y;
+    if (a->lo != b->lo) return (a->lo > b->lo) - (a->lo < b->lo);
+    return (a->hi > b->hi) - (a->hi < b->hi);
+}
+
+/* _decided_by_sweep: 1 needed, 0 not, 2 undecided, ERR */
+static int decided_by_sweep(evec *ev, int nr, int nc, int is_output) {
+    entry *e = ev->d;
+    Py_ssize_t n = ev->n;
+    if (n == 1) return is_output;
+    int z = e[0].ci;
+    if (!(e[0].r0 == 0 && e[0].r1 == nr && e[0].c0 == 0 && e[0].c1 == nc) || e[1].ci == z)
+        return 2;
+    int end = 0;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (e[i].a != W_ || e[i].c0 != end || e[i].r0 != 0 || e[i].r1 != nr) break;
+        end = e[i].c1;
+        if (end == nc) {
+            if (i + 1 == n || e[i + 1].ci != e[i].ci) return 0;
+            break;
+        }
+    }
+    span *covered = malloc((2 * n + 2) * sizeof(span));
+    span *spans = malloc((n + 1) * sizeof(span));
+    span *tmp = malloc((2 * n + 2) * sizeof(span));
+    int ncov = 0, axis = -1, result = -5;
+    if (!covered || !spans || !tmp) { PyErr_NoMemory(); result = ERR; goto done; }
+    Py_ssize_t i = 1;
+    while (i < n) {
+        int c = e[i].ci, nsp = 0, everything = 0;
+        while (i < n && e[i].ci == c) {
+            entry *x = &e[i++];
+            int lo, hi;
+            if (x->r0 == 0 && x->r1 == nr && x->c0 == 0 && x->c1 == nc) {
+                if (x->a & R_) { result = 1; goto done; }
+                everything = 1;
+                continue;
+            }
+            if (x->c0 == 0 && x->c1 == nc && axis != 1) {
+                axis = 0; lo = x->r0; hi = x->r1;
+            } else if (x->r0 == 0 && x->r1 == nr && axis != 0) {
+                axis = 1; lo = x->c0; hi = x->c1;
+            } else {
+                result = 2; goto done;
+            }
+            if (x->a & R_) {
+                int inside = 0;
+                for (int k = 0; k < ncov; k++)
+                    if (covered[k].lo <= lo && hi <= covered[k].hi) { inside = 1; break; }
+                if (!inside) { result = 1; goto done; }
+            }
+            spans[nsp].lo = lo; spans[nsp].hi = hi; nsp++;
+        }
+        if (everything) { result = 0; goto done; }
+        for (int k = 0; k < nsp; k++) {
+            int lo = spans[k].lo, hi = spans[k].hi, nt = 0;
+            for (int q = 0; q < ncov; q++) {
+                int x = covered[q].lo, y = covered[q].hi;
+                if (y < lo || hi < x) {
+                    tmp[nt].lo = x; tmp[nt].hi = y; nt++;
+                } else {
+                    if (x < lo) lo = x;
+                    if (y > hi) hi = y;
+                }
+            }
+            tmp[nt].lo = lo; tmp[nt].hi = hi; nt++;
+            qsort(tmp, nt, sizeof(span), cmp_span);
+            memcpy(covered, tmp, nt * sizeof(span));
+            ncov = nt;
+        }
+        if (ncov == 1 && covered[0].lo == 0 && covered[0].hi == (axis == 0 ? nr : nc)) {
+            result = 0; goto done;
+        }
+    }
+    result = is_output;
+done:
+    free(covered); free(spans); free(tmp);
+    return result;
+}
+
+typedef struct { int r0, r1, c0, c1; } rect;
+typedef struct { rect *d; Py_ssize_t n, cap; } rvec;
+
+static int rv_push(rvec *v, int r0, int r1, int c0, int c1) {
+    if (v->n == v->cap) {
+        Py_ssize_t cap = v->cap ? 2 * v->cap : 8;
+        rect *d = realloc(v->d, cap * sizeof(rect));
+        if (!d) return -1;
+        v->d = d; v->cap = cap;
+    }
+    rect *r = &v->d[v->n++];
+    r->r0 = r0; r->r1 = r1; r->c0 = c0; r->c1 = c1;
+    return 0;
+}
+
+/* _inside: 1, 0, or ERR */
+static int inside(rect p0, const entry *rects, Py_ssize_t nrects) {
+    rvec pieces = {0}, rest = {0};
+    int result = 0;
+    if (rv_push(&pieces, p0.r0, p0.r1, p0.c0, p0.c1)) goto nomem;
+    for (Py_ssize_t q = 0; q < nrects; q++) {
+        const entry *Q = &rects[q];
+        int q0 = Q->r0, q1 = Q->r1, d0 = Q->c0, d1 = Q->c1;
+        rest.n = 0;
+        for (Py_ssize_t i = 0; i < pieces.n; i++) {
+            rect p = pieces.d[i];
+            if (q0 >= p.r1 || p.r0 >= q1 || d0 >= p.c1 || p.c0 >= d1) {
+                if (rv_push(&rest, p.r0, p.r1, p.c0, p.c1)) goto nomem;
+                continue;
+            }
+            if (p.r0 < q0 && rv_push(&rest, p.r0, q0, p.c0, p.c1)) goto nomem;
+            if (q1 < p.r1 && rv_push(&rest, q1, p.r1, p.c0, p.c1)) goto nomem;
+            int lo = p.r0 > q0 ? p.r0 : q0, hi = p.r1 < q1 ? p.r1 : q1;
+            if (p.c0 < d0 && rv_push(&rest, lo, hi, p.c0, d0)) goto nomem;
+            if (d1 < p.c1 && rv_push(&rest, lo, hi, d1, p.c1)) goto nomem;
+        }
+        if (!rest.n) { result = 1; goto out; }
+        rvec t = pieces; pieces = rest; rest = t;
+    }
+out:
+    free(pieces.d); free(rest.d);
+    return result;
+nomem:
+    free(pieces.d); free(rest.d);
+    PyErr_NoMemory();
+    return ERR;
+}
+
+/* _decided_by_rectangles: 1, 0, 2 undecided, ERR */
+static int decided_by_rectangles(evec *ev, int nr, int nc, int is_output) {
+    entry *e = ev->d;
+    Py_ssize_t n = ev->n;
+    if (!(e[0].r0 == 0 && e[0].r1 == nr && e[0].c0 == 0 && e[0].c1 == nc) || n < 2
+            || e[1].ci == e[0].ci)
+        return 2;
+    /* the region reached so far: the rectangles of entries 1 .. start-1 */
+    Py_ssize_t i = 1;
+    while (i < n) {
+        int c = e[i].ci;
+        Py_ssize_t start = i;
+        while (i < n && e[i].ci == c) {
+            entry *x = &e[i++];
+            if (x->a & R_) {
+                rect r = {x->r0, x->r1, x->c0, x->c1};
+                int in = inside(r, e + 1, start - 1);
+                if (in < 0) return ERR;
+                if (!in) return 1;
+            }
+        }
+    }
+    if (!is_output) return 0;
+    rect z = {e[0].r0, e[0].r1, e[0].c0, e[0].c1};
+    int in = inside(z, e + 1, n - 1);
+    if (in < 0) return ERR;
+    return !in;
+}
+
+static int zeroings(M *m, ivec *out) {
+    for (Py_ssize_t mm = 1; mm < m->nm; mm++) {
+        evec *ev = &m->ent[mm];
+        if (!ev->n) continue;
+        entry *e = ev->d;
+        int z = e[0].ci;
+        if (!is_zeroing(m, z)) continue;
+        int nr = m->rows[mm], nc = m->cols[mm];
+        int full = e[0].r0 == 0 && e[0].r1 == nr && e[0].c0 == 0 && e[0].c1 == nc;
+        if (ev->n > 1 && full) {
+            entry *x = &e[1];
+            if (x->r0 == 0 && x->r1 == nr && x->c0 == 0 && x->c1 == nc && !(x->a & R_)
+                    && x->ci != z && (ev->n == 2 || e[2].ci != x->ci)) {
+                if (iv_push(out, z)) { PyErr_NoMemory(); return ERR; }
+                continue;
+            }
+        }
+        int needed = decided_by_sweep(ev, nr, nc, m->is_out[mm]);
+        if (needed == 2) needed = decided_by_rectangles(ev, nr, nc, m->is_out[mm]);
+        if (needed < 0) return ERR;
+        if (needed == 2) return FALLBACK;   /* only the per-variable lists can tell */
+        if (!needed && iv_push(out, z)) { PyErr_NoMemory(); return ERR; }
+    }
+    return OK;
+}
+
+/* -- the entry point ---------------------------------------------------------------------- */
+
+static PyObject *int_list(const int *d, Py_ssize_t n) {
+    PyObject *l = PyList_New(n);
+    if (!l) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLong(d[i]);
+        if (!v) { Py_DECREF(l); return NULL; }
+        PyList_SET_ITEM(l, i, v);
+    }
+    return l;
+}
+
+static PyObject *results(M *m, ivec *zs) {
+    /* (moved submatrices as (s, m, ro, nr, co, nc), commands now no-ops, copies whose
+     * arguments go, matrices now of stride equal to their columns, zeroings, key) */
+    PyObject *subs = PyList_New(0), *noops = NULL, *cleared = NULL, *strides = NULL;
+    PyObject *zl = NULL, *key = NULL, *res = NULL;
+    ivec a = {0}, b = {0}, c = {0};
+    if (!subs) return NULL;
+    for (Py_ssize_t s = 1; s < m->ns; s++) {
+        if (m->sm[s] == m->sm0[s] && m->sro[s] == m->sro0[s] && m->sco[s] == m->sco0[s])
+            continue;
+        PyObject *t = Py_BuildValue("(nnnnnn)", s, (Py_ssize_t)m->sm[s], (Py_ssize_t)m->sro[s],
+                                    (Py_ssize_t)m->snr[s], (Py_ssize_t)m->sco[s],
+                                    (Py_ssize_t)m->snc[s]);
+        if (!t || PyList_Append(subs, t)) { Py_XDECREF(t); goto fail; }
+        Py_DECREF(t);
+    }
+    for (Py_ssize_t i = 0; i < m->n; i++) {
+        if (m->ct[i] != m->ct0[i] && iv_push(&a, (int)i)) goto nomem;
+        if (m->cleared[i] && iv_push(&b, (int)i)) goto nomem;
+    }
+    for (Py_ssize_t j = 0; j < m->nm; j++)
+        if (m->stride[j] != m->stride0[j] && iv_push(&c, (int)j)) goto nomem;
+    noops = int_list(a.d, a.n);
+    cleared = int_list(b.d, b.n);
+    strides = int_list(c.d, c.n);
+    zl = int_list(zs->d, zs->n);
+    key = int_list(m->key, m->ns);
+    if (!noops || !cleared || !strides || !zl || !key) goto fail;
+    res = PyTuple_Pack(6, subs, noops, cleared, strides, zl, key);
+    goto fail;   /* (releases the references either way) */
+nomem:
+    PyErr_NoMemory();
+fail:
+    free(a.d); free(b.d); free(c.d);
+    Py_XDECREF(subs); Py_XDECREF(noops); Py_XDECREF(cleared); Py_XDECREF(strides);
+    Py_XDECREF(zl); Py_XDECREF(key);
+    return res;
+}
+
+static PyObject *run(M *m, PyObject *commands, PyObject *subs, PyObject *mats, int *status) {
+    int rc = m_read(m, commands, subs, mats);
+    if (rc) { *status = rc; return NULL; }
+    rc = m_analyze(m);
+    if (rc) { *status = rc; return NULL; }
+    ivec cands = {0}, next = {0}, touched_list = {0}, zs = {0};
+    char *used = NULL, *touched = NULL;
+    PyObject *res = NULL;
+    used = calloc(m->ns ? m->ns : 1, 1);
+    touched = calloc(m->n ? m->n : 1, 1);
+    if (!used || !touched) { PyErr_NoMemory(); rc = ERR; goto out; }
+    for (Py_ssize_t c = 0; c < m->n; c++) {
+        int s1, s2;
+        int r = candidate_args(m, c, &s1, &s2);
+        if (r < 0) { rc = r == -2 ? ERR : FALLBACK; goto out; }
+        if (r) {
+            m->is_cand[c] = 1;
+            if (iv_push(&cands, (int)c)) { PyErr_NoMemory(); rc = ERR; goto out; }
+        }
+    }
+    if (m->bad) { rc = FALLBACK; goto out; }
+    if (!cands.n) { rc = OK; res = Py_NewRef(Py_False); goto out; }
+    int first_round = 1;
+    for (;;) {
+        int merged;
+        m->by_number = first_round && m->by_number;
+        rc = merge_round(m, &cands, &merged);
+        if (rc) goto out;
+        if (!merged) { round_reset(m); break; }
+        memset(used, 0, m->ns);
+        for (Py_ssize_t i = 0; i < touched_list.n; i++) touched[touched_list.d[i]] = 0;
+        touched_list.n = 0;
+        rc = reanalyze(m, used, touched, &touched_list);
+        if (rc) goto out;
+        int first = m->key == NULL;
+        if (first) {
+            m->key = malloc((m->ns ? m->ns : 1) * sizeof(int));
+            if (!m->key) { PyErr_NoMemory(); rc = ERR; goto out; }
+            for (Py_ssize_t s = 0; s < m->ns; s++) m->key[s] = (int)s;
+        }
+        rc = order_renumbered(m, used, first);
+        if (rc) goto out;
+        round_reset(m);
+        first_round = 0;
+        m->by_number = 0;
+        next.n = 0;
+        for (Py_ssize_t i = 0; i < touched_list.n; i++) {
+            int c = touched_list.d[i];
+            if (m->is_cand[c] && !m->is_settled[c] && iv_push(&next, c)) {
+                PyErr_NoMemory(); rc = ERR; goto out;
+            }
+        }
+        if (!next.n) break;
+        ivec t = cands; cands = next; next = t;
+    }
+    if (m->bad) { rc = FALLBACK; goto out; }
+    if (m->key == NULL) { rc = OK; res = Py_NewRef(Py_False); goto out; }
+    rc = zeroings(m, &zs);
+    if (rc) goto out;
+    res = results(m, &zs);
+    if (!res) rc = ERR;
+out:
+    free(cands.d); free(next.d); free(touched_list.d); free(zs.d);
+    free(used); free(touched);
+    *status = rc;
+    return res;
+}
+
+static PyObject *py_merge(PyObject *self, PyObject *args) {
+    PyObject *commands, *subs, *mats, *props, *accesses_of;
+    int opts[5], by_number;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO(ppppp)p", &PyList_Type, &commands, &PyList_Type,
+                          &subs, &PyList_Type, &mats, &props, &accesses_of, &opts[0],
+                          &opts[1], &opts[2], &opts[3], &opts[4], &by_number))
+        return NULL;
+    if (!configured) {
+        PyErr_SetString(PyExc_RuntimeError, "_merging.configure() was not called");
+        return NULL;
+    }
+    M m;
+    memset(&m, 0, sizeof(m));
+    m.commands = commands; m.props = props; m.accesses_of = accesses_of;
+    m.remove_assignments = opts[0]; m.propagate_in_place = opts[1];
+    m.backprop_in_place = opts[2]; m.allow_left = opts[3]; m.allow_right = opts[4];
+    m.by_number = (char)by_number;
+    int status = OK;
+    PyObject *res = run(&m, commands, subs, mats, &status);
+    m_free(&m);
+    if (status == ERR) { Py_XDECREF(res); return NULL; }
+    if (status == FALLBACK) { Py_XDECREF(res); Py_RETURN_NONE; }
+    return res;
+}
+
+static PyObject *py_configure(PyObject *self, PyObject *args) {
+    PyObject *plans;
+    long p[4];
+    if (!PyArg_ParseTuple(args, "O!(llll)", &PyTuple_Type, &plans, &p[0], &p[1], &p[2], &p[3]))
+        return NULL;
+    if (PyTuple_GET_SIZE(plans) != NUM_TYPES) {
+        PyErr_SetString(PyExc_ValueError, "one plan per command type expected");
+        return NULL;
+    }
+    for (int t = 0; t < NUM_TYPES; t++) {
+        PyObject *pl = PyTuple_GET_ITEM(plans, t);
+        int kind, n = 0;
+        PyObject *slots;
+        if (!PyArg_ParseTuple(pl, "iO!", &kind, &PyTuple_Type, &slots)) return NULL;
+        if (kind == 1) {
+            n = (int)PyTuple_GET_SIZE(slots);
+            if (n > MAX_SLOTS) {
+                PyErr_SetString(PyExc_ValueError, "too many slots");
+                return NULL;
+            }
+            for (int k = 0; k < n; k++)
+                if (!PyArg_ParseTuple(PyTuple_GET_ITEM(slots, k), "iii", &plan_arg[t][k],
+                                      &plan_acc[t][k], &plan_rule[t][k]))
+                    return NULL;
+        }
+        plan_kind[t] = kind;
+        plan_n[t] = n;
+    }
+    prop_propagate_in_place = p[0]; prop_backprop_in_place = p[1];
+    prop_propagate_adds = p[2]; prop_backprop_adds = p[3];
+    configured = 1;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"merge", py_merge, METH_VARARGS,
+     "merge(commands, submatrices, matrices, props, accesses_of, options, by_number)"},
+    {"configure", py_configure, METH_VARARGS, "configure(plans, property_bits)"},
+    {NULL, NULL, 0, NULL}
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_merging", "Variable merging rounds in C.", -1, methods,
+    NULL, NULL, NULL, NULL
+};
+
+PyMODINIT_FUNC PyInit__merging(void) {
+    s_type = PyUnicode_InternFromString("command_type");
+    s_alpha = PyUnicode_InternFromString("alpha");
+    char name[8];
+    for (int i = 0; i < 7; i++) {
+        snprintf(name, sizeof(name), "arg%d", i + 1);
+        s_args[i] = PyUnicode_InternFromString(name);
+        if (!s_args[i]) return NULL;
+    }
+    if (!s_type || !s_alpha) return NULL;
+    return PyModule_Create(&module);
+}

