@@ -17,13 +17,13 @@ COPY service ./service
 COPY schemas ./schemas
 COPY bench ./bench
 # gcc only while installing: it builds the optimizer's C variable merging
-# (engine/optimizer/_merging.c), then goes
+# (engine/optimizer/_native.c), then goes
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install . \
     && apt-get purge -y --auto-remove gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
-    && (cd / && python -c "import engine.optimizer._merging") \
+    && (cd / && python -c "import engine.optimizer._native") \
     && useradd --system --uid 10001 --no-create-home nnetc
 
 USER nnetc

@@ -22,9 +22,9 @@ COPY engine ./engine
 COPY service ./service
 COPY schemas ./schemas
 COPY bench ./bench
-# (gcc builds the optimizer's C variable merging, engine/optimizer/_merging.c)
+# (gcc builds the optimizer's C variable merging, engine/optimizer/_native.c)
 RUN pip install ".[gpu]" \
-    && (cd / && python -c "import engine.optimizer._merging") \
+    && (cd / && python -c "import engine.optimizer._native") \
     && useradd --system --uid 10001 --no-create-home nnetc
 
 USER nnetc

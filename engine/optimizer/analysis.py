@@ -135,7 +135,7 @@ _SHORT = [_make_short(CommandType(t), plan) for t, plan in enumerate(_PLANS)]
 
 
 def native_plans() -> tuple:
-    """The plans as the native variable merging takes them (engine/optimizer/_merging.c):
+    """The plans as the native variable merging takes them (engine/optimizer/_native.c):
     per command type, (0, ()) when it accesses nothing, (1, slots) when every slot is a
     submatrix whose access is the table's or, for the written slot of a propagate or
     backprop, the component's PROPAGATE_ADDS / BACKPROP_ADDS (slots: (slot number from

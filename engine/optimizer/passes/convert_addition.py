@@ -21,6 +21,7 @@ from __future__ import annotations
 from operator import attrgetter
 
 from engine.compiler.computation import CommandType, NnetComputation
+from engine.optimizer import native
 from engine.optimizer.analysis import CT
 from engine.optimizer.passes._edit import touched_slots
 
@@ -55,6 +56,26 @@ def _make_plan(ct: CommandType) -> tuple | None:
 _PLANS = [_make_plan(t) for t in CommandType]
 
 
+def _native_plans() -> tuple:
+    """``_PLANS`` as the C walk takes them (engine/optimizer/_native.c, configure_convert):
+    per command type, (touches submatrices, its submatrix slots (numbers from 0), the
+    written one (position in those, or -1), its indexes_multi slot (-1 if none), the type
+    of its copy form (-1 if none), whether the indexes_multi submatrices are written)."""
+    out = []
+    for ct in CommandType:
+        names, written, multi, multi_written = touched_slots(ct)
+        copy = _TO_COPY.get(ct)
+        out.append((bool(names) or multi is not None, tuple(int(a[3:]) - 1 for a in names),
+                    names.index(written[0]) if written and copy is not None else -1,
+                    int(multi[3:]) - 1 if multi is not None else -1,
+                    int(copy) if copy is not None else -1, multi_written))
+    return tuple(out)
+
+
+if native.EXTENSION is not None:
+    native.EXTENSION.configure_convert(_native_plans())
+
+
 def convert_addition_to_assignment(computation: NnetComputation, ctx=None) -> bool:
     """Kaldi's ConvertAdditionToAssignment; returns True if a command was converted.
 
@@ -67,7 +88,23 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx=None) -> bo
     far, and tests each addition's written submatrices against them before
     recording what it touches itself.  Which submatrices a command touches
     does not depend on whether it reads or writes them, so the walk takes them
-    from the command's slots (COMMAND_SPECS) directly."""
+    from the command's slots (COMMAND_SPECS) directly.
+
+    The walk runs in C when the extension is built (engine.optimizer.native); this
+    is its reference form, and the one that runs when the C code leaves the
+    computation to Python."""
+    if native.NATIVE is not None:
+        cmds = computation.commands
+        found = native.NATIVE.convert_addition(cmds, computation.submatrices,
+                                               len(computation.matrices),
+                                               computation.indexes_multi)
+        if found is not None:
+            for i in found:
+                c = cmds[i]
+                c.command_type = _TO_COPY[c.command_type]
+            if found and hasattr(ctx, "invalidate"):
+                ctx.invalidate()
+            return bool(found)
     plans, add_to_rows_multi, set_const = _PLANS, CT.ADD_TO_ROWS_MULTI, CT.SET_CONST
     subs, indexes_multi = computation.submatrices, computation.indexes_multi
     multi_subs: dict[int, list[int]] = {}   # indexes_multi entry -> its submatrices

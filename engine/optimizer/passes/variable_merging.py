@@ -43,25 +43,23 @@ Rounds are Kaldi's, computed with less work and the same result:
   final renumbering.
 
 With the default options (remove_unnecessary_zeroing next), the rounds and the
-zeroing decisions run in C when the extension ``engine.optimizer._merging`` is
-built (``native_rounds``): the same decisions on the same data held as flat
-arrays, about ten times faster.  This module stays the reference: the C code
-hands back the edits for ``_apply_native`` to make, or None when the
-computation holds something it leaves to Python (an error the analysis reports,
-a zeroing only the per-variable access lists decide), and the Python rounds
-then run.  ``NNETC_NATIVE=0`` in the environment, or ``NATIVE = None``, keeps
-the pass in Python; tests/engine/test_native_merging.py compares the two.
+zeroing decisions run in C when the extension is built (engine.optimizer.native,
+``native_rounds``): the same decisions on the same data held as flat arrays,
+about ten times faster.  This module stays the reference: the C code hands back
+the edits for ``_apply_native`` to make, or None when the computation holds
+something it leaves to Python (an error the analysis reports, a zeroing only the
+per-variable access lists decide), and the Python rounds then run.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from operator import itemgetter
 
 from engine.compiler.computation import K_STRIDE_EQUAL_NUM_COLS, NnetComputation
 from engine.core.cancel import checkpoint
 from engine.nnet.components.base import ComponentProperty as P
+from engine.optimizer import native
 from engine.optimizer.analysis import (CT, Analyzer, ComponentProperties, ComputationAnalysis,
                                        _accesses_of, native_plans)
 from engine.optimizer.passes.initialize_undefined import unnecessary_zeroings
@@ -72,23 +70,11 @@ from engine.optimizer.passes.renumber import (renumber_computation, renumber_wit
 
 _PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE = int(P.PROPAGATE_IN_PLACE), int(P.BACKPROP_IN_PLACE)
 _FIRST = itemgetter(0)
+if native.EXTENSION is not None:   # the access plans of the analysis, for the C rounds
+    native.EXTENSION.configure(native_plans(), (_PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE,
+                                             int(P.PROPAGATE_ADDS), int(P.BACKPROP_ADDS)))
 
 
-def _load_native():
-    """The C rounds (engine/optimizer/_merging.c), configured, or None when the
-    extension was not built or NNETC_NATIVE=0."""
-    if os.environ.get("NNETC_NATIVE", "1").strip() in ("0", "false", "no", "off"):
-        return None
-    try:
-        from engine.optimizer import _merging  # noqa: PLC0415
-    except ImportError:
-        return None
-    _merging.configure(native_plans(), (_PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE,
-                                        int(P.PROPAGATE_ADDS), int(P.BACKPROP_ADDS)))
-    return _merging
-
-
-NATIVE = _load_native()
 
 
 class VariableMergingOptimizer:
@@ -415,7 +401,7 @@ def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
     props = getattr(ctx, "props", None)   # (an empty one is falsy: test for None)
     if props is None:
         props = ComponentProperties(ctx.nnet)
-    if NATIVE is not None and _zeroing_next(ctx):
+    if native.NATIVE is not None and _zeroing_next(ctx):
         edits = native_rounds(computation, o, props, due)
         if edits is not None:
             return _apply_native(computation, ctx, edits)
@@ -477,7 +463,7 @@ def native_rounds(computation: NnetComputation, options, props, due: bool):
     remove_unnecessary_zeroing drops, the ``_SubmatrixOrder`` key)."""
     c = computation
     o = options
-    return NATIVE.merge(c.commands, c.submatrices, c.matrices, props,
+    return native.NATIVE.merge(c.commands, c.submatrices, c.matrices, props,
                         lambda cmd: _accesses_of(cmd, c, props),
                         (o.remove_assignments, o.propagate_in_place, o.backprop_in_place,
                          o.allow_left_merge, o.allow_right_merge), not due)

@@ -1,7 +1,8 @@
-"""The variable merging rounds in C (engine/optimizer/_merging.c) against the Python
-pass they stand in for (engine/optimizer/passes/variable_merging.py).
+"""The optimizer passes in C (engine/optimizer/_native.c: variable merging's rounds,
+convert_addition_to_assignment) against the Python passes they stand in for
+(engine/optimizer/passes/variable_merging.py, convert_addition.py).
 
-The C code decides the same merges and zeroings on the same data; the whole optimized
+The C code decides the same conversions, merges and zeroings on the same data; the whole optimized
 computation (commands, submatrices, matrices, index tables, in serialized form) must
 come out identical with either, on random networks and requests with random merging
 options and derivatives, on the Kaldi reference networks of tests/data and on
@@ -22,6 +23,7 @@ import orjson
 import pytest
 
 import engine.optimizer.passes.variable_merging as vm
+from engine.optimizer import native
 from engine.compiler.compiler import CompilerOptions, compile_computation
 from engine.compiler.computation import Command, CommandType
 from engine.compiler.request import ComputationRequest, IoSpecification
@@ -36,7 +38,7 @@ from engine.optimizer.pipeline import run_passes
 
 from nnet_ref_cases import DATA, shared_models, vosk_mdl
 
-NATIVE = vm.NATIVE
+NATIVE = native.NATIVE
 needs_native = pytest.mark.skipif(NATIVE is None, reason="the C extension is not built "
                                   "(or NNETC_NATIVE=0)")
 
@@ -49,7 +51,7 @@ def test_the_extension_is_built_and_used():
     compile takes the Python rounds, about 30% slower."""
     if os.environ.get("NNETC_NATIVE", "1") == "0":
         pytest.skip("NNETC_NATIVE=0")
-    assert NATIVE is not None, "engine.optimizer._merging was not built"
+    assert NATIVE is not None, "engine.optimizer._native was not built"
 
 
 class _Counting:
@@ -58,13 +60,18 @@ class _Counting:
     def __init__(self) -> None:
         self.answered = self.fell_back = 0
 
-    def merge(self, *args):
-        out = NATIVE.merge(*args)
+    def _count(self, out):
         if out is None:
             self.fell_back += 1
         else:
             self.answered += 1
         return out
+
+    def merge(self, *args):
+        return self._count(NATIVE.merge(*args))
+
+    def convert_addition(self, *args):
+        return self._count(NATIVE.convert_addition(*args))
 
 
 def _data(computation) -> bytes:
@@ -74,9 +81,9 @@ def _data(computation) -> bytes:
 def _both(nnet, computation, request, options: OptimizeOptions | None = None,
           monkeypatch=None, counter: _Counting | None = None) -> tuple[bytes, bytes]:
     """(Python pass, C rounds): the optimized computation in serialized form."""
-    monkeypatch.setattr(vm, "NATIVE", None)
+    monkeypatch.setattr(native, "NATIVE", None)
     py, _ = run_passes(computation, nnet, options, request)
-    monkeypatch.setattr(vm, "NATIVE", counter or NATIVE)
+    monkeypatch.setattr(native, "NATIVE", counter or NATIVE)
     c, _ = run_passes(computation, nnet, options, request)
     return _data(py), _data(c)
 
@@ -186,7 +193,7 @@ def test_a_matrix_allocated_twice_is_left_to_the_python_analysis(monkeypatch):
     cmds.insert(alloc + 1, Command.make(CommandType.ALLOC_MATRIX, cmds[alloc].arg1))
     o = OptimizeOptions()
     assert vm.native_rounds(comp, o, ComponentProperties(nnet), False) is None
-    monkeypatch.setattr(vm, "NATIVE", NATIVE)
+    monkeypatch.setattr(native, "NATIVE", NATIVE)
     with pytest.raises(CheckError, match=r"c\d+: matrix m\d+ is initialized twice"):
         run_passes(comp, nnet, o)
 

@@ -1115,7 +1115,7 @@ static PyObject *py_merge(PyObject *self, PyObject *args) {
                           &opts[1], &opts[2], &opts[3], &opts[4], &by_number))
         return NULL;
     if (!configured) {
-        PyErr_SetString(PyExc_RuntimeError, "_merging.configure() was not called");
+        PyErr_SetString(PyExc_RuntimeError, "_native.configure() was not called");
         return NULL;
     }
     M m;
@@ -1166,19 +1166,237 @@ static PyObject *py_configure(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* -- ConvertAdditionToAssignment (passes/convert_addition.py) -------------------------- */
+
+/* per command type (configure_convert): whether it touches submatrices, its submatrix
+ * slots, the written one (-1), its indexes_multi slot (-1), its copy form (-1) and
+ * whether the indexes_multi submatrices are written */
+#define ADD_TO_ROWS_MULTI 14
+static int ca_kind[NUM_TYPES], ca_n[NUM_TYPES], ca_slot[NUM_TYPES][MAX_SLOTS];
+static int ca_written[NUM_TYPES], ca_multi[NUM_TYPES], ca_copy[NUM_TYPES];
+static int ca_multi_written[NUM_TYPES];
+static int ca_configured = 0;
+
+typedef struct {
+    rvec *rects;             /* per matrix: the distinct rectangles touched so far */
+    rect *box;               /* per matrix: their bounding box */
+    int *info;               /* per submatrix: m, r0, r1, c0, c1 (m = 0: not read yet) */
+    Py_ssize_t ns, nm;
+    PyObject *subs;
+} Touched;
+
+static int t_info(Touched *t, int s) {
+    /* the extent of submatrix s, read once; 1 when it is not a valid one */
+    int *x = &t->info[5 * s];
+    if (x[0]) return 0;
+    PyObject *si = PyList_GET_ITEM(t->subs, s);
+    if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) return 1;
+    long v[5];
+    for (int k = 0; k < 5; k++) v[k] = PyLong_AsLong(PyTuple_GET_ITEM(si, k));
+    if (PyErr_Occurred()) { PyErr_Clear(); return 1; }
+    if (v[0] <= 0 || v[0] >= t->nm) return 1;
+    x[0] = (int)v[0]; x[1] = (int)v[1]; x[2] = (int)(v[1] + v[2]);
+    x[3] = (int)v[3]; x[4] = (int)(v[3] + v[4]);
+    return 0;
+}
+
+static int t_untouched(Touched *t, int s) {
+    int *x = &t->info[5 * s];
+    rvec *rs = &t->rects[x[0]];
+    if (!rs->n) return 1;
+    rect *b = &t->box[x[0]];
+    if (!(b->r0 < x[2] && x[1] < b->r1 && b->c0 < x[4] && x[3] < b->c1)) return 1;
+    for (Py_ssize_t i = 0; i < rs->n; i++) {
+        rect *r = &rs->d[i];
+        if (r->r0 < x[2] && x[1] < r->r1 && r->c0 < x[4] && x[3] < r->c1) return 0;
+    }
+    return 1;
+}
+
+static int t_add(Touched *t, int s) {
+    int *x = &t->info[5 * s];
+    rvec *rs = &t->rects[x[0]];
+    rect *b = &t->box[x[0]];
+    if (!rs->n) {
+        b->r0 = x[1]; b->r1 = x[2]; b->c0 = x[3]; b->c1 = x[4];
+    } else {
+        /* the same rectangle again adds nothing (the usual repeat: the last one) */
+        rect *l = &rs->d[rs->n - 1];
+        if (l->r0 == x[1] && l->r1 == x[2] && l->c0 == x[3] && l->c1 == x[4]) return 0;
+        if (x[1] < b->r0) b->r0 = x[1];
+        if (x[2] > b->r1) b->r1 = x[2];
+        if (x[3] < b->c0) b->c0 = x[3];
+        if (x[4] > b->c1) b->c1 = x[4];
+    }
+    return rv_push(rs, x[1], x[2], x[3], x[4]);
+}
+
+/* the distinct positive submatrices of indexes_multi[k], increasing (cached) */
+static int multi_subs(PyObject *table, Py_ssize_t k, ivec *cache, char *cached, Touched *t) {
+    if (cached[k]) return 0;
+    if (k < 0 || k >= PyList_GET_SIZE(table)) return 1;
+    PyObject *lst = PyList_GET_ITEM(table, k);
+    PyObject *fast = PySequence_Fast(lst, "indexes_multi entry");
+    if (!fast) { PyErr_Clear(); return 1; }
+    ivec *v = &cache[k];
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *first = PySequence_GetItem(pair, 0);
+        if (!first) { PyErr_Clear(); Py_DECREF(fast); return 1; }
+        long sv = PyLong_AsLong(first);
+        Py_DECREF(first);
+        if (sv == -1 && PyErr_Occurred()) { PyErr_Clear(); Py_DECREF(fast); return 1; }
+        if (sv <= 0) continue;
+        if (sv >= t->ns || t_info(t, (int)sv)) { Py_DECREF(fast); return 1; }
+        if (iv_push(v, (int)sv)) { Py_DECREF(fast); return -1; }
+    }
+    Py_DECREF(fast);
+    qsort(v->d, v->n, sizeof(int), cmp_int);
+    Py_ssize_t w = 0;
+    for (Py_ssize_t i = 0; i < v->n; i++)
+        if (!w || v->d[w - 1] != v->d[i]) v->d[w++] = v->d[i];
+    v->n = w;
+    cached[k] = 1;
+    return 0;
+}
+
+static long read_long_attr(PyObject *o, PyObject *name, int *err) {
+    return as_long(PyObject_GetAttr(o, name), err);
+}
+
+static PyObject *py_convert_addition(PyObject *self, PyObject *args) {
+    PyObject *commands, *subs, *table;
+    Py_ssize_t nm;
+    if (!PyArg_ParseTuple(args, "O!O!nO!", &PyList_Type, &commands, &PyList_Type, &subs, &nm,
+                          &PyList_Type, &table))
+        return NULL;
+    if (!ca_configured) {
+        PyErr_SetString(PyExc_RuntimeError, "_native.configure_convert() was not called");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(commands), ns = PyList_GET_SIZE(subs);
+    Py_ssize_t nt = PyList_GET_SIZE(table);
+    Touched t = {0};
+    t.ns = ns; t.nm = nm; t.subs = subs;
+    t.rects = calloc(nm ? nm : 1, sizeof(rvec));
+    t.box = calloc(nm ? nm : 1, sizeof(rect));
+    t.info = calloc(ns ? 5 * ns : 1, sizeof(int));
+    ivec *mcache = calloc(nt ? nt : 1, sizeof(ivec));
+    char *mcached = calloc(nt ? nt : 1, 1);
+    ivec out = {0};
+    PyObject *res = NULL;
+    int fallback = 0;
+    if (!t.rects || !t.box || !t.info || !mcache || !mcached) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t c = 0; c < n; c++) {
+        PyObject *cmd = PyList_GET_ITEM(commands, c);
+        int err = 0;
+        long ct = read_long_attr(cmd, s_type, &err);
+        if (err) goto done;
+        if (ct < 0 || ct >= NUM_TYPES) { fallback = 1; goto done; }
+        if (!ca_kind[ct]) continue;
+        double alpha = 1.0;
+        if (ct == SET_CONST || ct == ADD_TO_ROWS_MULTI) {
+            PyObject *a = PyObject_GetAttr(cmd, s_alpha);
+            if (!a) goto done;
+            alpha = PyFloat_AsDouble(a);
+            Py_DECREF(a);
+            if (alpha == -1.0 && PyErr_Occurred()) goto done;
+            if (ct == SET_CONST && alpha == 0.0) continue;   /* a zeroing does not count */
+        }
+        ivec *multi = NULL;
+        if (ca_multi[ct] >= 0) {
+            long k = read_long_attr(cmd, s_args[ca_multi[ct]], &err);
+            if (err) goto done;
+            int r = multi_subs(table, k, mcache, mcached, &t);
+            if (r < 0) { PyErr_NoMemory(); goto done; }
+            if (r) { fallback = 1; goto done; }
+            multi = &mcache[k];
+        }
+        /* the submatrix slots, read and checked once */
+        int sl[MAX_SLOTS];
+        for (int k = 0; k < ca_n[ct]; k++) {
+            long v = read_long_attr(cmd, s_args[ca_slot[ct][k]], &err);
+            if (err) goto done;
+            if (v > 0 && (v >= ns || t_info(&t, (int)v))) { fallback = 1; goto done; }
+            if (v < -1) { fallback = 1; goto done; }
+            sl[k] = (int)v;
+        }
+        if (ca_copy[ct] >= 0 && (ct != ADD_TO_ROWS_MULTI || alpha == 1.0)) {
+            int first = 1;
+            if (ca_written[ct] >= 0) {
+                int sw = sl[ca_written[ct]];
+                if (sw > 0) first = t_untouched(&t, sw);
+            }
+            if (first && ca_multi_written[ct] && multi)
+                for (Py_ssize_t i = 0; i < multi->n && first; i++)
+                    first = t_untouched(&t, multi->d[i]);
+            if (first && iv_push(&out, (int)c)) { PyErr_NoMemory(); goto done; }
+        }
+        for (int k = 0; k < ca_n[ct]; k++)
+            if (sl[k] > 0 && t_add(&t, sl[k])) { PyErr_NoMemory(); goto done; }
+        if (multi)
+            for (Py_ssize_t i = 0; i < multi->n; i++)
+                if (t_add(&t, multi->d[i])) { PyErr_NoMemory(); goto done; }
+    }
+    res = int_list(out.d, out.n);
+done:
+    if (t.rects) for (Py_ssize_t i = 0; i < nm; i++) free(t.rects[i].d);
+    if (mcache) for (Py_ssize_t i = 0; i < nt; i++) free(mcache[i].d);
+    free(t.rects); free(t.box); free(t.info); free(mcache); free(mcached); free(out.d);
+    if (fallback && !res && !PyErr_Occurred()) Py_RETURN_NONE;
+    return res;
+}
+
+static PyObject *py_configure_convert(PyObject *self, PyObject *args) {
+    PyObject *plans;
+    if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &plans)) return NULL;
+    if (PyTuple_GET_SIZE(plans) != NUM_TYPES) {
+        PyErr_SetString(PyExc_ValueError, "one plan per command type expected");
+        return NULL;
+    }
+    for (int t = 0; t < NUM_TYPES; t++) {
+        PyObject *pl = PyTuple_GET_ITEM(plans, t), *slots;
+        int kind, written, multi, copy, multi_written;
+        if (!PyArg_ParseTuple(pl, "iO!iiip", &kind, &PyTuple_Type, &slots, &written, &multi,
+                              &copy, &multi_written))
+            return NULL;
+        int n = (int)PyTuple_GET_SIZE(slots);
+        if (n > MAX_SLOTS || written >= n || multi >= 7 || copy >= NUM_TYPES) {
+            PyErr_SetString(PyExc_ValueError, "bad convert plan");
+            return NULL;
+        }
+        for (int k = 0; k < n; k++) {
+            long v = PyLong_AsLong(PyTuple_GET_ITEM(slots, k));
+            if (v < 0 || v >= 7) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot");
+                return NULL;
+            }
+            ca_slot[t][k] = (int)v;
+        }
+        ca_kind[t] = kind; ca_n[t] = n; ca_written[t] = written; ca_multi[t] = multi;
+        ca_copy[t] = copy; ca_multi_written[t] = multi_written;
+    }
+    ca_configured = 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"merge", py_merge, METH_VARARGS,
      "merge(commands, submatrices, matrices, props, accesses_of, options, by_number)"},
     {"configure", py_configure, METH_VARARGS, "configure(plans, property_bits)"},
+    {"convert_addition", py_convert_addition, METH_VARARGS,
+     "convert_addition(commands, submatrices, num_matrices, indexes_multi)"},
+    {"configure_convert", py_configure_convert, METH_VARARGS, "configure_convert(plans)"},
     {NULL, NULL, 0, NULL}
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_merging", "Variable merging rounds in C.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_native", "Optimizer passes in C.", -1, methods,
     NULL, NULL, NULL, NULL
 };
 
-PyMODINIT_FUNC PyInit__merging(void) {
+PyMODINIT_FUNC PyInit__native(void) {
     s_type = PyUnicode_InternFromString("command_type");
     s_alpha = PyUnicode_InternFromString("alpha");
     char name[8];
