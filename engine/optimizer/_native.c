@@ -1381,6 +1381,208 @@ static PyObject *py_configure_convert(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* -- ExtendMatrices (passes/extend_matrices.py) ----------------------------------------- */
+
+typedef struct { int m, ro, nr, co, nc; } subx;
+typedef struct { subx *d; Py_ssize_t n, cap; } svec;
+
+static int sv_push(svec *v, int m, int ro, int nr, int co, int nc) {
+    if (v->n == v->cap) {
+        Py_ssize_t cap = v->cap ? 2 * v->cap : 64;
+        subx *d = realloc(v->d, cap * sizeof(subx));
+        if (!d) return -1;
+        v->d = d; v->cap = cap;
+    }
+    subx *x = &v->d[v->n++];
+    x->m = m; x->ro = ro; x->nr = nr; x->co = co; x->nc = nc;
+    return 0;
+}
+
+static PyObject *tuple_of(const int *v, int k) {
+    PyObject *t = PyTuple_New(k);
+    if (!t) return NULL;
+    for (int i = 0; i < k; i++) {
+        PyObject *x = PyLong_FromLong(v[i]);
+        if (!x) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, i, x);
+    }
+    return t;
+}
+
+/* extend_matrices(commands, submatrices, matrices, min_proportion): None (leave it to
+ * Python), or (new submatrices to append as (m, ro, nr, co, nc), matrices that grew as
+ * (m, rows before, rows now), copies pointed at new submatrices as (c, arg1, arg2),
+ * other commands whose arg1 changes as (c, arg1)); all lists empty when nothing grows */
+static PyObject *py_extend_matrices(PyObject *self, PyObject *args) {
+    PyObject *commands, *subs, *mats;
+    double min_prop;
+    if (!PyArg_ParseTuple(args, "O!O!O!d", &PyList_Type, &commands, &PyList_Type, &subs,
+                          &PyList_Type, &mats, &min_prop))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(commands), ns0 = PyList_GET_SIZE(subs);
+    Py_ssize_t nm = PyList_GET_SIZE(mats);
+    int *rows = calloc(nm ? nm : 1, sizeof(int)), *cols = calloc(nm ? nm : 1, sizeof(int));
+    int *rows0 = calloc(nm ? nm : 1, sizeof(int)), *io = calloc(nm ? nm : 1, sizeof(int));
+    int *ct = calloc(n ? n : 1, sizeof(int)), *a1 = calloc(n ? n : 1, sizeof(int));
+    int *a2 = calloc(n ? n : 1, sizeof(int));
+    char *grown = calloc(nm ? nm : 1, 1), *alpha1 = calloc(n ? n : 1, 1);
+    char *zeroing = calloc(n ? n : 1, 1);
+    svec sv = {0};
+    ivec copies = {0}, grown_list = {0}, edits = {0};
+    int *whole = NULL;
+    PyObject *res = NULL;
+    int fallback = 0, err = 0;
+    if (!rows || !cols || !rows0 || !io || !ct || !a1 || !a2 || !grown || !alpha1 || !zeroing) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < nm; j++) {
+        PyObject *mi = PyList_GET_ITEM(mats, j);
+        if (!PyTuple_Check(mi) || PyTuple_GET_SIZE(mi) < 2) { fallback = 1; goto done; }
+        rows[j] = rows0[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(mi, 0));
+        cols[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(mi, 1));
+        if (PyErr_Occurred()) goto done;
+    }
+    for (Py_ssize_t s = 0; s < ns0; s++) {
+        PyObject *si = PyList_GET_ITEM(subs, s);
+        if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) { fallback = 1; goto done; }
+        long v[5];
+        for (int k = 0; k < 5; k++) v[k] = PyLong_AsLong(PyTuple_GET_ITEM(si, k));
+        if (PyErr_Occurred()) goto done;
+        if (v[0] < 0 || v[0] >= nm) { fallback = 1; goto done; }
+        if (sv_push(&sv, (int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4])) {
+            PyErr_NoMemory(); goto done;
+        }
+    }
+    /* the command types; the copies (alpha 1) and io commands' arguments */
+    for (Py_ssize_t c = 0; c < n; c++) {
+        PyObject *cmd = PyList_GET_ITEM(commands, c);
+        long t = read_long_attr(cmd, s_type, &err);
+        if (err) goto done;
+        ct[c] = (int)t;
+        if (t == SWAP_MATRIX) { fallback = 1; goto done; }   /* Python reports it */
+        if (t == MATRIX_COPY || t == SET_CONST) {
+            PyObject *a = PyObject_GetAttr(cmd, s_alpha);
+            if (!a) goto done;
+            double al = PyFloat_AsDouble(a);
+            Py_DECREF(a);
+            if (al == -1.0 && PyErr_Occurred()) goto done;
+            alpha1[c] = al == 1.0;
+            zeroing[c] = t == SET_CONST && al == 0.0;
+        }
+        if (t == MATRIX_COPY || t == ACCEPT_INPUT || t == PROVIDE_OUTPUT || t == ALLOC_MATRIX
+                || t == DEALLOC_MATRIX || zeroing[c]) {
+            long v = read_long_attr(cmd, s_args[0], &err);
+            if (err) goto done;
+            if (v < 0 || v >= ns0) { fallback = 1; goto done; }
+            a1[c] = (int)v;
+            if (t == MATRIX_COPY) {
+                v = read_long_attr(cmd, s_args[1], &err);
+                if (err) goto done;
+                if (v < 0 || v >= ns0) { fallback = 1; goto done; }
+                a2[c] = (int)v;
+            }
+        }
+    }
+    int io_known = 0;
+    for (Py_ssize_t c = 0; c < n; c++) {
+        if (ct[c] != MATRIX_COPY || !alpha1[c]) continue;
+        subx src = sv.d[a2[c]], dst = sv.d[a1[c]];
+        int sm = src.m, dm = dst.m;
+        int src_rows = rows[sm];
+        int src_orig = grown[sm] ? rows0[sm] : rows[sm];
+        int dst_orig = grown[dm] ? rows0[dm] : rows[dm];
+        if (sm == dm || src.ro != 0 || src.co != 0 || src.nc != cols[sm] || src.nr >= src_rows
+                || (double)src.nr < min_prop * (double)src_orig || dst.ro + dst.nr != dst_orig)
+            continue;
+        if (!io_known) {
+            for (Py_ssize_t k = 0; k < n; k++)
+                if (ct[k] == ACCEPT_INPUT || ct[k] == PROVIDE_OUTPUT) io[sv.d[a1[k]].m] = 1;
+            io_known = 1;
+        }
+        if (io[dm]) continue;
+        int new_rows = dst.ro + src_rows;
+        if (new_rows > rows[dm]) {
+            if (!grown[dm]) {
+                grown[dm] = 1;
+                rows0[dm] = rows[dm];
+                if (iv_push(&grown_list, dm)) { PyErr_NoMemory(); goto done; }
+            }
+            rows[dm] = new_rows;
+            if (sv_push(&sv, dm, 0, new_rows, 0, cols[dm])) { PyErr_NoMemory(); goto done; }
+        }
+        if (sv_push(&sv, dst.m, dst.ro, src_rows, dst.co, dst.nc)) { PyErr_NoMemory(); goto done; }
+        a1[c] = (int)sv.n - 1;
+        if (sv_push(&sv, sm, 0, src_rows, 0, cols[sm])) { PyErr_NoMemory(); goto done; }
+        a2[c] = (int)sv.n - 1;
+        if (iv_push(&copies, (int)c)) { PyErr_NoMemory(); goto done; }
+    }
+    if (copies.n) {
+        /* FixComputation: allocations, deallocations and zeroings of a whole matrix (as
+         * it was) on the last submatrix covering the matrix now */
+        whole = calloc(nm ? nm : 1, sizeof(int));
+        if (!whole) { PyErr_NoMemory(); goto done; }
+        for (Py_ssize_t s = 1; s < sv.n; s++) {
+            subx x = sv.d[s];
+            if (x.ro == 0 && x.co == 0 && x.nr == rows[x.m] && x.nc == cols[x.m]) whole[x.m] = (int)s;
+        }
+        for (Py_ssize_t j = 1; j < nm; j++)
+            if (!whole[j]) { fallback = 1; goto done; }   /* Python names the matrix */
+        for (Py_ssize_t c = 0; c < n; c++) {
+            int t = ct[c], to = -1;
+            if (t == ALLOC_MATRIX || t == DEALLOC_MATRIX) {
+                to = whole[sv.d[a1[c]].m];
+            } else if (zeroing[c]) {
+                subx x = sv.d[a1[c]];
+                int orig = grown[x.m] ? rows0[x.m] : rows[x.m];
+                if (x.ro == 0 && x.co == 0 && x.nc == cols[x.m] && x.nr == orig) to = whole[x.m];
+            }
+            if (to >= 0 && to != a1[c]) {
+                if (iv_push(&edits, (int)c) || iv_push(&edits, to)) { PyErr_NoMemory(); goto done; }
+            }
+        }
+    }
+    {
+        PyObject *new_subs = PyList_New(sv.n - ns0), *gl = PyList_New(grown_list.n);
+        PyObject *cl = PyList_New(copies.n), *el = PyList_New(edits.n / 2);
+        if (!new_subs || !gl || !cl || !el) goto build_fail;
+        for (Py_ssize_t s = ns0; s < sv.n; s++) {
+            int v[5] = {sv.d[s].m, sv.d[s].ro, sv.d[s].nr, sv.d[s].co, sv.d[s].nc};
+            PyObject *t = tuple_of(v, 5);
+            if (!t) goto build_fail;
+            PyList_SET_ITEM(new_subs, s - ns0, t);
+        }
+        for (Py_ssize_t i = 0; i < grown_list.n; i++) {
+            int m = grown_list.d[i];
+            int v[3] = {m, rows0[m], rows[m]};
+            PyObject *t = tuple_of(v, 3);
+            if (!t) goto build_fail;
+            PyList_SET_ITEM(gl, i, t);
+        }
+        for (Py_ssize_t i = 0; i < copies.n; i++) {
+            int c = copies.d[i];
+            int v[3] = {c, a1[c], a2[c]};
+            PyObject *t = tuple_of(v, 3);
+            if (!t) goto build_fail;
+            PyList_SET_ITEM(cl, i, t);
+        }
+        for (Py_ssize_t i = 0; i < edits.n / 2; i++) {
+            PyObject *t = tuple_of(&edits.d[2 * i], 2);
+            if (!t) goto build_fail;
+            PyList_SET_ITEM(el, i, t);
+        }
+        res = PyTuple_Pack(4, new_subs, gl, cl, el);
+build_fail:
+        Py_XDECREF(new_subs); Py_XDECREF(gl); Py_XDECREF(cl); Py_XDECREF(el);
+    }
+done:
+    free(rows); free(cols); free(rows0); free(io); free(ct); free(a1); free(a2); free(grown);
+    free(alpha1); free(zeroing); free(sv.d); free(copies.d); free(grown_list.d); free(edits.d);
+    free(whole);
+    if (fallback && !PyErr_Occurred()) { Py_XDECREF(res); Py_RETURN_NONE; }
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"merge", py_merge, METH_VARARGS,
      "merge(commands, submatrices, matrices, props, accesses_of, options, by_number)"},
@@ -1388,6 +1590,8 @@ static PyMethodDef methods[] = {
     {"convert_addition", py_convert_addition, METH_VARARGS,
      "convert_addition(commands, submatrices, num_matrices, indexes_multi)"},
     {"configure_convert", py_configure_convert, METH_VARARGS, "configure_convert(plans)"},
+    {"extend_matrices", py_extend_matrices, METH_VARARGS,
+     "extend_matrices(commands, submatrices, matrices, min_proportion)"},
     {NULL, NULL, 0, NULL}
 };
 

@@ -1,6 +1,6 @@
 """The optimizer passes in C (engine/optimizer/_native.c: variable merging's rounds,
-convert_addition_to_assignment) against the Python passes they stand in for
-(engine/optimizer/passes/variable_merging.py, convert_addition.py).
+convert_addition_to_assignment, extend_matrices) against the Python passes they stand in
+for (engine/optimizer/passes/variable_merging.py, convert_addition.py, extend_matrices.py).
 
 The C code decides the same conversions, merges and zeroings on the same data; the whole optimized
 computation (commands, submatrices, matrices, index tables, in serialized form) must
@@ -72,6 +72,9 @@ class _Counting:
 
     def convert_addition(self, *args):
         return self._count(NATIVE.convert_addition(*args))
+
+    def extend_matrices(self, *args):
+        return self._count(NATIVE.extend_matrices(*args))
 
 
 def _data(computation) -> bytes:
@@ -223,3 +226,28 @@ def test_an_argument_left_out_is_no_submatrix():
     last = len(comp.submatrices) - 1
     assert opt._same(last, last)
     assert not opt._same(-1, last) and not opt._same(last, -1) and not opt._same(0, last)
+
+
+@needs_native
+@pytest.mark.parametrize("seed", [7001, 7010, 7012, 7024])
+def test_matrices_extended_in_c_as_in_python(seed, monkeypatch):
+    """Random networks on which extend_matrices grows matrices (most do not): the C walk
+    finds copies to extend, and the optimized computation is the Python one."""
+    extended = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(NATIVE, name)
+
+        def extend_matrices(self, *args):
+            out = NATIVE.extend_matrices(*args)
+            extended.append(bool(out and out[2]))
+            return out
+
+    rng = np.random.default_rng(seed)
+    nnet = generate_config_sequence(rng, GenerationOptions(dim_scale=0.3)).build(rng)
+    req = random_request(nnet, rng, need_deriv=True if seed % 3 == 0 else None)
+    comp = compile_computation(nnet, [req], CompilerOptions())
+    py, c = _both(nnet, comp, req, None, monkeypatch, Spy())
+    assert extended == [True]
+    assert py == c

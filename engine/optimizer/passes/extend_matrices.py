@@ -24,6 +24,7 @@ from engine.compiler.computation import (DebugCindexes, MatrixDebugInfo, NnetCom
                                          SubMatrixInfo, command_types, positions)
 from engine.core.errors import CheckError
 from engine.core.index import K_NO_TIME, Cindex, Index
+from engine.optimizer import native
 from engine.optimizer.analysis import CT
 from engine.optimizer.passes.renumber import renumber_computation
 from engine.optimizer.pipeline import ROW_OP_PASSES, merges_variables
@@ -129,6 +130,28 @@ def _fix_debug_info(c: NnetComputation, grown: dict[int, int]) -> None:
         c.matrix_debug_info[m] = MatrixDebugInfo(dbg.is_deriv, cindexes)
 
 
+def _apply_native(c: NnetComputation, found) -> bool:
+    """Make the changes the C form of ``_extend`` + ``_fix_computation`` found
+    (engine/optimizer/_native.c, extend_matrices); whether a copy was extended."""
+    new_subs, grown, copies, edits = found
+    if not copies:
+        return False
+    c.submatrices.extend(SubMatrixInfo(*x) for x in new_subs)
+    mats, cmds = c.matrices, c.commands
+    before = {}
+    for m, rows_before, rows in grown:
+        mats[m] = mats[m]._replace(num_rows=rows)
+        before[m] = rows_before
+    for i, a1, a2 in copies:
+        cmd = cmds[i]
+        cmd.arg1, cmd.arg2 = a1, a2
+    for i, a1 in edits:
+        cmds[i].arg1 = a1
+    if c.matrix_debug_info:
+        _fix_debug_info(c, before)
+    return True
+
+
 def extend_matrices(computation: NnetComputation, ctx=None) -> bool:
     """Kaldi's ExtendMatrices; returns True if any matrix was extended.  Given a
     ``ctx`` (the pipeline's), it also takes over the renumbering Kaldi does after
@@ -138,11 +161,22 @@ def extend_matrices(computation: NnetComputation, ctx=None) -> bool:
     extended or merged nor the end result depends on the numbering in between:
     both passes look at extents, and a renumbering keeps the order of what it keeps,
     taking the first of equal entries (the renumbered computation's first is the
-    first in use before)."""
+    first in use before).
+
+    The walk and the fix-up run in C when the extension is built
+    (engine.optimizer.native): ``_extend`` and ``_fix_computation`` are their
+    reference form, and run when the C code leaves the computation to Python."""
     pending = ctx is not None and any(ctx.changed.get(n) for n in ROW_OP_PASSES)
-    changed, grown = _extend(computation)
-    if changed:
-        _fix_computation(computation, grown)
+    found = None
+    if native.NATIVE is not None:
+        found = native.NATIVE.extend_matrices(computation.commands, computation.submatrices,
+                                              computation.matrices, MIN_PROPORTION)
+    if found is not None:
+        changed = _apply_native(computation, found)
+    else:
+        changed, grown = _extend(computation)
+        if changed:
+            _fix_computation(computation, grown)
     if changed or pending:
         if ctx is not None and merges_variables(ctx.options):
             ctx.renumber_due = True    # variable merging renumbers at its end
