@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,26 @@ static long prop_propagate_in_place, prop_backprop_in_place, prop_propagate_adds
 static int configured = 0;
 
 static PyObject *s_type, *s_alpha, *s_args[7];
+
+/* The attributes of engine.compiler.computation.Command (a slotted dataclass) read
+ * straight from their slots (configure_command), anything else through getattr */
+static PyTypeObject *cmd_type = NULL;
+static PyObject *slot_names[9];
+static Py_ssize_t slot_offsets[9];
+
+static PyObject *cmd_attr(PyObject *o, PyObject *name) {
+    if (Py_TYPE(o) == cmd_type) {
+        for (int i = 0; i < 9; i++) {
+            if (slot_names[i] == name) {
+                PyObject *v = *(PyObject **)((char *)o + slot_offsets[i]);
+                if (!v) break;   /* unset: getattr raises the AttributeError */
+                Py_INCREF(v);
+                return v;
+            }
+        }
+    }
+    return PyObject_GetAttr(o, name);
+}
 
 /* -- growable arrays ---------------------------------------------------------------- */
 
@@ -154,7 +175,7 @@ static int get_arg(M *m, PyObject *cmd, Py_ssize_t c, int i) {
     int *slot = &m->arg[c * 7 + i];
     if (*slot == -2) {
         int err = 0;
-        long v = as_long(PyObject_GetAttr(cmd, s_args[i]), &err);
+        long v = as_long(cmd_attr(cmd, s_args[i]), &err);
         if (err) return -3;
         if (v < -1 || v > 0x7fffffff) {   /* not what a compiled computation holds */
             m->bad = 1;
@@ -166,7 +187,7 @@ static int get_arg(M *m, PyObject *cmd, Py_ssize_t c, int i) {
 }
 
 static int read_alpha(M *m, PyObject *cmd, Py_ssize_t c) {
-    PyObject *a = PyObject_GetAttr(cmd, s_alpha);
+    PyObject *a = cmd_attr(cmd, s_alpha);
     if (!a) return ERR;
     double v = PyFloat_AsDouble(a);
     Py_DECREF(a);
@@ -242,7 +263,7 @@ static int m_read(M *m, PyObject *commands, PyObject *subs, PyObject *mats) {
     for (Py_ssize_t c = 0; c < n; c++) {
         PyObject *cmd = PyList_GET_ITEM(commands, c);
         int err = 0;
-        long t = as_long(PyObject_GetAttr(cmd, s_type), &err);
+        long t = as_long(cmd_attr(cmd, s_type), &err);
         if (err) return ERR;
         if (t < 0 || t >= NUM_TYPES) return FALLBACK;
         m->ct[c] = m->ct0[c] = (int)t;
@@ -1262,7 +1283,7 @@ static int multi_subs(PyObject *table, Py_ssize_t k, ivec *cache, char *cached, 
 }
 
 static long read_long_attr(PyObject *o, PyObject *name, int *err) {
-    return as_long(PyObject_GetAttr(o, name), err);
+    return as_long(cmd_attr(o, name), err);
 }
 
 static PyObject *py_convert_addition(PyObject *self, PyObject *args) {
@@ -1297,7 +1318,7 @@ static PyObject *py_convert_addition(PyObject *self, PyObject *args) {
         if (!ca_kind[ct]) continue;
         double alpha = 1.0;
         if (ct == SET_CONST || ct == ADD_TO_ROWS_MULTI) {
-            PyObject *a = PyObject_GetAttr(cmd, s_alpha);
+            PyObject *a = cmd_attr(cmd, s_alpha);
             if (!a) goto done;
             alpha = PyFloat_AsDouble(a);
             Py_DECREF(a);
@@ -1462,7 +1483,7 @@ static PyObject *py_extend_matrices(PyObject *self, PyObject *args) {
         ct[c] = (int)t;
         if (t == SWAP_MATRIX) { fallback = 1; goto done; }   /* Python reports it */
         if (t == MATRIX_COPY || t == SET_CONST) {
-            PyObject *a = PyObject_GetAttr(cmd, s_alpha);
+            PyObject *a = cmd_attr(cmd, s_alpha);
             if (!a) goto done;
             double al = PyFloat_AsDouble(a);
             Py_DECREF(a);
@@ -1583,13 +1604,292 @@ done:
     return res;
 }
 
+/* -- MoveSizingCommands (passes/move_sizing_commands.py) -------------------------------- */
+
+#define GOTO_LABEL 24
+
+typedef struct { long key; int index; } keyed;
+
+static int cmp_keyed(const void *x, const void *y) {
+    const keyed *a = x, *b = y;
+    if (a->key != b->key) return (a->key > b->key) - (a->key < b->key);
+    return (a->index > b->index) - (a->index < b->index);
+}
+
+/* the matrix of submatrix s (read once into mcache; -1 when s is not a valid one) */
+static int sub_matrix(PyObject *subs, Py_ssize_t nm, int s, int *mcache) {
+    if (s <= 0 || s >= PyList_GET_SIZE(subs)) return -1;
+    if (mcache[s] != -2) return mcache[s];
+    PyObject *si = PyList_GET_ITEM(subs, s);
+    if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) return -1;
+    long m = PyLong_AsLong(PyTuple_GET_ITEM(si, 0));
+    if (m == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+    mcache[s] = (m > 0 && m < nm) ? (int)m : -1;
+    return mcache[s];
+}
+
+/* move_sizing_commands(commands, submatrices, num_matrices, indexes_multi): the commands
+ * in their new order (a new list) and whether it differs, or None */
+static PyObject *py_move_sizing(PyObject *self, PyObject *args) {
+    PyObject *commands, *subs, *table;
+    Py_ssize_t nm;
+    if (!PyArg_ParseTuple(args, "O!O!nO!", &PyList_Type, &commands, &PyList_Type, &subs, &nm,
+                          &PyList_Type, &table))
+        return NULL;
+    if (!ca_configured) {
+        PyErr_SetString(PyExc_RuntimeError, "_native.configure_convert() was not called");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(commands), ns = PyList_GET_SIZE(subs);
+    Py_ssize_t nt = PyList_GET_SIZE(table);
+    int *alloc_at = malloc((nm ? nm : 1) * sizeof(int)), *dealloc_at = malloc((nm ? nm : 1) * sizeof(int));
+    int *first = malloc((nm ? nm : 1) * sizeof(int)), *second = malloc((nm ? nm : 1) * sizeof(int));
+    int *last = malloc((nm ? nm : 1) * sizeof(int)), *mcache = malloc((ns ? ns : 1) * sizeof(int));
+    keyed *key = malloc((n ? n : 1) * sizeof(keyed));
+    /* per command: is a zeroing (SET_CONST, alpha 0), and its arg1 (allocations too) */
+    char *zero = calloc(n ? n : 1, 1);
+    int *arg1 = malloc((n ? n : 1) * sizeof(int));
+    ivec *mc = calloc(nt ? nt : 1, sizeof(ivec));
+    char *mcached = calloc(nt ? nt : 1, 1);
+    Touched t = {0};
+    PyObject *res = NULL;
+    int fallback = 0, err = 0;
+    t.ns = ns; t.nm = nm; t.subs = subs;
+    t.info = calloc(ns ? 5 * ns : 1, sizeof(int));
+    if (!alloc_at || !dealloc_at || !first || !second || !last || !mcache || !key || !zero
+            || !arg1 || !mc || !mcached || !t.info) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < nm; j++)
+        alloc_at[j] = dealloc_at[j] = first[j] = second[j] = last[j] = -1;
+    for (Py_ssize_t s = 0; s < ns; s++) mcache[s] = -2;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *cmd = PyList_GET_ITEM(commands, i);
+        long ct = read_long_attr(cmd, s_type, &err);
+        if (err) goto done;
+        if (ct < 0 || ct >= NUM_TYPES) { fallback = 1; goto done; }
+        arg1[i] = -1;
+        if (ct == ALLOC_MATRIX || ct == DEALLOC_MATRIX) {
+            long s = read_long_attr(cmd, s_args[0], &err);
+            if (err) goto done;
+            int m = (s > 0 && s < ns) ? sub_matrix(subs, nm, (int)s, mcache) : -1;
+            if (m < 0) { fallback = 1; goto done; }
+            arg1[i] = (int)s;
+            if (ct == ALLOC_MATRIX) alloc_at[m] = (int)i; else dealloc_at[m] = (int)i;
+            continue;
+        }
+        if (!ca_kind[ct]) {
+            if (ct == GOTO_LABEL) { fallback = 1; goto done; }   /* Python reports it */
+            continue;
+        }
+        if (ct == SET_CONST) {
+            PyObject *a = cmd_attr(cmd, s_alpha);
+            if (!a) goto done;
+            double al = PyFloat_AsDouble(a);
+            Py_DECREF(a);
+            if (al == -1.0 && PyErr_Occurred()) goto done;
+            zero[i] = al == 0.0;
+        }
+        for (int k = 0; k < ca_n[ct] + 1; k++) {
+            ivec *multi = NULL;
+            int single = 0;
+            if (k < ca_n[ct]) {
+                long s = read_long_attr(cmd, s_args[ca_slot[ct][k]], &err);
+                if (err) goto done;
+                if (k == 0) arg1[i] = (int)(s < -1 || s > 0x7fffffff ? -1 : s);
+                if (s <= 0) continue;
+                if (s >= ns) { fallback = 1; goto done; }
+                single = (int)s;
+            } else {
+                if (ca_multi[ct] < 0) break;
+                long kk = read_long_attr(cmd, s_args[ca_multi[ct]], &err);
+                if (err) goto done;
+                int r = multi_subs(table, kk, mc, mcached, &t);
+                if (r < 0) { PyErr_NoMemory(); goto done; }
+                if (r) { fallback = 1; goto done; }
+                multi = &mc[kk];
+            }
+            Py_ssize_t cnt = multi ? multi->n : 1;
+            for (Py_ssize_t q = 0; q < cnt; q++) {
+                int s = multi ? multi->d[q] : single;
+                int m = sub_matrix(subs, nm, s, mcache);
+                if (m < 0) { fallback = 1; goto done; }
+                if (first[m] == -1) first[m] = (int)i;
+                else if (first[m] != i && second[m] == -1) second[m] = (int)i;
+                last[m] = (int)i;
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { key[i].key = 3 * (long)i; key[i].index = (int)i; }
+    for (Py_ssize_t m = 1; m < nm; m++) {
+        int f = first[m];
+        if (f == -1) continue;
+        int alloc = alloc_at[m];
+        if (alloc != -1) {
+            if (f == alloc + 1 && zero[f] && arg1[f] == arg1[alloc]) {
+                f = second[m];
+                if (f != -1) key[alloc + 1].key = 3 * (long)f - 1;
+            }
+            if (f != -1) {
+                if (f <= alloc) { fallback = 1; goto done; }   /* Python reports it */
+                key[alloc].key = 3 * (long)f - 1;
+            }
+        }
+        if (dealloc_at[m] != -1) key[dealloc_at[m]].key = 3 * (long)last[m] + 1;
+    }
+    qsort(key, n, sizeof(keyed), cmp_keyed);
+    {
+        PyObject *lst = PyList_New(n);
+        if (!lst) goto done;
+        int changed = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *c = PyList_GET_ITEM(commands, key[i].index);
+            Py_INCREF(c);
+            PyList_SET_ITEM(lst, i, c);
+            if (key[i].index != i) changed = 1;
+        }
+        res = Py_BuildValue("(NO)", lst, changed ? Py_True : Py_False);
+    }
+done:
+    free(alloc_at); free(dealloc_at); free(first); free(second); free(last); free(mcache);
+    free(key); free(zero); free(arg1); free(mcached); free(t.info);
+    if (mc) for (Py_ssize_t i = 0; i < nt; i++) free(mc[i].d);
+    free(mc);
+    if (fallback && !PyErr_Occurred()) { Py_XDECREF(res); Py_RETURN_NONE; }
+    return res;
+}
+
+/* -- RemoveUnnecessaryAllocation (passes/allocate_from_other.py) ------------------------- */
+
+typedef struct { int rows, cols, index, is_alloc; } sized;
+
+static int cmp_sized(const void *x, const void *y) {
+    const sized *a = x, *b = y;
+    if (a->rows != b->rows) return (a->rows > b->rows) - (a->rows < b->rows);
+    if (a->cols != b->cols) return (a->cols > b->cols) - (a->cols < b->cols);
+    return (a->index > b->index) - (a->index < b->index);
+}
+
+static int next_free(int *parent, int k) {
+    /* the first position >= k still free (parent[k] == k when free; path halving) */
+    while (parent[k] != k) {
+        parent[k] = parent[parent[k]];
+        k = parent[k];
+    }
+    return k;
+}
+
+/* allocation_pairs(commands, submatrices, matrices, default_stride): the (deallocation,
+ * allocation) pairs that become one kSwapMatrix, or None */
+static PyObject *py_allocation_pairs(PyObject *self, PyObject *args) {
+    PyObject *commands, *subs, *mats;
+    long default_stride;
+    if (!PyArg_ParseTuple(args, "O!O!O!l", &PyList_Type, &commands, &PyList_Type, &subs,
+                          &PyList_Type, &mats, &default_stride))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(commands), ns = PyList_GET_SIZE(subs);
+    Py_ssize_t nm = PyList_GET_SIZE(mats);
+    int *mrows = malloc((nm ? nm : 1) * sizeof(int)), *mcols = malloc((nm ? nm : 1) * sizeof(int));
+    int *mcache = malloc((ns ? ns : 1) * sizeof(int));
+    sized *items = malloc((n ? n : 1) * sizeof(sized));
+    int *allocs = malloc((n ? n : 1) * sizeof(int)), *parent = malloc((n + 1) * sizeof(int));
+    ivec pairs = {0};
+    PyObject *res = NULL;
+    int fallback = 0, err = 0;
+    Py_ssize_t k = 0;
+    if (!mrows || !mcols || !mcache || !items || !allocs || !parent) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t j = 0; j < nm; j++) {
+        PyObject *mi = PyList_GET_ITEM(mats, j);
+        if (!PyTuple_Check(mi) || PyTuple_GET_SIZE(mi) < 3) { fallback = 1; goto done; }
+        long r = PyLong_AsLong(PyTuple_GET_ITEM(mi, 0)), c = PyLong_AsLong(PyTuple_GET_ITEM(mi, 1));
+        long st = PyLong_AsLong(PyTuple_GET_ITEM(mi, 2));
+        if (PyErr_Occurred()) goto done;
+        mrows[j] = (int)r;
+        mcols[j] = st == default_stride ? (int)c : -(int)c;
+    }
+    for (Py_ssize_t s = 0; s < ns; s++) mcache[s] = -2;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *cmd = PyList_GET_ITEM(commands, i);
+        long ct = read_long_attr(cmd, s_type, &err);
+        if (err) goto done;
+        if (ct != ALLOC_MATRIX && ct != DEALLOC_MATRIX) continue;
+        long s = read_long_attr(cmd, s_args[0], &err);
+        if (err) goto done;
+        int m = (s > 0 && s < ns) ? sub_matrix(subs, nm, (int)s, mcache) : -1;
+        if (m < 0) { fallback = 1; goto done; }
+        items[k].rows = mrows[m]; items[k].cols = mcols[m];
+        items[k].index = (int)i; items[k].is_alloc = ct == ALLOC_MATRIX;
+        k++;
+    }
+    qsort(items, k, sizeof(sized), cmp_sized);
+    for (Py_ssize_t g = 0; g < k;) {
+        Py_ssize_t h = g;
+        while (h < k && items[h].rows == items[g].rows && items[h].cols == items[g].cols) h++;
+        /* the allocations of this size (in command order) and its deallocations from the
+         * last: each takes the earliest allocation after it still free */
+        int na = 0;
+        for (Py_ssize_t q = g; q < h; q++) if (items[q].is_alloc) allocs[na++] = items[q].index;
+        for (int q = 0; q <= na; q++) parent[q] = q;   /* position na: none left */
+        for (Py_ssize_t q = h - 1; q >= g; q--) {
+            if (items[q].is_alloc) continue;
+            int d = items[q].index;
+            /* the first allocation after d (allocs increasing) */
+            int lo = 0, hi = na;
+            while (lo < hi) { int mid = (lo + hi) / 2; if (allocs[mid] <= d) lo = mid + 1; else hi = mid; }
+            int p = next_free(parent, lo);
+            if (p == na) continue;
+            parent[p] = p + 1;
+            if (iv_push(&pairs, d) || iv_push(&pairs, allocs[p])) { PyErr_NoMemory(); goto done; }
+        }
+        g = h;
+    }
+    res = PyList_New(pairs.n / 2);
+    if (!res) goto done;
+    for (Py_ssize_t i = 0; i < pairs.n / 2; i++) {
+        PyObject *t = tuple_of(&pairs.d[2 * i], 2);
+        if (!t) { Py_CLEAR(res); goto done; }
+        PyList_SET_ITEM(res, i, t);
+    }
+done:
+    free(mrows); free(mcols); free(mcache); free(items); free(allocs); free(parent); free(pairs.d);
+    if (fallback && !PyErr_Occurred()) { Py_XDECREF(res); Py_RETURN_NONE; }
+    return res;
+}
+
+static PyObject *py_configure_command(PyObject *self, PyObject *args) {
+    PyTypeObject *type;
+    if (!PyArg_ParseTuple(args, "O!", &PyType_Type, &type)) return NULL;
+    PyObject *names[9] = {s_type, s_alpha, s_args[0], s_args[1], s_args[2], s_args[3],
+                          s_args[4], s_args[5], s_args[6]};
+    for (int i = 0; i < 9; i++) {
+        PyObject *d = PyObject_GetAttr((PyObject *)type, names[i]);
+        if (!d) return NULL;
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type)
+            && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
+        if (ok) slot_offsets[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        Py_DECREF(d);
+        if (!ok) Py_RETURN_FALSE;   /* not slots: every read goes through getattr */
+        slot_names[i] = names[i];
+    }
+    Py_INCREF(type);
+    Py_XSETREF(cmd_type, type);
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"merge", py_merge, METH_VARARGS,
      "merge(commands, submatrices, matrices, props, accesses_of, options, by_number)"},
     {"configure", py_configure, METH_VARARGS, "configure(plans, property_bits)"},
+    {"configure_command", py_configure_command, METH_VARARGS,
+     "configure_command(Command): read its slots directly"},
     {"convert_addition", py_convert_addition, METH_VARARGS,
      "convert_addition(commands, submatrices, num_matrices, indexes_multi)"},
     {"configure_convert", py_configure_convert, METH_VARARGS, "configure_convert(plans)"},
+    {"move_sizing_commands", py_move_sizing, METH_VARARGS,
+     "move_sizing_commands(commands, submatrices, num_matrices, indexes_multi)"},
+    {"allocation_pairs", py_allocation_pairs, METH_VARARGS,
+     "allocation_pairs(commands, submatrices, matrices, default_stride)"},
     {"extend_matrices", py_extend_matrices, METH_VARARGS,
      "extend_matrices(commands, submatrices, matrices, min_proportion)"},
     {NULL, NULL, 0, NULL}

@@ -3,7 +3,7 @@
 (pyproject.toml, ``[[tool.setuptools.ext-modules]]``, optional).
 
 Each pass that has a C form (variable merging's rounds, convert_addition_to_assignment,
-extend_matrices)
+extend_matrices, move_sizing_commands, remove_unnecessary_allocation)
 keeps its Python form as the reference: the C code reads the computation, decides the
 same things on flat arrays and hands back what to change, or None when the computation
 holds something it leaves to Python (an error to report, a case it does not handle),
@@ -26,6 +26,8 @@ def _extension():
         from engine.optimizer import _native  # noqa: PLC0415
     except ImportError:
         return None
+    from engine.compiler.computation import Command  # noqa: PLC0415
+    _native.configure_command(Command)   # its slots are read directly
     return _native
 
 

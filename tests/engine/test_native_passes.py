@@ -1,6 +1,8 @@
 """The optimizer passes in C (engine/optimizer/_native.c: variable merging's rounds,
-convert_addition_to_assignment, extend_matrices) against the Python passes they stand in
-for (engine/optimizer/passes/variable_merging.py, convert_addition.py, extend_matrices.py).
+convert_addition_to_assignment, extend_matrices, move_sizing_commands,
+remove_unnecessary_allocation) against the Python passes they stand in for
+(engine/optimizer/passes/variable_merging.py, convert_addition.py, extend_matrices.py,
+move_sizing_commands.py, allocate_from_other.py).
 
 The C code decides the same conversions, merges and zeroings on the same data; the whole optimized
 computation (commands, submatrices, matrices, index tables, in serialized form) must
@@ -75,6 +77,12 @@ class _Counting:
 
     def extend_matrices(self, *args):
         return self._count(NATIVE.extend_matrices(*args))
+
+    def move_sizing_commands(self, *args):
+        return self._count(NATIVE.move_sizing_commands(*args))
+
+    def allocation_pairs(self, *args):
+        return self._count(NATIVE.allocation_pairs(*args))
 
 
 def _data(computation) -> bytes:

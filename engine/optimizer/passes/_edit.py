@@ -19,11 +19,20 @@ from typing import NamedTuple
 from engine.compiler.computation import (COMMAND_SPECS, Access, ArgKind, Command, CommandType,
                                          NnetComputation)
 from engine.core.errors import CheckError
+from engine.optimizer import native
 from engine.optimizer.analysis import CT
 from engine.optimizer.passes.remove_no_ops import fix_goto_label
 
-__all__ = ["TouchedSlots", "commands_of_type", "fix_goto_label", "insert_commands",
-           "touched_slots"]
+__all__ = ["ADDITION_TO_COPY", "TouchedSlots", "commands_of_type", "fix_goto_label",
+           "insert_commands", "touched_slots"]
+
+# the "+=" commands and their "=" forms (ConvertAdditionToAssignment)
+ADDITION_TO_COPY = {
+    CT.MATRIX_ADD: CT.MATRIX_COPY,
+    CT.ADD_ROWS: CT.COPY_ROWS,
+    CT.ADD_ROWS_MULTI: CT.COPY_ROWS_MULTI,
+    CT.ADD_TO_ROWS_MULTI: CT.COPY_TO_ROWS_MULTI,
+}
 
 
 class TouchedSlots(NamedTuple):
@@ -52,6 +61,30 @@ def touched_slots(ct: CommandType) -> TouchedSlots:
             if slot.access & Access.WRITE:
                 written.append(name)
     return TouchedSlots(tuple(names), tuple(written), multi, multi_written)
+
+
+def _native_slots() -> tuple:
+    """``touched_slots`` of every command type as the C passes take them
+    (engine/optimizer/_native.c, configure_convert): (touches submatrices, its
+    submatrix slots (numbers from 0), the written one among them for an addition
+    (position in those, or -1), its indexes_multi slot (-1 if none), the type of its
+    copy form (-1 if it is no addition), whether the indexes_multi submatrices are
+    written)."""
+    out = []
+    for ct in CommandType:
+        names, written, multi, multi_written = touched_slots(ct)
+        copy = ADDITION_TO_COPY.get(ct)
+        if copy is not None and len(written) > 1:
+            raise AssertionError(f"{ct.name} writes more than one submatrix slot")
+        out.append((bool(names) or multi is not None, tuple(int(a[3:]) - 1 for a in names),
+                    names.index(written[0]) if written and copy is not None else -1,
+                    int(multi[3:]) - 1 if multi is not None else -1,
+                    int(copy) if copy is not None else -1, multi_written))
+    return tuple(out)
+
+
+if native.EXTENSION is not None:
+    native.EXTENSION.configure_convert(_native_slots())
 
 
 def commands_of_type(computation: NnetComputation, command_type: CT) -> list[int]:

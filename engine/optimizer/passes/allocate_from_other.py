@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 
 from engine.compiler.computation import K_DEFAULT_STRIDE, NnetComputation
+from engine.optimizer import native
 from engine.optimizer.analysis import CT
 from engine.optimizer.passes.remove_no_ops import fix_goto_label, remove_no_ops
 
@@ -32,8 +33,30 @@ def _pairs(deallocs: list[int], allocs: list[int]) -> list[tuple[int, int]]:
 
 
 def remove_unnecessary_allocation(computation: NnetComputation, ctx=None) -> bool:
+    """The pairs are found in C when the extension is built (engine.optimizer.native);
+    the walk below is their reference form."""
     c = computation
     cmds, mats, subs = c.commands, c.matrices, c.submatrices
+    pairs = None
+    if native.NATIVE is not None:
+        pairs = native.NATIVE.allocation_pairs(cmds, subs, mats, K_DEFAULT_STRIDE)
+    if pairs is None:
+        pairs = _pairs_of(cmds, mats, subs)
+    if not pairs:
+        return False
+    noop, swap = CT.NO_OPERATION, CT.SWAP_MATRIX
+    for d, a in pairs:
+        dealloc, alloc = cmds[d], cmds[a]
+        dealloc.command_type = noop
+        alloc.command_type = swap
+        alloc.arg2 = dealloc.arg1
+    remove_no_ops(c)
+    fix_goto_label(c)
+    return True
+
+
+def _pairs_of(cmds: list, mats: list, subs: list) -> list[tuple[int, int]]:
+    """The (deallocation, allocation) pairs that become one kSwapMatrix."""
     alloc_t, dealloc_t = CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX
     # each matrix's size class: (rows, columns, negated for kStrideEqualNumCols)
     size = [(mi.num_rows, mi.num_cols if mi.stride_type == K_DEFAULT_STRIDE else -mi.num_cols)
@@ -47,15 +70,4 @@ def remove_unnecessary_allocation(computation: NnetComputation, ctx=None) -> boo
             if pair is None:
                 pair = lists[key] = ([], [])
             pair[ct == alloc_t].append(i)
-    pairs = [p for d, a in lists.values() if d and a for p in _pairs(d, a)]
-    if not pairs:
-        return False
-    noop, swap = CT.NO_OPERATION, CT.SWAP_MATRIX
-    for d, a in pairs:
-        dealloc, alloc = cmds[d], cmds[a]
-        dealloc.command_type = noop
-        alloc.command_type = swap
-        alloc.arg2 = dealloc.arg1
-    remove_no_ops(c)
-    fix_goto_label(c)
-    return True
+    return [p for d, a in lists.values() if d and a for p in _pairs(d, a)]

@@ -23,14 +23,9 @@ from operator import attrgetter
 from engine.compiler.computation import CommandType, NnetComputation
 from engine.optimizer import native
 from engine.optimizer.analysis import CT
-from engine.optimizer.passes._edit import touched_slots
+from engine.optimizer.passes._edit import ADDITION_TO_COPY, touched_slots
 
-_TO_COPY = {
-    CT.MATRIX_ADD: CT.MATRIX_COPY,
-    CT.ADD_ROWS: CT.COPY_ROWS,
-    CT.ADD_ROWS_MULTI: CT.COPY_ROWS_MULTI,
-    CT.ADD_TO_ROWS_MULTI: CT.COPY_TO_ROWS_MULTI,
-}
+_TO_COPY = ADDITION_TO_COPY
 
 
 def _make_plan(ct: CommandType) -> tuple | None:
@@ -55,25 +50,6 @@ def _make_plan(ct: CommandType) -> tuple | None:
 # indexed by command type
 _PLANS = [_make_plan(t) for t in CommandType]
 
-
-def _native_plans() -> tuple:
-    """``_PLANS`` as the C walk takes them (engine/optimizer/_native.c, configure_convert):
-    per command type, (touches submatrices, its submatrix slots (numbers from 0), the
-    written one (position in those, or -1), its indexes_multi slot (-1 if none), the type
-    of its copy form (-1 if none), whether the indexes_multi submatrices are written)."""
-    out = []
-    for ct in CommandType:
-        names, written, multi, multi_written = touched_slots(ct)
-        copy = _TO_COPY.get(ct)
-        out.append((bool(names) or multi is not None, tuple(int(a[3:]) - 1 for a in names),
-                    names.index(written[0]) if written and copy is not None else -1,
-                    int(multi[3:]) - 1 if multi is not None else -1,
-                    int(copy) if copy is not None else -1, multi_written))
-    return tuple(out)
-
-
-if native.EXTENSION is not None:
-    native.EXTENSION.configure_convert(_native_plans())
 
 
 def convert_addition_to_assignment(computation: NnetComputation, ctx=None) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from operator import attrgetter, is_not
 
 from engine.compiler.computation import CommandType, NnetComputation
+from engine.optimizer import native
 from engine.optimizer.analysis import CT
 from engine.optimizer.passes._edit import touched_slots
 
@@ -42,7 +43,16 @@ def move_sizing_commands(computation: NnetComputation, ctx=None) -> bool:
 
     What the keys need of the analysis -- each matrix's allocation,
     deallocation and first, second and last accessing commands -- comes from
-    one walk over the commands."""
+    one walk over the commands.  The walk and the sort run in C when the extension is
+    built (engine.optimizer.native); this is their reference form, and the one that
+    runs when the C code leaves the computation to Python (an error to report)."""
+    if native.NATIVE is not None:
+        found = native.NATIVE.move_sizing_commands(
+            computation.commands, computation.submatrices, len(computation.matrices),
+            computation.indexes_multi)
+        if found is not None:
+            computation.commands, changed = found
+            return changed
     cmds, subs, indexes_multi = computation.commands, computation.submatrices, \
         computation.indexes_multi
     n, nm = len(cmds), len(computation.matrices)
