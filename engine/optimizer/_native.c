@@ -1857,6 +1857,258 @@ done:
     return res;
 }
 
+/* -- renumbering of submatrices and matrices (passes/renumber.py, renumber_with_maps) ---- */
+
+static int rn_n[NUM_TYPES], rn_slot[NUM_TYPES][7];   /* the SUBMATRIX slots of each type */
+static int rn_configured = 0;
+static PyTypeObject *subinfo_type = NULL;
+
+static int set_cmd_attr(PyObject *o, int slot, long value) {
+    /* command o's argument slot (0-based) = value */
+    PyObject *v = PyLong_FromLong(value);
+    if (!v) return -1;
+    if (Py_TYPE(o) == cmd_type) {
+        PyObject **p = (PyObject **)((char *)o + slot_offsets[2 + slot]);
+        PyObject *old = *p;
+        *p = v;
+        Py_XDECREF(old);
+        return 0;
+    }
+    int r = PyObject_SetAttr(o, s_args[slot], v);
+    Py_DECREF(v);
+    return r;
+}
+
+static PyObject *new_subinfo(const int *v) {
+    /* a SubMatrixInfo (a tuple subclass) of five ints */
+    PyObject *t = subinfo_type->tp_alloc(subinfo_type, 5);
+    if (!t) return NULL;
+    for (int k = 0; k < 5; k++) {
+        PyObject *x = PyLong_FromLong(v[k]);
+        if (!x) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, k, x);
+    }
+    return t;
+}
+
+typedef struct { int ext[5]; int pos; } extpos;
+
+static int cmp_extpos(const void *x, const void *y) {
+    const extpos *a = x, *b = y;
+    for (int k = 0; k < 5; k++)
+        if (a->ext[k] != b->ext[k]) return (a->ext[k] > b->ext[k]) - (a->ext[k] < b->ext[k]);
+    return (a->pos > b->pos) - (a->pos < b->pos);
+}
+
+static const int *order_keys;
+static int cmp_by_key(const void *x, const void *y) {
+    int a = *(const int *)x, b = *(const int *)y;
+    if (order_keys[a] != order_keys[b]) return (order_keys[a] > order_keys[b]) - (order_keys[a] < order_keys[b]);
+    return (a > b) - (a < b);   /* stable: ties by number */
+}
+
+/* renumber_submatrices(commands, submatrices, num_matrices, indexes_multi, order_key):
+ * the submatrix and matrix part of renumber_with_maps.  Drops the submatrices nothing
+ * refers to (command slots, indexes_multi), merges equal ones (the first in the order
+ * of order_key, or of their numbers, stands for all), drops the matrices left without
+ * one, and writes the new numbers into the commands' submatrix slots.  Returns None
+ * (left to the Python form: a value out of range, an entry it cannot read), or
+ * (submatrices changed, matrices changed, the new submatrix list, matrix_used,
+ * sub_source, old -> new submatrix numbers), the last four None when nothing changed. */
+static PyObject *py_renumber_submatrices(PyObject *self, PyObject *args) {
+    PyObject *commands, *subs, *table, *order;
+    Py_ssize_t nm;
+    if (!PyArg_ParseTuple(args, "O!O!nO!O", &PyList_Type, &commands, &PyList_Type, &subs, &nm,
+                          &PyList_Type, &table, &order))
+        return NULL;
+    if (!rn_configured || !cmd_type) {
+        PyErr_SetString(PyExc_RuntimeError, "_native.configure_renumber() was not called");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(commands), ns = PyList_GET_SIZE(subs);
+    char *refd = calloc(ns ? ns : 1, 1);
+    int *ext = malloc((ns ? 5 * ns : 5) * sizeof(int));
+    int *key = NULL, *kept = malloc((ns ? ns : 1) * sizeof(int));
+    int *newnum = malloc((ns ? ns : 1) * sizeof(int)), *rep = malloc((ns ? ns : 1) * sizeof(int));
+    int *o2n = malloc((ns ? ns : 1) * sizeof(int)), *newmat = malloc((nm + 1) * sizeof(int));
+    char *mused = calloc(nm ? nm : 1, 1);
+    extpos *ep = malloc((ns ? ns : 1) * sizeof(extpos));
+    /* the submatrix slot values, read once: (command, slot, value) */
+    ivec slots = {0};
+    PyObject *res = NULL;
+    int fallback = 0, err = 0;
+    if (!refd || !ext || !kept || !newnum || !rep || !o2n || !newmat || !mused || !ep) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        PyObject *si = PyList_GET_ITEM(subs, s);
+        if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) { fallback = 1; goto done; }
+        for (int k = 0; k < 5; k++) ext[5 * s + k] = (int)PyLong_AsLong(PyTuple_GET_ITEM(si, k));
+        if (PyErr_Occurred()) goto done;
+        if (s && (ext[5 * s] <= 0 || ext[5 * s] >= nm)) { fallback = 1; goto done; }
+    }
+    for (Py_ssize_t c = 0; c < n; c++) {
+        PyObject *cmd = PyList_GET_ITEM(commands, c);
+        long t = read_long_attr(cmd, s_type, &err);
+        if (err) goto done;
+        if (t < 0 || t >= NUM_TYPES) { fallback = 1; goto done; }
+        for (int k = 0; k < rn_n[t]; k++) {
+            long v = read_long_attr(cmd, s_args[rn_slot[t][k]], &err);
+            if (err) goto done;
+            if (v >= ns || v < -1) { fallback = 1; goto done; }   /* Python decides */
+            if (v > 0) {
+                refd[v] = 1;
+                if (iv_push(&slots, (int)c) || iv_push(&slots, rn_slot[t][k])
+                        || iv_push(&slots, (int)v)) {
+                    PyErr_NoMemory(); goto done;
+                }
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(table); i++) {
+        PyObject *fast = PySequence_Fast(PyList_GET_ITEM(table, i), "indexes_multi entry");
+        if (!fast) { PyErr_Clear(); fallback = 1; goto done; }
+        for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(fast); j++) {
+            PyObject *pair = PySequence_Fast_GET_ITEM(fast, j);
+            if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+                Py_DECREF(fast); fallback = 1; goto done;
+            }
+            long v = PyLong_AsLong(PyTuple_GET_ITEM(pair, 0));
+            if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); Py_DECREF(fast); fallback = 1; goto done; }
+            if (v >= ns || v < -1) { Py_DECREF(fast); fallback = 1; goto done; }
+            if (v > 0) refd[v] = 1;
+        }
+        Py_DECREF(fast);
+    }
+    Py_ssize_t nk = 0;
+    for (Py_ssize_t s = 1; s < ns; s++) if (refd[s]) kept[nk++] = (int)s;
+    if (order != Py_None) {
+        if (!PyList_Check(order) || PyList_GET_SIZE(order) != ns) { fallback = 1; goto done; }
+        key = malloc((ns ? ns : 1) * sizeof(int));
+        if (!key) { PyErr_NoMemory(); goto done; }
+        for (Py_ssize_t s = 0; s < ns; s++) {
+            key[s] = (int)PyLong_AsLong(PyList_GET_ITEM(order, s));
+        }
+        if (PyErr_Occurred()) goto done;
+        order_keys = key;
+        qsort(kept, nk, sizeof(int), cmp_by_key);
+    }
+    /* each extent's first submatrix in kept order stands for it; new numbers in order
+     * of first appearance */
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        memcpy(ep[i].ext, &ext[5 * kept[i]], 5 * sizeof(int));
+        ep[i].pos = (int)i;
+    }
+    qsort(ep, nk, sizeof(extpos), cmp_extpos);
+    for (Py_ssize_t i = 0; i < nk;) {   /* rep[pos] = pos of the group's first */
+        Py_ssize_t j = i;
+        while (j < nk && !memcmp(ep[j].ext, ep[i].ext, 5 * sizeof(int))) rep[ep[j++].pos] = ep[i].pos;
+        i = j;
+    }
+    int next = 1, sub_changed = 0;
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        if (rep[i] == i) newnum[i] = next++;
+        else newnum[i] = newnum[rep[i]];
+        o2n[kept[i]] = newnum[i];
+        if (newnum[i] != kept[i]) sub_changed = 1;
+        mused[ext[5 * kept[i]]] = 1;
+    }
+    if (nm) mused[0] = 1;
+    if (next != ns) sub_changed = 1;
+    int nkm = 0;
+    for (Py_ssize_t m = 0; m < nm; m++) { newmat[m] = nkm; nkm += mused[m]; }
+    int mat_changed = nkm != nm;
+    if (!sub_changed && !mat_changed) {   /* every submatrix in use, no two equal */
+        res = Py_BuildValue("(OOOOOO)", Py_False, Py_False, Py_None, Py_None, Py_None, Py_None);
+        goto done;
+    }
+    /* nothing can fail the Python form's way from here on: the commands are edited */
+    PyObject *new_subs = PyList_New(next), *used_l = PyList_New(nm), *source = PyList_New(next);
+    PyObject *o2n_l = PyList_New(ns);
+    if (!new_subs || !used_l || !source || !o2n_l) goto build_fail;
+    PyObject *s0 = PyList_GET_ITEM(subs, 0);
+    Py_INCREF(s0);
+    PyList_SET_ITEM(new_subs, 0, s0);
+    PyList_SET_ITEM(source, 0, PyLong_FromLong(0));
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        if (rep[i] != i) continue;
+        int s = kept[i], nn = newnum[i];
+        PyObject *info;
+        int m = ext[5 * s];
+        if (newmat[m] == m) {
+            info = PyList_GET_ITEM(subs, s);
+            Py_INCREF(info);
+        } else {
+            int v[5] = {newmat[m], ext[5 * s + 1], ext[5 * s + 2], ext[5 * s + 3], ext[5 * s + 4]};
+            info = new_subinfo(v);
+            if (!info) goto build_fail;
+        }
+        PyList_SET_ITEM(new_subs, nn, info);
+        PyObject *src = PyLong_FromLong(s);
+        if (!src) goto build_fail;
+        PyList_SET_ITEM(source, nn, src);
+    }
+    for (Py_ssize_t m = 0; m < nm; m++) {
+        PyObject *b = mused[m] ? Py_True : Py_False;
+        Py_INCREF(b);
+        PyList_SET_ITEM(used_l, m, b);
+    }
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        PyObject *v = PyLong_FromLong(s == 0 ? 0 : (refd[s] ? o2n[s] : -1));
+        if (!v) goto build_fail;
+        PyList_SET_ITEM(o2n_l, s, v);
+    }
+    if (sub_changed) {
+        for (Py_ssize_t i = 0; i < slots.n; i += 3) {
+            int c = slots.d[i], slot = slots.d[i + 1], v = slots.d[i + 2];
+            if (o2n[v] != v && set_cmd_attr(PyList_GET_ITEM(commands, c), slot, o2n[v]))
+                goto build_fail;
+        }
+    }
+    res = Py_BuildValue("(OONNNN)", sub_changed ? Py_True : Py_False,
+                        mat_changed ? Py_True : Py_False, new_subs, used_l, source, o2n_l);
+    goto done;
+build_fail:
+    Py_XDECREF(new_subs); Py_XDECREF(used_l); Py_XDECREF(source); Py_XDECREF(o2n_l);
+done:
+    free(refd); free(ext); free(key); free(kept); free(newnum); free(rep); free(o2n);
+    free(newmat); free(mused); free(ep); free(slots.d);
+    if (fallback && !PyErr_Occurred()) { Py_XDECREF(res); Py_RETURN_NONE; }
+    return res;
+}
+
+static PyObject *py_configure_renumber(PyObject *self, PyObject *args) {
+    PyObject *plans;
+    PyTypeObject *type;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &plans, &PyType_Type, &type)) return NULL;
+    if (PyTuple_GET_SIZE(plans) != NUM_TYPES || !PyType_IsSubtype(type, &PyTuple_Type)
+            || type->tp_itemsize != sizeof(PyObject *)) {
+        PyErr_SetString(PyExc_ValueError, "configure_renumber: bad arguments");
+        return NULL;
+    }
+    for (int t = 0; t < NUM_TYPES; t++) {
+        PyObject *sl = PyTuple_GET_ITEM(plans, t);
+        if (!PyTuple_Check(sl) || PyTuple_GET_SIZE(sl) > 7) {
+            PyErr_SetString(PyExc_ValueError, "configure_renumber: bad slots");
+            return NULL;
+        }
+        rn_n[t] = (int)PyTuple_GET_SIZE(sl);
+        for (int k = 0; k < rn_n[t]; k++) {
+            long v = PyLong_AsLong(PyTuple_GET_ITEM(sl, k));
+            if (v < 0 || v >= 7) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot");
+                return NULL;
+            }
+            rn_slot[t][k] = (int)v;
+        }
+    }
+    Py_INCREF(type);
+    Py_XSETREF(subinfo_type, type);
+    rn_configured = 1;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_configure_command(PyObject *self, PyObject *args) {
     PyTypeObject *type;
     if (!PyArg_ParseTuple(args, "O!", &PyType_Type, &type)) return NULL;
@@ -1881,6 +2133,10 @@ static PyMethodDef methods[] = {
     {"merge", py_merge, METH_VARARGS,
      "merge(commands, submatrices, matrices, props, accesses_of, options, by_number)"},
     {"configure", py_configure, METH_VARARGS, "configure(plans, property_bits)"},
+    {"renumber_submatrices", py_renumber_submatrices, METH_VARARGS,
+     "renumber_submatrices(commands, submatrices, num_matrices, indexes_multi, order_key)"},
+    {"configure_renumber", py_configure_renumber, METH_VARARGS,
+     "configure_renumber(submatrix_slots, SubMatrixInfo)"},
     {"configure_command", py_configure_command, METH_VARARGS,
      "configure_command(Command): read its slots directly"},
     {"convert_addition", py_convert_addition, METH_VARARGS,

@@ -3,7 +3,8 @@
 (pyproject.toml, ``[[tool.setuptools.ext-modules]]``, optional).
 
 Each pass that has a C form (variable merging's rounds, convert_addition_to_assignment,
-extend_matrices, move_sizing_commands, remove_unnecessary_allocation)
+extend_matrices, move_sizing_commands, remove_unnecessary_allocation, and the submatrix
+and matrix part of renumbering)
 keeps its Python form as the reference: the C code reads the computation, decides the
 same things on flat arrays and hands back what to change, or None when the computation
 holds something it leaves to Python (an error to report, a case it does not handle),

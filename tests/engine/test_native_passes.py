@@ -1,8 +1,8 @@
 """The optimizer passes in C (engine/optimizer/_native.c: variable merging's rounds,
 convert_addition_to_assignment, extend_matrices, move_sizing_commands,
-remove_unnecessary_allocation) against the Python passes they stand in for
-(engine/optimizer/passes/variable_merging.py, convert_addition.py, extend_matrices.py,
-move_sizing_commands.py, allocate_from_other.py).
+remove_unnecessary_allocation, the submatrix part of renumbering) against the Python
+passes they stand in for (engine/optimizer/passes/variable_merging.py, convert_addition.py,
+extend_matrices.py, move_sizing_commands.py, allocate_from_other.py, renumber.py).
 
 The C code decides the same conversions, merges and zeroings on the same data; the whole optimized
 computation (commands, submatrices, matrices, index tables, in serialized form) must
@@ -83,6 +83,9 @@ class _Counting:
 
     def allocation_pairs(self, *args):
         return self._count(NATIVE.allocation_pairs(*args))
+
+    def renumber_submatrices(self, *args):
+        return self._count(NATIVE.renumber_submatrices(*args))
 
 
 def _data(computation) -> bytes:

@@ -20,6 +20,7 @@ from operator import attrgetter, itemgetter
 
 from engine.compiler.computation import (COMMAND_SPECS, ArgKind, CommandType, NnetComputation,
                                          SubMatrixInfo)
+from engine.optimizer import native
 from engine.optimizer.analysis import CT
 
 
@@ -34,6 +35,10 @@ _GET = {a: attrgetter(a) for a in _ARG}
 # SubMatrixInfo from a tuple without the Python-level __new__ of the named tuple
 submatrix_info = partial(tuple.__new__, SubMatrixInfo)
 _FIRST = itemgetter(0)
+if native.EXTENSION is not None:   # the submatrix slots of each command type, for the C core
+    native.EXTENSION.configure_renumber(
+        tuple(tuple(int(a[3:]) - 1 for a in _KIND_POSITIONS[ct].get(ArgKind.SUBMATRIX, ()))
+              for ct in _TYPES), SubMatrixInfo)
 
 
 class _Refs:
@@ -165,11 +170,33 @@ def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] 
     submatrices: (changed, matrix_used, sub_source), matrix_used[m] telling
     whether matrix m was kept (kept matrices keep their order), and new
     submatrix k standing for old submatrix sub_source[k] (the first of its
-    extent in the new order; sub_source[0] is 0)."""
+    extent in the new order; sub_source[0] is 0).  The submatrix and matrix part
+    runs in C when the extension is built (engine.optimizer.native); the code
+    below is its reference form, and the one that runs when the C code leaves
+    the computation to Python."""
     c = computation
     refs = _Refs(c)
     multi_refs = refs.of(ArgKind.INDEXES_MULTI)
     changed = _renumber_table(c, "indexes_multi", multi_refs, key=_multi_key)
+    core = None
+    if native.NATIVE is not None:
+        core = native.NATIVE.renumber_submatrices(c.commands, c.submatrices, len(c.matrices),
+                                                  c.indexes_multi, submatrix_order)
+    if core is not None:
+        sub_changed, mat_changed, new_subs, matrix_used, sub_source, old_to_new = core
+        if sub_changed:   # (the commands' submatrix slots are renumbered already)
+            c.indexes_multi = [[(old_to_new[s], r) if s > 0 else (s, r) for s, r in lst]
+                               for lst in c.indexes_multi]
+        if sub_changed or mat_changed:
+            c.submatrices = new_subs
+        else:
+            matrix_used, sub_source = [True] * len(c.matrices), list(range(len(c.submatrices)))
+        if mat_changed:
+            c.matrices = [m for m, u in zip(c.matrices, matrix_used) if u]
+            if c.matrix_debug_info:
+                c.matrix_debug_info = [d for d, u in zip(c.matrix_debug_info, matrix_used) if u]
+        return _renumber_rest(c, refs, multi_refs, changed or sub_changed or mat_changed,
+                              matrix_used, sub_source)
     # which submatrices are referred to, from commands and from indexes_multi,
     # and the matrices they are on
     sub_refs = refs.of(ArgKind.SUBMATRIX)
@@ -224,12 +251,20 @@ def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] 
         if c.matrix_debug_info:
             c.matrix_debug_info = [d for d, u in zip(c.matrix_debug_info, matrix_used) if u]
     changed |= sub_changed or mat_changed
+    # the first kept submatrix of each new number
+    first = dict(zip(reversed(new_numbers), reversed(kept)))
+    return _renumber_rest(c, refs, multi_refs, changed, matrix_used,
+                          [0, *map(first.__getitem__, range(base, len(new_subs)))])
+
+
+def _renumber_rest(c: NnetComputation, refs: _Refs, multi_refs: list, changed: bool,
+                   matrix_used: list[bool], sub_source: list[int]
+                   ) -> tuple[bool, list[bool], list[int]]:
+    """The index tables and memos, once submatrices and matrices are renumbered."""
     # submatrix renumbering may have made indexes_multi entries equal
     changed |= _renumber_table(c, "indexes_multi", multi_refs, key=_multi_key)
     changed |= _renumber_table(c, "indexes", refs.of(ArgKind.INDEXES))
     changed |= _renumber_table(c, "indexes_ranges", refs.of(ArgKind.INDEXES_RANGES),
                                key=_multi_key)
     changed |= _renumber_memos(refs)
-    # the first kept submatrix of each new number
-    first = dict(zip(reversed(new_numbers), reversed(kept)))
-    return changed, matrix_used, [0, *map(first.__getitem__, range(base, len(new_subs)))]
+    return changed, matrix_used, sub_source
