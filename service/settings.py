@@ -60,6 +60,12 @@ class Settings(BaseSettings):
                                   description="'auto' encoding returns matrices with more "
                                               "elements than this as base64")
     backend: Literal["numpy", "cupy"] = "numpy"
+    native: bool = Field(
+        default=True,
+        description="run the optimizer's busiest passes in C when the extension "
+                    "engine.optimizer._native is built (engine.optimizer.native); false: "
+                    "their Python forms, with the same results, about a third slower to "
+                    "compile")
     infer_threads: int = Field(
         default=1, ge=1, le=64,
         description="chunks of an infer request computed this many batches at a time, "

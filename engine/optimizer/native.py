@@ -11,15 +11,14 @@ holds something it leaves to Python (an error to report, a case it does not hand
 and the pass then runs in Python.  Each pass module hands the C code its tables (which
 argument slots of each command type it reads) when it is imported.
 
-``NATIVE`` is the module (``EXTENSION``), or None when it was not built or ``NNETC_NATIVE=0`` is set
-(every pass then runs in Python); the passes read it at each call, so a test can switch
+``NATIVE`` is the module (``EXTENSION``), or None when it was not built or
+``set_enabled(False)`` was called (every pass then runs in Python; the service's
+``NNETC_NATIVE=false`` does that); the passes read it at each call, so a test can switch
 it.  tests/engine/test_native_passes.py compares the optimized computations of the two
 forms.
 """
 
 from __future__ import annotations
-
-import os
 
 
 def _extension():
@@ -34,6 +33,16 @@ def _extension():
 
 # the built extension (each pass module configures it at import, whether or not it is used)
 EXTENSION = _extension()
-NATIVE = (None if os.environ.get("NNETC_NATIVE", "1").strip().lower() in ("0", "false", "no",
-                                                                          "off")
-          else EXTENSION)
+NATIVE = EXTENSION
+
+
+def set_enabled(enabled: bool) -> None:
+    """Run the passes in C (when the extension is built) or, with False, in Python (the
+    service's NNETC_NATIVE setting)."""
+    global NATIVE
+    NATIVE = EXTENSION if enabled else None
+
+
+def enabled() -> bool:
+    """Whether the passes run in C."""
+    return NATIVE is not None

@@ -157,11 +157,20 @@ def test_collapsing_a_long_network_parses_against_one_name_table(monkeypatch):
     assert tables.calls <= 4
 
 
+def _same_data(a, b) -> bool:
+    """Two computations' plain-data forms are the same (arrays compared by value)."""
+    import orjson  # noqa: PLC0415
+    opt = orjson.OPT_SERIALIZE_NUMPY
+    return orjson.dumps(a, option=opt) == orjson.dumps(b, option=opt)
+
+
 def test_a_long_append_takes_linear_work(monkeypatch):
     """Append() of thousands of terms (a 30 kB config line): reading it picks every term
     apart once (Kaldi's GetAppendTerm per term walked the terms before it: quadratic),
     and addition-to-assignment tests each written column block against the matrix's
     bounding box, not against every block before it; the result is the Append."""
+    from engine.compiler.serialize import computation_to_data
+    from engine.optimizer import native
     from engine.optimizer.passes import convert_addition
     n = 3000
     counts = _Count(monkeypatch, descriptor_parse, "_num_append_terms")
@@ -183,8 +192,14 @@ def test_a_long_append_takes_linear_work(monkeypatch):
     monkeypatch.setattr(convert_addition._Touched, "untouched", untouched)
     request = ComputationRequest([IoSpecification("input", [Index(0, t, 0) for t in range(6)])],
                                  [IoSpecification("output", [Index(0, 0, 0)])])
+    # the walk's Python form is the one instrumented (its C form, engine/optimizer/_native.c,
+    # makes the same bounding-box test first and must give the same computation)
+    c_form = computation_to_data(optimize(compile_computation(nnet, request), nnet)) \
+        if native.NATIVE is not None else None
+    monkeypatch.setattr(native, "NATIVE", None)
     comp = optimize(compile_computation(nnet, request), nnet)
     assert len(scans) >= n and sum(scans) <= 4 * n      # not ~n^2 / 2
+    assert c_form is None or _same_data(c_form, computation_to_data(comp))
     x = np.arange(12, dtype=np.float32).reshape(6, 2)
     out = run_computation(comp, nnet, {"input": x})[0]["output"]
     want = np.concatenate([x[0] if i % 3 else x[i % 5] for i in range(n)])

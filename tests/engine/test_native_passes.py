@@ -17,7 +17,6 @@ give its own answer or error.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +40,7 @@ from engine.optimizer.pipeline import run_passes
 from nnet_ref_cases import DATA, shared_models, vosk_mdl
 
 NATIVE = native.NATIVE
-needs_native = pytest.mark.skipif(NATIVE is None, reason="the C extension is not built "
-                                  "(or NNETC_NATIVE=0)")
+needs_native = pytest.mark.skipif(NATIVE is None, reason="the C extension is not built")
 
 MERGE_SWITCHES = ("remove_assignments", "propagate_in_place", "backprop_in_place",
                   "allow_left_merge", "allow_right_merge")
@@ -50,9 +48,7 @@ MERGE_SWITCHES = ("remove_assignments", "propagate_in_place", "backprop_in_place
 
 def test_the_extension_is_built_and_used():
     """An install with a C compiler (CI, the Dockerfile) builds it: without it every
-    compile takes the Python rounds, about 30% slower."""
-    if os.environ.get("NNETC_NATIVE", "1") == "0":
-        pytest.skip("NNETC_NATIVE=0")
+    compile takes the Python passes, about a third slower."""
     assert NATIVE is not None, "engine.optimizer._native was not built"
 
 
@@ -262,3 +258,12 @@ def test_matrices_extended_in_c_as_in_python(seed, monkeypatch):
     py, c = _both(nnet, comp, req, None, monkeypatch, Spy())
     assert extended == [True]
     assert py == c
+
+
+@needs_native
+def test_the_switch_turns_the_c_passes_off_and_on(monkeypatch):
+    monkeypatch.setattr(native, "NATIVE", NATIVE)
+    native.set_enabled(False)
+    assert native.NATIVE is None and not native.enabled()
+    native.set_enabled(True)
+    assert native.NATIVE is NATIVE and native.enabled()

@@ -60,6 +60,20 @@ def test_startup_finds_out_whether_one_blas_thread_changes_the_numbers(monkeypat
         assert c.get("/readyz").status_code == 200
 
 
+def test_native_setting(monkeypatch):
+    """NNETC_NATIVE=false runs the optimizer's passes in Python (engine.optimizer.native);
+    the default runs them in C when the extension is built."""
+    from engine.optimizer import native  # noqa: PLC0415
+    monkeypatch.setattr(native, "NATIVE", native.EXTENSION)
+    monkeypatch.setenv("NNETC_NATIVE", "false")
+    with make_client() as c:
+        assert not native.enabled()
+        assert c.get("/readyz").status_code == 200
+    monkeypatch.delenv("NNETC_NATIVE")
+    with make_client():
+        assert native.enabled() == (native.EXTENSION is not None)
+
+
 def test_blas_thread_policy_setting(monkeypatch):
     """NNETC_BLAS_THREAD_POLICY reaches engine.runtime.parallel (process-wide, as the BLAS
     thread count is) and /metrics; the default is the stable policy; an unknown name is
