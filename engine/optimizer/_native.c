@@ -63,6 +63,26 @@ static PyObject *cmd_attr(PyObject *o, PyObject *name) {
     return PyObject_GetAttr(o, name);
 }
 
+/* defined with the renumbering below */
+static PyTypeObject *subinfo_type;
+static PyObject *new_subinfo(const int *v);
+static int set_cmd_attr(PyObject *o, int slot, long value);
+/* CommandType.NO_OPERATION (configure) */
+static PyObject *no_op_obj = NULL;
+
+static int set_cmd_type(PyObject *o, PyObject *value) {
+    /* command o's command_type = value */
+    if (Py_TYPE(o) == cmd_type) {
+        PyObject **p = (PyObject **)((char *)o + slot_offsets[0]);
+        PyObject *old = *p;
+        Py_INCREF(value);
+        *p = value;
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(o, s_type, value);
+}
+
 /* -- growable arrays ---------------------------------------------------------------- */
 
 typedef struct { int *d; Py_ssize_t n, cap; } ivec;
@@ -136,7 +156,7 @@ typedef struct {
     int *key;                /* the submatrix order key (NULL until the first merge) */
     /* options */
     int remove_assignments, propagate_in_place, backprop_in_place, allow_left, allow_right;
-    PyObject *commands, *props, *accesses_of;
+    PyObject *commands, *subs, *props, *accesses_of;
 } M;
 
 static void m_free(M *m) {
@@ -1022,41 +1042,60 @@ static PyObject *int_list(const int *d, Py_ssize_t n) {
 }
 
 static PyObject *results(M *m, ivec *zs) {
-    /* (moved submatrices as (s, m, ro, nr, co, nc), commands now no-ops, copies whose
-     * arguments go, matrices now of stride equal to their columns, zeroings, key) */
-    PyObject *subs = PyList_New(0), *noops = NULL, *cleared = NULL, *strides = NULL;
-    PyObject *zl = NULL, *key = NULL, *res = NULL;
-    ivec a = {0}, b = {0}, c = {0};
-    if (!subs) return NULL;
+    /* Makes the edits the rounds decided on the computation (nothing can send it back to
+     * Python any more): the moved submatrices, the commands that became kNoOperation, the
+     * merged copies' arguments.  Returns (the commands without the no-ops, matrices now of
+     * stride equal to their columns, the zeroing commands remove_unnecessary_zeroing drops,
+     * the submatrix order key).  Every new object is made before the first edit, so an
+     * error (memory) leaves the computation as it was. */
+    PyObject *kept = PyList_New(0), *strides = NULL, *gone = NULL, *key = NULL, *res = NULL;
+    PyObject **infos = NULL;
+    ivec c = {0};
+    if (!kept) return NULL;
+    infos = calloc(m->ns ? m->ns : 1, sizeof(PyObject *));
+    if (!infos) { PyErr_NoMemory(); goto fail; }
     for (Py_ssize_t s = 1; s < m->ns; s++) {
         if (m->sm[s] == m->sm0[s] && m->sro[s] == m->sro0[s] && m->sco[s] == m->sco0[s])
             continue;
-        PyObject *t = Py_BuildValue("(nnnnnn)", s, (Py_ssize_t)m->sm[s], (Py_ssize_t)m->sro[s],
-                                    (Py_ssize_t)m->snr[s], (Py_ssize_t)m->sco[s],
-                                    (Py_ssize_t)m->snc[s]);
-        if (!t || PyList_Append(subs, t)) { Py_XDECREF(t); goto fail; }
-        Py_DECREF(t);
+        int v[5] = {m->sm[s], m->sro[s], m->snr[s], m->sco[s], m->snc[s]};
+        infos[s] = new_subinfo(v);
+        if (!infos[s]) goto fail;
     }
-    for (Py_ssize_t i = 0; i < m->n; i++) {
-        if (m->ct[i] != m->ct0[i] && iv_push(&a, (int)i)) goto nomem;
-        if (m->cleared[i] && iv_push(&b, (int)i)) goto nomem;
-    }
+    for (Py_ssize_t i = 0; i < m->n; i++)
+        if (m->ct[i] != NO_OPERATION && PyList_Append(kept, PyList_GET_ITEM(m->commands, i)))
+            goto fail;
     for (Py_ssize_t j = 0; j < m->nm; j++)
-        if (m->stride[j] != m->stride0[j] && iv_push(&c, (int)j)) goto nomem;
-    noops = int_list(a.d, a.n);
-    cleared = int_list(b.d, b.n);
+        if (m->stride[j] != m->stride0[j] && iv_push(&c, (int)j)) { PyErr_NoMemory(); goto fail; }
     strides = int_list(c.d, c.n);
-    zl = int_list(zs->d, zs->n);
+    gone = PyList_New(zs->n);
     key = int_list(m->key, m->ns);
-    if (!noops || !cleared || !strides || !zl || !key) goto fail;
-    res = PyTuple_Pack(6, subs, noops, cleared, strides, zl, key);
+    if (!strides || !gone || !key) goto fail;
+    for (Py_ssize_t i = 0; i < zs->n; i++) {
+        PyObject *z = PyList_GET_ITEM(m->commands, zs->d[i]);
+        Py_INCREF(z);
+        PyList_SET_ITEM(gone, i, z);
+    }
+    res = PyTuple_Pack(4, kept, strides, gone, key);
+    if (!res) goto fail;
+    /* the edits */
+    for (Py_ssize_t s = 1; s < m->ns; s++)
+        if (infos[s]) {
+            PyList_SetItem(m->subs, s, infos[s]);   /* (steals the reference) */
+            infos[s] = NULL;
+        }
+    for (Py_ssize_t i = 0; i < m->n; i++) {
+        PyObject *cmd = PyList_GET_ITEM(m->commands, i);
+        if (m->ct[i] != m->ct0[i] && set_cmd_type(cmd, no_op_obj)) goto fail_after;
+        if (m->cleared[i] && (set_cmd_attr(cmd, 0, -1) || set_cmd_attr(cmd, 1, -1)))
+            goto fail_after;
+    }
     goto fail;   /* (releases the references either way) */
-nomem:
-    PyErr_NoMemory();
+fail_after:
+    Py_CLEAR(res);
 fail:
-    free(a.d); free(b.d); free(c.d);
-    Py_XDECREF(subs); Py_XDECREF(noops); Py_XDECREF(cleared); Py_XDECREF(strides);
-    Py_XDECREF(zl); Py_XDECREF(key);
+    if (infos) for (Py_ssize_t s = 0; s < m->ns; s++) Py_XDECREF(infos[s]);
+    free(infos); free(c.d);
+    Py_XDECREF(kept); Py_XDECREF(strides); Py_XDECREF(gone); Py_XDECREF(key);
     return res;
 }
 
@@ -1135,13 +1174,14 @@ static PyObject *py_merge(PyObject *self, PyObject *args) {
                           &subs, &PyList_Type, &mats, &props, &accesses_of, &opts[0],
                           &opts[1], &opts[2], &opts[3], &opts[4], &by_number))
         return NULL;
-    if (!configured) {
-        PyErr_SetString(PyExc_RuntimeError, "_native.configure() was not called");
+    if (!configured || !no_op_obj || !subinfo_type) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "_native.configure() and configure_renumber() were not called");
         return NULL;
     }
     M m;
     memset(&m, 0, sizeof(m));
-    m.commands = commands; m.props = props; m.accesses_of = accesses_of;
+    m.commands = commands; m.subs = subs; m.props = props; m.accesses_of = accesses_of;
     m.remove_assignments = opts[0]; m.propagate_in_place = opts[1];
     m.backprop_in_place = opts[2]; m.allow_left = opts[3]; m.allow_right = opts[4];
     m.by_number = (char)by_number;
@@ -1154,10 +1194,17 @@ static PyObject *py_merge(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_configure(PyObject *self, PyObject *args) {
-    PyObject *plans;
+    PyObject *plans, *no_op;
     long p[4];
-    if (!PyArg_ParseTuple(args, "O!(llll)", &PyTuple_Type, &plans, &p[0], &p[1], &p[2], &p[3]))
+    if (!PyArg_ParseTuple(args, "O!(llll)O", &PyTuple_Type, &plans, &p[0], &p[1], &p[2], &p[3],
+                          &no_op))
         return NULL;
+    if (PyLong_AsLong(no_op) != NO_OPERATION) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "not kNoOperation");
+        return NULL;
+    }
+    Py_INCREF(no_op);
+    Py_XSETREF(no_op_obj, no_op);
     if (PyTuple_GET_SIZE(plans) != NUM_TYPES) {
         PyErr_SetString(PyExc_ValueError, "one plan per command type expected");
         return NULL;
@@ -1863,6 +1910,7 @@ static int rn_n[NUM_TYPES], rn_slot[NUM_TYPES][7];   /* the SUBMATRIX slots of e
 static int rn_configured = 0;
 static PyTypeObject *subinfo_type = NULL;
 
+
 static int set_cmd_attr(PyObject *o, int slot, long value) {
     /* command o's argument slot (0-based) = value */
     PyObject *v = PyLong_FromLong(value);
@@ -2132,7 +2180,7 @@ static PyObject *py_configure_command(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"merge", py_merge, METH_VARARGS,
      "merge(commands, submatrices, matrices, props, accesses_of, options, by_number)"},
-    {"configure", py_configure, METH_VARARGS, "configure(plans, property_bits)"},
+    {"configure", py_configure, METH_VARARGS, "configure(plans, property_bits, no_operation)"},
     {"renumber_submatrices", py_renumber_submatrices, METH_VARARGS,
      "renumber_submatrices(commands, submatrices, num_matrices, indexes_multi, order_key)"},
     {"configure_renumber", py_configure_renumber, METH_VARARGS,

@@ -216,13 +216,23 @@ def test_an_argument_out_of_range_is_left_to_python():
 
 
 @needs_native
-def test_the_computation_given_is_not_changed():
-    """native_rounds only reads: the edits come back for _apply_native to make."""
+def test_a_computation_left_to_python_is_not_changed():
+    """When the C rounds answer None the computation is as it was (the Python rounds then
+    run on it); when they merge, they make the merges themselves."""
+    nnet, comp = _small_case()
+    cmds = comp.commands
+    alloc = next(i for i, c in enumerate(cmds) if c.command_type == CommandType.ALLOC_MATRIX)
+    cmds.insert(alloc + 1, Command.make(CommandType.ALLOC_MATRIX, cmds[alloc].arg1))
+    before = _data(comp)
+    assert vm.native_rounds(comp, OptimizeOptions(), ComponentProperties(nnet), False) is None
+    assert _data(comp) == before
     nnet, comp = _small_case()
     before = _data(comp)
     out = vm.native_rounds(comp, OptimizeOptions(), ComponentProperties(nnet), False)
     assert out is not None and out is not False
-    assert _data(comp) == before
+    commands, _, _, key = out
+    assert _data(comp) != before and len(key) == len(comp.submatrices)
+    assert all(c.command_type != CommandType.NO_OPERATION for c in commands)
 
 
 def test_an_argument_left_out_is_no_submatrix():

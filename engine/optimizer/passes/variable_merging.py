@@ -45,10 +45,11 @@ Rounds are Kaldi's, computed with less work and the same result:
 With the default options (remove_unnecessary_zeroing next), the rounds and the
 zeroing decisions run in C when the extension is built (engine.optimizer.native,
 ``native_rounds``): the same decisions on the same data held as flat arrays,
-about ten times faster.  This module stays the reference: the C code hands back
-the edits for ``_apply_native`` to make, or None when the computation holds
-something it leaves to Python (an error the analysis reports, a zeroing only the
-per-variable access lists decide), and the Python rounds then run.
+about ten times faster.  This module stays the reference: the C code makes the
+merges once everything is decided and hands back what ``_apply_native`` needs, or
+answers None, the computation untouched, when it holds something the C code
+leaves to Python (an error the analysis reports, a zeroing only the per-variable
+access lists decide), and the Python rounds then run.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ from engine.optimizer import native
 from engine.optimizer.analysis import (CT, Analyzer, ComponentProperties, ComputationAnalysis,
                                        _accesses_of, native_plans)
 from engine.optimizer.passes.initialize_undefined import unnecessary_zeroings
-from engine.optimizer.passes.remove_no_ops import remove_no_ops, remove_no_ops_from
+from engine.optimizer.passes.remove_no_ops import (fix_goto_label, remove_no_ops,
+                                                   remove_no_ops_from)
 from engine.optimizer.pipeline import removes_unnecessary_zeroing
 from engine.optimizer.passes.renumber import (renumber_computation, renumber_with_maps,
                                               submatrix_info)
@@ -72,7 +74,8 @@ _PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE = int(P.PROPAGATE_IN_PLACE), int(P.BACKP
 _FIRST = itemgetter(0)
 if native.EXTENSION is not None:   # the access plans of the analysis, for the C rounds
     native.EXTENSION.configure(native_plans(), (_PROPAGATE_IN_PLACE, _BACKPROP_IN_PLACE,
-                                             int(P.PROPAGATE_ADDS), int(P.BACKPROP_ADDS)))
+                                                int(P.PROPAGATE_ADDS), int(P.BACKPROP_ADDS)),
+                               CT.NO_OPERATION)
 
 
 
@@ -454,40 +457,34 @@ def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
 
 
 def native_rounds(computation: NnetComputation, options, props, due: bool):
-    """The rounds of ``_merge_rounds`` and the zeroing decisions after them, in C,
-    on ``computation`` as it is (left unchanged): False when nothing merges,
-    None when the Python pass must decide, else the edits for ``_apply_native``:
-    (moved submatrices as (s, matrix, row offset, rows, column offset, columns),
-    commands that became kNoOperation, merged copies (their arguments go),
-    matrices that became of stride equal to their columns, the zeroings that
-    remove_unnecessary_zeroing drops, the ``_SubmatrixOrder`` key)."""
+    """The rounds of ``_merge_rounds`` and the zeroing decisions after them, in C:
+    False when nothing merges (the computation unchanged), None when the Python pass
+    must decide (unchanged too), else the merges made -- submatrices moved, commands
+    turned into kNoOperation, merged copies' arguments cleared, as the Python rounds
+    make them -- and (the commands without the no-ops, the matrices that became of
+    stride equal to their columns, the zeroing commands remove_unnecessary_zeroing
+    drops, the ``_SubmatrixOrder`` key) for ``_apply_native``."""
     c = computation
     o = options
     return native.NATIVE.merge(c.commands, c.submatrices, c.matrices, props,
-                        lambda cmd: _accesses_of(cmd, c, props),
-                        (o.remove_assignments, o.propagate_in_place, o.backprop_in_place,
-                         o.allow_left_merge, o.allow_right_merge), not due)
+                               lambda cmd: _accesses_of(cmd, c, props),
+                               (o.remove_assignments, o.propagate_in_place, o.backprop_in_place,
+                                o.allow_left_merge, o.allow_right_merge), not due)
 
 
 def _apply_native(computation: NnetComputation, ctx, edits) -> bool:
-    """Make the edits of ``native_rounds`` and what ``_merge_rounds`` does after its
-    rounds when remove_unnecessary_zeroing runs next."""
+    """What ``_merge_rounds`` does after its rounds when remove_unnecessary_zeroing runs
+    next, on the result of ``native_rounds``."""
     if edits is False:
         return False
-    moved, noops, cleared, strides, zeroings, key = edits
-    subs, cmds, mats = computation.submatrices, computation.commands, computation.matrices
-    for s, m, ro, nr, co, nc in moved:
-        subs[s] = submatrix_info((m, ro, nr, co, nc))
-    noop = CT.NO_OPERATION
-    for ci in noops:
-        cmds[ci].command_type = noop
-    for ci in cleared:
-        cmd = cmds[ci]
-        cmd.arg1 = cmd.arg2 = -1
+    commands, strides, gone, key = edits
+    mats = computation.matrices
     for m in strides:
         mats[m] = mats[m]._replace(stride_type=K_STRIDE_EQUAL_NUM_COLS)
-    gone = [cmds[z] for z in zeroings]
-    remove_no_ops(computation)
+    shorter = len(commands) != len(computation.commands)
+    computation.commands = commands   # (remove_no_ops)
+    if shorter:
+        fix_goto_label(computation)
     renumber_with_maps(computation, submatrix_order=key)
     ctx.zeroings = (computation, len(computation.commands), gone)
     return True
