@@ -1,16 +1,26 @@
-/* Variable merging rounds in C: the native form of
- * engine/optimizer/passes/variable_merging.py (_merge_rounds, with the
- * analysis of engine/optimizer/analysis.py and the zeroing decisions of
- * engine/optimizer/passes/initialize_undefined.py that follow it).
+/* The optimizer's busiest passes in C (engine.optimizer._native, loaded by
+ * engine/optimizer/native.py):
  *
- * The Python pass is the reference: this file decides the same merges on the
- * same data, held as flat int arrays instead of lists of tuples.  It reads
- * the computation (commands, submatrices, matrices) and edits nothing: it
- * returns the edits for the caller to apply.  Whenever something is outside
- * what it handles -- an error the Python analysis would report, a zeroing
- * only the per-variable lists can decide -- it returns None and the caller
- * runs the Python pass, which then reports or decides it.  See
- * variable_merging.native_rounds for the interface.
+ *   merge                 variable merging's rounds (passes/variable_merging.py,
+ *                         _merge_rounds), with the analysis they run on (analysis.py)
+ *                         and the zeroing decisions after them
+ *                         (passes/initialize_undefined.py, unnecessary_zeroings)
+ *   convert_addition      passes/convert_addition.py
+ *   extend_matrices       passes/extend_matrices.py (_extend, _fix_computation)
+ *   move_sizing_commands  passes/move_sizing_commands.py
+ *   allocation_pairs      passes/allocate_from_other.py (the pairs)
+ *   renumber_submatrices  passes/renumber.py (the submatrix and matrix part)
+ *
+ * The Python passes are the reference: each function here decides the same things on
+ * the same data, held as flat int arrays instead of lists of tuples.  Each reads the
+ * computation first; whenever something is outside what it handles -- an error the
+ * Python pass would report, a zeroing only the per-variable lists can decide, a value
+ * out of range -- it returns None before changing anything, and the caller runs the
+ * Python form, which then reports or decides it.  Most hand back what to change; merge
+ * and renumber_submatrices make their edits themselves once every new object exists.
+ * The GIL is held throughout (the only calls back into Python are reads and the
+ * accesses_of callback, none of them during a sort).
+ * tests/engine/test_native_passes.py compares the optimized computations of both forms.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
