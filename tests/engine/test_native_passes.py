@@ -27,10 +27,9 @@ import engine.optimizer.passes.variable_merging as vm
 from engine.optimizer import native
 from engine.compiler.compiler import CompilerOptions, compile_computation
 from engine.compiler.computation import Command, CommandType
-from engine.compiler.request import ComputationRequest, IoSpecification
+from engine.compiler.request import ComputationRequest
 from engine.compiler.serialize import computation_to_data
 from engine.core.errors import CheckError
-from engine.core.index import Index
 from engine.nnet.model_io import load_model, load_nnet
 from engine.nnet.random_config import GenerationOptions, generate_config_sequence, random_request
 from engine.optimizer import OptimizeOptions
@@ -151,16 +150,6 @@ def test_same_computation_on_the_reference_networks(case, monkeypatch):
     assert py == c
 
 
-def _chunk_request(nnet, left: int, right: int, chunk: int, batch: int) -> ComputationRequest:
-    inputs = [IoSpecification("input", [Index(n, t, 0) for n in range(batch)
-                                        for t in range(-left, chunk + right)])]
-    if nnet.get_node_index("ivector") >= 0:
-        inputs.append(IoSpecification("ivector", [Index(n, 0, 0) for n in range(batch)]))
-    outputs = [IoSpecification("output", [Index(n, t, 0) for n in range(batch)
-                                          for t in range(chunk)])]
-    return ComputationRequest(inputs, outputs)
-
-
 def _models() -> list[Path]:
     out = list(shared_models())
     v = vosk_mdl()
@@ -173,10 +162,9 @@ def _models() -> list[Path]:
 @pytest.mark.parametrize("model", _models(), ids=lambda p: p.parent.name)
 @pytest.mark.parametrize("chunk,batch", [(21, 1), (21, 8), (150, 1)])
 def test_same_computation_on_the_models_at_chunk_requests(model, chunk, batch, monkeypatch):
-    from engine.inference.common import simple_context  # noqa: PLC0415
+    from bench.common import chunk_request  # noqa: PLC0415  (the benchmarks' chunk requests)
     nnet = load_model(str(model)).nnet
-    left, right = simple_context(nnet)
-    req = _chunk_request(nnet, left, right, chunk, batch)
+    req = chunk_request(nnet, chunk, batch)
     comp = compile_computation(nnet, [req], CompilerOptions())
     py, c = _both(nnet, comp, req, None, monkeypatch)
     assert py == c
