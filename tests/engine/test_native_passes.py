@@ -45,10 +45,29 @@ MERGE_SWITCHES = ("remove_assignments", "propagate_in_place", "backprop_in_place
                   "allow_left_merge", "allow_right_merge")
 
 
+def _can_build() -> str | None:
+    """Why this machine cannot build the extension (no C compiler, no Python headers), or
+    None when it can."""
+    import shutil  # noqa: PLC0415
+    import sysconfig  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        return f"no C compiler ({cc})"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return "no Python headers (Python.h)"
+    return None
+
+
 def test_the_extension_is_built_and_used():
-    """An install with a C compiler (CI, the Dockerfile) builds it: without it every
-    compile takes the Python passes, about a third slower."""
-    assert NATIVE is not None, "engine.optimizer._native was not built"
+    """An install on a machine that can build it (CI, the Dockerfiles) builds it: without
+    it every compile takes the Python passes, about a third slower.  (Where it cannot be
+    built, pip goes on without it and so does this suite.)"""
+    why = _can_build()
+    if why is not None and native.EXTENSION is None:
+        pytest.skip(f"the C extension cannot be built here: {why}")
+    assert native.EXTENSION is not None, "engine.optimizer._native was not built"
+    assert native.NATIVE is native.EXTENSION
 
 
 class _Counting:
