@@ -78,8 +78,6 @@ if native.EXTENSION is not None:   # the access plans of the analysis, for the C
                                CT.NO_OPERATION)
 
 
-
-
 class VariableMergingOptimizer:
     """One round (Kaldi's VariableMergingOptimizer::MergeVariables) on an analysis
     of the computation as the round starts."""
