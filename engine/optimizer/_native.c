@@ -1979,7 +1979,7 @@ static PyObject *py_renumber_submatrices(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!O!nO!O", &PyList_Type, &commands, &PyList_Type, &subs, &nm,
                           &PyList_Type, &table, &order))
         return NULL;
-    if (!rn_configured || !cmd_type) {
+    if (!rn_configured) {   /* (without configure_command every slot goes through setattr) */
         PyErr_SetString(PyExc_RuntimeError, "_native.configure_renumber() was not called");
         return NULL;
     }

@@ -284,3 +284,25 @@ def test_the_switch_turns_the_c_passes_off_and_on(monkeypatch):
     assert native.NATIVE is None and not native.enabled()
     native.set_enabled(True)
     assert native.NATIVE is NATIVE and native.enabled()
+
+
+@needs_native
+def test_commands_of_another_class_go_through_getattr_and_setattr(monkeypatch):
+    """The C passes read and write Command's slots directly; commands of any other class
+    (here a subclass) are read and written through getattr/setattr, with the same result."""
+    from engine.compiler.computation import Command as Base  # noqa: PLC0415
+
+    class Other(Base):
+        __slots__ = ()
+
+    for case in _reference_cases()[:12]:
+        nnet = load_nnet(case / "model.txt")
+        req = ComputationRequest.from_json((case / "request.json").read_bytes())
+        plain = compile_computation(nnet, [req], CompilerOptions())
+        other = compile_computation(nnet, [req], CompilerOptions())
+        for c in other.commands:
+            c.__class__ = Other
+        monkeypatch.setattr(native, "NATIVE", NATIVE)
+        a, _ = run_passes(plain, nnet, None, req)
+        b, _ = run_passes(other, nnet, None, req)
+        assert _data(a) == _data(b), case.name
