@@ -182,21 +182,31 @@ def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] 
     if native.NATIVE is not None:
         core = native.NATIVE.renumber_submatrices(c.commands, c.submatrices, len(c.matrices),
                                                   c.indexes_multi, submatrix_order)
-    if core is not None:
-        sub_changed, mat_changed, new_subs, matrix_used, sub_source, old_to_new = core
-        if sub_changed:   # (the commands' submatrix slots are renumbered already)
-            c.indexes_multi = [[(old_to_new[s], r) if s > 0 else (s, r) for s, r in lst]
-                               for lst in c.indexes_multi]
-        if sub_changed or mat_changed:
-            c.submatrices = new_subs
-        else:
-            matrix_used, sub_source = [True] * len(c.matrices), list(range(len(c.submatrices)))
-        if mat_changed:
-            c.matrices = [m for m, u in zip(c.matrices, matrix_used) if u]
-            if c.matrix_debug_info:
-                c.matrix_debug_info = [d for d, u in zip(c.matrix_debug_info, matrix_used) if u]
-        return _renumber_rest(c, refs, multi_refs, changed or sub_changed or mat_changed,
-                              matrix_used, sub_source)
+    if core is None:
+        core = _renumber_submatrices(c, refs, submatrix_order)
+    # (the commands' submatrix slots are renumbered already)
+    sub_changed, mat_changed, new_subs, matrix_used, sub_source, old_to_new = core
+    if sub_changed:
+        c.indexes_multi = [[(old_to_new[s], r) if s > 0 else (s, r) for s, r in lst]
+                           for lst in c.indexes_multi]
+    if sub_changed or mat_changed:
+        c.submatrices = new_subs
+    else:   # (the C core leaves out the lists when nothing changed)
+        matrix_used, sub_source = [True] * len(c.matrices), list(range(len(c.submatrices)))
+    if mat_changed:
+        c.matrices = [m for m, u in zip(c.matrices, matrix_used) if u]
+        if c.matrix_debug_info:
+            c.matrix_debug_info = [d for d, u in zip(c.matrix_debug_info, matrix_used) if u]
+    return _renumber_rest(c, refs, multi_refs, changed or sub_changed or mat_changed,
+                          matrix_used, sub_source)
+
+
+def _renumber_submatrices(c: NnetComputation, refs: _Refs, submatrix_order: list[int] | None
+                          ) -> tuple:
+    """The submatrix and matrix part of ``renumber_with_maps`` (its C form:
+    engine/optimizer/_native.c, renumber_submatrices): renumbers the commands'
+    submatrix slots and returns (submatrices changed, matrices changed, the new
+    submatrix list, matrix_used, sub_source, old -> new submatrix number)."""
     # which submatrices are referred to, from commands and from indexes_multi,
     # and the matrices they are on
     sub_refs = refs.of(ArgKind.SUBMATRIX)
@@ -228,15 +238,12 @@ def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] 
     old_to_new_sub[-1] = -1
     old_to_new_sub[0] = 0 if nsub else -1
     sub_changed = len(new_subs) != nsub or new_numbers != kept
-    num_kept = sum(matrix_used)
-    mat_changed = num_kept != len(c.matrices)
+    mat_changed = sum(matrix_used) != len(c.matrices)
     if sub_changed:
         if refd and refd[0] < -1:
             _Refs.remap(sub_refs, old_to_new_sub, positive_only=True)
         else:
             _Refs.remap(sub_refs, old_to_new_sub)
-        c.indexes_multi = [[(old_to_new_sub[s], r) if s > 0 else (s, r) for s, r in lst]
-                           for lst in c.indexes_multi]
     if mat_changed:
         # kept matrices before each one: the new number of a kept matrix
         new_matrix = list(accumulate(matrix_used, initial=0))
@@ -244,17 +251,10 @@ def renumber_with_maps(computation: NnetComputation, submatrix_order: list[int] 
                         submatrix_info((new_matrix[info[0]], info[1], info[2], info[3],
                                         info[4]))
                         for info in new_subs[1:]]
-    if sub_changed or mat_changed:
-        c.submatrices = new_subs
-    if mat_changed:
-        c.matrices = [m for m, u in zip(c.matrices, matrix_used) if u]
-        if c.matrix_debug_info:
-            c.matrix_debug_info = [d for d, u in zip(c.matrix_debug_info, matrix_used) if u]
-    changed |= sub_changed or mat_changed
     # the first kept submatrix of each new number
     first = dict(zip(reversed(new_numbers), reversed(kept)))
-    return _renumber_rest(c, refs, multi_refs, changed, matrix_used,
-                          [0, *map(first.__getitem__, range(base, len(new_subs)))])
+    return (sub_changed, mat_changed, new_subs, matrix_used,
+            [0, *map(first.__getitem__, range(base, len(new_subs)))], old_to_new_sub)
 
 
 def _renumber_rest(c: NnetComputation, refs: _Refs, multi_refs: list, changed: bool,
