@@ -52,17 +52,19 @@ static long prop_propagate_in_place, prop_backprop_in_place, prop_propagate_adds
 static int configured = 0;
 
 static PyObject *s_type, *s_alpha, *s_args[7];
+/* a command's attributes in Command's field order: command_type, alpha, arg1..arg7 */
+static PyObject *attr_names[9];
 
-/* The attributes of engine.compiler.computation.Command (a slotted dataclass) read
- * straight from their slots (configure_command), anything else through getattr */
+/* The attributes of engine.compiler.computation.Command (a slotted dataclass) are read
+ * and written straight in their slots (configure_command), anything else's through
+ * getattr / setattr */
 static PyTypeObject *cmd_type = NULL;
-static PyObject *slot_names[9];
 static Py_ssize_t slot_offsets[9];
 
 static PyObject *cmd_attr(PyObject *o, PyObject *name) {
     if (Py_TYPE(o) == cmd_type) {
         for (int i = 0; i < 9; i++) {
-            if (slot_names[i] == name) {
+            if (attr_names[i] == name) {
                 PyObject *v = *(PyObject **)((char *)o + slot_offsets[i]);
                 if (!v) break;   /* unset: getattr raises the AttributeError */
                 Py_INCREF(v);
@@ -73,25 +75,57 @@ static PyObject *cmd_attr(PyObject *o, PyObject *name) {
     return PyObject_GetAttr(o, name);
 }
 
-/* defined with the renumbering below */
-static PyTypeObject *subinfo_type;
-static PyObject *new_subinfo(const int *v);
-static int set_cmd_attr(PyObject *o, int slot, long value);
-/* CommandType.NO_OPERATION (configure) */
-static PyObject *no_op_obj = NULL;
-
-static int set_cmd_type(PyObject *o, PyObject *value) {
-    /* command o's command_type = value */
+/* command o's attribute i (attr_names) = v, a reference stolen; 0 or -1 */
+static int store_attr(PyObject *o, int i, PyObject *v) {
+    if (!v) return -1;
     if (Py_TYPE(o) == cmd_type) {
-        PyObject **p = (PyObject **)((char *)o + slot_offsets[0]);
+        PyObject **p = (PyObject **)((char *)o + slot_offsets[i]);
         PyObject *old = *p;
-        Py_INCREF(value);
-        *p = value;
+        *p = v;
         Py_XDECREF(old);
         return 0;
     }
-    return PyObject_SetAttr(o, s_type, value);
+    int r = PyObject_SetAttr(o, attr_names[i], v);
+    Py_DECREF(v);
+    return r;
 }
+
+/* the first k items of t, a tuple of k items (of at least k unless exact), as longs:
+ * OK, FALLBACK (not such a tuple: the Python pass decides) or ERR (a Python error) */
+#define OK 0
+#define FALLBACK 1
+#define ERR -1
+static int read_ints(PyObject *t, int k, int exact, long *v) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < k || (exact && PyTuple_GET_SIZE(t) != k))
+        return FALLBACK;
+    for (int i = 0; i < k; i++) v[i] = PyLong_AsLong(PyTuple_GET_ITEM(t, i));
+    return PyErr_Occurred() ? ERR : OK;
+}
+
+/* a command's alpha as a double: OK or ERR */
+static int cmd_alpha(PyObject *cmd, double *alpha) {
+    PyObject *a = cmd_attr(cmd, s_alpha);
+    if (!a) return ERR;
+    *alpha = PyFloat_AsDouble(a);
+    Py_DECREF(a);
+    return *alpha == -1.0 && PyErr_Occurred() ? ERR : OK;
+}
+
+/* a tuple of k ints, of the tuple subclass `type` (NULL: a plain tuple) */
+static PyObject *ints_tuple(PyTypeObject *type, const int *v, int k) {
+    PyObject *t = type ? type->tp_alloc(type, k) : PyTuple_New(k);
+    if (!t) return NULL;
+    for (int i = 0; i < k; i++) {
+        PyObject *x = PyLong_FromLong(v[i]);
+        if (!x) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, i, x);
+    }
+    return t;
+}
+
+/* SubMatrixInfo (configure_renumber) and CommandType.NO_OPERATION (configure) */
+static PyTypeObject *subinfo_type = NULL;
+static PyObject *no_op_obj = NULL;
 
 /* -- growable arrays ---------------------------------------------------------------- */
 
@@ -187,11 +221,6 @@ static void m_free(M *m) {
     free(m->keeps.d); free(m->is_cand); free(m->is_settled); free(m->key);
 }
 
-/* status codes: OK, FALLBACK (let the Python pass run), ERR (a Python error is set) */
-#define OK 0
-#define FALLBACK 1
-#define ERR -1
-
 static long as_long(PyObject *o, int *err) {
     if (!o) { *err = 1; return 0; }
     long v = PyLong_AsLong(o);
@@ -217,11 +246,8 @@ static int get_arg(M *m, PyObject *cmd, Py_ssize_t c, int i) {
 }
 
 static int read_alpha(M *m, PyObject *cmd, Py_ssize_t c) {
-    PyObject *a = cmd_attr(cmd, s_alpha);
-    if (!a) return ERR;
-    double v = PyFloat_AsDouble(a);
-    Py_DECREF(a);
-    if (v == -1.0 && PyErr_Occurred()) return ERR;
+    double v;
+    if (cmd_alpha(cmd, &v)) return ERR;
     m->alpha0[c] = v == 0.0;
     m->alpha1[c] = v == 1.0;
     return OK;
@@ -263,23 +289,16 @@ static int m_read(M *m, PyObject *commands, PyObject *subs, PyObject *mats) {
     for (Py_ssize_t i = 0; i < n * 7; i++) m->arg[i] = -2;   /* not read yet */
     for (Py_ssize_t i = 0; i < n; i++) m->cprops[i] = -1;
     for (Py_ssize_t j = 0; j < nm; j++) {
-        PyObject *mi = PyList_GET_ITEM(mats, j);
-        if (!PyTuple_Check(mi) || PyTuple_GET_SIZE(mi) < 3) return FALLBACK;
-        int err = 0;
-        long r = PyLong_AsLong(PyTuple_GET_ITEM(mi, 0));
-        long c = PyLong_AsLong(PyTuple_GET_ITEM(mi, 1));
-        long st = PyLong_AsLong(PyTuple_GET_ITEM(mi, 2));
-        if (PyErr_Occurred()) return ERR;
-        (void)err;
-        m->rows[j] = (int)r; m->cols[j] = (int)c; m->stride[j] = m->stride0[j] = (int)st;
+        long v[3];
+        int rc = read_ints(PyList_GET_ITEM(mats, j), 3, 0, v);
+        if (rc) return rc;
+        m->rows[j] = (int)v[0]; m->cols[j] = (int)v[1]; m->stride[j] = m->stride0[j] = (int)v[2];
         m->alloc[j] = m->dealloc[j] = -1;
     }
     for (Py_ssize_t s = 1; s < ns; s++) {
-        PyObject *si = PyList_GET_ITEM(subs, s);
-        if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) return FALLBACK;
         long v[5];
-        for (int k = 0; k < 5; k++) v[k] = PyLong_AsLong(PyTuple_GET_ITEM(si, k));
-        if (PyErr_Occurred()) return ERR;
+        int rc = read_ints(PyList_GET_ITEM(subs, s), 5, 1, v);
+        if (rc) return rc;
         if (!(0 < v[0] && v[0] < nm)) return FALLBACK;   /* the analysis reports it */
         int mm = (int)v[0];
         m->sm[s] = m->sm0[s] = mm; m->sro[s] = m->sro0[s] = (int)v[1];
@@ -440,12 +459,14 @@ static int overlaps(int R0, int R1, int C0, int C1, const entry *e) {
     return e->r0 < R1 && R0 < e->r1 && e->c0 < C1 && C0 < e->c1;
 }
 
-static int same_sub(M *m, int s, int t) {
-    if (s == t) return 1;
-    if (m->by_number) return 0;
-    if (s <= 0 || t <= 0) return 0;
+static int same_extent(M *m, int s, int t) {
     return m->sm[s] == m->sm[t] && m->sro[s] == m->sro[t] && m->snr[s] == m->snr[t]
         && m->sco[s] == m->sco[t] && m->snc[s] == m->snc[t];
+}
+
+static int same_sub(M *m, int s, int t) {
+    if (s == t) return 1;
+    return !m->by_number && s > 0 && t > 0 && same_extent(m, s, t);
 }
 
 static int is_dirty(M *m, int s) {
@@ -720,13 +741,6 @@ static int reanalyze(M *m, char *used, char *touched, ivec *touched_list) {
         PyObject *cmd = PyList_GET_ITEM(m->commands, c);
         int s = get_arg(m, cmd, c, 0);
         if (s == -3) { rc = ERR; goto out; }
-        if ((t == ALLOC_MATRIX || t == DEALLOC_MATRIX) && whole_matrix(m, s) >= 0) {
-            int mm = m->as2m[s];
-            if (!m->in_group[mm]) continue;
-            used[s] = 1;
-            if (t == ALLOC_MATRIX && m->alloc[mm] == -1) { m->alloc[mm] = c; continue; }
-            if (t == DEALLOC_MATRIX && m->dealloc[mm] == -1) { m->dealloc[mm] = c; continue; }
-        }
         rc = life_apply(m, c, 1);
         if (rc) goto out;
         int ss[2] = {s, -1}, k2 = 1;
@@ -761,11 +775,6 @@ static int cmp_sub(const void *x, const void *y) {
     for (int k = 0; k < 5; k++)
         if (a[k] != b[k]) return (a[k] > b[k]) - (a[k] < b[k]);
     return (s > t) - (s < t);
-}
-
-static int same_extent(M *m, int s, int t) {
-    return m->sm[s] == m->sm[t] && m->sro[s] == m->sro[t] && m->snr[s] == m->snr[t]
-        && m->sco[s] == m->sco[t] && m->snc[s] == m->snc[t];
 }
 
 /* the submatrices the commands touching matrix mm refer to (_SubmatrixOrder._in_use) */
@@ -1068,7 +1077,7 @@ static PyObject *results(M *m, ivec *zs) {
         if (m->sm[s] == m->sm0[s] && m->sro[s] == m->sro0[s] && m->sco[s] == m->sco0[s])
             continue;
         int v[5] = {m->sm[s], m->sro[s], m->snr[s], m->sco[s], m->snc[s]};
-        infos[s] = new_subinfo(v);
+        infos[s] = ints_tuple(subinfo_type, v, 5);
         if (!infos[s]) goto fail;
     }
     for (Py_ssize_t i = 0; i < m->n; i++)
@@ -1095,8 +1104,9 @@ static PyObject *results(M *m, ivec *zs) {
         }
     for (Py_ssize_t i = 0; i < m->n; i++) {
         PyObject *cmd = PyList_GET_ITEM(m->commands, i);
-        if (m->ct[i] != m->ct0[i] && set_cmd_type(cmd, no_op_obj)) goto fail_after;
-        if (m->cleared[i] && (set_cmd_attr(cmd, 0, -1) || set_cmd_attr(cmd, 1, -1)))
+        if (m->ct[i] != m->ct0[i] && store_attr(cmd, 0, Py_NewRef(no_op_obj))) goto fail_after;
+        if (m->cleared[i] && (store_attr(cmd, 2, PyLong_FromLong(-1))
+                              || store_attr(cmd, 3, PyLong_FromLong(-1))))
             goto fail_after;
     }
     goto fail;   /* (releases the references either way) */
@@ -1267,12 +1277,10 @@ static int t_info(Touched *t, int s) {
     /* the extent of submatrix s, read once; 1 when it is not a valid one */
     int *x = &t->info[5 * s];
     if (x[0]) return 0;
-    PyObject *si = PyList_GET_ITEM(t->subs, s);
-    if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) return 1;
     long v[5];
-    for (int k = 0; k < 5; k++) v[k] = PyLong_AsLong(PyTuple_GET_ITEM(si, k));
-    if (PyErr_Occurred()) { PyErr_Clear(); return 1; }
-    if (v[0] <= 0 || v[0] >= t->nm) return 1;
+    int rc = read_ints(PyList_GET_ITEM(t->subs, s), 5, 1, v);
+    if (rc == ERR) PyErr_Clear();
+    if (rc || v[0] <= 0 || v[0] >= t->nm) return 1;
     x[0] = (int)v[0]; x[1] = (int)v[1]; x[2] = (int)(v[1] + v[2]);
     x[3] = (int)v[3]; x[4] = (int)(v[3] + v[4]);
     return 0;
@@ -1375,11 +1383,7 @@ static PyObject *py_convert_addition(PyObject *self, PyObject *args) {
         if (!ca_kind[ct]) continue;
         double alpha = 1.0;
         if (ct == SET_CONST || ct == ADD_TO_ROWS_MULTI) {
-            PyObject *a = cmd_attr(cmd, s_alpha);
-            if (!a) goto done;
-            alpha = PyFloat_AsDouble(a);
-            Py_DECREF(a);
-            if (alpha == -1.0 && PyErr_Occurred()) goto done;
+            if (cmd_alpha(cmd, &alpha)) goto done;
             if (ct == SET_CONST && alpha == 0.0) continue;   /* a zeroing does not count */
         }
         ivec *multi = NULL;
@@ -1476,17 +1480,6 @@ static int sv_push(svec *v, int m, int ro, int nr, int co, int nc) {
     return 0;
 }
 
-static PyObject *tuple_of(const int *v, int k) {
-    PyObject *t = PyTuple_New(k);
-    if (!t) return NULL;
-    for (int i = 0; i < k; i++) {
-        PyObject *x = PyLong_FromLong(v[i]);
-        if (!x) { Py_DECREF(t); return NULL; }
-        PyTuple_SET_ITEM(t, i, x);
-    }
-    return t;
-}
-
 /* extend_matrices(commands, submatrices, matrices, min_proportion): None (leave it to
  * Python), or (new submatrices to append as (m, ro, nr, co, nc), matrices that grew as
  * (m, rows before, rows now), copies pointed at new submatrices as (c, arg1, arg2),
@@ -1515,19 +1508,18 @@ static PyObject *py_extend_matrices(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t j = 0; j < nm; j++) {
-        PyObject *mi = PyList_GET_ITEM(mats, j);
-        if (!PyTuple_Check(mi) || PyTuple_GET_SIZE(mi) < 2) { fallback = 1; goto done; }
-        rows[j] = rows0[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(mi, 0));
-        cols[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(mi, 1));
-        if (PyErr_Occurred()) goto done;
+        long v[2];
+        int rc = read_ints(PyList_GET_ITEM(mats, j), 2, 0, v);
+        if (rc == ERR) goto done;
+        if (rc) { fallback = 1; goto done; }
+        rows[j] = rows0[j] = (int)v[0];
+        cols[j] = (int)v[1];
     }
     for (Py_ssize_t s = 0; s < ns0; s++) {
-        PyObject *si = PyList_GET_ITEM(subs, s);
-        if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) { fallback = 1; goto done; }
         long v[5];
-        for (int k = 0; k < 5; k++) v[k] = PyLong_AsLong(PyTuple_GET_ITEM(si, k));
-        if (PyErr_Occurred()) goto done;
-        if (v[0] < 0 || v[0] >= nm) { fallback = 1; goto done; }
+        int rc = read_ints(PyList_GET_ITEM(subs, s), 5, 1, v);
+        if (rc == ERR) goto done;
+        if (rc || v[0] < 0 || v[0] >= nm) { fallback = 1; goto done; }
         if (sv_push(&sv, (int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4])) {
             PyErr_NoMemory(); goto done;
         }
@@ -1540,11 +1532,8 @@ static PyObject *py_extend_matrices(PyObject *self, PyObject *args) {
         ct[c] = (int)t;
         if (t == SWAP_MATRIX) { fallback = 1; goto done; }   /* Python reports it */
         if (t == MATRIX_COPY || t == SET_CONST) {
-            PyObject *a = cmd_attr(cmd, s_alpha);
-            if (!a) goto done;
-            double al = PyFloat_AsDouble(a);
-            Py_DECREF(a);
-            if (al == -1.0 && PyErr_Occurred()) goto done;
+            double al;
+            if (cmd_alpha(cmd, &al)) goto done;
             alpha1[c] = al == 1.0;
             zeroing[c] = t == SET_CONST && al == 0.0;
         }
@@ -1626,26 +1615,26 @@ static PyObject *py_extend_matrices(PyObject *self, PyObject *args) {
         if (!new_subs || !gl || !cl || !el) goto build_fail;
         for (Py_ssize_t s = ns0; s < sv.n; s++) {
             int v[5] = {sv.d[s].m, sv.d[s].ro, sv.d[s].nr, sv.d[s].co, sv.d[s].nc};
-            PyObject *t = tuple_of(v, 5);
+            PyObject *t = ints_tuple(NULL, v, 5);
             if (!t) goto build_fail;
             PyList_SET_ITEM(new_subs, s - ns0, t);
         }
         for (Py_ssize_t i = 0; i < grown_list.n; i++) {
             int m = grown_list.d[i];
             int v[3] = {m, rows0[m], rows[m]};
-            PyObject *t = tuple_of(v, 3);
+            PyObject *t = ints_tuple(NULL, v, 3);
             if (!t) goto build_fail;
             PyList_SET_ITEM(gl, i, t);
         }
         for (Py_ssize_t i = 0; i < copies.n; i++) {
             int c = copies.d[i];
             int v[3] = {c, a1[c], a2[c]};
-            PyObject *t = tuple_of(v, 3);
+            PyObject *t = ints_tuple(NULL, v, 3);
             if (!t) goto build_fail;
             PyList_SET_ITEM(cl, i, t);
         }
         for (Py_ssize_t i = 0; i < edits.n / 2; i++) {
-            PyObject *t = tuple_of(&edits.d[2 * i], 2);
+            PyObject *t = ints_tuple(NULL, &edits.d[2 * i], 2);
             if (!t) goto build_fail;
             PyList_SET_ITEM(el, i, t);
         }
@@ -1677,12 +1666,22 @@ static int cmp_keyed(const void *x, const void *y) {
 static int sub_matrix(PyObject *subs, Py_ssize_t nm, int s, int *mcache) {
     if (s <= 0 || s >= PyList_GET_SIZE(subs)) return -1;
     if (mcache[s] != -2) return mcache[s];
-    PyObject *si = PyList_GET_ITEM(subs, s);
-    if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) return -1;
-    long m = PyLong_AsLong(PyTuple_GET_ITEM(si, 0));
-    if (m == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
-    mcache[s] = (m > 0 && m < nm) ? (int)m : -1;
+    long v[5];
+    int rc = read_ints(PyList_GET_ITEM(subs, s), 5, 1, v);
+    if (rc == ERR) PyErr_Clear();
+    if (rc) return -1;
+    mcache[s] = (v[0] > 0 && v[0] < nm) ? (int)v[0] : -1;
     return mcache[s];
+}
+
+/* command i accesses matrix m (-1: not a valid submatrix's, 1 returned): the first,
+ * second and last commands to access each matrix */
+static int accessed(int m, int i, int *first, int *second, int *last) {
+    if (m < 0) return 1;
+    if (first[m] == -1) first[m] = i;
+    else if (first[m] != i && second[m] == -1) second[m] = i;
+    last[m] = i;
+    return 0;
 }
 
 /* move_sizing_commands(commands, submatrices, num_matrices, indexes_multi): the commands
@@ -1741,41 +1740,31 @@ static PyObject *py_move_sizing(PyObject *self, PyObject *args) {
             continue;
         }
         if (ct == SET_CONST) {
-            PyObject *a = cmd_attr(cmd, s_alpha);
-            if (!a) goto done;
-            double al = PyFloat_AsDouble(a);
-            Py_DECREF(a);
-            if (al == -1.0 && PyErr_Occurred()) goto done;
+            double al;
+            if (cmd_alpha(cmd, &al)) goto done;
             zero[i] = al == 0.0;
         }
-        for (int k = 0; k < ca_n[ct] + 1; k++) {
-            ivec *multi = NULL;
-            int single = 0;
-            if (k < ca_n[ct]) {
-                long s = read_long_attr(cmd, s_args[ca_slot[ct][k]], &err);
-                if (err) goto done;
-                if (k == 0) arg1[i] = (int)(s < -1 || s > 0x7fffffff ? -1 : s);
-                if (s <= 0) continue;
-                if (s >= ns) { fallback = 1; goto done; }
-                single = (int)s;
-            } else {
-                if (ca_multi[ct] < 0) break;
-                long kk = read_long_attr(cmd, s_args[ca_multi[ct]], &err);
-                if (err) goto done;
-                int r = multi_subs(table, kk, mc, mcached, &t);
-                if (r < 0) { PyErr_NoMemory(); goto done; }
-                if (r) { fallback = 1; goto done; }
-                multi = &mc[kk];
+        for (int k = 0; k < ca_n[ct]; k++) {
+            long s = read_long_attr(cmd, s_args[ca_slot[ct][k]], &err);
+            if (err) goto done;
+            if (k == 0) arg1[i] = (int)(s < -1 || s > 0x7fffffff ? -1 : s);
+            if (s <= 0) continue;
+            if (s >= ns || accessed(sub_matrix(subs, nm, (int)s, mcache), (int)i, first, second,
+                                    last)) {
+                fallback = 1; goto done;
             }
-            Py_ssize_t cnt = multi ? multi->n : 1;
-            for (Py_ssize_t q = 0; q < cnt; q++) {
-                int s = multi ? multi->d[q] : single;
-                int m = sub_matrix(subs, nm, s, mcache);
-                if (m < 0) { fallback = 1; goto done; }
-                if (first[m] == -1) first[m] = (int)i;
-                else if (first[m] != i && second[m] == -1) second[m] = (int)i;
-                last[m] = (int)i;
-            }
+        }
+        if (ca_multi[ct] >= 0) {
+            long kk = read_long_attr(cmd, s_args[ca_multi[ct]], &err);
+            if (err) goto done;
+            int r = multi_subs(table, kk, mc, mcached, &t);
+            if (r < 0) { PyErr_NoMemory(); goto done; }
+            if (r) { fallback = 1; goto done; }
+            for (Py_ssize_t q = 0; q < mc[kk].n; q++)
+                if (accessed(sub_matrix(subs, nm, mc[kk].d[q], mcache), (int)i, first, second,
+                             last)) {
+                    fallback = 1; goto done;
+                }
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) { key[i].key = 3 * (long)i; key[i].index = (int)i; }
@@ -1904,7 +1893,7 @@ static PyObject *py_allocation_pairs(PyObject *self, PyObject *args) {
     res = PyList_New(pairs.n / 2);
     if (!res) goto done;
     for (Py_ssize_t i = 0; i < pairs.n / 2; i++) {
-        PyObject *t = tuple_of(&pairs.d[2 * i], 2);
+        PyObject *t = ints_tuple(NULL, &pairs.d[2 * i], 2);
         if (!t) { Py_CLEAR(res); goto done; }
         PyList_SET_ITEM(res, i, t);
     }
@@ -1918,36 +1907,6 @@ done:
 
 static int rn_n[NUM_TYPES], rn_slot[NUM_TYPES][7];   /* the SUBMATRIX slots of each type */
 static int rn_configured = 0;
-static PyTypeObject *subinfo_type = NULL;
-
-
-static int set_cmd_attr(PyObject *o, int slot, long value) {
-    /* command o's argument slot (0-based) = value */
-    PyObject *v = PyLong_FromLong(value);
-    if (!v) return -1;
-    if (Py_TYPE(o) == cmd_type) {
-        PyObject **p = (PyObject **)((char *)o + slot_offsets[2 + slot]);
-        PyObject *old = *p;
-        *p = v;
-        Py_XDECREF(old);
-        return 0;
-    }
-    int r = PyObject_SetAttr(o, s_args[slot], v);
-    Py_DECREF(v);
-    return r;
-}
-
-static PyObject *new_subinfo(const int *v) {
-    /* a SubMatrixInfo (a tuple subclass) of five ints */
-    PyObject *t = subinfo_type->tp_alloc(subinfo_type, 5);
-    if (!t) return NULL;
-    for (int k = 0; k < 5; k++) {
-        PyObject *x = PyLong_FromLong(v[k]);
-        if (!x) { Py_DECREF(t); return NULL; }
-        PyTuple_SET_ITEM(t, k, x);
-    }
-    return t;
-}
 
 typedef struct { int ext[5]; int pos; } extpos;
 
@@ -2000,11 +1959,11 @@ static PyObject *py_renumber_submatrices(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t s = 0; s < ns; s++) {
-        PyObject *si = PyList_GET_ITEM(subs, s);
-        if (!PyTuple_Check(si) || PyTuple_GET_SIZE(si) != 5) { fallback = 1; goto done; }
-        for (int k = 0; k < 5; k++) ext[5 * s + k] = (int)PyLong_AsLong(PyTuple_GET_ITEM(si, k));
-        if (PyErr_Occurred()) goto done;
-        if (s && (ext[5 * s] <= 0 || ext[5 * s] >= nm)) { fallback = 1; goto done; }
+        long v[5];
+        int rc = read_ints(PyList_GET_ITEM(subs, s), 5, 1, v);
+        if (rc == ERR) goto done;
+        if (rc || (s && (v[0] <= 0 || v[0] >= nm))) { fallback = 1; goto done; }
+        for (int k = 0; k < 5; k++) ext[5 * s + k] = (int)v[k];
     }
     for (Py_ssize_t c = 0; c < n; c++) {
         PyObject *cmd = PyList_GET_ITEM(commands, c);
@@ -2099,7 +2058,7 @@ static PyObject *py_renumber_submatrices(PyObject *self, PyObject *args) {
             Py_INCREF(info);
         } else {
             int v[5] = {newmat[m], ext[5 * s + 1], ext[5 * s + 2], ext[5 * s + 3], ext[5 * s + 4]};
-            info = new_subinfo(v);
+            info = ints_tuple(subinfo_type, v, 5);
             if (!info) goto build_fail;
         }
         PyList_SET_ITEM(new_subs, nn, info);
@@ -2120,7 +2079,8 @@ static PyObject *py_renumber_submatrices(PyObject *self, PyObject *args) {
     if (sub_changed) {
         for (Py_ssize_t i = 0; i < slots.n; i += 3) {
             int c = slots.d[i], slot = slots.d[i + 1], v = slots.d[i + 2];
-            if (o2n[v] != v && set_cmd_attr(PyList_GET_ITEM(commands, c), slot, o2n[v]))
+            if (o2n[v] != v && store_attr(PyList_GET_ITEM(commands, c), 2 + slot,
+                                          PyLong_FromLong(o2n[v])))
                 goto build_fail;
         }
     }
@@ -2170,17 +2130,14 @@ static PyObject *py_configure_renumber(PyObject *self, PyObject *args) {
 static PyObject *py_configure_command(PyObject *self, PyObject *args) {
     PyTypeObject *type;
     if (!PyArg_ParseTuple(args, "O!", &PyType_Type, &type)) return NULL;
-    PyObject *names[9] = {s_type, s_alpha, s_args[0], s_args[1], s_args[2], s_args[3],
-                          s_args[4], s_args[5], s_args[6]};
     for (int i = 0; i < 9; i++) {
-        PyObject *d = PyObject_GetAttr((PyObject *)type, names[i]);
+        PyObject *d = PyObject_GetAttr((PyObject *)type, attr_names[i]);
         if (!d) return NULL;
         int ok = Py_IS_TYPE(d, &PyMemberDescr_Type)
             && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
         if (ok) slot_offsets[i] = ((PyMemberDescrObject *)d)->d_member->offset;
         Py_DECREF(d);
         if (!ok) Py_RETURN_FALSE;   /* not slots: every read goes through getattr */
-        slot_names[i] = names[i];
     }
     Py_INCREF(type);
     Py_XSETREF(cmd_type, type);
@@ -2224,5 +2181,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         if (!s_args[i]) return NULL;
     }
     if (!s_type || !s_alpha) return NULL;
+    attr_names[0] = s_type;
+    attr_names[1] = s_alpha;
+    for (int i = 0; i < 7; i++) attr_names[2 + i] = s_args[i];
     return PyModule_Create(&module);
 }
