@@ -71,35 +71,23 @@ def test_the_extension_is_built_and_used():
 
 
 class _Counting:
-    """The native module, counting the calls that gave an answer and the fallbacks."""
+    """The native module, counting the calls of its passes that gave an answer and those
+    that left the computation to Python."""
 
     def __init__(self) -> None:
         self.answered = self.fell_back = 0
 
-    def _count(self, out):
-        if out is None:
-            self.fell_back += 1
-        else:
-            self.answered += 1
-        return out
+    def __getattr__(self, name):
+        fn = getattr(NATIVE, name)
 
-    def merge(self, *args):
-        return self._count(NATIVE.merge(*args))
-
-    def convert_addition(self, *args):
-        return self._count(NATIVE.convert_addition(*args))
-
-    def extend_matrices(self, *args):
-        return self._count(NATIVE.extend_matrices(*args))
-
-    def move_sizing_commands(self, *args):
-        return self._count(NATIVE.move_sizing_commands(*args))
-
-    def allocation_pairs(self, *args):
-        return self._count(NATIVE.allocation_pairs(*args))
-
-    def renumber_submatrices(self, *args):
-        return self._count(NATIVE.renumber_submatrices(*args))
+        def counted(*args):
+            out = fn(*args)
+            if out is None:
+                self.fell_back += 1
+            else:
+                self.answered += 1
+            return out
+        return counted
 
 
 def _data(computation) -> bytes:
