@@ -25,8 +25,6 @@ from engine.optimizer import native
 from engine.optimizer.analysis import CT
 from engine.optimizer.passes._edit import ADDITION_TO_COPY, touched_slots
 
-_TO_COPY = ADDITION_TO_COPY
-
 
 def _make_plan(ct: CommandType) -> tuple | None:
     """What the walk needs of a command type (``touched_slots``): (getter of the
@@ -38,7 +36,7 @@ def _make_plan(ct: CommandType) -> tuple | None:
     names, written, multi, multi_written = touched_slots(ct)
     if not names and multi is None:
         return None
-    copy_form = _TO_COPY.get(ct)
+    copy_form = ADDITION_TO_COPY.get(ct)
     if copy_form is not None and len(written) > 1:
         raise AssertionError(f"{ct.name} writes more than one submatrix slot")
     return (attrgetter(names[0]) if len(names) == 1 else None,
@@ -77,7 +75,7 @@ def convert_addition_to_assignment(computation: NnetComputation, ctx=None) -> bo
         if found is not None:
             for i in found:
                 c = cmds[i]
-                c.command_type = _TO_COPY[c.command_type]
+                c.command_type = ADDITION_TO_COPY[c.command_type]
             if found and hasattr(ctx, "invalidate"):
                 ctx.invalidate()
             return bool(found)

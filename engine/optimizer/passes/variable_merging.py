@@ -439,9 +439,7 @@ def _merge_rounds(computation: NnetComputation, ctx, due: bool) -> bool:
         cmds = computation.commands
         gone = [cmds[z] for z in unnecessary_zeroings(computation, analyzer)]
         remove_no_ops(computation)
-        renumber_with_maps(computation, submatrix_order=order.key)
-        ctx.zeroings = (computation, len(computation.commands), gone)
-        return True
+        return _hand_on_zeroings(computation, ctx, order.key, gone)
     # the analysis follows the deletion of the no-ops and the renumbering (the
     # next passes need it): cheaper than analysing the result again.  No-ops
     # refer to nothing, so deleting them first leaves the renumbering as it was
@@ -483,6 +481,13 @@ def _apply_native(computation: NnetComputation, ctx, edits) -> bool:
     computation.commands = commands   # (remove_no_ops)
     if shorter:
         fix_goto_label(computation)
+    return _hand_on_zeroings(computation, ctx, key, gone)
+
+
+def _hand_on_zeroings(computation: NnetComputation, ctx, key: list[int], gone: list) -> bool:
+    """The end of the rounds when remove_unnecessary_zeroing runs next (the no-ops
+    deleted): the renumbering in the rounds' submatrix order, and the zeroing commands
+    that pass drops, decided here (``gone``), handed on to it."""
     renumber_with_maps(computation, submatrix_order=key)
     ctx.zeroings = (computation, len(computation.commands), gone)
     return True
