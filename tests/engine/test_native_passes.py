@@ -39,7 +39,10 @@ from engine.optimizer.pipeline import run_passes
 from nnet_ref_cases import DATA, shared_models, vosk_mdl
 
 NATIVE = native.NATIVE
-needs_native = pytest.mark.skipif(NATIVE is None, reason="the C extension is not built")
+needs_native = pytest.mark.skipif(
+    NATIVE is None, reason="the C extension engine.optimizer._native is not built here (no C "
+    "compiler or Python headers: test_the_extension_is_built_and_used says which); the "
+    "optimizer runs its Python passes alone, so there is no C form to compare")
 
 MERGE_SWITCHES = ("remove_assignments", "propagate_in_place", "backprop_in_place",
                   "allow_left_merge", "allow_right_merge")
