@@ -19,6 +19,7 @@ import redis
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
+from engine.core import sgemm
 from engine.optimizer import native
 from engine.runtime import blas, parallel
 from engine.runtime.backend import get_backend
@@ -62,6 +63,7 @@ def build_services(settings: Settings) -> Services:
     # say which, in the log and in /metrics (nnetc_blas_info)
     parallel.set_thread_policy(settings.blas_thread_policy)
     native.set_enabled(settings.native)
+    sgemm.set_enabled(settings.own_products)
     libraries = blas.blas_libraries()
     metrics.set_blas(libraries, blas.blas_environment(os.environ), parallel.thread_policy())
     log.info(f"{blas.describe(os.environ)}; thread policy {parallel.thread_policy()}")

@@ -66,6 +66,13 @@ class Settings(BaseSettings):
                     "engine.optimizer._native is built (engine.optimizer.native); false: "
                     "their Python forms, with the same results, about a third slower to "
                     "compile")
+    own_products: bool = Field(
+        default=True,
+        description="multiply by frozen (decoding) weights with the product kernel of "
+                    "engine.core._sgemm where it is built and the CPU has AVX2 + FMA "
+                    "(engine.core.sgemm: 1.3-3x OpenBLAS on a decoding chunk's products; "
+                    "each element an in-order FMA chain, the same bits for any batch or "
+                    "chunk size); false: the BLAS product, which rounds otherwise")
     infer_threads: int = Field(
         default=1, ge=1, le=64,
         description="chunks of an infer request computed this many batches at a time, "

@@ -55,6 +55,7 @@ import weakref
 
 import numpy as np
 
+from engine.core import sgemm
 from engine.nnet.components.affine import (AffineComponent, FixedAffineComponent,
                                            LinearComponent, NaturalGradientAffineComponent)
 from engine.nnet.components.dropout import GeneralDropoutComponent
@@ -73,6 +74,12 @@ from engine.runtime.gemm import (DIRECT, DOT, EXCHANGED, PANELS, TCOPY, frozen, 
                                  transposed_panels)
 
 _matmul, _dot, _add, _multiply, _copyto = np.matmul, np.dot, np.add, np.multiply, np.copyto
+_packed_for, _kernel_into = sgemm.packed_for, sgemm.product_into
+_kernel_out_ok, _overlaps = sgemm.out_ok, np.may_share_memory
+
+
+def _kernel_nt(x, packed, n, out, bias, accumulate):
+    sgemm.product(x, packed, n, out, bias, accumulate)
 _exp, _divide, _maximum, _minimum = np.exp, np.divide, np.maximum, np.minimum
 _np_tanh, _log, _subtract = np.tanh, np.log, np.subtract
 _max_reduce, _add_reduce = np.maximum.reduce, np.add.reduce
@@ -140,6 +147,10 @@ def _logistic(a, out, t, d, cap) -> None:
 def _product_nt(x, w, direct_out):
     """x @ w.T: into ``direct_out`` (returned) or, in the exchanged form, into a
     new (n, rows) array whose transpose is returned."""
+    packed = _packed_for(x, w)
+    if packed is not None:          # the product kernel's (engine.core.sgemm)
+        _kernel_into(x, packed, w.shape[0], direct_out)
+        return direct_out
     form = nt_form(x, w, direct_out)
     if form == EXCHANGED:
         t = np.empty((w.shape[0], x.shape[0]), dtype=direct_out.dtype)
@@ -166,25 +177,33 @@ def _weight_operand(w, form: int):
 
 
 class _BoundNT:
-    """x @ w.T for a fixed x (and output shape), the form decided per weight array."""
+    """x @ w.T for a fixed x (and output shape), the form decided per weight array:
+    the product kernel's where it applies (engine.core.sgemm), else gemm.nt_form's."""
 
     def __init__(self, x, out_shape, scratch, slot: int):
         self.x, self.xT = x, x.T
         self.shape = out_shape
         self.scratch, self.slot = scratch, slot
-        self.w = self.wT = None
+        self.w = self.wT = self.packed = None
+        self.kernel = sgemm.KERNEL      # the decision's (sgemm.set_enabled: decide anew)
         self.form = DIRECT
         self.t = self.tT = None
 
     def __call__(self, w, direct_out):
         # a weight made writeable again after its copy was taken: decide anew
-        if w is not self.w or (self.form >= TCOPY and not frozen(w)):
-            self.form = nt_form(self.x, w, direct_out)
+        if (w is not self.w or sgemm.KERNEL is not self.kernel
+                or ((self.form >= TCOPY or self.packed is not None) and not frozen(w))):
+            self.kernel = sgemm.KERNEL
+            self.packed = _packed_for(self.x, w)
+            self.form = DIRECT if self.packed is not None else nt_form(self.x, w, direct_out)
             if self.form == EXCHANGED and self.t is None:
                 self.t = self.scratch.get((self.shape[1], self.shape[0]), self.slot,
                                           direct_out.dtype)
                 self.tT = self.t.T
             self.w, self.wT = w, _weight_operand(w, self.form)
+        if self.packed is not None:
+            _kernel_into(self.x, self.packed, self.shape[1], direct_out)
+            return direct_out
         if self.form == EXCHANGED:
             _matmul(w, self.xT, self.t)
             return self.tT
@@ -212,25 +231,39 @@ def _bind_affine(x, out, scratch):
         return None
     wshape = (out.shape[1], x.shape[1])
     xT = x.T
-    # per weight array (checked by identity): its transpose, the product form and,
-    # for the exchanged form, the (n, rows) temporary and its transpose
-    cur_w = wT = t = add_bias_t = None
+    # per weight array (checked by identity): the product kernel's packed weight, or its
+    # transpose, the product form and, for the exchanged form, the (n, rows) temporary
+    # and its transpose
+    cur_w = wT = t = add_bias_t = packed = None
+    kernel = sgemm.KERNEL       # the decision's (sgemm.set_enabled: decide anew)
     form = DIRECT
     add_bias = _row_adder(out)
+    # the kernel adds the bias as it writes (one rounding of product + bias, as the
+    # component's two steps) where out takes its stores and the bias is a plain vector
+    fused = _kernel_out_ok(out) and not _overlaps(x, out)
 
     def f(comp, pre):
-        nonlocal cur_w, wT, t, add_bias_t, form
+        nonlocal cur_w, wT, t, add_bias_t, form, packed, kernel
         w = comp.linear_params
-        if (w is not cur_w or w.shape != wshape
-                or (form >= TCOPY and not frozen(w))):
+        if (w is not cur_w or w.shape != wshape or sgemm.KERNEL is not kernel
+                or ((form >= TCOPY or packed is not None) and not frozen(w))):
             if w.ndim != 2 or w.shape != wshape:
                 return comp.propagate(pre, x, out)
-            form = nt_form(x, w, out)
+            kernel = sgemm.KERNEL
+            packed = _packed_for(x, w)
+            form = DIRECT if packed is not None else nt_form(x, w, out)
             if form == EXCHANGED and t is None:
                 t = scratch.get((wshape[0], x.shape[0]), 20)
                 add_bias_t = _same_shape_op(t.T, out, _add)    # out = t^T + b
             cur_w, wT = w, _weight_operand(w, form)
-        if form == EXCHANGED:
+        if packed is not None:
+            b = comp.bias_params
+            if fused and b.dtype == _F32 and b.shape == (wshape[0],) and b.flags.c_contiguous:
+                _kernel_nt(x, packed, wshape[0], out, b, False)
+            else:
+                _kernel_into(x, packed, wshape[0], out)
+                add_bias(b)
+        elif form == EXCHANGED:
             _matmul(w, xT, t)
             add_bias_t(comp.bias_params)
         else:

@@ -51,9 +51,10 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 
 import numpy as np
+
+from engine.core.sgemm import derived, forget_derived, frozen  # noqa: F401 (frozen: re-exported)
 
 DIRECT, EXCHANGED, DOT, TCOPY = 0, 1, 2, 3
 PANEL_WIDTHS = (64, 128, 256)
@@ -85,52 +86,16 @@ def _like(a, rng) -> np.ndarray:
     return base[:rows, :cols]
 
 
-def frozen(w) -> bool:
-    """True when ``w`` cannot change under a copy made of it: a read-only NumPy
-    array whose whole chain of bases is read-only NumPy arrays or ``bytes``."""
-    a = w
-    while isinstance(a, np.ndarray):
-        if a.flags.writeable:
-            return False
-        a = a.base
-    return a is None or isinstance(a, bytes)
-
-
-_copies: dict = {}    # id(root) -> {(byte offset, shape, strides, dtype): C-contiguous w.T}
-_finalizers: dict = {}     # id(root) -> the finalizer that drops the root's copies
-
-
-def _root(a):
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a
-
-
-def _drop_root(rid: int) -> None:
-    _copies.pop(rid, None)
-    _finalizers.pop(rid, None)
-
-
 def transposed_copy(w) -> np.ndarray:
     """A C-contiguous copy of ``w.T`` for a frozen ``w`` (see the module docstring),
-    made once per weight (or column block of one) and dropped with the weight."""
-    root = _root(w)
-    rid = id(root)
-    offset = w.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-    key = (offset, w.shape, w.strides, w.dtype.str)
-    per_root = _copies.get(rid)
-    c = None if per_root is None else per_root.get(key)
-    if c is None:
-        with _lock:
-            per_root = _copies.get(rid)
-            if per_root is None:
-                per_root = _copies[rid] = {}
-                _finalizers[rid] = weakref.finalize(root, _drop_root, rid)
-            c = per_root.get(key)
-            if c is None:
-                c = np.ascontiguousarray(w.T)
-                c.flags.writeable = False
-                per_root[key] = c
+    made once per weight (or column block of one) and dropped with the weight
+    (engine.core.sgemm.derived)."""
+    return derived(w, "T", _transpose)
+
+
+def _transpose(w) -> np.ndarray:
+    c = np.ascontiguousarray(w.T)
+    c.flags.writeable = False
     return c
 
 
@@ -256,8 +221,4 @@ def forget_choices() -> None:
     that changes its BLAS thread count: the choices were timed under the old one)."""
     with _lock:
         _choice.clear()
-        for rid in list(_finalizers):
-            f = _finalizers.pop(rid, None)
-            if f is not None:
-                f.detach()
-        _copies.clear()
+    forget_derived()

@@ -75,6 +75,7 @@ from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
+from engine.core import sgemm
 from engine.runtime.blas import scipys_own_library
 
 T = TypeVar("T")
@@ -184,6 +185,10 @@ def _blas_setters() -> list:
                 setters, libs = _find_setters()
                 _local = _thread_local(setters, libs)
                 _getters = _find_getters(libs) if setters else []
+                if _getters:
+                    # the product kernel's threads follow the library's count (held at
+                    # one where the BLAS is: engine.core.sgemm)
+                    sgemm.set_threads(1, ctypes.cast(_getters[0], ctypes.c_void_p).value)
                 _setters = setters
     return _setters
 

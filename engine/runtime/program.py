@@ -43,7 +43,7 @@ from engine.compiler.computation import CommandType as CT
 from engine.runtime import kernels as K
 from engine.runtime.arena import BoundProgram, Scratch, StaticLayout
 from engine.runtime.fastpaths import bind_propagate, bind_propagate_write, fast_propagate
-from engine.runtime.parallel import ThreadChoice
+from engine.runtime.parallel import ThreadChoice, blas_threads_settable
 
 
 def _views(computation):
@@ -428,6 +428,8 @@ class Program:
     def __init__(self, computation, xp, plan, components=None, compress: bool = False,
                  outputs_in_arena: bool = False):
         builder = ProgramBuilder(computation, xp, plan, components, compress)
+        if xp is np:
+            blas_threads_settable()   # (finds the BLAS's thread count for the product kernel)
         # a weak reference: programs are cached per computation (executor._PLAN_CACHE,
         # arena.IDLE_ARENAS) and must not keep it alive
         self._computation = weakref.ref(computation)

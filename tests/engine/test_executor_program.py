@@ -557,6 +557,19 @@ def test_programs_do_not_keep_computations_alive():
     assert ref() is None
 
 
+@pytest.fixture
+def blas_products():
+    """The BLAS product forms of engine/runtime/gemm.py, which frozen weights take
+    where the product kernel (engine.core.sgemm) is not built or is switched off."""
+    from engine.core import sgemm  # noqa: PLC0415
+    was = sgemm.enabled()
+    sgemm.set_enabled(False)
+    try:
+        yield
+    finally:
+        sgemm.set_enabled(was)
+
+
 def test_product_forms_agree_with_the_components_product():
     from engine.runtime import gemm  # noqa: PLC0415
     from engine.runtime.fastpaths import _product_nt  # noqa: PLC0415
@@ -613,7 +626,7 @@ def _frozen(a):
     return a
 
 
-def test_product_forms_on_frozen_weights_agree_and_use_the_transposed_copy():
+def test_product_forms_on_frozen_weights_agree_and_use_the_transposed_copy(blas_products):
     from engine.runtime import gemm  # noqa: PLC0415
     from engine.runtime.fastpaths import _product_nt  # noqa: PLC0415
     rng = np.random.default_rng(6)
@@ -645,7 +658,7 @@ def test_product_forms_on_frozen_weights_agree_and_use_the_transposed_copy():
     gemm.forget_choices()
 
 
-def test_bound_affine_in_each_product_form_gives_the_components_bits():
+def test_bound_affine_in_each_product_form_gives_the_components_bits(blas_products):
     """The bound affine with its bias, each product form forced whatever this
     machine's timings chose (the exchanged form adds the bias to the transposed
     product, through _same_shape_op), one row and several: the product that form
@@ -679,7 +692,7 @@ def test_bound_affine_in_each_product_form_gives_the_components_bits():
         gemm.forget_choices()
 
 
-def test_panel_forms_compute_the_product_panel_by_panel():
+def test_panel_forms_compute_the_product_panel_by_panel(blas_products):
     """Each panel form, forced whatever this machine's timings chose: the product
     comes out panel by panel into the caller's output (ragged last panel included),
     from copies made once per panel, through the unbound and the bound paths."""
@@ -726,6 +739,7 @@ def test_frozen_means_nothing_writeable_underneath():
 
 def test_transposed_copies_follow_their_weights():
     import gc  # noqa: PLC0415
+    from engine.core import sgemm  # noqa: PLC0415
     from engine.runtime import gemm  # noqa: PLC0415
     gemm.forget_choices()
     w = _frozen(np.arange(24, dtype=np.float32).reshape(4, 6))
@@ -736,10 +750,10 @@ def test_transposed_copies_follow_their_weights():
     cb = gemm.transposed_copy(block)
     assert np.array_equal(cb, block.T) and cb is not c
     assert gemm.transposed_copy(w[:, 2:4]) is cb             # same block, new view object
-    assert len(gemm._copies) == 1
+    assert len(sgemm._derived) == 1
     del w, block, c, cb
     gc.collect()
-    assert gemm._copies == {}                                # dropped with the weight
+    assert sgemm._derived == {}                                # dropped with the weight
 
 
 def test_bound_products_notice_a_weight_made_writeable_again():

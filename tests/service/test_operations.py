@@ -74,6 +74,20 @@ def test_native_setting(monkeypatch):
         assert native.enabled() == (native.EXTENSION is not None)
 
 
+def test_own_products_setting(monkeypatch):
+    """NNETC_OWN_PRODUCTS=false multiplies by frozen weights with the BLAS
+    (engine.core.sgemm); the default uses the product kernel where it is built."""
+    from engine.core import sgemm  # noqa: PLC0415
+    monkeypatch.setattr(sgemm, "KERNEL", sgemm.EXTENSION)
+    monkeypatch.setenv("NNETC_OWN_PRODUCTS", "false")
+    with make_client() as c:
+        assert not sgemm.enabled()
+        assert c.get("/readyz").status_code == 200
+    monkeypatch.delenv("NNETC_OWN_PRODUCTS")
+    with make_client():
+        assert sgemm.enabled() == (sgemm.EXTENSION is not None)
+
+
 def test_blas_thread_policy_setting(monkeypatch):
     """NNETC_BLAS_THREAD_POLICY reaches engine.runtime.parallel (process-wide, as the BLAS
     thread count is) and /metrics; the default is the stable policy; an unknown name is

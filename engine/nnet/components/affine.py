@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from engine.core import sgemm
 from engine.nnet.components._param_utils import (
     begin_updatable_read,
     check_backprop_shapes,
@@ -66,7 +67,8 @@ class _AffineMap:
 
     def propagate(self, indexes, in_value, out):
         check_rows(self, in_value, out)
-        out[...] = in_value @ self.linear_params.T
+        if not sgemm.write_nt(in_value, self.linear_params, out):
+            out[...] = in_value @ self.linear_params.T
         out += self.bias_params
         return None
 
@@ -380,7 +382,8 @@ class LinearComponent(UpdatableComponent):
 
     def propagate(self, indexes, in_value, out):
         check_rows(self, in_value, out)
-        out += in_value @ self.params.T
+        if not sgemm.add_nt(in_value, self.params, out):
+            out += in_value @ self.params.T
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.core import sgemm
 from engine.core.errors import ComponentError, DimensionError
 from engine.core.index import K_NO_TIME, Index, as_index_rows
 from engine.core.memo import request_memo
@@ -623,7 +624,8 @@ class TdnnComponent(ReorderOnRows, PrecomputeOnRows, UpdatableComponent):
             out[...] = self.bias_params
         # (without a bias the propagate adds to its output, as Kaldi's)
         for part, block in terms:
-            out += part @ block.T
+            if not sgemm.add_nt(part, block, out):
+                out += part @ block.T
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
