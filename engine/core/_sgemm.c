@@ -297,11 +297,12 @@ worker_main(void *arg)
             int spins = 0;
             while ((job = job_of(atomic_load_explicit(&g_claim, memory_order_acquire))) == seen) {
                 _mm_pause();
+                /* (no sched_yield here: on a KVM guest it delays the worker's notice of
+                   the next job by microseconds, and the caller then does its share) */
                 if (++spins == 64) {
                     spins = 0;
                     if (now_ns() > until)
                         break;
-                    sched_yield();      /* the core to whoever else wants it */
                 }
             }
             if (job == seen) {
