@@ -33,9 +33,15 @@
 #define PANEL 32
 #define MAX_THREADS 64
 
-typedef void (*kernel_fn)(const float *x, long lda, int m, int k, const float *p, int n,
-                          float *out, long ldc, const float *bias, int accumulate,
-                          int q0, int q1);
+/* x: `nseg` segments of `d` columns each (K = nseg * d), segment s's row i at
+   segs[s] + i * lda: a plain product has one segment; a TDNN's offsets are several, each
+   a view of the same input from another row, multiplied as one product over them side
+   by side (one chain over all nseg * d columns) without copying them side by side */
+typedef void (*kernel_fn)(const float *const *segs, int nseg, int d, long lda, int m,
+                          const float *p, int n, float *out, long ldc, const float *bias,
+                          int accumulate, int q0, int q1);
+
+#define MAX_SEGS 32
 
 static kernel_fn g_kernel = NULL;   /* NULL: no kernel for this CPU */
 static const char *g_isa = "none";
@@ -46,21 +52,25 @@ static const char *g_isa = "none";
 #define MR512 8
 
 static inline __attribute__((always_inline, target("avx512f"))) void
-micro512(const int mr, const float *a, long lda, const float *b, int k, float *c, long ldc,
-         __mmask16 m0, __mmask16 m1, const float *bias, int accumulate)
+micro512(const int mr, const float *const *segs, int nseg, int d, long row0, long lda,
+         const float *b, float *c, long ldc, __mmask16 m0, __mmask16 m1, const float *bias,
+         int accumulate)
 {
     __m512 acc[MR512][2];
     for (int i = 0; i < mr; i++) {
         acc[i][0] = _mm512_setzero_ps();
         acc[i][1] = _mm512_setzero_ps();
     }
-    for (int kk = 0; kk < k; kk++) {
-        const __m512 b0 = _mm512_load_ps(b + (long)kk * PANEL);
-        const __m512 b1 = _mm512_load_ps(b + (long)kk * PANEL + 16);
-        for (int i = 0; i < mr; i++) {
-            const __m512 av = _mm512_set1_ps(a[i * lda + kk]);
-            acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
+    for (int s = 0; s < nseg; s++) {
+        const float *a = segs[s] + row0 * lda;
+        for (int kk = 0; kk < d; kk++, b += PANEL) {
+            const __m512 b0 = _mm512_load_ps(b);
+            const __m512 b1 = _mm512_load_ps(b + 16);
+            for (int i = 0; i < mr; i++) {
+                const __m512 av = _mm512_set1_ps(a[i * lda + kk]);
+                acc[i][0] = _mm512_fmadd_ps(av, b0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
+            }
         }
     }
     if (bias) {
@@ -83,9 +93,10 @@ micro512(const int mr, const float *a, long lda, const float *b, int k, float *c
 }
 
 static __attribute__((target("avx512f"))) void
-kernel512(const float *x, long lda, int m, int k, const float *p, int n, float *out, long ldc,
-          const float *bias, int accumulate, int q0, int q1)
+kernel512(const float *const *segs, int nseg, int d, long lda, int m, const float *p, int n,
+          float *out, long ldc, const float *bias, int accumulate, int q0, int q1)
 {
+    const long k = (long)nseg * d;
     for (int q = q0; q < q1; q++) {
         const int rem = n - q * PANEL;
         const __mmask16 m0 = rem >= 16 ? 0xffff : (__mmask16)((1u << rem) - 1);
@@ -96,17 +107,16 @@ kernel512(const float *x, long lda, int m, int k, const float *p, int n, float *
         float *cq = out + q * PANEL;
         int i = 0;
         for (; i + MR512 <= m; i += MR512)
-            micro512(MR512, x + i * lda, lda, b, k, cq + i * ldc, ldc, m0, m1, bq, accumulate);
-        const float *a = x + i * lda;
+            micro512(MR512, segs, nseg, d, i, lda, b, cq + i * ldc, ldc, m0, m1, bq, accumulate);
         float *c = cq + i * ldc;
         switch (m - i) {
-        case 1: micro512(1, a, lda, b, k, c, ldc, m0, m1, bq, accumulate); break;
-        case 2: micro512(2, a, lda, b, k, c, ldc, m0, m1, bq, accumulate); break;
-        case 3: micro512(3, a, lda, b, k, c, ldc, m0, m1, bq, accumulate); break;
-        case 4: micro512(4, a, lda, b, k, c, ldc, m0, m1, bq, accumulate); break;
-        case 5: micro512(5, a, lda, b, k, c, ldc, m0, m1, bq, accumulate); break;
-        case 6: micro512(6, a, lda, b, k, c, ldc, m0, m1, bq, accumulate); break;
-        case 7: micro512(7, a, lda, b, k, c, ldc, m0, m1, bq, accumulate); break;
+        case 1: micro512(1, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
+        case 2: micro512(2, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
+        case 3: micro512(3, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
+        case 4: micro512(4, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
+        case 5: micro512(5, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
+        case 6: micro512(6, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
+        case 7: micro512(7, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
         default: break;
         }
     }
@@ -125,8 +135,8 @@ lane_mask(int cols)     /* the first `cols` (0..8) of 8 lanes */
 }
 
 static inline __attribute__((always_inline, target("avx2,fma"))) void
-micro256(const int mr, const float *a, long lda, const float *b, int k, float *c, long ldc,
-         int cols, const float *bias, int accumulate)
+micro256(const int mr, const float *const *segs, int nseg, int d, long row0, long lda,
+         const float *b, float *c, long ldc, int cols, const float *bias, int accumulate)
 {
     /* b: the half panel (16 of the panel's 32 columns, row stride PANEL); cols: valid
        columns of the 16 (1..16) */
@@ -135,13 +145,16 @@ micro256(const int mr, const float *a, long lda, const float *b, int k, float *c
         acc[i][0] = _mm256_setzero_ps();
         acc[i][1] = _mm256_setzero_ps();
     }
-    for (int kk = 0; kk < k; kk++) {
-        const __m256 b0 = _mm256_load_ps(b + (long)kk * PANEL);
-        const __m256 b1 = _mm256_load_ps(b + (long)kk * PANEL + 8);
-        for (int i = 0; i < mr; i++) {
-            const __m256 av = _mm256_broadcast_ss(a + i * lda + kk);
-            acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+    for (int s = 0; s < nseg; s++) {
+        const float *a = segs[s] + row0 * lda;
+        for (int kk = 0; kk < d; kk++, b += PANEL) {
+            const __m256 b0 = _mm256_load_ps(b);
+            const __m256 b1 = _mm256_load_ps(b + 8);
+            for (int i = 0; i < mr; i++) {
+                const __m256 av = _mm256_broadcast_ss(a + i * lda + kk);
+                acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+            }
         }
     }
     const __m256i m0 = lane_mask(cols >= 8 ? 8 : cols);
@@ -166,9 +179,10 @@ micro256(const int mr, const float *a, long lda, const float *b, int k, float *c
 }
 
 static __attribute__((target("avx2,fma"))) void
-kernel256(const float *x, long lda, int m, int k, const float *p, int n, float *out, long ldc,
-          const float *bias, int accumulate, int q0, int q1)
+kernel256(const float *const *segs, int nseg, int d, long lda, int m, const float *p, int n,
+          float *out, long ldc, const float *bias, int accumulate, int q0, int q1)
 {
+    const long k = (long)nseg * d;
     for (int q = q0; q < q1; q++) {
         for (int h = 0; h < 2; h++) {
             const int col = q * PANEL + h * 16;
@@ -180,15 +194,15 @@ kernel256(const float *x, long lda, int m, int k, const float *p, int n, float *
             float *cq = out + col;
             int i = 0;
             for (; i + MR256 <= m; i += MR256)
-                micro256(MR256, x + i * lda, lda, b, k, cq + i * ldc, ldc, cols, bq, accumulate);
-            const float *a = x + i * lda;
+                micro256(MR256, segs, nseg, d, i, lda, b, cq + i * ldc, ldc, cols, bq,
+                         accumulate);
             float *c = cq + i * ldc;
             switch (m - i) {
-            case 1: micro256(1, a, lda, b, k, c, ldc, cols, bq, accumulate); break;
-            case 2: micro256(2, a, lda, b, k, c, ldc, cols, bq, accumulate); break;
-            case 3: micro256(3, a, lda, b, k, c, ldc, cols, bq, accumulate); break;
-            case 4: micro256(4, a, lda, b, k, c, ldc, cols, bq, accumulate); break;
-            case 5: micro256(5, a, lda, b, k, c, ldc, cols, bq, accumulate); break;
+            case 1: micro256(1, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
+            case 2: micro256(2, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
+            case 3: micro256(3, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
+            case 4: micro256(4, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
+            case 5: micro256(5, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
             default: break;
             }
         }
@@ -207,7 +221,8 @@ kernel256(const float *x, long lda, int m, int k, const float *p, int n, float *
  * word is published and not rewritten until every claimed piece is done. */
 
 typedef struct {
-    const float *x;
+    const float *segs[MAX_SEGS];
+    int nseg, d;
     long lda;
     int m, k;
     const float *p;
@@ -243,16 +258,19 @@ run_part(const job_t *j, int part)
         const int b0 = (int)((long)blocks * part / j->parts);
         const int b1 = (int)((long)blocks * (part + 1) / j->parts);
         const int r0 = b0 * 8, r1 = b1 * 8 < j->m ? b1 * 8 : j->m;
-        if (r1 > r0)
-            j->kernel(j->x + r0 * j->lda, j->lda, r1 - r0, j->k, j->p, j->n,
-                      j->out + r0 * j->ldc, j->ldc, j->bias, j->accumulate,
-                      0, (j->n + PANEL - 1) / PANEL);
+        if (r1 > r0) {
+            const float *segs[MAX_SEGS];
+            for (int s = 0; s < j->nseg; s++)
+                segs[s] = j->segs[s] + r0 * j->lda;
+            j->kernel(segs, j->nseg, j->d, j->lda, r1 - r0, j->p, j->n, j->out + r0 * j->ldc,
+                      j->ldc, j->bias, j->accumulate, 0, (j->n + PANEL - 1) / PANEL);
+        }
     } else {
         const int panels = (j->n + PANEL - 1) / PANEL;
         const int q0 = (int)((long)panels * part / j->parts);
         const int q1 = (int)((long)panels * (part + 1) / j->parts);
         if (q1 > q0)
-            j->kernel(j->x, j->lda, j->m, j->k, j->p, j->n, j->out, j->ldc, j->bias,
+            j->kernel(j->segs, j->nseg, j->d, j->lda, j->m, j->p, j->n, j->out, j->ldc, j->bias,
                       j->accumulate, q0, q1);
     }
 }
@@ -376,7 +394,7 @@ product(job_t *j)
     }
     if (parts <= 1 || pthread_mutex_trylock(&g_pool_lock) != 0) {
         /* one thread (or another thread's product holds the workers) */
-        j->kernel(j->x, j->lda, j->m, j->k, j->p, j->n, j->out, j->ldc, j->bias,
+        j->kernel(j->segs, j->nseg, j->d, j->lda, j->m, j->p, j->n, j->out, j->ldc, j->bias,
                   j->accumulate, 0, panels);
         return;
     }
@@ -518,9 +536,10 @@ overlap(const Py_buffer *a, const Py_buffer *b)
 static PyObject *
 py_nt(PyObject *self, PyObject *args)
 {
+    /* nt(x, packed, n, out, bias, accumulate): out = x @ W^T (+ bias | + out); x an
+       array or a tuple of arrays of one shape and row stride (segments side by side);
+       False, with nothing written, where out overlaps x */
     (void)self;
-    /* nt(x, packed, n, out, bias, accumulate): out = x @ W^T (+ bias | + out); False,
-       with nothing written, where out overlaps x */
     PyObject *xo, *po, *oo, *bo;
     Py_ssize_t n;
     int accumulate;
@@ -530,28 +549,43 @@ py_nt(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "no product kernel for this CPU");
         return NULL;
     }
-    Py_buffer x, p, o, b;
-    int have_bias = bo != Py_None;
-    if (get_matrix(xo, &x, 0, "x") < 0)
-        return NULL;
-    if (get_matrix(oo, &o, 1, "out") < 0) {
-        PyBuffer_Release(&x);
+    const int is_tuple = PyTuple_Check(xo);
+    const Py_ssize_t nseg = is_tuple ? PyTuple_GET_SIZE(xo) : 1;
+    if (nseg < 1 || nseg > MAX_SEGS) {
+        PyErr_Format(PyExc_ValueError, "x: 1 to %d segments expected", MAX_SEGS);
         return NULL;
     }
-    if (PyObject_GetBuffer(po, &p, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&x);
-        PyBuffer_Release(&o);
-        return NULL;
-    }
-    if (have_bias && get_vector(bo, &b, n, "bias") < 0) {
-        PyBuffer_Release(&x);
-        PyBuffer_Release(&o);
-        PyBuffer_Release(&p);
-        return NULL;
-    }
-    const Py_ssize_t m = x.shape[0], k = x.shape[1];
+    Py_buffer xs[MAX_SEGS], p, o, b;
+    int have_bias = bo != Py_None, got = 0, ok = 0, overlapping = 0;
+    int have_p = 0, have_o = 0, have_b = 0;
     const char *bad = NULL;
-    if (o.shape[0] != m || o.shape[1] != n)
+    for (; got < nseg; got++) {
+        if (get_matrix(is_tuple ? PyTuple_GET_ITEM(xo, got) : xo, &xs[got], 0, "x") < 0)
+            goto done;
+        if (got && (xs[got].shape[0] != xs[0].shape[0] || xs[got].shape[1] != xs[0].shape[1]
+                    || (xs[0].shape[0] > 1 && xs[got].strides[0] != xs[0].strides[0]))) {
+            got++;
+            bad = "x: segments of one shape and row stride expected";
+            break;
+        }
+    }
+    if (!bad) {
+        if (get_matrix(oo, &o, 1, "out") < 0)
+            goto done;
+        have_o = 1;
+        if (PyObject_GetBuffer(po, &p, PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        have_p = 1;
+        if (have_bias) {
+            if (get_vector(bo, &b, n, "bias") < 0)
+                goto done;
+            have_b = 1;
+        }
+    }
+    const Py_ssize_t m = xs[0].shape[0], d = xs[0].shape[1], k = nseg * d;
+    if (bad)
+        ;
+    else if (o.shape[0] != m || o.shape[1] != n)
         bad = "out: shape (x rows, n) expected";
     else if (p.len != packed_len(n, k) * 4 || (p.len && ((uintptr_t)p.buf & 63) != 0))
         bad = "packed: the 64-byte aligned panels of an (n, x columns) weight expected";
@@ -560,27 +594,45 @@ py_nt(PyObject *self, PyObject *args)
     else if (m > INT_MAX || n > INT_MAX || k > INT_MAX)
         bad = "dimensions too large";
     if (bad) {
-        PyBuffer_Release(&x);
-        PyBuffer_Release(&o);
-        PyBuffer_Release(&p);
-        if (have_bias)
-            PyBuffer_Release(&b);
         PyErr_SetString(PyExc_ValueError, bad);
-        return NULL;
+        goto done;
     }
-    const int overlapping = m && n && overlap(&x, &o);
+    for (Py_ssize_t s = 0; s < nseg && m && n; s++)
+        overlapping |= overlap(&xs[s], &o);
     if (m && n && !overlapping) {
-        job_t j = {x.buf, x.strides[0] / 4, (int)m, (int)k, p.buf, (int)n, o.buf,
-                   o.strides[0] / 4, have_bias ? b.buf : NULL, accumulate, 1, 0, g_kernel};
+        job_t j;
+        memset(&j, 0, sizeof j);
+        for (Py_ssize_t s = 0; s < nseg; s++)
+            j.segs[s] = xs[s].buf;
+        j.nseg = (int)nseg;
+        j.d = (int)d;
+        j.lda = xs[0].strides[0] / 4;
+        j.m = (int)m;
+        j.k = (int)k;
+        j.p = p.buf;
+        j.n = (int)n;
+        j.out = o.buf;
+        j.ldc = o.strides[0] / 4;
+        j.bias = have_bias ? b.buf : NULL;
+        j.accumulate = accumulate;
+        j.parts = 1;
+        j.kernel = g_kernel;
         Py_BEGIN_ALLOW_THREADS
         product(&j);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&o);
-    PyBuffer_Release(&p);
-    if (have_bias)
+    ok = 1;
+done:
+    for (int s = 0; s < got; s++)
+        PyBuffer_Release(&xs[s]);
+    if (have_o)
+        PyBuffer_Release(&o);
+    if (have_p)
+        PyBuffer_Release(&p);
+    if (have_b)
         PyBuffer_Release(&b);
+    if (!ok)
+        return NULL;
     return PyBool_FromLong(!overlapping);
 }
 

@@ -226,3 +226,48 @@ def add_nt(x, w, out) -> bool:
         KERNEL.nt(x, p, n, t, None, False)
         out += t
     return True
+
+
+def packed_for_parts(parts: tuple, w):
+    """W's packed panels when the product of ``parts`` side by side (each (rows, d), one
+    shape and row stride: a TDNN's time offsets as views of its input) by ``w.T``
+    ((n, len(parts) * d), frozen) is the kernel's; else None."""
+    x = parts[0]
+    if (KERNEL is None or type(x) is not _ndarray or x.dtype != _F32 or x.ndim != 2
+            or not _rows_ok(x) or type(w) is not _ndarray or w.dtype != _F32 or w.ndim != 2
+            or w.shape[1] != len(parts) * x.shape[1] or len(parts) > MAX_PARTS
+            or not _rows_ok(w)):
+        return None
+    shape, strides = x.shape, x.strides
+    for y in parts:
+        if (type(y) is not _ndarray or y.dtype != _F32 or y.shape != shape
+                or (y.strides != strides and y.size)):
+            return None
+    if not frozen(w):
+        return None
+    return derived(w, "sgemm", _pack)
+
+
+MAX_PARTS = 32      # the C function's limit
+
+
+def parts_nt(parts: tuple, w, out, bias=None) -> bool:
+    """With ``bias``: ``out[...] = (parts side by side) @ w.T + bias``; without:
+    ``out += (parts side by side) @ w.T`` (one chain over all the parts' columns, then
+    one addition) -- by the kernel where it applies (``packed_for_parts``); False, with
+    nothing done, where it does not."""
+    p = packed_for_parts(parts, w)
+    if p is None:
+        return False
+    n = w.shape[0]
+    if bias is not None and not (type(bias) is _ndarray and bias.dtype == _F32
+                                 and bias.shape == (n,) and bias.flags.c_contiguous):
+        bias = np.ascontiguousarray(bias, dtype=_F32).reshape(n)
+    if not (out_ok(out) and EXTENSION.nt(parts, p, n, out, bias, bias is None)):
+        t = np.empty((parts[0].shape[0], n), dtype=_F32)
+        EXTENSION.nt(parts, p, n, t, None, False)
+        if bias is not None:
+            np.add(t, bias, out=out)
+        else:
+            out += t
+    return True

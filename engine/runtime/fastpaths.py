@@ -339,6 +339,9 @@ def _tdnn(comp, pre, x, out):
     d, rows = x.shape[1], out.shape[0]
     stride, offsets = comp._layout(pre, x.shape[0], rows)   # raises as propagate would
     bias = comp.bias_params
+    if sgemm.parts_nt(tuple(comp._part(x, off, stride, rows) for off in offsets), w, out,
+                      bias if bias.shape[0] != 0 else None):
+        return None         # the product kernel, as the component takes it
     # the products to sum: one over the offsets' rows side by side (tdnn.spliced_product),
     # else one per offset with its column block of the weights
     if spliced_product(rows, d, len(offsets), out.shape[1]):
@@ -392,6 +395,11 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
         else:
             _product_into(prod, block, out, tmp, write)
 
+    # the product kernel's (engine.core.sgemm): the parts (views of x per offset) and the
+    # packed weight, decided again when the layout, the weight array or the switch change
+    kern: list = [None, None, None]        # parts, packed (or None), sgemm.KERNEL
+    kernel_out = _kernel_out_ok(out) and not _overlaps(x, out)
+
     def f(comp, pre):
         w = comp.linear_params
         if w is not last[0] or comp is not last[1] or pre is not last[2]:
@@ -400,7 +408,23 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
                     out.fill(0.0)
                 return comp.propagate(pre, x, out)
             last[:] = w, comp, pre, comp._layout(pre, x.shape[0], rows)
+            kern[2] = False
         stride, offsets = last[3]
+        if kern[2] is not sgemm.KERNEL or (kern[1] is not None and not frozen(w)):
+            kern[0] = tuple(comp._part(x, off, stride, rows) for off in offsets)
+            kern[1] = sgemm.packed_for_parts(kern[0], w) if kernel_out else None
+            kern[2] = sgemm.KERNEL
+        if kern[1] is not None:
+            b = comp.bias_params
+            if b.shape[0] != 0:
+                if b.dtype == _F32 and b.shape == (out.shape[1],) and b.flags.c_contiguous:
+                    _kernel_nt(kern[0], kern[1], out.shape[1], out, b, False)
+                else:
+                    sgemm.parts_nt(kern[0], w, out, b)      # (converts the bias)
+            else:
+                # without bias: added to out, or (write: out's zeroing dropped) written
+                _kernel_nt(kern[0], kern[1], out.shape[1], out, None, not write)
+            return None
         k = len(offsets)
         if spliced_product(rows, d, k, out.shape[1]):
             key = (stride, tuple(offsets))

@@ -346,7 +346,9 @@ def test_components_and_fast_forms_agree_on_frozen_weights():
                                                LinearComponent,
                                                NaturalGradientAffineComponent)
     from engine.nnet.components.tdnn import (TdnnComponent,  # noqa: PLC0415
-                                             TdnnPrecomputedIndexes, spliced_product)
+                                             TdnnPrecomputedIndexes)
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import bind_propagate_write  # noqa: PLC0415
     rng = np.random.default_rng(8)
     for cls, name in ((AffineComponent, "AffineComponent"),
                       (NaturalGradientAffineComponent, "NaturalGradientAffineComponent")):
@@ -363,7 +365,6 @@ def test_components_and_fast_forms_agree_on_frozen_weights():
     start = rng.standard_normal((21, 128)).astype(np.float32)
     want = _forms_agree(LinearComponent, lin, None, x, 128, start)
     assert _same_bits(want, start + _product(x, lin.params))
-    seen = set()
     for d, nout, offsets, bias in ((384, 64, (-1, 0), True), (64, 384, (0, 1), False),
                                    (8, 24, (-3, 0, 3), True)):
         comp = component_from_config(
@@ -374,19 +375,24 @@ def test_components_and_fast_forms_agree_on_frozen_weights():
             comp.bias_params = _frozen(rng.standard_normal(nout))
         span = max(offsets) - min(offsets)
         for rows in (21, 36, 150):
-            seen.add(spliced_product(rows, d, len(offsets), nout))
             pre = TdnnPrecomputedIndexes(1, [o - min(offsets) for o in offsets])
             x = rng.standard_normal((span + rows, d)).astype(np.float32)
             start = rng.standard_normal((rows, nout)).astype(np.float32)
             got = _forms_agree(TdnnComponent, comp, pre, x, nout, start)
-            assert sgemm.packed_for(x[:rows], comp.linear_params[:, :d]) is not None
+            # one chain over the offsets side by side, then the bias or the old output
+            spliced = np.concatenate([x[o:o + rows] for o in pre.row_offsets], axis=1)
+            prod = _product(spliced, comp.linear_params)
+            assert _same_bits(got, prod + comp.bias_params if bias else start + prod)
             w = comp.linear_params.astype(np.float64)
             ref = (start.astype(np.float64) if not bias else
                    np.broadcast_to(comp.bias_params.astype(np.float64), (rows, nout)).copy())
             for i, o in enumerate(pre.row_offsets):
                 ref += x[o:o + rows].astype(np.float64) @ w[:, i * d:(i + 1) * d].T
             assert np.allclose(got, ref, rtol=1e-5, atol=1e-3), (d, nout, rows)
-    assert seen == {True, False}
+            if not bias:     # zeroed before, the bound write form: the product itself
+                w2 = np.full((rows, nout), np.nan, np.float32)
+                bind_propagate_write(TdnnComponent, x, w2, Scratch(np))(comp, pre)
+                assert _same_bits(w2, prod)
 
 
 @needs_kernel

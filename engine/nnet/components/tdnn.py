@@ -612,6 +612,11 @@ class TdnnComponent(ReorderOnRows, PrecomputeOnRows, UpdatableComponent):
         stride, offsets = self._layout(indexes, in_value.shape[0], rows)
         w = self.linear_params
         parts = [self._part(in_value, off, stride, rows) for off in offsets]
+        # frozen weights: the product kernel, one product over the offsets side by side
+        # without copying them there (engine.core.sgemm), bias added as it writes
+        if sgemm.parts_nt(tuple(parts), w, out,
+                          self.bias_params if self.bias_params.shape[0] != 0 else None):
+            return None
         # the products to sum: one over the offsets' rows side by side where that pays
         # (NumPy only: measured with OpenBLAS; CuPy keeps Kaldi's products per offset),
         # else one per offset with its column block of the weights
@@ -624,8 +629,7 @@ class TdnnComponent(ReorderOnRows, PrecomputeOnRows, UpdatableComponent):
             out[...] = self.bias_params
         # (without a bias the propagate adds to its output, as Kaldi's)
         for part, block in terms:
-            if not sgemm.add_nt(part, block, out):
-                out += part @ block.T
+            out += part @ block.T
         return None
 
     def backprop(self, debug_info, indexes, in_value, out_value, out_deriv, memo,
