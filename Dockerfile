@@ -16,14 +16,14 @@ COPY engine ./engine
 COPY service ./service
 COPY schemas ./schemas
 COPY bench ./bench
-# gcc only while installing: it builds the optimizer's C variable merging
-# (engine/optimizer/_native.c), then goes
+# gcc only while installing: it builds the optimizer's C passes
+# (engine/optimizer/_native.c) and the product kernel (engine/core/_sgemm.c), then goes
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install . \
     && apt-get purge -y --auto-remove gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
-    && (cd / && python -c "import engine.optimizer._native") \
+    && (cd / && python -c "import engine.optimizer._native, engine.core._sgemm") \
     && useradd --system --uid 10001 --no-create-home nnetc
 
 USER nnetc

@@ -22,9 +22,10 @@ COPY engine ./engine
 COPY service ./service
 COPY schemas ./schemas
 COPY bench ./bench
-# (gcc builds the optimizer's C variable merging, engine/optimizer/_native.c)
+# (gcc builds the optimizer's C passes, engine/optimizer/_native.c, and the product kernel,
+# engine/core/_sgemm.c)
 RUN pip install ".[gpu]" \
-    && (cd / && python -c "import engine.optimizer._native") \
+    && (cd / && python -c "import engine.optimizer._native, engine.core._sgemm") \
     && useradd --system --uid 10001 --no-create-home nnetc
 
 USER nnetc
