@@ -385,13 +385,13 @@ product(job_t *j)
     int parts = threads_now();
     if (macs / g_min_macs_per_thread < parts)
         parts = (int)(macs / g_min_macs_per_thread);
+    /* by rows, each thread reads its share of x and all of W; by panels, all of x and
+       its share of W: the split that reads less (more rows than outputs: by rows) */
     int by_rows = 0;
-    if (parts > panels) {
-        if (panels == 1 && j->m >= 16 * parts)
-            by_rows = 1;
-        else
-            parts = panels;
-    }
+    if (j->m >= 16 * parts && j->m > j->n)
+        by_rows = 1;
+    else if (parts > panels)
+        parts = panels;
     if (parts <= 1 || pthread_mutex_trylock(&g_pool_lock) != 0) {
         /* one thread (or another thread's product holds the workers) */
         j->kernel(j->segs, j->nseg, j->d, j->lda, j->m, j->p, j->n, j->out, j->ldc, j->bias,
