@@ -75,11 +75,12 @@ from engine.runtime.gemm import (DIRECT, DOT, EXCHANGED, PANELS, TCOPY, frozen, 
 
 _matmul, _dot, _add, _multiply, _copyto = np.matmul, np.dot, np.add, np.multiply, np.copyto
 _packed_for, _kernel_into = sgemm.packed_for, sgemm.product_into
-_kernel_out_ok, _overlaps = sgemm.out_ok, np.may_share_memory
+_kernel_out_ok = sgemm.out_ok
 
 
-def _kernel_nt(x, packed, n, out, bias, accumulate):
-    sgemm.product(x, packed, n, out, bias, accumulate)
+def _kernel_nt(x, packed, n, out, bias, accumulate) -> bool:
+    """sgemm.product: False, with nothing written, where ``out`` overlaps ``x``."""
+    return sgemm.product(x, packed, n, out, bias, accumulate)
 _exp, _divide, _maximum, _minimum = np.exp, np.divide, np.maximum, np.minimum
 _np_tanh, _log, _subtract = np.tanh, np.log, np.subtract
 _max_reduce, _add_reduce = np.maximum.reduce, np.add.reduce
@@ -239,8 +240,9 @@ def _bind_affine(x, out, scratch):
     form = DIRECT
     add_bias = _row_adder(out)
     # the kernel adds the bias as it writes (one rounding of product + bias, as the
-    # component's two steps) where out takes its stores and the bias is a plain vector
-    fused = _kernel_out_ok(out) and not _overlaps(x, out)
+    # component's two steps) where out takes its stores, the bias is a plain vector and
+    # out does not overlap x (else the product through a temporary, then the bias)
+    fused = _kernel_out_ok(out)
 
     def f(comp, pre):
         nonlocal cur_w, wT, t, add_bias_t, form, packed, kernel
@@ -258,9 +260,8 @@ def _bind_affine(x, out, scratch):
             cur_w, wT = w, _weight_operand(w, form)
         if packed is not None:
             b = comp.bias_params
-            if fused and b.dtype == _F32 and b.shape == (wshape[0],) and b.flags.c_contiguous:
-                _kernel_nt(x, packed, wshape[0], out, b, False)
-            else:
+            if not (fused and b.dtype == _F32 and b.shape == (wshape[0],)
+                    and b.flags.c_contiguous and _kernel_nt(x, packed, wshape[0], out, b, False)):
                 _kernel_into(x, packed, wshape[0], out)
                 add_bias(b)
         elif form == EXCHANGED:
@@ -398,7 +399,7 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
     # the product kernel's (engine.core.sgemm): the parts (views of x per offset) and the
     # packed weight, decided again when the layout, the weight array or the switch change
     kern: list = [None, None, None]        # parts, packed (or None), sgemm.KERNEL
-    kernel_out = _kernel_out_ok(out) and not _overlaps(x, out)
+    kernel_out = _kernel_out_ok(out)
 
     def f(comp, pre):
         w = comp.linear_params
@@ -412,18 +413,27 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
         stride, offsets = last[3]
         if kern[2] is not sgemm.KERNEL or (kern[1] is not None and not frozen(w)):
             kern[0] = tuple(comp._part(x, off, stride, rows) for off in offsets)
-            kern[1] = sgemm.packed_for_parts(kern[0], w) if kernel_out else None
+            kern[1] = sgemm.packed_for_parts(kern[0], w)
             kern[2] = sgemm.KERNEL
         if kern[1] is not None:
+            # the kernel writes out directly where it can (out's layout, no overlap with
+            # x: else _kernel_nt answers False having written nothing), else parts_nt's
+            # temporary (and its conversion of an unusual bias)
             b = comp.bias_params
+            n = out.shape[1]
             if b.shape[0] != 0:
-                if b.dtype == _F32 and b.shape == (out.shape[1],) and b.flags.c_contiguous:
-                    _kernel_nt(kern[0], kern[1], out.shape[1], out, b, False)
+                if not (kernel_out and b.dtype == _F32 and b.shape == (n,)
+                        and b.flags.c_contiguous and _kernel_nt(kern[0], kern[1], n, out, b,
+                                                                False)):
+                    sgemm.parts_nt(kern[0], w, out, b)
+            # without bias: added to out, or (write: out's zeroing dropped) written
+            elif not (kernel_out and _kernel_nt(kern[0], kern[1], n, out, None, not write)):
+                if write:       # (0 + product, computed before out, which may overlap x)
+                    t0 = np.zeros(out.shape, _F32)
+                    sgemm.parts_nt(kern[0], w, t0, None)
+                    out[...] = t0
                 else:
-                    sgemm.parts_nt(kern[0], w, out, b)      # (converts the bias)
-            else:
-                # without bias: added to out, or (write: out's zeroing dropped) written
-                _kernel_nt(kern[0], kern[1], out.shape[1], out, None, not write)
+                    sgemm.parts_nt(kern[0], w, out, None)
             return None
         k = len(offsets)
         if spliced_product(rows, d, k, out.shape[1]):

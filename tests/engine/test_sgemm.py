@@ -417,3 +417,52 @@ def test_switching_the_kernel_off_reaches_bound_forms():
         comp.propagate(None, x, want)
         assert _same_bits(out, want), on
 
+
+
+@needs_kernel
+def test_fast_forms_agree_where_the_kernel_cannot_write_the_output():
+    """An output with strided columns, or one that overlaps the input: the component and
+    the bound forms both take the kernel's product through a temporary (same bits)."""
+    from component_harness import component_from_config  # noqa: PLC0415
+    from engine.nnet.components.affine import AffineComponent  # noqa: PLC0415
+    from engine.nnet.components.tdnn import (TdnnComponent,  # noqa: PLC0415
+                                             TdnnPrecomputedIndexes)
+    from engine.runtime.arena import Scratch  # noqa: PLC0415
+    from engine.runtime.fastpaths import bind_propagate, bind_propagate_write  # noqa: PLC0415
+    rng = np.random.default_rng(10)
+    aff = component_from_config("AffineComponent", "input-dim=48 output-dim=40", seed=1)
+    aff.linear_params = _frozen(rng.standard_normal((40, 48)))
+    aff.bias_params = _frozen(rng.standard_normal(40))
+    tdnn = component_from_config("TdnnComponent", "input-dim=24 output-dim=40 "
+                                 "time-offsets=-1,0 use-bias=false", seed=2)
+    tdnn.linear_params = _frozen(rng.standard_normal((40, 48)))
+    pre = TdnnPrecomputedIndexes(1, [0, 1])
+    for layout in ("columns", "overlap"):
+        buf = rng.standard_normal((30, 120)).astype(np.float32)
+        if layout == "columns":
+            x = buf[:21, :48]
+            out = np.zeros((40, 21), np.float32).T
+        else:
+            x, out = buf[:21, :48], buf[:21, 30:70]        # columns 30-47 shared
+        # affine
+        want = np.empty((21, 40), np.float32)
+        aff.propagate(None, np.array(x), want)
+        before = buf.copy()
+        bind_propagate(AffineComponent, x, out, Scratch(np))(aff, None)
+        assert _same_bits(np.array(out), want), layout
+        buf[...] = before
+        # TDNN without bias: added to out, and the write form
+        xt = buf[:22, :24]
+        if layout == "overlap":
+            out = buf[:21, 10:50]                           # columns 10-23 shared
+        start = np.array(out)
+        want = start.copy()
+        tdnn.propagate(pre, np.array(xt), want)
+        bind_propagate(TdnnComponent, xt, out, Scratch(np))(tdnn, pre)
+        assert _same_bits(np.array(out), want), layout
+        if layout == "columns":
+            out[...] = np.nan           # the write form writes, whatever out held
+        zero = np.zeros((21, 40), np.float32)
+        tdnn.propagate(pre, np.array(xt), zero)     # (x as it is when the form runs)
+        bind_propagate_write(TdnnComponent, xt, out, Scratch(np))(tdnn, pre)
+        assert _same_bits(np.array(out), zero), layout
