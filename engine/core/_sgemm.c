@@ -247,7 +247,11 @@ static unsigned long long g_jobs;       /* jobs published (under g_pool_lock) */
 static int g_workers;                   /* started */
 static int (*g_thread_source)(void);    /* the BLAS's thread count, or NULL */
 static int g_threads = 1;               /* used without a source */
-static const long g_spin_ns = 200000;   /* a worker spins this long before it sleeps */
+/* a worker spins this long before it sleeps: longer than the gaps between the products
+   of a chunk and than a chunk's forward on one thread (ThreadChoice's trials alternate
+   one and several threads: a worker asleep after a one-thread run, woken again through
+   the kernel, costs the next product ~70 us on a KVM guest) */
+static const long g_spin_ns = 3000000;
 
 static void
 run_part(const job_t *j, int part)
@@ -382,26 +386,36 @@ product(job_t *j)
 {
     const int panels = (j->n + PANEL - 1) / PANEL;
     const long macs = (long)j->m * j->n * j->k;
-    int parts = threads_now();
-    if (macs / g_min_macs_per_thread < parts)
-        parts = (int)(macs / g_min_macs_per_thread);
+    const long most = macs / g_min_macs_per_thread;     /* pieces the work is worth */
+    int threads = threads_now();
+    if (most < threads)
+        threads = (int)most;
     /* by rows, each thread reads its share of x and all of W; by panels, all of x and
        its share of W: the split that reads less (more rows than outputs: by rows) */
-    int by_rows = 0;
-    if (j->m >= 16 * parts && j->m > j->n)
-        by_rows = 1;
-    else if (parts > panels)
-        parts = panels;
-    if (parts <= 1 || pthread_mutex_trylock(&g_pool_lock) != 0) {
+    const int by_rows = j->m >= 16 * threads && j->m > j->n;
+    /* one piece a thread, claimed as they come (the caller takes a piece no worker has
+       claimed by the time it is through its own); more pieces a thread made no
+       difference on TDNN-F chunks (Intel Xeon model 167: 21x1, 150x1, 150x8 within the
+       noise with 2 and 4) */
+    const int units = by_rows ? (j->m + 7) / 8 : panels;
+    long parts = threads;
+    if (parts > units)
+        parts = units;
+    if (threads > parts)
+        threads = (int)parts;
+    if (threads <= 1 || pthread_mutex_trylock(&g_pool_lock) != 0) {
         /* one thread (or another thread's product holds the workers) */
         j->kernel(j->segs, j->nseg, j->d, j->lda, j->m, j->p, j->n, j->out, j->ldc, j->bias,
                   j->accumulate, 0, panels);
         return;
     }
-    const int workers = ensure_workers(parts - 1);
-    if (workers < parts - 1)
-        parts = workers + 1;
-    j->parts = parts;
+    if (ensure_workers(threads - 1) < 1) {
+        pthread_mutex_unlock(&g_pool_lock);
+        j->kernel(j->segs, j->nseg, j->d, j->lda, j->m, j->p, j->n, j->out, j->ldc, j->bias,
+                  j->accumulate, 0, panels);
+        return;
+    }
+    j->parts = (int)parts;
     j->by_rows = by_rows;
     g_job = *j;
     atomic_store(&g_done, 0);

@@ -480,9 +480,12 @@ class ThreadChoice:
     runs on the chosen setting the two are timed again in the same way; a choice
     that stands waits twice as long before the next check (up to ``RECHECK_MAX``
     runs), one that changes goes back to ``RECHECK``.  A gap of ``DECISIVE`` times or
-    more between the fastest timings of the two settings so far decides at once (a
-    loaded machine's two-thread run of a small computation can take 200 times the
-    one-thread one: no need to pay for two more); and the next check waits long
+    more between the fastest timings of the two settings so far decides once each has
+    ``DECISIVE_AFTER`` timings (a loaded machine's two-thread run of a small computation
+    can take 200 times the one-thread one: no need to pay for more; but one timing
+    each was not enough: on a KVM guest a run now and then stalls for milliseconds
+    whatever the setting -- a TDNN-F 21x1 forward of 0.6 ms timed once at 3.6 ms -- and
+    such a single timing chose one thread for the next RECHECK runs); and the next check waits long
     enough for the runs it spends on the slower setting to cost at most
     ``CHECK_COST`` of the work in between.  Runs on the chosen setting are timed too:
     ``SLOW_RUNS`` in a row that each take ``DECISIVE`` times the setting's fastest timing
@@ -506,6 +509,7 @@ class ThreadChoice:
     RECHECK = 512
     RECHECK_MAX = 65536
     DECISIVE = 3.0
+    DECISIVE_AFTER = 2
     CHECK_COST = 0.01
     SLOW_RUNS = 3
     __slots__ = ("runs", "times", "one", "epoch", "left", "interval", "last", "decisions",
@@ -564,7 +568,7 @@ class ThreadChoice:
         times = self.times
         times[one].append(secs)
         lib, held = times
-        if lib and held:
+        if len(lib) >= self.DECISIVE_AFTER and len(held) >= self.DECISIVE_AFTER:
             a, b = min(lib), min(held)
             if (max(a, b) >= self.DECISIVE * min(a, b)
                     or (len(lib) >= self.TRIALS and len(held) >= self.TRIALS)):

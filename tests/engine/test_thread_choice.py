@@ -121,8 +121,8 @@ def test_a_choice_is_checked_again_and_heals(fake, monkeypatch):
 def test_a_run_of_slow_runs_brings_the_check_forward(fake):
     """The library's count chosen on an idle machine; then another process takes a core
     and its runs take DECISIVE times as long: after SLOW_RUNS of them the next run starts
-    the check, which turns the choice round at once (a decisive gap).  A single slow run
-    (a hiccup) does not."""
+    the check, which turns the choice round after DECISIVE_AFTER timings of each (a
+    decisive gap).  A single slow run (a hiccup) does not."""
     clock = fake(2.0, 1.0)                  # (one thread, library's count)
     choice = ThreadChoice()
     for _ in range(1 + 2 * ThreadChoice.TRIALS):
@@ -138,9 +138,10 @@ def test_a_run_of_slow_runs_brings_the_check_forward(fake):
     for _ in range(ThreadChoice.SLOW_RUNS):
         choice.run(clock.work)
     assert choice.one is False and choice.left == 0
-    choice.run(clock.work)                  # the check: one thread first ...
-    choice.run(clock.work)                  # ... then the library's count: 5x apart
-    assert clock.settings[start:] == [False] * ThreadChoice.SLOW_RUNS + [True, False]
+    for _ in range(2 * ThreadChoice.DECISIVE_AFTER):
+        choice.run(clock.work)              # the check: one thread, the library's count
+    assert clock.settings[start:] == ([False] * ThreadChoice.SLOW_RUNS
+                                      + [True, False] * ThreadChoice.DECISIVE_AFTER)
     assert choice.one is True and choice.decisions == 2 and clock.held == 0
 
 
@@ -164,16 +165,18 @@ def test_a_choice_that_stands_is_checked_less_often(fake, monkeypatch):
 
 def test_a_decisive_gap_decides_at_once_and_spaces_the_checks(fake):
     """On a loaded machine the library's count can be 200x slower for a small
-    computation: one timing of each decides, and the next check waits until its one
-    slow run costs at most CHECK_COST of the work in between."""
+    computation: DECISIVE_AFTER (two) timings of each decide, and the next check waits
+    until its slow runs cost at most CHECK_COST of the work in between.  A single
+    stalled run (a hiccup of the host) does not decide."""
     clock = fake(1.0, 200.0)
     choice = ThreadChoice()
-    for _ in range(3):                      # untimed, one thread, library's count
+    for _ in range(5):     # untimed, then one thread and the library's count twice each
         choice.run(clock.work)
-    assert clock.settings == [False, True, False]
+    assert clock.settings == [False, True, False, True, False]
     assert choice.one is True and choice.decisions == 1
-    assert choice.interval == min(ThreadChoice.RECHECK_MAX,
-                                  round(1 * 200.0 / ThreadChoice.CHECK_COST))   # 20,000
+    assert choice.interval == min(ThreadChoice.RECHECK_MAX,   # 40,000
+                                  round(ThreadChoice.DECISIVE_AFTER * 200.0
+                                        / ThreadChoice.CHECK_COST))
     # no clear gap: the full TRIALS of each
     clock = fake(1.0, 1.5)
     choice = ThreadChoice()
@@ -223,9 +226,9 @@ def test_the_adaptive_policy_decides_where_one_thread_changes_the_numbers(fake, 
     monkeypatch.setattr(parallel, "products_depend_on_thread_count", lambda: True)
     assert parallel.thread_policy() == "adaptive" and not parallel.count_is_fixed()
     choice = ThreadChoice()
-    for _ in range(3):                      # untimed, one thread, library's count
+    for _ in range(5):     # untimed, then one thread and the library's count twice each
         choice.run(clock.work)
-    assert choice.one is True and clock.settings == [False, True, False]
+    assert choice.one is True and clock.settings == [False, True, False, True, False]
     choice.run(clock.work)
     assert clock.settings[-1] is True and clock.held == 0
     parallel.set_thread_policy("stable")
