@@ -119,10 +119,12 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
     forward()                      # one run from zero bytes held: the real peak
     measured_peak = pool.peak
     # warm-up: also long enough for the executor to settle whether the computation's
-    # products run on one BLAS thread (engine.runtime.parallel.ThreadChoice), as the
-    # product forms are settled in the first run
+    # products run on one BLAS thread (engine.runtime.parallel.ThreadChoice: its first
+    # choice, its check FIRST_RECHECK runs later), as the product forms are settled in
+    # the first run
     from engine.runtime.parallel import ThreadChoice  # noqa: PLC0415
-    runs = common.timings(forward, repeat, warmup=2 * ThreadChoice.TRIALS)
+    runs = common.timings(forward, repeat,
+                          warmup=ThreadChoice.FIRST_RECHECK + 4 * ThreadChoice.TRIALS)
     exec_s = statistics.median(runs)
     flops = common.gemm_flops(computation, nnet) * split
     # what each program's stretches settled on (engine.runtime.parallel.ThreadChoice)

@@ -493,6 +493,13 @@ class ThreadChoice:
     count made on an idle machine, when another process then takes a core, would
     otherwise cost 2-17x per run for up to ``RECHECK_MAX`` runs: TDNN-LSTM 150x8 under
     such load 62 -> 117-1072 ms).
+    The first choice is checked again after ``FIRST_RECHECK`` runs, whatever it cost:
+    it is timed in a process's first runs of the computation, right after loading a
+    model (whose preparation multiplies with the BLAS), and OpenBLAS's idle threads spin
+    for about 0.1 s after a multi-threaded product, taking a core from the product
+    kernel's worker (engine.core.sgemm) and the caller: on a 2-vCPU Intel Xeon model 167
+    guest TDNN 150x1 forwards of 1.8 ms (two threads) took 5-9 ms in that window and the
+    first trials chose one thread (2.7 ms) for the next RECHECK runs.
     ``forget_thread_choices`` makes every choice start over.
     Nothing is decided while the count is one anyway (a one-thread BLAS, a
     concurrent section of ``run_concurrently``, a caller's own limit), nor where
@@ -510,6 +517,7 @@ class ThreadChoice:
     RECHECK_MAX = 65536
     DECISIVE = 3.0
     DECISIVE_AFTER = 2
+    FIRST_RECHECK = 24
     CHECK_COST = 0.01
     SLOW_RUNS = 3
     __slots__ = ("runs", "times", "one", "epoch", "left", "interval", "last", "decisions",
@@ -576,7 +584,7 @@ class ThreadChoice:
         return out
 
     def _decide(self, one: bool) -> None:
-        if self.last is None or one != self.last:
+        if self.last is None or one != self.last or self.decisions == 1:
             interval = self.RECHECK
         else:
             interval = min(2 * self.interval, self.RECHECK_MAX)
@@ -584,7 +592,12 @@ class ThreadChoice:
         chosen, other = self.times[one], self.times[not one]
         slower = min(other) / max(min(chosen), 1e-12)
         needed = math.ceil(len(other) * slower / self.CHECK_COST)
-        self.interval = min(max(interval, needed), self.RECHECK_MAX)
+        if self.decisions == 0 and self.FIRST_RECHECK:
+            # the first choice is timed in a process's first runs, when other work's
+            # after-effects are still about (see FIRST_RECHECK): checked again soon
+            self.interval = self.FIRST_RECHECK
+        else:
+            self.interval = min(max(interval, needed), self.RECHECK_MAX)
         self.one, self.last, self.left = one, None, self.interval
         self.best, self.slow = min(chosen), 0
         self.decisions += 1

@@ -62,6 +62,8 @@ def fake(monkeypatch):
             assert token == "token"
             clock.held -= 1
         monkeypatch.setattr(parallel, "time", clock)
+        # (the first choice's early check: test_the_first_choice_is_checked_again_soon)
+        monkeypatch.setattr(ThreadChoice, "FIRST_RECHECK", 0)
         monkeypatch.setattr(parallel, "_above_one", lambda: above_one)
         # (the choice between settings is made where they give the same numbers)
         monkeypatch.setattr(parallel, "products_depend_on_thread_count", lambda: False)
@@ -185,6 +187,27 @@ def test_a_decisive_gap_decides_at_once_and_spaces_the_checks(fake):
     assert choice.one is None
     choice.run(clock.work)
     assert choice.one is True and choice.interval == ThreadChoice.RECHECK
+
+
+def test_the_first_choice_is_checked_again_soon(fake, monkeypatch):
+    """The first choice (timed while, say, the BLAS's threads still spin after loading a
+    model) is checked again after FIRST_RECHECK runs; the one made then follows the
+    usual spacing (RECHECK, then doubling while it stands)."""
+    monkeypatch.setattr(ThreadChoice, "RECHECK", 100)
+    monkeypatch.setattr(ThreadChoice, "CHECK_COST", 1e9)    # the interval as RECHECK says
+    clock = fake(1.0, 2.0)                  # one thread looks faster at first ...
+    monkeypatch.setattr(ThreadChoice, "FIRST_RECHECK", 10)
+    choice = ThreadChoice()
+    for _ in range(1 + 2 * ThreadChoice.TRIALS):
+        choice.run(clock.work)
+    assert choice.one is True and choice.interval == 10 and choice.decisions == 1
+    clock.costs = (1.0, 2.0)                # ... then the library's count is
+    for _ in range(10 + 2 * ThreadChoice.TRIALS):
+        choice.run(clock.work)
+    assert choice.one is False and choice.decisions == 2 and choice.interval == 100
+    for _ in range(100 + 2 * ThreadChoice.TRIALS):
+        choice.run(clock.work)
+    assert choice.one is False and choice.decisions == 3 and choice.interval == 200
 
 
 def test_nothing_decided_at_one_thread(fake):
