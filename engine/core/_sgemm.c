@@ -12,9 +12,10 @@
  * W (N x K) is packed into panels of 32 rows of W: panel q holds, for each k, the 32
  * values w[32q .. 32q+31, k] side by side (zeros past N), so that the kernel reads
  * two (AVX-512) or four (AVX2) vectors of W per k and broadcasts one value of x per
- * row.  A product is split between threads by panels (or, with fewer panels than
- * threads, by rows); the workers are threads of this module that wait for work by
- * spinning for a while, then sleep.
+ * row.  x may come as segments (a TDNN's time offsets: views of one input from other
+ * rows), multiplied as one product over them side by side.  A product is split between
+ * threads by rows where it has more rows than outputs, else by panels; the workers are
+ * threads of this module that wait for work by spinning for a while, then sleep.
  *
  * CPython C API only (the buffer protocol for the arrays); the GIL is released while
  * the kernel runs.

@@ -27,9 +27,12 @@ service's ``NNETC_OWN_PRODUCTS=false``) keep the BLAS product.
 Threads: as many as the BLAS library's thread count says at each product, where the
 runtime has handed the kernel the library's getter (engine.runtime.parallel, so
 holding the BLAS at one thread holds these products too); else ``set_threads``.
-Products of under 64K multiply-adds per thread run on the calling thread.  The
-workers are threads of the extension that spin for 0.2 ms after a product, then
-sleep; the GIL is released while a product runs.
+Products of under 64K multiply-adds per thread run on the calling thread.  A product
+is cut into one piece per thread, by rows where it has more rows than outputs (each
+thread then reads its share of x and all of W), else by 32-row panels of W; the pieces are
+claimed as they come, the caller taking any no worker has claimed by the time it is
+through its own.  The workers are threads of the extension that spin for 3 ms after a
+product, then sleep; the GIL is released while a product runs.
 """
 
 from __future__ import annotations
