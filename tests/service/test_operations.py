@@ -60,32 +60,25 @@ def test_startup_finds_out_whether_one_blas_thread_changes_the_numbers(monkeypat
         assert c.get("/readyz").status_code == 200
 
 
-def test_native_setting(monkeypatch):
-    """NNETC_NATIVE=false runs the optimizer's passes in Python (engine.optimizer.native);
-    the default runs them in C when the extension is built."""
-    from engine.optimizer import native  # noqa: PLC0415
-    monkeypatch.setattr(native, "NATIVE", native.EXTENSION)
-    monkeypatch.setenv("NNETC_NATIVE", "false")
+@pytest.mark.parametrize("env, module, attr", [
+    # the optimizer's passes in C (engine.optimizer.native); false: their Python forms
+    ("NNETC_NATIVE", "engine.optimizer.native", "NATIVE"),
+    # the product kernel for frozen weights (engine.core.sgemm); false: the BLAS product
+    ("NNETC_OWN_PRODUCTS", "engine.core.sgemm", "KERNEL"),
+])
+def test_native_code_settings(monkeypatch, env, module, attr):
+    """A setting false turns the C extension's use off; the default uses it where it is
+    built."""
+    import importlib  # noqa: PLC0415
+    mod = importlib.import_module(module)
+    monkeypatch.setattr(mod, attr, mod.EXTENSION)
+    monkeypatch.setenv(env, "false")
     with make_client() as c:
-        assert not native.enabled()
+        assert not mod.enabled()
         assert c.get("/readyz").status_code == 200
-    monkeypatch.delenv("NNETC_NATIVE")
+    monkeypatch.delenv(env)
     with make_client():
-        assert native.enabled() == (native.EXTENSION is not None)
-
-
-def test_own_products_setting(monkeypatch):
-    """NNETC_OWN_PRODUCTS=false multiplies by frozen weights with the BLAS
-    (engine.core.sgemm); the default uses the product kernel where it is built."""
-    from engine.core import sgemm  # noqa: PLC0415
-    monkeypatch.setattr(sgemm, "KERNEL", sgemm.EXTENSION)
-    monkeypatch.setenv("NNETC_OWN_PRODUCTS", "false")
-    with make_client() as c:
-        assert not sgemm.enabled()
-        assert c.get("/readyz").status_code == 200
-    monkeypatch.delenv("NNETC_OWN_PRODUCTS")
-    with make_client():
-        assert sgemm.enabled() == (sgemm.EXTENSION is not None)
+        assert mod.enabled() == (mod.EXTENSION is not None)
 
 
 def test_blas_thread_policy_setting(monkeypatch):
