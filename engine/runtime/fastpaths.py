@@ -18,7 +18,9 @@ random and reference networks):
   the component makes a fresh array), as NumPy may pick a different loop for
   other strides;
 - reductions (sums) run over arrays of the same layout as in the component;
-- matrix products are the same calls (same operands, same transposition).
+- matrix products are the same calls (same operands, same transposition) or, for frozen
+  weights, the same product kernel (engine.core.sgemm), whose bits do not depend on the
+  product's shape or on where its output goes.
 
 The logistic of a small array (at most ``nonlinear.SMALL_SIGMOID`` elements) is SciPy's
 ``expit``, one ufunc call, as the component takes it for that size; expit's loop is
@@ -74,13 +76,8 @@ from engine.runtime.gemm import (DIRECT, DOT, EXCHANGED, PANELS, TCOPY, frozen, 
                                  transposed_panels)
 
 _matmul, _dot, _add, _multiply, _copyto = np.matmul, np.dot, np.add, np.multiply, np.copyto
-_packed_for, _kernel_into = sgemm.packed_for, sgemm.product_into
-_kernel_out_ok = sgemm.out_ok
-
-
-def _kernel_nt(x, packed, n, out, bias, accumulate) -> bool:
-    """sgemm.product: False, with nothing written, where ``out`` overlaps ``x``."""
-    return sgemm.product(x, packed, n, out, bias, accumulate)
+_packed_for, _kernel_into, _kernel_out_ok = sgemm.packed_for, sgemm.product_into, sgemm.out_ok
+_kernel_nt = sgemm.product     # False, with nothing written, where out overlaps x
 _exp, _divide, _maximum, _minimum = np.exp, np.divide, np.maximum, np.minimum
 _np_tanh, _log, _subtract = np.tanh, np.log, np.subtract
 _max_reduce, _add_reduce = np.maximum.reduce, np.add.reduce

@@ -19,7 +19,10 @@ the whole weight matrix.  The sum over the k*d columns is then taken inside one 
 so it rounds otherwise than k products added (float32 rounding); the fast forms
 (engine/runtime/fastpaths.py) decide on the same shape, so they give the
 component's bits either way.  Only on NumPy (the rule was measured with OpenBLAS);
-on CuPy the products stay per offset.
+on CuPy the products stay per offset.  Frozen weights (decoding networks) take the
+product kernel of engine.core.sgemm instead, always as one product over the offsets
+side by side, read from the offsets' views without the copy, the bias added as it
+writes.
 """
 
 from __future__ import annotations
