@@ -40,7 +40,7 @@
    by side (one chain over all nseg * d columns) without copying them side by side */
 typedef void (*kernel_fn)(const float *const *segs, int nseg, int d, long lda, int m,
                           const float *p, int n, float *out, long ldc, const float *bias,
-                          int accumulate, int q0, int q1);
+                          int accumulate, int relu, int q0, int q1);
 
 #define MAX_SEGS 32
 
@@ -55,7 +55,7 @@ static const char *g_isa = "none";
 static inline __attribute__((always_inline, target("avx512f"))) void
 micro512(const int mr, const float *const *segs, int nseg, int d, long row0, long lda,
          const float *b, float *c, long ldc, __mmask16 m0, __mmask16 m1, const float *bias,
-         int accumulate)
+         int accumulate, int relu)
 {
     __m512 acc[MR512][2];
     for (int i = 0; i < mr; i++) {
@@ -87,6 +87,15 @@ micro512(const int mr, const float *const *segs, int nseg, int d, long row0, lon
             acc[i][1] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + i * ldc + 16), acc[i][1]);
         }
     }
+    if (relu) {
+        /* max(0, v): v where v is a NaN (MAXPS returns its second operand then), as
+           NumPy's maximum(v, 0) */
+        const __m512 zero = _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++) {
+            acc[i][0] = _mm512_max_ps(zero, acc[i][0]);
+            acc[i][1] = _mm512_max_ps(zero, acc[i][1]);
+        }
+    }
     for (int i = 0; i < mr; i++) {
         _mm512_mask_storeu_ps(c + i * ldc, m0, acc[i][0]);
         _mm512_mask_storeu_ps(c + i * ldc + 16, m1, acc[i][1]);
@@ -95,7 +104,7 @@ micro512(const int mr, const float *const *segs, int nseg, int d, long row0, lon
 
 static __attribute__((target("avx512f"))) void
 kernel512(const float *const *segs, int nseg, int d, long lda, int m, const float *p, int n,
-          float *out, long ldc, const float *bias, int accumulate, int q0, int q1)
+          float *out, long ldc, const float *bias, int accumulate, int relu, int q0, int q1)
 {
     const long k = (long)nseg * d;
     for (int q = q0; q < q1; q++) {
@@ -108,16 +117,16 @@ kernel512(const float *const *segs, int nseg, int d, long lda, int m, const floa
         float *cq = out + q * PANEL;
         int i = 0;
         for (; i + MR512 <= m; i += MR512)
-            micro512(MR512, segs, nseg, d, i, lda, b, cq + i * ldc, ldc, m0, m1, bq, accumulate);
+            micro512(MR512, segs, nseg, d, i, lda, b, cq + i * ldc, ldc, m0, m1, bq, accumulate, relu);
         float *c = cq + i * ldc;
         switch (m - i) {
-        case 1: micro512(1, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
-        case 2: micro512(2, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
-        case 3: micro512(3, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
-        case 4: micro512(4, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
-        case 5: micro512(5, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
-        case 6: micro512(6, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
-        case 7: micro512(7, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate); break;
+        case 1: micro512(1, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate, relu); break;
+        case 2: micro512(2, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate, relu); break;
+        case 3: micro512(3, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate, relu); break;
+        case 4: micro512(4, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate, relu); break;
+        case 5: micro512(5, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate, relu); break;
+        case 6: micro512(6, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate, relu); break;
+        case 7: micro512(7, segs, nseg, d, i, lda, b, c, ldc, m0, m1, bq, accumulate, relu); break;
         default: break;
         }
     }
@@ -137,7 +146,8 @@ lane_mask(int cols)     /* the first `cols` (0..8) of 8 lanes */
 
 static inline __attribute__((always_inline, target("avx2,fma"))) void
 micro256(const int mr, const float *const *segs, int nseg, int d, long row0, long lda,
-         const float *b, float *c, long ldc, int cols, const float *bias, int accumulate)
+         const float *b, float *c, long ldc, int cols, const float *bias, int accumulate,
+         int relu)
 {
     /* b: the half panel (16 of the panel's 32 columns, row stride PANEL); cols: valid
        columns of the 16 (1..16) */
@@ -173,6 +183,13 @@ micro256(const int mr, const float *const *segs, int nseg, int d, long row0, lon
             acc[i][1] = _mm256_add_ps(_mm256_maskload_ps(c + i * ldc + 8, m1), acc[i][1]);
         }
     }
+    if (relu) {
+        const __m256 zero = _mm256_setzero_ps();    /* (as micro512's) */
+        for (int i = 0; i < mr; i++) {
+            acc[i][0] = _mm256_max_ps(zero, acc[i][0]);
+            acc[i][1] = _mm256_max_ps(zero, acc[i][1]);
+        }
+    }
     for (int i = 0; i < mr; i++) {
         _mm256_maskstore_ps(c + i * ldc, m0, acc[i][0]);
         _mm256_maskstore_ps(c + i * ldc + 8, m1, acc[i][1]);
@@ -181,7 +198,7 @@ micro256(const int mr, const float *const *segs, int nseg, int d, long row0, lon
 
 static __attribute__((target("avx2,fma"))) void
 kernel256(const float *const *segs, int nseg, int d, long lda, int m, const float *p, int n,
-          float *out, long ldc, const float *bias, int accumulate, int q0, int q1)
+          float *out, long ldc, const float *bias, int accumulate, int relu, int q0, int q1)
 {
     const long k = (long)nseg * d;
     for (int q = q0; q < q1; q++) {
@@ -196,14 +213,14 @@ kernel256(const float *const *segs, int nseg, int d, long lda, int m, const floa
             int i = 0;
             for (; i + MR256 <= m; i += MR256)
                 micro256(MR256, segs, nseg, d, i, lda, b, cq + i * ldc, ldc, cols, bq,
-                         accumulate);
+                         accumulate, relu);
             float *c = cq + i * ldc;
             switch (m - i) {
-            case 1: micro256(1, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
-            case 2: micro256(2, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
-            case 3: micro256(3, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
-            case 4: micro256(4, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
-            case 5: micro256(5, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate); break;
+            case 1: micro256(1, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate, relu); break;
+            case 2: micro256(2, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate, relu); break;
+            case 3: micro256(3, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate, relu); break;
+            case 4: micro256(4, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate, relu); break;
+            case 5: micro256(5, segs, nseg, d, i, lda, b, c, ldc, cols, bq, accumulate, relu); break;
             default: break;
             }
         }
@@ -232,6 +249,7 @@ typedef struct {
     long ldc;
     const float *bias;
     int accumulate;
+    int relu;
     int parts;
     int by_rows;        /* split rows (else panels) */
     kernel_fn kernel;
@@ -268,7 +286,7 @@ run_part(const job_t *j, int part)
             for (int s = 0; s < j->nseg; s++)
                 segs[s] = j->segs[s] + r0 * j->lda;
             j->kernel(segs, j->nseg, j->d, j->lda, r1 - r0, j->p, j->n, j->out + r0 * j->ldc,
-                      j->ldc, j->bias, j->accumulate, 0, (j->n + PANEL - 1) / PANEL);
+                      j->ldc, j->bias, j->accumulate, j->relu, 0, (j->n + PANEL - 1) / PANEL);
         }
     } else {
         const int panels = (j->n + PANEL - 1) / PANEL;
@@ -276,7 +294,7 @@ run_part(const job_t *j, int part)
         const int q1 = (int)((long)panels * (part + 1) / j->parts);
         if (q1 > q0)
             j->kernel(j->segs, j->nseg, j->d, j->lda, j->m, j->p, j->n, j->out, j->ldc, j->bias,
-                      j->accumulate, q0, q1);
+                      j->accumulate, j->relu, q0, q1);
     }
 }
 
@@ -407,13 +425,13 @@ product(job_t *j)
     if (threads <= 1 || pthread_mutex_trylock(&g_pool_lock) != 0) {
         /* one thread (or another thread's product holds the workers) */
         j->kernel(j->segs, j->nseg, j->d, j->lda, j->m, j->p, j->n, j->out, j->ldc, j->bias,
-                  j->accumulate, 0, panels);
+                  j->accumulate, j->relu, 0, panels);
         return;
     }
     if (ensure_workers(threads - 1) < 1) {
         pthread_mutex_unlock(&g_pool_lock);
         j->kernel(j->segs, j->nseg, j->d, j->lda, j->m, j->p, j->n, j->out, j->ldc, j->bias,
-                  j->accumulate, 0, panels);
+                  j->accumulate, j->relu, 0, panels);
         return;
     }
     j->parts = (int)parts;
@@ -551,14 +569,14 @@ overlap(const Py_buffer *a, const Py_buffer *b)
 static PyObject *
 py_nt(PyObject *self, PyObject *args)
 {
-    /* nt(x, packed, n, out, bias, accumulate): out = x @ W^T (+ bias | + out); x an
-       array or a tuple of arrays of one shape and row stride (segments side by side);
-       False, with nothing written, where out overlaps x */
+    /* nt(x, packed, n, out, bias, accumulate, relu=False): out = x @ W^T (+ bias | + out),
+       then max(0, .) with relu; x an array or a tuple of arrays of one shape and row
+       stride (segments side by side); False, with nothing written, where out overlaps x */
     (void)self;
     PyObject *xo, *po, *oo, *bo;
     Py_ssize_t n;
-    int accumulate;
-    if (!PyArg_ParseTuple(args, "OOnOOp", &xo, &po, &n, &oo, &bo, &accumulate))
+    int accumulate, relu = 0;
+    if (!PyArg_ParseTuple(args, "OOnOOp|p", &xo, &po, &n, &oo, &bo, &accumulate, &relu))
         return NULL;
     if (!g_kernel) {
         PyErr_SetString(PyExc_RuntimeError, "no product kernel for this CPU");
@@ -630,6 +648,7 @@ py_nt(PyObject *self, PyObject *args)
         j.ldc = o.strides[0] / 4;
         j.bias = have_bias ? b.buf : NULL;
         j.accumulate = accumulate;
+        j.relu = relu;
         j.parts = 1;
         j.kernel = g_kernel;
         Py_BEGIN_ALLOW_THREADS
@@ -716,8 +735,8 @@ static PyMethodDef methods[] = {
     {"pack", py_pack, METH_VARARGS, "pack(w, dst): W's panels into dst"},
     {"packed_len", py_packed_len, METH_VARARGS, "packed_len(n, k): floats of W's panels"},
     {"nt", py_nt, METH_VARARGS,
-     "nt(x, packed, n, out, bias, accumulate): out = x @ W^T, + bias or + out; False "
-     "where out overlaps x"},
+     "nt(x, packed, n, out, bias, accumulate, relu=False): out = x @ W^T, + bias or + out, "
+     "max(0, .) with relu; False where out overlaps x"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, source=0)"},
     {"threads", py_threads, METH_NOARGS, "the thread count of the next product"},
     {"isa", py_isa, METH_NOARGS, "the kernel in use: avx512, avx2 or none"},

@@ -177,10 +177,13 @@ def packed_for(x, w):
     return derived(w, "sgemm", _pack)
 
 
-def product(x, packed, n: int, out, bias=None, accumulate: bool = False) -> bool:
-    """``out = x @ W^T`` (+ ``bias``, or + ``out`` with ``accumulate``) from ``packed``
-    (``packed_for``); False, with nothing written, where ``out`` overlaps ``x``."""
-    return EXTENSION.nt(x, packed, n, out, bias, accumulate)
+def product(x, packed, n: int, out, bias=None, accumulate: bool = False,
+            relu: bool = False) -> bool:
+    """``out = x @ W^T`` (+ ``bias``, or + ``out`` with ``accumulate``; then, with
+    ``relu``, max(0, .) as NumPy's ``maximum(v, 0)``: a NaN stays) from ``packed``
+    (``packed_for``, or ``packed_for_parts`` with ``x`` the tuple of parts); False, with
+    nothing written, where ``out`` overlaps ``x``."""
+    return EXTENSION.nt(x, packed, n, out, bias, accumulate, relu)
 
 
 def _rows_ok(a) -> bool:

@@ -257,10 +257,12 @@ class BoundProgram:
         self.scratch = Scratch(xp)
         from engine.runtime.program import (bind_command,  # noqa: PLC0415
                                             matrices_read_dynamically, no_op,
-                                            write_after_zeroing)
+                                            relu_after_product, write_after_zeroing)
         ops = [bind_command(program, self, k, c) for k, c in enumerate(comp.commands)]
         # a zeroing and the propagate that adds to the zeros: one write
         self.zeroings_dropped = write_after_zeroing(program, self, ops)
+        # a product and the ReLU of its output: one pass
+        self.relus_fused = relu_after_product(program, self, ops)
         # allocation, deallocation and swap commands only keep the executor's matrix
         # list; for matrices that no remaining closure looks up they are dropped
         needed = matrices_read_dynamically(program, ops)

@@ -463,6 +463,57 @@ def _bind_tdnn(x, out, scratch, write: bool = False):
     return f
 
 
+
+# --------------------------------------------------------------------------------------
+# a product and the ReLU after it, in one pass (program.relu_after_product)
+
+
+def bind_product_relu(ctype, x, y):
+    """``f(comp, pre) -> bool`` for an affine-type component (or a TDNN with bias) of
+    class ``ctype`` reading ``x`` whose output only a ReLU writing ``y`` reads: the
+    product kernel writes max(0, x @ W^T + b) into ``y`` -- the bits of the component's
+    propagate (the kernel's product plus the bias, one rounding) followed by the ReLU's
+    maximum(v, 0).  False, having written nothing, where the kernel does not apply (a
+    weight not frozen, no bias, a layout it does not take, ``y`` overlapping ``x``): the
+    caller then runs the two commands.  None where ``ctype`` has no such form."""
+    if (ctype not in (AffineComponent, NaturalGradientAffineComponent, FixedAffineComponent,
+                      TdnnComponent)
+            or x.ndim != 2 or y.ndim != 2 or not _kernel_out_ok(y)):
+        return None
+    n = y.shape[1]
+    tdnn = ctype is TdnnComponent
+    # per weight array (and, for a TDNN, per layout): the parts and the packed weight
+    state: list = [None, None, None, None]       # w, pre, x or parts, packed
+
+    def f(comp, pre) -> bool:
+        if sgemm.KERNEL is None:
+            return False
+        w, b = comp.linear_params, comp.bias_params
+        if w is not state[0] or pre is not state[1] or not frozen(w):
+            state[0] = state[3] = None
+            if w.ndim != 2 or w.shape[0] != n or b.shape != (n,):
+                return False
+            if tdnn:
+                rows = y.shape[0]
+                if w.shape[1] % max(len(comp.time_offsets), 1) or x.dtype != _F32:
+                    return False
+                stride, offsets = comp._layout(pre, x.shape[0], rows)
+                parts = tuple(comp._part(x, off, stride, rows) for off in offsets)
+                if w.shape[1] != len(parts) * x.shape[1]:
+                    return False
+                packed = sgemm.packed_for_parts(parts, w)
+            else:
+                if x.shape[0] != y.shape[0]:
+                    return False
+                parts, packed = x, _packed_for(x, w)
+            if packed is None:
+                return False
+            state[:] = w, pre, parts, packed
+        if b.dtype != _F32 or not b.flags.c_contiguous:
+            return False
+        return _kernel_nt(state[2], state[3], n, y, b, False, True)
+    return f
+
 # --------------------------------------------------------------------------------------
 # element-wise components
 

@@ -40,9 +40,11 @@ from collections import OrderedDict
 import numpy as np
 
 from engine.compiler.computation import CommandType as CT
+from engine.nnet.components.nonlinear import RectifiedLinearComponent
 from engine.runtime import kernels as K
 from engine.runtime.arena import BoundProgram, Scratch, StaticLayout
-from engine.runtime.fastpaths import bind_propagate, bind_propagate_write, fast_propagate
+from engine.runtime.fastpaths import (bind_product_relu, bind_propagate, bind_propagate_write,
+                                      fast_propagate)
 from engine.runtime.parallel import ThreadChoice, blas_threads_settable
 
 
@@ -845,6 +847,75 @@ def _written(f, ctype, ci: int, pi: int, x, y):
         else:       # another component: its own propagate adds, to the zeros it needs
             y.fill(0.0)
             comp.propagate(ex._precomputed[pi], x, y)
+    return op
+
+
+def relu_after_product(program: Program, bound: BoundProgram, ops: list) -> int:
+    """An affine-type component (or a TDNN with bias) followed, as the next command that
+    names its output matrix, by a ReLU of that output -- in place (each TDNN-F layer's
+    affine part in the decoding form, where batch-norms are folded away), or into
+    another matrix when nothing else reads the product's and nothing between the two
+    names the ReLU's -- becomes one closure at the product's place: the product kernel
+    writes max(0, product + bias) into the ReLU's output (fastpaths.bind_product_relu),
+    the bits of the two propagates, one pass over the output instead of three.  Where
+    the kernel does not apply at run time the closure runs the two commands there.
+    Edits ``ops`` (the ReLU becomes ``no_op``); returns the number of pairs."""
+    if program.xp is not np:
+        return 0
+    comp = program.computation
+    cmds = comp.commands
+    subs = comp.submatrices
+    inst = program.layout.cmd_inst
+    users: dict[int, list[int]] = {}      # matrix -> the commands that name it, in order
+    for j, c in enumerate(cmds):
+        for m in dict.fromkeys(command_matrices(comp, c)):
+            users.setdefault(m, []).append(j)
+    list_ops = (CT.ALLOC_MATRIX, CT.DEALLOC_MATRIX)
+    pairs = 0
+    for k, c in enumerate(cmds):
+        ctype = program.ctypes.get(k)
+        if (c.command_type != CT.PROPAGATE or ctype is None or c.arg3 <= 0 or c.arg4 <= 0
+                or c.arg5 > 0 or c.arg6 or ops[k] in (None, _nop)):
+            continue
+        m = subs[c.arg4].matrix_index
+        later = [j for j in users[m] if j > k and cmds[j].command_type not in list_ops]
+        if not later:
+            continue
+        kr = later[0]
+        r = cmds[kr]
+        if (r.command_type != CT.PROPAGATE
+                or program.ctypes.get(kr) is not RectifiedLinearComponent
+                or r.arg3 != c.arg4 or r.arg4 <= 0 or r.arg5 > 0 or r.arg6
+                or ops[kr] in (None, _nop) or inst[k][3] != inst[kr][2]):
+            continue
+        if r.arg4 != c.arg4:        # into another matrix: the product's is read by no one
+            my = subs[r.arg4].matrix_index
+            if (len(later) > 1 or my == m
+                    or any(k < j < kr for j in users[my])):
+                continue
+        x = _bview(program, bound, k, 2, c.arg3)
+        z = _bview(program, bound, k, 3, c.arg4)
+        y = _bview(program, bound, kr, 3, r.arg4)
+        if x is None or y is None or z is None or y.shape != z.shape:
+            continue
+        f = bind_product_relu(ctype, x, y)
+        if f is None:
+            continue
+        ops[k] = _with_relu(f, ctype, c.arg1, c.arg2, r.arg1, y.shape[1], ops[k], ops[kr])
+        ops[kr] = _nop
+        pairs += 1
+    return pairs
+
+
+def _with_relu(f, ctype, ci: int, pi: int, ri: int, dim: int, product_op, relu_op):
+    def op(ex, mats):
+        comps = ex._components
+        comp, relu = comps[ci], comps[ri]
+        if (type(comp) is ctype and type(relu) is RectifiedLinearComponent
+                and relu.dim == dim and f(comp, ex._precomputed[pi])):
+            return
+        product_op(ex, mats)      # (the kernel did not apply: the two commands)
+        relu_op(ex, mats)
     return op
 
 

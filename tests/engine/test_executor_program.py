@@ -1387,3 +1387,81 @@ def test_arena_scatter_of_to_rows_multi_equals_the_per_matrix_form(add, alpha, n
     twice = K.make_matrix_multi_plan(np, comp, pairs[:-1] + [pairs[0]], None, scatter=True)
     assert K.arena_rows_scatter(src, twice, got_mats, got_arena) is None
 
+
+
+_PRODUCT_THEN_RELU = """
+input-node name=input dim=12
+component name=tdnn type=TdnnComponent input-dim=12 output-dim=40 time-offsets=-1,0
+component-node name=tdnn component=tdnn input=input
+component name=relu1 type=RectifiedLinearComponent dim=40
+component-node name=relu1 component=relu1 input=tdnn
+component name=aff type=NaturalGradientAffineComponent input-dim=40 output-dim=36
+component-node name=aff component=aff input=relu1
+component name=relu2 type=RectifiedLinearComponent dim=36
+component-node name=relu2 component=relu2 input=aff
+component name=skip type=AffineComponent input-dim=40 output-dim=36
+component-node name=skip component=skip input=relu1
+component name=out type=AffineComponent input-dim=72 output-dim=10
+component-node name=out component=out input=Append(relu2, skip)
+output-node name=output input=out
+"""
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_product_and_relu_become_one_pass(frozen):
+    """An affine / TDNN with bias whose output the next command's ReLU takes
+    (program.relu_after_product): on frozen weights the product kernel writes max(0,
+    product + bias) in one pass; the outputs are those of the interpreted executor bit
+    for bit, with the kernel and with the BLAS (the closure then runs the two
+    commands), and when the ReLU at run time is another class."""
+    from engine.compiler.request import ComputationRequest, IoSpecification  # noqa: PLC0415
+    from engine.core import sgemm  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    from engine.nnet.components.nonlinear import RectifiedLinearComponent  # noqa: PLC0415
+    from engine.nnet.nnet import Nnet  # noqa: PLC0415
+    nnet = Nnet.from_config(_PRODUCT_THEN_RELU, rng=np.random.default_rng(5))
+    rng = np.random.default_rng(6)
+    for c in nnet.components:            # biases that send some outputs below zero
+        b = getattr(c, "bias_params", None)
+        if b is not None and b.size:
+            c.bias_params = (rng.standard_normal(b.shape) * 2).astype(np.float32)
+    if frozen:
+        nnet.freeze_parameters()
+    req = ComputationRequest(
+        [IoSpecification("input", [Index(n, t, 0) for n in range(2) for t in range(-1, 30)])],
+        [IoSpecification("output", [Index(n, t, 0) for n in range(2) for t in range(30)])])
+    comp = compile_request(nnet, req, True)
+    x = {"input": rng.standard_normal((len(req.inputs[0].indexes), 12)).astype(np.float32)}
+    x["input"][3, 5] = np.nan                # a NaN goes through the fused maximum as NumPy's
+
+    def bound_run(net):
+        ex = Executor(comp, net)
+        ex.accept_input("input", x["input"])
+        ex.run()
+        fused = ex._bound.relus_fused if ex._bound is not None else 0
+        out = np.array(ex.get_output("output"))
+        ex.release()
+        return out, fused
+    for kernel in (True, False):
+        was = sgemm.enabled()
+        sgemm.set_enabled(kernel)
+        try:
+            got, fused = bound_run(nnet)
+            want = _run_with(InterpretedExecutor, nnet, req, x, None, comp).outputs["output"]
+        finally:
+            sgemm.set_enabled(was)
+        if Executor(comp, nnet).xp is not np:
+            return                       # (NNETC_TEST_BACKEND=cupy: no such pass)
+        assert fused == 2                # tdnn + relu1, aff + relu2
+        assert np.isnan(got).any() and np.array_equal(got, want, equal_nan=True), kernel
+
+    class OtherRelu(RectifiedLinearComponent):
+        pass
+    swapped = nnet.copy()
+    ri = nnet.get_component_index("relu2")
+    other = OtherRelu()
+    other.__dict__.update(nnet.components[ri].__dict__)
+    swapped.components[ri] = other
+    got, _ = bound_run(swapped)
+    want = _run_with(InterpretedExecutor, swapped, req, x, None, comp).outputs["output"]
+    assert np.array_equal(got, want, equal_nan=True)

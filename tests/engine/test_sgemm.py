@@ -185,6 +185,20 @@ def test_epilogues_are_the_numpy_additions_they_replace():
     assert _same_bits(out, old + prod)
     with pytest.raises(ValueError, match="bias and accumulate"):
         sgemm.product(x, p, 50, out, bias, True)
+    # then max(0, .), as NumPy's maximum(v, 0) (a NaN stays, of the product's or the bias')
+    xn = x.copy()
+    xn[2, 3] = np.nan
+    bn = bias.copy()
+    bn[7] = np.nan
+    pn = _product(xn, w)
+    zeros = np.zeros_like(pn)
+    out = np.empty((29, 50), np.float32)
+    assert sgemm.product(xn, p, 50, out, bn, False, True)
+    assert np.array_equal(out, np.maximum(pn + bn, zeros), equal_nan=True)
+    assert np.isnan(out[2]).all() and np.isnan(out[:, 7]).all() and (out >= 0).sum() > 0
+    out = old.copy()
+    assert sgemm.product(x, p, 50, out, None, True, True)
+    assert _same_bits(out, np.maximum(old + prod, zeros))
 
 
 @needs_kernel
