@@ -16,8 +16,9 @@ number of threads -- so a chunk of a stream, the same frames computed offline, a
 batch of any size give the same bits for the same rows.  It is not what a BLAS gives
 (its sums are blocked otherwise): the two differ by float32 rounding.
 
-Where it is used: ``write_nt``/``add_nt`` in the components' propagates (affine,
-linear, TDNN) and the executor's fast forms of them (engine/runtime/fastpaths.py),
+Where it is used: ``write_nt``/``add_nt``/``parts_nt``/``matmul_nt`` in the components'
+propagates (affine, linear, TDNN, and the time-height convolution's im2col products) and
+the executor's fast forms of them (engine/runtime/fastpaths.py),
 which therefore agree bit for bit, for weights that are *frozen* (``frozen``: a
 read-only array whose memory no writeable array owns; decoding networks are frozen by
 ``Nnet.freeze_parameters``).  Training networks, CuPy arrays, other dtypes, a CPU
@@ -208,6 +209,17 @@ def product_into(x, packed, n: int, out) -> None:
         t = np.empty((x.shape[0], n), dtype=_F32)
         EXTENSION.nt(x, packed, n, t, None, False)
         out[...] = t
+
+
+def matmul_nt(x, w):
+    """``x @ w.T`` as a new array by the kernel where it applies (``packed_for``); None
+    where it does not."""
+    p = packed_for(x, w)
+    if p is None:
+        return None
+    t = np.empty((x.shape[0], w.shape[0]), dtype=_F32)
+    EXTENSION.nt(x, p, w.shape[0], t, None, False)
+    return t
 
 
 def write_nt(x, w, out) -> bool:

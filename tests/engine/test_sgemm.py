@@ -483,3 +483,74 @@ def test_fast_forms_agree_where_the_kernel_cannot_write_the_output():
         tdnn.propagate(pre, np.array(xt), zero)     # (x as it is when the form runs)
         bind_propagate_write(TdnnComponent, xt, out, Scratch(np))(tdnn, pre)
         assert _same_bits(np.array(out), zero), layout
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", range(4))
+def test_time_height_convolution_takes_the_kernel_on_frozen_weights(case):
+    """The convolution's im2col products (both forms: with a bias written, without one
+    added) go through the kernel for frozen float32 parameters: the float64 convolution
+    to float32 rounding, and the BLAS form's numbers to rounding too."""
+    from test_components_nonsimple import CONV_CASES, Setup, naive_conv, rows_by_index  # noqa: PLC0415
+    from engine.core.index import Index  # noqa: PLC0415
+    cfg, tin, tout = CONV_CASES[case]
+    comp = component_from_config_frozen("TimeHeightConvolutionComponent",
+                                        cfg + " use-natural-gradient=false")
+    s = Setup(comp, [Index(n, t, 0) for n in (0, 1) for t in tout],
+              [Index(n, t, 0) for n in (0, 1) for t in tin], need_backprop=False)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((len(s.ins), comp.input_dim())).astype(np.float32)
+    x[~s.in_mask] = 0.0
+    calls = []
+    ext = sgemm.EXTENSION
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def nt(self, *a):
+            calls.append(a[0].shape)
+            return ext.nt(*a)
+    import contextlib  # noqa: PLC0415
+
+    @contextlib.contextmanager
+    def counting():
+        sgemm.EXTENSION = sgemm.KERNEL = Counting()
+        try:
+            yield
+        finally:
+            sgemm.EXTENSION = sgemm.KERNEL = ext
+    with counting():
+        y, _ = s.forward(comp, x)
+    assert calls, "the kernel was not taken"
+    ref = naive_conv(comp, s, x.astype(np.float64))
+    got = rows_by_index(s, y)
+    for key, row in ref.items():
+        np.testing.assert_allclose(got[key], row, rtol=1e-5, atol=1e-5)
+    sgemm.set_enabled(False)
+    y_blas, _ = s.forward(comp, x)
+    sgemm.set_enabled(True)
+    np.testing.assert_allclose(y, y_blas, rtol=1e-5, atol=1e-5)
+    # without a bias: the products added to what out holds (the second form)
+    base = rng.standard_normal(y.shape).astype(np.float32)
+    calls.clear()
+    with counting():
+        from engine.nnet.components._convolution import convolve_forward  # noqa: PLC0415
+        out = base.copy()
+        convolve_forward(s.pi, x, comp.linear_params, out)
+    assert calls
+    want = base.copy()
+    sgemm.set_enabled(False)
+    convolve_forward(s.pi, x, comp.linear_params, want)
+    sgemm.set_enabled(True)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def component_from_config_frozen(kind, cfg):
+    from component_harness import component_from_config  # noqa: PLC0415
+    comp = component_from_config(kind, cfg, seed=4)
+    for name in ("linear_params", "bias_params"):
+        a = np.array(getattr(comp, name), dtype=np.float32)
+        a.flags.writeable = False
+        setattr(comp, name, a)
+    return comp

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.core import sgemm
 from engine.core.errors import ComponentError
 from engine.core.xp import array_module, as_strided
 from engine.nnet.components._nonsimple_utils import (
@@ -565,15 +566,22 @@ def convolve_forward(ci, inp, params, out, bias=None) -> None:
     if plan is None:
         _convolve_forward_steps(ci, inp, params, out)
         return
+    # (frozen parameters, decoding: the product kernel of engine.core.sgemm, as the
+    # affine and TDNN components take it)
     if bias is not None:
         # the products straight into the output, seen as (rows * height_out, filters)
         out2d = out.reshape(rows_out * ho, fo)
         for r0, r1, block in _im2col_chunks(ci, inp, rows_out, plan, k_total, xp):
-            xp.matmul(block, params.T, out=out2d[r0 * ho:r1 * ho])
+            dst = out2d[r0 * ho:r1 * ho]
+            if not sgemm.write_nt(block, params, dst):
+                xp.matmul(block, params.T, out=dst)
         out2d += bias
         return
     for r0, r1, block in _im2col_chunks(ci, inp, rows_out, plan, k_total, xp):
-        out[r0:r1] += (block @ params.T).reshape(r1 - r0, ho * fo)
+        product = sgemm.matmul_nt(block, params)
+        if product is None:
+            product = block @ params.T
+        out[r0:r1] += product.reshape(r1 - r0, ho * fo)
 
 
 def _convolve_forward_steps(ci, inp, params, out) -> None:
