@@ -554,3 +554,41 @@ def component_from_config_frozen(kind, cfg):
         a.flags.writeable = False
         setattr(comp, name, a)
     return comp
+
+
+@needs_kernel
+def test_convolution_component_takes_the_kernel_on_frozen_filters():
+    """Kaldi's older ConvolutionComponent: its patches times the filters through the
+    kernel for frozen float32 filters, the BLAS form's numbers to rounding."""
+    from component_harness import component_from_config  # noqa: PLC0415
+    comp = component_from_config(
+        "ConvolutionComponent", "input-x-dim=7 input-y-dim=6 input-z-dim=3 filt-x-dim=3 "
+        "filt-y-dim=2 filt-x-step=2 filt-y-step=2 num-filters=4", seed=2)
+    for name in ("filter_params", "bias_params"):
+        a = np.array(getattr(comp, name), dtype=np.float32)
+        a.flags.writeable = False
+        setattr(comp, name, a)
+    x = np.random.default_rng(5).standard_normal((9, comp.input_dim())).astype(np.float32)
+    start = np.random.default_rng(6).standard_normal((9, comp.output_dim())).astype(np.float32)
+    seen = []
+    ext = sgemm.EXTENSION
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def nt(self, *a):
+            seen.append(a[0].shape)
+            return ext.nt(*a)
+    sgemm.EXTENSION = sgemm.KERNEL = Counting()
+    try:
+        got = start.copy()
+        comp.propagate(None, x, got)
+    finally:
+        sgemm.EXTENSION = sgemm.KERNEL = ext
+    assert seen
+    sgemm.set_enabled(False)
+    want = start.copy()
+    comp.propagate(None, x, want)
+    sgemm.set_enabled(True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

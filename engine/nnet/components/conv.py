@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.core import sgemm
 from engine.core.errors import ComponentError, ModelFormatError
 from engine.core.xp import array_module
 from engine.nnet.components._fields import (
@@ -274,7 +275,11 @@ class ConvolutionComponent(UpdatableComponent):
         col_map, _ = self._maps_for(xp)
         w = xp.asarray(self.filter_params).astype(in_value.dtype, copy=False)
         b = xp.asarray(self.bias_params).astype(in_value.dtype, copy=False)
-        y = self._patches(xp, in_value, col_map) @ w.T + b        # (rows * patches, F)
+        patches = self._patches(xp, in_value, col_map)            # (rows * patches, fd)
+        y = sgemm.matmul_nt(patches, w)       # the product kernel, for frozen filters
+        if y is None:
+            y = patches @ w.T
+        y += b                                                    # (rows * patches, F)
         out += y.reshape(nr, -1)                                  # PROPAGATE_ADDS
         return None
 
