@@ -131,7 +131,18 @@ def load_for_inference(path, network: str = "decoding"):
                                 rng=np.random.default_rng(0))
     else:
         nnet = load_model(str(path)).nnet
-    return prepare_nnet(nnet, collapse=network == "decoding")
+    prepared = prepare_nnet(nnet, collapse=network == "decoding")
+    # the preparation multiplies with NumPy's BLAS, after which OpenBLAS's idle threads spin
+    # for about 0.1 s, taking a core from the next timings: from the product kernel's
+    # worker (engine.core.sgemm) and the caller.  Seen on a 2-vCPU Intel Xeon model 167:
+    # TDNN-F 21x1 forwards timed right after loading ran at one thread's speed (0.42-0.44
+    # ms, the kernel's worker claiming 7-330 of 1170 pieces) in two runs of four, 0.34-0.35
+    # ms otherwise; the same after a pause.  So the timings start once those threads sleep.
+    time.sleep(BLAS_SETTLE_S)
+    return prepared
+
+
+BLAS_SETTLE_S = 0.3
 
 
 def chunk_request(nnet, chunk: int, batch: int):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,11 @@ def measure_forward(model, chunk: int, batch: int, repeat: int = 7, backend: str
     pool.reset_peak()
     forward()                      # one run from zero bytes held: the real peak
     measured_peak = pool.peak
+    # those first runs ask whether the BLAS's products depend on its thread count (once
+    # per process, and again after forget_thread_choices, which the thread settings
+    # call): multi-threaded BLAS products, after which OpenBLAS's idle threads spin for
+    # about 0.1 s (see common.BLAS_SETTLE_S)
+    time.sleep(common.BLAS_SETTLE_S)
     # warm-up: also long enough for the executor to settle whether the computation's
     # products run on one BLAS thread (engine.runtime.parallel.ThreadChoice: its first
     # choice, its check FIRST_RECHECK runs later), as the product forms are settled in
