@@ -170,9 +170,14 @@ def packed_for(x, w):
     """W's packed panels when ``x @ w.T`` is the kernel's: the kernel is on, ``x``
     and ``w`` are 2-D float32 NumPy arrays with contiguous rows whose columns agree,
     and ``w`` is frozen; else None (the BLAS product)."""
+    return _packed(x, w, 1)
+
+
+def _packed(x, w, parts: int):
+    """packed_for with ``w`` as wide as ``parts`` times ``x``."""
     if (KERNEL is None or type(x) is not _ndarray or type(w) is not _ndarray
             or x.dtype != _F32 or w.dtype != _F32 or x.ndim != 2 or w.ndim != 2
-            or x.shape[1] != w.shape[1] or not _rows_ok(x) or not _rows_ok(w)
+            or w.shape[1] != parts * x.shape[1] or not _rows_ok(x) or not _rows_ok(w)
             or not frozen(w)):
         return None
     return derived(w, "sgemm", _pack)
@@ -235,38 +240,27 @@ def write_nt(x, w, out) -> bool:
 def add_nt(x, w, out) -> bool:
     """``out += x @ w.T`` (the product rounded, then added: as NumPy's ``out += x @
     w.T``) by the kernel where it applies; False, with nothing done, where it does not."""
-    p = packed_for(x, w)
-    if p is None:
-        return False
-    n = w.shape[0]
-    if not (out_ok(out) and KERNEL.nt(x, p, n, out, None, True)):
-        t = np.empty((x.shape[0], n), dtype=_F32)
-        KERNEL.nt(x, p, n, t, None, False)
-        out += t
-    return True
+    return parts_nt((x,), w, out)
 
 
 def packed_for_parts(parts: tuple, w):
     """W's packed panels when the product of ``parts`` side by side (each (rows, d), one
     shape and row stride: a TDNN's time offsets as views of its input) by ``w.T``
     ((n, len(parts) * d), frozen) is the kernel's; else None."""
+    if len(parts) > MAX_PARTS:
+        return None
+    packed = _packed(parts[0], w, len(parts))
+    if packed is None:
+        return None
     x = parts[0]
-    if (KERNEL is None or type(x) is not _ndarray or x.dtype != _F32 or x.ndim != 2
-            or not _rows_ok(x) or type(w) is not _ndarray or w.dtype != _F32 or w.ndim != 2
-            or w.shape[1] != len(parts) * x.shape[1] or len(parts) > MAX_PARTS
-            or not _rows_ok(w)):
-        return None
-    shape, strides = x.shape, x.strides
-    for y in parts:
-        if (type(y) is not _ndarray or y.dtype != _F32 or y.shape != shape
-                or (y.strides != strides and y.size)):
+    for y in parts[1:]:
+        if (type(y) is not _ndarray or y.dtype != _F32 or y.shape != x.shape
+                or (y.strides != x.strides and y.size)):
             return None
-    if not frozen(w):
-        return None
-    return derived(w, "sgemm", _pack)
+    return packed
 
 
-MAX_PARTS = 32      # the C function's limit
+MAX_PARTS = 32      # the C function's limit (MAX_SEGS)
 
 
 def parts_nt(parts: tuple, w, out, bias=None) -> bool:

@@ -1254,6 +1254,17 @@ def test_row_vectors_given_in_the_rows_shape_give_the_same_bits():
                                                 bound_runs=2)
 
 
+def _with_subclass(nnet, name: str, cls):
+    """A copy of ``nnet`` whose component ``name`` is an instance of ``cls`` (a subclass
+    of its type: no bound form for it) with the same state."""
+    swapped = nnet.copy()
+    ci = nnet.get_component_index(name)
+    sub = cls()
+    sub.__dict__.update(swapped.components[ci].__dict__)
+    swapped.components[ci] = sub
+    return swapped
+
+
 # A Linear and a TDNN without bias (both add to their output: Kaldi's compiler zeroes it
 # right before), then a TDNN with bias (writes its output: no zeroing before it).
 _ADDS_TO_OUTPUT = """
@@ -1310,11 +1321,7 @@ def test_zeroing_and_adding_propagate_become_one_write():
         # arena holds the first run's numbers when the second starts)
         class OtherLinear(LinearComponent):
             pass
-        swapped = nnet.copy()
-        ci = nnet.get_component_index("lin")
-        sub = OtherLinear()
-        sub.__dict__.update(swapped.components[ci].__dict__)
-        swapped.components[ci] = sub
+        swapped = _with_subclass(nnet, "lin", OtherLinear)
         for _ in range(2):
             got2 = run_network(swapped, req, x, None, computation=comp).outputs["output"]
             assert same(got2, want)
@@ -1471,11 +1478,7 @@ def test_product_and_relu_become_one_pass(frozen):
 
     class OtherRelu(RectifiedLinearComponent):
         pass
-    swapped = nnet.copy()
-    ri = nnet.get_component_index("relu2")
-    other = OtherRelu()
-    other.__dict__.update(nnet.components[ri].__dict__)
-    swapped.components[ri] = other
+    swapped = _with_subclass(nnet, "relu2", OtherRelu)
     got, _ = bound_run(swapped)
     want = _run_with(InterpretedExecutor, swapped, req, x, None, comp).outputs["output"]
     assert np.array_equal(got, want, equal_nan=True)

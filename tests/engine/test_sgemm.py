@@ -7,6 +7,7 @@ following the BLAS count, concurrent callers and a forked child."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from fractions import Fraction
@@ -501,26 +502,7 @@ def test_time_height_convolution_takes_the_kernel_on_frozen_weights(case):
     rng = np.random.default_rng(11)
     x = rng.standard_normal((len(s.ins), comp.input_dim())).astype(np.float32)
     x[~s.in_mask] = 0.0
-    calls = []
-    ext = sgemm.EXTENSION
-
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(ext, name)
-
-        def nt(self, *a):
-            calls.append(a[0].shape)
-            return ext.nt(*a)
-    import contextlib  # noqa: PLC0415
-
-    @contextlib.contextmanager
-    def counting():
-        sgemm.EXTENSION = sgemm.KERNEL = Counting()
-        try:
-            yield
-        finally:
-            sgemm.EXTENSION = sgemm.KERNEL = ext
-    with counting():
+    with _counting_kernel() as calls:
         y, _ = s.forward(comp, x)
     assert calls, "the kernel was not taken"
     ref = naive_conv(comp, s, x.astype(np.float64))
@@ -533,9 +515,8 @@ def test_time_height_convolution_takes_the_kernel_on_frozen_weights(case):
     np.testing.assert_allclose(y, y_blas, rtol=1e-5, atol=1e-5)
     # without a bias: the products added to what out holds (the second form)
     base = rng.standard_normal(y.shape).astype(np.float32)
-    calls.clear()
-    with counting():
-        from engine.nnet.components._convolution import convolve_forward  # noqa: PLC0415
+    from engine.nnet.components._convolution import convolve_forward  # noqa: PLC0415
+    with _counting_kernel() as calls:
         out = base.copy()
         convolve_forward(s.pi, x, comp.linear_params, out)
     assert calls
@@ -550,10 +531,28 @@ def component_from_config_frozen(kind, cfg):
     from component_harness import component_from_config  # noqa: PLC0415
     comp = component_from_config(kind, cfg, seed=4)
     for name in ("linear_params", "bias_params"):
-        a = np.array(getattr(comp, name), dtype=np.float32)
-        a.flags.writeable = False
-        setattr(comp, name, a)
+        setattr(comp, name, _frozen(getattr(comp, name)))
     return comp
+
+
+@contextlib.contextmanager
+def _counting_kernel():
+    """The kernel with each call's x shape recorded in the list yielded."""
+    calls: list = []
+    ext = sgemm.EXTENSION
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def nt(self, *a):
+            calls.append(a[0][0].shape if isinstance(a[0], tuple) else a[0].shape)
+            return ext.nt(*a)
+    sgemm.EXTENSION = sgemm.KERNEL = Counting()
+    try:
+        yield calls
+    finally:
+        sgemm.EXTENSION = sgemm.KERNEL = ext
 
 
 @needs_kernel
@@ -565,27 +564,12 @@ def test_convolution_component_takes_the_kernel_on_frozen_filters():
         "ConvolutionComponent", "input-x-dim=7 input-y-dim=6 input-z-dim=3 filt-x-dim=3 "
         "filt-y-dim=2 filt-x-step=2 filt-y-step=2 num-filters=4", seed=2)
     for name in ("filter_params", "bias_params"):
-        a = np.array(getattr(comp, name), dtype=np.float32)
-        a.flags.writeable = False
-        setattr(comp, name, a)
+        setattr(comp, name, _frozen(getattr(comp, name)))
     x = np.random.default_rng(5).standard_normal((9, comp.input_dim())).astype(np.float32)
     start = np.random.default_rng(6).standard_normal((9, comp.output_dim())).astype(np.float32)
-    seen = []
-    ext = sgemm.EXTENSION
-
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(ext, name)
-
-        def nt(self, *a):
-            seen.append(a[0].shape)
-            return ext.nt(*a)
-    sgemm.EXTENSION = sgemm.KERNEL = Counting()
-    try:
+    with _counting_kernel() as seen:
         got = start.copy()
         comp.propagate(None, x, got)
-    finally:
-        sgemm.EXTENSION = sgemm.KERNEL = ext
     assert seen
     sgemm.set_enabled(False)
     want = start.copy()
